@@ -1,0 +1,44 @@
+"""The backend interface: the in-process model and a live endpoint answer the same two calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # system | user | assistant
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length"
+    tokens: list[str]  # one string per token id
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token, where available
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """Teacher-forced log-probabilities of a given continuation, one row per continuation token."""
+
+    logprobs: torch.Tensor | None  # [T, V] full log-probs (in-process)
+    top_logprobs: list[dict[int, float]] | None = None  # per position top-k (HTTP)
+    unavailable: str | None = None  # why scoring could not be done
+
+
+class Backend(Protocol):
+    label: str
+
+    def describe(self) -> dict: ...
+
+    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation: ...
+
+    async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores: ...
+
+    async def aclose(self) -> None: ...

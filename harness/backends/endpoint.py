@@ -1,0 +1,534 @@
+"""A live OpenAI-compatible server (vLLM, SGLang, `harness serve`, ...) as a backend.
+
+Two layers:
+- `RequestClient`: JSON over HTTP with bounded concurrency, a per-request deadline, retries with
+  backoff on 429 (Retry-After honoured), 5xx, timeouts, malformed replies and connection errors,
+  and an on-disk response cache keyed by the full request. API keys come from an environment
+  variable named by the user and are never written anywhere.
+- `EndpointBackend`: the `Backend` interface over one server. Generation through
+  `/v1/chat/completions` (temperature 0, fixed seed, top-k logprobs); teacher-forced scoring through
+  `/v1/completions` with vLLM's `prompt_logprobs` or with `echo` + `logprobs`, whichever the server
+  has (detected once per server); token ids from `/tokenize` or a local tokenizer. What a server
+  cannot do is reported (`Scores.unavailable`, `describe()["capabilities"]`), never faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from harness.backends.base import Generation, Message, Scores
+
+ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+TOKEN_ID_PREFIX = "token_id:"  # vLLM's form for tokens when return_tokens_as_token_ids is set
+CAPABILITY_MISSING_STATUS = frozenset({400, 404, 405, 422, 501})  # "this server does not do that"
+
+
+class EndpointError(RuntimeError):
+    """A request that failed for good. `attempts` lists every attempt's failure, in order."""
+
+    def __init__(self, url: str, attempts: list[str], status: int | None = None):
+        self.url, self.attempts, self.status = url, attempts, status
+        super().__init__(f"{url}: failed after {len(attempts)} attempt(s): " + "; ".join(attempts))
+
+
+class _RetryableError(Exception):
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# ---------------------------------------------------------------- request layer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    concurrency: int = 16  # requests in flight at once, per server
+    timeout_s: float = 120.0  # whole request, connect to last byte
+    retries: int = 4  # further attempts after the first
+    backoff_s: float = 0.5  # first retry's wait; doubles per attempt, with jitter
+    max_backoff_s: float = 30.0  # cap on any wait, Retry-After included
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "timeout_s", "backoff_s", "max_backoff_s"):
+            if not getattr(self, name) > 0 and not (name == "backoff_s" and self.backoff_s == 0):
+                raise ValueError(f"RequestPolicy.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.retries < 0:
+            raise ValueError(f"RequestPolicy.retries must be >= 0, got {self.retries!r}")
+
+
+def request_key(url: str, body: dict) -> str:
+    """sha256 of the canonical JSON of the request (URL and body; headers, and so keys, excluded)."""
+    canonical = json.dumps({"url": url, "body": body}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ResponseCache:
+    """One JSON file per successful response, `<dir>/<key[:2]>/<key>.json`, written atomically."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def _file(self, key: str) -> Path:
+        return self.directory / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict | None:
+        try:
+            return json.loads(self._file(key).read_text())["response"]
+        except (OSError, ValueError, KeyError):
+            return None  # absent, or a torn/foreign file: ask the server again
+
+    def put(self, key: str, url: str, body: dict, response: dict) -> None:
+        target = self._file(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = target.with_suffix(f".{os.getpid()}.{id(response)}.tmp")
+        scratch.write_text(json.dumps({"url": url, "request": body, "response": response}))
+        os.replace(scratch, target)
+
+
+def api_key_from_env(env_var: str | None) -> str | None:
+    if env_var is None:
+        return None
+    key = os.environ.get(env_var)
+    if not key:
+        raise ValueError(f"API key environment variable {env_var!r} is not set (keys are read from the "
+                         f"environment only)")
+    return key
+
+
+class RequestClient:
+    """POST/GET JSON against one server: bounded, deadlined, retried, cached. Failures are kept in
+    `failures` (one dict per failed attempt) as well as raised as `EndpointError`."""
+
+    def __init__(self, base_url: str, *, policy: RequestPolicy = RequestPolicy(), api_key_env: str | None = None,
+                 cache_dir: str | Path | None = None, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = normalise_base_url(base_url)
+        self.policy = policy
+        self.cache = ResponseCache(cache_dir) if cache_dir is not None else None
+        self.failures: list[dict] = []
+        self.cache_hits = 0
+        key = api_key_from_env(api_key_env)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        limits = httpx.Limits(max_connections=policy.concurrency, max_keepalive_connections=policy.concurrency)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
+                                       timeout=httpx.Timeout(policy.timeout_s), transport=transport)
+        self._slots = asyncio.Semaphore(policy.concurrency)
+
+    async def post(self, path: str, body: dict, *, cache: bool = True) -> dict:
+        url = self.base_url + path
+        key = request_key(url, body) if cache and self.cache else None
+        if key and (hit := self.cache.get(key)) is not None:
+            self.cache_hits += 1
+            return hit
+        response = await self._with_retries("POST", path, body)
+        if key:
+            self.cache.put(key, url, body, response)
+        return response
+
+    async def get(self, path: str) -> dict:
+        return await self._with_retries("GET", path, None)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
+        attempts: list[str] = []
+        for attempt in range(self.policy.retries + 1):
+            try:
+                return await self._attempt(method, path, body)
+            except _RetryableError as error:
+                attempts.append(str(error))
+                self.failures.append({"url": self.base_url + path, "attempt": attempt, "error": str(error),
+                                      "time": time.time()})
+                if attempt < self.policy.retries:
+                    await asyncio.sleep(self._wait_s(attempt, error.retry_after_s))
+            except EndpointError as error:
+                self.failures.append({"url": self.base_url + path, "attempt": attempt,
+                                      "error": "; ".join(error.attempts), "time": time.time()})
+                raise EndpointError(error.url, attempts + error.attempts, error.status) from None
+        raise EndpointError(f"{method} {self.base_url}{path}", attempts)
+
+    def _wait_s(self, attempt: int, retry_after_s: float | None) -> float:
+        if retry_after_s is not None:
+            return min(retry_after_s, self.policy.max_backoff_s)
+        backoff = min(self.policy.backoff_s * 2 ** attempt, self.policy.max_backoff_s)
+        return backoff * random.uniform(0.5, 1.0)  # jitter: clients retrying together spread out
+
+    async def _attempt(self, method: str, path: str, body: dict | None) -> dict:
+        content = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        async with self._slots:
+            try:
+                async with asyncio.timeout(self.policy.timeout_s):
+                    response = await self._http.request(method, path, content=content, headers=headers)
+            except TimeoutError:
+                raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
+            except httpx.TimeoutException as error:
+                raise _RetryableError(f"timed out ({type(error).__name__})") from None
+            except httpx.TransportError as error:
+                raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
+        return _decode(method, self.base_url + path, response)
+
+
+def _decode(method: str, url: str, response: httpx.Response) -> dict:
+    status = response.status_code
+    if status in RETRY_STATUS:
+        raise _RetryableError(f"HTTP {status}: {_excerpt(response.text)}", _retry_after_s(response))
+    if status >= 400:
+        raise EndpointError(f"{method} {url}", [f"HTTP {status}: {_excerpt(response.text)}"], status)
+    try:
+        decoded = response.json()
+    except ValueError:
+        raise _RetryableError(f"HTTP {status} with malformed JSON: {_excerpt(response.text)!r}") from None
+    if not isinstance(decoded, dict):
+        raise _RetryableError(f"HTTP {status} with a JSON {type(decoded).__name__}, not an object")
+    return decoded
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def normalise_base_url(url: str) -> str:
+    """`http://h:p`, `http://h:p/`, `http://h:p/v1` all name the same server: `http://h:p`."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"endpoint URL {url!r} must start with http:// or https://")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+# ---------------------------------------------------------------- the backend
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    url: str
+    model: str | None = None  # served model name; None: the first listed by /v1/models
+    label: str | None = None  # the backend's label in runs; default: the URL
+    api_key_env: str | None = None  # name of the environment variable holding the key
+    tokenizer: str | None = None  # local tokenizer (directory or name) when the server has no /tokenize
+    seed: int = 0
+    top_logprobs: int = 5
+    policy: RequestPolicy = field(default_factory=RequestPolicy)
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        normalise_base_url(self.url)
+        if not 1 <= self.top_logprobs <= 20:
+            raise ValueError(f"EndpointConfig.top_logprobs must be in 1..20 (the OpenAI limit), got {self.top_logprobs}")
+
+
+class EndpointBackend:
+    """`Backend` over one OpenAI-compatible server. Capabilities are detected on first use."""
+
+    def __init__(self, config: EndpointConfig, client: RequestClient | None = None):
+        self.config = config
+        self.label = config.label or normalise_base_url(config.url)
+        self.client = client or RequestClient(config.url, policy=config.policy, api_key_env=config.api_key_env,
+                                              cache_dir=config.cache_dir)
+        self._tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self._model: str | None = config.model
+        self._lock = asyncio.Lock()
+        # capability -> chosen mode, or "unavailable: why"; filled in on first use
+        self.capabilities: dict[str, str] = {}
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------ Backend
+
+    def describe(self) -> dict:
+        return {"kind": "endpoint", "label": self.label, "url": self.client.base_url, "model": self._model,
+                "api_key_env": self.config.api_key_env, "local_tokenizer": self.config.tokenizer,
+                "seed": self.config.seed, "top_logprobs": self.config.top_logprobs,
+                "temperature": 0.0, "capabilities": dict(self.capabilities),
+                "attention_error": ATTENTION_ERROR_UNAVAILABLE,
+                "policy": {"concurrency": self.config.policy.concurrency, "timeout_s": self.config.policy.timeout_s,
+                           "retries": self.config.policy.retries},
+                "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
+
+    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
+        model = await self.model()
+        body = {"model": model, "messages": [_message_json(m) for m in messages], "max_tokens": max_new_tokens,
+                "temperature": 0.0, "seed": self.config.seed, "n": 1}
+        reply = await self._chat_with_best_logprobs(body)
+        choice = _first_choice(reply, "chat completion")
+        text = (choice.get("message") or {}).get("content") or ""
+        finish = {"stop": "eos", "length": "length"}.get(choice.get("finish_reason"), str(choice.get("finish_reason")))
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is not None:
+            ids, top = self._ids_from_logprobs(content)
+            if ids is not None:
+                return Generation(ids, text, finish, await self._token_strings(ids, content), top)
+        ids = await self._tokenize_text(text)
+        return Generation(ids, text, finish, await self._token_strings(ids, None), None)
+
+    async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+        continuation = [int(t) for t in continuation_ids]
+        if not continuation:
+            return Scores(logprobs=None, top_logprobs=[])
+        prompt = await self.prompt_ids(messages)
+        if isinstance(prompt, str):
+            return Scores(logprobs=None, top_logprobs=None, unavailable=prompt)
+        mode = await self._scoring_mode(prompt + continuation)
+        if mode.startswith("unavailable"):
+            return Scores(logprobs=None, top_logprobs=None, unavailable=mode)
+        reply = await self.client.post("/v1/completions", self._scoring_body(mode, prompt + continuation))
+        return _scores_from_reply(mode, reply, len(prompt), continuation, self._vocab_map())
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # ------------------------------------------------------------ model and tokens
+
+    async def model(self) -> str:
+        if self._model is None:
+            async with self._lock:
+                if self._model is None:
+                    listed = (await self.client.get("/v1/models")).get("data") or []
+                    if not listed:
+                        raise EndpointError(f"GET {self.client.base_url}/v1/models", ["no models listed"])
+                    self._model = str(listed[0]["id"])
+        return self._model
+
+    async def prompt_ids(self, messages: Sequence[Message]) -> list[int] | str:
+        """Token ids of the chat-templated prompt (generation prompt added), or why there are none."""
+        body = {"model": await self.model(), "messages": [_message_json(m) for m in messages],
+                "add_generation_prompt": True}
+        ids = await self._server_tokenize(body)
+        if ids is not None:
+            return ids
+        if self._tokenizer is not None:
+            rendered = self._tokenizer.apply_chat_template([_message_json(m) for m in messages], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False)
+            return [int(t) for t in rendered]
+        return ("unavailable: the server has no /tokenize for chat messages and no local tokenizer was given "
+                "(EndpointConfig.tokenizer), so the reference continuation cannot be placed after the prompt")
+
+    async def _tokenize_text(self, text: str) -> list[int]:
+        ids = await self._server_tokenize({"model": await self.model(), "prompt": text, "add_special_tokens": False})
+        if ids is not None:
+            return ids
+        if self._tokenizer is not None:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        raise EndpointError(f"{self.client.base_url}", ["the reply carries no token ids, the server has no "
+                                                        "/tokenize and no local tokenizer was given"])
+
+    async def _server_tokenize(self, body: dict) -> list[int] | None:
+        if self.capabilities.get("tokenize", "").startswith("unavailable"):
+            return None
+        try:
+            reply = await self.client.post("/tokenize", body)
+        except EndpointError as error:
+            if error.status not in CAPABILITY_MISSING_STATUS:
+                raise
+            self.capabilities["tokenize"] = f"unavailable: /tokenize answered HTTP {error.status}"
+            return None
+        self.capabilities["tokenize"] = "server /tokenize"
+        return [int(t) for t in reply["tokens"]]
+
+    def _vocab_map(self) -> dict[str, int] | None:
+        """Token text -> id from the local tokenizer, for servers that name tokens by text only."""
+        if self._tokenizer is None:
+            return None
+        if not hasattr(self, "_vocab_by_text"):
+            table: dict[str, int] = {}
+            for token_id in range(len(self._tokenizer)):
+                table.setdefault(self._tokenizer.decode([token_id]), token_id)
+            self._vocab_by_text = table
+        return self._vocab_by_text
+
+    def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
+        ids = [_token_id(entry.get("token", ""), self._vocab_map()) for entry in content]
+        if any(t is None for t in ids):
+            return None, None
+        top = []
+        for token_id, entry in zip(ids, content):
+            row = {_token_id(alt.get("token", ""), self._vocab_map()): float(alt["logprob"])
+                   for alt in entry.get("top_logprobs") or []}
+            row.pop(None, None)
+            row.setdefault(token_id, float(entry["logprob"]))
+            top.append(row)
+        return ids, top
+
+    async def _token_strings(self, ids: list[int], content: list[dict] | None) -> list[str]:
+        if content is not None and not any(e.get("token", "").startswith(TOKEN_ID_PREFIX) for e in content):
+            return [str(e.get("token", "")) for e in content]
+        if self._tokenizer is not None:
+            return [self._tokenizer.decode([t]) for t in ids]
+        missing = sorted(set(ids) - self._token_text.keys())
+        texts = await asyncio.gather(*(self._detokenize_one(t) for t in missing))
+        self._token_text.update(zip(missing, texts))
+        return [self._token_text[t] for t in ids]
+
+    async def _detokenize_one(self, token_id: int) -> str:
+        try:
+            reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]})
+            return str(reply.get("prompt", ""))
+        except EndpointError as error:
+            if error.status not in CAPABILITY_MISSING_STATUS:
+                raise
+            return f"{TOKEN_ID_PREFIX}{token_id}"
+
+    # ------------------------------------------------------------ capability detection
+
+    async def _chat_with_best_logprobs(self, body: dict) -> dict:
+        """Chat completion with the richest logprobs the server accepts: token ids in the logprobs
+        (vLLM), plain top-k logprobs, or none. The first accepted form is remembered."""
+        k = self.config.top_logprobs
+        forms = {"token ids": {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True},
+                 "token text": {"logprobs": True, "top_logprobs": k},
+                 "none": {}}
+        chosen = self.capabilities.get("chat_logprobs")
+        for name, extra in forms.items():
+            if chosen is not None and name != chosen:
+                continue
+            try:
+                reply = await self.client.post("/v1/chat/completions", body | extra)
+            except EndpointError as error:
+                if chosen is not None or error.status not in CAPABILITY_MISSING_STATUS or name == "none":
+                    raise
+                self.capabilities.setdefault("chat_logprobs_refused", "")
+                self.capabilities["chat_logprobs_refused"] += f"{name}: {'; '.join(error.attempts)} "
+                continue
+            self.capabilities["chat_logprobs"] = name
+            return reply
+        raise AssertionError("unreachable: the last form either returns or raises")
+
+    async def _scoring_mode(self, probe_ids: list[int]) -> str:
+        if "scoring" not in self.capabilities:
+            async with self._lock:
+                if "scoring" not in self.capabilities:
+                    self.capabilities["scoring"] = await self._detect_scoring(probe_ids)
+        return self.capabilities["scoring"]
+
+    async def _detect_scoring(self, probe_ids: list[int]) -> str:
+        reasons = []
+        for mode in ("prompt_logprobs", "echo"):
+            try:
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, probe_ids))
+            except EndpointError as error:
+                if error.status not in CAPABILITY_MISSING_STATUS:
+                    raise
+                reasons.append(f"{mode}: HTTP {error.status}")
+                continue
+            problem = _scoring_reply_problem(mode, reply, len(probe_ids))
+            if problem is None:
+                return mode
+            reasons.append(f"{mode}: {problem}")
+        return "unavailable: teacher-forced scoring needs /v1/completions with prompt_logprobs or echo+logprobs (" + \
+            "; ".join(reasons) + ")"
+
+    def _scoring_body(self, mode: str, ids: list[int]) -> dict:
+        body = {"model": self._model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "seed": self.config.seed}
+        if mode == "prompt_logprobs":
+            return body | {"prompt_logprobs": self.config.top_logprobs}
+        return body | {"echo": True, "logprobs": self.config.top_logprobs, "return_tokens_as_token_ids": True}
+
+
+# ---------------------------------------------------------------- reply parsing
+
+
+def _message_json(message: Message) -> dict:
+    return {"role": message.role, "content": message.content}
+
+
+def _first_choice(reply: dict, what: str) -> dict:
+    choices = reply.get("choices")
+    if not choices or not isinstance(choices[0], dict):
+        raise EndpointError(what, [f"reply has no choices: {_excerpt(json.dumps(reply))}"])
+    return choices[0]
+
+
+def _token_id(token: str, vocab: dict[str, int] | None) -> int | None:
+    if token.startswith(TOKEN_ID_PREFIX):
+        try:
+            return int(token[len(TOKEN_ID_PREFIX):])
+        except ValueError:
+            return None
+    return vocab.get(token) if vocab is not None else None
+
+
+def _scoring_reply_problem(mode: str, reply: dict, num_ids: int) -> str | None:
+    choices = reply.get("choices") or [{}]
+    if mode == "prompt_logprobs":
+        rows = choices[0].get("prompt_logprobs")
+        return None if isinstance(rows, list) and len(rows) == num_ids else "reply has no prompt_logprobs"
+    logprobs = choices[0].get("logprobs") or {}
+    rows = logprobs.get("top_logprobs")
+    if not isinstance(rows, list) or len(rows) < num_ids or not logprobs.get("token_logprobs"):
+        return "echo reply has no per-prompt-token logprobs"
+    return None
+
+
+def _scores_from_reply(mode: str, reply: dict, prompt_len: int, continuation: list[int],
+                       vocab: dict[str, int] | None) -> Scores:
+    """Per continuation position: the server's top-k logprobs plus the continuation token's own."""
+    choice = _first_choice(reply, "completion (scoring)")
+    span = slice(prompt_len, prompt_len + len(continuation))
+    if mode == "prompt_logprobs":
+        rows = (choice.get("prompt_logprobs") or [])[span]
+        top = [{int(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in (row or {}).items()}
+               for row in rows]
+    else:
+        logprobs = choice.get("logprobs") or {}
+        tokens = [_token_id(t, vocab) for t in (logprobs.get("tokens") or [])[span]]
+        if tokens != continuation:
+            return Scores(None, None, unavailable="unavailable: echoed tokens differ from the continuation "
+                                                  "(the server re-tokenised the prompt or names tokens by text)")
+        own = (logprobs.get("token_logprobs") or [])[span]
+        top = []
+        for token_id, own_lp, row in zip(tokens, own, (logprobs.get("top_logprobs") or [])[span]):
+            entry = {_token_id(k, vocab): float(v) for k, v in (row or {}).items()}
+            entry.pop(None, None)
+            entry[token_id] = float(own_lp)
+            top.append(entry)
+    if len(top) != len(continuation) or any(t not in row for t, row in zip(continuation, top)):
+        return Scores(None, None, unavailable="unavailable: the server's logprobs do not cover every continuation token")
+    return Scores(logprobs=None, top_logprobs=top)
+
+
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+# ---------------------------------------------------------------- entry point for the CLI
+
+
+def open_endpoint(url: str, *, label: str | None = None, model: str | None = None, api_key_env: str | None = None,
+                  tokenizer: str | None = None, cache_dir: str | Path | None = None, seed: int = 0,
+                  top_logprobs: int = 5, concurrency: int = 16, timeout_s: float = 120.0,
+                  retries: int = 4) -> EndpointBackend:
+    """The backend `harness run --reference URL --candidate URL` uses for each URL."""
+    policy = RequestPolicy(concurrency=concurrency, timeout_s=timeout_s, retries=retries)
+    config = EndpointConfig(url=url, model=model, label=label, api_key_env=api_key_env, tokenizer=tokenizer,
+                            seed=seed, top_logprobs=top_logprobs, policy=policy,
+                            cache_dir=None if cache_dir is None else str(cache_dir))
+    return EndpointBackend(config)

@@ -1,0 +1,215 @@
+"""In-process backend: a transformers causal LM, run with the reference cache or a KV path's cache.
+
+Every backend of one `InProcessModel` shares its weights; only the cache layers differ, so the `bf16`
+path must match the reference bit for bit. Attention runs through a registered attention function
+(`harness`), the one place where per-layer observers and kernel swaps attach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from harness.backends.base import Generation, Message, Scores
+from harness.cache import (KVWriteStats, LayerScales, build_cache, observer_cache, scales_from_checkpoint,
+                           scales_from_observers, unit_scales)
+from harness.kv_paths import KVPath
+from harness.tiny_models import RANDOM_WEIGHTS_MARKER
+
+ATTENTION_NAME = "harness"
+# Hook for later stages: (module, query, key, value, output) -> None, per attention call.
+AttentionObserver = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def harness_attention(module, query, key, value, attention_mask, **kwargs):
+        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        observer = getattr(module, "harness_observer", None)
+        if observer is not None:
+            observer(module, query, key, value, output)
+        return output, weights
+
+    AttentionInterface.register(ATTENTION_NAME, harness_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+_register_attention()
+
+
+def sha256_of_dir(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(directory.rglob("*")):
+        if file.is_file() and file.suffix in (".safetensors", ".json", ".bin"):
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class InProcessModel:
+    """A loaded model plus its tokenizer; hands out one backend per KV path."""
+
+    directory: Path
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    arch: str
+    random_weights: bool
+    calibration_chats: list = field(default_factory=list)  # list[list[Message]]; empty = defaults
+    _scales: dict[tuple, LayerScales] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> "InProcessModel":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {directory} has no config.json")
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation=ATTENTION_NAME)
+        model.to(device).eval()
+        return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
+                   arch=model.config.model_type, random_weights=(directory / RANDOM_WEIGHTS_MARKER).exists())
+
+    def describe(self) -> dict:
+        return {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
+                "random_weights": self.random_weights, "dtype": str(next(self.model.parameters()).dtype),
+                "parameters": sum(p.numel() for p in self.model.parameters())}
+
+    def backend(self, kv_path: KVPath | None, label: str | None = None) -> "InProcessBackend":
+        scales = self.scales_for(kv_path) if kv_path is not None else None
+        return InProcessBackend(self, kv_path, scales, label or (kv_path.name if kv_path else "reference"))
+
+    # -- tokens ---------------------------------------------------------------------------------------
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # -- scales ---------------------------------------------------------------------------------------
+    def scales_for(self, kv_path: KVPath) -> LayerScales | None:
+        if kv_path.granularity == "per_token" and kv_path.is_fp8:
+            return None
+        key = (kv_path.fmt, kv_path.granularity, kv_path.scale_source)
+        if key not in self._scales:
+            self._scales[key] = self._compute_scales(kv_path)
+        return self._scales[key]
+
+    def _compute_scales(self, kv_path: KVPath) -> LayerScales | None:
+        from harness import calibration
+
+        config = self.model.config
+        if kv_path.scale_source == "default":
+            return unit_scales(config, kv_path)
+        if kv_path.scale_source == "checkpoint":
+            return scales_from_checkpoint(calibration.checkpoint_tensors(self.directory), config, kv_path,
+                                          str(self.directory))
+        cache = observer_cache(config)
+        if kv_path.scale_source == "calibrated":
+            chats = self.calibration_chats or calibration.default_calibration_chats()
+            for chat in chats:  # one observer cache shared by all prompts: amax over all of them
+                self._forward(self.encode_chat(chat), cache)
+                cache = _carry_amax(cache, observer_cache(config))
+            return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats")
+        if kv_path.scale_source == "warmup":
+            with calibration.uninitialised_recurrent_state(self.model):
+                self._forward(calibration.dummy_warmup_ids(self.tokenizer), cache)
+            return scales_from_observers(cache, kv_path, "warmup",
+                                         "one dummy warm-up pass, recurrent state uninitialised (failure class 2)")
+        raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], cache) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.device)
+        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+
+
+def _carry_amax(used, fresh):
+    """A fresh observer cache (empty KV) that keeps the running amax of `used`."""
+    for old, new in zip(used.layers, fresh.layers):
+        if hasattr(old, "k_amax"):
+            new.k_amax, new.v_amax = old.k_amax, old.v_amax
+    return fresh
+
+
+class InProcessBackend:
+    """One model + one KV path (`None` = the reference cache)."""
+
+    def __init__(self, owner: InProcessModel, kv_path: KVPath | None, scales: LayerScales | None, label: str):
+        self.owner, self.kv_path, self.scales, self.label = owner, kv_path, scales, label
+        self.write_stats = KVWriteStats()
+
+    def describe(self) -> dict:
+        described = {"label": self.label, "kind": "in-process", "model": str(self.owner.directory)}
+        if self.kv_path is not None:
+            described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
+        if self.scales is not None:
+            described["scales"] = self.scales.summary()
+        return described
+
+    def _cache(self):
+        return build_cache(self.owner.model.config, self.kv_path, self.scales, self.write_stats)
+
+    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
+        return self.generate_sync(messages, max_new_tokens)
+
+    async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+        return self.score_sync(messages, continuation_ids)
+
+    async def aclose(self) -> None:
+        return None
+
+    @torch.inference_mode()
+    def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
+        """Greedy decoding: prefill the prompt, then one token per step through the same cache."""
+        model, tokenizer, device = self.owner.model, self.owner.tokenizer, self.owner.device
+        cache = self._cache()
+        step_ids = torch.tensor([self.owner.encode_chat(messages)], device=device)
+        token_ids: list[int] = []
+        finish_reason = "length"
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            if not torch.isfinite(logits).all():
+                finish_reason = "nonfinite_logits"
+                break
+            next_id = int(logits.argmax())
+            if next_id == tokenizer.eos_token_id:
+                finish_reason = "eos"
+                break
+            token_ids.append(next_id)
+            step_ids = torch.tensor([[next_id]], device=device)
+        tokens = [tokenizer.decode([t]) for t in token_ids]
+        return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
+                          tokens=tokens)
+
+    @torch.inference_mode()
+    def score_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+        """Log-probs of each continuation token given everything before it: [T, V] float32.
+
+        Prompt and continuation are written as two chunks, so every continuation token attends to the
+        quantised cache as in decoding. A `raw_prefill` path feeds the continuation one token at a time,
+        since there a multi-token chunk would attend to its own raw K/V, which decoding never does.
+        """
+        model, device = self.owner.model, self.owner.device
+        cache = self._cache()
+        prompt = self.owner.encode_chat(messages)
+        continuation = list(continuation_ids)
+        if not continuation:
+            return Scores(logprobs=torch.zeros(0, model.config.vocab_size))
+        last = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache).logits[0, -1:]
+        chunks = ([continuation[:-1]] if self.kv_path is None or self.kv_path.quantize_current_chunk
+                  else [[t] for t in continuation[:-1]])
+        rows = [last]
+        for chunk in chunks:
+            if chunk:
+                rows.append(model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache).logits[0])
+        logits = torch.cat(rows).float()
+        return Scores(logprobs=torch.log_softmax(logits, dim=-1).cpu())

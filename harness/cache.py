@@ -1,0 +1,199 @@
+"""KV-cache paths inside a transformers model: a cache layer of ours replaces each full-attention layer.
+
+transformers calls `cache.update(key, value, layer_idx)` after RoPE, so the keys we see are post-RoPE, as
+engines store them. For MLA models (DeepSeek-V2/V3) the same call carries the compressed latent
+(`kv_c_normed`, as "key") and its RoPE part (`k_pe`, as "value"): exactly what an MLA engine caches, so
+the same layer quantises the latent. Linear-attention layers of hybrid models keep their own cache
+layer and dtype.
+
+Write: codes = fp8(x / s); read: codes * s, cast to the model dtype. Every token is written before it is
+read, so a chunk attends to its own quantised K/V, unless the path says `raw_prefill`, in which case a
+prefill chunk (more than one token) attends to its raw K/V and only earlier tokens come from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from harness.kv_paths import KVPath
+from kernels import reference as fp8
+
+
+@dataclass(slots=True)
+class KVWriteStats:
+    """What the cast did to the values written so far (all quantised layers together)."""
+
+    values: int = 0
+    clipped: int = 0  # |x / s| > fp8 max (saturated, or NaN/inf without saturation)
+    nonfinite: int = 0  # NaN/inf read back
+    amax_over_max: float = 0.0  # largest |x / s| / fp8 max seen; > 1 means the scale is too small
+
+    def as_record(self) -> dict[str, float]:
+        frac = self.clipped / self.values if self.values else 0.0
+        return {"kv_clipped_frac": frac, "kv_nonfinite": float(self.nonfinite),
+                "kv_amax_over_max": self.amax_over_max}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerScales:
+    """Per-layer k/v scales: a 0-d tensor (per tensor) or shape [heads] (per head)."""
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    source: str
+    provenance: str = ""
+
+    def summary(self) -> dict:
+        def stats(scales: dict[int, torch.Tensor]) -> dict:
+            flat = torch.cat([s.reshape(-1).float() for s in scales.values()]) if scales else torch.zeros(0)
+            if flat.numel() == 0:
+                return {}
+            return {"min": flat.min().item(), "max": flat.max().item(), "mean": flat.mean().item()}
+
+        return {"source": self.source, "provenance": self.provenance, "k_scale": stats(self.k),
+                "v_scale": stats(self.v), "layers": sorted(self.k)}
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """A `DynamicLayer` that stores FP8 (write = quantise, read = dequantise) per a `KVPath`."""
+
+    def __init__(self, kv_path: KVPath, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                 stats: KVWriteStats):
+        super().__init__()
+        self.kv_path = kv_path
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.stats = stats
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
+            return super().update(key_states, value_states, *args, **kwargs)
+        # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
+        keys, values = super().update(self._round_trip(key_states, self.k_scale),
+                                      self._round_trip(value_states, self.v_scale))
+        chunk = key_states.shape[-2]
+        if self.kv_path.quantize_current_chunk or chunk == 1:
+            return keys, values
+        return (torch.cat([keys[..., :-chunk, :], key_states], dim=-2),
+                torch.cat([values[..., :-chunk, :], value_states], dim=-2))
+
+    def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
+        fmt = self.kv_path.fmt
+        if self.kv_path.granularity == "per_token":
+            scale = fp8.per_token_scale(x, fmt)  # [batch, heads, chunk, 1]
+        else:
+            scale = static_scale.to(x.device)
+            if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
+                scale = scale.view(-1, 1, 1)
+        codes = fp8.quantize(x, scale, fmt, saturate=self.kv_path.saturate)
+        self._count(x, scale)
+        return fp8.dequantize(codes, scale, out_dtype=x.dtype)
+
+    def _count(self, x: torch.Tensor, scale: torch.Tensor) -> None:
+        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt]
+        self.stats.values += x.numel()
+        self.stats.clipped += int((ratio > 1).sum())
+        self.stats.nonfinite += int((~x.isfinite()).sum()) + int((ratio > 1).sum() if not self.kv_path.saturate else 0)
+        finite = ratio[ratio.isfinite()]
+        if finite.numel():
+            self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
+
+
+class AmaxObserverLayer(DynamicLayer):
+    """A plain `DynamicLayer` that records the running per-head amax of what it stores (calibration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_amax: torch.Tensor | None = None  # [heads] fp32
+        self.v_amax: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.k_amax = _running_amax(self.k_amax, key_states)
+        self.v_amax = _running_amax(self.v_amax, value_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    # x: [batch, heads, chunk, head_dim] -> [heads]
+    amax = x.detach().float().abs().amax(dim=(0, 2, 3)).cpu()
+    return amax if current is None else torch.maximum(current, amax)
+
+
+def attention_layer_indices(config) -> list[int]:
+    """Indices of the layers whose cache is a full-attention KV cache (the ones a path quantises)."""
+    cache = DynamicCache(config=config)
+    return [i for i, layer in enumerate(cache.layers) if type(layer) is DynamicLayer]
+
+
+def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
+                stats: KVWriteStats | None = None) -> DynamicCache:
+    """The model's own `DynamicCache`, with each full-attention layer replaced by a `QuantizedKVLayer`.
+
+    `kv_path=None` is the reference: the model's cache untouched.
+    """
+    cache = DynamicCache(config=config)
+    if kv_path is None:
+        return cache
+    stats = stats if stats is not None else KVWriteStats()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            continue
+        k_scale = scales.k.get(i) if scales else None
+        v_scale = scales.v.get(i) if scales else None
+        if kv_path.is_fp8 and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
+            raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
+        cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats)
+    return cache
+
+
+def observer_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = AmaxObserverLayer()
+    return cache
+
+
+def scales_from_observers(cache: DynamicCache, kv_path: KVPath, source: str, provenance: str) -> LayerScales:
+    """amax / fp8 max per layer; per tensor takes the max over heads. A bf16 path still gets (unused)
+    e4m3 scales, as a checkpoint made for an FP8 cache would carry them."""
+    fmt = kv_path.fmt if kv_path.is_fp8 else "e4m3"
+    k, v = {}, {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, AmaxObserverLayer) and layer.k_amax is not None:
+            k[i] = _reduce(fp8.amax_scale(layer.k_amax, fmt), kv_path)
+            v[i] = _reduce(fp8.amax_scale(layer.v_amax, fmt), kv_path)
+    return LayerScales(k=k, v=v, source=source, provenance=provenance)
+
+
+def _reduce(per_head: torch.Tensor, kv_path: KVPath) -> torch.Tensor:
+    return per_head.max() if kv_path.granularity == "per_tensor" else per_head
+
+
+def unit_scales(config, kv_path: KVPath) -> LayerScales:
+    """Scale 1.0 everywhere: what vLLM and SGLang use when no scale is given."""
+    one = torch.tensor(1.0)
+    layers = attention_layer_indices(config)
+    return LayerScales(k={i: one for i in layers}, v={i: one for i in layers}, source="default",
+                       provenance="1.0 (engine default)")
+
+
+def scales_from_checkpoint(tensors: dict[str, torch.Tensor], config, kv_path: KVPath,
+                           model_dir: str) -> LayerScales:
+    """`*.layers.N.*.k_scale` / `v_scale` tensors (vLLM's checkpoint convention) -> per-layer scales."""
+    k, v = {}, {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if parts[-1] not in ("k_scale", "v_scale") or "layers" not in parts:
+            continue
+        layer = int(parts[parts.index("layers") + 1])
+        value = value.float().reshape(-1)
+        scale = value.max() if kv_path.granularity == "per_tensor" or value.numel() == 1 else value
+        (k if parts[-1] == "k_scale" else v)[layer] = scale.reshape(()) if scale.numel() == 1 else scale
+    missing = [i for i in attention_layer_indices(config) if i not in k or i not in v]
+    if kv_path.is_fp8 and missing:
+        raise ValueError(f"KV path {kv_path.name!r}: checkpoint {model_dir} has no k_scale/v_scale for "
+                         f"attention layers {missing} (looked for '*.layers.N.*.k_scale' tensors in *.safetensors)")
+    return LayerScales(k=k, v=v, source="checkpoint", provenance=f"k_scale/v_scale tensors in {model_dir}")
