@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
 # Which way is good for each per-turn metric the harness records. Scenario thresholds, report
 # colouring and the compare report's regression flags all read this one table.
 METRIC_DIRECTIONS: dict[str, str] = {
@@ -22,4 +28,270 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "answer_correct": "higher",          # expected answer present (arithmetic, recall, needle)
     "rules_followed": "higher",          # the scenario's rules (ending word, sentence count) kept
     "reply_tokens": "higher",            # length of the generated reply (early EOS shows here)
+    # what the FP8 cast did to the K/V written during the turn (in-process only)
+    "kv_clipped_frac": "lower",          # fraction of values with |x / scale| > fp8 max
+    "kv_nonfinite": "lower",             # NaN/inf values read back from the cache
+    "kv_amax_over_max": "lower",         # largest |x / scale| / fp8 max; > 1 means the scale is too small
+    # context, not quality
+    "context_tokens": "none",            # prompt length of the turn, for plots against context length
 }
+
+
+SUMMARY_KEYS = ("kl_mean", "kl_max", "top1_agree", "ref_logprob_delta_mean", "ref_logprob_delta_min",
+                "ref_rank_mean", "ref_rank_max")
+SERIES_KEYS = ("kl", "top1_agree", "ref_logprob_delta", "ref_rank")
+# Value each metric takes when the path is identical to the reference; the noise floor is the
+# largest distance from it. Prefix rules cover kl_*, ref_logprob_delta_* and ref_rank_*.
+IDENTICAL_RUN_VALUES = {"exact_match": 1.0, "top1_agree": 1.0, "common_prefix_frac": 1.0,
+                        "token_edit_distance": 0.0}
+IDENTICAL_ZERO_PREFIXES = ("kl_", "ref_logprob_delta_", "ref_rank_")
+TOPK_MASS_EPS = 1e-9  # leftover probability below this is rounding in the listed logprobs, not mass
+
+
+# ---------------------------------------------------------------- free-running
+
+
+def free_running(reference: Sequence[int], candidate: Sequence[int]) -> dict[str, float | None]:
+    """Compare the path's own greedy reply with the reference reply, token by token.
+
+    first_divergent_token: first index i with reference[i] != candidate[i]; when one is a strict
+        prefix of the other, the shorter length; None when the two are identical.
+    exact_match: 1.0 when identical, else 0.0.
+    common_prefix_frac: common prefix length / len(reference); 1.0 when both are empty, 0.0 when
+        only the reference is.
+    token_edit_distance: Levenshtein distance over token ids (see `token_edit_distance`).
+    """
+    reference, candidate = [int(t) for t in reference], [int(t) for t in candidate]
+    prefix = _common_prefix_len(reference, candidate)
+    identical = prefix == len(reference) == len(candidate)
+    return {
+        "first_divergent_token": None if identical else prefix,
+        "exact_match": float(identical),
+        "common_prefix_frac": prefix / len(reference) if reference else float(identical),
+        "token_edit_distance": float(token_edit_distance(reference, candidate)),
+    }
+
+
+def token_edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
+    """Levenshtein distance: fewest single-token insertions, deletions and substitutions turning a into b.
+
+    D[i][j] = min(D[i-1][j] + 1, D[i][j-1] + 1, D[i-1][j-1] + [a[i-1] != b[j-1]]), kept in two rows.
+    The shared prefix and suffix are stripped first (they never change the distance), so nearly
+    identical replies cost O(n); the worst case is O(n * m) time, O(min(n, m)) memory.
+    """
+    a, b = [int(t) for t in a], [int(t) for t in b]
+    start = _common_prefix_len(a, b)
+    a, b = a[start:], b[start:]
+    while a and b and a[-1] == b[-1]:
+        a.pop()
+        b.pop()
+    if len(a) < len(b):
+        a, b = b, a
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+# ---------------------------------------------------------------- teacher-forced
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherForced:
+    """Teacher-forced comparison of one turn: `summary` (SUMMARY_KEYS; None when the turn has no
+    tokens) and per-position `series` (SERIES_KEYS; the top-k variant leaves None in
+    ref_logprob_delta where the reference token is not in the path's top-k)."""
+
+    summary: dict[str, float | None]
+    series: dict[str, list[float | None]]
+
+
+def teacher_forced(reference_logprobs: torch.Tensor, path_logprobs: torch.Tensor,
+                   reference_tokens: Sequence[int]) -> TeacherForced:
+    """Score the path's next-token distributions along the reference continuation.
+
+    Inputs are [T, V] logits or logprobs in any float dtype; both are put through log_softmax in
+    float64 here, so lr = log p_ref and lp = log p_path. With t the reference token at a position:
+        kl                = sum_v p_ref[v] * (lr[v] - lp[v])   (KL(ref || path), nats; terms with
+                            p_ref = 0 are 0; rounding below 0 clamped to 0; identical inputs give 0.0)
+        top1_agree        = [argmax lp == t]   (ties go to the lowest id, as torch.argmax)
+        ref_logprob_delta = lp[t] - lr[t]
+        ref_rank          = #{v : lp[v] > lp[t]}   (strictly greater: ties do not push t down)
+    A position whose path logits hold NaN or +inf (or are all -inf) is total disagreement: kl = +inf,
+    top1_agree = 0, ref_logprob_delta = -inf, ref_rank = V - 1; kl_mean then reads +inf too.
+    -inf logits are masked tokens, not errors. A non-finite reference row raises ValueError.
+    """
+    tokens = _check_teacher_forced_inputs(reference_logprobs, path_logprobs, reference_tokens)
+    if not tokens:
+        return _empty_teacher_forced()
+    ref = torch.log_softmax(reference_logprobs.to(torch.float64), dim=-1)  # [T, V]
+    path = torch.log_softmax(path_logprobs.to(torch.float64), dim=-1)  # [T, V]
+    _check_reference_finite(ref)
+    broken = path.isnan().any(dim=-1)  # [T]; NaN, +inf and all -inf logits all come out as NaN
+    p_ref = ref.exp()
+    kl = torch.where(p_ref > 0, p_ref * (ref - path), 0.0).sum(dim=-1).clamp_min(0.0)
+    idx = torch.tensor(tokens, device=path.device).unsqueeze(1)  # [T, 1]
+    path_tok = path.gather(1, idx)  # [T, 1]
+    delta = path_tok.squeeze(1) - ref.gather(1, idx).squeeze(1)
+    rank = (path > path_tok).sum(dim=-1).to(torch.float64)
+    top1 = (path.argmax(dim=-1) == idx.squeeze(1)).to(torch.float64)
+    kl, top1 = kl.masked_fill(broken, math.inf), top1.masked_fill(broken, 0.0)
+    delta, rank = delta.masked_fill(broken, -math.inf), rank.masked_fill(broken, path.shape[1] - 1)
+    series = {"kl": kl.tolist(), "top1_agree": top1.tolist(), "ref_logprob_delta": delta.tolist(),
+              "ref_rank": rank.tolist()}
+    return TeacherForced(summary=_summarise(**series), series=series)
+
+
+def _check_teacher_forced_inputs(reference_logprobs: torch.Tensor, path_logprobs: torch.Tensor,
+                                 reference_tokens: Sequence[int]) -> list[int]:
+    for name, x in (("reference_logprobs", reference_logprobs), ("path_logprobs", path_logprobs)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 2 or not x.is_floating_point():
+            got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a float tensor of shape [T, V], got {got}")
+    if path_logprobs.shape != reference_logprobs.shape:
+        raise ValueError(f"path_logprobs shape {tuple(path_logprobs.shape)} != reference_logprobs "
+                         f"shape {tuple(reference_logprobs.shape)}")
+    num_positions, vocab = reference_logprobs.shape
+    tokens = [int(t) for t in reference_tokens]
+    if len(tokens) != num_positions:
+        raise ValueError(f"{len(tokens)} reference_tokens for {num_positions} logprob rows; need one per row")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"reference_tokens[{bad}] = {tokens[bad]} is outside the vocabulary [0, {vocab})")
+    return tokens
+
+
+def _check_reference_finite(ref: torch.Tensor) -> None:
+    bad_rows = ref.isnan().any(dim=-1).nonzero().flatten().tolist()
+    if bad_rows:
+        raise ValueError(f"reference logprobs hold NaN/+inf (or an all -inf row) at positions "
+                         f"{bad_rows[:10]}; the reference itself is broken, nothing can be measured")
+
+
+def _empty_teacher_forced() -> TeacherForced:
+    return TeacherForced(summary=dict.fromkeys(SUMMARY_KEYS), series={k: [] for k in SERIES_KEYS})
+
+
+def _summarise(kl: list[float], top1_agree: list[float], ref_logprob_delta: list[float],
+               ref_rank: list[float]) -> dict[str, float | None]:
+    if not kl:
+        return dict.fromkeys(SUMMARY_KEYS)
+    return {
+        "kl_mean": _mean(kl), "kl_max": max(kl),
+        "top1_agree": _mean(top1_agree),
+        "ref_logprob_delta_mean": _mean(ref_logprob_delta), "ref_logprob_delta_min": min(ref_logprob_delta),
+        "ref_rank_mean": _mean(ref_rank), "ref_rank_max": max(ref_rank),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# ---------------------------------------------------------------- teacher-forced, top-k only
+
+
+def teacher_forced_topk(reference_top: list[dict[int, float]], path_top: list[dict[int, float]],
+                        reference_tokens: Sequence[int]) -> TeacherForced:
+    """`teacher_forced` for endpoints that return only the top-k logprobs per position ({token: logprob}).
+
+    Each reference dict must hold its own reference token; an empty dict is refused. With t the
+    reference token, lr/lp the listed reference/path logprobs:
+        top1_agree        = [t is the path's highest listed token]   (ties go to the lowest id)
+        ref_logprob_delta = lp[t] - lr[t] when t is in the path's top-k; else None in the series.
+            A missing t lies below the smallest listed path logprob, so the summary uses
+            min(lp) - lr[t] there: ref_logprob_delta_mean/min are upper bounds (optimistic).
+        ref_rank          = #{listed v : lp[v] > lp[t]}; k (every listed token) when t is missing,
+            which is a lower bound on the true rank.
+        kl                = sum over buckets b of P(b) * (log P(b) - log Q(b)), an approximate KL and a
+            lower bound on the true KL(ref || path). Buckets: each token listed in both top-k lists,
+            plus one 'other' bucket holding the rest of the mass, 1 - sum of the listed probabilities
+            (tokens listed on one side only go there too: their probability on the other side is
+            unknown). Merging outcomes never raises KL (log-sum inequality), hence the bound.
+            Leftover mass below TOPK_MASS_EPS counts as 0; P(b) > 0 with Q(b) = 0 gives +inf, and so
+            does NaN in the path's logprobs.
+    """
+    tokens = [int(t) for t in reference_tokens]
+    if not len(reference_top) == len(path_top) == len(tokens):
+        raise ValueError(f"{len(reference_top)} reference_top, {len(path_top)} path_top and {len(tokens)} "
+                         f"reference_tokens; need one of each per position")
+    if not tokens:
+        return _empty_teacher_forced()
+    rows = [_topk_position(i, ref, path, t) for i, (ref, path, t) in enumerate(zip(reference_top, path_top, tokens))]
+    kl, top1, delta, delta_bound, rank = (list(column) for column in zip(*rows))
+    series = {"kl": kl, "top1_agree": top1, "ref_logprob_delta": delta, "ref_rank": rank}
+    return TeacherForced(summary=_summarise(kl, top1, delta_bound, rank), series=series)
+
+
+def _topk_position(i: int, ref: dict[int, float], path: dict[int, float],
+                   token: int) -> tuple[float, float, float | None, float, float]:
+    """(kl, top1_agree, ref_logprob_delta or None, delta or its upper bound, ref_rank) at position i."""
+    if not ref or not path:
+        raise ValueError(f"position {i}: empty top-k ({len(ref)} reference, {len(path)} path entries)")
+    if token not in ref:
+        raise ValueError(f"position {i}: reference token {token} missing from the reference top-k {sorted(ref)}")
+    path_top1 = max(path, key=lambda v: (path[v], -v))
+    in_path = token in path
+    path_lp = path[token] if in_path else min(path.values())
+    rank = sum(lp > path_lp for lp in path.values()) if in_path else len(path)
+    delta = path_lp - ref[token]
+    return _topk_kl(ref, path), float(path_top1 == token), delta if in_path else None, delta, float(rank)
+
+
+def _topk_kl(ref: dict[int, float], path: dict[int, float]) -> float:
+    if any(math.isnan(lp) for lp in path.values()):
+        return math.inf
+    shared = sorted(ref.keys() & path.keys())
+    p = [math.exp(ref[v]) for v in shared]
+    q = [math.exp(path[v]) for v in shared]
+    p.append(_leftover_mass(p))
+    q.append(_leftover_mass(q))
+    return max(0.0, sum(_kl_term(pb, qb) for pb, qb in zip(p, q)))
+
+
+def _leftover_mass(probs: list[float]) -> float:
+    rest = 1.0 - math.fsum(probs)
+    return rest if rest > TOPK_MASS_EPS else 0.0
+
+
+def _kl_term(p: float, q: float) -> float:
+    if p == 0.0:
+        return 0.0
+    return math.inf if q == 0.0 else p * (math.log(p) - math.log(q))
+
+
+# ---------------------------------------------------------------- noise floor
+
+
+def noise_floor(records: Iterable[Mapping[str, object]]) -> dict[str, float]:
+    """Largest deviation from the identical-run value, per metric, over records of a path that should
+    match the reference (e.g. bf16 against itself, or two reference runs).
+
+    records: tidy rows with at least `metric` and `value` (e.g. DataFrame.to_dict("records")).
+    deviation = |value - identical value|: |value| for kl_*, ref_logprob_delta_*, ref_rank_* and
+    token_edit_distance; 1 - value for exact_match, top1_agree and common_prefix_frac.
+    Metrics with no identical-run value (first_divergent_token, task checks) and missing values
+    (None or NaN, pandas' missing marker) are skipped; metrics never seen are absent.
+    """
+    floor: dict[str, float] = {}
+    for row in records:
+        metric, value = str(row["metric"]), row["value"]
+        ideal = _identical_run_value(metric)
+        if ideal is None or value is None or math.isnan(float(value)):
+            continue
+        floor[metric] = max(floor.get(metric, 0.0), abs(float(value) - ideal))
+    return floor
+
+
+def _identical_run_value(metric: str) -> float | None:
+    if metric in IDENTICAL_RUN_VALUES:
+        return IDENTICAL_RUN_VALUES[metric]
+    return 0.0 if metric.startswith(IDENTICAL_ZERO_PREFIXES) else None

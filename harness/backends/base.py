@@ -21,6 +21,8 @@ class Generation:
     finish_reason: str  # "eos" | "length"
     tokens: list[str]  # one string per token id
     top_logprobs: list[dict[int, float]] | None = None  # per generated token, where available
+    prompt_tokens: int | None = None  # length of the rendered prompt, where known
+    metrics: dict[str, float] | None = None  # backend-specific per-call numbers (e.g. KV cast statistics)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ import hashlib
 import json
 import os
 import random
+import socket
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +35,8 @@ from harness.backends.base import Generation, Message, Scores
 ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's form for tokens when return_tokens_as_token_ids is set
-CAPABILITY_MISSING_STATUS = frozenset({400, 404, 405, 422, 501})  # "this server does not do that"
+NOT_FOUND_STATUS = frozenset({404, 405, 501})  # the route is not there
+REFUSED_STATUS = frozenset({400, 422})  # the request was refused; a capability only if it names the field
 
 
 class EndpointError(RuntimeError):
@@ -42,6 +45,14 @@ class EndpointError(RuntimeError):
     def __init__(self, url: str, attempts: list[str], status: int | None = None):
         self.url, self.attempts, self.status = url, attempts, status
         super().__init__(f"{url}: failed after {len(attempts)} attempt(s): " + "; ".join(attempts))
+
+
+def lacks_capability(error: EndpointError, fields: Sequence[str]) -> bool:
+    """Whether a failed request shows the server lacks a feature (and is not a real failure): the
+    route is missing, or the request was refused with a message naming one of `fields`."""
+    if error.status in NOT_FOUND_STATUS:
+        return True
+    return error.status in REFUSED_STATUS and any(name in str(error) for name in fields)
 
 
 class _RetryableError(Exception):
@@ -120,11 +131,28 @@ class RequestClient:
         self.failures: list[dict] = []
         self.cache_hits = 0
         key = api_key_from_env(api_key_env)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        limits = httpx.Limits(max_connections=policy.concurrency, max_keepalive_connections=policy.concurrency)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                       timeout=httpx.Timeout(policy.timeout_s), transport=transport)
-        self._slots = asyncio.Semaphore(policy.concurrency)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._transport = transport
+        self._ssl: ssl.SSLContext | None = None  # one for all lanes: loading CA certificates costs ~30 ms
+        # One lane = one client with one keep-alive connection; taking a lane bounds concurrency.
+        # (One pooled client for all requests costs O(pool size) Python work per request in
+        # httpcore's pool bookkeeping: ~3 ms per request at 64 connections.)
+        self._lanes: asyncio.Queue[httpx.AsyncClient | None] = asyncio.Queue()
+        for _ in range(policy.concurrency):
+            self._lanes.put_nowait(None)  # clients are made on first use
+        self._clients: list[httpx.AsyncClient] = []
+
+    def _new_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        self._ssl = self._ssl or httpx.create_ssl_context()
+        # TCP_NODELAY: httpcore writes headers and body separately; with Nagle's algorithm the body
+        # would wait for the server's delayed ACK (~40 ms on Linux).
+        transport = self._transport or httpx.AsyncHTTPTransport(
+            verify=self._ssl, limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits,
+                                   timeout=httpx.Timeout(self.policy.timeout_s), transport=transport)
+        self._clients.append(client)
+        return client
 
     async def post(self, path: str, body: dict, *, cache: bool = True) -> dict:
         url = self.base_url + path
@@ -141,7 +169,9 @@ class RequestClient:
         return await self._with_retries("GET", path, None)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients:
+            await client.aclose()
+        self._clients.clear()
 
     async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
         attempts: list[str] = []
@@ -169,16 +199,20 @@ class RequestClient:
     async def _attempt(self, method: str, path: str, body: dict | None) -> dict:
         content = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if content is not None else None
-        async with self._slots:
+        client = await self._lanes.get()
+        try:
+            client = client or self._new_client()
             try:
                 async with asyncio.timeout(self.policy.timeout_s):
-                    response = await self._http.request(method, path, content=content, headers=headers)
+                    response = await client.request(method, path, content=content, headers=headers)
             except TimeoutError:
                 raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
             except httpx.TimeoutException as error:
                 raise _RetryableError(f"timed out ({type(error).__name__})") from None
             except httpx.TransportError as error:
                 raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
+        finally:
+            self._lanes.put_nowait(client)
         return _decode(method, self.base_url + path, response)
 
 
@@ -246,7 +280,8 @@ class EndpointConfig:
 
 
 class EndpointBackend:
-    """`Backend` over one OpenAI-compatible server. Capabilities are detected on first use."""
+    """`Backend` over one OpenAI-compatible server. Capabilities are detected on first use and kept
+    in `capabilities` (name -> the form used, or "unavailable: why"), which `describe()` reports."""
 
     def __init__(self, config: EndpointConfig, client: RequestClient | None = None):
         self.config = config
@@ -254,39 +289,40 @@ class EndpointBackend:
         self.client = client or RequestClient(config.url, policy=config.policy, api_key_env=config.api_key_env,
                                               cache_dir=config.cache_dir)
         self._tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self._vocab_by_text: dict[str, int] | None = None
         self._model: str | None = config.model
         self._lock = asyncio.Lock()
-        # capability -> chosen mode, or "unavailable: why"; filled in on first use
         self.capabilities: dict[str, str] = {}
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------ Backend
 
     def describe(self) -> dict:
+        policy = self.config.policy
         return {"kind": "endpoint", "label": self.label, "url": self.client.base_url, "model": self._model,
                 "api_key_env": self.config.api_key_env, "local_tokenizer": self.config.tokenizer,
-                "seed": self.config.seed, "top_logprobs": self.config.top_logprobs,
-                "temperature": 0.0, "capabilities": dict(self.capabilities),
-                "attention_error": ATTENTION_ERROR_UNAVAILABLE,
-                "policy": {"concurrency": self.config.policy.concurrency, "timeout_s": self.config.policy.timeout_s,
-                           "retries": self.config.policy.retries},
+                "seed": self.config.seed, "top_logprobs": self.config.top_logprobs, "temperature": 0.0,
+                "capabilities": dict(self.capabilities), "attention_error": ATTENTION_ERROR_UNAVAILABLE,
+                "policy": {"concurrency": policy.concurrency, "timeout_s": policy.timeout_s,
+                           "retries": policy.retries},
                 "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
 
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
-        model = await self.model()
-        body = {"model": model, "messages": [_message_json(m) for m in messages], "max_tokens": max_new_tokens,
-                "temperature": 0.0, "seed": self.config.seed, "n": 1}
+        body = {"model": await self.model(), "messages": [_message_json(m) for m in messages],
+                "max_tokens": max_new_tokens, "temperature": 0.0, "seed": self.config.seed, "n": 1}
         reply = await self._chat_with_best_logprobs(body)
+        prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
         choice = _first_choice(reply, "chat completion")
         text = (choice.get("message") or {}).get("content") or ""
-        finish = {"stop": "eos", "length": "length"}.get(choice.get("finish_reason"), str(choice.get("finish_reason")))
+        reason = choice.get("finish_reason")
+        finish = {"stop": "eos", "length": "length"}.get(reason, str(reason))
         content = (choice.get("logprobs") or {}).get("content")
-        if content is not None:
+        if content:
             ids, top = self._ids_from_logprobs(content)
             if ids is not None:
-                return Generation(ids, text, finish, await self._token_strings(ids, content), top)
-        ids = await self._tokenize_text(text)
-        return Generation(ids, text, finish, await self._token_strings(ids, None), None)
+                return Generation(ids, text, finish, await self._token_strings(ids, content), top, prompt_tokens)
+        ids = await self._tokenize_text(text)  # no usable ids in the reply: re-tokenise its text
+        return Generation(ids, text, finish, await self._token_strings(ids, None), None, prompt_tokens)
 
     async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
         continuation = [int(t) for t in continuation_ids]
@@ -295,10 +331,12 @@ class EndpointBackend:
         prompt = await self.prompt_ids(messages)
         if isinstance(prompt, str):
             return Scores(logprobs=None, top_logprobs=None, unavailable=prompt)
-        mode = await self._scoring_mode(prompt + continuation)
+        ids = prompt + continuation
+        mode, reply = await self._scoring_mode(ids)
         if mode.startswith("unavailable"):
             return Scores(logprobs=None, top_logprobs=None, unavailable=mode)
-        reply = await self.client.post("/v1/completions", self._scoring_body(mode, prompt + continuation))
+        if reply is None:
+            reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids))
         return _scores_from_reply(mode, reply, len(prompt), continuation, self._vocab_map())
 
     async def aclose(self) -> None:
@@ -307,6 +345,7 @@ class EndpointBackend:
     # ------------------------------------------------------------ model and tokens
 
     async def model(self) -> str:
+        """The served model's name: the configured one, else the first /v1/models lists."""
         if self._model is None:
             async with self._lock:
                 if self._model is None:
@@ -318,45 +357,45 @@ class EndpointBackend:
 
     async def prompt_ids(self, messages: Sequence[Message]) -> list[int] | str:
         """Token ids of the chat-templated prompt (generation prompt added), or why there are none."""
-        body = {"model": await self.model(), "messages": [_message_json(m) for m in messages],
-                "add_generation_prompt": True}
-        ids = await self._server_tokenize(body)
+        chat = [_message_json(m) for m in messages]
+        body = {"model": await self.model(), "messages": chat, "add_generation_prompt": True}
+        ids = await self._server_tokenize("tokenize_chat", body)
         if ids is not None:
             return ids
         if self._tokenizer is not None:
-            rendered = self._tokenizer.apply_chat_template([_message_json(m) for m in messages], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False)
-            return [int(t) for t in rendered]
+            text = self._tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         return ("unavailable: the server has no /tokenize for chat messages and no local tokenizer was given "
-                "(EndpointConfig.tokenizer), so the reference continuation cannot be placed after the prompt")
+                "(EndpointConfig.tokenizer), so the continuation cannot be placed after the prompt")
 
     async def _tokenize_text(self, text: str) -> list[int]:
-        ids = await self._server_tokenize({"model": await self.model(), "prompt": text, "add_special_tokens": False})
+        body = {"model": await self.model(), "prompt": text, "add_special_tokens": False}
+        ids = await self._server_tokenize("tokenize_text", body)
         if ids is not None:
             return ids
         if self._tokenizer is not None:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        raise EndpointError(f"{self.client.base_url}", ["the reply carries no token ids, the server has no "
-                                                        "/tokenize and no local tokenizer was given"])
+            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        raise EndpointError(self.client.base_url, ["the reply carries no token ids, the server has no /tokenize "
+                                                   "and no local tokenizer was given"])
 
-    async def _server_tokenize(self, body: dict) -> list[int] | None:
-        if self.capabilities.get("tokenize", "").startswith("unavailable"):
+    async def _server_tokenize(self, capability: str, body: dict) -> list[int] | None:
+        if self.capabilities.get(capability, "").startswith("unavailable"):
             return None
         try:
             reply = await self.client.post("/tokenize", body)
         except EndpointError as error:
-            if error.status not in CAPABILITY_MISSING_STATUS:
+            if not lacks_capability(error, ("messages", "tokenize", "prompt")):
                 raise
-            self.capabilities["tokenize"] = f"unavailable: /tokenize answered HTTP {error.status}"
+            self.capabilities[capability] = f"unavailable: /tokenize answered {error.attempts[-1]}"
             return None
-        self.capabilities["tokenize"] = "server /tokenize"
+        self.capabilities[capability] = "server /tokenize"
         return [int(t) for t in reply["tokens"]]
 
     def _vocab_map(self) -> dict[str, int] | None:
         """Token text -> id from the local tokenizer, for servers that name tokens by text only."""
         if self._tokenizer is None:
             return None
-        if not hasattr(self, "_vocab_by_text"):
+        if self._vocab_by_text is None:
             table: dict[str, int] = {}
             for token_id in range(len(self._tokenizer)):
                 table.setdefault(self._tokenizer.decode([token_id]), token_id)
@@ -364,20 +403,21 @@ class EndpointBackend:
         return self._vocab_by_text
 
     def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
-        ids = [_token_id(entry.get("token", ""), self._vocab_map()) for entry in content]
+        vocab = self._vocab_map()
+        ids = [_token_id(str(entry.get("token", "")), vocab) for entry in content]
         if any(t is None for t in ids):
             return None, None
         top = []
         for token_id, entry in zip(ids, content):
-            row = {_token_id(alt.get("token", ""), self._vocab_map()): float(alt["logprob"])
+            row = {_token_id(str(alt.get("token", "")), vocab): float(alt["logprob"])
                    for alt in entry.get("top_logprobs") or []}
             row.pop(None, None)
-            row.setdefault(token_id, float(entry["logprob"]))
+            row[token_id] = float(entry["logprob"])
             top.append(row)
         return ids, top
 
     async def _token_strings(self, ids: list[int], content: list[dict] | None) -> list[str]:
-        if content is not None and not any(e.get("token", "").startswith(TOKEN_ID_PREFIX) for e in content):
+        if content and not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
             return [str(e.get("token", "")) for e in content]
         if self._tokenizer is not None:
             return [self._tokenizer.decode([t]) for t in ids]
@@ -387,62 +427,69 @@ class EndpointBackend:
         return [self._token_text[t] for t in ids]
 
     async def _detokenize_one(self, token_id: int) -> str:
-        try:
-            reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]})
-            return str(reply.get("prompt", ""))
-        except EndpointError as error:
-            if error.status not in CAPABILITY_MISSING_STATUS:
-                raise
-            return f"{TOKEN_ID_PREFIX}{token_id}"
+        if not self.capabilities.get("detokenize", "").startswith("unavailable"):
+            try:
+                reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]})
+                self.capabilities["detokenize"] = "server /detokenize"
+                return str(reply.get("prompt", ""))
+            except EndpointError as error:
+                if not lacks_capability(error, ("tokens", "detokenize")):
+                    raise
+                self.capabilities["detokenize"] = f"unavailable: /detokenize answered {error.attempts[-1]}"
+        return f"{TOKEN_ID_PREFIX}{token_id}"
 
     # ------------------------------------------------------------ capability detection
 
     async def _chat_with_best_logprobs(self, body: dict) -> dict:
-        """Chat completion with the richest logprobs the server accepts: token ids in the logprobs
-        (vLLM), plain top-k logprobs, or none. The first accepted form is remembered."""
+        """A chat completion with the richest logprobs the server accepts: token ids in the logprobs
+        (vLLM's return_tokens_as_token_ids), plain top-k logprobs, or none. The form that works first
+        is remembered for the server."""
         k = self.config.top_logprobs
-        forms = {"token ids": {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True},
-                 "token text": {"logprobs": True, "top_logprobs": k},
-                 "none": {}}
+        forms = [("token ids", {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True},
+                  ("return_tokens_as_token_ids",)),
+                 ("token text", {"logprobs": True, "top_logprobs": k}, ("logprobs",)),
+                 ("none", {}, ())]
         chosen = self.capabilities.get("chat_logprobs")
-        for name, extra in forms.items():
+        for name, extra, fields in forms:
             if chosen is not None and name != chosen:
                 continue
             try:
                 reply = await self.client.post("/v1/chat/completions", body | extra)
             except EndpointError as error:
-                if chosen is not None or error.status not in CAPABILITY_MISSING_STATUS or name == "none":
+                if chosen is not None or not fields or not lacks_capability(error, fields):
                     raise
-                self.capabilities.setdefault("chat_logprobs_refused", "")
-                self.capabilities["chat_logprobs_refused"] += f"{name}: {'; '.join(error.attempts)} "
                 continue
             self.capabilities["chat_logprobs"] = name
             return reply
-        raise AssertionError("unreachable: the last form either returns or raises")
+        raise AssertionError("unreachable: the last form returns or raises")
 
-    async def _scoring_mode(self, probe_ids: list[int]) -> str:
-        if "scoring" not in self.capabilities:
-            async with self._lock:
-                if "scoring" not in self.capabilities:
-                    self.capabilities["scoring"] = await self._detect_scoring(probe_ids)
-        return self.capabilities["scoring"]
+    async def _scoring_mode(self, ids: list[int]) -> tuple[str, dict | None]:
+        """The scoring form for this server, and the detection reply when this call detected it."""
+        if "scoring" in self.capabilities:
+            return self.capabilities["scoring"], None
+        async with self._lock:
+            if "scoring" in self.capabilities:
+                return self.capabilities["scoring"], None
+            mode, reply = await self._detect_scoring(ids)
+            self.capabilities["scoring"] = mode
+            return mode, reply
 
-    async def _detect_scoring(self, probe_ids: list[int]) -> str:
+    async def _detect_scoring(self, ids: list[int]) -> tuple[str, dict | None]:
         reasons = []
-        for mode in ("prompt_logprobs", "echo"):
+        for mode, fields in (("prompt_logprobs", ("prompt_logprobs",)), ("echo", ("echo", "logprobs"))):
             try:
-                reply = await self.client.post("/v1/completions", self._scoring_body(mode, probe_ids))
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids))
             except EndpointError as error:
-                if error.status not in CAPABILITY_MISSING_STATUS:
+                if not lacks_capability(error, fields):
                     raise
-                reasons.append(f"{mode}: HTTP {error.status}")
+                reasons.append(f"{mode}: {error.attempts[-1]}")
                 continue
-            problem = _scoring_reply_problem(mode, reply, len(probe_ids))
+            problem = _scoring_reply_problem(mode, reply, len(ids))
             if problem is None:
-                return mode
+                return mode, reply
             reasons.append(f"{mode}: {problem}")
-        return "unavailable: teacher-forced scoring needs /v1/completions with prompt_logprobs or echo+logprobs (" + \
-            "; ".join(reasons) + ")"
+        return ("unavailable: teacher-forced scoring needs /v1/completions with prompt_logprobs or echo+logprobs ("
+                + "; ".join(reasons) + ")"), None
 
     def _scoring_body(self, mode: str, ids: list[int]) -> dict:
         body = {"model": self._model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "seed": self.config.seed}

@@ -145,7 +145,6 @@ class InProcessBackend:
 
     def __init__(self, owner: InProcessModel, kv_path: KVPath | None, scales: LayerScales | None, label: str):
         self.owner, self.kv_path, self.scales, self.label = owner, kv_path, scales, label
-        self.write_stats = KVWriteStats()
 
     def describe(self) -> dict:
         described = {"label": self.label, "kind": "in-process", "model": str(self.owner.directory)}
@@ -156,7 +155,7 @@ class InProcessBackend:
         return described
 
     def _cache(self):
-        return build_cache(self.owner.model.config, self.kv_path, self.scales, self.write_stats)
+        return build_cache(self.owner.model.config, self.kv_path, self.scales)
 
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         return self.generate_sync(messages, max_new_tokens)
@@ -171,8 +170,10 @@ class InProcessBackend:
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         """Greedy decoding: prefill the prompt, then one token per step through the same cache."""
         model, tokenizer, device = self.owner.model, self.owner.tokenizer, self.owner.device
-        cache = self._cache()
-        step_ids = torch.tensor([self.owner.encode_chat(messages)], device=device)
+        stats = KVWriteStats()
+        cache = build_cache(model.config, self.kv_path, self.scales, stats)
+        prompt = self.owner.encode_chat(messages)
+        step_ids = torch.tensor([prompt], device=device)
         token_ids: list[int] = []
         finish_reason = "length"
         for _ in range(max_new_tokens):
@@ -188,7 +189,8 @@ class InProcessBackend:
             step_ids = torch.tensor([[next_id]], device=device)
         tokens = [tokenizer.decode([t]) for t in token_ids]
         return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
-                          tokens=tokens)
+                          tokens=tokens, prompt_tokens=len(prompt),
+                          metrics=stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None)
 
     @torch.inference_mode()
     def score_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:

@@ -1,0 +1,123 @@
+"""`harness`: replay scenarios through a BF16 reference and FP8 KV-cache paths; report where they differ."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from harness.kv_paths import PathSpecError
+
+EPILOG = """\
+examples:
+  harness run                                   # bundled canaries x canary scenarios x default paths, on CPU
+  harness run --paths bf16,fp8_e4m3:per_head:calibrated --model path/to/hf_model --scenarios scenarios/general
+  harness run --out runs/nightly --resume       # finish an interrupted run without redoing finished work
+
+KV path specs:  format[:granularity][:scale source][:cast][:prefill]
+  format        bf16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+  granularity   per_tensor (default) | per_head | per_token (dynamic, from each token)
+  scale source  default (1.0) | calibrated (amax/max over prompts) | checkpoint (k_scale/v_scale) |
+                warmup (one dummy pass, recurrent state uninitialised)
+  cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
+  prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
+"""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harness", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="replay scenarios and store a run", epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--model", action="append", type=Path, metavar="DIR",
+                     help="local transformers model directory (repeatable); default: the bundled canaries")
+    run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
+                     help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--paths", default=None, metavar="SPECS",
+                     help="comma-separated KV path specs; bf16 is always added (noise floor). "
+                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup")
+    run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
+    run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
+                     help="what earlier turns a path sees: the reference's replies or its own")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="unit", desc="scenario x path", dynamic_ncols=True, file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.scenarios import ScenarioError
+    from harness.store import RunStoreError
+
+    warnings = []
+    if args.model:
+        models = tuple(args.model)
+    else:
+        models, warning = job.default_models()
+        if warning:
+            warnings.append(warning)
+            print(f"warning: {warning}", file=sys.stderr)
+    if args.resume and not args.out:
+        print("error: --resume needs --out RUN_DIR (the run to continue)", file=sys.stderr)
+        return 2
+    try:
+        config = job.RunConfig(
+            models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+            paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), out=args.out or job.new_run_dir(),
+            device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
+            command=shlex.join(["harness", *sys.argv[1:]]))
+        started = time.perf_counter()
+        run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
+                              warn=lambda m: print(m, file=sys.stderr))
+    except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished work is stored; continue with "
+              f"harness run --out {config.out} --resume (same arguments)", file=sys.stderr)
+        return 130
+    _print_run_end(run_dir, time.perf_counter() - started, warnings)
+    return 0
+
+
+def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
+    from harness import job
+    from harness.store import RunStore
+    from harness.summary import format_summary
+
+    store = RunStore(run_dir)
+    manifest = store.read_manifest()
+    report = job.write_report(run_dir)
+    print(format_summary(run_dir))
+    for model, floor in manifest.get("noise_floor", {}).items():
+        worst = max(floor.values(), default=0.0)
+        state = "exactly zero" if worst == 0 else f"NONZERO (worst {worst:.3g}): bf16 path differs from reference"
+        print(f"noise floor {model}: {state}")
+    for warning in manifest.get("warnings", []) + warnings:
+        print(f"warning: {warning}")
+    errors = store.read("errors")
+    if errors:
+        print(f"{len(errors)} unit(s) failed; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
+    print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
+    print(f"report: {report}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

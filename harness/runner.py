@@ -1,0 +1,183 @@
+"""Replay scenarios through a reference backend and candidate backends; write records to a run store.
+
+Per scenario: the reference answers every turn first (its own history). Then each candidate answers
+every turn, with either the reference's earlier replies as history (`reference-history`, isolating each
+turn's error) or its own (`own-history`, what a user would see). Teacher-forced metrics always score
+the reference's reply given the reference's history, so they measure one turn's error in both modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from harness.backends.base import Backend, Generation, Message
+from harness.checks import check_answer, check_rules
+from harness.metrics import free_running, teacher_forced, teacher_forced_topk
+from harness.scenarios import Scenario
+from harness.store import RunStore, encode_value
+from harness.thresholds import ThresholdCheck
+
+HISTORY_MODES = ("reference-history", "own-history")
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReply:
+    turn: int
+    user: str
+    token_ids: list[int]
+    text: str
+    fixed: bool  # a scenario's fixed assistant turn: history only, nothing generated
+
+
+def _messages(scenario: Scenario, replies: Sequence[TurnReply], upto: int) -> list[Message]:
+    """System prompt, then user/assistant pairs for turns before `upto`, then turn `upto`'s user text."""
+    messages = [Message("system", scenario.system)] if scenario.system else []
+    for reply in replies[:upto]:
+        messages += [Message("user", reply.user), Message("assistant", reply.text)]
+    messages.append(Message("user", scenario.turns[upto].user))
+    return messages
+
+
+class Replay:
+    """Runs one model's scenarios for a reference and candidates, appending to `store`."""
+
+    def __init__(self, model: str, reference: Backend, candidates: Sequence[Backend], store: RunStore,
+                 history_mode: str = "reference-history", on_unit_done: Callable[[], None] | None = None):
+        if history_mode not in HISTORY_MODES:
+            raise ValueError(f"unknown history mode {history_mode!r}; expected one of {', '.join(HISTORY_MODES)}")
+        self.model, self.reference, self.candidates = model, reference, list(candidates)
+        self.store, self.history_mode = store, history_mode
+        self.on_unit_done = on_unit_done or (lambda: None)
+
+    async def run(self, scenarios: Sequence[Scenario], concurrency: int = 1) -> None:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(scenario: Scenario) -> None:
+            async with gate:
+                await self.run_scenario(scenario)
+
+        await asyncio.gather(*(one(s) for s in scenarios))
+
+    async def run_scenario(self, scenario: Scenario) -> None:
+        try:
+            reference = await self._reference_replies(scenario)
+        except Exception as error:  # noqa: BLE001 - recorded, and the other scenarios go on
+            self._record_error(scenario, REFERENCE, None, error)
+            for _ in range(1 + len(self.candidates)):
+                self.on_unit_done()
+            return
+        self.on_unit_done()
+        reference_scores: dict[int, object] = {}
+        for backend in self.candidates:
+            if not self.store.is_done(self.model, scenario.id, backend.label):
+                try:
+                    await self._candidate(scenario, backend, reference, reference_scores)
+                except Exception as error:  # noqa: BLE001
+                    self._record_error(scenario, backend.label, None, error)
+            self.on_unit_done()
+
+    # -- reference ------------------------------------------------------------------------------------
+    async def _reference_replies(self, scenario: Scenario) -> list[TurnReply]:
+        if self.store.is_done(self.model, scenario.id, REFERENCE):
+            rows = [r for r in self.store.read("texts")
+                    if r["model"] == self.model and r["scenario"] == scenario.id and r["path"] == REFERENCE]
+            return [TurnReply(r["turn"], r["user"], r["token_ids"], r["text"], r.get("fixed", False))
+                    for r in sorted(rows, key=lambda r: r["turn"])]
+        replies: list[TurnReply] = []
+        records, texts = [], []
+        for turn, spec in enumerate(scenario.turns):
+            if spec.assistant is not None:
+                replies.append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
+                texts.append(self._text_row(scenario, REFERENCE, turn, replies[-1], None))
+                continue
+            generation = await self.reference.generate(_messages(scenario, replies, turn), scenario.max_new_tokens)
+            replies.append(TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False))
+            texts.append(self._text_row(scenario, REFERENCE, turn, replies[-1], generation))
+            records += self._task_records(scenario, REFERENCE, turn, generation)
+        self.store.finish_unit(self.model, scenario.id, REFERENCE, {"records": records, "texts": texts})
+        return replies
+
+    # -- candidates -----------------------------------------------------------------------------------
+    async def _candidate(self, scenario: Scenario, backend: Backend, reference: list[TurnReply],
+                         reference_scores: dict[int, object]) -> None:
+        own: list[TurnReply] = []
+        tables: dict[str, list[dict]] = {"records": [], "series": [], "texts": [], "checks": []}
+        checks = [ThresholdCheck(metric, limit, scenario.source) for metric, limit in scenario.thresholds.items()]
+        for turn, spec in enumerate(scenario.turns):
+            ref = reference[turn]
+            if ref.fixed:
+                own.append(ref)
+                tables["texts"].append(self._text_row(scenario, backend.label, turn, ref, None))
+                continue
+            history = own if self.history_mode == "own-history" else reference
+            generation = await backend.generate(_messages(scenario, history, turn), scenario.max_new_tokens)
+            reply = TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False)
+            own.append(reply)
+            values = dict(free_running(ref.token_ids, generation.token_ids))
+            tf_summary, tf_series = await self._teacher_forced(scenario, backend, reference, turn, reference_scores)
+            values.update(tf_summary)
+            values.update(generation.metrics or {})
+            if generation.prompt_tokens is not None:
+                values["context_tokens"] = generation.prompt_tokens
+            rows = [self._record(scenario, backend.label, turn, metric, value) for metric, value in values.items()]
+            tables["records"] += rows + self._task_records(scenario, backend.label, turn, generation)
+            tables["series"] += [dict(self._key(scenario, backend.label, turn), series=name, values=series)
+                                 for name, series in tf_series.items()]
+            tables["texts"].append(self._text_row(scenario, backend.label, turn, reply, generation))
+            tables["checks"] += self._checks(scenario, backend.label, turn, checks, values, tables["records"])
+        self.store.finish_unit(self.model, scenario.id, backend.label, tables)
+
+    async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores):
+        messages = _messages(scenario, reference, turn)
+        target = reference[turn].token_ids
+        if turn not in reference_scores:
+            reference_scores[turn] = await self.reference.score(messages, target)
+        ref_scores, path_scores = reference_scores[turn], await backend.score(messages, target)
+        if ref_scores.logprobs is not None and path_scores.logprobs is not None:
+            result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, target)
+        elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:
+            result = teacher_forced_topk(ref_scores.top_logprobs, path_scores.top_logprobs, target)
+        else:
+            return {}, {}
+        return result.summary, result.series
+
+    # -- rows -----------------------------------------------------------------------------------------
+    def _key(self, scenario: Scenario, path: str, turn: int | None) -> dict:
+        return {"model": self.model, "scenario": scenario.id, "path": path, "turn": turn}
+
+    def _record(self, scenario: Scenario, path: str, turn: int, metric: str, value) -> dict:
+        return {**self._key(scenario, path, turn), "scenario_hash": scenario.content_hash, "kind": scenario.kind,
+                "tags": list(scenario.tags), "metric": metric, **encode_value(value)}
+
+    def _task_records(self, scenario: Scenario, path: str, turn: int, generation: Generation) -> list[dict]:
+        values = {"reply_tokens": len(generation.token_ids)}
+        answer = check_answer(scenario, scenario.turns[turn], generation.text)
+        rules = check_rules(scenario, generation.text)
+        if answer is not None:
+            values["answer_correct"] = float(answer)
+        if rules is not None:
+            values["rules_followed"] = float(rules)
+        return [self._record(scenario, path, turn, metric, value) for metric, value in values.items()]
+
+    def _text_row(self, scenario: Scenario, path: str, turn: int, reply: TurnReply, generation) -> dict:
+        return {**self._key(scenario, path, turn), "user": reply.user, "text": reply.text,
+                "token_ids": reply.token_ids, "tokens": generation.tokens if generation else [],
+                "finish_reason": generation.finish_reason if generation else "fixed", "fixed": reply.fixed}
+
+    def _checks(self, scenario, path, turn, checks, values, records) -> list[dict]:
+        task = {r["metric"]: r["value"] for r in records if r["turn"] == turn and r["path"] == path}
+        rows = []
+        for check in checks:
+            value = values.get(check.metric, task.get(check.metric))
+            message = check.compute(turn, value)
+            rows.append({**self._key(scenario, path, turn), "metric": check.metric, "value": value,
+                         "limit": check.limit, "passed": message is None, "message": message})
+        return rows
+
+    def _record_error(self, scenario: Scenario, path: str, turn: int | None, error: BaseException) -> None:
+        self.store.append("errors", [{**self._key(scenario, path, turn), "error": f"{type(error).__name__}: {error}",
+                                      "traceback": traceback.format_exc(limit=6)}])
