@@ -48,8 +48,10 @@ class KVPath:
     def canonical(self) -> str:
         if not self.is_fp8:
             return "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
-        parts = [f"fp8_{self.fmt}", self.granularity, self.scale_source,
-                 "sat" if self.saturate else "nosat"]
+        parts = [f"fp8_{self.fmt}", self.granularity]
+        if self.granularity != "per_token":  # per-token scales are always dynamic
+            parts.append(self.scale_source)
+        parts.append("sat" if self.saturate else "nosat")
         if not self.quantize_current_chunk:
             parts.append("raw_prefill")
         return ":".join(parts)

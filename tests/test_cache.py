@@ -1,0 +1,131 @@
+"""The FP8 cache layer inside real transformers models, against the torch quantisation reference."""
+
+import pytest
+import torch
+
+from harness.backends.base import Message
+from harness.backends.inprocess import InProcessModel
+from harness.cache import QuantizedKVLayer, attention_layer_indices, build_cache, unit_scales
+from harness.kv_paths import parse_path
+from kernels import reference as fp8
+
+CHAT = [Message("system", "End every answer with the word Thanks."), Message("user", "What is 7 * 8 + 3 * 4?")]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    return {arch: InProcessModel.load(path) for arch, path in tiny_models.items()}
+
+
+def test_only_full_attention_layers_are_replaced(loaded):
+    assert attention_layer_indices(loaded["gqa"].model.config) == [0, 1]
+    assert attention_layer_indices(loaded["hybrid"].model.config) == [3]  # 3 linear-attention layers stay
+    cache = build_cache(loaded["hybrid"].model.config, parse_path("fp8"), unit_scales(loaded["hybrid"].model.config, None))
+    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer"] * 3 + ["QuantizedKVLayer"]
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token"])
+def test_layer_stores_exactly_the_reference_round_trip(spec):
+    # What the layer hands to attention must equal dequantize(quantize(x)) of the reference, bit for bit.
+    path = parse_path(spec)
+    key = torch.randn(1, 2, 5, 16, dtype=torch.bfloat16) * 30
+    value = torch.randn(1, 2, 5, 16, dtype=torch.bfloat16)
+    k_scale, v_scale = (torch.tensor([0.5, 0.25]), torch.tensor([0.01, 0.02])) if path.granularity == "per_head" \
+        else (torch.tensor(1.0), torch.tensor(1.0))
+    from harness.cache import KVWriteStats
+
+    layer = QuantizedKVLayer(path, k_scale, v_scale, KVWriteStats())
+    keys, values = layer.update(key, value)
+    if path.granularity == "per_token":
+        k_scale, v_scale = fp8.per_token_scale(key, path.fmt), fp8.per_token_scale(value, path.fmt)
+    elif path.granularity == "per_head":
+        k_scale, v_scale = k_scale.view(-1, 1, 1), v_scale.view(-1, 1, 1)
+    expected_k = fp8.dequantize(fp8.quantize(key, k_scale, path.fmt), k_scale, torch.bfloat16)
+    expected_v = fp8.dequantize(fp8.quantize(value, v_scale, path.fmt), v_scale, torch.bfloat16)
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+
+
+def test_raw_prefill_reads_the_chunk_raw_and_history_quantised():
+    path = parse_path("fp8_e4m3:raw_prefill")
+    from harness.cache import KVWriteStats
+
+    layer = QuantizedKVLayer(path, torch.tensor(1.0), torch.tensor(1.0), KVWriteStats())
+    first = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16) * 3
+    keys, _ = layer.update(first, first)
+    assert torch.equal(keys, first)  # the prefill chunk attends to itself unquantised
+    second = torch.randn(1, 1, 3, 8, dtype=torch.bfloat16) * 3
+    keys, _ = layer.update(second, second)
+    assert torch.equal(keys[..., :4, :], fp8.dequantize(fp8.quantize(first, 1.0, "e4m3"), 1.0, torch.bfloat16))
+    assert torch.equal(keys[..., 4:, :], second)
+    step = torch.randn(1, 1, 1, 8, dtype=torch.bfloat16) * 3
+    keys, _ = layer.update(step, step)  # a decode step reads everything, itself included, from the cache
+    assert torch.equal(keys[..., -1:, :], fp8.dequantize(fp8.quantize(step, 1.0, "e4m3"), 1.0, torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_bf16_path_is_bit_identical_even_with_scales(loaded, arch):
+    # Failure class 3: scales present on a BF16 cache must change nothing.
+    model = loaded[arch]
+    reference = model.backend(None).score_sync(CHAT, [30, 31, 32, 33])
+    for spec in ("bf16", "bf16:calibrated", "bf16:warmup"):
+        scored = model.backend(parse_path(spec)).score_sync(CHAT, [30, 31, 32, 33])
+        assert torch.equal(scored.logprobs, reference.logprobs), spec
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_fp8_path_changes_logits_a_little(loaded, arch):
+    model = loaded[arch]
+    reference = model.backend(None).score_sync(CHAT, [30, 31, 32, 33]).logprobs
+    scored = model.backend(parse_path("fp8_e4m3")).score_sync(CHAT, [30, 31, 32, 33]).logprobs
+    difference = (scored - reference).abs().max().item()
+    # e4m3 keeps 3 mantissa bits (relative step 2^-3); on these random models that moves logprobs
+    # by far less than 1 nat, and it must move them at all, or the cache layer was bypassed.
+    assert 0 < difference < 1.0
+
+
+def test_calibrated_scales_are_amax_over_max(loaded):
+    model = loaded["gqa"]
+    scales = model.scales_for(parse_path("fp8_e4m3:per_head:calibrated"))
+    assert set(scales.k) == {0, 1} and scales.k[0].shape == (2,)  # 2 KV heads
+    per_tensor = model.scales_for(parse_path("fp8_e4m3:calibrated"))
+    assert torch.equal(per_tensor.k[0], scales.k[0].max())
+    e5m2 = model.scales_for(parse_path("fp8_e5m2:calibrated"))
+    torch.testing.assert_close(e5m2.k[0] * 57344, per_tensor.k[0] * 448)  # same amax, other format max
+
+
+def test_checkpoint_scales_are_read_and_missing_ones_named(loaded, tmp_path, tiny_models):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "with-scales"
+    shutil.copytree(tiny_models["gqa"], model_dir)
+    tensors = {f"model.layers.{i}.self_attn.{n}": torch.tensor(0.05 * (i + 1)) for i in (0, 1) for n in ("k_scale", "v_scale")}
+    save_file(tensors, str(model_dir / "kv_scales.safetensors"))
+    model = InProcessModel.load(model_dir)
+    scales = model.scales_for(parse_path("fp8_e4m3:checkpoint"))
+    assert scales.k[1].item() == pytest.approx(0.1)
+    with pytest.raises(ValueError, match=r"has no k_scale/v_scale for attention layers \[0, 1\]"):
+        loaded["gqa"].scales_for(parse_path("fp8_e5m2:checkpoint"))
+
+
+@pytest.mark.parametrize("spec, expect_nan", [("fp8_e4m3", False), ("fp8_e4m3:nosat", True)])
+def test_overflow_saturates_or_turns_to_nan(spec, expect_nan):
+    from harness.cache import KVWriteStats
+
+    stats = KVWriteStats()
+    layer = QuantizedKVLayer(parse_path(spec), torch.tensor(1e-3), torch.tensor(1.0), stats)
+    key = torch.full((1, 1, 2, 4), 1.0, dtype=torch.bfloat16)  # 1.0 / 1e-3 = 1000 > 448
+    keys, _ = layer.update(key, key)
+    assert stats.clipped == 8 and stats.amax_over_max == pytest.approx(1000 / 448, rel=1e-2)
+    if expect_nan:  # torch's plain cast: e4m3fn has no inf, overflow becomes NaN
+        assert keys.isnan().all() and stats.nonfinite == 8
+    else:  # saturating cast: 448 * 1e-3 read back
+        assert torch.allclose(keys.float(), torch.full_like(keys.float(), 0.448), rtol=1e-2) and stats.nonfinite == 0
+
+
+def test_generation_reports_cast_statistics(loaded):
+    generation = loaded["gqa"].backend(parse_path("fp8_e4m3")).generate_sync(CHAT, 4)
+    assert generation.metrics["kv_clipped_frac"] == 0.0  # scale 1.0 on these small activations: nothing clips
+    assert generation.prompt_tokens == len(loaded["gqa"].encode_chat(CHAT))
+    assert loaded["gqa"].backend(None).generate_sync(CHAT, 4).metrics is None  # reference: no cast

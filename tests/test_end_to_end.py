@@ -1,0 +1,125 @@
+"""`harness run` end to end on tiny random models of all three families, and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.cli import main
+from harness.summary import records_frame
+
+SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+PATHS = "bf16,fp8_e4m3,fp8_e5m2:per_token,fp8_e4m3:per_head:calibrated"
+
+
+def _table(run_dir: Path) -> pd.DataFrame:
+    frame = records_frame(run_dir)
+    return frame.sort_values(["model", "scenario", "path", "turn", "metric"]).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_models, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "full"
+    argv = ["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", PATHS, "--no-progress"]
+    for arch in ("gqa", "mla", "hybrid"):
+        argv += ["--model", str(tiny_models[arch])]
+    assert main(argv) == 0
+    return out
+
+
+def test_every_model_path_and_turn_has_records(full_run):
+    frame = _table(full_run)
+    assert set(frame["model"]) == {"gqa", "mla", "hybrid"}
+    assert set(frame["path"]) == {"reference", *PATHS.split(",")}
+    kl = frame[frame["metric"] == "kl_max"]
+    # 4 scenarios; the chat's fixed middle turn generates nothing: 2 + 1 + 2 + 1 generated turns.
+    assert len(kl) == 3 * 4 * 6
+    manifest = json.loads((full_run / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert {m["label"] for m in manifest["models"]} == {"gqa", "mla", "hybrid"}
+    assert all(m["random_weights"] for m in manifest["models"])
+    assert manifest["versions"]["torch"] and manifest["scenario_files"][0]["sha256"]
+
+
+def test_bf16_noise_floor_is_exactly_zero(full_run):
+    frame = _table(full_run)
+    bf16 = frame[frame["path"] == "bf16"].set_index("metric")["value"]
+    assert (bf16.loc["kl_max"] == 0).all() and (bf16.loc["exact_match"] == 1).all()
+    assert (bf16.loc["top1_agree"] >= 0).all()
+    manifest = json.loads((full_run / "manifest.json").read_text())
+    assert all(max(floor.values()) == 0 for floor in manifest["noise_floor"].values())
+
+
+def test_fp8_paths_measure_some_divergence(full_run):
+    frame = _table(full_run)
+    fp8 = frame[(frame["path"] != "bf16") & (frame["path"] != "reference") & (frame["metric"] == "kl_max")]
+    assert (fp8["value"] > 0).any() and (fp8["value"] >= 0).all()
+
+
+def test_texts_series_and_checks_are_stored(full_run):
+    texts = [json.loads(line) for line in (full_run / "texts.jsonl").read_text().splitlines()]
+    fixed = [t for t in texts if t["scenario"] == "smoke-chat" and t["turn"] == 1]
+    assert fixed and all(t["text"] == "Ten dollars. Thanks" and t["fixed"] for t in fixed)
+    series = [json.loads(line) for line in (full_run / "series.jsonl").read_text().splitlines()]
+    assert {s["series"] for s in series} == {"kl", "top1_agree", "ref_logprob_delta", "ref_rank"}
+    checks = [json.loads(line) for line in (full_run / "checks.jsonl").read_text().splitlines()]
+    assert checks and all(c["metric"] == "kl_max" and c["scenario"] == "smoke-arith" for c in checks)
+    assert (full_run / "report" / "index.html").is_file()
+
+
+def test_own_history_differs_only_in_history(tiny_models, tmp_path):
+    out = tmp_path / "own"
+    argv = ["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "bf16", "--no-progress",
+            "--model", str(tiny_models["gqa"]), "--history-mode", "own-history"]
+    assert main(argv) == 0
+    frame = _table(out)
+    assert (frame[(frame["path"] == "bf16") & (frame["metric"] == "exact_match")]["value"] == 1).all()
+
+
+def test_bad_inputs_fail_before_running(tiny_models, tmp_path, capsys):
+    assert main(["run", "--paths", "fp8:per_chanel", "--model", str(tiny_models["gqa"]),
+                 "--out", str(tmp_path / "a"), "--scenarios", str(SCENARIOS)]) == 2
+    assert "unknown option 'per_chanel'" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("scenarios:\n  - id: x\n    kind: chat\n    turns: []\n")
+    assert main(["run", "--scenarios", str(broken), "--model", str(tiny_models["gqa"]),
+                 "--out", str(tmp_path / "b")]) == 2
+    assert "broken.yaml" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def _harness(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path, how):
+    out = tmp_path / "killed"
+    args = ["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", PATHS, "--no-progress"]
+    for arch in ("gqa", "mla", "hybrid"):
+        args += ["--model", str(tiny_models[arch])]
+    process = _harness(*args)
+    done = out / "done.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not done.exists() or len(done.read_text().splitlines()) < 12):
+        time.sleep(0.05)
+    os.kill(process.pid, how)
+    process.communicate(timeout=60)
+    finished_before = len(done.read_text().splitlines())
+    assert 12 <= finished_before < 3 * 4 * 5, "the kill must land mid-run"
+    if how == signal.SIGINT:
+        assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+    resumed = _harness(*args, "--resume")
+    stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr
+    done_rows = [json.loads(line) for line in done.read_text().splitlines()]
+    assert len(done_rows) == len({tuple(r.values()) for r in done_rows}) == 3 * 4 * 5  # nothing done twice
+    pd.testing.assert_frame_equal(_table(out), _table(full_run))

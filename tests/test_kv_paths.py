@@ -1,0 +1,49 @@
+import pytest
+
+from harness.kv_paths import PathSpecError, parse_path, parse_paths
+
+
+@pytest.mark.parametrize("spec, fmt, granularity, source, saturate, current_chunk", [
+    ("bf16", "bf16", "per_tensor", "default", True, True),
+    ("fp8", "e4m3", "per_tensor", "default", True, True),
+    ("fp8_e4m3:per_head:calibrated", "e4m3", "per_head", "calibrated", True, True),
+    ("fp8_e5m2:per_token", "e5m2", "per_token", "dynamic", True, True),
+    ("fp8_e5m2:checkpoint", "e5m2", "per_tensor", "checkpoint", True, True),  # class 5: valid, never refused
+    ("fp8_e4m3:nosat:raw_prefill:warmup", "e4m3", "per_tensor", "warmup", False, False),  # options in any order
+    ("bf16:checkpoint", "bf16", "per_tensor", "checkpoint", True, True),  # class 3: scales present, cache bf16
+    (" fp8_e4m3 : per_head ", "e4m3", "per_head", "default", True, True),
+])
+def test_parse_valid(spec, fmt, granularity, source, saturate, current_chunk):
+    path = parse_path(spec)
+    assert (path.fmt, path.granularity, path.scale_source, path.saturate, path.quantize_current_chunk) == (
+        fmt, granularity, source, saturate, current_chunk)
+    assert parse_path(path.canonical).canonical == path.canonical  # canonical form parses to itself
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("", "empty KV path spec"),
+    ("fp9", "unknown cache format 'fp9'"),
+    ("int8:per_head", "unknown cache format 'int8'"),
+    ("fp8:per_chanel", "unknown option 'per_chanel'"),
+    ("fp8:per_head:per_token", "sets granularity twice"),
+    ("fp8:calibrated:checkpoint", "sets scale_source twice"),
+    ("fp8:per_token:calibrated", "per_token scales are computed from each token"),
+    ("fp8_e5m2:sat:nosat", "sets cast twice"),
+])
+def test_parse_errors_name_the_reason(spec, reason):
+    with pytest.raises(PathSpecError, match=reason):
+        parse_path(spec)
+
+
+def test_parse_paths_lists_and_duplicates():
+    assert [p.name for p in parse_paths("bf16, fp8_e4m3")] == ["bf16", "fp8_e4m3"]
+    assert [p.name for p in parse_paths(["bf16", "fp8_e5m2,fp8"])] == ["bf16", "fp8_e5m2", "fp8"]
+    with pytest.raises(PathSpecError, match="listed twice: bf16"):
+        parse_paths("bf16,fp8,bf16")
+    with pytest.raises(PathSpecError, match="no KV paths"):
+        parse_paths(" , ")
+
+
+def test_describe_says_scales_are_ignored_on_bf16():
+    assert "ignored" in parse_path("bf16:checkpoint").describe()
+    assert "1.0" in parse_path("fp8").describe()
