@@ -66,6 +66,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.kv_path = kv_path
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stats = stats
+        self.paged = None  # harness.attention.PagedKV when decode runs through our kernels
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
@@ -73,6 +74,8 @@ class QuantizedKVLayer(DynamicLayer):
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
         keys, values = super().update(self._round_trip(key_states, self.k_scale),
                                       self._round_trip(value_states, self.v_scale))
+        if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
+            self.paged.write(key_states, value_states)
         chunk = key_states.shape[-2]
         if self.kv_path.quantize_current_chunk or chunk == 1:
             return keys, values

@@ -32,6 +32,10 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kv_clipped_frac": "lower",          # fraction of values with |x / scale| > fp8 max
     "kv_nonfinite": "lower",             # NaN/inf values read back from the cache
     "kv_amax_over_max": "lower",         # largest |x / scale| / fp8 max; > 1 means the scale is too small
+    # our decode kernel against an fp64 computation over the same cache (GPU runs)
+    "kernel_max_abs_err": "lower",       # max |kernel - fp64| over the turn's decode steps and layers
+    "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
+    "kernel_steps": "none",              # decode attention calls that ran through the kernel
     # context, not quality
     "context_tokens": "none",            # prompt length of the turn, for plots against context length
 }

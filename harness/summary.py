@@ -17,6 +17,7 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "kl_max": ("KL max", "max"),
     "top1_agree": ("top-1 agree", "mean"),
     "kv_clipped_frac": ("clipped", "mean"),
+    "kernel_err_ratio": ("kernel err / torch err", "max"),  # GPU runs: our decode kernel's agreement
 }
 
 

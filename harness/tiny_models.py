@@ -28,7 +28,7 @@ def tiny_config(arch: str):
         from transformers import DeepseekV3Config
 
         return DeepseekV3Config(num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                                 first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32, n_group=1, topk_group=1, **common)
     if arch == "hybrid":

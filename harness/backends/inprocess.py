@@ -10,38 +10,19 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from harness import attention
+from harness.attention import ATTENTION_NAME, KernelAgreement, PagedKV
 from harness.backends.base import Generation, Message, Scores
 from harness.cache import (KVWriteStats, LayerScales, build_cache, observer_cache, scales_from_checkpoint,
                            scales_from_observers, unit_scales)
 from harness.kv_paths import KVPath
 from harness.tiny_models import RANDOM_WEIGHTS_MARKER
 
-ATTENTION_NAME = "harness"
-# Hook for later stages: (module, query, key, value, output) -> None, per attention call.
-AttentionObserver = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def harness_attention(module, query, key, value, attention_mask, **kwargs):
-        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        observer = getattr(module, "harness_observer", None)
-        if observer is not None:
-            observer(module, query, key, value, output)
-        return output, weights
-
-    AttentionInterface.register(ATTENTION_NAME, harness_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-_register_attention()
+attention.register()
 
 
 def sha256_of_dir(directory: Path) -> str:
@@ -64,6 +45,7 @@ class InProcessModel:
     arch: str
     random_weights: bool
     calibration_chats: list = field(default_factory=list)  # list[list[Message]]; empty = defaults
+    use_kernels: bool = False  # decode of FP8 paths through our Triton kernels (CUDA)
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
 
     @classmethod
@@ -76,8 +58,13 @@ class InProcessModel:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation=ATTENTION_NAME)
         model.to(device).eval()
+        import os
+
+        wanted = os.environ.get("HARNESS_KERNELS", "auto")  # auto | off | reference (torch stand-ins, any device)
+        use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
-                   arch=model.config.model_type, random_weights=(directory / RANDOM_WEIGHTS_MARKER).exists())
+                   arch=model.config.model_type, random_weights=(directory / RANDOM_WEIGHTS_MARKER).exists(),
+                   use_kernels=use_kernels)
 
     def describe(self) -> dict:
         return {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
@@ -100,8 +87,13 @@ class InProcessModel:
             return None
         key = (kv_path.fmt, kv_path.granularity, kv_path.scale_source)
         if key not in self._scales:
-            self._scales[key] = self._compute_scales(kv_path)
+            scales = self._compute_scales(kv_path)
+            self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales
         return self._scales[key]
+
+    @property
+    def is_mla(self) -> bool:
+        return getattr(self.model.config, "kv_lora_rank", None) is not None
 
     def _compute_scales(self, kv_path: KVPath) -> LayerScales | None:
         from harness import calibration
@@ -132,6 +124,13 @@ class InProcessModel:
         return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
 
 
+def _one_scale_per_latent(scales: LayerScales) -> LayerScales:
+    """MLA engines keep [latent | k_pe] in one cache with one scale: use max(k_scale, v_scale) for both."""
+    merged = {i: torch.maximum(scales.k[i].max(), scales.v[i].max()) for i in scales.k if i in scales.v}
+    return LayerScales(k=merged, v=dict(merged), source=scales.source,
+                       provenance=scales.provenance + "; one scale per MLA latent cache")
+
+
 def _carry_amax(used, fresh):
     """A fresh observer cache (empty KV) that keeps the running amax of `used`."""
     for old, new in zip(used.layers, fresh.layers):
@@ -152,6 +151,7 @@ class InProcessBackend:
             described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
         if self.scales is not None:
             described["scales"] = self.scales.summary()
+        described["decode_kernel"] = self._kernel_reason() or "triton (kernels/)"
         return described
 
     def _cache(self):
@@ -169,9 +169,39 @@ class InProcessBackend:
     @torch.inference_mode()
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         """Greedy decoding: prefill the prompt, then one token per step through the same cache."""
-        model, tokenizer, device = self.owner.model, self.owner.tokenizer, self.owner.device
         stats = KVWriteStats()
-        cache = build_cache(model.config, self.kv_path, self.scales, stats)
+        cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
+        agreement = self._attach_kernels(cache)
+        token = attention.active_cache.set(cache)
+        try:
+            return self._greedy(cache, messages, max_new_tokens, stats, agreement)
+        finally:
+            attention.active_cache.reset(token)
+
+    def _kernel_reason(self) -> str | None:
+        """Why decode does not run through our kernels for this path (None: it does)."""
+        if not self.owner.use_kernels:
+            return "kernels off (CPU, or HARNESS_KERNELS=off)"
+        if self.kv_path is None or not self.kv_path.is_fp8:
+            return "not an FP8 path"
+        if self.kv_path.granularity == "per_token":
+            return "per-token scales: the kernels take per-tensor or per-head scales"
+        return None
+
+    def _attach_kernels(self, cache) -> KernelAgreement | None:
+        if self._kernel_reason() is not None:
+            return None
+        agreement, ops = KernelAgreement(), attention.kernel_ops()
+        fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[self.kv_path.fmt]
+        for layer in cache.layers:
+            if hasattr(layer, "paged"):
+                layer.paged = PagedKV(fmt_dtype, layer.k_scale.float().to(self.owner.device),
+                                      layer.v_scale.float().to(self.owner.device), self.kv_path.saturate,
+                                      self.owner.is_mla, ops, agreement)
+        return agreement
+
+    def _greedy(self, cache, messages, max_new_tokens, stats, agreement) -> Generation:
+        model, tokenizer, device = self.owner.model, self.owner.tokenizer, self.owner.device
         prompt = self.owner.encode_chat(messages)
         step_ids = torch.tensor([prompt], device=device)
         token_ids: list[int] = []
@@ -188,9 +218,11 @@ class InProcessBackend:
             token_ids.append(next_id)
             step_ids = torch.tensor([[next_id]], device=device)
         tokens = [tokenizer.decode([t]) for t in token_ids]
+        metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
+        if agreement is not None:
+            metrics.update(agreement.as_record())
         return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
-                          tokens=tokens, prompt_tokens=len(prompt),
-                          metrics=stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None)
+                          tokens=tokens, prompt_tokens=len(prompt), metrics=metrics)
 
     @torch.inference_mode()
     def score_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:

@@ -1,0 +1,34 @@
+"""The harness's decode-kernel path (paged FP8 copy + absorbed MLA), exercised with the torch reference
+ops standing in for the Triton launchers (HARNESS_KERNELS=reference), so it runs on the CPU; the same
+code with the real kernels runs under --gpu in tests/test_harness_gpu.py."""
+
+import pytest
+
+from harness.backends.base import Message
+from harness.backends.inprocess import InProcessModel
+from harness.kv_paths import parse_path
+
+CHAT = [Message("user", "What is 7 * 8 + 3 * 4? Then tell me more.")]
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated"])
+def test_kernel_path_agrees_with_torch(tiny_models, monkeypatch, arch, spec):
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    model = InProcessModel.load(tiny_models[arch])
+    backend = model.backend(parse_path(spec))
+    generation = backend.generate_sync(CHAT, 8)
+    attention_layers = 1 if arch == "hybrid" else 2
+    assert generation.metrics["kernel_steps"] == attention_layers * (len(generation.token_ids) - (
+        generation.finish_reason == "length"))  # one kernel call per decode step per attention layer
+    # The reference ops round the output to bf16 once, as SDPA does: their error against fp64 must be
+    # within a small multiple of SDPA's own (MLA adds the absorbed projections' rounding: hence 4, not 2).
+    assert generation.metrics["kernel_err_ratio"] <= 4.0
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+
+
+def test_per_token_paths_say_why_no_kernel(tiny_models, monkeypatch):
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(tiny_models["gqa"]).backend(parse_path("fp8_e4m3:per_token"))
+    assert "per-token" in backend.describe()["decode_kernel"]
+    assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
