@@ -43,6 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
                      help="what earlier turns a path sees: the reference's replies or its own")
+    run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
+                     help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -59,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
     from harness.scenarios import ScenarioError
     from harness.store import RunStoreError
 
-    warnings = []
+    warnings, config = [], None
     if args.model:
         models = tuple(args.model)
     else:
@@ -75,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
             models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
+            calibration_paths=tuple(args.calibration or ()),
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
@@ -83,8 +86,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        where = f"--out {config.out} " if config else ""
         print(f"\ninterrupted: finished work is stored; continue with "
-              f"harness run --out {config.out} --resume (same arguments)", file=sys.stderr)
+              f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
     _print_run_end(run_dir, time.perf_counter() - started, warnings)
     return 0

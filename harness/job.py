@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from harness.backends.base import Message
 from harness.kv_paths import KVPath, parse_paths
 from harness.metrics import noise_floor
 from harness.runner import REFERENCE, Replay
@@ -39,6 +40,7 @@ class RunConfig:
     resume: bool = False
     seed: int = 0
     command: str = ""
+    calibration_paths: tuple[Path, ...] = ()
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -125,6 +127,7 @@ def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
         "models": [], "scenario_files": [{"file": f, "sha256": _file_sha256(Path(f))} for f in files],
         "scenarios": [{"id": s.id, "kind": s.kind, "hash": s.content_hash, "source": s.source} for s in scenarios],
         "paths": [{"name": p.name, "canonical": p.canonical, "description": p.describe()} for p in config.paths],
+        "calibration_files": [str(p) for p in config.calibration_paths] or "built-in (harness/calibration.py)",
         "scales": {}, "noise_floor": {}, "warnings": [],
     }
 
@@ -146,6 +149,8 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     from harness.backends.inprocess import InProcessModel
 
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
+    calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
+        if config.calibration_paths else []
     if config.resume:
         store = RunStore.resume(config.out)
         _check_resumable(store, config, scenarios)
@@ -158,6 +163,7 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     try:
         for directory in config.models:
             loaded = InProcessModel.load(directory, device=config.device)
+            loaded.calibration_chats = calibration_chats
             label = model_label(directory)
             _note_model(store, label, loaded, warn)
             backends = [loaded.backend(path) for path in config.paths]
@@ -176,6 +182,20 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
         if bar:
             bar.close()
     return config.out
+
+
+def calibration_chats_from(scenarios: list[Scenario]) -> list[list[Message]]:
+    """Each scenario's whole conversation as far as its text is fixed: system prompt and user turns, with
+    fixed assistant replies where given (calibration needs activations, not answers)."""
+    chats = []
+    for scenario in scenarios:
+        chat = [Message("system", scenario.system)] if scenario.system else []
+        for turn in scenario.turns:
+            chat.append(Message("user", turn.user))
+            if turn.assistant is not None:
+                chat.append(Message("assistant", turn.assistant))
+        chats.append(chat)
+    return chats
 
 
 def _note_model(store: RunStore, label: str, loaded, warn) -> None:

@@ -84,6 +84,17 @@ def test_own_history_differs_only_in_history(tiny_models, tmp_path):
     assert (frame[(frame["path"] == "bf16") & (frame["metric"] == "exact_match")]["value"] == 1).all()
 
 
+def test_calibration_scenarios_set_the_scales(tiny_models, tmp_path):
+    out = tmp_path / "calibrated"
+    assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "fp8_e4m3:calibrated",
+                 "--calibration", str(SCENARIOS), "--model", str(tiny_models["gqa"]), "--no-progress"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    scales = manifest["scales"]["gqa"]["fp8_e4m3:calibrated"]
+    assert scales["source"] == "calibrated" and "4 calibration chats" in scales["provenance"]
+    assert 0 < scales["k_scale"]["min"] <= scales["k_scale"]["max"]
+    assert manifest["calibration_files"] == [str(SCENARIOS)]
+
+
 def test_bad_inputs_fail_before_running(tiny_models, tmp_path, capsys):
     assert main(["run", "--paths", "fp8:per_chanel", "--model", str(tiny_models["gqa"]),
                  "--out", str(tmp_path / "a"), "--scenarios", str(SCENARIOS)]) == 2
