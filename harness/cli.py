@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,48 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
+    report.add_argument("run", type=Path, metavar="RUN")
+    report.add_argument("--out", type=Path, metavar="DIR", help="default: RUN/report")
+    compare = commands.add_parser("compare", help="compare two stored runs; exit 1 on a regression (for CI)")
+    compare.add_argument("run_a", type=Path, metavar="RUN_A", help="the baseline")
+    compare.add_argument("run_b", type=Path, metavar="RUN_B", help="the candidate")
+    compare.add_argument("--out", type=Path, metavar="DIR", help="default: ./compare-<A>-vs-<B>")
+    compare.add_argument("--threshold", action="append", metavar="SPEC",
+                         help="e.g. kl_max:+0.02 (B may be worse than A by at most this) or kl_max:0.05 (a limit)")
+    export = commands.add_parser("export", help="export a run's records as a table")
+    export.add_argument("run", type=Path, metavar="RUN")
+    export.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from harness.report import render_run_report
+
+    print(render_run_report(args.run, args.out))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from harness.compare import compare_runs, default_compare_dir
+
+    result = compare_runs(args.run_a, args.run_b, out_dir=args.out or default_compare_dir(args.run_a, args.run_b),
+                          thresholds=args.threshold)
+    print(result.summary_line)
+    print(f"report: {result.report_path}", file=sys.stderr)
+    return 1 if result.regressed else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from harness.report import export_run
+
+    print(export_run(args.run, args.format, args.out))
+    return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _progress(total: int):
@@ -116,11 +158,19 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
     print(f"report: {report}")
 
 
+COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "run":
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted
         return _run(args)
-    return 2
+    try:
+        return COMMANDS[args.command](args)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
