@@ -36,6 +36,12 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kernel_max_abs_err": "lower",       # max |kernel - fp64| over the turn's decode steps and layers
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
     "kernel_steps": "none",              # decode attention calls that ran through the kernel
+    # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
+    "judge_rule": "higher",
+    "judge_agreement": "higher",
+    "judge_llm": "higher",
+    "judge_llm_reference": "higher",
+    "judge_pairwise": "higher",
     # context, not quality
     "context_tokens": "none",            # prompt length of the turn, for plots against context length
 }

@@ -20,13 +20,24 @@ def fp8_dtype(fmt: str) -> torch.dtype:
     return FP8_DTYPES[fmt]
 
 
+# |x / s| beyond which a non-saturating cast overflows: max + half an ulp (448 + 16, 57344 + 4096).
+# At exactly that value e4m3 ties to even (448), e5m2 ties to even (inf), hence > and >= below.
+OVERFLOW_AT = {"e4m3": 464.0, "e5m2": 61440.0}
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str, saturate: bool = True) -> torch.Tensor:
-    """fp8(x / scale). Saturating clamps finite overflow to +-max (NaN stays NaN); non-saturating is
-    torch's plain cast, under which e4m3 overflow becomes NaN and e5m2 overflow becomes inf."""
+    """fp8(x / scale), round to nearest even. Saturating clamps finite overflow and +-inf to +-max (NaN
+    stays NaN); non-saturating overflows as the OCP cast without saturation: e4m3 (no inf) to NaN, e5m2 to
+    +-inf. Written out rather than left to torch's plain cast, which saturates e4m3 from torch 2.12 on
+    (pytorch#178817) and gave NaN before; in-range values are torch's cast either way."""
     scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    limit = FP8_MAX[fmt]
     if saturate:
-        limit = FP8_MAX[fmt]
         scaled = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit))
+    elif fmt == "e4m3":
+        scaled = torch.where(scaled.abs() > OVERFLOW_AT[fmt], torch.copysign(torch.tensor(float("nan")), scaled), scaled)
+    else:
+        scaled = torch.where(scaled.abs() >= OVERFLOW_AT[fmt], torch.copysign(torch.tensor(float("inf")), scaled), scaled)
     return scaled.to(fp8_dtype(fmt))
 
 
@@ -43,3 +54,110 @@ def amax_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 def per_token_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Dynamic per-token scale over the last dim: x [..., D] -> scale [..., 1]."""
     return amax_scale(x.float().abs().amax(dim=-1, keepdim=True), fmt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged-cache ops. Layouts (vLLM-style paging: slot = block * block_size + offset):
+#   k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]   fp8 codes, or bf16/fp16 values
+#   latent cache:     [num_blocks, block_size, latent_dim + rope_dim] (MLA: kv_c_normed then k_pe)
+#   block_table:      [batch, max_blocks] int32, seq_lens: [batch] int32, slot_mapping: [tokens] int64
+# An fp8 cache is read as codes * scale; a bf16/fp16 cache is read as is and its scales are ignored
+# (failure class 3: a checkpoint's k_scale must never touch a BF16 cache).
+# ---------------------------------------------------------------------------------------------------
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES.values()
+
+
+def fp8_format(dtype: torch.dtype) -> str:
+    return next(fmt for fmt, d in FP8_DTYPES.items() if d == dtype)
+
+
+def _head_scale(scale: torch.Tensor | float | None, trailing_dims: int) -> torch.Tensor:
+    """Scale [] or [heads] -> broadcastable over [..., heads, *trailing] (a [] scale stays [])."""
+    s = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32)
+    return s.reshape(s.shape + (1,) * trailing_dims) if s.dim() else s
+
+
+def _encode(x: torch.Tensor, cache_dtype: torch.dtype, scale, saturate: bool) -> torch.Tensor:
+    """Bytes to write: fp8(x / scale) for an fp8 cache, a plain cast otherwise (scale ignored)."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    return quantize(x, scale.to(x.device), fp8_format(cache_dtype), saturate)
+
+
+def _write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache.flatten(0, 1)[slot] = row for every slot >= 0 (fp8 written through a uint8 view)."""
+    assert cache.is_contiguous(), "reference writes need a contiguous cache"
+    keep = slot_mapping >= 0
+    flat = cache.view(-1, *cache.shape[2:])                          # [num_blocks * block_size, ...]
+    if is_fp8(cache.dtype):
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat[slot_mapping[keep].to(flat.device)] = rows[keep.to(rows.device)].to(flat.device)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale, v_scale, saturate: bool = True) -> None:
+    """Write token n's K/V ([N, kv_heads, head_dim]) into slot slot_mapping[n]; slot -1 skips the token.
+    fp8 cache: fp8(x / scale) with scale [] (per tensor) or [kv_heads] (per head); bf16 cache: copy."""
+    _write_slots(k_cache, slot_mapping, _encode(key, k_cache.dtype, _head_scale(k_scale, 1), saturate))
+    _write_slots(v_cache, slot_mapping, _encode(value, v_cache.dtype, _head_scale(v_scale, 1), saturate))
+
+
+def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, scale, saturate: bool = True) -> None:
+    """MLA: write [latent | k_pe] ([N, Dc] and [N, Dr]) as one cache row, one scale [] for both."""
+    rows = torch.cat([latent, k_pe], dim=-1)                          # [N, Dc + Dr]
+    _write_slots(cache, slot_mapping, _encode(rows, cache.dtype, _head_scale(scale, 0), saturate))
+
+
+def _read_sequence(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, scale, trailing_dims: int):
+    """The first seq_len cache rows of one sequence, in token order, as fp32 values."""
+    num_pages = -(-seq_len // cache.shape[1])
+    pages = table_row[:num_pages].long().to(cache.device)
+    raw = cache.view(torch.uint8)[pages].view(cache.dtype) if is_fp8(cache.dtype) else cache[pages]
+    rows = raw.flatten(0, 1)[:seq_len]                                # [seq_len, ...]
+    if not is_fp8(cache.dtype):
+        return rows.float()
+    return dequantize(rows, _head_scale(scale, trailing_dims).to(rows.device))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, k_scale, v_scale, sm_scale: float,
+                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged GQA decode: for query head h of sequence b, over its seq_lens[b] cached tokens,
+        s_j = sm_scale * q[b, h] . K_j[h // group],   out = sum_j softmax(s)_j V_j[h // group],
+        lse = log sum_j exp(s_j)   (natural log; -inf for an empty sequence).
+    q: [B, Hq, D] -> (out [B, Hq, D] in q.dtype, lse [B, Hq] fp32). num_splits is a kernel knob only."""
+    del num_splits
+    batch, q_heads, _ = q.shape
+    group = q_heads // k_cache.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        k = _read_sequence(k_cache, block_table[b], seq_len, k_scale, 1).repeat_interleave(group, dim=1)
+        v = _read_sequence(v_cache, block_table[b], seq_len, v_scale, 1).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float().to(k.device), k) * sm_scale  # [Hq, seq_len]
+        lse[b] = torch.logsumexp(scores, dim=-1).to(lse.device)
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype).to(q.device)
+    return out, lse
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale, sm_scale: float,
+               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode with absorbed projections over a latent cache row [c (Dc) | k_pe (Dr)]:
+        s_j = sm_scale * (q_latent . c_j + q_pe . k_pe_j),   out = sum_j softmax(s)_j c_j  (latent space),
+        lse = log sum_j exp(s_j). q_latent: [B, H, Dc], q_pe: [B, H, Dr] -> (out [B, H, Dc], lse [B, H])."""
+    del num_splits
+    batch, heads, latent_dim = q_latent.shape
+    out = torch.zeros_like(q_latent)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=q_latent.device)
+    for b in range(batch):
+        rows = _read_sequence(cache, block_table[b], int(seq_lens[b]), scale, 0)   # [seq_len, Dc + Dr]
+        c, pe = rows[:, :latent_dim], rows[:, latent_dim:]
+        scores = (q_latent[b].float().to(c.device) @ c.T + q_pe[b].float().to(c.device) @ pe.T) * sm_scale
+        lse[b] = torch.logsumexp(scores, dim=-1).to(lse.device)
+        out[b] = (torch.softmax(scores, dim=-1) @ c).to(q_latent.dtype).to(q_latent.device)
+    return out, lse

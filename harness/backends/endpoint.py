@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -73,11 +72,11 @@ class RequestPolicy:
     max_backoff_s: float = 30.0  # cap on any wait, Retry-After included
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "timeout_s", "backoff_s", "max_backoff_s"):
-            if not getattr(self, name) > 0 and not (name == "backoff_s" and self.backoff_s == 0):
-                raise ValueError(f"RequestPolicy.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.retries < 0:
-            raise ValueError(f"RequestPolicy.retries must be >= 0, got {self.retries!r}")
+        for name, low in (("concurrency", 1), ("retries", 0), ("backoff_s", 0.0), ("max_backoff_s", 0.0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"RequestPolicy.{name} must be >= {low}, got {getattr(self, name)!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"RequestPolicy.timeout_s must be > 0, got {self.timeout_s!r}")
 
 
 def request_key(url: str, body: dict) -> str:
@@ -141,6 +140,7 @@ class RequestClient:
         for _ in range(policy.concurrency):
             self._lanes.put_nowait(None)  # clients are made on first use
         self._clients: list[httpx.AsyncClient] = []
+        self._urls: dict[str, httpx.URL] = {}  # path -> parsed absolute URL: httpx's parsing costs ~0.3 ms
 
     def _new_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
@@ -153,6 +153,11 @@ class RequestClient:
                                    timeout=httpx.Timeout(self.policy.timeout_s), transport=transport)
         self._clients.append(client)
         return client
+
+    def _url(self, path: str) -> httpx.URL:
+        if path not in self._urls:
+            self._urls[path] = httpx.URL(self.base_url + path)
+        return self._urls[path]
 
     async def post(self, path: str, body: dict, *, cache: bool = True) -> dict:
         url = self.base_url + path
@@ -204,7 +209,7 @@ class RequestClient:
             client = client or self._new_client()
             try:
                 async with asyncio.timeout(self.policy.timeout_s):
-                    response = await client.request(method, path, content=content, headers=headers)
+                    response = await client.request(method, self._url(path), content=content, headers=headers)
             except TimeoutError:
                 raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
             except httpx.TimeoutException as error:
@@ -255,6 +260,9 @@ def normalise_base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"endpoint URL {url!r} must start with http:// or https://")
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError("endpoint URL holds credentials; name an environment variable holding the API key "
+                         "instead (api_key_env), so no key is written to runs or logs")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
@@ -276,7 +284,8 @@ class EndpointConfig:
     def __post_init__(self) -> None:
         normalise_base_url(self.url)
         if not 1 <= self.top_logprobs <= 20:
-            raise ValueError(f"EndpointConfig.top_logprobs must be in 1..20 (the OpenAI limit), got {self.top_logprobs}")
+            raise ValueError(f"EndpointConfig.top_logprobs must be in 1..20 (the OpenAI limit), "
+                             f"got {self.top_logprobs}")
 
 
 class EndpointBackend:
@@ -293,7 +302,7 @@ class EndpointBackend:
         self._model: str | None = config.model
         self._lock = asyncio.Lock()
         self.capabilities: dict[str, str] = {}
-        self._token_text: dict[int, str] = {}
+        self._token_text: dict[int, asyncio.Future[str]] = {}  # token id -> its text, from /detokenize
 
     # ------------------------------------------------------------ Backend
 
@@ -396,10 +405,11 @@ class EndpointBackend:
         if self._tokenizer is None:
             return None
         if self._vocab_by_text is None:
-            table: dict[str, int] = {}
+            ids_by_text: dict[str, list[int]] = {}
             for token_id in range(len(self._tokenizer)):
-                table.setdefault(self._tokenizer.decode([token_id]), token_id)
-            self._vocab_by_text = table
+                ids_by_text.setdefault(self._tokenizer.decode([token_id]), []).append(token_id)
+            # a text several ids decode to names none of them: those replies fall back to /tokenize
+            self._vocab_by_text = {text: ids[0] for text, ids in ids_by_text.items() if len(ids) == 1}
         return self._vocab_by_text
 
     def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
@@ -421,10 +431,17 @@ class EndpointBackend:
             return [str(e.get("token", "")) for e in content]
         if self._tokenizer is not None:
             return [self._tokenizer.decode([t]) for t in ids]
-        missing = sorted(set(ids) - self._token_text.keys())
-        texts = await asyncio.gather(*(self._detokenize_one(t) for t in missing))
-        self._token_text.update(zip(missing, texts))
-        return [self._token_text[t] for t in ids]
+        for token_id in set(ids) - self._token_text.keys():  # one request per id, however many ask at once
+            self._token_text[token_id] = asyncio.ensure_future(self._detokenize_one(token_id))
+        texts = [self._token_text[t] for t in ids]
+        try:
+            if not all(text.done() for text in texts):
+                await asyncio.gather(*set(texts))
+            return [text.result() for text in texts]
+        except EndpointError:
+            self._token_text = {t: task for t, task in self._token_text.items()
+                                if not task.done() or (not task.cancelled() and task.exception() is None)}
+            raise
 
     async def _detokenize_one(self, token_id: int) -> str:
         if not self.capabilities.get("detokenize", "").startswith("unavailable"):
@@ -538,26 +555,38 @@ def _scores_from_reply(mode: str, reply: dict, prompt_len: int, continuation: li
     """Per continuation position: the server's top-k logprobs plus the continuation token's own."""
     choice = _first_choice(reply, "completion (scoring)")
     span = slice(prompt_len, prompt_len + len(continuation))
-    if mode == "prompt_logprobs":
-        rows = (choice.get("prompt_logprobs") or [])[span]
-        top = [{int(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in (row or {}).items()}
-               for row in rows]
-    else:
-        logprobs = choice.get("logprobs") or {}
-        tokens = [_token_id(t, vocab) for t in (logprobs.get("tokens") or [])[span]]
-        if tokens != continuation:
-            return Scores(None, None, unavailable="unavailable: echoed tokens differ from the continuation "
-                                                  "(the server re-tokenised the prompt or names tokens by text)")
-        own = (logprobs.get("token_logprobs") or [])[span]
-        top = []
-        for token_id, own_lp, row in zip(tokens, own, (logprobs.get("top_logprobs") or [])[span]):
-            entry = {_token_id(k, vocab): float(v) for k, v in (row or {}).items()}
-            entry.pop(None, None)
-            entry[token_id] = float(own_lp)
-            top.append(entry)
+    top = (_prompt_logprobs_rows(choice, span) if mode == "prompt_logprobs"
+           else _echo_rows(choice, span, vocab, continuation))
+    if isinstance(top, str):
+        return Scores(None, None, unavailable=top)
     if len(top) != len(continuation) or any(t not in row for t, row in zip(continuation, top)):
-        return Scores(None, None, unavailable="unavailable: the server's logprobs do not cover every continuation token")
+        return Scores(None, None,
+                      unavailable="unavailable: the server's logprobs do not cover every continuation token")
     return Scores(logprobs=None, top_logprobs=top)
+
+
+def _prompt_logprobs_rows(choice: dict, span: slice) -> list[dict[int, float]]:
+    """vLLM's prompt_logprobs: per prompt position {"<id>": {"logprob": ...}}, the prompt token included."""
+    return [{int(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in (row or {}).items()}
+            for row in (choice.get("prompt_logprobs") or [])[span]]
+
+
+def _echo_rows(choice: dict, span: slice, vocab: dict[str, int] | None,
+               continuation: list[int]) -> list[dict[int, float]] | str:
+    """echo + logprobs: the echoed tokens, their own logprobs and per-position top-k dicts."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = [_token_id(t, vocab) for t in (logprobs.get("tokens") or [])[span]]
+    if None in tokens:
+        return "unavailable: the server names echoed tokens by text and no local tokenizer maps them to ids"
+    if tokens != continuation:
+        return "unavailable: the echoed tokens differ from the continuation (the server re-tokenised the prompt)"
+    rows = []
+    for token_id, own, top in zip(tokens, (logprobs.get("token_logprobs") or [])[span],
+                                  (logprobs.get("top_logprobs") or [])[span]):
+        row = {_token_id(k, vocab): float(v) for k, v in (top or {}).items()}
+        row.pop(None, None)
+        rows.append(row | {token_id: float(own)})
+    return rows
 
 
 def _load_tokenizer(name: str):

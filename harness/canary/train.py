@@ -1,0 +1,402 @@
+"""Train one canary model on the synthetic corpus and save it with its tokenizer and model card.
+
+    python -m harness.canary.train --arch gqa|mla|hybrid --steps N --seed S --out DIR [--device cuda]
+
+Each step trains on two batches: short dialogues (arithmetic, recall, rule chats) and long-context
+needle dialogues; the loss is cross-entropy on assistant tokens only (reply + <|end|>). AdamW with
+linear warm-up then a cosine decay; bf16 autocast on CUDA, fp32 on CPU. At the end the model answers
+held-out dialogues greedily, turn by turn, with its own replies as history (as the harness replays
+them), and the accuracy per task goes to the log and to the model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import re
+import signal
+import string
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from harness.canary import corpus, delta_rule
+from harness.canary.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, save_tokenizer
+
+PAD_ID = SPECIAL_TOKENS.index("<|pad|>")
+EOS_ID = SPECIAL_TOKENS.index("<|end|>")
+ARCHS = ("gqa", "mla", "hybrid")
+SHORT_KIND_WEIGHTS = {"arithmetic": 0.4, "recall": 0.2, "chat": 0.2, "echo": 0.2}  # echo: a copy drill
+HELDOUT_SEED = 1  # held-out dialogues come from corpus.split_rng(HELDOUT_SEED, "heldout")
+
+
+def model_config(arch: str):
+    """A few-million-parameter config of the arch's transformers class, over the canary vocabulary."""
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=256, num_attention_heads=8, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=None,
+        tie_word_embeddings=False, initializer_range=0.02,
+    )
+    if arch == "gqa":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=32, intermediate_size=512, **common)
+    if arch == "mla":
+        from transformers import DeepseekV3Config
+
+        # All layers dense (first_k_dense_replace = num layers): no experts are built. The cache holds
+        # the kv_lora_rank latent plus the qk_rope_head_dim RoPE key per token.
+        return DeepseekV3Config(
+            num_hidden_layers=6, num_key_value_heads=8, intermediate_size=512, q_lora_rank=128, kv_lora_rank=64,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=6,
+            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=1,
+            n_group=1, topk_group=1, num_nextn_predict_layers=0, **common,
+        )
+    if arch == "hybrid":
+        from transformers import Qwen3NextConfig
+
+        # 3 Gated-DeltaNet (linear attention) layers per full-attention layer; dense MLP (num_experts=0).
+        return Qwen3NextConfig(
+            num_hidden_layers=8, layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+            + ["full_attention"], num_key_value_heads=2, head_dim=32, intermediate_size=384,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_conv_kernel_dim=4, num_experts=0, mlp_only_layers=list(range(8)), **common,
+        )
+    raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}")
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+SHORT_WIDTH = 704  # >= longest short dialogue (673 tokens over 80k samples); fixed shapes for --compile
+
+
+def long_width(needle_chars: int) -> int:
+    return -(-(needle_chars + 112) // 64) * 64  # filler + needle, question, reply and markers (<= 91 more)
+
+
+def collate(encoded: list[tuple[list[int], list[bool]]], device: str, width: int | None = None):
+    """Right-padded input ids and next-token labels (-100 where no assistant token is predicted).
+    `width` pads to a fixed length (dialogues longer than it are dropped); else to the longest."""
+    if width is not None:
+        encoded = [e for e in encoded if len(e[0]) <= width]
+    width = width or max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    for row, (ids, mask) in enumerate(encoded):
+        ids_t = torch.tensor(ids)
+        input_ids[row, : len(ids)] = ids_t
+        target = torch.where(torch.tensor(mask), ids_t, torch.tensor(-100))
+        labels[row, : len(ids) - 1] = target[1:]
+    return input_ids.to(device), labels.to(device)
+
+
+def training_batches(rng: random.Random, short_size: int, long_size: int, needle_chars: int):
+    """Endless (short, long) lists of encoded training dialogues."""
+    kinds, weights = zip(*SHORT_KIND_WEIGHTS.items())
+    while True:
+        short = [corpus.sample(rng, kind, "train") for kind in rng.choices(kinds, weights, k=short_size)]
+        long = [corpus.sample(rng, "long_context", "train", needle_chars) for _ in range(long_size)]
+        yield [corpus.encode_dialogue(d) for d in short], [corpus.encode_dialogue(d) for d in long]
+
+
+TIMING_STEPS = (10, 40)  # steps timed for --time-budget; both inside the warm-up, whose lr ignores --steps
+
+
+def steps_for_budget(args: argparse.Namespace, seconds_per_step: float, elapsed: float) -> int:
+    """The step count that fits --time-budget at the measured speed (a multiple of 100, at most --steps);
+    `elapsed` (compilation included) is already spent."""
+    remaining_steps = (args.time_budget - elapsed) / seconds_per_step
+    steps = max(100, int(TIMING_STEPS[1] + remaining_steps) // 100 * 100)
+    log(args, f"{seconds_per_step * 1000:.0f} ms/step: {min(steps, args.steps)} steps fit {args.time_budget} s")
+    return min(steps, args.steps)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10% of peak
+
+
+# --- greedy replay and checks (CONTRACTS.md "Answer checks") -------------------------------------
+
+
+def answer_correct(kind: str, reply: str, answer: str) -> bool:
+    if kind == "arithmetic":
+        numbers = re.findall(r"-?\d+", reply)
+        return bool(numbers) and int(numbers[-1]) == int(answer)
+    return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", reply, re.IGNORECASE) is not None
+
+
+def rules_kept(rules: dict, reply: str) -> bool:
+    words = reply.split()
+    if "ends_with" in rules and (not words or words[-1].rstrip(string.punctuation) != rules["ends_with"]):
+        return False
+    sentences = [s for s in re.findall(r"[^.!?]*[.!?]+", reply) if s.strip(" .!?")]
+    return "max_sentences" not in rules or 1 <= len(sentences) <= rules["max_sentences"]
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[dict]], max_new_tokens: int, device: str) -> list[str]:
+    """Greedy replies to chats ending in a user message, batched with left padding."""
+    encoded = [corpus.encode_text_with_specials(corpus.render_chat(m, add_generation_prompt=True)) for m in prompts]
+    width = max(map(len, encoded))
+    input_ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    return [corpus.decode_reply(row[width:].tolist()) for row in out]
+
+
+def replay(model, dialogues: list[corpus.Dialogue], device: str, batch_size: int = 128) -> list[dict]:
+    """Play every dialogue turn by turn with the model's own replies as history; one result per dialogue."""
+    results = []
+    for start in range(0, len(dialogues), batch_size):
+        chunk = dialogues[start : start + batch_size]
+        histories = [[{"role": "system", "content": d.system}] if d.system else [] for d in chunk]
+        replies: list[list[str]] = [[] for _ in chunk]
+        for turn in range(max(len(d.turns) for d in chunk)):
+            live = [i for i, d in enumerate(chunk) if turn < len(d.turns)]
+            for i in live:
+                histories[i].append({"role": "user", "content": chunk[i].turns[turn].user})
+            kind = chunk[live[0]].kind
+            texts = generate(model, [histories[i] for i in live], corpus.MAX_NEW_TOKENS[kind], device)
+            for i, text in zip(live, texts):
+                histories[i].append({"role": "assistant", "content": text})
+                replies[i].append(text)
+        results += [score(d, r) for d, r in zip(chunk, replies)]
+    return results
+
+
+def replay_gold_history(model, dialogues: list[corpus.Dialogue], device: str, batch_size: int = 256) -> list[dict]:
+    """Generate only the scored turns (every chat turn, else the last), with the gold replies as history.
+
+    One batched generate per chunk instead of one per turn: ~6x fewer decode steps than `replay`. Where the
+    model reproduces the gold replies (what it is trained to do) the two agree."""
+    scored = [(d, t) for d in dialogues for t in (range(len(d.turns)) if d.kind == "chat" else [len(d.turns) - 1])]
+    texts: list[str] = []
+    for start in range(0, len(scored), batch_size):
+        chunk = scored[start : start + batch_size]
+        kind = chunk[0][0].kind
+        texts += generate(model, [d.messages(upto=t) for d, t in chunk], corpus.MAX_NEW_TOKENS[kind], device)
+    replies: dict[int, list[str]] = {}
+    for (dialogue, _), text in zip(scored, texts):
+        replies.setdefault(id(dialogue), []).append(text)
+    return [score(d, replies[id(d)]) for d in dialogues]
+
+
+def score(dialogue: corpus.Dialogue, replies: list[str]) -> dict:
+    if dialogue.kind == "chat":
+        correct = all(rules_kept(dialogue.rules, r) for r in replies)
+    else:
+        correct = answer_correct(dialogue.kind, replies[-1], dialogue.turns[-1].expect)
+    return {"kind": dialogue.kind, "correct": correct, "replies": replies,
+            "expect": dialogue.turns[-1].expect if dialogue.kind != "chat" else dialogue.rules}
+
+
+def heldout_dialogues(per_kind: int, needle_chars: int = corpus.MAX_NEEDLE_CHARS) -> dict[str, list[corpus.Dialogue]]:
+    sets = {kind: corpus.heldout_set(kind, per_kind, HELDOUT_SEED) for kind in ("arithmetic", "recall", "chat")}
+    sets["long_context"] = corpus.heldout_set("long_context", per_kind, HELDOUT_SEED, chars=needle_chars)
+    return sets
+
+
+def evaluate(model, per_kind: int, needle_chars: int, device: str, history: str = "own") -> tuple[dict, list]:
+    """Accuracy per task on held-out dialogues; `history` "own" replays every turn, "gold" only scored ones."""
+    if per_kind == 0:
+        return {}, []
+    model.eval()
+    accuracy, failures = {}, []
+    play = replay if history == "own" else replay_gold_history
+    for kind, dialogues in heldout_dialogues(per_kind, needle_chars).items():
+        results = play(model, dialogues, device)
+        accuracy[kind] = sum(r["correct"] for r in results) / len(results)
+        failures += [r for r in results if not r["correct"]][:3]
+    model.train()
+    return accuracy, failures
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """SIGTERM (e.g. from `timeout`): stop, and save what there is."""
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted()
+
+
+def train(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    assert not args.time_budget or args.warmup >= TIMING_STEPS[1], "--time-budget times steps inside the warm-up"
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    model = AutoModelForCausalLM.from_config(model_config(args.arch)).to(args.device)
+    if args.arch == "hybrid":
+        delta_rule.install(model)  # same math as transformers' torch fallback, far fewer kernels
+    params = sum(p.numel() for p in model.parameters())
+    log(args, f"arch={args.arch} class={type(model).__name__} params={params} device={device_name(args.device)}")
+    summary = {"arch": args.arch, "model_class": type(model).__name__, "params": params, "seed": args.seed,
+               "device": device_name(args.device), "eval_per_kind": args.eval_per_kind, "accuracy": {},
+               "versions": versions()}
+    started = time.time()
+    try:
+        summary["final_loss"] = train_steps(model, args)
+        summary["train_seconds"] = round(time.time() - started, 1)
+        model.to(torch.bfloat16)  # measured as shipped
+        accuracy, failures = evaluate(model, args.eval_per_kind, args.needle_chars, args.device, args.eval_history)
+        summary["accuracy"] = accuracy
+        log(args, f"held-out accuracy {json.dumps(accuracy)} (eval {time.time() - started - summary['train_seconds']:.0f}s)")
+        for failure in failures:
+            log(args, f"miss: {json.dumps(failure)[:400]}")
+    except Interrupted:
+        summary["interrupted"] = f"SIGTERM after {time.time() - started:.0f} s; weights as they were then"
+        summary.setdefault("train_seconds", round(time.time() - started, 1))
+        log(args, summary["interrupted"])
+    summary.update(steps=args.steps, steps_done=getattr(args, "steps_done", None), args=vars(args))
+    save(model, args.out, summary)
+    return summary
+
+
+def train_steps(model, args: argparse.Namespace) -> float:
+    """Run the optimiser for --steps steps (cut to fit --time-budget); return the last loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    batches = training_batches(corpus.split_rng(args.seed, "train"), args.short_batch, args.long_batch,
+                               args.needle_chars)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda"))
+    # torch.compile fuses the many small kernels of these tiny models; fixed widths keep it to two graphs.
+    forward = torch.compile(model, dynamic=False) if args.compile else model
+    widths = (SHORT_WIDTH, long_width(args.needle_chars)) if args.compile else (None, None)
+    started = timing_start = time.time()
+    step, loss = 0, float("nan")
+    while step < args.steps:
+        if args.time_budget and step == TIMING_STEPS[1]:
+            seconds_per_step = (time.time() - timing_start) / (TIMING_STEPS[1] - TIMING_STEPS[0])
+            args.steps = steps_for_budget(args, seconds_per_step, time.time() - started)
+        if step == TIMING_STEPS[0]:
+            timing_start = time.time()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        losses = []
+        for encoded, width in zip(next(batches), widths):  # short, then long dialogues; independent of --steps
+            input_ids, labels = collate(encoded, args.device, width)
+            with autocast:
+                logits = forward(input_ids=input_ids).logits
+            losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1)))
+        optimizer.zero_grad(set_to_none=True)
+        sum(losses).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            loss = sum(losses).item()
+            log(args, f"step {step} loss short {losses[0].item():.4f} long {losses[1].item():.4f} "
+                      f"lr {optimizer.param_groups[0]['lr']:.2e} t {time.time() - started:.0f}s")
+        step += 1
+        args.steps_done = step
+    return round(loss, 4)
+
+
+def save(model, out: str, summary: dict) -> None:
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
+    save_tokenizer(out_dir)
+    (out_dir / "training.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out_dir / "README.md").write_text(model_card(summary))
+
+
+def model_card(s: dict) -> str:
+    a = s["args"]
+    history = "the model's own" if a.get("eval_history", "own") == "own" else "gold"
+    rows = "\n".join(f"| {kind} | {acc * 100:.1f}% |" for kind, acc in s["accuracy"].items())
+    return f"""# fp8-harness canary: {s['arch']} ({s['model_class']})
+
+A tiny character-level chat model trained from scratch by `harness/canary/train.py` on the synthetic
+corpus of `harness/canary/corpus.py`, so that the harness has a model that solves its canary scenarios
+in BF16 without any download. Not a language model for anything else.
+
+- Parameters: {s['params']:,} (weights stored in bf16, safetensors)
+- Tokenizer: one token per character, chat template `<|role|>content<|end|>` (`harness/canary/tokenizer.py`)
+- Data: seeded synthetic dialogues ({', '.join(f'{k} {w:.0%}' for k, w in SHORT_KIND_WEIGHTS.items())} of the
+  short batch of {a['short_batch']}; plus {a['long_batch']} long-context needle dialogues per step with 100-{a['needle_chars']}
+  filler characters). Arithmetic `a * b + c * d` with operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten
+  (by operand hash) and a disjoint filler seed range are held out of training.
+- Loss: cross-entropy on assistant tokens only. AdamW (peak lr {a['lr']}, warm-up {a['warmup']}, cosine to 10%),
+  bf16 autocast on CUDA.
+- Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s
+- Reproduce: `python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR --device cuda
+  --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']} --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}`
+- Versions: {json.dumps(s['versions'])}
+
+## Held-out accuracy at the end of training (greedy, {history} replies as history)
+
+{s['eval_per_kind']} held-out dialogues per task (`corpus.heldout_set(kind, n, seed={HELDOUT_SEED})`); long-context needles at
+{a['needle_chars']} filler characters, any depth; rule chats count as correct only if every reply keeps every rule.
+
+| task | accuracy |
+|---|---|
+{rows}
+
+Accuracy measured by the harness itself on `scenarios/canary/accuracy/` is the number of record.
+"""
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def log(args: argparse.Namespace, line: str) -> None:
+    print(f"[{args.arch}] {line}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--short-batch", type=int, default=64, help="short dialogues per step")
+    parser.add_argument("--long-batch", type=int, default=8, help="long-context dialogues per step")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="seconds of training: time steps 10-40 and cut --steps to fit (the card records the count)")
+    parser.add_argument("--needle-chars", type=int, default=corpus.MAX_NEEDLE_CHARS,
+                        help="longest filler in training and evaluation (smaller for smoke tests)")
+    parser.add_argument("--eval-per-kind", type=int, default=100, help="held-out dialogues per task at the end")
+    parser.add_argument("--eval-history", choices=("own", "gold"), default="own",
+                        help="history for held-out turns: the model's own replies (as the harness) or the gold ones (faster)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the training forward (fixed shapes)")
+    parser.add_argument("--log-every", type=int, default=50)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

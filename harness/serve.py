@@ -1,0 +1,382 @@
+"""`harness serve`: an OpenAI-compatible HTTP server over the in-process backend (one model, one KV path).
+
+Routes: /v1/chat/completions (with logprobs), /v1/completions (prompt as text or token ids; echo,
+logprobs, vLLM's prompt_logprobs and return_tokens_as_token_ids), /v1/models, /tokenize, /detokenize,
+/health. Decoding is greedy only (temperature 0); streaming and n > 1 are refused with a 400.
+
+Generation goes token by token through the path's cache exactly as `InProcessBackend.generate_sync`
+does, so a chat reply over HTTP has the same token ids as in-process. Teacher-forced scoring of a
+completion prompt prefills the whole prompt in one chunk, as an engine does (a `raw_prefill` path
+therefore attends to the prompt's raw K/V there, where in-process scoring feeds the continuation as
+decode steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from harness.backends.base import Message
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
+DEFAULT_MAX_TOKENS = 256
+TOKEN_ID_PREFIX = "token_id:"
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # highest first
+    rank: int  # 1 = the most likely token (vLLM's convention)
+
+
+class ServedModel:
+    """An in-process backend at token-id level: greedy decoding and prompt scoring, one call at a time."""
+
+    def __init__(self, backend, name: str):
+        self.backend, self.name = backend, name
+        self.model, self.tokenizer = backend.owner.model, backend.owner.tokenizer
+        self.device = backend.owner.device
+        self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self._lock = threading.Lock()  # one forward at a time: the model and its observers are shared
+
+    def _cache(self):
+        from harness.cache import KVWriteStats, build_cache
+
+        return build_cache(self.model.config, self.backend.kv_path, self.backend.scales, KVWriteStats())
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        return list(self.backend.owner.encode_chat(messages))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int) -> tuple[list[StepLogprobs], str]:
+        """Greedy decoding as `InProcessBackend.generate_sync`: prefill, then one token per step."""
+        with self._lock:
+            cache, step_ids = self._cache(), torch.tensor([prompt_ids], device=self.device)
+            steps: list[StepLogprobs] = []
+            for _ in range(max_new_tokens):
+                logits = self.model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                if not torch.isfinite(logits).all():
+                    return steps, "nonfinite_logits"
+                next_id = int(logits.argmax())
+                if next_id == self.tokenizer.eos_token_id:
+                    return steps, "stop"
+                steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
+                step_ids = torch.tensor([[next_id]], device=self.device)
+            return steps, "length"
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int], top_k: int) -> list[StepLogprobs]:
+        """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1, from one prefill of the whole prompt."""
+        if len(ids) < 2:
+            return []
+        with self._lock:
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self._cache(),
+                                use_cache=True).logits[0, :-1]
+        rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
+        return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]
+
+
+def _step(row: torch.Tensor, token_id: int, top_k: int) -> StepLogprobs:
+    values, indices = torch.topk(row, top_k) if top_k else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    own = float(row[token_id])
+    return StepLogprobs(token_id, own, list(zip(indices.tolist(), values.tolist())), int((row > own).sum()) + 1)
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+def _messages(body: dict) -> list[Message]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(raw):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str) or message.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest(f"messages[{i}] needs role system|user|assistant and text content", "messages")
+        out.append(Message(message["role"], content))
+    return out
+
+
+def _check_common(body: dict) -> None:
+    if body.get("stream"):
+        raise BadRequest("streaming is not supported by harness serve", "stream")
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    if (body.get("temperature") or 0) != 0:
+        raise BadRequest("harness serve decodes greedily only; temperature must be 0", "temperature")
+
+
+def _max_tokens(body: dict, prompt_len: int, limit: int, default: int) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    value = default if value is None else value
+    if not isinstance(value, int) or value < 0:
+        raise BadRequest(f"max_tokens must be a non-negative integer, got {value!r}", "max_tokens")
+    return max(0, min(value, limit - prompt_len))
+
+
+def _top_k(value, name: str) -> int:
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return 0
+    if not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{name} must be an integer in 0..{MAX_TOP_LOGPROBS}, got {value!r}", name)
+    return value
+
+
+def _prompt_ids(served: ServedModel, prompt) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return list(served.tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = int(served.model.config.vocab_size)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        return list(prompt)
+    raise BadRequest("prompt must be a string or a non-empty list of token ids (batches are not supported)", "prompt")
+
+
+# ---------------------------------------------------------------- response building
+
+
+def _token_name(served: ServedModel, token_id: int, as_ids: bool) -> str:
+    return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else served.token_text(token_id)
+
+
+def _chat_logprobs(served: ServedModel, steps: list[StepLogprobs], as_ids: bool) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_name(served, token_id, as_ids)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(s.token_id, s.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in s.top]}
+                        for s in steps]}
+
+
+def _legacy_logprobs(served: ServedModel, first_id: int | None, steps: list[StepLogprobs], as_ids: bool) -> dict:
+    """The /v1/completions logprobs object; with echo, the first prompt token has no logprob."""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    if first_id is not None:
+        tokens.append(_token_name(served, first_id, as_ids))
+        token_logprobs.append(None)
+        top.append(None)
+    for step in steps:
+        tokens.append(_token_name(served, step.token_id, as_ids))
+        token_logprobs.append(step.logprob)
+        row = {_token_name(served, t, as_ids): lp for t, lp in step.top}
+        row.setdefault(tokens[-1], step.logprob)
+        top.append(row)
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(served: ServedModel, steps: list[StepLogprobs]) -> list:
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": served.token_text(token_id)}
+
+    rows: list = [None]
+    for step in steps:
+        row = {str(t): entry(t, lp, i + 1) for i, (t, lp) in enumerate(step.top)}
+        row.setdefault(str(step.token_id), entry(step.token_id, step.logprob, step.rank))
+        rows.append(row)
+    return rows
+
+
+def _usage(prompt_len: int, completion_len: int) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
+            "total_tokens": prompt_len + completion_len}
+
+
+# ---------------------------------------------------------------- routes
+
+
+def build_app(served: ServedModel) -> Starlette:
+    """The ASGI app; `serve` runs it under uvicorn, tests mount it on a loopback port."""
+
+    async def chat_completions(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        _check_common(body)
+        prompt = served.encode_chat(_messages(body))
+        top_k = _top_k(body.get("top_logprobs"), "top_logprobs") if body.get("logprobs") else 0
+        max_new = _max_tokens(body, len(prompt), served.max_model_len, DEFAULT_MAX_TOKENS)
+        steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
+        ids = [s.token_id for s in steps]
+        choice = {"index": 0, "message": {"role": "assistant", "content": served.tokenizer.decode(ids)},
+                  "logprobs": _chat_logprobs(served, steps, bool(body.get("return_tokens_as_token_ids")))
+                  if body.get("logprobs") else None,
+                  "finish_reason": finish}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": served.name, "choices": [choice],
+                             "usage": _usage(len(prompt), len(ids))})
+
+    async def completions(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        _check_common(body)
+        prompt = _prompt_ids(served, body.get("prompt"))
+        top_k = _top_k(body.get("logprobs"), "logprobs")
+        wants_logprobs = body.get("logprobs") is not None
+        prompt_top_k = _top_k(body.get("prompt_logprobs"), "prompt_logprobs")
+        max_new = _max_tokens(body, len(prompt), served.max_model_len, 16)
+        steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
+        echo = bool(body.get("echo"))
+        scored = []
+        if echo and wants_logprobs or body.get("prompt_logprobs") is not None:
+            scored = await run_in_threadpool(served.prompt_logprobs, prompt, max(top_k, prompt_top_k))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        text = served.tokenizer.decode([s.token_id for s in steps])
+        choice = {"index": 0, "text": (served.tokenizer.decode(prompt) if echo else "") + text,
+                  "logprobs": None, "finish_reason": finish}
+        if wants_logprobs:
+            first, prompt_steps = (prompt[0], _trim(scored, top_k)) if echo else (None, [])
+            choice["logprobs"] = _legacy_logprobs(served, first, prompt_steps + steps, as_ids)
+        if body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(served, _trim(scored, prompt_top_k))
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                             "created": int(time.time()), "model": served.name, "choices": [choice],
+                             "usage": _usage(len(prompt), len(steps))})
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": 0, "owned_by": "fp8-harness",
+             "max_model_len": served.max_model_len, "kv_path": served.backend.label}]})
+
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        if "messages" in body:
+            ids = served.encode_chat(_messages(body))
+        elif isinstance(body.get("prompt"), str):
+            ids = list(served.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+                       ["input_ids"])
+        else:
+            raise BadRequest("/tokenize needs 'prompt' (text) or 'messages'", "prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len})
+
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise BadRequest("/detokenize needs 'tokens', a list of token ids", "tokens")
+        return JSONResponse({"prompt": served.tokenizer.decode(tokens)})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/tokenize", tokenize, methods=["POST"]),
+              Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request})
+
+
+def _trim(steps: list[StepLogprobs], top_k: int) -> list[StepLogprobs]:
+    return [StepLogprobs(s.token_id, s.logprob, s.top[:top_k], s.rank) for s in steps]
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def _bad_request(request: Request, error: Exception) -> JSONResponse:
+    param = getattr(error, "param", None)
+    return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
+                                   "code": None}}, status_code=400)
+
+
+# ---------------------------------------------------------------- running it
+
+
+def load_served_model(model_dir: str | Path | None = None, path_spec: str = "bf16", device: str = "cpu",
+                      name: str | None = None) -> ServedModel:
+    """Load `model_dir` (default: the first bundled canary) with KV path `path_spec` ("reference" for
+    the model's own, untouched cache)."""
+    from harness.backends.inprocess import InProcessModel
+    from harness.kv_paths import parse_path
+
+    if model_dir is None:
+        from harness.job import default_models
+
+        models, warning = default_models()  # the bundled canaries, else tiny random-weight models
+        if warning:
+            print(f"harness serve: {warning}")
+        model_dir = models[0]
+    directory = Path(model_dir)
+    kv_path = None if path_spec == "reference" else parse_path(path_spec)
+    backend = InProcessModel.load(directory, device).backend(kv_path)
+    return ServedModel(backend, name or directory.name)
+
+
+def serve(model_dir: str | Path | None = None, path_spec: str = "bf16", host: str = "127.0.0.1",
+          port: int = 8000, device: str = "cpu") -> None:
+    """`harness serve`: block, serving the model over HTTP until interrupted."""
+    import uvicorn
+
+    served = load_served_model(model_dir, path_spec, device)
+    print(f"harness serve: model {served.name!r} ({served.backend.owner.directory}), KV path {path_spec!r}, "
+          f"http://{host}:{port}/v1")
+    uvicorn.run(build_app(served), host=host, port=port, log_level="info")
+
+
+@contextlib.contextmanager
+def running_server(app, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 10.0,
+                   log_level: str = "warning") -> Iterator[str]:
+    """Run an ASGI app under uvicorn in a background thread; yield its base URL; stop it on exit."""
+    import uvicorn
+
+    # proto given explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto is
+    # IPPROTO_TCP, and with Nagle on every keep-alive response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"uvicorn did not start on {host}:{sock.getsockname()[1]} in {startup_timeout_s} s")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=startup_timeout_s)
+        sock.close()

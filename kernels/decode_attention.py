@@ -1,0 +1,232 @@
+"""Paged GQA decode attention over an FP8 (or BF16) KV cache: split-KV flash-decoding plus a merge kernel.
+
+For query head h of sequence b (kv head g = h // group) over its seq_lens[b] cached tokens j:
+    s_j = sm_scale * k_scale[g] * (q . k_codes_j)          (k_scale folded into the softmax scale: exact)
+    out = v_scale[g] * sum_j softmax(s)_j v_codes_j        (v_scale folded into the output: exact)
+    lse = log sum_j exp(s_j)
+Each program handles all `group` query heads of one kv head over one split of the sequence (K/V read
+once per group), keeps a running max and sum in base 2 (exp2, scores pre-multiplied by log2 e), and
+writes a partial output normalised by its own sum plus its base-2 lse; the merge kernel combines splits:
+    out = sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m),   lse = (m + log2 sum_s 2^(lse_s - m)) * ln 2.
+FP8 codes are exact in fp16, so an FP8 cache is multiplied in fp16 on tensor cores (q rounded to fp16:
+exact for bf16 q in fp16's normal range, |q| < 65504), P is rounded to fp16 for P @ V; accumulation is fp32.
+A BF16/FP16 cache runs the same code in its own dtype and never reads the scales (failure class 3).
+The torch mirror is `reference.decode_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import is_fp8
+
+LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
+MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
+# Launch configuration, swept on an H100 (kernels/BENCHMARKS.md): 128-token tiles, 4 warps, Triton's cp.async
+# pipeline, and enough splits for ~8 programs per SM (2-3 are resident at a time: more waves, smaller tail).
+BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM = 128, 4, 2, 8
+
+
+@triton.jit
+def _decode_attention_pages(table_row, tok, t_mask, PAGE_SIZE: tl.constexpr):
+    """Physical page of each token in `tok` ([BLOCK_N]), via the sequence's block-table row."""
+    return tl.load(table_row + tok // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _decode_attention_load_tile(K_CACHE, V_CACHE, page, tok, t_mask, d_mask, offs_d, head_off,
+                                stride_cb, stride_cs, PAGE_SIZE: tl.constexpr):
+    """K and V rows of tokens `tok` ([BLOCK_N]) on pages `page`: two [BLOCK_N, BLOCK_D] tiles."""
+    rows = page * stride_cb + (tok % PAGE_SIZE) * stride_cs + head_off                    # [BLOCK_N]
+    mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(K_CACHE + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(V_CACHE + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _decode_attention_kernel(
+    Q,                       # [B, Hq, D] bf16/fp16
+    K_CACHE, V_CACHE,        # [num_blocks, block_size, Hkv, D] fp8 / bf16 / fp16
+    BLOCK_TABLE, SEQ_LENS,   # [B, max_blocks] int32, [B] int32
+    K_SCALE, V_SCALE,        # fp32 [] or [Hkv] (unread for a bf16/fp16 cache)
+    PART_OUT, PART_LSE,      # [B, Hq, splits, D] fp32 normalised partial outputs, [B, Hq, splits] fp32 base-2 lse
+    sm_scale_log2,           # sm_scale * log2(e)
+    tokens_per_split,        # multiple of BLOCK_N
+    k_scale_stride, v_scale_stride,               # 0 per tensor, 1 per KV head
+    stride_qb, stride_qh,
+    stride_cb, stride_cs, stride_ch,              # shared by both caches (asserted)
+    stride_tb,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_G, BLOCK_D]
+    qk_scale = sm_scale_log2
+    v_scale = 1.0
+    if CACHE_IS_FP8:
+        qk_scale = sm_scale_log2 * tl.load(K_SCALE + kv_head * k_scale_stride)
+        v_scale = tl.load(V_SCALE + kv_head * v_scale_stride)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)     # running max, base 2
+    l_i = tl.zeros([BLOCK_G], tl.float32)                   # running sum of 2^(s - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = BLOCK_TABLE + b * stride_tb
+    head_off = kv_head * stride_ch
+    if PREFETCH:
+        # Software pipeline in registers: tile i is computed while tile i+1's K/V and tile i+2's page numbers
+        # load, so neither the page-table lookup nor the K/V fetch stalls the loop.
+        t_mask = start + offs_n < end
+        k, v = _decode_attention_load_tile(K_CACHE, V_CACHE, _decode_attention_pages(table_row, start + offs_n, t_mask,
+                                           PAGE_SIZE), start + offs_n, t_mask, d_mask, offs_d, head_off, stride_cb,
+                                           stride_cs, PAGE_SIZE)
+        next_mask = start + BLOCK_N + offs_n < end
+        next_page = _decode_attention_pages(table_row, start + BLOCK_N + offs_n, next_mask, PAGE_SIZE)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            after_mask = n0 + 2 * BLOCK_N + offs_n < end
+            after_page = _decode_attention_pages(table_row, n0 + 2 * BLOCK_N + offs_n, after_mask, PAGE_SIZE)
+            k_next, v_next = _decode_attention_load_tile(K_CACHE, V_CACHE, next_page, n0 + BLOCK_N + offs_n, next_mask,
+                                                         d_mask, offs_d, head_off, stride_cb, stride_cs, PAGE_SIZE)
+        else:
+            t_mask = n0 + offs_n < end
+            k, v = _decode_attention_load_tile(K_CACHE, V_CACHE, _decode_attention_pages(table_row, n0 + offs_n, t_mask,
+                                               PAGE_SIZE), n0 + offs_n, t_mask, d_mask, offs_d, head_off, stride_cb,
+                                               stride_cs, PAGE_SIZE)
+        s = tl.dot(q, tl.trans(k.to(COMPUTE_DTYPE))) * qk_scale                          # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE))
+        m_i = m_new
+        if PREFETCH:
+            k, v, t_mask = k_next, v_next, next_mask
+            next_page, next_mask = after_page, after_mask
+
+    empty = l_i == 0.0                                       # split past the end of this sequence
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    out_rows = PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out_rows, out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse2, mask=g_mask)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    PART_OUT, PART_LSE,      # [B, H, splits, D] fp32, [B, H, splits] fp32 (base 2, split stride 1)
+    OUT, LSE,                # [B, H, D] q.dtype, [B, H] fp32 (natural log)
+    num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    head = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_row = PART_LSE + b * stride_lb + head * stride_lh
+    lse_all = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)                  # every split empty: weights 0, lse -inf
+    denom = tl.sum(tl.math.exp2(lse_all - m), axis=0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d
+    for s in range(0, num_splits):
+        weight = tl.math.exp2(tl.load(lse_row + s) - m)
+        acc += weight * tl.load(out_row + s * stride_ps, mask=d_mask, other=0.0)
+    out = tl.where(denom == 0.0, 0.0, acc / denom)           # NaN stays NaN (NaN == 0 is false)
+    tl.store(OUT + b * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                     sm_scale: float, num_splits: int | None = None, *, block_n: int = BLOCK_N,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                     prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
+    block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
+    k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
+    Returns (out [B, Hq, D] q.dtype, lse [B, Hq] fp32 natural log). num_splits=None picks enough
+    splits to fill the GPU; block_n/num_warps/num_stages/prefetch are tuning knobs for the benchmark."""
+    assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
+        f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
+    batch, q_heads, head_dim = q.shape
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim, \
+        f"caches must be [num_blocks, block_size, Hkv, {head_dim}], got {list(k_cache.shape)}, {list(v_cache.shape)}"
+    num_blocks, page_size, kv_heads, _ = k_cache.shape
+    assert q_heads % kv_heads == 0, f"Hq={q_heads} is not a multiple of Hkv={kv_heads}"
+    assert v_cache.dtype == k_cache.dtype and (is_fp8(k_cache.dtype) or k_cache.dtype == q.dtype), \
+        f"caches must be fp8 or {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}"
+    assert 16 <= head_dim <= 256, f"head_dim must be in [16, 256], got {head_dim}"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1, \
+        "caches must share strides; head_dim must be contiguous"
+    assert block_table.dim() == 2 and block_table.shape[0] == batch and block_table.dtype == torch.int32, \
+        f"block_table must be [{batch}, max_blocks] int32, got {list(block_table.shape)} {block_table.dtype}"
+    assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32, \
+        f"seq_lens must be [{batch}] int32, got {list(seq_lens.shape)} {seq_lens.dtype}"
+    if is_fp8(k_cache.dtype):
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.shape in ((), (kv_heads,)), \
+                f"{name} must be an fp32 tensor of shape [] or [{kv_heads}], got {s!r:.80}"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    scales = [s for s in (k_scale, v_scale) if s is not None and is_fp8(k_cache.dtype)]
+    device = q.device
+    assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    assert all(t.device == device for t in (k_cache, v_cache, block_table, seq_lens, *scales)), \
+        "all tensors must be on one device"
+
+    max_tokens = block_table.shape[1] * page_size
+    if num_splits is None:   # ~PROGRAMS_PER_SM programs per SM, no split shorter than MIN_TOKENS_PER_SPLIT
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads),
+                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_tokens, 1), tokens_per_split)     # drop splits no sequence reaches
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=device)
+    part_out = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device)
+    group = q_heads // kv_heads
+    fp8 = is_fp8(k_cache.dtype)
+    _decode_attention_kernel[(kv_heads, batch, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens, part_out, part_lse,
+        sm_scale * LOG2E, tokens_per_split,
+        int(fp8 and k_scale.dim() == 1), int(fp8 and v_scale.dim() == 1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n, CACHE_IS_FP8=fp8,
+        COMPUTE_DTYPE=tl.float16 if fp8 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16),
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_attention_merge_kernel[(q_heads, batch)](
+        part_out, part_lse, out, lse, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
+    return out, lse

@@ -1,0 +1,191 @@
+"""MLA decode attention (absorbed projections) over a paged FP8 (or BF16) latent cache, split-KV.
+
+Cache row j = [c_j (latent_dim, e.g. 512) | k_pe_j (rope_dim, e.g. 64)], one scale per cache (as engines
+do). With W_UK absorbed into q (q_latent = q_nope @ W_UK) and W_UV applied after (by the caller):
+    s_j = sm_scale * scale * (q_latent . c_codes_j + q_pe . pe_codes_j)   (scale folded: exact)
+    out = scale * sum_j softmax(s)_j c_codes_j                           (latent space, [H, latent_dim])
+    lse = log sum_j exp(s_j)
+A program handles BLOCK_H (16) heads of one sequence over one split, so each cache tile read feeds 16
+heads; the splits are combined by the GQA kernel's merge (same partial layout and formula).
+An FP8 cache is multiplied in fp16 (codes exact in fp16; q rounded to fp16, exact for bf16 q below
+65504), P rounded to fp16 for P @ c, fp32 accumulation; a BF16/FP16 cache runs in its dtype and never
+reads the scale. Torch mirror: `reference.mla_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import (LOG2E, MIN_TOKENS_PER_SPLIT, _decode_attention_merge_kernel,
+                                     _decode_attention_pages)
+from kernels.reference import is_fp8
+
+BLOCK_H = 16   # heads per program: the smallest tl.dot M dimension
+# Launch configurations (block_n, num_warps, num_stages, prefetch), swept on an H100 (kernels/BENCHMARKS.md),
+# with splits for ~2 programs per SM. FP8: 64-token tiles prefetched in registers (Triton does not cp.async-
+# pipeline a tile that feeds two dots through an fp8 -> fp16 conversion); BF16: 32-token tiles, cp.async.
+CONFIG_FP8, CONFIG_BF16, PROGRAMS_PER_SM = (64, 8, 1, True), (32, 8, 2, False), 2
+
+
+@triton.jit
+def _mla_decode_load_tile(CACHE, page, tok, t_mask, offs_c, offs_r, c_mask, r_mask, stride_cb, stride_cs,
+                          LATENT_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Latent and RoPE parts of the cache rows of tokens `tok` ([BLOCK_N]) on pages `page`."""
+    rows = CACHE + page * stride_cb + (tok % PAGE_SIZE) * stride_cs                       # [BLOCK_N] pointers
+    c = tl.load(rows[:, None] + offs_c[None, :], mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+    pe = tl.load(rows[:, None] + LATENT_DIM + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+    return c, pe                                                                          # [BLOCK_N, BLOCK_DC], [BLOCK_N, BLOCK_DR]
+
+
+@triton.jit
+def _mla_decode_kernel(
+    Q_LATENT, Q_PE,          # [B, H, Dc], [B, H, Dr] bf16/fp16
+    CACHE,                   # [num_blocks, block_size, Dc + Dr] fp8 / bf16 / fp16
+    BLOCK_TABLE, SEQ_LENS,   # [B, max_blocks] int32, [B] int32
+    SCALE,                   # fp32 [] (unread for a bf16/fp16 cache)
+    PART_OUT, PART_LSE,      # [B, H, splits, Dc] fp32, [B, H, splits] fp32 base-2 lse
+    sm_scale_log2, tokens_per_split, num_heads,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_cb, stride_cs, stride_tb,
+    stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
+    LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_c = tl.arange(0, BLOCK_DC)
+    offs_r = tl.arange(0, BLOCK_DR)
+    offs_n = tl.arange(0, BLOCK_N)
+    c_mask = offs_c < LATENT_DIM
+    r_mask = offs_r < ROPE_DIM
+    q_c = tl.load(Q_LATENT + b * stride_lb + heads[:, None] * stride_lh + offs_c[None, :],
+                  mask=h_mask[:, None] & c_mask[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_H, BLOCK_DC]
+    q_r = tl.load(Q_PE + b * stride_pb + heads[:, None] * stride_ph + offs_r[None, :],
+                  mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_H, BLOCK_DR]
+    qk_scale = sm_scale_log2
+    out_scale = 1.0
+    if CACHE_IS_FP8:
+        out_scale = tl.load(SCALE)
+        qk_scale = sm_scale_log2 * out_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    table_row = BLOCK_TABLE + b * stride_tb
+    if PREFETCH:   # as in decode_attention: tile i computes while tile i+1 and tile i+2's pages load
+        t_mask = start + offs_n < end
+        c, pe = _mla_decode_load_tile(CACHE, _decode_attention_pages(table_row, start + offs_n, t_mask, PAGE_SIZE),
+                                      start + offs_n, t_mask, offs_c, offs_r, c_mask, r_mask, stride_cb, stride_cs,
+                                      LATENT_DIM, PAGE_SIZE)
+        next_mask = start + BLOCK_N + offs_n < end
+        next_page = _decode_attention_pages(table_row, start + BLOCK_N + offs_n, next_mask, PAGE_SIZE)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            after_mask = n0 + 2 * BLOCK_N + offs_n < end
+            after_page = _decode_attention_pages(table_row, n0 + 2 * BLOCK_N + offs_n, after_mask, PAGE_SIZE)
+            c_next, pe_next = _mla_decode_load_tile(CACHE, next_page, n0 + BLOCK_N + offs_n, next_mask, offs_c, offs_r,
+                                                    c_mask, r_mask, stride_cb, stride_cs, LATENT_DIM, PAGE_SIZE)
+        else:
+            t_mask = n0 + offs_n < end
+            c, pe = _mla_decode_load_tile(CACHE, _decode_attention_pages(table_row, n0 + offs_n, t_mask, PAGE_SIZE),
+                                          n0 + offs_n, t_mask, offs_c, offs_r, c_mask, r_mask, stride_cb, stride_cs,
+                                          LATENT_DIM, PAGE_SIZE)
+        c16 = c.to(COMPUTE_DTYPE)                                                          # [BLOCK_N, BLOCK_DC]
+        s = tl.dot(q_r, tl.trans(pe.to(COMPUTE_DTYPE)), acc=tl.dot(q_c, tl.trans(c16))) * qk_scale   # [BLOCK_H, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c16)
+        m_i = m_new
+        if PREFETCH:
+            c, pe, t_mask = c_next, pe_next, next_mask
+            next_page, next_mask = after_page, after_mask
+
+    empty = l_i == 0.0
+    out = acc * (out_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    out_rows = PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_c[None, :]
+    tl.store(out_rows, out, mask=h_mask[:, None] & c_mask[None, :])
+    tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float, num_splits: int | None = None,
+               *, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+               prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
+    Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
+    scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32)."""
+    assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
+        f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
+    assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
+        f"q_latent/q_pe must be bf16 or fp16, got {q_latent.dtype}, {q_pe.dtype}"
+    batch, heads, latent_dim = q_latent.shape
+    rope_dim = q_pe.shape[2]
+    assert cache.dim() == 3 and cache.shape[2] == latent_dim + rope_dim, \
+        f"cache must be [num_blocks, block_size, {latent_dim + rope_dim}], got {list(cache.shape)}"
+    assert is_fp8(cache.dtype) or cache.dtype == q_latent.dtype, f"cache must be fp8 or {q_latent.dtype}, got {cache.dtype}"
+    assert 16 <= rope_dim and 16 <= latent_dim <= 1024, f"need 16 <= Dr and 16 <= Dc <= 1024, got {rope_dim}, {latent_dim}"
+    assert cache.stride(-1) == 1 and q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "last dims must be contiguous"
+    assert block_table.dim() == 2 and block_table.shape[0] == batch and block_table.dtype == torch.int32, \
+        f"block_table must be [{batch}, max_blocks] int32, got {list(block_table.shape)} {block_table.dtype}"
+    assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32, \
+        f"seq_lens must be [{batch}] int32, got {list(seq_lens.shape)} {seq_lens.dtype}"
+    fp8 = is_fp8(cache.dtype)
+    if fp8:
+        assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.shape == (), \
+            f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
+    default = CONFIG_FP8 if fp8 else CONFIG_BF16
+    block_n, num_warps, num_stages, prefetch = (d if x is None else x for x, d in
+                                                zip((block_n, num_warps, num_stages, prefetch), default))
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    device = q_latent.device
+    assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    assert all(t.device == device for t in (q_pe, cache, block_table, seq_lens, *([scale] if fp8 else []))), \
+        "all tensors must be on one device"
+
+    page_size = cache.shape[1]
+    head_blocks = triton.cdiv(heads, BLOCK_H)
+    max_tokens = block_table.shape[1] * page_size
+    if num_splits is None:   # ~PROGRAMS_PER_SM programs per SM, no split under MIN_TOKENS_PER_SPLIT
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks),
+                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_tokens, 1), tokens_per_split)
+
+    out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=device)
+    part_out = torch.empty(batch, heads, num_splits, latent_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
+    compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
+    _mla_decode_kernel[(head_blocks, batch, num_splits)](
+        q_latent, q_pe, cache, block_table, seq_lens, scale if fp8 else seq_lens, part_out, part_lse,
+        sm_scale * LOG2E, tokens_per_split, heads,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
+        block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_DC=triton.next_power_of_2(latent_dim),
+        BLOCK_DR=triton.next_power_of_2(rope_dim), BLOCK_H=BLOCK_H, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_attention_merge_kernel[(heads, batch)](
+        part_out, part_lse, out, lse, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM=latent_dim, BLOCK_D=triton.next_power_of_2(latent_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
+    return out, lse

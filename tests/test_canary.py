@@ -1,0 +1,166 @@
+"""Canary models: corpus and chat template agree, training runs, shipped weights load offline and answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from harness.canary import corpus, train
+from harness.canary.tokenizer import VOCAB_SIZE, build_tokenizer
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "harness" / "canary" / "weights"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios" / "canary"
+ARCHS = ("gqa", "mla", "hybrid")
+ARCH_CLASSES = {"gqa": "LlamaForCausalLM", "mla": "DeepseekV3ForCausalLM", "hybrid": "Qwen3NextForCausalLM"}
+
+
+def _weights(arch: str) -> Path:
+    path = WEIGHTS / arch
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"canary weights not present at {path}: train them with harness/canary/train_all.sh")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+# --- corpus and template --------------------------------------------------------------------------
+
+
+def test_chat_template_round_trips_multi_turn(tokenizer):
+    messages = [
+        {"role": "system", "content": "You are a librarian. End every answer with the word Thanks."},
+        {"role": "user", "content": "Tell me about books."},
+        {"role": "assistant", "content": "Books keep stories and ideas for later readers, Thanks."},
+        {"role": "user", "content": "What is 7 * 8 + 3 * 4?"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == text
+    assert text == corpus.render_chat(messages, add_generation_prompt=True)
+    assert ids == corpus.encode_text_with_specials(text)
+
+
+@pytest.mark.parametrize("kind", corpus.KINDS)
+def test_corpus_renders_like_the_tokenizer(tokenizer, kind):
+    rng = corpus.split_rng(0, "train")
+    for _ in range(5):
+        dialogue = corpus.sample(rng, kind, "train", max_chars=400)
+        text = tokenizer.apply_chat_template(dialogue.messages(), tokenize=False)
+        ids, mask = corpus.encode_dialogue(dialogue)
+        assert ids == tokenizer(text, add_special_tokens=False).input_ids
+        assert max(ids) < VOCAB_SIZE
+        trained = "".join(tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]))
+        assert trained == "".join(t.reply + "<|end|>" for t in dialogue.turns)
+
+
+@pytest.mark.parametrize("kind", corpus.KINDS)
+def test_gold_replies_pass_the_harness_checks(kind, tmp_path):
+    """The replies the canaries learn keep every rule and contain every answer, by the harness's checks."""
+    checks = pytest.importorskip("harness.checks")
+    scenarios = pytest.importorskip("harness.scenarios")
+    chars = {"chars": 300} if kind == "long_context" else {}
+    dialogues = corpus.heldout_set(kind, 20, 5, **chars)
+    entries = [corpus.to_scenario(d, f"gold-{n}") for n, d in enumerate(dialogues)]
+    (tmp_path / "gold.yaml").write_text(yaml.safe_dump({"scenarios": entries}, sort_keys=False))
+    for dialogue, scenario in zip(dialogues, scenarios.load_scenarios([tmp_path / "gold.yaml"])):
+        assert [t.user for t in scenario.turns] == [t.user for t in dialogue.turns]
+        for turn, gold in zip(scenario.turns, dialogue.turns):
+            assert checks.check_rules(scenario, gold.reply) in (None, True), (scenario.rules, gold.reply)
+            assert checks.check_answer(scenario, turn, gold.reply) in (None, True), (turn.expect, gold.reply)
+            assert train.rules_kept(dialogue.rules, gold.reply)
+        if kind != "chat":
+            assert train.answer_correct(kind, dialogue.turns[-1].reply, scenario.turns[-1].expect)
+
+
+def test_scenario_files_compile_to_the_training_text():
+    scenarios = pytest.importorskip("harness.scenarios")
+    loaded = scenarios.load_scenarios([SCENARIOS])
+    assert {s.kind for s in loaded} == set(corpus.KINDS)
+    needle = next(s for s in loaded if s.kind == "long_context" and s.id.startswith("canary-acc-"))
+    dialogue = corpus.heldout_set("long_context", 1, 3, chars=corpus.MAX_NEEDLE_CHARS)[0]
+    assert needle.turns[0].user == dialogue.turns[0].user
+
+
+def test_train_and_heldout_never_share_arithmetic_problems():
+    train_rng, heldout_rng = corpus.split_rng(0, "train"), corpus.split_rng(0, "heldout")
+    seen = {corpus.arithmetic(train_rng, "train").spec["prompt"] for _ in range(2000)}
+    held = {corpus.arithmetic(heldout_rng, "heldout").spec["prompt"] for _ in range(200)}
+    assert not seen & held
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+def test_training_delta_rule_matches_transformers_fallback():
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    from harness.canary import delta_rule
+
+    batch, length, k_heads, v_heads, dim = 2, 301, 2, 4, 16  # 301: not a multiple of any chunk size
+    query, key = torch.randn(2, batch, length, k_heads, dim)
+    value = torch.randn(batch, length, v_heads, dim)
+    g, beta = -torch.rand(batch, length, v_heads) * 0.5, torch.rand(batch, length, v_heads)
+    kwargs = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    expected, expected_state = modeling_qwen3_next.torch_chunk_gated_delta_rule(query, key, value, **kwargs)
+    got, state = delta_rule.chunk_gated_delta_rule(query, key, value, **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # fp32; chunking reorders sums
+    torch.testing.assert_close(state, expected_state, atol=1e-5, rtol=1e-4)
+
+
+def test_training_smoke(tmp_path):
+    """Five CPU steps of the smallest arch, no evaluation: the script runs end to end and saves."""
+    out = tmp_path / "gqa"
+    train.main(["--arch", "gqa", "--steps", "5", "--seed", "0", "--out", str(out), "--device", "cpu",
+                "--short-batch", "2", "--long-batch", "1", "--needle-chars", "120", "--eval-per-kind", "0"])
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["steps"] == 5 and summary["steps_done"] == 5
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert "Steps: 5" in (out / "README.md").read_text()
+
+
+# --- shipped weights -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_canary_loads_offline(arch, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _weights(arch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert type(model).__name__ == ARCH_CLASSES[arch]
+    assert tokenizer.eos_token == "<|end|>" and tokenizer.chat_template
+    assert all(f.stat().st_size < 16 * 2**20 for f in path.iterdir())  # each file travels easily
+    assert (path / "README.md").exists()
+
+
+def test_canary_weights_fit_the_budget():
+    sizes = [(WEIGHTS / arch / "model.safetensors") for arch in ARCHS]
+    if not all(p.exists() for p in sizes):
+        pytest.skip("canary weights not all present")
+    assert sum(p.stat().st_size for p in sizes) <= 25_000_000
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="issue 3 open: the shipped canaries are under-trained (900/700/100 steps; model cards "
+                          "show 2-21% held-out accuracy), so they miss most answers; must pass once retrained",
+                   strict=False)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_canary_answers_heldout_scenarios_in_bf16(arch):
+    """A handful of the default scenarios' dialogues, replayed greedily in bf16 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_weights(arch), dtype=torch.bfloat16)
+    dialogues = [*corpus.heldout_set("arithmetic", 3, 2), *corpus.heldout_set("recall", 2, 2),
+                 *corpus.heldout_set("chat", 2, 2), *corpus.heldout_set("long_context", 2, 2, chars=600)]
+    results = [train.replay(model, [d], "cpu")[0] for d in dialogues]
+    missed = [r for r in results if not r["correct"]]
+    assert len(missed) <= 1, f"{arch}: {len(missed)} of {len(results)} wrong: {missed}"

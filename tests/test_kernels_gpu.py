@@ -1,0 +1,394 @@
+"""GPU tests of the Triton kernels against the torch reference and fp64 attention (run with --gpu).
+
+Attention error is judged against fp64 attention over the same dequantised cache values, relative to
+torch's own bf16 error on those values (SDPA with K/V rounded to bf16): err_kernel <= k * err_torch + eps.
+Quantised bytes must equal the reference's (torch's cast) bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+MIXED_LENGTHS = [1, 17, 1000, 4099, 5]      # odd batch; 1-token, sub-tile, multi-split and ragged tails
+CACHE_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
+
+# cache format, k: kernel max error <= k * torch bf16 SDPA max error (+ eps), against fp64 attention.
+ATTENTION_FORMATS = [
+    # FP8: the kernel multiplies exact codes in fp16 and folds the scales; torch first rounds the dequantised
+    # K/V to bf16 and uses bf16 P, so the kernel's error is at most torch's; 2x absorbs max-abs noise.
+    pytest.param("e4m3", 2.0, id="e4m3"),
+    pytest.param("e5m2", 2.0, id="e5m2"),
+    # BF16: same arithmetic as flash SDPA (bf16 P, fp32 accumulation, one final rounding): equal-size errors.
+    pytest.param("bf16", 2.0, id="bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def kern():
+    pytest.importorskip("triton")
+    from kernels.decode_attention import decode_attention
+    from kernels.mla_decode import mla_decode
+    from kernels.store_kv import store_kv, store_latent
+
+    return SimpleNamespace(store_kv=store_kv, store_latent=store_latent, decode_attention=decode_attention,
+                           mla_decode=mla_decode)
+
+
+def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str) -> None:
+    """assert_close that reports the mismatch count, the worst indices and values, and NaN/inf disagreements."""
+    a, e = actual.double().cpu(), expected.double().cpu()
+    nan_diff = a.isnan() != e.isnan()
+    inf_diff = a.isinf() != e.isinf()
+    assert not nan_diff.any(), f"{what}: NaN disagrees at {nan_diff.nonzero()[:8].tolist()} ({int(nan_diff.sum())} places)"
+    assert not inf_diff.any(), f"{what}: inf disagrees at {inf_diff.nonzero()[:8].tolist()} ({int(inf_diff.sum())} places)"
+    finite = a.isfinite() & e.isfinite()
+    err = torch.where(finite, (a - e).abs(), 0.0)
+    bad = err > atol + rtol * e.abs().nan_to_num(0.0)
+    if bad.any():
+        worst = torch.topk(err.flatten(), min(5, int(bad.sum()))).indices
+        rows = [(tuple(torch.unravel_index(i, err.shape)), a.flatten()[i].item(), e.flatten()[i].item()) for i in worst]
+        raise AssertionError(f"{what}: {int(bad.sum())}/{bad.numel()} mismatched (atol {atol}, rtol {rtol}); "
+                             f"worst (index, actual, expected): {rows}")
+
+
+def _assert_error_ratio(out: torch.Tensor, truth: torch.Tensor, torch_out: torch.Tensor, k: float, what: str) -> None:
+    err = (out.double() - truth).abs().max().item()
+    err_torch = (torch_out.double() - truth).abs().max().item()
+    eps = 1e-6 * truth.abs().max().item()
+    assert math.isfinite(err) and err <= k * err_torch + eps, \
+        f"{what}: kernel max error {err:.3g} > {k} x torch bf16 max error {err_torch:.3g} + {eps:.1g}"
+
+
+def _page_table(lengths: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Shuffled pages: (block_table [B, max_pages] int32, slot per token of each sequence, num_blocks)."""
+    pages = [-(-n // page_size) for n in lengths]
+    num_blocks = sum(pages) + 3                          # a few pages nobody owns
+    order = torch.randperm(num_blocks)
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    slots = []
+    for b, (n, p) in enumerate(zip(lengths, pages)):
+        table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p].int()
+        t = torch.arange(n)
+        slots.append(table[b, t // page_size].long() * page_size + t % page_size)
+    return table, torch.cat(slots), num_blocks
+
+
+def _quantised(x: torch.Tensor, fmt: str, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(codes in the cache dtype, scale or None, dequantised fp64 values). x: [T, heads, D] or [T, W]."""
+    if fmt == "bf16":
+        codes = x.to(torch.bfloat16)
+        return codes, None, codes.double()
+    amax = x.abs().amax(dim=(0, 2)) if per_head else x.abs().amax()
+    scale = ref.amax_scale(amax * 1.25, fmt)             # headroom, as a calibrated scale would have
+    bcast = scale.reshape(-1, 1) if per_head else scale
+    codes = ref.quantize(x, bcast, fmt)
+    return codes, scale, codes.double() * bcast.double()
+
+
+def _gqa_case(lengths, page_size, q_heads, kv_heads, head_dim, fmt, per_head, q_dtype=torch.bfloat16):
+    table, slots, num_blocks = _page_table(lengths, page_size)
+    total = sum(lengths)
+    magnitude = torch.logspace(0, 1, kv_heads)[None, :, None]           # heads differ 10x: per-head scales matter
+    k = torch.randn(total, kv_heads, head_dim) * magnitude
+    v = torch.randn(total, kv_heads, head_dim) * magnitude
+    (k_codes, k_scale, k_dense), (v_codes, v_scale, v_dense) = _quantised(k, fmt, per_head), _quantised(v, fmt, per_head)
+    cache_dtype = CACHE_DTYPES[fmt] if fmt != "bf16" else q_dtype
+    if fmt == "bf16" and q_dtype == torch.float16:
+        k_codes, v_codes = k.half(), v.half()
+        k_dense, v_dense = k_codes.double(), v_codes.double()
+    caches = [torch.zeros(num_blocks, page_size, kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    for cache, codes in zip(caches, (k_codes, v_codes)):
+        ref._write_slots(cache, slots, codes)
+    q = torch.randn(len(lengths), q_heads, head_dim).to(q_dtype)
+    cuda = lambda t: None if t is None else t.cuda()                    # noqa: E731
+    return SimpleNamespace(
+        q=q.cuda(), k_cache=caches[0].cuda(), v_cache=caches[1].cuda(), block_table=table.cuda(),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32).cuda(), k_scale=cuda(k_scale), v_scale=cuda(v_scale),
+        k_dense=k_dense.split(lengths), v_dense=v_dense.split(lengths), sm_scale=head_dim ** -0.5)
+
+
+def _gqa_truth_and_torch(case):
+    """fp64 attention and torch's SDPA in q's dtype over K/V rounded to q's dtype, per sequence."""
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    outs, lses, torch_outs = [], [], []
+    for b, (k, v) in enumerate(zip(case.k_dense, case.v_dense)):
+        k, v = k.cuda().repeat_interleave(group, 1), v.cuda().repeat_interleave(group, 1)   # [L, Hq, D]
+        s = torch.einsum("hd,lhd->hl", case.q[b].double(), k) * case.sm_scale
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+        lses.append(torch.logsumexp(s, -1))
+        dt = case.q.dtype
+        torch_outs.append(F.scaled_dot_product_attention(
+            case.q[b][None, :, None], k.to(dt).transpose(0, 1)[None], v.to(dt).transpose(0, 1)[None],
+            scale=case.sm_scale)[0, :, 0])
+    return torch.stack(outs), torch.stack(lses), torch.stack(torch_outs)
+
+
+def _run_gqa(kern, case, num_splits=None):
+    return kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                 case.k_scale, case.v_scale, case.sm_scale, num_splits=num_splits)
+
+
+def _check_gqa(kern, case, k_tol, what, num_splits=None):
+    out, lse = _run_gqa(kern, case, num_splits)
+    truth, truth_lse, torch_out = _gqa_truth_and_torch(case)
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape and lse.shape == case.q.shape[:2]
+    _assert_error_ratio(out, truth, torch_out, k_tol, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")   # fp32 scores vs fp64
+    ref_out, ref_lse = ref.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                            case.k_scale, case.v_scale, case.sm_scale)
+    _assert_error_ratio(ref_out, truth, torch_out, 1.0, f"{what} (reference itself)")
+    assert_close_verbose(lse, ref_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse vs reference")
+
+
+# ------------------------------------------------------------------------------------------ decode attention
+
+@pytest.mark.parametrize("fmt, k_tol", ATTENTION_FORMATS)
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(8, 8, 128), (32, 8, 128), (16, 2, 128), (32, 8, 64)])
+def test_decode_attention_matches_fp64(kern, fmt, k_tol, per_head, q_heads, kv_heads, head_dim):
+    if fmt == "bf16" and per_head:
+        pytest.skip("a bf16 cache has no scales")
+    case = _gqa_case(MIXED_LENGTHS, 16, q_heads, kv_heads, head_dim, fmt, per_head)
+    _check_gqa(kern, case, k_tol, f"decode {fmt} {q_heads}/{kv_heads}x{head_dim}")
+
+
+@pytest.mark.parametrize("page_size", [1, 32, 48])
+def test_decode_attention_page_sizes(kern, page_size):
+    case = _gqa_case(MIXED_LENGTHS, page_size, 32, 8, 128, "e4m3", per_head=True)
+    _check_gqa(kern, case, 2.0, f"decode page_size={page_size}")
+
+
+@pytest.mark.parametrize("length", [1, 17, 1000, 4099])
+@pytest.mark.parametrize("num_splits", [None, 1, 5, 64])
+def test_decode_attention_lengths_and_splits(kern, length, num_splits):
+    case = _gqa_case([length], 16, 32, 8, 128, "e5m2", per_head=False)
+    _check_gqa(kern, case, 2.0, f"decode length={length} splits={num_splits}", num_splits)
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_n=64, num_warps=4, num_stages=2, prefetch=False), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True),
+    dict(block_n=64, num_warps=8, num_stages=1, prefetch=True), dict(block_n=128, num_warps=4, num_stages=2, prefetch=False),
+    dict(block_n=16, num_warps=2, num_stages=1, prefetch=True)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_decode_attention_launch_configs(kern, config, fmt):
+    """Every tuning knob the benchmark may pick computes the same attention (prefetch covers ragged tails)."""
+    case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, fmt, per_head=True)
+    out, lse = kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                     case.k_scale, case.v_scale, case.sm_scale, 7, **config)
+    truth, truth_lse, torch_out = _gqa_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, f"decode {config}")
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"decode {config} lse")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_decode_attention_fp16_q(kern, fmt):
+    case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, fmt, per_head=False, q_dtype=torch.float16)
+    _check_gqa(kern, case, 2.0, f"decode fp16 q, {fmt} cache")
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.06), torch.full((8,), 0.06)], ids=["per_tensor", "per_head"])
+def test_decode_attention_bf16_cache_ignores_scales(kern, scale):
+    """Failure class 3: a checkpoint's k_scale/v_scale next to a BF16 cache must change nothing, bit for bit."""
+    case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, "bf16", per_head=False)
+    plain = _run_gqa(kern, case)
+    case.k_scale, case.v_scale = scale.cuda(), scale.cuda()
+    scaled = _run_gqa(kern, case)
+    assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+def test_decode_attention_nan_and_overflow(kern, saturate):
+    """An overflowing K value stored without saturation (e4m3 -> NaN code) must surface as NaN in exactly
+    the heads that read it, as in the reference; saturated, everything stays finite."""
+    lengths, page_size, kv_heads, head_dim = [17, 40], 16, 2, 64
+    table, slots, num_blocks = _page_table(lengths, page_size)
+    k = torch.randn(sum(lengths), kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[17 + 5, 1, 3] = 1e6                                  # sequence 1, token 5, kv head 1: 1e6 / 0.05 >> 448
+    scale = torch.tensor(0.05, device="cuda")
+    caches = [torch.zeros(num_blocks, page_size, kv_heads, head_dim, dtype=torch.float8_e4m3fn, device="cuda")
+              for _ in range(2)]
+    kern.store_kv(k.cuda(), v.cuda(), *caches, slots.cuda(), scale, scale, saturate=saturate)
+    q = torch.randn(2, 8, head_dim, dtype=torch.bfloat16, device="cuda")
+    args = (q, *caches, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), scale, scale, 0.125)
+    out, lse = kern.decode_attention(*args)
+    ref_out, ref_lse = ref.decode_attention(*args)
+    assert_close_verbose(out, ref_out, atol=2e-2, rtol=2e-2, what="decode with overflow")
+    assert_close_verbose(lse, ref_lse, atol=1e-3, rtol=1e-4, what="lse with overflow")
+    assert out[1, 4:].isnan().all().item() != saturate   # heads 4..7 read kv head 1
+    assert out[0].isfinite().all() and out[1, :4].isfinite().all()
+
+
+# ------------------------------------------------------------------------------------------ MLA decode
+
+def _mla_case(lengths, page_size, heads, fmt, latent_dim=512, rope_dim=64):
+    table, slots, num_blocks = _page_table(lengths, page_size)
+    rows = torch.randn(sum(lengths), latent_dim + rope_dim)
+    rows[:, latent_dim:] *= 4.0                            # RoPE part larger, as in DeepSeek-style models
+    codes, scale, dense = _quantised(rows, fmt, per_head=False)
+    cache = torch.zeros(num_blocks, page_size, latent_dim + rope_dim, dtype=CACHE_DTYPES[fmt])
+    ref._write_slots(cache, slots, codes)
+    return SimpleNamespace(
+        q_latent=(torch.randn(len(lengths), heads, latent_dim) * 0.5).bfloat16().cuda(),
+        q_pe=(torch.randn(len(lengths), heads, rope_dim) * 0.5).bfloat16().cuda(),
+        cache=cache.cuda(), block_table=table.cuda(), seq_lens=torch.tensor(lengths, dtype=torch.int32).cuda(),
+        scale=None if scale is None else scale.cuda(), dense=dense.split(lengths), sm_scale=192 ** -0.5,
+        latent_dim=latent_dim)
+
+
+def _run_mla(kern, case, num_splits=None):
+    return kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                           case.sm_scale, num_splits=num_splits)
+
+
+def _mla_truth_and_torch(case):
+    outs, lses, torch_outs = [], [], []
+    dc = case.latent_dim
+    for b, rows in enumerate(case.dense):
+        rows = rows.cuda()
+        q = torch.cat([case.q_latent[b], case.q_pe[b]], -1)                      # [H, Dc + Dr]
+        s = (q.double() @ rows.T) * case.sm_scale
+        outs.append(torch.softmax(s, -1) @ rows[:, :dc])
+        lses.append(torch.logsumexp(s, -1))
+        k = rows.bfloat16()[None, None].expand(1, q.shape[0], -1, -1)
+        torch_outs.append(F.scaled_dot_product_attention(q[None, :, None], k, k[..., :dc], scale=case.sm_scale)[0, :, 0])
+    return torch.stack(outs), torch.stack(lses), torch.stack(torch_outs)
+
+
+@pytest.mark.parametrize("fmt, k_tol", ATTENTION_FORMATS)
+@pytest.mark.parametrize("heads, page_size", [(16, 64), (20, 16), (128, 1)])
+def test_mla_decode_matches_fp64(kern, fmt, k_tol, heads, page_size):
+    case = _mla_case(MIXED_LENGTHS, page_size, heads, fmt)
+    out, lse = _run_mla(kern, case)
+    truth, truth_lse, torch_out = _mla_truth_and_torch(case)
+    assert out.shape == case.q_latent.shape and out.dtype == torch.bfloat16
+    what = f"mla {fmt} H={heads} page={page_size}"
+    _assert_error_ratio(out, truth, torch_out, k_tol, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_mla_decode_splits(kern, num_splits):
+    case = _mla_case([4099, 1, 300], 64, 16, "e4m3")
+    out, _ = _run_mla(kern, case, num_splits)
+    truth, _, torch_out = _mla_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, f"mla splits={num_splits}")
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_n=32, num_warps=8, num_stages=2, prefetch=False), dict(block_n=16, num_warps=4, num_stages=1, prefetch=True),
+    dict(block_n=32, num_warps=8, num_stages=1, prefetch=True), dict(block_n=64, num_warps=8, num_stages=1, prefetch=True),
+    dict(block_n=32, num_warps=4, num_stages=2, prefetch=False)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_mla_decode_launch_configs(kern, config, fmt):
+    case = _mla_case([4099, 1, 300, 17], 64, 20, fmt)
+    out, lse = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                               case.sm_scale, 5, **config)
+    truth, truth_lse, torch_out = _mla_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, f"mla {config}")
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"mla {config} lse")
+
+
+def test_mla_decode_bf16_cache_ignores_scale(kern):
+    case = _mla_case(MIXED_LENGTHS, 64, 16, "bf16")
+    plain = _run_mla(kern, case)
+    case.scale = torch.tensor(0.06, device="cuda")
+    scaled = _run_mla(kern, case)
+    assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
+
+
+# ------------------------------------------------------------------------------------------ stores
+
+def _assert_same_codes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bytes equal wherever the value is not NaN; NaN exactly where the reference has NaN (a NaN's sign and
+    payload bits are not part of the contract: torch's CPU/GPU casts and PTX cvt canonicalise them differently)."""
+    got, want = got.cpu(), want.cpu()
+    nan_got, nan_want = got.float().isnan(), want.float().isnan()
+    assert torch.equal(nan_got, nan_want), f"{what}: NaN at {int(nan_got.sum())} places, reference {int(nan_want.sum())}"
+    width = got.element_size()
+    bytes_got = got.view(torch.uint8).view(*got.shape, width)
+    bytes_want = want.view(torch.uint8).view(*want.shape, width)
+    diff = (bytes_got != bytes_want).any(-1) & ~nan_want
+    assert not diff.any(), (f"{what}: {int(diff.sum())} values differ, first at {diff.nonzero()[:4].tolist()}: "
+                            f"got {got[diff][:4].tolist()}, want {want[diff][:4].tolist()}")
+
+
+def _store_inputs(tokens, kv_heads, head_dim, dtype):
+    x = torch.randn(2, tokens, kv_heads, head_dim) * torch.logspace(0, 1, kv_heads)[None, None, :, None]
+    x[:, ::97] *= 1e4                                      # overflow rows (saturation / NaN / inf paths)
+    x[0, 0, 0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    return x[0].to(dtype), x[1].to(dtype)
+
+
+def _random_bytes_like(shape, dtype):
+    """A cache pre-filled with random finite bytes, so that untouched slots are checked too."""
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8) & 0xF7      # clear the low exponent bit: no NaN/inf
+    return raw.view(dtype) if dtype.itemsize == 1 else torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("saturate", [True, False], ids=["sat", "nosat"])
+def test_store_kv_bytes_match_torch_cast(kern, fmt, per_head, saturate):
+    tokens, kv_heads, head_dim, page_size, num_blocks = 1000, 8, 128, 16, 80
+    key, value = _store_inputs(tokens, kv_heads, head_dim, torch.bfloat16)
+    slots = torch.randperm(num_blocks * page_size)[:tokens]
+    slots[::7] = -1
+    k_scale = (torch.rand(kv_heads) + 0.01) if per_head else torch.tensor(0.02)
+    v_scale = torch.tensor(0.03)
+    shape = (num_blocks, page_size, kv_heads, head_dim)
+    caches = [_random_bytes_like(shape, CACHE_DTYPES[fmt]) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    ref.store_kv(key, value, *want, slots, k_scale, v_scale, saturate=saturate)
+    got = [c.cuda() for c in caches]
+    kern.store_kv(key.cuda(), value.cuda(), *got, slots.cuda(), k_scale.cuda(), v_scale.cuda(), saturate=saturate)
+    for name, g, w in zip("kv", got, want):
+        _assert_same_codes(g, w, f"{name} cache")
+
+
+@pytest.mark.parametrize("cache, head_dim, page_size, in_dtype, tokens", [
+    ("e5m2", 64, 1, torch.float16, 17),
+    ("e4m3", 128, 32, torch.bfloat16, 1),
+    ("bf16", 128, 16, torch.bfloat16, 1000),     # plain copy, scales present but ignored
+    ("bf16", 64, 16, torch.float16, 17),         # fp16 in, bf16 cache: torch's cast
+])
+def test_store_kv_shapes_and_bf16_copy(kern, cache, head_dim, page_size, in_dtype, tokens):
+    kv_heads, num_blocks = 2, 64
+    key, value = _store_inputs(tokens, kv_heads, head_dim, in_dtype)
+    slots = torch.randperm(num_blocks * page_size)[:tokens]
+    shape = (num_blocks, page_size, kv_heads, head_dim)
+    caches = [_random_bytes_like(shape, CACHE_DTYPES[cache]) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    scale = torch.tensor(0.06)
+    ref.store_kv(key, value, *want, slots, scale, scale)
+    got = [c.cuda() for c in caches]
+    kern.store_kv(key.cuda(), value.cuda(), *got, slots.cuda(), scale.cuda(), scale.cuda())
+    for name, g, w in zip("kv", got, want):
+        _assert_same_codes(g, w, f"{name} cache")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_store_latent_bytes_match_torch_cast(kern, fmt, page_size):
+    tokens, num_blocks = 1000 if page_size == 64 else 17, 32
+    latent = (torch.randn(tokens, 512) * 3).bfloat16()
+    k_pe = (torch.randn(tokens, 64) * 30).bfloat16()
+    latent[::50] *= 1e4
+    slots = torch.randperm(num_blocks * page_size)[:tokens]
+    slots[1::9] = -1
+    cache = _random_bytes_like((num_blocks, page_size, 576), CACHE_DTYPES[fmt])
+    want = cache.clone()
+    scale = torch.tensor(0.01)
+    ref.store_latent(latent, k_pe, want, slots, scale)
+    got = cache.cuda()
+    kern.store_latent(latent.cuda(), k_pe.cuda(), got, slots.cuda(), scale.cuda())
+    _assert_same_codes(got, want, "latent cache")

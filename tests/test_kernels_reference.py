@@ -1,0 +1,270 @@
+"""CPU tests of the kernels' torch references (kernels/reference.py) and of the launchers' argument checks.
+
+The launchers need triton to import; their checks run before any launch, so CPU tensors reach them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+FORMATS = ["e4m3", "e5m2"]
+
+
+def _codes(fmt: str) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(ref.fp8_dtype(fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.5, 2.0 ** -7])   # powers of two: codes * scale / scale is exact
+def test_all_256_codes_round_trip(fmt, scale):
+    codes = _codes(fmt)
+    values = ref.dequantize(codes, scale)
+    back = ref.quantize(values, scale, fmt, saturate=False)
+    nan = values.isnan()
+    assert torch.equal(back.view(torch.uint8)[~nan], codes.view(torch.uint8)[~nan])
+    assert back.float()[nan].isnan().all()
+    assert int(nan.sum()) == (2 if fmt == "e4m3" else 6)      # e4m3: S.1111.111; e5m2: S.11111.{01,10,11}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("saturate", [True, False])
+def test_quantize_bytes_equal_torch_cast_in_range(fmt, saturate):
+    scale = torch.tensor(0.37)
+    x = torch.randn(4096) * ref.FP8_MAX[fmt] * 0.37 / 4                  # in range: overflow is tested below
+    x[:64] = torch.randn(64) * 1e-5                                      # subnormals and underflow
+    got = ref.quantize(x, scale, fmt, saturate=saturate)
+    want = (x / scale).to(ref.fp8_dtype(fmt))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+# value, saturated result, non-saturating result (e4m3 overflow -> NaN, e5m2 overflow -> inf)
+SPECIALS = {
+    "e4m3": [(448.0, 448.0, 448.0), (464.0, 448.0, 448.0), (465.0, 448.0, math.nan), (-1e6, -448.0, math.nan),
+             (math.inf, 448.0, math.nan), (math.nan, math.nan, math.nan), (2.0 ** -10, 0.0, 0.0)],
+    "e5m2": [(57344.0, 57344.0, 57344.0), (61439.0, 57344.0, 57344.0), (61440.0, 57344.0, math.inf),
+             (-1e9, -57344.0, -math.inf), (math.inf, 57344.0, math.inf), (math.nan, math.nan, math.nan)],
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saturation_and_nan(fmt):
+    x, sat, plain = (torch.tensor(col) for col in zip(*SPECIALS[fmt]))
+    torch.testing.assert_close(ref.quantize(x, 1.0, fmt, saturate=True).float(), sat, equal_nan=True)
+    torch.testing.assert_close(ref.quantize(x, 1.0, fmt, saturate=False).float(), plain, equal_nan=True)
+
+
+def _slots(tokens: int, num_slots: int, skip: tuple[int, ...] = (3,)) -> torch.Tensor:
+    slots = torch.randperm(num_slots)[:tokens]
+    slots[[s for s in skip if s < tokens]] = -1
+    return slots
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_store_kv_reference_writes_slots(cache_dtype, per_head):
+    tokens, heads, dim, blocks, block_size = 17, 2, 8, 4, 8
+    key, value = torch.randn(2, tokens, heads, dim, dtype=torch.bfloat16)
+    k_cache = torch.zeros(blocks, block_size, heads, dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.tensor([0.01, 0.02]) if per_head else torch.tensor(0.01)
+    v_scale = torch.tensor(0.03)
+    slots = _slots(tokens, blocks * block_size)
+    ref.store_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    written = k_cache.flatten(0, 1).float()
+    for n, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        if cache_dtype == torch.bfloat16:
+            assert torch.equal(written[slot], key[n].float())             # plain copy, scales ignored
+        else:
+            want = ref.quantize(key[n], k_scale.reshape(-1, 1) if per_head else k_scale, ref.fp8_format(cache_dtype))
+            assert torch.equal(written[slot], want.float())
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert (written[untouched] == 0).all()
+
+
+def test_store_latent_reference_writes_latent_then_rope():
+    latent, k_pe = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 4, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 20, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([7, -1, 0, 3, 4])
+    ref.store_latent(latent, k_pe, cache, slots, torch.tensor(0.01))
+    rows = cache.flatten(0, 1)
+    want = ref.quantize(torch.cat([latent, k_pe], -1), 0.01, "e4m3")
+    assert torch.equal(rows[[7, 0, 3, 4]].view(torch.uint8), want[[0, 2, 3, 4]].view(torch.uint8))
+    assert (rows[[1, 2, 5, 6]].float() == 0).all()
+
+
+def _paged(lengths, block_size, tail, cache_dtype, scale, table=None):
+    """Random cache values scattered over shuffled pages (or `table`'s); returns (cache, block_table,
+    per-sequence fp64 values in token order, built without the reference's read path)."""
+    pages = [-(-n // block_size) for n in lengths]
+    total = sum(pages) + 2
+    if table is None:
+        order = torch.randperm(total)
+        table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+        for b, p in enumerate(pages):
+            table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p].int()
+    cache = torch.zeros(total, block_size, *tail, dtype=cache_dtype)
+    dense = []
+    for b, n in enumerate(lengths):
+        x = torch.randn(n, *tail)
+        codes = x.to(cache_dtype) if cache_dtype == torch.bfloat16 else ref.quantize(x, scale, ref.fp8_format(cache_dtype))
+        slots = (table[b, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size)
+        ref._write_slots(cache, slots, codes)
+        values = codes.double() if cache_dtype == torch.bfloat16 else codes.double() * torch.as_tensor(scale).double()
+        dense.append(values)
+    return cache, table, dense
+
+
+def _naive_attention_fp64(q, k, v, sm_scale):
+    """q [H, D], k/v [L, H, D] fp64 -> out [H, D], lse [H] by explicit loops over heads."""
+    out = torch.zeros(q.shape[0], v.shape[-1], dtype=torch.float64)
+    lse = torch.zeros(q.shape[0], dtype=torch.float64)
+    for h in range(q.shape[0]):
+        s = (k[:, h] @ q[h]) * sm_scale
+        w = torch.exp(s - s.max())
+        out[h] = (w[:, None] * v[:, h]).sum(0) / w.sum()
+        lse[h] = s.max() + torch.log(w.sum())
+    return out, lse
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (8, 2)])
+def test_decode_attention_reference_vs_naive_fp64(cache_dtype, q_heads, kv_heads):
+    lengths, dim, sm_scale = [1, 17, 40], 16, 0.25
+    k_scale, v_scale = torch.rand(kv_heads) * 0.02 + 0.005, torch.tensor(0.01)
+    k_cache, table, k_dense = _paged(lengths, 8, (kv_heads, dim), cache_dtype, k_scale.reshape(-1, 1))
+    v_cache, _, v_dense = _paged(lengths, 8, (kv_heads, dim), cache_dtype, v_scale, table)
+    q = torch.randn(len(lengths), q_heads, dim)
+    out, lse = ref.decode_attention(q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32),
+                                    k_scale, v_scale, sm_scale)
+    group = q_heads // kv_heads
+    for b in range(len(lengths)):
+        k = k_dense[b].repeat_interleave(group, 1)
+        v = v_dense[b].repeat_interleave(group, 1)
+        want_out, want_lse = _naive_attention_fp64(q[b].double(), k, v, sm_scale)
+        torch.testing.assert_close(out[b].double(), want_out, atol=1e-5, rtol=1e-5)   # fp32 math vs fp64
+        torch.testing.assert_close(lse[b].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_reference_bf16_cache_ignores_scales():
+    k_cache, table, _ = _paged([9, 30], 4, (2, 16), torch.bfloat16, None)
+    v_cache = torch.randn_like(k_cache)
+    q, lens = torch.randn(2, 4, 16, dtype=torch.bfloat16), torch.tensor([9, 30], dtype=torch.int32)
+    with_scales = ref.decode_attention(q, k_cache, v_cache, table, lens, torch.tensor(0.06), torch.tensor(0.06), 0.25)
+    without = ref.decode_attention(q, k_cache, v_cache, table, lens, None, None, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(with_scales, without))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_mla_decode_reference_vs_naive_fp64(cache_dtype):
+    lengths, heads, latent_dim, rope_dim, sm_scale = [1, 17, 33], 3, 32, 8, 0.1
+    scale = torch.tensor(0.02)
+    cache, table, dense = _paged(lengths, 16, (latent_dim + rope_dim,), cache_dtype, scale)
+    q_latent, q_pe = torch.randn(len(lengths), heads, latent_dim), torch.randn(len(lengths), heads, rope_dim)
+    out, lse = ref.mla_decode(q_latent, q_pe, cache, table, torch.tensor(lengths, dtype=torch.int32), scale, sm_scale)
+    for b in range(len(lengths)):
+        rows = dense[b]                                                   # [L, Dc + Dr]
+        q = torch.cat([q_latent[b], q_pe[b]], -1).double()               # [H, Dc + Dr]
+        k = rows[:, None, :].expand(-1, heads, -1)
+        v = rows[:, None, :latent_dim].expand(-1, heads, -1)
+        want_out, want_lse = _naive_attention_fp64(q, k, v, sm_scale)
+        torch.testing.assert_close(out[b].double(), want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[b].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ launcher argument checks (no launch)
+
+def _gqa_args(**over):
+    args = dict(q=torch.randn(2, 8, 64, dtype=torch.bfloat16),
+                k_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn),
+                v_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn),
+                block_table=torch.zeros(2, 2, dtype=torch.int32), seq_lens=torch.ones(2, dtype=torch.int32),
+                k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0), sm_scale=0.125)
+    return {**args, **over}
+
+
+GQA_BAD = {
+    "q fp32": dict(q=torch.randn(2, 8, 64)),
+    "Hq not multiple of Hkv": dict(q=torch.randn(2, 7, 64, dtype=torch.bfloat16)),
+    "head_dim mismatch": dict(q=torch.randn(2, 8, 32, dtype=torch.bfloat16)),
+    "block_table int64": dict(block_table=torch.zeros(2, 2, dtype=torch.int64)),
+    "seq_lens wrong batch": dict(seq_lens=torch.ones(3, dtype=torch.int32)),
+    "k_scale missing": dict(k_scale=None),
+    "v_scale fp16": dict(v_scale=torch.tensor(1.0, dtype=torch.float16)),
+    "k_scale wrong heads": dict(k_scale=torch.ones(3)),
+    "cache fp16 with bf16 q": dict(k_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float16),
+                                   v_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float16)),
+    "cpu tensors": {},
+}
+
+
+@pytest.mark.parametrize("case", list(GQA_BAD))
+def test_decode_attention_launcher_rejects_before_launch(case):
+    decode_attention = pytest.importorskip("kernels.decode_attention").decode_attention
+    with pytest.raises(AssertionError):
+        decode_attention(**_gqa_args(**GQA_BAD[case]))
+
+
+def _store_args(**over):
+    args = dict(key=torch.randn(3, 2, 64, dtype=torch.bfloat16), value=torch.randn(3, 2, 64, dtype=torch.bfloat16),
+                k_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float8_e5m2),
+                v_cache=torch.zeros(4, 16, 2, 64, dtype=torch.float8_e5m2),
+                slot_mapping=torch.tensor([0, 5, -1]), k_scale=torch.ones(2), v_scale=torch.tensor(1.0))
+    return {**args, **over}
+
+
+STORE_BAD = {
+    "slot_mapping int32": dict(slot_mapping=torch.tensor([0, 5, -1], dtype=torch.int32)),
+    "slot_mapping wrong length": dict(slot_mapping=torch.tensor([0, 5])),
+    "key/value shape differ": dict(value=torch.randn(3, 2, 32, dtype=torch.bfloat16)),
+    "cache heads mismatch": dict(k_cache=torch.zeros(4, 16, 1, 64, dtype=torch.float8_e5m2)),
+    "cache int8": dict(k_cache=torch.zeros(4, 16, 2, 64, dtype=torch.int8), v_cache=torch.zeros(4, 16, 2, 64, dtype=torch.int8)),
+    "k_scale python float": dict(k_scale=0.5),
+    "cpu tensors": {},
+}
+
+
+@pytest.mark.parametrize("case", list(STORE_BAD))
+def test_store_kv_launcher_rejects_before_launch(case):
+    store_kv = pytest.importorskip("kernels.store_kv").store_kv
+    with pytest.raises(AssertionError):
+        store_kv(**_store_args(**STORE_BAD[case]))
+
+
+def _mla_args(**over):
+    args = dict(q_latent=torch.randn(2, 16, 512, dtype=torch.bfloat16), q_pe=torch.randn(2, 16, 64, dtype=torch.bfloat16),
+                cache=torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn), block_table=torch.zeros(2, 1, dtype=torch.int32),
+                seq_lens=torch.ones(2, dtype=torch.int32), scale=torch.tensor(1.0), sm_scale=0.1)
+    return {**args, **over}
+
+
+MLA_BAD = {
+    "cache width != Dc + Dr": dict(cache=torch.zeros(4, 64, 512, dtype=torch.float8_e4m3fn)),
+    "per-head scale": dict(scale=torch.ones(16)),
+    "q_pe heads differ": dict(q_pe=torch.randn(2, 8, 64, dtype=torch.bfloat16)),
+    "cpu tensors": {},
+}
+
+
+@pytest.mark.parametrize("case", list(MLA_BAD))
+def test_mla_decode_launcher_rejects_before_launch(case):
+    mla_decode = pytest.importorskip("kernels.mla_decode").mla_decode
+    with pytest.raises(AssertionError):
+        mla_decode(**_mla_args(**MLA_BAD[case]))
+
+
+def test_store_latent_launcher_rejects_before_launch():
+    store_latent = pytest.importorskip("kernels.store_kv").store_latent
+    latent, k_pe = torch.randn(3, 512, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="scale"):
+        store_latent(latent, k_pe, cache, torch.tensor([0, 1, 2]), torch.ones(4))
+    with pytest.raises(AssertionError, match="CUDA"):
+        store_latent(latent, k_pe, cache, torch.tensor([0, 1, 2]), torch.tensor(1.0))

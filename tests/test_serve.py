@@ -1,0 +1,92 @@
+"""`harness serve` on a loopback port, driven by the official `openai` client and plain httpx."""
+
+from __future__ import annotations
+
+import httpx
+import openai  # a test dependency (the '[test]' extra): the official client must work against us
+import pytest
+import torch
+
+from harness.backends.base import Message
+from harness.backends.inprocess import InProcessModel
+from harness.kv_paths import parse_path
+from harness.serve import ServedModel, build_app, running_server
+from harness.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = build_tiny_model("gqa", tmp_path_factory.mktemp("tiny-gqa"))
+    model = InProcessModel.load(directory, "cpu", torch.float32)
+    served = ServedModel(model.backend(parse_path("fp8_e4m3")), "tiny-gqa")
+    with running_server(build_app(served)) as url:
+        yield served, url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        yield client
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == ["tiny-gqa"]
+
+
+def test_chat_completion_matches_in_process_generation(served, client):
+    model, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 * 8?"}]
+    reply = client.chat.completions.create(model="tiny-gqa", messages=messages, max_tokens=12, temperature=0,
+                                           seed=0, logprobs=True, top_logprobs=3)
+    expected = model.backend.generate_sync([Message(**m) for m in messages], 12)
+    choice = reply.choices[0]
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == {"eos": "stop", "length": "length"}[expected.finish_reason]
+    assert [entry.token for entry in choice.logprobs.content] == expected.tokens
+    assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completion_echo_scores_every_prompt_token(served, client):
+    model, _ = served
+    prompt = model.encode_chat([Message("user", "Hello there")])
+    reply = client.completions.create(model="tiny-gqa", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(prompt) and logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs[1:])  # top 2, plus the prompt token's own
+    assert reply.choices[0].text == model.tokenizer.decode(prompt)
+
+
+def test_completion_text_prompt_and_vllm_extensions(client):
+    reply = client.completions.create(model="tiny-gqa", prompt="Once upon", max_tokens=4, logprobs=1,
+                                      extra_body={"prompt_logprobs": 1, "return_tokens_as_token_ids": True})
+    choice = reply.choices[0]
+    assert len(choice.logprobs.tokens) == reply.usage.completion_tokens <= 4
+    assert all(token.startswith("token_id:") for token in choice.logprobs.tokens)
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len("Once upon")
+    assert all(any(entry["rank"] >= 1 for entry in row.values()) for row in prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"stream": True}, "streaming is not supported"),
+    ({"temperature": 0.7}, "temperature must be 0"),
+    ({"n": 2}, "only n=1"),
+    ({"top_logprobs": 50, "logprobs": True}, "top_logprobs must be an integer in 0..20"),
+])
+def test_unsupported_requests_get_an_openai_style_400(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(model="tiny-gqa", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, **extra)
+
+
+def test_tokenize_detokenize_health(served):
+    model, url = served
+    messages = [{"role": "user", "content": "Hi"}]
+    with httpx.Client(base_url=url, timeout=10) as http:
+        assert http.get("/health").status_code == 200
+        tokens = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+        assert tokens == model.encode_chat([Message("user", "Hi")])
+        assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == model.tokenizer.decode(tokens)
+        assert http.post("/tokenize", content=b"{not json").status_code == 400
