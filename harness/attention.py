@@ -130,13 +130,30 @@ def _kernel_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
     return out.view(1, 1, heads, -1)
 
 
-def _exact_attention(module, query, key, value) -> torch.Tensor:
-    """fp64 softmax attention of one decode query over the (dequantised) keys/values: [1, 1, Hq, Dv]."""
-    group = query.shape[1] // key.shape[1]
-    k = key.double().repeat_interleave(group, dim=1)
-    v = value.double().repeat_interleave(group, dim=1)
-    weights = torch.softmax((query.double() @ k.transpose(-1, -2)) * module.scaling, dim=-1)
-    return (weights @ v).transpose(1, 2)
+def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
+    """fp64 attention of one decode query over exactly what the paged cache holds (codes x scale, never
+    rounded to bf16): the truth both the kernel and SDPA over the dequantised bf16 K/V are judged against."""
+    length = paged.length
+    if not paged.mla:
+        def read(pages, scale):  # [blocks, page, Hkv, D] -> [Hkv, L, D]
+            rows = pages.flatten(0, 1)[:length].double() * scale.double().reshape(-1, 1)
+            return rows.transpose(0, 1)
+
+        group = query.shape[1] // paged.pages[0].shape[2]
+        k = read(paged.pages[0], paged.k_scale).repeat_interleave(group, dim=0)
+        v = read(paged.pages[1], paged.v_scale).repeat_interleave(group, dim=0)
+        weights = torch.softmax((query[0, :, 0:1].double() @ k.transpose(-1, -2)) * module.scaling, dim=-1)
+        return (weights @ v).transpose(0, 1).unsqueeze(0)  # [1, 1, Hq, D]
+    rows = paged.pages[0].flatten(0, 1)[:length].double() * paged.k_scale.double()  # [L, Dc + Dr]
+    nope, heads = module.qk_nope_head_dim, query.shape[1]
+    weight = module.kv_b_proj.weight.double().view(heads, nope + module.v_head_dim, -1)
+    latent_dim = weight.shape[-1]
+    c, pe = rows[:, :latent_dim], rows[:, latent_dim:]
+    q = query[0, :, 0].double()
+    q_latent = torch.einsum("hn,hnc->hc", q[:, :nope], weight[:, :nope])
+    scores = (q_latent @ c.T + q[:, nope:] @ pe.T) * module.scaling  # [H, L]
+    out = torch.einsum("hc,hvc->hv", torch.softmax(scores, dim=-1) @ c, weight[:, nope:])
+    return out.view(1, 1, heads, -1)
 
 
 def register(observer_attr: str = "harness_observer") -> None:
@@ -151,7 +168,7 @@ def register(observer_attr: str = "harness_observer") -> None:
         paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _kernel_decode(module, query, paged)
-            paged.agreement.add(kernel_out, output, _exact_attention(module, query, key, value))
+            paged.agreement.add(kernel_out, output, _exact_attention(module, query, paged))
             output = kernel_out
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:

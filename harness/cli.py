@@ -47,6 +47,20 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
+    live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
+    live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
+    live.add_argument("--judge", metavar="URL", help="OpenAI-compatible server whose model grades replies 1-5")
+    live.add_argument("--judge-turns", choices=["diverged", "all"], default="diverged",
+                      help="turns the LLM judge sees (default: only turns that diverged)")
+    live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
+    live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
+    serve = commands.add_parser("serve", help="serve a model with a KV path over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
+    serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default="cpu")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
     report.add_argument("run", type=Path, metavar="RUN")
@@ -88,6 +102,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from harness.serve import serve
+
+    serve(args.model, args.path, args.host, args.port, args.device)
+    return 0
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -104,7 +125,13 @@ def _run(args: argparse.Namespace) -> int:
     from harness.store import RunStoreError
 
     warnings, config = [], None
-    if args.model:
+    if bool(args.reference) != bool(args.candidate):
+        print("error: --reference and --candidate go together (a reference server and at least one candidate)",
+              file=sys.stderr)
+        return 2
+    if args.reference:
+        models = ()
+    elif args.model:
         models = tuple(args.model)
     else:
         models, warning = job.default_models()
@@ -117,9 +144,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = job.RunConfig(
             models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
-            paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), out=args.out or job.new_run_dir(),
+            paths=() if args.reference else job.parse_kv_paths(args.paths or job.DEFAULT_PATHS),
+            out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
-            calibration_paths=tuple(args.calibration or ()),
+            calibration_paths=tuple(args.calibration or ()), reference_url=args.reference,
+            candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
+            api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
@@ -158,7 +188,7 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
     print(f"report: {report}")
 
 
-COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export}
+COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

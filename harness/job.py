@@ -41,6 +41,14 @@ class RunConfig:
     seed: int = 0
     command: str = ""
     calibration_paths: tuple[Path, ...] = ()
+    # live endpoints instead of in-process models (OpenAI-compatible servers)
+    reference_url: str | None = None
+    candidate_urls: tuple[str, ...] = ()  # "URL" or "LABEL=URL"
+    judge_url: str | None = None  # an LLM judge; the rule and agreement judges always run
+    judge_selection: str = "diverged"  # which turns the LLM judge sees: all | diverged
+    api_key_env: str | None = None  # name of the environment variable holding the API key
+    tokenizer: str | None = None  # local tokenizer for servers without /tokenize
+    concurrency: int = 8  # scenarios replayed at once against endpoints
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -139,15 +147,27 @@ def _check_resumable(store: RunStore, config: RunConfig, scenarios: list[Scenari
     if old != new:
         raise RunStoreError(f"cannot resume {config.out}: its scenarios differ from the ones given "
                             f"({len(old ^ new)} differ); start a new run instead")
-    if [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
+    if not config.reference_url and [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
         raise RunStoreError(f"cannot resume {config.out}: it ran paths "
                             f"{[p['name'] for p in manifest['paths']]}, not {[p.name for p in config.paths]}")
 
 
+def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
+    pairs = []
+    for i, item in enumerate(urls, start=1):
+        label, sep, url = item.partition("=")
+        if not sep or "://" in label:
+            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
+        pairs.append((label, url))
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels) or "reference" in labels:
+        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
+    return pairs
+
+
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     """Run everything in `config`; returns the run directory. Safe to interrupt and `resume`."""
-    from harness.backends.inprocess import InProcessModel
-
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
@@ -158,19 +178,15 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     else:
         store = RunStore.create(config.out, _manifest(config, scenarios))
     torch.manual_seed(config.seed)
-    total = len(config.models) * len(scenarios) * (1 + len(config.paths))
+    targets = len(config.candidate_urls) if config.reference_url else len(config.paths)
+    total = max(1, len(config.models)) * len(scenarios) * (1 + targets)
     bar = progress(total) if progress else None
     try:
-        for directory in config.models:
-            loaded = InProcessModel.load(directory, device=config.device)
-            loaded.calibration_chats = calibration_chats
-            label = model_label(directory)
-            _note_model(store, label, loaded, warn)
-            backends = [loaded.backend(path) for path in config.paths]
-            _note_scales(store, label, backends)
-            replay = Replay(label, loaded.backend(None), backends, store, config.history_mode,
-                            on_unit_done=(bar.update if bar else None))
-            asyncio.run(replay.run(scenarios))
+        if config.reference_url:
+            asyncio.run(_replay_endpoints(config, scenarios, store, bar))
+        else:
+            _replay_models(config, scenarios, calibration_chats, store, bar, warn)
+        asyncio.run(_judge(config, scenarios, store))
         _finish(store, "complete" if not store.read("errors") else "complete_with_errors")
     except KeyboardInterrupt:
         _finish(store, "interrupted")
@@ -182,6 +198,60 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
         if bar:
             bar.close()
     return config.out
+
+
+def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
+    from harness.backends.inprocess import InProcessModel
+
+    for directory in config.models:
+        loaded = InProcessModel.load(directory, device=config.device)
+        loaded.calibration_chats = calibration_chats
+        label = model_label(directory)
+        _note_model(store, label, loaded, warn)
+        backends = [loaded.backend(path) for path in config.paths]
+        _note_scales(store, label, backends)
+        replay = Replay(label, loaded.backend(None), backends, store, config.history_mode,
+                        on_unit_done=(bar.update if bar else None))
+        asyncio.run(replay.run(scenarios))
+
+
+ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
+
+
+async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:
+    from harness.backends.endpoint import open_endpoint
+
+    common = dict(api_key_env=config.api_key_env, tokenizer=config.tokenizer, seed=config.seed,
+                  cache_dir=store.directory / "http-cache")  # per run: --resume reuses it, a new run does not
+    reference = open_endpoint(config.reference_url, label="reference", **common)
+    candidates = [open_endpoint(url, label=label, **common) for label, url in candidate_labels(config.candidate_urls)]
+    manifest = store.read_manifest()
+    manifest["models"] = [{"label": ENDPOINT_MODEL, "reference": reference.describe()}]
+    manifest["paths"] = [{"name": b.label, "canonical": b.label, "description": b.describe()} for b in candidates]
+    store.write_manifest(manifest)
+    try:
+        replay = Replay(ENDPOINT_MODEL, reference, candidates, store, config.history_mode,
+                        on_unit_done=(bar.update if bar else None))
+        await replay.run(scenarios, concurrency=config.concurrency)
+    finally:
+        for backend in [reference, *candidates]:
+            await backend.aclose()
+
+
+async def _judge(config: RunConfig, scenarios, store: RunStore) -> None:
+    """Rule and reference-agreement judges on every reply; the LLM judge too when --judge is given."""
+    from harness.judges import JudgeConfig, LLMJudge, judge_run
+
+    llm = LLMJudge(config.judge_url, api_key_env=config.api_key_env, cache_dir=store.directory / "http-cache",
+                   seed=config.seed) if config.judge_url else None
+    if llm is not None:
+        store.update_manifest(judge=llm.describe())
+    try:
+        await judge_run(store, scenarios, llm, JudgeConfig(selection=config.judge_selection,
+                                                            history_mode=config.history_mode))
+    finally:
+        if llm is not None:
+            await llm.aclose()
 
 
 def calibration_chats_from(scenarios: list[Scenario]) -> list[list[Message]]:

@@ -290,10 +290,17 @@ def noise_floor(records: Iterable[Mapping[str, object]]) -> dict[str, float]:
     token_edit_distance; 1 - value for exact_match, top1_agree and common_prefix_frac.
     Metrics with no identical-run value (first_divergent_token, task checks) and missing values
     (None or NaN, pandas' missing marker) are skipped; metrics never seen are absent.
+
+    top1_agree and ref_rank_* are left out: they compare the reference's greedy tokens with the argmax
+    of its own teacher-forced scoring, which differs at near-ties even for an identical path (decoding
+    one token at a time and scoring a whole chunk round bf16 matmuls differently), so they measure the
+    reference's self-consistency, not the path against the reference.
     """
     floor: dict[str, float] = {}
     for row in records:
         metric, value = str(row["metric"]), row["value"]
+        if metric == "top1_agree" or metric.startswith("ref_rank_"):
+            continue
         ideal = _identical_run_value(metric)
         if ideal is None or value is None or math.isnan(float(value)):
             continue

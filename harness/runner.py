@@ -71,14 +71,17 @@ class Replay:
                 self.on_unit_done()
             return
         self.on_unit_done()
-        reference_scores: dict[int, object] = {}
-        for backend in self.candidates:
+        reference_scores: dict[int, asyncio.Task] = {}
+
+        async def candidate(backend: Backend) -> None:
             if not self.store.is_done(self.model, scenario.id, backend.label):
                 try:
                     await self._candidate(scenario, backend, reference, reference_scores)
                 except Exception as error:  # noqa: BLE001
                     self._record_error(scenario, backend.label, None, error)
             self.on_unit_done()
+
+        await asyncio.gather(*(candidate(b) for b in self.candidates))  # paths of one scenario in parallel
 
     # -- reference ------------------------------------------------------------------------------------
     async def _reference_replies(self, scenario: Scenario) -> list[TurnReply]:
@@ -98,7 +101,8 @@ class Replay:
             replies.append(TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False))
             texts.append(self._text_row(scenario, REFERENCE, turn, replies[-1], generation))
             records += self._task_records(scenario, REFERENCE, turn, generation)
-        self.store.finish_unit(self.model, scenario.id, REFERENCE, {"records": records, "texts": texts})
+        await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, REFERENCE,
+                                {"records": records, "texts": texts})
         return replies
 
     # -- candidates -----------------------------------------------------------------------------------
@@ -129,14 +133,14 @@ class Replay:
                                  for name, series in tf_series.items()]
             tables["texts"].append(self._text_row(scenario, backend.label, turn, reply, generation))
             tables["checks"] += self._checks(scenario, backend.label, turn, checks, values, tables["records"])
-        self.store.finish_unit(self.model, scenario.id, backend.label, tables)
+        await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)
 
     async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores):
         messages = _messages(scenario, reference, turn)
         target = reference[turn].token_ids
-        if turn not in reference_scores:
-            reference_scores[turn] = await self.reference.score(messages, target)
-        ref_scores, path_scores = reference_scores[turn], await backend.score(messages, target)
+        if turn not in reference_scores:  # one reference scoring per turn, shared by all candidates
+            reference_scores[turn] = asyncio.ensure_future(self.reference.score(messages, target))
+        ref_scores, path_scores = await asyncio.shield(reference_scores[turn]), await backend.score(messages, target)
         if ref_scores.logprobs is not None and path_scores.logprobs is not None:
             result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, target)
         elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -46,6 +47,9 @@ def encode_value(value) -> dict:
 class RunStore:
     directory: Path
     done: set[tuple[str, str, str]] = field(default_factory=set)
+    # Units finish from worker threads (fsync off the event loop); one writer at a time keeps lines whole.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _unit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def create(cls, directory: Path, manifest: dict) -> "RunStore":
@@ -98,17 +102,18 @@ class RunStore:
         text = "".join(_dump(row) + "\n" for row in rows)
         if not text:
             return
-        with open(self.directory / f"{table}.jsonl", "a", encoding="utf-8") as handle:
+        with self._lock, open(self.directory / f"{table}.jsonl", "a", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
 
     def finish_unit(self, model: str, scenario: str, path: str, tables: dict[str, list[dict]]) -> None:
         """Append a unit's rows, then mark it done: a kill between the two recomputes only this unit."""
-        for table, rows in tables.items():
-            self.append(table, rows)
-        self.append("done", [{"model": model, "scenario": scenario, "path": path}])
-        self.done.add((model, scenario, path))
+        with self._unit_lock:
+            for table, rows in tables.items():
+                self.append(table, rows)
+            self.append("done", [{"model": model, "scenario": scenario, "path": path}])
+            self.done.add((model, scenario, path))
 
     def is_done(self, model: str, scenario: str, path: str) -> bool:
         return (model, scenario, path) in self.done

@@ -138,3 +138,34 @@ def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path,
     expected = _table(full_run)
     expected = expected[expected["model"].isin(["gqa", "mla"])].reset_index(drop=True)
     pd.testing.assert_frame_equal(_table(out), expected)
+
+
+def test_run_against_live_servers(tiny_models, tmp_path):
+    """`harness run --reference URL --candidate LABEL=URL` against two `harness serve` apps on loopback:
+    the stored run has the same shape as an in-process one, judged by the rule and agreement judges."""
+    import contextlib
+
+    from harness.serve import build_app, load_served_model, running_server
+
+    with contextlib.ExitStack() as stack:
+        urls = {spec: stack.enter_context(running_server(build_app(load_served_model(tiny_models["gqa"], spec))))
+                for spec in ("reference", "fp8_e4m3")}
+        out = tmp_path / "live"
+        assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--no-progress",
+                     "--reference", urls["reference"], "--candidate", f"fp8={urls['fp8_e4m3']}"]) == 0
+    frame = _table(out)
+    assert set(frame["model"]) == {"endpoint"} and set(frame["path"]) == {"reference", "fp8"}
+    assert {"kl_max", "exact_match", "judge_rule", "judge_agreement"} <= set(frame["metric"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["paths"][0]["name"] == "fp8"
+
+
+def test_dead_endpoint_is_recorded_not_fatal(tmp_path, capsys):
+    out = tmp_path / "dead"
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens, the connection is refused
+    assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--no-progress",
+                 "--reference", dead, "--candidate", dead]) == 0
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert errors and all("127.0.0.1:9" in e["error"] for e in errors)
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete_with_errors"
+    assert "failed" in capsys.readouterr().out

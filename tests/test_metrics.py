@@ -226,16 +226,15 @@ def test_noise_floor():
         {"metric": "token_edit_distance", "value": 2.0},
         {"metric": "exact_match", "value": 1.0},
         {"metric": "exact_match", "value": 0.0},
-        {"metric": "top1_agree", "value": 0.96},
+        {"metric": "top1_agree", "value": 0.96},             # reference self-consistency: skipped
         {"metric": "common_prefix_frac", "value": 0.75},
-        {"metric": "ref_rank_max", "value": 1.0},
+        {"metric": "ref_rank_max", "value": 1.0},            # reference self-consistency: skipped
         {"metric": "first_divergent_token", "value": 12},   # no identical-run value: skipped
         {"metric": "kl_max", "value": None},                 # missing: skipped
         {"metric": "kl_max", "value": math.nan},             # pandas' missing marker: skipped
     ]
     assert noise_floor(records) == pytest.approx({
         "kl_mean": 3e-4, "kl_max": 1e-3, "ref_logprob_delta_min": 0.02, "ref_logprob_delta_mean": 0.01,
-        "token_edit_distance": 2.0, "exact_match": 1.0, "top1_agree": 0.04, "common_prefix_frac": 0.25,
-        "ref_rank_max": 1.0,
+        "token_edit_distance": 2.0, "exact_match": 1.0, "common_prefix_frac": 0.25,
     })
     assert noise_floor([]) == {}
