@@ -226,7 +226,10 @@ async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) 
     reference = open_endpoint(config.reference_url, label="reference", **common)
     candidates = [open_endpoint(url, label=label, **common) for label, url in candidate_labels(config.candidate_urls)]
     manifest = store.read_manifest()
-    manifest["models"] = [{"label": ENDPOINT_MODEL, "reference": reference.describe()}]
+    described = reference.describe()
+    manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
+                           "arch": described.get("model") or "endpoint", "random_weights": False,
+                           "reference": described}]
     manifest["paths"] = [{"name": b.label, "canonical": b.label, "description": b.describe()} for b in candidates]
     store.write_manifest(manifest)
     try:
