@@ -71,22 +71,17 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int) -> tuple[list[StepLogprobs], str]:
-        """Greedy decoding as `InProcessBackend.generate_sync`: prefill, then one token per step."""
-        with self._lock:
-            cache, step_ids = self._cache(), torch.tensor([prompt_ids], device=self.device)
-            steps: list[StepLogprobs] = []
-            for _ in range(max_new_tokens):
-                logits = self.model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
-                if not torch.isfinite(logits).all():
-                    return steps, "nonfinite_logits"
-                next_id = int(logits.argmax())
-                if next_id == self.tokenizer.eos_token_id:
-                    return steps, "stop"
+        """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs."""
+        steps: list[StepLogprobs] = []
+
+        def record(logits: torch.Tensor, next_id: int) -> None:
+            if next_id != self.tokenizer.eos_token_id:
                 steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
-                step_ids = torch.tensor([[next_id]], device=self.device)
-            return steps, "length"
+
+        with self._lock:
+            _, finish_reason, _ = self.backend.greedy_ids(prompt_ids, max_new_tokens, on_step=record)
+        return steps, {"eos": "stop"}.get(finish_reason, finish_reason)
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: list[int], top_k: int) -> list[StepLogprobs]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -169,14 +169,31 @@ class InProcessBackend:
     @torch.inference_mode()
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         """Greedy decoding: prefill the prompt, then one token per step through the same cache."""
+        prompt = self.owner.encode_chat(messages)
+        token_ids, finish_reason, metrics = self.greedy_ids(prompt, max_new_tokens)
+        tokenizer = self.owner.tokenizer
+        return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
+                          tokens=[tokenizer.decode([t]) for t in token_ids], prompt_tokens=len(prompt),
+                          metrics=metrics)
+
+    @torch.inference_mode()
+    def greedy_ids(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                   on_step: Callable[[torch.Tensor, int], None] | None = None) -> tuple[list[int], str, dict | None]:
+        """Token-level greedy decoding (also `harness serve`'s): returns (token ids, finish reason
+        "eos" | "length" | "nonfinite_logits", cast and kernel metrics). `on_step(logits, next_id)` sees
+        each step's logits before the token is taken."""
         stats = KVWriteStats()
         cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
         agreement = self._attach_kernels(cache)
         token = attention.active_cache.set(cache)
         try:
-            return self._greedy(cache, messages, max_new_tokens, stats, agreement)
+            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step)
         finally:
             attention.active_cache.reset(token)
+        metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
+        if agreement is not None:
+            metrics.update(agreement.as_record())
+        return token_ids, finish_reason, metrics
 
     def _kernel_reason(self) -> str | None:
         """Why decode does not run through our kernels for this path (None: it does)."""
@@ -200,29 +217,22 @@ class InProcessBackend:
                                       self.owner.is_mla, ops, agreement)
         return agreement
 
-    def _greedy(self, cache, messages, max_new_tokens, stats, agreement) -> Generation:
-        model, tokenizer, device = self.owner.model, self.owner.tokenizer, self.owner.device
-        prompt = self.owner.encode_chat(messages)
+    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step) -> tuple[list[int], str]:
+        model, device, eos = self.owner.model, self.owner.device, self.owner.tokenizer.eos_token_id
         step_ids = torch.tensor([prompt], device=device)
         token_ids: list[int] = []
-        finish_reason = "length"
         for _ in range(max_new_tokens):
             logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
             if not torch.isfinite(logits).all():
-                finish_reason = "nonfinite_logits"
-                break
+                return token_ids, "nonfinite_logits"
             next_id = int(logits.argmax())
-            if next_id == tokenizer.eos_token_id:
-                finish_reason = "eos"
-                break
+            if on_step is not None:
+                on_step(logits, next_id)
+            if next_id == eos:
+                return token_ids, "eos"
             token_ids.append(next_id)
             step_ids = torch.tensor([[next_id]], device=device)
-        tokens = [tokenizer.decode([t]) for t in token_ids]
-        metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
-        if agreement is not None:
-            metrics.update(agreement.as_record())
-        return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
-                          tokens=tokens, prompt_tokens=len(prompt), metrics=metrics)
+        return token_ids, "length"
 
     @torch.inference_mode()
     def score_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
