@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -61,6 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--device", default="cpu")
+    run.add_argument("--jobs", type=int, default=None, metavar="N",
+                     help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
     report.add_argument("run", type=Path, metavar="RUN")
@@ -150,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             calibration_paths=tuple(args.calibration or ()), reference_url=args.reference,
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
+            jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,

@@ -49,6 +49,7 @@ class RunConfig:
     api_key_env: str | None = None  # name of the environment variable holding the API key
     tokenizer: str | None = None  # local tokenizer for servers without /tokenize
     concurrency: int = 8  # scenarios replayed at once against endpoints
+    jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -201,18 +202,72 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
 
 
 def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
+    jobs = min(config.jobs, len(config.models))
+    if jobs <= 1 or config.device != "cpu":
+        for directory in config.models:
+            _replay_model(config, directory, scenarios, calibration_chats, store, bar.update if bar else None, warn)
+        return
+    _replay_models_in_processes(config, scenarios, calibration_chats, store, bar, jobs)
+
+
+def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_chats, store: RunStore,
+                  on_unit_done, warn) -> None:
     from harness.backends.inprocess import InProcessModel
 
-    for directory in config.models:
-        loaded = InProcessModel.load(directory, device=config.device)
-        loaded.calibration_chats = calibration_chats
-        label = model_label(directory)
-        _note_model(store, label, loaded, warn)
-        backends = [loaded.backend(path) for path in config.paths]
-        _note_scales(store, label, backends)
-        replay = Replay(label, loaded.backend(None), backends, store, config.history_mode,
-                        on_unit_done=(bar.update if bar else None))
-        asyncio.run(replay.run(scenarios))
+    loaded = InProcessModel.load(directory, device=config.device)
+    loaded.calibration_chats = calibration_chats
+    label = model_label(directory)
+    _note_model(store, label, loaded, warn)
+    backends = [loaded.backend(path) for path in config.paths]
+    _note_scales(store, label, backends)
+    replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done)
+    asyncio.run(replay.run(scenarios))
+
+
+def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar,
+                                jobs: int) -> None:
+    """One worker process per model (at most `jobs` at once): CPU decoding of small models is bound by
+    per-op overhead on one core, so models in parallel use the machine's cores; all write one run."""
+    import concurrent.futures as futures
+    import multiprocessing
+
+    done_before = len(store.read("done"))
+    with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_worker_init) as pool:
+        pending = {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
+                   for directory in config.models}
+        try:
+            while pending:
+                finished, pending = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
+                if bar:
+                    bar.n = len(store.read("done")) - done_before
+                    bar.refresh()
+                for future in finished:
+                    future.result()  # a worker's exception stops the run here, its finished units kept
+        except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
+            for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _worker_init() -> None:
+    """Model workers: one intra-op thread each, and they die with the parent (a killed run leaves no
+    orphan still writing into it)."""
+    import ctypes
+    import signal
+
+    torch.set_num_threads(1)
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _model_worker(config: RunConfig, directory: Path, scenarios, calibration_chats) -> None:
+    store = RunStore.attach(config.out)
+    _replay_model(config, directory, scenarios, calibration_chats, store, None,
+                  lambda message: print(message, file=sys.stderr))
 
 
 ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
@@ -272,21 +327,22 @@ def calibration_chats_from(scenarios: list[Scenario]) -> list[list[Message]]:
 
 
 def _note_model(store: RunStore, label: str, loaded, warn) -> None:
-    manifest = store.read_manifest()
     described = {"label": label, **loaded.describe()}
-    manifest["models"] = [m for m in manifest["models"] if m["label"] != label] + [described]
-    if loaded.random_weights:
-        message = f"model {label} has RANDOM WEIGHTS ({loaded.directory}): its answers are noise"
-        if message not in manifest["warnings"]:
+    message = f"model {label} has RANDOM WEIGHTS ({loaded.directory}): its answers are noise"
+
+    def edit(manifest: dict) -> None:
+        manifest["models"] = [m for m in manifest["models"] if m["label"] != label] + [described]
+        if loaded.random_weights and message not in manifest["warnings"]:
             manifest["warnings"].append(message)
-            warn(f"warning: {message}")
-    store.write_manifest(manifest)
+
+    store.edit_manifest(edit)
+    if loaded.random_weights:
+        warn(f"warning: {message}")
 
 
 def _note_scales(store: RunStore, label: str, backends) -> None:
-    manifest = store.read_manifest()
-    manifest["scales"][label] = {b.label: b.describe().get("scales") for b in backends}
-    store.write_manifest(manifest)
+    store.edit_manifest(lambda m: m["scales"].__setitem__(label, {b.label: b.describe().get("scales")
+                                                                  for b in backends}))
 
 
 def _finish(store: RunStore, status: str) -> None:

@@ -7,6 +7,8 @@ those units recomputed; finished units are never recomputed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -47,9 +49,9 @@ def encode_value(value) -> dict:
 class RunStore:
     directory: Path
     done: set[tuple[str, str, str]] = field(default_factory=set)
-    # Units finish from worker threads (fsync off the event loop); one writer at a time keeps lines whole.
+    # Units finish from worker threads (fsync off the event loop) and model worker processes; one writer
+    # at a time (a thread lock plus an flock on .lock) keeps lines whole and a unit's rows together.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _unit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def create(cls, directory: Path, manifest: dict) -> "RunStore":
@@ -71,19 +73,41 @@ class RunStore:
         return store
 
     # -- manifest -------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, directory: Path) -> "RunStore":
+        """Another process's handle on a run being written (model workers): knows what is done."""
+        store = cls(directory)
+        store.done = {(r["model"], r["scenario"], r["path"]) for r in store.read("done")}
+        return store
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One writer at a time across threads and processes (several model workers share a run)."""
+        with self._lock, open(self.directory / ".lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
     def read_manifest(self) -> dict:
         return json.loads((self.directory / "manifest.json").read_text())
 
     def write_manifest(self, manifest: dict) -> None:
-        tmp = self.directory / "manifest.json.tmp"
+        tmp = self.directory / f"manifest.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(manifest, indent=2, default=_json_default, allow_nan=False) + "\n")
         os.replace(tmp, self.directory / "manifest.json")
 
-    def update_manifest(self, **fields) -> dict:
-        manifest = self.read_manifest()
-        manifest.update(fields)
-        self.write_manifest(manifest)
+    def edit_manifest(self, edit) -> dict:
+        """Read, `edit(manifest)` in place, write: atomic with respect to other writers."""
+        with self._exclusive():
+            manifest = self.read_manifest()
+            edit(manifest)
+            self.write_manifest(manifest)
         return manifest
+
+    def update_manifest(self, **fields) -> dict:
+        return self.edit_manifest(lambda manifest: manifest.update(fields))
 
     # -- tables ---------------------------------------------------------------------------------------
     def read(self, table: str) -> list[dict]:
@@ -99,20 +123,24 @@ class RunStore:
         return rows
 
     def append(self, table: str, rows: Iterable[dict]) -> None:
+        with self._exclusive():
+            self._append_locked(table, rows)
+
+    def _append_locked(self, table: str, rows: Iterable[dict]) -> None:
         text = "".join(_dump(row) + "\n" for row in rows)
         if not text:
             return
-        with self._lock, open(self.directory / f"{table}.jsonl", "a", encoding="utf-8") as handle:
+        with open(self.directory / f"{table}.jsonl", "a", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
 
     def finish_unit(self, model: str, scenario: str, path: str, tables: dict[str, list[dict]]) -> None:
         """Append a unit's rows, then mark it done: a kill between the two recomputes only this unit."""
-        with self._unit_lock:
+        with self._exclusive():
             for table, rows in tables.items():
-                self.append(table, rows)
-            self.append("done", [{"model": model, "scenario": scenario, "path": path}])
+                self._append_locked(table, rows)
+            self._append_locked("done", [{"model": model, "scenario": scenario, "path": path}])
             self.done.add((model, scenario, path))
 
     def is_done(self, model: str, scenario: str, path: str) -> bool:
