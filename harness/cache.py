@@ -13,7 +13,7 @@ prefill chunk (more than one token) attends to its raw K/V and only earlier toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer

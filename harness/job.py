@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from harness.backends.base import Message
 from harness.kv_paths import KVPath, parse_paths
 from harness.metrics import noise_floor
-from harness.runner import REFERENCE, Replay
+from harness.runner import Replay
 from harness.scenarios import Scenario, load_scenarios
 from harness.store import RunStore, RunStoreError
 
