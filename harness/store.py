@@ -53,6 +53,9 @@ class RunStore:
     # at a time (a thread lock plus an flock on .lock) keeps lines whole and a unit's rows together.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+
     @classmethod
     def create(cls, directory: Path, manifest: dict) -> "RunStore":
         if directory.exists() and any(directory.iterdir()):
