@@ -91,15 +91,16 @@ class QuantizedKVLayer(DynamicLayer):
             if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
                 scale = scale.view(-1, 1, 1)
         codes = fp8.quantize(x, scale, fmt, saturate=self.kv_path.saturate)
-        self._count(x, scale)
-        return fp8.dequantize(codes, scale, out_dtype=x.dtype)
+        read_back = fp8.dequantize(codes, scale, out_dtype=x.dtype)
+        self._count(x, scale, read_back)
+        return read_back
 
-    def _count(self, x: torch.Tensor, scale: torch.Tensor) -> None:
+    def _count(self, x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
         ratio = (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt]
         self.stats.values += x.numel()
         self.stats.clipped += int((ratio > 1).sum())
-        self.stats.nonfinite += int((~x.isfinite()).sum()) + int((ratio > 1).sum() if not self.kv_path.saturate else 0)
-        finite = ratio[ratio.isfinite()]
+        self.stats.nonfinite += int((~read_back.isfinite()).sum())
+        finite = torch.nan_to_num(ratio, nan=0.0, posinf=0.0)
         if finite.numel():
             self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
 
