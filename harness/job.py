@@ -239,9 +239,9 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
         try:
             while pending:
                 finished, pending = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
-                if bar:
-                    bar.n = len(store.read("done")) - done_before
-                    bar.refresh()
+                finished_units = len(store.read("done")) - done_before
+                if bar and finished_units != bar.n:
+                    bar.update(finished_units - bar.n)
                 for future in finished:
                     future.result()  # a worker's exception stops the run here, its finished units kept
         except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
