@@ -176,7 +176,7 @@ def _reduce(per_head: torch.Tensor, kv_path: KVPath) -> torch.Tensor:
     return per_head.max() if kv_path.granularity == "per_tensor" else per_head
 
 
-def unit_scales(config, kv_path: KVPath) -> LayerScales:
+def unit_scales(config) -> LayerScales:
     """Scale 1.0 everywhere: what vLLM and SGLang use when no scale is given."""
     one = torch.tensor(1.0)
     layers = attention_layer_indices(config)

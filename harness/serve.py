@@ -60,11 +60,6 @@ class ServedModel:
         self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self._lock = threading.Lock()  # one forward at a time: the model and its observers are shared
 
-    def _cache(self):
-        from harness.cache import KVWriteStats, build_cache
-
-        return build_cache(self.model.config, self.backend.kv_path, self.backend.scales, KVWriteStats())
-
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         return list(self.backend.owner.encode_chat(messages))
 
@@ -89,7 +84,7 @@ class ServedModel:
         if len(ids) < 2:
             return []
         with self._lock:
-            logits = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self._cache(),
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.backend.new_cache(),
                                 use_cache=True).logits[0, :-1]
         rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
         return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]

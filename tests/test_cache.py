@@ -20,7 +20,7 @@ def loaded(tiny_models):
 def test_only_full_attention_layers_are_replaced(loaded):
     assert attention_layer_indices(loaded["gqa"].model.config) == [0, 1]
     assert attention_layer_indices(loaded["hybrid"].model.config) == [3]  # 3 linear-attention layers stay
-    cache = build_cache(loaded["hybrid"].model.config, parse_path("fp8"), unit_scales(loaded["hybrid"].model.config, None))
+    cache = build_cache(loaded["hybrid"].model.config, parse_path("fp8"), unit_scales(loaded["hybrid"].model.config))
     assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer"] * 3 + ["QuantizedKVLayer"]
 
 

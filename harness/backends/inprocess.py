@@ -100,7 +100,7 @@ class InProcessModel:
 
         config = self.model.config
         if kv_path.scale_source == "default":
-            return unit_scales(config, kv_path)
+            return unit_scales(config)
         if kv_path.scale_source == "checkpoint":
             return scales_from_checkpoint(calibration.checkpoint_tensors(self.directory), config, kv_path,
                                           str(self.directory))
@@ -154,7 +154,8 @@ class InProcessBackend:
         described["decode_kernel"] = self._kernel_reason() or "triton (kernels/)"
         return described
 
-    def _cache(self):
+    def new_cache(self):
+        """A fresh cache for this backend's path (the model's own cache for the reference)."""
         return build_cache(self.owner.model.config, self.kv_path, self.scales)
 
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
@@ -243,7 +244,7 @@ class InProcessBackend:
         since there a multi-token chunk would attend to its own raw K/V, which decoding never does.
         """
         model, device = self.owner.model, self.owner.device
-        cache = self._cache()
+        cache = self.new_cache()
         prompt = self.owner.encode_chat(messages)
         continuation = list(continuation_ids)
         if not continuation:
