@@ -73,11 +73,16 @@ def model_config(arch: str):
 # --- batches -------------------------------------------------------------------------------------
 
 
-SHORT_WIDTH = 704  # >= longest short dialogue (673 tokens over 80k samples); fixed shapes for --compile
+SHORT_BUCKETS = (128, 448, 1088)  # row widths below the long one: arithmetic/echo, chats/recall, short needles
 
 
 def long_width(needle_chars: int) -> int:
     return -(-(needle_chars + 112) // 64) * 64  # filler + needle, question, reply and markers (<= 91 more)
+
+
+def bucket_widths(needle_chars: int, short: tuple[int, ...] = SHORT_BUCKETS) -> tuple[int, ...]:
+    """Fixed row widths, one compiled graph each; every dialogue goes to the narrowest that holds it."""
+    return tuple(sorted({*short, long_width(needle_chars)}))
 
 
 def collate(encoded: list[tuple[list[int], list[bool]]], device: str, width: int | None = None):
@@ -96,13 +101,67 @@ def collate(encoded: list[tuple[list[int], list[bool]]], device: str, width: int
     return input_ids.to(device), labels.to(device)
 
 
-def training_batches(rng: random.Random, short_size: int, long_size: int, needle_chars: int):
-    """Endless (short, long) lists of encoded training dialogues."""
-    kinds, weights = zip(*SHORT_KIND_WEIGHTS.items())
-    while True:
-        short = [corpus.sample(rng, kind, "train") for kind in rng.choices(kinds, weights, k=short_size)]
-        long = [corpus.sample(rng, "long_context", "train", needle_chars) for _ in range(long_size)]
-        yield [corpus.encode_dialogue(d) for d in short], [corpus.encode_dialogue(d) for d in long]
+class StepBatches(torch.utils.data.IterableDataset):
+    """Endless training steps, each {width: (input_ids, labels, needle)} with a fixed row count per width;
+    `needle` marks the rows that are long-context dialogues (weighted as their own half of the loss).
+
+    Dialogues are drawn as before (short kinds by SHORT_KIND_WEIGHTS, long needles at long/(short+long)
+    of draws) and sorted into width buckets, so a 60-token sum no longer pads to the longest chat: about
+    half the padded tokens of one width per batch. Rows per bucket are the expected counts for a step of
+    `short` + `long` dialogues (estimated from a fixed sample); a bucket that fills first keeps at most
+    one step of spill-over for the next. Each DataLoader worker has its own seeded stream."""
+
+    def __init__(self, seed: int, short: int, long: int, needle_chars: int, widths: tuple[int, ...]):
+        self.seed, self.needle_chars, self.widths = seed, needle_chars, widths
+        self.long_share = long / (short + long)
+        probe = random.Random(f"canary-buckets:{seed}")
+        counts = dict.fromkeys(widths, 0)
+        draws = 4000
+        for _ in range(draws):
+            width = self._width(len(self._draw(probe)[0]))
+            if width:
+                counts[width] += 1
+        self.rows = {w: max(1, round(c / draws * (short + long))) for w, c in counts.items()}
+
+    def _draw(self, rng: random.Random) -> tuple[list[int], list[bool], bool]:
+        if rng.random() < self.long_share:
+            dialogue = corpus.sample(rng, "long_context", "train", self.needle_chars)
+        else:
+            dialogue = corpus.sample(rng, rng.choices(*zip(*SHORT_KIND_WEIGHTS.items()))[0], "train")
+        return (*corpus.encode_dialogue(dialogue), dialogue.kind == "long_context")
+
+    def _width(self, length: int) -> int | None:
+        """The narrowest width that holds `length` tokens; None (dropped) past the widest."""
+        return next((w for w in self.widths if length <= w), None)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        rng = corpus.split_rng(self.seed, "train") if info is None else random.Random(
+            f"canary-corpus:train:{self.seed}:worker{info.id}")
+        queues: dict[int, list] = {w: [] for w in self.widths}
+        while True:
+            while any(len(queues[w]) < self.rows[w] for w in self.widths):
+                drawn = self._draw(rng)
+                width = self._width(len(drawn[0]))
+                if width and len(queues[width]) < 2 * self.rows[width]:
+                    queues[width].append(drawn)
+            step = {}
+            for w in self.widths:
+                rows, queues[w] = queues[w][: self.rows[w]], queues[w][self.rows[w]:]
+                step[w] = (*collate([(ids, mask) for ids, mask, _ in rows], "cpu", w),
+                           torch.tensor([needle for _, _, needle in rows]))
+            yield step
+
+
+def training_batches(args: argparse.Namespace, widths: tuple[int, ...]):
+    """Endless steps from StepBatches; on CUDA built by background worker processes, pinned, so the
+    Python data work (~30 ms a step) overlaps the GPU's."""
+    data = StepBatches(args.seed, args.short_batch, args.long_batch, args.needle_chars, widths)
+    workers = args.data_workers if args.device.startswith("cuda") else 0
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=None, num_workers=workers, pin_memory=workers > 0, prefetch_factor=8 if workers else None,
+        persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None)
+    return data.rows, iter(loader)
 
 
 TIMING_STEPS = (10, 40)  # steps timed for --time-budget; both inside the warm-up, whose lr ignores --steps
@@ -265,20 +324,39 @@ def train(args: argparse.Namespace) -> dict:
         summary["interrupted"] = f"SIGTERM after {time.time() - started:.0f} s; weights as they were then"
         summary.setdefault("train_seconds", round(time.time() - started, 1))
         log(args, summary["interrupted"])
-    summary.update(steps=args.steps, steps_done=getattr(args, "steps_done", None), args=vars(args))
+    rows = getattr(args, "bucket_rows", {})
+    summary.update(steps=args.steps, steps_done=getattr(args, "steps_done", None), args=vars(args),
+                   widths=[int(w) for w in rows], rows=", ".join(map(str, rows.values())))
     save(model, args.out, summary)
     return summary
 
 
+def step_batch(host_batch: dict, device: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels, row weight) per width on `device`. Short dialogues' tokens share one mean and
+    long-context ones another, and the loss is their sum (as when they were separate batches), so the few
+    answer tokens of the needles weigh as much as all the short replies."""
+    needle_targets = sum(int((labels[needle] != -100).sum()) for _, labels, needle in host_batch.values())
+    short_targets = sum(int((labels != -100).sum()) for _, labels, _ in host_batch.values()) - needle_targets
+    out = []
+    for ids, labels, needle in host_batch.values():
+        weight = torch.where(needle, 1 / max(needle_targets, 1), 1 / max(short_targets, 1))
+        out.append(tuple(t.to(device, non_blocking=True) for t in (ids, labels, weight)))
+    return out
+
+
 def train_steps(model, args: argparse.Namespace) -> float:
     """Run the optimiser for --steps steps (cut to fit --time-budget); return the last loss."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
-    batches = training_batches(corpus.split_rng(args.seed, "train"), args.short_batch, args.long_batch,
-                               args.needle_chars)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda"))
-    # torch.compile fuses the many small kernels of these tiny models; fixed widths keep it to two graphs.
+    cuda = args.device.startswith("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05,
+                                  fused=cuda or None)
+    widths = bucket_widths(args.needle_chars, tuple(args.widths))
+    rows, batches = training_batches(args, widths)
+    log(args, "rows per step by width: " + ", ".join(f"{rows[w]} x {w}" for w in widths))
+    args.bucket_rows = {str(w): rows[w] for w in widths}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    # torch.compile fuses the many small kernels of these tiny models; fixed widths keep it to one graph each.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(widths))
     forward = torch.compile(model, dynamic=False) if args.compile else model
-    widths = (SHORT_WIDTH, long_width(args.needle_chars)) if args.compile else (None, None)
     started = timing_start = time.time()
     step, loss = 0, float("nan")
     while step < args.steps:
@@ -290,19 +368,20 @@ def train_steps(model, args: argparse.Namespace) -> float:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         losses = []
-        for encoded, width in zip(next(batches), widths):  # short, then long dialogues; independent of --steps
-            input_ids, labels = collate(encoded, args.device, width)
+        for input_ids, labels, row_weight in step_batch(next(batches), args.device):  # gradients accumulate
             with autocast:
                 logits = forward(input_ids=input_ids).logits
-            losses.append(F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1)))
-        optimizer.zero_grad(set_to_none=True)
-        sum(losses).backward()
+            token_loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), reduction="none")
+            bucket_loss = (token_loss.view(labels.shape) * row_weight[:, None]).sum()
+            bucket_loss.backward()  # one backward per width, so one graph's activations live at a time
+            losses.append(bucket_loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if step % args.log_every == 0 or step == args.steps - 1:
-            loss = sum(losses).item()
-            log(args, f"step {step} loss short {losses[0].item():.4f} long {losses[1].item():.4f} "
-                      f"lr {optimizer.param_groups[0]['lr']:.2e} t {time.time() - started:.0f}s")
+            loss = float(sum(losses))
+            log(args, f"step {step} loss {loss:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
+                      f"t {time.time() - started:.0f}s")
         step += 1
         args.steps_done = step
     return round(loss, 4)
@@ -331,15 +410,16 @@ in BF16 without any download. Not a language model for anything else.
 
 - Parameters: {s['params']:,} (weights stored in bf16, safetensors)
 - Tokenizer: one token per character, chat template `<|role|>content<|end|>` (`harness/canary/tokenizer.py`)
-- Data: seeded synthetic dialogues ({', '.join(f'{k} {w:.0%}' for k, w in SHORT_KIND_WEIGHTS.items())} of the
-  short batch of {a['short_batch']}; plus {a['long_batch']} long-context needle dialogues per step with 100-{a['needle_chars']}
-  filler characters). Arithmetic `a * b + c * d` with operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten
-  (by operand hash) and a disjoint filler seed range are held out of training.
+- Data: seeded synthetic dialogues, about {a['short_batch']} short ones per step ({', '.join(f'{k} {w:.0%}' for k, w in SHORT_KIND_WEIGHTS.items())})
+  and {a['long_batch']} long-context needle dialogues with 100-{a['needle_chars']} filler characters, in rows of
+  widths {', '.join(map(str, s.get('widths', [])))} by length ({s.get('rows', '')} rows each). Arithmetic `a * b + c * d` with
+  operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten (by operand hash) and a disjoint filler seed range are held out of training.
 - Loss: cross-entropy on assistant tokens only. AdamW (peak lr {a['lr']}, warm-up {a['warmup']}, cosine to 10%),
   bf16 autocast on CUDA.
 - Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s
 - Reproduce: `python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR --device cuda
-  --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']} --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}`
+  --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']} --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}
+  --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}`
 - Versions: {json.dumps(s['versions'])}
 
 ## Held-out accuracy at the end of training (greedy, {history} replies as history)
@@ -390,6 +470,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-history", choices=("own", "gold"), default="own",
                         help="history for held-out turns: the model's own replies (as the harness) or the gold ones (faster)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the training forward (fixed shapes)")
+    parser.add_argument("--widths", type=lambda text: [int(w) for w in text.split(",")], default=list(SHORT_BUCKETS),
+                        help="row widths for dialogues shorter than the longest needle (comma-separated; one "
+                             "compiled graph each)")
+    parser.add_argument("--data-workers", type=int, default=4, help="batch-building processes on CUDA (0: inline)")
     parser.add_argument("--log-every", type=int, default=50)
     return parser.parse_args(argv)
 

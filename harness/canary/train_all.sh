@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Train the three canaries one after another on one GPU and pack each into OUT_DIR/<arch>.tar.gz.
 #   harness/canary/train_all.sh OUT_DIR [GQA_SECONDS MLA_SECONDS HYBRID_SECONDS]
+# An arch given 0 seconds is skipped (so one lease can train some and a later one the rest).
 # Each run times its first steps and fits its step count to its seconds (the model card records the
 # count, so `python -m harness.canary.train --steps N` with the card's options reproduces it). A run
 # still going at its hard limit gets SIGTERM and saves its weights as they are.
 # Runs do not share the GPU: concurrent processes time-slice it (tried: 3x slower per step each).
 # On the lent H100 every kernel launch cost ~100-200 us (300 ms per eager step of a 3.4M model), so
 # batches are large, GQA/MLA run under torch.compile (compiling the hybrid's Python scan took minutes),
-# and the hybrid trains through harness/canary/delta_rule.py; the probe below prints what launches cost.
+# and the hybrid trains through harness/canary/delta_rule.py (compiled too: one graph, no breaks), with
+# widths that are multiples of its 256-token chunks; the probe below prints what launches cost.
 set -u
 out=${1:?usage: train_all.sh OUT_DIR [GQA_SECONDS MLA_SECONDS HYBRID_SECONDS]}
 declare -A budget=([gqa]=${2:-300} [mla]=${3:-300} [hybrid]=${4:-300})
-declare -A extra=([gqa]="--compile" [mla]="--compile" [hybrid]="")
+declare -A extra=([gqa]="" [mla]="" [hybrid]="--widths 256,1024")
 work=$(mktemp -d)
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
@@ -30,9 +32,10 @@ print(f"launch + sync {1e6 * (time.perf_counter() - t) / 200:.0f} us")
 PY
 nvidia-smi --query-gpu=name,mig.mode.current,utilization.gpu,clocks.sm --format=csv 2>&1 | tail -2
 for arch in gqa mla hybrid; do
-  timeout -k 15 $((budget[$arch] + 90)) python3 -m harness.canary.train --arch "$arch" --steps 100000 \
+  [ "${budget[$arch]}" = 0 ] && continue
+  timeout -k 15 $((budget[$arch] + 60)) python3 -m harness.canary.train --arch "$arch" --steps 100000 \
     --time-budget "${budget[$arch]}" --seed 0 --out "$work/$arch" --device cuda --short-batch 192 --long-batch 24 \
-    --eval-history gold ${extra[$arch]} >"$out/train-$arch.log" 2>&1
+    --eval-history gold --compile --data-workers 6 ${extra[$arch]} >"$out/train-$arch.log" 2>&1
   echo "$arch exit $? at ${SECONDS}s"
   [ -d "$work/$arch" ] && tar -C "$work" -czf "$out/$arch.tar.gz" "$arch"
   grep -h "accuracy\|ms/step\|SIGTERM\|Error" "$out/train-$arch.log" | tail -4
