@@ -140,7 +140,13 @@ class Replay:
         target = reference[turn].token_ids
         if turn not in reference_scores:  # one reference scoring per turn, shared by all candidates
             reference_scores[turn] = asyncio.ensure_future(self.reference.score(messages, target))
-        ref_scores, path_scores = await asyncio.shield(reference_scores[turn]), await backend.score(messages, target)
+        path_scores = asyncio.ensure_future(backend.score(messages, target))  # both servers score at once
+        try:
+            ref_scores = await asyncio.shield(reference_scores[turn])
+        except BaseException:
+            path_scores.cancel()
+            raise
+        path_scores = await path_scores
         if ref_scores.logprobs is not None and path_scores.logprobs is not None:
             result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, target)
         elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:

@@ -3,8 +3,8 @@
 Two layers:
 - `RequestClient`: JSON over HTTP with bounded concurrency, a per-request deadline, retries with
   backoff on 429 (Retry-After honoured), 5xx, timeouts, malformed replies and connection errors,
-  and an on-disk response cache keyed by the full request. API keys come from an environment
-  variable named by the user and are never written anywhere.
+  and an on-disk response cache keyed by the full request, over `Http11Transport` (`http1.py`). API
+  keys come from an environment variable named by the user and are never written anywhere.
 - `EndpointBackend`: the `Backend` interface over one server. Generation through
   `/v1/chat/completions` (temperature 0, fixed seed, top-k logprobs); teacher-forced scoring through
   `/v1/completions` with vLLM's `prompt_logprobs` or with `echo` + `logprobs`, whichever the server
@@ -20,9 +20,8 @@ import hashlib
 import json
 import os
 import random
-import socket
-import ssl
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +29,16 @@ from pathlib import Path
 import httpx
 
 from harness.backends.base import Generation, Message, Scores
+from harness.backends.http1 import Http11Transport
 
 ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's form for tokens when return_tokens_as_token_ids is set
 NOT_FOUND_STATUS = frozenset({404, 405, 501})  # the route is not there
 REFUSED_STATUS = frozenset({400, 422})  # the request was refused; a capability only if it names the field
+DEFAULT_HEADERS = {"Accept": "*/*", "Accept-Encoding": "gzip, deflate",  # what httpx.AsyncClient sends
+                   "User-Agent": f"python-httpx/{httpx.__version__}"}
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 class EndpointError(RuntimeError):
@@ -130,29 +133,24 @@ class RequestClient:
         self.failures: list[dict] = []
         self.cache_hits = 0
         key = api_key_from_env(api_key_env)
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._transport = transport
-        self._ssl: ssl.SSLContext | None = None  # one for all lanes: loading CA certificates costs ~30 ms
-        # One lane = one client with one keep-alive connection; taking a lane bounds concurrency.
-        # (One pooled client for all requests costs O(pool size) Python work per request in
-        # httpcore's pool bookkeeping: ~3 ms per request at 64 connections.)
-        self._lanes: asyncio.Queue[httpx.AsyncClient | None] = asyncio.Queue()
-        for _ in range(policy.concurrency):
-            self._lanes.put_nowait(None)  # clients are made on first use
-        self._clients: list[httpx.AsyncClient] = []
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        self._headers = {"GET": DEFAULT_HEADERS | auth, "POST": DEFAULT_HEADERS | auth | JSON_BODY}
+        # One transport for all requests, called directly: httpx.AsyncClient's redirect, auth and
+        # cookie handling cost more per request than the wire does, and none is needed (redirects
+        # were never followed). The gate bounds the requests in flight.
+        self._transport = transport or default_transport(self.base_url)
+        self._gate = asyncio.Semaphore(policy.concurrency)
+        self._extensions = {"timeout": httpx.Timeout(policy.timeout_s).as_dict()}
         self._urls: dict[str, httpx.URL] = {}  # path -> parsed absolute URL: httpx's parsing costs ~0.3 ms
 
-    def _new_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        self._ssl = self._ssl or httpx.create_ssl_context()
-        # TCP_NODELAY: httpcore writes headers and body separately; with Nagle's algorithm the body
-        # would wait for the server's delayed ACK (~40 ms on Linux).
-        transport = self._transport or httpx.AsyncHTTPTransport(
-            verify=self._ssl, limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits,
-                                   timeout=httpx.Timeout(self.policy.timeout_s), transport=transport)
-        self._clients.append(client)
-        return client
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        response = await self._transport.handle_async_request(request)
+        try:
+            await response.aread()
+        except BaseException:
+            await response.aclose()  # hands a pooled connection back (httpx's transport, through a proxy)
+            raise
+        return response
 
     def _url(self, path: str) -> httpx.URL:
         if path not in self._urls:
@@ -174,9 +172,7 @@ class RequestClient:
         return await self._with_retries("GET", path, None)
 
     async def aclose(self) -> None:
-        for client in self._clients:
-            await client.aclose()
-        self._clients.clear()
+        await self._transport.aclose()
 
     async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
         attempts: list[str] = []
@@ -203,22 +199,31 @@ class RequestClient:
 
     async def _attempt(self, method: str, path: str, body: dict | None) -> dict:
         content = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if content is not None else None
-        client = await self._lanes.get()
+        request = httpx.Request(method, self._url(path), headers=self._headers[method], content=content,
+                                extensions=self._extensions)
         try:
-            client = client or self._new_client()
-            try:
-                async with asyncio.timeout(self.policy.timeout_s):
-                    response = await client.request(method, self._url(path), content=content, headers=headers)
-            except TimeoutError:
-                raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
-            except httpx.TimeoutException as error:
-                raise _RetryableError(f"timed out ({type(error).__name__})") from None
-            except httpx.TransportError as error:
-                raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
-        finally:
-            self._lanes.put_nowait(client)
+            async with self._gate, asyncio.timeout(self.policy.timeout_s):
+                response = await self._send(request)
+        except TimeoutError:
+            raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
+        except httpx.TimeoutException as error:
+            raise _RetryableError(f"timed out ({type(error).__name__})") from None
+        except httpx.TransportError as error:
+            raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
         return _decode(method, self.base_url + path, response)
+
+
+def default_transport(base_url: str) -> httpx.AsyncBaseTransport:
+    """`Http11Transport`, or httpx's own transport through the proxy that the environment names for
+    this URL (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY, as httpx.AsyncClient would use it)."""
+    ssl_context = httpx.create_ssl_context() if base_url.startswith("https://") else None  # ~30 ms: https only
+    proxies = urllib.request.getproxies_environment()
+    url = httpx.URL(base_url)
+    proxy = proxies.get(url.scheme) or proxies.get("all")
+    if proxy is None or urllib.request.proxy_bypass_environment(url.host, proxies):
+        return Http11Transport(ssl_context)
+    proxy = proxy if "://" in proxy else f"http://{proxy}"
+    return httpx.AsyncHTTPTransport(verify=ssl_context or True, proxy=proxy)
 
 
 def _decode(method: str, url: str, response: httpx.Response) -> dict:
