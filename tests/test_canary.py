@@ -150,10 +150,12 @@ def test_canary_weights_fit_the_budget():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 3 open: the shipped canaries are under-trained (900/700/100 steps; model cards "
-                          "show 2-21% held-out accuracy), so they miss most answers; must pass once retrained",
-                   strict=False)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [
+    "gqa", "mla",
+    pytest.param("hybrid", marks=pytest.mark.xfail(
+        strict=True, reason="issue 3: the hybrid canary got ~1200 GPU steps and misses arithmetic (6% on the "
+                            "accuracy set; see its model card), so its 3 sums here fail")),
+])
 def test_canary_answers_heldout_scenarios_in_bf16(arch):
     """A handful of the default scenarios' dialogues, replayed greedily in bf16 on the CPU."""
     from transformers import AutoModelForCausalLM
@@ -164,3 +166,30 @@ def test_canary_answers_heldout_scenarios_in_bf16(arch):
     results = [train.replay(model, [d], "cpu")[0] for d in dialogues]
     missed = [r for r in results if not r["correct"]]
     assert len(missed) <= 1, f"{arch}: {len(missed)} of {len(results)} wrong: {missed}"
+
+
+def test_record_accuracy_writes_one_section_per_card(tmp_path):
+    """A rule chat counts only if every reply keeps its rules; the reference's rows are the ones counted;
+    writing twice replaces the section instead of adding a second table."""
+    from harness.canary import record_accuracy
+    from harness.store import RunStore
+
+    store = RunStore.create(tmp_path / "run", {"command": "harness run --paths bf16", "device": "cpu",
+                                               "started_at": "2026-11-22T06:00:00", "versions": {}})
+    rows = [("reference", "arith-1", "arithmetic", 0, "answer_correct", 1.0),
+            ("reference", "arith-2", "arithmetic", 0, "answer_correct", 0.0),
+            ("reference", "chat-1", "chat", 0, "rules_followed", 1.0),
+            ("reference", "chat-1", "chat", 1, "rules_followed", 0.0),  # second reply broke a rule
+            ("reference", "chat-2", "chat", 0, "rules_followed", 1.0),
+            ("fp8_e4m3", "arith-2", "arithmetic", 0, "answer_correct", 1.0)]  # a path's rows: not counted
+    store.append("records", [{"model": "gqa", "scenario": s, "path": p, "turn": t, "kind": k, "metric": m,
+                              "value": v} for p, s, k, t, m, v in rows])
+    cards = tmp_path / "weights"
+    (cards / "gqa").mkdir(parents=True)
+    (cards / "gqa" / "README.md").write_text("# card\n")
+    record_accuracy.main([str(tmp_path / "run"), "--weights", str(cards)])
+    record_accuracy.main([str(tmp_path / "run"), "--weights", str(cards)])
+    text = (cards / "gqa" / "README.md").read_text()
+    assert text.startswith("# card\n") and text.count(record_accuracy.BEGIN) == 1
+    assert "| arithmetic | 1/2 (50%) | >= 95% | **no** |" in text
+    assert "| rule chats | 1/2 (50%) | >= 90% | **no** |" in text

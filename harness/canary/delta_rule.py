@@ -42,7 +42,9 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = TRAIN_C
     beta, g = (x.reshape(batch, v_heads, chunks, chunk_size) for x in (beta, g))
     k_beta, v_beta = key * beta.unsqueeze(-1), value * beta.unsqueeze(-1)
 
-    cum = g.cumsum(-1)  # log of the decay from the chunk start to each position
+    # log of the decay from the chunk start to each position: a cumulative sum as a matmul with an upper
+    # triangle of ones, because Inductor (torch 2.11, CUDA) fails to generate code for this cumsum's scan
+    cum = g @ torch.ones(chunk_size, chunk_size, device=g.device).triu()
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
     pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ key.transpose(-1, -2)) * pair_decay  # unit lower-triangular (I + strictly lower)

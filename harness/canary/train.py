@@ -302,14 +302,21 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     assert not args.time_budget or args.warmup >= TIMING_STEPS[1], "--time-budget times steps inside the warm-up"
     signal.signal(signal.SIGTERM, _raise_interrupted)
-    model = AutoModelForCausalLM.from_config(model_config(args.arch)).to(args.device)
+    if args.init:  # continue an earlier run: its weights, a fresh optimiser and schedule
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(args.device)
+        earlier = json.loads((Path(args.init) / "training.json").read_text())
+        assert earlier["arch"] == args.arch, f"--init {args.init} holds a {earlier['arch']} model, not {args.arch}"
+    else:
+        model = AutoModelForCausalLM.from_config(model_config(args.arch)).to(args.device)
+        earlier = None
     if args.arch == "hybrid":
         delta_rule.install(model)  # same math as transformers' torch fallback, far fewer kernels
     params = sum(p.numel() for p in model.parameters())
     log(args, f"arch={args.arch} class={type(model).__name__} params={params} device={device_name(args.device)}")
     summary = {"arch": args.arch, "model_class": type(model).__name__, "params": params, "seed": args.seed,
                "device": device_name(args.device), "eval_per_kind": args.eval_per_kind, "accuracy": {},
-               "versions": versions()}
+               "versions": versions(), "init": earlier and {key: earlier.get(key) for key in (
+                   "steps", "steps_done", "train_seconds", "device", "accuracy", "args", "init")}}
     started = time.time()
     try:
         summary["final_loss"] = train_steps(model, args)
@@ -321,7 +328,11 @@ def train(args: argparse.Namespace) -> dict:
         for failure in failures:
             log(args, f"miss: {json.dumps(failure)[:400]}")
     except Interrupted:
-        summary["interrupted"] = f"SIGTERM after {time.time() - started:.0f} s; weights as they were then"
+        if "train_seconds" in summary:  # every step ran; the held-out evaluation was cut short
+            summary["interrupted"] = (f"completed; SIGTERM {time.time() - started:.0f} s in, during the held-out "
+                                      "evaluation, so the table below is empty")
+        else:
+            summary["interrupted"] = f"SIGTERM after {time.time() - started:.0f} s; weights as they were then"
         summary.setdefault("train_seconds", round(time.time() - started, 1))
         log(args, summary["interrupted"])
     rows = getattr(args, "bucket_rows", {})
@@ -416,10 +427,10 @@ in BF16 without any download. Not a language model for anything else.
   operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten (by operand hash) and a disjoint filler seed range are held out of training.
 - Loss: cross-entropy on assistant tokens only. AdamW (peak lr {a['lr']}, warm-up {a['warmup']}, cosine to 10%),
   bf16 autocast on CUDA.
-- Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s
+- Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s{earlier_runs(s.get('init'))}
 - Reproduce: `python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR --device cuda
   --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']} --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}
-  --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}`
+  --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}{' --init DIR_OF_THE_RUN_BELOW' if a.get('init') else ''}`
 - Versions: {json.dumps(s['versions'])}
 
 ## Held-out accuracy at the end of training (greedy, {history} replies as history)
@@ -433,6 +444,20 @@ in BF16 without any download. Not a language model for anything else.
 
 Accuracy measured by the harness itself on `scenarios/canary/accuracy/` is the number of record.
 """
+
+
+def earlier_runs(init: dict | None) -> str:
+    """Card lines for the runs this one continued, oldest last (their seeds, steps and options)."""
+    lines = ""
+    while init:
+        a = init["args"]
+        options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k in (
+            "seed", "lr", "warmup", "short_batch", "long_batch", "needle_chars", "data_workers"))
+        widths = ",".join(map(str, a.get("widths", [])))
+        lines += (f"\n- Continued from a run of {init['steps_done']} steps ({init['train_seconds']} s on {init['device']};"
+                  f" `--steps {init['steps']} {options} --widths {widths}{' --init ...' if init.get('init') else ''}`)")
+        init = init.get("init")
+    return lines
 
 
 def device_name(device: str) -> str:
@@ -474,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="row widths for dialogues shorter than the longest needle (comma-separated; one "
                              "compiled graph each)")
     parser.add_argument("--data-workers", type=int, default=4, help="batch-building processes on CUDA (0: inline)")
+    parser.add_argument("--init", help="a directory saved by an earlier run of this script to continue from")
     parser.add_argument("--log-every", type=int, default=50)
     return parser.parse_args(argv)
 

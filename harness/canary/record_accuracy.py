@@ -1,0 +1,97 @@
+"""Write the accuracy that a stored `harness run` measured into each canary's model card.
+
+    harness run --model harness/canary/weights/gqa ... --scenarios scenarios/canary/accuracy --paths bf16 --out RUN
+    python -m harness.canary.record_accuracy RUN [--weights harness/canary/weights]
+
+A scenario counts as correct when every scored turn is: the answer turn of arithmetic, recall and needle
+scenarios (`answer_correct`), and every reply of a rule chat (`rules_followed`). The numbers are the
+reference's (bf16 cache) replies. The card's section between the markers below is replaced, so running
+this again after a retrain leaves one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from harness.store import RunStore
+from harness.summary import records_frame
+
+BEGIN = "<!-- accuracy measured by harness run: begin -->"
+END = "<!-- accuracy measured by harness run: end -->"
+TARGETS = {"arithmetic": 0.95, "recall": 0.95, "long_context": 0.90, "chat": 0.90}  # issue 3
+KIND_TITLES = {"arithmetic": "arithmetic", "recall": "recall", "long_context": "needle (2000 filler chars)",
+               "chat": "rule chats"}
+
+
+def accuracy_by_model(run_dir: Path) -> pd.DataFrame:
+    """Rows (model, kind): correct scenarios, scenarios, fraction; from the reference's replies."""
+    frame = records_frame(run_dir)
+    scored = frame[(frame["path"] == "reference") & frame["metric"].isin(["answer_correct", "rules_followed"])]
+    if scored.empty:
+        raise SystemExit(f"{run_dir}: no answer_correct/rules_followed records of the reference")
+    per_scenario = scored.groupby(["model", "kind", "scenario"])["value"].min()
+    table = per_scenario.groupby(["model", "kind"]).agg(correct="sum", scenarios="count")
+    table["fraction"] = table["correct"] / table["scenarios"]
+    return table
+
+
+def card_section(table: pd.DataFrame, manifest: dict, label: str, folder: str) -> str:
+    rows = []
+    for kind, row in table.iterrows():
+        target = TARGETS.get(kind)
+        met = "" if target is None else ("yes" if row["fraction"] >= target else "**no**")
+        rows.append(f"| {KIND_TITLES.get(kind, kind)} | {int(row['correct'])}/{int(row['scenarios'])} "
+                    f"({100 * row['fraction']:.0f}%) | {'' if target is None else f'>= {target:.0%}'} | {met} |")
+    versions = manifest.get("versions", {})
+    return "\n".join([
+        BEGIN,
+        "## Accuracy measured by `harness run` (the number of record)",
+        "",
+        f"`{manifest.get('command', 'harness run')}` on {manifest.get('device', '?')}, "
+        f"{str(manifest.get('started_at', '?'))[:10]}, torch {versions.get('torch', '?')}, "
+        f"transformers {versions.get('transformers', '?')}: greedy, bf16 weights and cache, the model's own "
+        "replies as history, on `scenarios/canary/accuracy/` (held-out seeds, never in training)."
+        + (f" The run's model `{label}` is this folder's weights, measured from a copy." if label != folder else ""),
+        "",
+        "| task | correct | target (issue 3) | met |",
+        "|---|---:|---:|---|",
+        *rows,
+        END,
+    ])
+
+
+def write_card(card: Path, section: str) -> None:
+    text = card.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    card.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a stored run of the canaries on scenarios/canary/accuracy")
+    parser.add_argument("--weights", type=Path, default=Path(__file__).parent / "weights",
+                        help="folder of model folders whose names are the run's model labels")
+    parser.add_argument("--label", action="append", default=[], metavar="RUN_LABEL=FOLDER",
+                        help="a run label that is not its weights folder's name (repeatable)")
+    args = parser.parse_args(argv)
+    folders = dict(item.split("=", 1) for item in args.label)
+    manifest = RunStore(args.run).read_manifest()
+    table = accuracy_by_model(args.run)
+    for model in table.index.get_level_values("model").unique():
+        folder = folders.get(model, model)
+        card = args.weights / folder / "README.md"
+        if not card.exists():
+            print(f"{model}: no model card at {card}; skipped")
+            continue
+        write_card(card, card_section(table.loc[model], manifest, model, folder))
+        print(f"{model}: wrote {card}")
+    print(table.to_string())
+
+
+if __name__ == "__main__":
+    main()
