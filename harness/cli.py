@@ -113,7 +113,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    """SIGTERM acts as Ctrl-C. Re-sent as SIGINT, so that inside `asyncio.run` the runner's own handler
+    cancels the replay and then raises KeyboardInterrupt (rather than an exception thrown into whichever
+    task was running, which leaves the others pending and prints their tracebacks)."""
+    signal.raise_signal(signal.SIGINT)
 
 
 def _progress(total: int):
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted
+        # ...through SIGINT, which a shell's background job (a CI step, `cmd &`) starts with ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         return _run(args)
     try:
         return COMMANDS[args.command](args)
