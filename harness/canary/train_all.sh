@@ -6,10 +6,11 @@
 # count, so `python -m harness.canary.train --steps N` with the card's options reproduces it). A run
 # still going at its hard limit gets SIGTERM and saves its weights as they are.
 # Runs do not share the GPU: concurrent processes time-slice it (tried: 3x slower per step each).
-# On the lent H100 every kernel launch cost ~100-200 us (300 ms per eager step of a 3.4M model), so
-# batches are large, GQA/MLA run under torch.compile (compiling the hybrid's Python scan took minutes),
-# and the hybrid trains through harness/canary/delta_rule.py (compiled too: one graph, no breaks), with
-# widths that are multiples of its 256-token chunks; the probe below prints what launches cost.
+# Measured on lent H100s (launches cost 15-200 us there; the probe below prints what they cost now):
+# compiled steps of ~100k tokens took 65-90 ms (gqa), 82-124 ms (mla), 179 ms (hybrid, which trains
+# through harness/canary/delta_rule.py: one graph, no breaks) against 660 ms for the hybrid eager.
+# Compiling costs one graph per row width: ~45-90 s for gqa/mla, 308 s for the hybrid with 3 widths,
+# all inside the time budget, so short budgets (or --init continuations) want fewer --widths.
 set -u
 out=${1:?usage: train_all.sh OUT_DIR [GQA_SECONDS MLA_SECONDS HYBRID_SECONDS]}
 declare -A budget=([gqa]=${2:-300} [mla]=${3:-300} [hybrid]=${4:-300})
