@@ -125,6 +125,19 @@ def test_training_smoke(tmp_path):
     assert "Steps: 5" in (out / "README.md").read_text()
 
 
+def test_continued_run_card_repeats_every_stage(tmp_path):
+    """--init continues a saved run; the card gives the command for this stage and for the one before."""
+    common = ["--arch", "gqa", "--steps", "2", "--device", "cpu", "--short-batch", "2", "--long-batch", "1",
+              "--needle-chars", "120", "--eval-per-kind", "0"]
+    train.main([*common, "--seed", "0", "--out", str(tmp_path / "first")])
+    train.main([*common, "--seed", "1", "--out", str(tmp_path / "second"), "--init", str(tmp_path / "first")])
+    card = (tmp_path / "second" / "README.md").read_text()
+    assert "--steps 2 --seed 1 --out DIR " in card and card.count("--init DIR_1") == 1
+    assert "- DIR_1: 2 steps" in card and "--steps 2 --seed 0 --out DIR_1 " in card
+    with pytest.raises(AssertionError, match="holds a gqa model"):
+        train.main([*common, "--arch", "mla", "--out", str(tmp_path / "third"), "--init", str(tmp_path / "first")])
+
+
 # --- shipped weights -----------------------------------------------------------------------------
 
 

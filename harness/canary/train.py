@@ -85,12 +85,8 @@ def bucket_widths(needle_chars: int, short: tuple[int, ...] = SHORT_BUCKETS) -> 
     return tuple(sorted({*short, long_width(needle_chars)}))
 
 
-def collate(encoded: list[tuple[list[int], list[bool]]], device: str, width: int | None = None):
-    """Right-padded input ids and next-token labels (-100 where no assistant token is predicted).
-    `width` pads to a fixed length (dialogues longer than it are dropped); else to the longest."""
-    if width is not None:
-        encoded = [e for e in encoded if len(e[0]) <= width]
-    width = width or max(len(ids) for ids, _ in encoded)
+def collate(encoded: list[tuple[list[int], list[bool]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids right-padded to `width` and next-token labels (-100 where no assistant token is predicted)."""
     input_ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
     labels = torch.full((len(encoded), width), -100, dtype=torch.long)
     for row, (ids, mask) in enumerate(encoded):
@@ -98,7 +94,7 @@ def collate(encoded: list[tuple[list[int], list[bool]]], device: str, width: int
         input_ids[row, : len(ids)] = ids_t
         target = torch.where(torch.tensor(mask), ids_t, torch.tensor(-100))
         labels[row, : len(ids) - 1] = target[1:]
-    return input_ids.to(device), labels.to(device)
+    return input_ids, labels
 
 
 class StepBatches(torch.utils.data.IterableDataset):
@@ -148,7 +144,7 @@ class StepBatches(torch.utils.data.IterableDataset):
             step = {}
             for w in self.widths:
                 rows, queues[w] = queues[w][: self.rows[w]], queues[w][self.rows[w]:]
-                step[w] = (*collate([(ids, mask) for ids, mask, _ in rows], "cpu", w),
+                step[w] = (*collate([(ids, mask) for ids, mask, _ in rows], w),
                            torch.tensor([needle for _, _, needle in rows]))
             yield step
 
@@ -427,10 +423,8 @@ in BF16 without any download. Not a language model for anything else.
   operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten (by operand hash) and a disjoint filler seed range are held out of training.
 - Loss: cross-entropy on assistant tokens only. AdamW (peak lr {a['lr']}, warm-up {a['warmup']}, cosine to 10%),
   bf16 autocast on CUDA.
-- Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s{earlier_runs(s.get('init'))}
-- Reproduce: `python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR --device cuda
-  --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']} --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}
-  --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}{' --init DIR_OF_THE_RUN_BELOW' if a.get('init') else ''}`
+- Steps: {s['steps']} ({s.get('interrupted') or 'completed'}), seed {s['seed']}, device {s['device']}, training time {s['train_seconds']} s
+- Reproduce: `{command_line(s)}`{earlier_runs(s.get('init'))}
 - Versions: {json.dumps(s['versions'])}
 
 ## Held-out accuracy at the end of training (greedy, {history} replies as history)
@@ -446,18 +440,26 @@ Accuracy measured by the harness itself on `scenarios/canary/accuracy/` is the n
 """
 
 
+def command_line(s: dict) -> str:
+    """The command that repeats the run a summary (training.json) describes; DIR_N is the run it continued."""
+    a = s["args"]
+    line = (f"python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR"
+            f" --device cuda --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']}"
+            f" --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}"
+            f" --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}")
+    return line + (" --init DIR_1" if a.get("init") else "")
+
+
 def earlier_runs(init: dict | None) -> str:
-    """Card lines for the runs this one continued, oldest last (their seeds, steps and options)."""
-    lines = ""
+    """Card lines for the runs this one continued, newest first, each with the command that repeats it."""
+    lines, stage = "", 1
     while init:
-        a = init["args"]
-        options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k in (
-            "seed", "lr", "warmup", "short_batch", "long_batch", "needle_chars", "data_workers"))
-        widths = ",".join(map(str, a.get("widths", [])))
-        lines += (f"\n- Continued from a run of {init['steps_done']} steps ({init['train_seconds']} s on {init['device']};"
-                  f" `--steps {init['steps']} {options} --widths {widths}{' --init ...' if init.get('init') else ''}`)")
-        init = init.get("init")
-    return lines
+        command = command_line(dict(init, arch=init["args"]["arch"], seed=init["args"]["seed"]))
+        command = command.replace("--out DIR", f"--out DIR_{stage}").replace("--init DIR_1", f"--init DIR_{stage + 1}")
+        lines += (f"\n  - DIR_{stage}: {init['steps_done']} steps, {init['train_seconds']} s on {init['device']}:"
+                  f" `{command}`")
+        init, stage = init.get("init"), stage + 1
+    return "\n- Continued from (newest first):" + lines if lines else ""
 
 
 def device_name(device: str) -> str:
