@@ -130,12 +130,33 @@ def test_continued_run_card_repeats_every_stage(tmp_path):
     common = ["--arch", "gqa", "--steps", "2", "--device", "cpu", "--short-batch", "2", "--long-batch", "1",
               "--needle-chars", "120", "--eval-per-kind", "0"]
     train.main([*common, "--seed", "0", "--out", str(tmp_path / "first")])
-    train.main([*common, "--seed", "1", "--out", str(tmp_path / "second"), "--init", str(tmp_path / "first")])
+    train.main([*common, "--seed", "1", "--out", str(tmp_path / "second"), "--init", str(tmp_path / "first"),
+                "--mix", "arithmetic=3,recall=1"])
     card = (tmp_path / "second" / "README.md").read_text()
     assert "--steps 2 --seed 1 --out DIR " in card and card.count("--init DIR_1") == 1
+    assert "(arithmetic 75%, recall 25%)" in card and card.count("--mix arithmetic=3,recall=1") == 1
     assert "- DIR_1: 2 steps" in card and "--steps 2 --seed 0 --out DIR_1 " in card
     with pytest.raises(AssertionError, match="holds a gqa model"):
         train.main([*common, "--arch", "mla", "--out", str(tmp_path / "third"), "--init", str(tmp_path / "first")])
+
+
+def test_mix_sets_the_kinds_drawn_and_rejects_bad_specs(monkeypatch):
+    kinds = []
+    sample = corpus.sample
+    monkeypatch.setattr(corpus, "sample", lambda rng, kind, *args: kinds.append(kind) or sample(rng, kind, *args))
+    batches = train.StepBatches(0, short=16, long=0, needle_chars=120, widths=(128, 448, 256),
+                                mix=train.parse_mix("recall=3,echo=0,chat=1"))
+    kinds.clear()  # the constructor's probe draws too
+    rng = corpus.split_rng(0, "train")
+    for _ in range(200):
+        batches._draw(rng)
+    assert set(kinds) == {"recall", "chat"} and 0.65 < kinds.count("recall") / 200 < 0.85  # 3:1 -> 75%
+    for spec, message in [("sums=1", "unknown kind 'sums'"), ("recall=x", "must be a number"),
+                          ("recall=-1", "negative"), ("recall=0", "every share is 0")]:
+        with pytest.raises(SystemExit):
+            train.parse_args(["--arch", "gqa", "--steps", "1", "--out", "x", "--mix", spec])
+        with pytest.raises(Exception, match=message):
+            train.parse_mix(spec)
 
 
 # --- shipped weights -----------------------------------------------------------------------------

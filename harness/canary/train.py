@@ -101,14 +101,16 @@ class StepBatches(torch.utils.data.IterableDataset):
     """Endless training steps, each {width: (input_ids, labels, needle)} with a fixed row count per width;
     `needle` marks the rows that are long-context dialogues (weighted as their own half of the loss).
 
-    Dialogues are drawn as before (short kinds by SHORT_KIND_WEIGHTS, long needles at long/(short+long)
+    Dialogues are drawn as before (short kinds by `mix`, long needles at long/(short+long)
     of draws) and sorted into width buckets, so a 60-token sum no longer pads to the longest chat: about
     half the padded tokens of one width per batch. Rows per bucket are the expected counts for a step of
     `short` + `long` dialogues (estimated from a fixed sample); a bucket that fills first keeps at most
     one step of spill-over for the next. Each DataLoader worker has its own seeded stream."""
 
-    def __init__(self, seed: int, short: int, long: int, needle_chars: int, widths: tuple[int, ...]):
+    def __init__(self, seed: int, short: int, long: int, needle_chars: int, widths: tuple[int, ...],
+                 mix: dict[str, float] = SHORT_KIND_WEIGHTS):
         self.seed, self.needle_chars, self.widths = seed, needle_chars, widths
+        self.kinds, self.kind_weights = zip(*mix.items())
         self.long_share = long / (short + long)
         probe = random.Random(f"canary-buckets:{seed}")
         counts = dict.fromkeys(widths, 0)
@@ -123,7 +125,7 @@ class StepBatches(torch.utils.data.IterableDataset):
         if rng.random() < self.long_share:
             dialogue = corpus.sample(rng, "long_context", "train", self.needle_chars)
         else:
-            dialogue = corpus.sample(rng, rng.choices(*zip(*SHORT_KIND_WEIGHTS.items()))[0], "train")
+            dialogue = corpus.sample(rng, rng.choices(self.kinds, self.kind_weights)[0], "train")
         return (*corpus.encode_dialogue(dialogue), dialogue.kind == "long_context")
 
     def _width(self, length: int) -> int | None:
@@ -152,7 +154,7 @@ class StepBatches(torch.utils.data.IterableDataset):
 def training_batches(args: argparse.Namespace, widths: tuple[int, ...]):
     """Endless steps from StepBatches; on CUDA built by background worker processes, pinned, so the
     Python data work (~30 ms a step) overlaps the GPU's."""
-    data = StepBatches(args.seed, args.short_batch, args.long_batch, args.needle_chars, widths)
+    data = StepBatches(args.seed, args.short_batch, args.long_batch, args.needle_chars, widths, args.mix)
     workers = args.data_workers if args.device.startswith("cuda") else 0
     loader = torch.utils.data.DataLoader(
         data, batch_size=None, num_workers=workers, pin_memory=workers > 0, prefetch_factor=8 if workers else None,
@@ -260,20 +262,21 @@ def score(dialogue: corpus.Dialogue, replies: list[str]) -> dict:
             "expect": dialogue.turns[-1].expect if dialogue.kind != "chat" else dialogue.rules}
 
 
-def heldout_dialogues(per_kind: int, needle_chars: int = corpus.MAX_NEEDLE_CHARS) -> dict[str, list[corpus.Dialogue]]:
-    sets = {kind: corpus.heldout_set(kind, per_kind, HELDOUT_SEED) for kind in ("arithmetic", "recall", "chat")}
-    sets["long_context"] = corpus.heldout_set("long_context", per_kind, HELDOUT_SEED, chars=needle_chars)
-    return sets
+def heldout_dialogues(per_kind: int, needle_chars: int = corpus.MAX_NEEDLE_CHARS,
+                      kinds: tuple[str, ...] = corpus.KINDS) -> dict[str, list[corpus.Dialogue]]:
+    return {kind: corpus.heldout_set(kind, per_kind, HELDOUT_SEED, **(
+        {"chars": needle_chars} if kind == "long_context" else {})) for kind in kinds}
 
 
-def evaluate(model, per_kind: int, needle_chars: int, device: str, history: str = "own") -> tuple[dict, list]:
+def evaluate(model, per_kind: int, needle_chars: int, device: str, history: str = "own",
+             kinds: tuple[str, ...] = corpus.KINDS) -> tuple[dict, list]:
     """Accuracy per task on held-out dialogues; `history` "own" replays every turn, "gold" only scored ones."""
     if per_kind == 0:
         return {}, []
     model.eval()
     accuracy, failures = {}, []
     play = replay if history == "own" else replay_gold_history
-    for kind, dialogues in heldout_dialogues(per_kind, needle_chars).items():
+    for kind, dialogues in heldout_dialogues(per_kind, needle_chars, kinds).items():
         results = play(model, dialogues, device)
         accuracy[kind] = sum(r["correct"] for r in results) / len(results)
         failures += [r for r in results if not r["correct"]][:3]
@@ -389,6 +392,10 @@ def train_steps(model, args: argparse.Namespace) -> float:
             loss = float(sum(losses))
             log(args, f"step {step} loss {loss:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
                       f"t {time.time() - started:.0f}s")
+        if args.eval_every and step and step % args.eval_every == 0:
+            with torch.no_grad(), autocast:
+                accuracy, _ = evaluate(model, 50, args.needle_chars, args.device, "gold", ("arithmetic", "recall"))
+            log(args, f"step {step} held-out accuracy (50 each, gold history) {json.dumps(accuracy)}")
         step += 1
         args.steps_done = step
     return round(loss, 4)
@@ -417,7 +424,7 @@ in BF16 without any download. Not a language model for anything else.
 
 - Parameters: {s['params']:,} (weights stored in bf16, safetensors)
 - Tokenizer: one token per character, chat template `<|role|>content<|end|>` (`harness/canary/tokenizer.py`)
-- Data: seeded synthetic dialogues, about {a['short_batch']} short ones per step ({', '.join(f'{k} {w:.0%}' for k, w in SHORT_KIND_WEIGHTS.items())})
+- Data: seeded synthetic dialogues, about {a['short_batch']} short ones per step ({mix_text(a.get('mix', SHORT_KIND_WEIGHTS))})
   and {a['long_batch']} long-context needle dialogues with 100-{a['needle_chars']} filler characters, in rows of
   widths {', '.join(map(str, s.get('widths', [])))} by length ({s.get('rows', '')} rows each). Arithmetic `a * b + c * d` with
   operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten (by operand hash) and a disjoint filler seed range are held out of training.
@@ -440,6 +447,11 @@ Accuracy measured by the harness itself on `scenarios/canary/accuracy/` is the n
 """
 
 
+def mix_text(mix: dict[str, float]) -> str:
+    total = sum(mix.values())
+    return ", ".join(f"{kind} {share / total:.0%}" for kind, share in mix.items())
+
+
 def command_line(s: dict) -> str:
     """The command that repeats the run a summary (training.json) describes; DIR_N is the run it continued."""
     a = s["args"]
@@ -447,6 +459,8 @@ def command_line(s: dict) -> str:
             f" --device cuda --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']}"
             f" --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}"
             f" --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}")
+    if a.get("mix", SHORT_KIND_WEIGHTS) != SHORT_KIND_WEIGHTS:
+        line += " --mix " + ",".join(f"{kind}={share:g}" for kind, share in a["mix"].items())
     return line + (" --init DIR_1" if a.get("init") else "")
 
 
@@ -478,6 +492,24 @@ def log(args: argparse.Namespace, line: str) -> None:
     print(f"[{args.arch}] {line}", flush=True)
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """`kind=share,...` over the short kinds; shares are relative (normalised when drawn)."""
+    mix = {}
+    for item in text.split(","):
+        kind, _, share = item.partition("=")
+        if kind.strip() not in SHORT_KIND_WEIGHTS:
+            raise argparse.ArgumentTypeError(f"--mix: unknown kind {kind.strip()!r}; expected {list(SHORT_KIND_WEIGHTS)}")
+        try:
+            mix[kind.strip()] = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--mix: share of {kind.strip()!r} must be a number, got {share!r}") from None
+        if mix[kind.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"--mix: share of {kind.strip()!r} is negative")
+    if not sum(mix.values()):
+        raise argparse.ArgumentTypeError("--mix: every share is 0")
+    return mix
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=ARCHS, required=True)
@@ -502,7 +534,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "compiled graph each)")
     parser.add_argument("--data-workers", type=int, default=4, help="batch-building processes on CUDA (0: inline)")
     parser.add_argument("--init", help="a directory saved by an earlier run of this script to continue from")
+    parser.add_argument("--mix", type=parse_mix, default=dict(SHORT_KIND_WEIGHTS),
+                        help="shares of the short kinds, e.g. arithmetic=0.5,recall=0.3,chat=0.1,echo=0.1 "
+                             f"(default {','.join(f'{k}={w}' for k, w in SHORT_KIND_WEIGHTS.items())})")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="every N steps, log held-out arithmetic and recall accuracy (50 each, gold history)")
     return parser.parse_args(argv)
 
 
