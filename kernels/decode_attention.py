@@ -196,18 +196,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert all(t.device == device for t in (k_cache, v_cache, block_table, seq_lens, *scales)), \
         "all tensors must be on one device"
 
-    max_tokens = block_table.shape[1] * page_size
-    if num_splits is None:   # ~PROGRAMS_PER_SM programs per SM, no split shorter than MIN_TOKENS_PER_SPLIT
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads),
-                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(max_tokens, 1), tokens_per_split)     # drop splits no sequence reaches
-
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, block_n,
+                                               PROGRAMS_PER_SM, device, num_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=device)
-    part_out = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device)
+    part_out, part_lse = partials(out, num_splits)
     group = q_heads // kv_heads
     fp8 = is_fp8(k_cache.dtype)
     _decode_attention_kernel[(kv_heads, batch, num_splits)](
@@ -222,11 +214,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         COMPUTE_DTYPE=tl.float16 if fp8 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16),
         PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_attention_merge_kernel[(q_heads, batch)](
+    return out, merge_splits(part_out, part_lse, out)
+
+
+def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
+                device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
+    for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
+    number of block_n tiles, and splits that no sequence reaches are dropped."""
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_splits = max(1, min(triton.cdiv(programs_per_sm * sms, programs_per_split),
+                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
+    return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
+
+
+def partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' fp32 outputs for `out` [B, H, D]: normalised partials [B, H, splits, D] and
+    their base-2 lse [B, H, splits]."""
+    batch, heads, dim = out.shape
+    return (torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=out.device),
+            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Combine the splits into `out` (written in place); returns the natural-log lse [B, H] fp32."""
+    batch, heads, num_splits, dim = part_out.shape
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=out.device)
+    _decode_attention_merge_kernel[(heads, batch)](
         part_out, part_lse, out, lse, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
     )
-    return out, lse
+    return lse

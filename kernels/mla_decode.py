@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import (LOG2E, MIN_TOKENS_PER_SPLIT, _decode_attention_merge_kernel,
-                                     _decode_attention_pages)
+from kernels.decode_attention import LOG2E, _decode_attention_pages, merge_splits, partials, plan_splits
 from kernels.reference import is_fp8
 
 BLOCK_H = 16   # heads per program: the smallest tl.dot M dimension
@@ -158,18 +157,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
 
     page_size = cache.shape[1]
     head_blocks = triton.cdiv(heads, BLOCK_H)
-    max_tokens = block_table.shape[1] * page_size
-    if num_splits is None:   # ~PROGRAMS_PER_SM programs per SM, no split under MIN_TOKENS_PER_SPLIT
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, batch * head_blocks),
-                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(max_tokens, 1), tokens_per_split)
-
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
+                                               PROGRAMS_PER_SM, device, num_splits)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
-    lse = torch.empty(batch, heads, dtype=torch.float32, device=device)
-    part_out = torch.empty(batch, heads, num_splits, latent_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
+    part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
     _mla_decode_kernel[(head_blocks, batch, num_splits)](
         q_latent, q_pe, cache, block_table, seq_lens, scale if fp8 else seq_lens, part_out, part_lse,
@@ -181,11 +172,4 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         BLOCK_DR=triton.next_power_of_2(rope_dim), BLOCK_H=BLOCK_H, PAGE_SIZE=page_size, BLOCK_N=block_n,
         CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_attention_merge_kernel[(heads, batch)](
-        part_out, part_lse, out, lse, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=latent_dim, BLOCK_D=triton.next_power_of_2(latent_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-    )
-    return out, lse
+    return out, merge_splits(part_out, part_lse, out)
