@@ -140,6 +140,38 @@ def test_continued_run_card_repeats_every_stage(tmp_path):
         train.main([*common, "--arch", "mla", "--out", str(tmp_path / "third"), "--init", str(tmp_path / "first")])
 
 
+def test_retrain_repeats_every_stage_to_the_same_weights_on_cpu(tmp_path):
+    """retrain replays a two-stage card (seeds, steps, mix, init chain) and lands on the same weights:
+    on the CPU, same seed and options give bit-identical training."""
+    from safetensors.torch import load_file
+
+    from harness.canary import retrain
+
+    common = ["--arch", "gqa", "--steps", "3", "--device", "cpu", "--short-batch", "2", "--long-batch", "1",
+              "--needle-chars", "120", "--eval-per-kind", "0", "--widths", "128,448"]
+    train.main([*common, "--seed", "4", "--out", str(tmp_path / "first"), "--lr", "0.01"])
+    train.main([*common, "--seed", "5", "--out", str(tmp_path / "shipped"), "--init", str(tmp_path / "first"),
+                "--mix", "arithmetic=1,recall=1"])
+    stages = retrain.plan(tmp_path / "shipped", tmp_path / "again", "cpu")
+    assert [argv[argv.index("--seed") + 1] for argv in stages] == ["4", "5"]
+    assert "--init" not in stages[0] and stages[1][stages[1].index("--init") + 1] == str(tmp_path / "again" / "stage1")
+    assert retrain.main([str(tmp_path / "shipped"), str(tmp_path / "again"), "--device", "cpu"]) == 0
+    shipped, again = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("shipped", "again/stage2"))
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    assert any(not torch.equal(first[k], shipped[k]) for k in first)  # the second stage changed the weights
+    assert all(torch.equal(shipped[k], again[k]) for k in shipped)
+
+
+def test_retrain_compare_flags_more_than_one_point():
+    from harness.canary import retrain
+
+    table, within = retrain.compare({"accuracy": {"arithmetic": 0.99, "recall": 1.0}},
+                                    {"accuracy": {"arithmetic": 0.98, "recall": 1.0}})
+    assert within and "-1.0 points" in table
+    assert not retrain.compare({"accuracy": {"arithmetic": 0.99}}, {"accuracy": {"arithmetic": 0.97}})[1]
+    assert not retrain.compare({"accuracy": {"arithmetic": 0.99}}, {"accuracy": {}})[1]
+
+
 def test_mix_sets_the_kinds_drawn_and_rejects_bad_specs(monkeypatch):
     kinds = []
     sample = corpus.sample

@@ -452,28 +452,46 @@ def mix_text(mix: dict[str, float]) -> str:
     return ", ".join(f"{kind} {share / total:.0%}" for kind, share in mix.items())
 
 
-def command_line(s: dict) -> str:
-    """The command that repeats the run a summary (training.json) describes; DIR_N is the run it continued."""
+def stage_argv(s: dict, out: str = "DIR", init: str | None = "DIR_1", device: str = "cuda") -> list[str]:
+    """The options of this script that repeat the training a summary (training.json) describes: the
+    ones that change the weights. `init` stands for the run it continued, if it continued one."""
     a = s["args"]
-    line = (f"python -m harness.canary.train --arch {s['arch']} --steps {s['steps']} --seed {s['seed']} --out DIR"
-            f" --device cuda --lr {a['lr']} --warmup {a['warmup']} --short-batch {a['short_batch']}"
-            f" --long-batch {a['long_batch']} --needle-chars {a['needle_chars']}{' --compile' if a.get('compile') else ''}"
-            f" --widths {','.join(map(str, a.get('widths', SHORT_BUCKETS)))} --data-workers {a.get('data_workers', 0)}")
+    argv = ["--arch", s["arch"], "--steps", str(s["steps"]), "--seed", str(s["seed"]), "--out", out,
+            "--device", device, "--lr", str(a["lr"]), "--warmup", str(a["warmup"]),
+            "--short-batch", str(a["short_batch"]), "--long-batch", str(a["long_batch"]),
+            "--needle-chars", str(a["needle_chars"]), *(["--compile"] if a.get("compile") else []),
+            "--widths", ",".join(map(str, a.get("widths", SHORT_BUCKETS))), "--data-workers", str(a.get("data_workers", 0))]
     if a.get("mix", SHORT_KIND_WEIGHTS) != SHORT_KIND_WEIGHTS:
-        line += " --mix " + ",".join(f"{kind}={share:g}" for kind, share in a["mix"].items())
-    return line + (" --init DIR_1" if a.get("init") else "")
+        argv += ["--mix", ",".join(f"{kind}={share:g}" for kind, share in a["mix"].items())]
+    return argv + (["--init", init] if a.get("init") and init else [])
+
+
+def command_line(s: dict) -> str:
+    """The command that repeats the run a summary describes; DIR_1 is the run it continued."""
+    return "python -m harness.canary.train " + " ".join(stage_argv(s))
+
+
+def stages(s: dict) -> list[dict]:
+    """The runs behind a summary, oldest first, each as a summary that stage_argv takes."""
+    chain = [s]
+    while chain[-1].get("init"):
+        init = chain[-1]["init"]
+        chain.append(dict(init, arch=init["args"]["arch"], seed=init["args"]["seed"]))
+    return chain[::-1]
 
 
 def earlier_runs(init: dict | None) -> str:
     """Card lines for the runs this one continued, newest first, each with the command that repeats it."""
-    lines, stage = "", 1
-    while init:
-        command = command_line(dict(init, arch=init["args"]["arch"], seed=init["args"]["seed"]))
-        command = command.replace("--out DIR", f"--out DIR_{stage}").replace("--init DIR_1", f"--init DIR_{stage + 1}")
-        lines += (f"\n  - DIR_{stage}: {init['steps_done']} steps, {init['train_seconds']} s on {init['device']}:"
-                  f" `{command}`")
-        init, stage = init.get("init"), stage + 1
-    return "\n- Continued from (newest first):" + lines if lines else ""
+    if not init:
+        return ""
+    earlier = stages({"init": init})[:-1][::-1]  # newest first
+    lines = "".join(
+        f"\n  - DIR_{n}: {run['steps_done']} steps, {run['train_seconds']} s on {run['device']}:"
+        f" `python -m harness.canary.train {' '.join(stage_argv(run, f'DIR_{n}', f'DIR_{n + 1}'))}`"
+        for n, run in enumerate(earlier, 1))
+    total = sum(run["train_seconds"] for run in earlier)
+    return (f"\n- Continued from (newest first; `python -m harness.canary.retrain` repeats them all, {total:.0f} s"
+            f" of training before this stage):{lines}")
 
 
 def device_name(device: str) -> str:
