@@ -216,12 +216,7 @@ def test_canary_weights_fit_the_budget():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [
-    "gqa", "mla",
-    pytest.param("hybrid", marks=pytest.mark.xfail(
-        strict=True, reason="issue 3: the hybrid canary got ~1200 GPU steps and misses arithmetic (6% on the "
-                            "accuracy set; see its model card), so its 3 sums here fail")),
-])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_canary_answers_heldout_scenarios_in_bf16(arch):
     """A handful of the default scenarios' dialogues, replayed greedily in bf16 on the CPU."""
     from transformers import AutoModelForCausalLM
@@ -231,6 +226,7 @@ def test_canary_answers_heldout_scenarios_in_bf16(arch):
                  *corpus.heldout_set("chat", 2, 2), *corpus.heldout_set("long_context", 2, 2, chars=600)]
     results = [train.replay(model, [d], "cpu")[0] for d in dialogues]
     missed = [r for r in results if not r["correct"]]
+    # The targets are 90-95%, not 100%: one miss in these 9 is within them.
     assert len(missed) <= 1, f"{arch}: {len(missed)} of {len(results)} wrong: {missed}"
 
 
