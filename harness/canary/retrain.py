@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from harness.canary import train
 
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.card_dir / "training.json").is_file():
         parser.error(f"{args.card_dir}: no training.json (not a directory saved by harness.canary.train)")
-    device = args.device or ("cuda" if train.torch.cuda.is_available() else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     argvs = plan(args.card_dir, args.out_dir, device)
     for n, stage in enumerate(argvs, 1):
         print(f"stage {n}/{len(argvs)}: python -m harness.canary.train {' '.join(stage)}", flush=True)

@@ -514,15 +514,15 @@ def parse_mix(text: str) -> dict[str, float]:
     """`kind=share,...` over the short kinds; shares are relative (normalised when drawn)."""
     mix = {}
     for item in text.split(","):
-        kind, _, share = item.partition("=")
-        if kind.strip() not in SHORT_KIND_WEIGHTS:
-            raise argparse.ArgumentTypeError(f"--mix: unknown kind {kind.strip()!r}; expected {list(SHORT_KIND_WEIGHTS)}")
+        kind, _, share = (part.strip() for part in item.partition("="))
+        if kind not in SHORT_KIND_WEIGHTS:
+            raise argparse.ArgumentTypeError(f"--mix: unknown kind {kind!r}; expected {list(SHORT_KIND_WEIGHTS)}")
         try:
-            mix[kind.strip()] = float(share)
+            mix[kind] = float(share)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--mix: share of {kind.strip()!r} must be a number, got {share!r}") from None
-        if mix[kind.strip()] < 0:
-            raise argparse.ArgumentTypeError(f"--mix: share of {kind.strip()!r} is negative")
+            raise argparse.ArgumentTypeError(f"--mix: share of {kind!r} must be a number, got {share!r}") from None
+        if mix[kind] < 0:
+            raise argparse.ArgumentTypeError(f"--mix: share of {kind!r} is negative")
     if not sum(mix.values()):
         raise argparse.ArgumentTypeError("--mix: every share is 0")
     return mix
