@@ -29,7 +29,8 @@ def plan(card_dir: Path, out_dir: Path, device: str) -> list[list[str]]:
     runs = train.stages(summary)
     argvs = []
     for n, run in enumerate(runs, 1):
-        argv = train.stage_argv(run, str(out_dir / f"stage{n}"), str(out_dir / f"stage{n - 1}"), device)
+        previous = str(out_dir / f"stage{n - 1}") if n > 1 else None  # the oldest stage starts from scratch
+        argv = train.stage_argv(run, str(out_dir / f"stage{n}"), previous, device)
         last = n == len(runs)
         argv += ["--eval-per-kind", str(run["args"].get("eval_per_kind", 100) if last else 0),
                  "--eval-history", run["args"].get("eval_history", "own")]
