@@ -9,7 +9,7 @@ after a fixed latency (0 ms for the overhead rows). Rows:
   request layer (`RequestClient.post`) and for a whole `EndpointBackend.generate` (JSON parsing, token
   ids and logprobs included). Target <= 2 ms.
 - scaling: throughput at concurrency 32 over concurrency 1 against the fixed-latency server, for the
-  request layer and for the replay scheduler (`harness.runner.Replay`, reference + one candidate, one
+  request layer and for the replay scheduler (`harness.replay.runner.Replay`, reference + one candidate, one
   two-turn scenario per unit of concurrency). Target >= 25x.
 """
 
@@ -137,7 +137,7 @@ async def _run(concurrency: int, requests: int, one) -> tuple[float, float]:
 
 
 async def request_layer(url: str, concurrency: int, requests: int) -> tuple[float, float]:
-    from harness.backends.endpoint import RequestClient, RequestPolicy
+    from harness.replay.endpoint import RequestClient, RequestPolicy
 
     client = RequestClient(url, policy=RequestPolicy(concurrency=concurrency, retries=0))
     try:
@@ -147,8 +147,8 @@ async def request_layer(url: str, concurrency: int, requests: int) -> tuple[floa
 
 
 async def backend_generate(url: str, concurrency: int, requests: int) -> tuple[float, float]:
-    from harness.backends.base import Message
-    from harness.backends.endpoint import open_endpoint
+    from harness.replay.endpoint import open_endpoint
+    from harness.types import Message
 
     backend = open_endpoint(url, concurrency=concurrency, retries=0)
     try:
@@ -159,10 +159,10 @@ async def backend_generate(url: str, concurrency: int, requests: int) -> tuple[f
 
 
 async def replay(url: str, concurrency: int, scenarios: int) -> tuple[float, float]:
-    from harness.backends.endpoint import open_endpoint
-    from harness.runner import Replay
-    from harness.scenarios import Scenario, Turn
-    from harness.store import RunStore
+    from harness.replay.endpoint import open_endpoint
+    from harness.replay.runner import Replay
+    from harness.runs.store import RunStore
+    from harness.scenarios.load import Scenario, Turn
 
     cases = [Scenario(id=f"s{i}", kind="chat", turns=(Turn(user=f"q{i}"), Turn(user=f"and {i}?")),
                       max_new_tokens=REPLY_TOKENS) for i in range(scenarios)]

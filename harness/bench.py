@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from harness import job
-from harness.backends.base import Message
-from harness.backends.inprocess import InProcessModel
-from harness.scenarios import load_scenarios
+from harness.replay.inprocess import InProcessModel
+from harness.scenarios.load import load_scenarios
+from harness.types import Message
 
 
 def _replay_once(backend, scenarios) -> float:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.kv_paths import PathSpecError
+from harness.kv_paths.spec import PathSpecError
 
 EPILOG = """\
 examples:
@@ -82,14 +82,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from harness.report import render_run_report
+    from harness.runs.report import render_run_report
 
     print(render_run_report(args.run, args.out))
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from harness.compare import compare_runs, default_compare_dir
+    from harness.runs.compare import compare_runs, default_compare_dir
 
     result = compare_runs(args.run_a, args.run_b, out_dir=args.out or default_compare_dir(args.run_a, args.run_b),
                           thresholds=args.threshold)
@@ -99,7 +99,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from harness.report import export_run
+    from harness.runs.report import export_run
 
     print(export_run(args.run, args.format, args.out))
     return 0
@@ -127,8 +127,8 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
-    from harness.scenarios import ScenarioError
-    from harness.store import RunStoreError
+    from harness.runs.store import RunStoreError
+    from harness.scenarios.load import ScenarioError
 
     warnings, config = [], None
     if bool(args.reference) != bool(args.candidate):
@@ -175,8 +175,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
     from harness import job
-    from harness.store import RunStore
-    from harness.summary import format_summary
+    from harness.runs.store import RunStore
+    from harness.runs.summary import format_summary
 
     store = RunStore(run_dir)
     manifest = store.read_manifest()

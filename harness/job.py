@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from harness.backends.base import Message
-from harness.kv_paths import KVPath, parse_paths
-from harness.metrics import noise_floor
-from harness.runner import Replay
-from harness.scenarios import Scenario, load_scenarios
-from harness.store import RunStore, RunStoreError
+from harness.analysis.metrics import noise_floor
+from harness.kv_paths.spec import KVPath, parse_paths
+from harness.replay.runner import Replay
+from harness.runs.store import RunStore, RunStoreError
+from harness.scenarios.load import Scenario, load_scenarios
+from harness.types import Message
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CANARY_WEIGHTS = Path(__file__).resolve().parent / "canary" / "weights"
@@ -57,7 +57,7 @@ def default_models() -> tuple[tuple[Path, ...], str | None]:
     canaries = tuple(CANARY_WEIGHTS / arch for arch in CANARY_ARCHS if (CANARY_WEIGHTS / arch / "config.json").exists())
     if canaries:
         return canaries, None
-    from harness.tiny_models import build_tiny_model
+    from harness.canary.tiny_models import build_tiny_model
 
     built = []
     for arch in CANARY_ARCHS:
@@ -212,7 +212,7 @@ def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunSt
 
 def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_chats, store: RunStore,
                   on_unit_done, warn) -> None:
-    from harness.backends.inprocess import InProcessModel
+    from harness.replay.inprocess import InProcessModel
 
     loaded = InProcessModel.load(directory, device=config.device)
     loaded.calibration_chats = calibration_chats
@@ -274,7 +274,7 @@ ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
 
 
 async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:
-    from harness.backends.endpoint import open_endpoint
+    from harness.replay.endpoint import open_endpoint
 
     common = dict(api_key_env=config.api_key_env, tokenizer=config.tokenizer, seed=config.seed,
                   cache_dir=store.directory / "http-cache")  # per run: --resume reuses it, a new run does not
@@ -356,7 +356,7 @@ def _finish(store: RunStore, status: str) -> None:
 
 def write_report(run_dir: Path) -> Path | str:
     """Render the run's HTML report; a rendering failure is reported, and the stored run stays intact."""
-    from harness.report import render_run_report
+    from harness.runs.report import render_run_report
 
     try:
         return render_run_report(run_dir)

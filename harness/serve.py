@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from harness.backends.base import Message
+from harness.types import Message
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
 DEFAULT_MAX_TOKENS = 256
@@ -317,8 +317,8 @@ def load_served_model(model_dir: str | Path | None = None, path_spec: str = "bf1
                       name: str | None = None) -> ServedModel:
     """Load `model_dir` (default: the first bundled canary) with KV path `path_spec` ("reference" for
     the model's own, untouched cache)."""
-    from harness.backends.inprocess import InProcessModel
-    from harness.kv_paths import parse_path
+    from harness.kv_paths.spec import parse_path
+    from harness.replay.inprocess import InProcessModel
 
     if model_dir is None:
         from harness.job import default_models

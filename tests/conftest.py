@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.tiny_models import build_tiny_model
+from harness.canary.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="session")

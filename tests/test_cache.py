@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from harness.backends.base import Message
-from harness.backends.inprocess import InProcessModel
-from harness.cache import QuantizedKVLayer, attention_layer_indices, build_cache, unit_scales
-from harness.kv_paths import parse_path
+from harness.kv_paths.cache import QuantizedKVLayer, attention_layer_indices, build_cache, unit_scales
+from harness.kv_paths.spec import parse_path
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
 from kernels import reference as fp8
 
 CHAT = [Message("system", "End every answer with the word Thanks."), Message("user", "What is 7 * 8 + 3 * 4?")]
@@ -32,7 +32,7 @@ def test_layer_stores_exactly_the_reference_round_trip(spec):
     value = torch.randn(1, 2, 5, 16, dtype=torch.bfloat16)
     k_scale, v_scale = (torch.tensor([0.5, 0.25]), torch.tensor([0.01, 0.02])) if path.granularity == "per_head" \
         else (torch.tensor(1.0), torch.tensor(1.0))
-    from harness.cache import KVWriteStats
+    from harness.kv_paths.cache import KVWriteStats
 
     layer = QuantizedKVLayer(path, k_scale, v_scale, KVWriteStats())
     keys, values = layer.update(key, value)
@@ -47,7 +47,7 @@ def test_layer_stores_exactly_the_reference_round_trip(spec):
 
 def test_raw_prefill_reads_the_chunk_raw_and_history_quantised():
     path = parse_path("fp8_e4m3:raw_prefill")
-    from harness.cache import KVWriteStats
+    from harness.kv_paths.cache import KVWriteStats
 
     layer = QuantizedKVLayer(path, torch.tensor(1.0), torch.tensor(1.0), KVWriteStats())
     first = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16) * 3
@@ -111,7 +111,7 @@ def test_checkpoint_scales_are_read_and_missing_ones_named(loaded, tmp_path, tin
 
 @pytest.mark.parametrize("spec, expect_nan", [("fp8_e4m3", False), ("fp8_e4m3:nosat", True)])
 def test_overflow_saturates_or_turns_to_nan(spec, expect_nan):
-    from harness.cache import KVWriteStats
+    from harness.kv_paths.cache import KVWriteStats
 
     stats = KVWriteStats()
     layer = QuantizedKVLayer(parse_path(spec), torch.tensor(1e-3), torch.tensor(1.0), stats)

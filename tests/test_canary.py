@@ -63,8 +63,8 @@ def test_corpus_renders_like_the_tokenizer(tokenizer, kind):
 @pytest.mark.parametrize("kind", corpus.KINDS)
 def test_gold_replies_pass_the_harness_checks(kind, tmp_path):
     """The replies the canaries learn keep every rule and contain every answer, by the harness's checks."""
-    checks = pytest.importorskip("harness.checks")
-    scenarios = pytest.importorskip("harness.scenarios")
+    checks = pytest.importorskip("harness.scenarios.checks")
+    scenarios = pytest.importorskip("harness.scenarios.load")
     chars = {"chars": 300} if kind == "long_context" else {}
     dialogues = corpus.heldout_set(kind, 20, 5, **chars)
     entries = [corpus.to_scenario(d, f"gold-{n}") for n, d in enumerate(dialogues)]
@@ -80,7 +80,7 @@ def test_gold_replies_pass_the_harness_checks(kind, tmp_path):
 
 
 def test_scenario_files_compile_to_the_training_text():
-    scenarios = pytest.importorskip("harness.scenarios")
+    scenarios = pytest.importorskip("harness.scenarios.load")
     loaded = scenarios.load_scenarios([SCENARIOS])
     assert {s.kind for s in loaded} == set(corpus.KINDS)
     needle = next(s for s in loaded if s.kind == "long_context" and s.id.startswith("canary-acc-"))
@@ -234,7 +234,7 @@ def test_record_accuracy_writes_one_section_per_card(tmp_path):
     """A rule chat counts only if every reply keeps its rules; the reference's rows are the ones counted;
     writing twice replaces the section instead of adding a second table."""
     from harness.canary import record_accuracy
-    from harness.store import RunStore
+    from harness.runs.store import RunStore
 
     store = RunStore.create(tmp_path / "run", {"command": "harness run --paths bf16", "device": "cpu",
                                                "started_at": "2026-11-22T06:00:00", "versions": {}})

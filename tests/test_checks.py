@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks import broken_rules, check_answer, check_rules, count_sentences, last_number
-from harness.scenarios import Scenario, Turn
+from harness.scenarios.checks import broken_rules, check_answer, check_rules, count_sentences, last_number
+from harness.scenarios.load import Scenario, Turn
 
 
 def scenario(kind: str, expect: str | None = None, **rules: object) -> tuple[Scenario, Turn]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare import compare_runs, parse_threshold, parse_thresholds
+from harness.runs.compare import compare_runs, parse_threshold, parse_thresholds
 
 DATA = Path(__file__).parent / "data"
 RUNS = DATA / "runs"

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from harness.cli import main
-from harness.summary import records_frame
+from harness.runs.summary import records_frame
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
 PATHS = "bf16,fp8_e4m3,fp8_e5m2:per_token,fp8_e4m3:per_head:calibrated"

@@ -13,15 +13,15 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from harness.backends.base import Message, Scores
-from harness.backends.endpoint import EndpointBackend, EndpointConfig, RequestPolicy, open_endpoint, request_key
-from harness.backends.inprocess import InProcessModel
-from harness.kv_paths import parse_path
-from harness.runner import Replay
-from harness.scenarios import Scenario, Turn
+from harness.canary.tiny_models import build_tiny_model
+from harness.kv_paths.spec import parse_path
+from harness.replay.endpoint import EndpointBackend, EndpointConfig, RequestPolicy, open_endpoint, request_key
+from harness.replay.inprocess import InProcessModel
+from harness.replay.runner import Replay
+from harness.runs.store import RunStore
+from harness.scenarios.load import Scenario, Turn
 from harness.serve import ServedModel, build_app, running_server
-from harness.store import RunStore
-from harness.tiny_models import build_tiny_model
+from harness.types import Message, Scores
 
 TOP_K = 5
 PATHS = ("bf16", "fp8_e4m3")

@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from harness.backends.endpoint import EndpointError, RequestClient, RequestPolicy, open_endpoint
-from harness.runner import Replay
-from harness.scenarios import Scenario, Turn
+from harness.replay.endpoint import EndpointError, RequestClient, RequestPolicy, open_endpoint
+from harness.replay.runner import Replay
+from harness.runs.store import RunStore
+from harness.scenarios.load import Scenario, Turn
 from harness.serve import running_server
-from harness.store import RunStore
 
 QUIET = "critical"  # uvicorn logs the handlers it cancels at shutdown (the injected slow ones)
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

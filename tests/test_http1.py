@@ -10,9 +10,9 @@ import gzip
 import httpx
 import pytest
 
-from harness.backends import http1
-from harness.backends.endpoint import EndpointError, RequestClient, RequestPolicy, default_transport
-from harness.backends.http1 import Http11Transport
+from harness.replay import http1
+from harness.replay.endpoint import EndpointError, RequestClient, RequestPolicy, default_transport
+from harness.replay.http1 import Http11Transport
 
 
 class Closing(bytes):

@@ -12,11 +12,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from harness.backends.base import Generation
-from harness.backends.endpoint import RequestClient, RequestPolicy
-from harness.judges import (JudgeConfig, LLMJudge, Verdict, agreement_judge, conversation_for, judge_texts,
-                            parse_pairwise, parse_rating, repetition_loop, rule_judge, summarise)
-from harness.scenarios import Scenario, Turn
+from harness.judges import (
+    JudgeConfig,
+    LLMJudge,
+    Verdict,
+    agreement_judge,
+    conversation_for,
+    judge_texts,
+    parse_pairwise,
+    parse_rating,
+    repetition_loop,
+    rule_judge,
+    summarise,
+)
+from harness.replay.endpoint import RequestClient, RequestPolicy
+from harness.scenarios.load import Scenario, Turn
+from harness.types import Generation
 
 FAST = RequestPolicy(concurrency=4, timeout_s=5.0, retries=0, backoff_s=0.0)
 
@@ -237,7 +248,7 @@ def test_judge_texts_selection(selection, llm_rows, judge_calls):
 
 def test_judge_run_appends_judgements_and_records_once(tmp_path):
     from harness.judges import judge_run
-    from harness.store import RunStore
+    from harness.runs.store import RunStore
 
     store = RunStore.create(tmp_path / "run", {"run_id": "judged"})
     store.append("texts", text_rows("reference", ["Hello Ann.", "You are Ann."]) +

@@ -4,9 +4,9 @@ code with the real kernels runs under --gpu in tests/test_harness_gpu.py."""
 
 import pytest
 
-from harness.backends.base import Message
-from harness.backends.inprocess import InProcessModel
-from harness.kv_paths import parse_path
+from harness.kv_paths.spec import parse_path
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
 
 CHAT = [Message("user", "What is 7 * 8 + 3 * 4? Then tell me more.")]
 

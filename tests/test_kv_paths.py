@@ -1,6 +1,6 @@
 import pytest
 
-from harness.kv_paths import PathSpecError, parse_path, parse_paths
+from harness.kv_paths.spec import PathSpecError, parse_path, parse_paths
 
 
 @pytest.mark.parametrize("spec, fmt, granularity, source, saturate, current_chunk", [

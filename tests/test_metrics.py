@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from harness.metrics import (
-    METRIC_DIRECTIONS,
+from harness.analysis.metrics import (
     SERIES_KEYS,
     SUMMARY_KEYS,
     free_running,
@@ -13,7 +12,7 @@ from harness.metrics import (
     teacher_forced_topk,
     token_edit_distance,
 )
-
+from harness.records import METRIC_DIRECTIONS
 
 # ---------------------------------------------------------------- free-running
 

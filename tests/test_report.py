@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import report
-from harness.report import export_run, format_value, grade, load_run, render_run_report, summary_rows
+from harness.runs import report
+from harness.runs.report import export_run, format_value, grade, load_run, render_run_report, summary_rows
 
 RUNS = Path(__file__).parent / "data" / "runs"
 assert (RUNS / "baseline" / "manifest.json").is_file(), (

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare import compare_runs
-from harness.report import render_run_report, scenario_page_name
+from harness.runs.compare import compare_runs
+from harness.runs.report import render_run_report, scenario_page_name
 
 CHROMIUM = Path("/usr/bin/chromium")
 DATA = Path(__file__).parent / "data"

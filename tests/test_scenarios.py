@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.filler import filler_text, insert_needle
-from harness.scenarios import Scenario, ScenarioError, Turn, load_scenarios
+from harness.scenarios.filler import filler_text, insert_needle
+from harness.scenarios.load import Scenario, ScenarioError, Turn, load_scenarios
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,11 +7,11 @@ import openai  # a test dependency (the '[test]' extra): the official client mus
 import pytest
 import torch
 
-from harness.backends.base import Message
-from harness.backends.inprocess import InProcessModel
-from harness.kv_paths import parse_path
+from harness.canary.tiny_models import build_tiny_model
+from harness.kv_paths.spec import parse_path
+from harness.replay.inprocess import InProcessModel
 from harness.serve import ServedModel, build_app, running_server
-from harness.tiny_models import build_tiny_model
+from harness.types import Message
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ the training tokens (`encode_dialogue`) and the scenario entry in the CONTRACTS.
 (`to_scenario`), so training text and replayed text cannot drift apart:
 - the chat is rendered exactly as `harness/canary/tokenizer.py`'s chat template renders it;
 - a long-context user turn is `insert_needle(filler_text(chars, seed), needle, depth) + "\\n" + question`,
-  as `harness.scenarios` compiles it.
+  as `harness.scenarios.load` compiles it.
 
 Held out vs train (`split`): arithmetic problems are split by a hash of the operands (one in ten is
 held out), filler seeds come from disjoint ranges, and the random stream is seeded per split.
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 
 from harness.canary.tokenizer import CHARACTERS, SPECIAL_TOKENS
-from harness.filler import filler_text, insert_needle
+from harness.scenarios.filler import filler_text, insert_needle
 
 KINDS = ("arithmetic", "recall", "long_context", "chat")  # scenario kinds; training also uses "echo"
 SPLITS = ("train", "heldout")

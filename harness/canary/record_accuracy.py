@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.store import RunStore
-from harness.summary import records_frame
+from harness.runs.store import RunStore
+from harness.runs.summary import records_frame
 
 BEGIN = "<!-- accuracy measured by harness run: begin -->"
 END = "<!-- accuracy measured by harness run: end -->"

@@ -1,4 +1,6 @@
-"""Judges: score generated replies 1-5 from a run's stored texts.
+"""Stage 5, judges: score generated replies 1-5 from a run's stored texts.
+
+May import: every earlier stage (types, records, scenarios, canary, kv_paths, analysis, replay).
 
 - `rule_judge`: the scenario's answer and rules, plus degeneration (loops, early EOS, non-text).
 - `agreement_judge`: closeness to the BF16 reference's reply.

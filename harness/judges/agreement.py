@@ -7,11 +7,11 @@ answer that the reference gives and the candidate does not, the score is capped 
 
 from __future__ import annotations
 
-from harness.backends.base import Generation
-from harness.checks import check_answer
+from harness.analysis.metrics import token_edit_distance
 from harness.judges.verdict import Verdict
-from harness.metrics import token_edit_distance
-from harness.scenarios import Scenario
+from harness.scenarios.checks import check_answer
+from harness.scenarios.load import Scenario
+from harness.types import Generation
 
 SIMILARITY_BANDS = ((0.9, 4.0), (0.7, 3.0), (0.4, 2.0))  # (lowest similarity, score), best band first
 

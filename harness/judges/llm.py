@@ -20,9 +20,9 @@ from pathlib import Path
 
 import jinja2
 
-from harness.backends.base import Message
-from harness.backends.endpoint import EndpointError, RequestClient, RequestPolicy
 from harness.judges.verdict import SCORE_RANGE, Verdict
+from harness.replay.endpoint import EndpointError, RequestClient, RequestPolicy
+from harness.types import Message
 
 TEMPLATES = Path(__file__).parent / "templates"
 BRACKETED = re.compile(r"\[\[(.*?)\]\]", re.DOTALL)

@@ -10,10 +10,10 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from harness.backends.base import Generation
-from harness.checks import broken_rules, check_answer
 from harness.judges.verdict import Verdict
-from harness.scenarios import Scenario
+from harness.scenarios.checks import broken_rules, check_answer
+from harness.scenarios.load import Scenario
+from harness.types import Generation
 
 SPECIAL_TOKEN_TEXT = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>|\[/?INST\]")  # chat-template markers leaking into text
 

@@ -15,15 +15,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from harness.backends.base import Generation
 from harness.judges.agreement import agreement_judge
 from harness.judges.llm import Conversation, LLMJudge, conversation_for
 from harness.judges.rules import DegenerationLimits, rule_judge
 from harness.judges.verdict import Verdict
-from harness.scenarios import Scenario
+from harness.scenarios.load import Scenario
+from harness.types import Generation
 
 SELECTIONS = ("all", "diverged")
-REFERENCE = "reference"  # the reference's path name in stored runs (harness.runner.REFERENCE)
+REFERENCE = "reference"  # the reference's path name in stored runs (harness.replay.runner.REFERENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +172,7 @@ def judgement_records(rows: Iterable[Mapping], scenarios: Mapping[str, Scenario]
 
 async def judge_run(store, scenarios: Sequence[Scenario], llm: LLMJudge | None = None,
                     config: JudgeConfig = JudgeConfig()) -> list[dict]:
-    """Judge a stored run (a `harness.store.RunStore`) and append to it: `judgements.jsonl` (every
+    """Judge a stored run (a `harness.runs.store.RunStore`) and append to it: `judgements.jsonl` (every
     verdict with reason, judge model, hashes and raw replies) and the judge metrics to
     `records.jsonl`. Replies already judged (by model, scenario, path, turn, judge) are skipped, so a
     resumed run judges only what is new."""

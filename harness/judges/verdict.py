@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 STATUSES = ("ok", "unparsable", "failed", "skipped")
 SCORE_RANGE = (1, 5)
-# Per-turn judge metrics and which way is good; meant for harness.metrics.METRIC_DIRECTIONS.
+# Per-turn judge metrics and which way is good; meant for harness.records.METRIC_DIRECTIONS.
 JUDGE_METRIC_DIRECTIONS: dict[str, str] = {
     "judge_rule": "higher",            # rule judge, 1-5
     "judge_agreement": "higher",       # reference-agreement judge, 1-5

@@ -300,7 +300,7 @@ def write_threshold_checks(writer: RunWriter, sc: Scenario, path: str, turn: int
 
 def bf16_noise_floor(records: list[dict]) -> dict[str, float]:
     """As the runner measures it: the bf16 path's largest distance from the identical-run value."""
-    from harness.metrics import noise_floor
+    from harness.analysis.metrics import noise_floor
 
     return noise_floor(r for r in records if r["path"] == "bf16")
 

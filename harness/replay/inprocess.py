@@ -14,13 +14,20 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness import attention
-from harness.attention import ATTENTION_NAME, KernelAgreement, PagedKV
-from harness.backends.base import Generation, Message, Scores
-from harness.cache import (KVWriteStats, LayerScales, build_cache, observer_cache, scales_from_checkpoint,
-                           scales_from_observers, unit_scales)
-from harness.kv_paths import KVPath
-from harness.tiny_models import RANDOM_WEIGHTS_MARKER
+from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+from harness.kv_paths import attention
+from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
+from harness.kv_paths.cache import (
+    KVWriteStats,
+    LayerScales,
+    build_cache,
+    observer_cache,
+    scales_from_checkpoint,
+    scales_from_observers,
+    unit_scales,
+)
+from harness.kv_paths.spec import KVPath
+from harness.types import Generation, Message, Scores
 
 attention.register()
 
@@ -96,7 +103,7 @@ class InProcessModel:
         return getattr(self.model.config, "kv_lora_rank", None) is not None
 
     def _compute_scales(self, kv_path: KVPath) -> LayerScales | None:
-        from harness import calibration
+        from harness.kv_paths import calibration
 
         config = self.model.config
         if kv_path.scale_source == "default":

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from harness.filler import filler_text, insert_needle
-from harness.metrics import METRIC_DIRECTIONS
+from harness.records import METRIC_DIRECTIONS
+from harness.scenarios.filler import filler_text, insert_needle
 
 KINDS = ("chat", "arithmetic", "recall", "long_context")
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -57,7 +57,7 @@ class ScenarioError(ValueError):
 class Turn:
     user: str
     assistant: str | None = None  # fixed reply: replayed as history, never generated
-    expect: str | None = None     # answer the generated reply must contain (see harness.checks)
+    expect: str | None = None     # answer the generated reply must contain (see harness.scenarios.checks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from typing import Iterator
 
 import torch
 
-from harness.backends.base import Message
-from harness.filler import filler_text
+from harness.scenarios.filler import filler_text
+from harness.types import Message
 
 # Amplitude given to the recurrent layers' output during the emulated warm-up. Uninitialised device
 # memory holds arbitrary bit patterns; large Gaussian noise stands in for it, seeded so runs repeat.

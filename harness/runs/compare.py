@@ -23,8 +23,20 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from harness.report import (StoredRun, environment, first_difference, format_value, is_worse,
-                            load_run, metric_direction, path_order, slug, token_key, token_view, write_page)
+from harness.runs.report import (
+    StoredRun,
+    environment,
+    first_difference,
+    format_value,
+    is_worse,
+    load_run,
+    metric_direction,
+    path_order,
+    slug,
+    token_key,
+    token_view,
+    write_page,
+)
 
 CASE = ["model", "scenario_hash", "path", "turn"]
 CHECKS = ("answer_correct", "rules_followed")
@@ -45,7 +57,7 @@ class Threshold:
     def __post_init__(self) -> None:
         if metric_direction(self.metric) is None:
             raise ValueError(f"threshold {self.spec!r}: unknown metric {self.metric!r}; expected one of "
-                             "harness.metrics.METRIC_DIRECTIONS or a judge_*/attn_* metric")
+                             "harness.records.METRIC_DIRECTIONS or a judge_*/attn_* metric")
         if not math.isfinite(self.value):
             raise ValueError(f"threshold {self.spec!r}: value must be a finite number")
 

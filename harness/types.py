@@ -1,9 +1,11 @@
-"""The backend interface: the in-process model and a live endpoint answer the same two calls."""
+"""Plain data every stage may import: chat messages, a generated reply, teacher-forced scores.
+
+Nothing here imports from the rest of `harness`; see docs/ARCHITECTURE.md for which stage imports which.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
 
 import torch
 
@@ -32,15 +34,3 @@ class Scores:
     logprobs: torch.Tensor | None  # [T, V] full log-probs (in-process)
     top_logprobs: list[dict[int, float]] | None = None  # per position top-k (HTTP)
     unavailable: str | None = None  # why scoring could not be done
-
-
-class Backend(Protocol):
-    label: str
-
-    def describe(self) -> dict: ...
-
-    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation: ...
-
-    async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores: ...
-
-    async def aclose(self) -> None: ...

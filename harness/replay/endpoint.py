@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.backends.base import Generation, Message, Scores
-from harness.backends.http1 import Http11Transport
+from harness.replay.http1 import Http11Transport
+from harness.types import Generation, Message, Scores
 
 ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.metrics import METRIC_DIRECTIONS
+from harness.records import METRIC_DIRECTIONS
 
 
 @dataclass(frozen=True, slots=True)

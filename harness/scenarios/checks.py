@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from harness.scenarios import Scenario, Turn, contains_word
+from harness.scenarios.load import Scenario, Turn, contains_word
 
 # An optional sign not glued to a word ("7-8" is 7 and 8), digits with optional thousands groups
 # and an optional decimal part ("Answer: 68." ends with the integer 68, not a decimal).

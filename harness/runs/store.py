@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -33,16 +32,6 @@ def _json_default(value):
 
 def _dump(row: dict) -> str:
     return json.dumps(row, default=_json_default, allow_nan=False, ensure_ascii=False)
-
-
-def encode_value(value) -> dict:
-    """A metric value as JSON fields: finite floats as is; NaN/inf as null plus `value_text`."""
-    if value is None:
-        return {"value": None}
-    value = float(value)
-    if math.isfinite(value):
-        return {"value": value}
-    return {"value": None, "value_text": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.metrics import METRIC_DIRECTIONS
+from harness.records import METRIC_DIRECTIONS
 
 TEMPLATES = Path(str(importlib.resources.files("reports") / "templates"))  # shipped as package data
 REFERENCE = "reference"

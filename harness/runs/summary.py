@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.store import RunStore
+from harness.runs.store import RunStore
 
 COLUMNS = {  # metric -> (column title, aggregate over turns)
     "answer_correct": ("answer acc", "mean"),

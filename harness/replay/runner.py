@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from harness.backends.base import Backend, Generation, Message
-from harness.checks import check_answer, check_rules
-from harness.metrics import free_running, teacher_forced, teacher_forced_topk
-from harness.scenarios import Scenario
-from harness.store import RunStore, encode_value
-from harness.thresholds import ThresholdCheck
+from harness.analysis.metrics import free_running, teacher_forced, teacher_forced_topk
+from harness.analysis.thresholds import ThresholdCheck
+from harness.records import encode_value
+from harness.replay.backend import Backend
+from harness.scenarios.checks import check_answer, check_rules
+from harness.scenarios.load import Scenario
+from harness.types import Generation, Message
+
+if TYPE_CHECKING:  # the runner writes to a store it is given; it never imports the later stage
+    from harness.runs.store import RunStore
 
 HISTORY_MODES = ("reference-history", "own-history")
 REFERENCE = "reference"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from harness.kv_paths import KVPath
+from harness.kv_paths.spec import KVPath
 from kernels import reference as fp8
 
 
@@ -66,7 +66,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.kv_path = kv_path
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stats = stats
-        self.paged = None  # harness.attention.PagedKV when decode runs through our kernels
+        self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through our kernels
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
