@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 import yaml
 
 from harness.records import METRIC_DIRECTIONS
+from harness.scenarios import bounds
 from harness.scenarios.filler import filler_text, insert_needle
 
 KINDS = ("chat", "arithmetic", "recall", "long_context")
@@ -157,8 +159,14 @@ class _Where:
         self.problems.append(f"{self.label}: field '{field_name}': {message}")
 
 
+_SHORT_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxdict, _SHORT_REPR.maxlist = 3, 6, 6
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 70
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A value for an error message: bounded before it is built (a value may be an alias-expanded graph)."""
+    text = _SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -171,7 +179,7 @@ def _type_name(value: Any) -> str:
 # YAML
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when present
     """SafeLoader that refuses a key repeated in one mapping (YAML would keep the last silently)."""
 
 
@@ -192,7 +200,10 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 def _read_yaml(file: Path, problems: list[str]) -> Any:
     try:
+        bounds.check_yaml_bounds(file)  # size, depth and alias expansion, before a node is built
         return yaml.load(file.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except bounds.YAMLBoundsError as exc:
+        problems.append(str(exc))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -225,14 +236,27 @@ def _load_file(file: Path, problems: list[str]) -> list[tuple[str, Scenario | No
         where.error("scenarios", f"expected a non-empty list of scenarios, got {_show(entries)}")
         return []
     loaded = []
+    filler_left = bounds.MAX_FILE_FILLER_CHARS
     for index, raw in enumerate(entries):
         scenario_id = _scenario_id(raw, index, where)
         if scenario_id is None:
             continue
         scenario_where = _Where(f"{file}: scenario {scenario_id!r}", problems)
-        scenario = _compile(_merge_defaults(defaults, raw), scenario_id, str(file), scenario_where)
-        loaded.append((scenario_id, scenario))
+        merged = _merge_defaults(defaults, raw)
+        filler_left -= _filler_chars(merged)
+        if filler_left < 0:  # checked before the text is generated
+            scenario_where.error("filler.chars", f"the file's long_context filler adds up to more than "
+                                                 f"{bounds.MAX_FILE_FILLER_CHARS:,} characters; split it")
+            loaded.append((scenario_id, None))
+            continue
+        loaded.append((scenario_id, _compile(merged, scenario_id, str(file), scenario_where)))
     return loaded
+
+
+def _filler_chars(merged: dict) -> int:
+    filler = merged.get("filler") if merged.get("kind") == "long_context" else None
+    chars = filler.get("chars") if isinstance(filler, dict) else None
+    return chars if isinstance(chars, int) and 0 < chars <= bounds.MAX_FILLER_CHARS else 0
 
 
 def _scenario_id(raw: Any, index: int, file_where: _Where) -> str | None:
@@ -423,6 +447,8 @@ def _check_filler(value: Any, name: str, where: _Where, require: bool = True) ->
         if require and key not in value:
             where.error(f"{name}.{key}", "missing required field")
     chars = _check_positive_int(value["chars"], f"{name}.chars", where) if "chars" in value else None
+    if chars is not None and chars > bounds.MAX_FILLER_CHARS:
+        where.error(f"{name}.chars", f"at most {bounds.MAX_FILLER_CHARS:,} characters (~250k tokens), got {chars:,}")
     depth = value.get("depth")
     if "depth" in value and (not _is_number(depth) or not 0.0 <= depth <= 1.0):
         where.error(f"{name}.depth", f"expected a number within [0, 1] (0 = start, 1 = end), got {_show(depth)}")
