@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from harness.kv_paths.spec import PathSpecError
+from harness.records import scrub_credentials
 
 EPILOG = """\
 examples:
@@ -26,6 +27,20 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
   cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
   prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
 """
+
+
+def _bounded_int(low: int, high: int | None):
+    """An argparse type: an integer in [low, high]; anything else is a usage error (exit 2), not a traceback."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {low}..{high}, got {value}" if high is not None
+                                             else f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -60,11 +75,13 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
     serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000)
     serve.add_argument("--device", default="cpu")
-    run.add_argument("--jobs", type=int, default=None, metavar="N",
+    run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
                      help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-fail-on-verdict", action="store_true",
+                     help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
     report.add_argument("run", type=Path, metavar="RUN")
     report.add_argument("--out", type=Path, metavar="DIR", help="default: RUN/report")
@@ -127,6 +144,7 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.runs.status import run_exit_code
     from harness.runs.store import RunStoreError
     from harness.scenarios.load import ScenarioError
 
@@ -150,19 +168,19 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = job.RunConfig(
             models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
-            paths=() if args.reference else job.parse_kv_paths(args.paths or job.DEFAULT_PATHS),
+            paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
             out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
             calibration_paths=tuple(args.calibration or ()), reference_url=args.reference,
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
-            command=shlex.join(["harness", *sys.argv[1:]]))
+            command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
                               warn=lambda m: print(m, file=sys.stderr))
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         where = f"--out {config.out} " if config else ""
@@ -170,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
               f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
     _print_run_end(run_dir, time.perf_counter() - started, warnings)
-    return 0
+    return run_exit_code(run_dir, fail_on_verdict=not args.no_fail_on_verdict)
 
 
 def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
@@ -188,9 +206,9 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
         print(f"noise floor {model}: {state}")
     for warning in manifest.get("warnings", []) + warnings:
         print(f"warning: {warning}")
-    errors = store.read("errors")
-    if errors:
-        print(f"{len(errors)} unit(s) failed; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
+    unfinished = manifest.get("unfinished_units", 0)
+    if unfinished:
+        print(f"{unfinished} unit(s) not finished; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
     print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
     print(f"report: {report}")
 

@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import platform
+import re
 import subprocess
 import sys
 import uuid
@@ -17,7 +18,9 @@ import torch
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import KVPath, parse_paths
 from harness.replay.runner import Replay
-from harness.runs.store import RunStore, RunStoreError
+from harness.runs.status import expected_units, final_status, unfinished_units
+from harness.run_inputs import check_run_inputs
+from harness.runs.store import RunStore, RunStoreError, hold_run_lock
 from harness.scenarios.load import Scenario, load_scenarios
 from harness.types import Message
 
@@ -83,10 +86,15 @@ def parse_kv_paths(spec: str) -> tuple[KVPath, ...]:
 
 
 def resolve_device(device: str) -> str:
+    """`cpu`, `auto`, `cuda` or `cuda:N`; anything else is refused before a model loads."""
+    if device not in ("cpu", "auto", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"--device {device}: unknown device; expected cpu, cuda, cuda:N or auto")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__})")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -168,10 +176,17 @@ def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:
-    """Run everything in `config`; returns the run directory. Safe to interrupt and `resume`."""
+    """Run everything in `config`; returns the run directory. Safe to interrupt and `resume`.
+    Every input is checked before the run directory is touched; one run at a time writes it."""
+    check_run_inputs(config)
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
+    with hold_run_lock(config.out):
+        return _run_locked(config, scenarios, calibration_chats, progress, warn)
+
+
+def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats, progress, warn) -> Path:
     if config.resume:
         store = RunStore.resume(config.out)
         _check_resumable(store, config, scenarios)
@@ -188,7 +203,8 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
         else:
             _replay_models(config, scenarios, calibration_chats, store, bar, warn)
         asyncio.run(_judge(config, scenarios, store))
-        _finish(store, "complete" if not store.read("errors") else "complete_with_errors")
+        unfinished = unfinished_units(store, _expected_units(config, scenarios))
+        _finish(store, final_status(unfinished), unfinished_units=len(unfinished))
     except KeyboardInterrupt:
         _finish(store, "interrupted")
         raise
@@ -345,12 +361,20 @@ def _note_scales(store: RunStore, label: str, backends) -> None:
                                                                   for b in backends}))
 
 
-def _finish(store: RunStore, status: str) -> None:
+def _expected_units(config: RunConfig, scenarios: list[Scenario]) -> list[tuple[str, str, str]]:
+    if config.reference_url:
+        models, paths = [ENDPOINT_MODEL], [label for label, _ in candidate_labels(config.candidate_urls)]
+    else:
+        models, paths = [model_label(d) for d in config.models], [p.name for p in config.paths]
+    return expected_units(models, [s.id for s in scenarios], paths)
+
+
+def _finish(store: RunStore, status: str, **fields) -> None:
     records = store.read("records")
     floors = {}
     for model in sorted({r["model"] for r in records}):
         floors[model] = noise_floor(r for r in records if r["model"] == model and r["path"] == "bf16")
-    store.update_manifest(status=status, noise_floor=floors,
+    store.update_manifest(status=status, noise_floor=floors, **fields,
                           finished_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 

@@ -7,6 +7,7 @@ Nothing here imports from the rest of `harness`.
 from __future__ import annotations
 
 import math
+import re
 
 # Which way is good for each per-turn metric the harness records. Scenario thresholds, report
 # colouring and the compare report's regression flags all read this one table.
@@ -55,3 +56,37 @@ def encode_value(value) -> dict:
     if math.isfinite(value):
         return {"value": value}
     return {"value": None, "value_text": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+def encode_values(values) -> dict:
+    """A series as JSON fields: `values` with null where an entry is NaN/inf, and `values_text`
+    {index: "nan" | "inf" | "-inf"} for those entries (absent when every entry is finite or null)."""
+    encoded = [encode_value(v) for v in values]
+    text = {str(i): e["value_text"] for i, e in enumerate(encoded) if "value_text" in e}
+    return {"values": [e["value"] for e in encoded], **({"values_text": text} if text else {})}
+
+
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def decode_value(row: dict, field: str = "value") -> float | None:
+    """The number `encode_value` stored in `row[field]` (with `row[field + "_text"]`), NaN/inf restored."""
+    text = row.get(f"{field}_text")
+    return _SPECIAL[text] if text in _SPECIAL else row.get(field)
+
+
+def decode_values(row: dict) -> list:
+    """The series `encode_values` stored in a row, NaN/inf restored."""
+    values = list(row.get("values") or [])
+    for index, text in (row.get("values_text") or {}).items():
+        values[int(index)] = _SPECIAL.get(text, values[int(index)])
+    return values
+
+
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
+
+
+def scrub_credentials(text: str) -> str:
+    """`http://user:secret@host/...` -> `http://***@host/...` anywhere in `text`: what the harness writes
+    (manifest `command`, errors, logs) never holds a credential someone put in a URL."""
+    return _URL_CREDENTIALS.sub(r"\1***@", text)

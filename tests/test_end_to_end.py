@@ -170,9 +170,9 @@ def test_dead_endpoint_is_recorded_not_fatal(tmp_path, capsys):
     out = tmp_path / "dead"
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, the connection is refused
     assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--no-progress",
-                 "--reference", dead, "--candidate", dead]) == 0
+                 "--reference", dead, "--candidate", dead]) == 3  # every unit failed: the run is incomplete
     errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
     assert errors and all("127.0.0.1:9" in e["error"] for e in errors)
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete_with_errors"
     printed = capsys.readouterr().out
-    assert "failed" in printed and "not written" not in printed  # the report renders an empty run too
+    assert "unit(s) not finished" in printed and "not written" not in printed  # the report renders an empty run too

@@ -261,3 +261,39 @@ def test_judge_run_appends_judgements_and_records_once(tmp_path):
     assert records[("fp8", 1, "judge_llm")] == 4.0 and records[("fp8", 0, "judge_llm")] is None  # skipped
     assert records[("fp8", 1, "judge_pairwise")] == 0.5  # [[B]] in both orders: the orders disagree
     assert records[("fp8", 1, "judge_agreement")] < 5 and records[("reference", 0, "judge_rule")] == 5
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL: raised inside the store after the first of the judge tables was fsynced."""
+
+
+def test_a_kill_between_judge_tables_loses_nothing_after_resume(tmp_path, monkeypatch):
+    """Issue 15, item 9: judgements and their records are one step. The kill lands after whichever table
+    the store writes first; --resume (RunStore.resume, then judge_run) must end with one judge record and
+    one judgement per (path, turn, judge) and nothing missing."""
+    from harness.judges import judge_run
+    from harness.runs.store import RunStore
+
+    store = RunStore.create(tmp_path / "run", {"run_id": "judged"})
+    for path, replies in (("reference", ["Hello Ann.", "You are Ann."]), ("fp8", ["Hello Ann.", "You are Bob."])):
+        store.finish_unit("m", "chat2", path, {"texts": text_rows(path, replies)})
+    app, _ = fake_judge(lambda prompt: "[[A]]" if "[Assistant A" in prompt else "Rating: [[4]]")
+    written = []
+    original = RunStore._append_locked
+
+    def append_then_die(self, table, rows):
+        if table in ("records", "judgements"):
+            if written:
+                raise _Killed
+            written.append(table)
+        original(self, table, rows)
+
+    monkeypatch.setattr(RunStore, "_append_locked", append_then_die)
+    with pytest.raises(_Killed):
+        asyncio.run(judge_run(store, [TWO_TURNS], judge_on(app)))
+    monkeypatch.setattr(RunStore, "_append_locked", original)
+    resumed = RunStore.resume(tmp_path / "run")
+    asyncio.run(judge_run(resumed, [TWO_TURNS], judge_on(app)))
+    judged = [(r["path"], r["turn"], r["metric"]) for r in resumed.read("judgements")]
+    recorded = [(r["path"], r["turn"], r["metric"]) for r in resumed.read("records") if r["metric"].startswith("judge_")]
+    assert judged and sorted(judged) == sorted(recorded) and len(set(judged)) == len(judged)

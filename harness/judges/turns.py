@@ -180,6 +180,5 @@ async def judge_run(store, scenarios: Sequence[Scenario], llm: LLMJudge | None =
     seen = {(r["model"], r["scenario"], r["path"], r["turn"], r["metric"]) for r in store.read("judgements")}
     rows = [r for r in await judge_texts(store.read("texts"), by_id, llm, config)
             if (r["model"], r["scenario"], r["path"], r["turn"], r["metric"]) not in seen]
-    store.append("judgements", rows)
-    store.append("records", judgement_records(rows, by_id))
+    store.append_judged(rows, judgement_records(rows, by_id))  # one step: a kill loses nothing for good
     return rows

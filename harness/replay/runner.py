@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from harness.analysis.metrics import free_running, teacher_forced, teacher_forced_topk
 from harness.analysis.thresholds import ThresholdCheck
-from harness.records import encode_value
+from harness.records import encode_value, encode_values, scrub_credentials
 from harness.replay.backend import Backend
 from harness.scenarios.checks import check_answer, check_rules
 from harness.scenarios.load import Scenario
@@ -133,7 +133,7 @@ class Replay:
                 values["context_tokens"] = generation.prompt_tokens
             rows = [self._record(scenario, backend.label, turn, metric, value) for metric, value in values.items()]
             tables["records"] += rows + self._task_records(scenario, backend.label, turn, generation)
-            tables["series"] += [dict(self._key(scenario, backend.label, turn), series=name, values=series)
+            tables["series"] += [{**self._key(scenario, backend.label, turn), "series": name, **encode_values(series)}
                                  for name, series in tf_series.items()]
             tables["texts"].append(self._text_row(scenario, backend.label, turn, reply, generation))
             tables["checks"] += self._checks(scenario, backend.label, turn, checks, values, tables["records"])
@@ -188,10 +188,11 @@ class Replay:
         for check in checks:
             value = values.get(check.metric, task.get(check.metric))
             message = check.compute(turn, value)
-            rows.append({**self._key(scenario, path, turn), "metric": check.metric, "value": value,
+            rows.append({**self._key(scenario, path, turn), "metric": check.metric, **encode_value(value),
                          "limit": check.limit, "passed": message is None, "message": message})
         return rows
 
     def _record_error(self, scenario: Scenario, path: str, turn: int | None, error: BaseException) -> None:
-        self.store.append("errors", [{**self._key(scenario, path, turn), "error": f"{type(error).__name__}: {error}",
-                                      "traceback": traceback.format_exc(limit=6)}])
+        self.store.append("errors", [{**self._key(scenario, path, turn),
+                                      "error": scrub_credentials(f"{type(error).__name__}: {error}"),
+                                      "traceback": scrub_credentials(traceback.format_exc(limit=6))}])

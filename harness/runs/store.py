@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -30,8 +31,59 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _dump(row: dict) -> str:
-    return json.dumps(row, default=_json_default, allow_nan=False, ensure_ascii=False)
+def _dump(row: dict, indent: int | None = None) -> str:
+    """Strict JSON. A NaN/inf the writer did not encode itself (`harness.records.encode_value`) never
+    fails its unit: it is stored as null, with its text under `nonfinite` {"field.path": "inf"}."""
+    try:
+        return json.dumps(row, default=_json_default, allow_nan=False, ensure_ascii=False, indent=indent)
+    except ValueError:
+        found: dict[str, str] = {}
+        clean = _finite(json.loads(json.dumps(row, default=_json_default)), "", found)
+        return json.dumps({**clean, "nonfinite": found}, allow_nan=False, ensure_ascii=False, indent=indent)
+
+
+def _finite(value, path: str, found: dict[str, str]):
+    if isinstance(value, float) and not math.isfinite(value):
+        found[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), found) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
+
+
+def _judge_key(row: dict) -> tuple:
+    return row.get("model"), row.get("scenario"), row.get("path"), row.get("turn"), row.get("metric")
+
+
+RUN_LOCK = ".run.lock"  # held (flock) by the one `harness run` writing the directory, for the whole run
+
+
+@contextlib.contextmanager
+def hold_run_lock(directory: Path):
+    """One writer per run directory: an exclusive flock on `directory/.run.lock`, held until the block
+    ends (the kernel drops it when the process dies, so a killed run never leaves a stale lock). A second
+    run on the same directory is refused at once, naming the holder's pid. Creates the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / RUN_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunStoreError(f"run directory {directory} is being written by another harness run (pid {holder}); "
+                            f"wait for it to finish, or choose another --out") from None
+    try:
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 @dataclass
@@ -47,7 +99,7 @@ class RunStore:
 
     @classmethod
     def create(cls, directory: Path, manifest: dict) -> "RunStore":
-        if directory.exists() and any(directory.iterdir()):
+        if directory.exists() and any(p.name != RUN_LOCK for p in directory.iterdir()):
             raise RunStoreError(f"run directory {directory} is not empty; pass --resume to continue it "
                                 f"or choose another --out")
         directory.mkdir(parents=True, exist_ok=True)
@@ -87,7 +139,7 @@ class RunStore:
 
     def write_manifest(self, manifest: dict) -> None:
         tmp = self.directory / f"manifest.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=2, default=_json_default, allow_nan=False) + "\n")
+        tmp.write_text(_dump(manifest, indent=2) + "\n")
         os.replace(tmp, self.directory / "manifest.json")
 
     def edit_manifest(self, edit) -> dict:
@@ -118,8 +170,8 @@ class RunStore:
         with self._exclusive():
             self._append_locked(table, rows)
 
-    def _append_locked(self, table: str, rows: Iterable[dict]) -> None:
-        text = "".join(_dump(row) + "\n" for row in rows)
+    def _append_locked(self, table: str, rows: Iterable[dict] | str) -> None:
+        text = rows if isinstance(rows, str) else "".join(_dump(row) + "\n" for row in rows)
         if not text:
             return
         with open(self.directory / f"{table}.jsonl", "a", encoding="utf-8") as handle:
@@ -129,22 +181,34 @@ class RunStore:
 
     def finish_unit(self, model: str, scenario: str, path: str, tables: dict[str, list[dict]]) -> None:
         """Append a unit's rows, then mark it done: a kill between the two recomputes only this unit."""
-        with self._exclusive():
-            for table, rows in tables.items():
-                self._append_locked(table, rows)
+        texts = {table: "".join(_dump(row) + "\n" for row in rows) for table, rows in tables.items()}
+        with self._exclusive():  # every row serialised first: a row that cannot be written writes nothing
+            for table, text in texts.items():
+                self._append_locked(table, text)
             self._append_locked("done", [{"model": model, "scenario": scenario, "path": path}])
             self.done.add((model, scenario, path))
+
+    def append_judged(self, judgements: list[dict], records: list[dict]) -> None:
+        """Judge metrics to records.jsonl, then their judgements.jsonl rows, which commit them: a kill
+        between the two leaves judge records without a judgement, which `resume` drops and re-judges."""
+        texts = ["".join(_dump(row) + "\n" for row in rows) for rows in (records, judgements)]
+        with self._exclusive():
+            self._append_locked("records", texts[0])
+            self._append_locked("judgements", texts[1])
 
     def is_done(self, model: str, scenario: str, path: str) -> bool:
         return (model, scenario, path) in self.done
 
     def _drop_unfinished(self) -> None:
+        judged = {_judge_key(r) for r in self.read("judgements")}
         for table in UNIT_TABLES:
             path = self.directory / f"{table}.jsonl"
             if not path.exists():
                 continue
             rows = self.read(table)
-            kept = [r for r in rows if (r.get("model"), r.get("scenario"), r.get("path")) in self.done]
+            kept = [r for r in rows if (r.get("model"), r.get("scenario"), r.get("path")) in self.done
+                    and not (table == "records" and str(r.get("metric")).startswith("judge_")
+                             and _judge_key(r) not in judged)]
             if len(kept) != len(rows) or path.read_text().count("\n") != len(rows):
                 tmp = path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(_dump(r) + "\n" for r in kept))

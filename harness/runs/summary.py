@@ -17,8 +17,10 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "kl_max": ("KL max", "max"),
     "top1_agree": ("top-1 agree", "mean"),
     "kv_clipped_frac": ("clipped", "mean"),
+    "kv_nonfinite": ("KV non-finite", "max"),  # shown only when some path read a NaN/inf back from its cache
     "kernel_err_ratio": ("kernel err / torch err", "max"),  # GPU runs: our decode kernel's agreement
 }
+SHOWN_WHEN_NONZERO = {"kv_nonfinite"}  # healthy runs are all zero there: no column to read past
 
 
 def records_frame(run_dir: Path) -> pd.DataFrame:
@@ -40,7 +42,7 @@ def summary_table(run_dir: Path) -> pd.DataFrame:
     table = {}
     for metric, (title, how) in COLUMNS.items():
         picked = frame[frame["metric"] == metric]
-        if picked.empty:
+        if picked.empty or (metric in SHOWN_WHEN_NONZERO and not (picked["value"].fillna(1) != 0).any()):
             continue
         grouped = picked.groupby(["model", "path"])["value"]
         table[title] = grouped.count() if how == "count" else grouped.agg(how)

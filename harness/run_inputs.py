@@ -1,0 +1,99 @@
+"""Every input of `harness run` checked before the first unit, and before the run directory is touched.
+
+A bad `--model`, `--tokenizer`, `--out`, endpoint URL or `--api-key-env` is refused at once, all problems
+together, one line each naming the flag and the value: never after another model's whole replay, and
+never leaving a "failed" run directory that blocks the same `--out`. Scenario files are checked by
+`harness.scenarios.load` (also before anything is built); path specs by `harness.kv_paths.spec`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.records import scrub_credentials
+
+if TYPE_CHECKING:
+    from harness.job import RunConfig
+
+
+class InputError(ValueError):
+    """One or more refused inputs; the message has one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems) if len(problems) == 1 else
+                         f"{len(problems)} problems with the run's inputs:\n" + "\n".join(problems))
+
+
+def check_run_inputs(config: RunConfig) -> None:
+    problems = [*_out_problems(config.out, config.resume)]
+    for directory in config.models:
+        problems += _model_problems(Path(directory))
+    problems += _endpoint_problems(config)
+    if config.jobs < 1:
+        problems.append(f"--jobs {config.jobs}: must be at least 1")
+    if problems:
+        raise InputError(problems)
+
+
+def _out_problems(out: Path, resume: bool) -> list[str]:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        return [f"--out {out}: is a file, not a run directory"]
+    parent = next((p for p in out.parents if p.exists()), Path("."))
+    if not out.exists() and not os.access(parent, os.W_OK):
+        return [f"--out {out}: cannot create it ({parent} is not writable)"]
+    if resume and not (out / "manifest.json").is_file():
+        return [f"--out {out}: nothing to resume there (no manifest.json); drop --resume to start a new run"]
+    return []
+
+
+def _model_problems(directory: Path) -> list[str]:
+    if not directory.is_dir():
+        return [f"--model {directory}: no such directory (a local transformers model directory)"]
+    config = directory / "config.json"
+    if not config.is_file():
+        return [f"--model {directory}: no config.json there; not a transformers model directory"]
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return [f"--model {directory}: config.json is not valid JSON ({error})"]
+    return []
+
+
+def _endpoint_problems(config: RunConfig) -> list[str]:
+    from harness.replay.endpoint import normalise_base_url
+
+    problems = []
+    urls = [("--reference", config.reference_url), ("--judge", config.judge_url)]
+    urls += [("--candidate", item.partition("=")[2] if "=" in item and "://" not in item.partition("=")[0]
+              else item) for item in config.candidate_urls]
+    for flag, url in urls:
+        if url is None:
+            continue
+        try:
+            normalise_base_url(url)
+        except ValueError as error:
+            problems.append(f"{flag} {scrub_credentials(url)}: {error}")
+    if config.api_key_env and not os.environ.get(config.api_key_env):
+        problems.append(f"--api-key-env {config.api_key_env}: that environment variable is not set (keys are read from the environment only)")
+    if config.tokenizer:
+        problems += _tokenizer_problems(config.tokenizer)
+    return problems
+
+
+def _tokenizer_problems(name: str) -> list[str]:
+    """A local directory must exist; anything else must load now (offline: a hub name not in the cache fails)."""
+    path = Path(name).expanduser()
+    if name.startswith(("/", ".", "~")) and not path.is_dir():
+        return [f"--tokenizer {name}: no such directory"]
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+    except Exception as error:  # noqa: BLE001 - transformers raises many kinds; the user needs the reason
+        return [f"--tokenizer {name}: cannot load it ({type(error).__name__}: {str(error).splitlines()[0][:200]})"]
+    return []

@@ -1,0 +1,221 @@
+"""`harness run` as CI sees it (issue 15, items 3, 5, 6, 8): one writer per run directory, exit codes and
+run statuses as docs/CONTRACTS.md fixes them, no credential written, every bad input refused up front
+with a clear error and no traceback, and no directory left behind that blocks the same `--out`."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.records import scrub_credentials
+
+SMOKE = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+DEEP = "scenarios:\n  - id: deep\n    kind: chat\n    tags: " + "[" * 50_000 + "]" * 50_000 + "\n"
+
+
+@contextlib.contextmanager
+def refusing_server():
+    """A loopback server that answers every request 400 with an OpenAI-style error: every unit fails at
+    once (400 is not retried), so a run against it is a run whose units all fail, in well under a second."""
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def _refuse(self):
+            body = json.dumps({"error": {"message": "injected 400", "type": "invalid_request_error"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _refuse
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _run_args(tiny_models, out: Path) -> list[str]:
+    return ["run", "--model", str(tiny_models["gqa"]), "--scenarios", str(SMOKE), "--paths", "bf16",
+            "--out", str(out), "--no-progress"]
+
+
+# ---------------------------------------------------------------- item 5: exit codes and statuses
+
+
+def test_every_unit_failed_exits_3_and_counts_units_not_rows(tmp_path, capsys):
+    out = tmp_path / "refused"
+    with refusing_server() as url:
+        args = ["run", "--out", str(out), "--scenarios", str(SMOKE), "--no-progress",
+                "--reference", url, "--candidate", url]
+        assert main(args) == 3
+        first = capsys.readouterr().out
+        assert main([*args, "--resume"]) == 3  # still failing: errors.jsonl now holds both attempts
+        again = capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete_with_errors" and manifest["unfinished_units"] == 4 * 2
+    for printed in (first, again):  # 4 scenarios x (reference, candidate), however many error rows
+        assert "8 unit(s) not finished" in printed, printed
+
+
+@pytest.mark.slow
+def test_resume_that_fills_every_gap_is_complete_and_exits_0(tiny_models, tmp_path, capsys):
+    out = tmp_path / "gap"
+    assert main(_run_args(tiny_models, out)) == 0
+    # Make it the run a failing unit leaves: no done line and no rows for one unit, two failed attempts logged.
+    unit = {"model": "gqa", "scenario": "smoke-arith", "path": "bf16"}
+    for table in ("done", "records", "series", "texts", "checks"):
+        file = out / f"{table}.jsonl"
+        if file.exists():
+            kept = [line for line in file.read_text().splitlines()
+                    if {k: json.loads(line).get(k) for k in unit} != unit]
+            file.write_text("".join(line + "\n" for line in kept))
+    error = {**unit, "turn": None, "error": "RuntimeError: injected", "traceback": ""}
+    (out / "errors.jsonl").write_text((json.dumps(error) + "\n") * 2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "status": "complete_with_errors"}))
+    capsys.readouterr()
+    assert main([*_run_args(tiny_models, out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert "not finished" not in printed and "failed" not in printed, printed
+    assert "run complete in" in printed
+
+
+# ---------------------------------------------------------------- item 3: one writer per run directory
+
+
+def _harness(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_second_writer_is_refused_while_the_first_runs(tiny_models, tmp_path):
+    """Two real processes: the first `harness run` is frozen (SIGSTOP) while it holds the run, so the second
+    `--resume --out` of the same directory meets it for certain; it is refused, the first then finishes."""
+    out = tmp_path / "shared"
+    first = _harness(*_run_args(tiny_models, out))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "manifest.json").exists():
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _harness(*_run_args(tiny_models, out), "--resume")
+        _, stderr = second.communicate(timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 2, stderr
+    assert f"being written by another harness run (pid {first.pid})" in stderr and "Traceback" not in stderr
+    _, first_err = first.communicate(timeout=300)
+    assert first.returncode == 0, first_err
+    done = [tuple(json.loads(line).values()) for line in (out / "done.jsonl").read_text().splitlines()]
+    assert len(done) == len(set(done)) == 4 * 2  # nothing written twice
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+# ---------------------------------------------------------------- item 6: credentials in URLs
+
+
+def test_scrub_credentials():
+    assert scrub_credentials("harness run --reference http://user:secret@h:8000/v1 x") == \
+        "harness run --reference http://***@h:8000/v1 x"
+    assert scrub_credentials("https://token@host and http://plain:80") == "https://***@host and http://plain:80"
+
+
+def test_credential_in_url_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "creds"
+    argv = ["run", "--out", str(out), "--scenarios", str(SMOKE), "--no-progress",
+            "--reference", "http://user:secret@127.0.0.1:9", "--candidate", "http://127.0.0.1:9"]
+    monkeypatch.setattr(sys, "argv", ["harness", *argv])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "credentials" in captured.err and "secret" not in captured.err + captured.out
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- item 8: input gaps
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--device", "tpu"], "--device tpu: unknown device"),
+    (["--paths="], "no KV paths given"),
+    (["--model", "/nonexistent"], "--model /nonexistent: no such directory"),
+])
+def test_bad_run_inputs_are_refused_before_any_work(tiny_models, tmp_path, capsys, extra, message):
+    out = tmp_path / "refused"
+    started = time.perf_counter()
+    assert main([*_run_args(tiny_models, out), *extra]) == 2
+    assert time.perf_counter() - started < 10  # before any model loads (a replay takes longer)
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--jobs", "0"], "--jobs: must be at least 1"),
+    (["run", "--jobs", "-3"], "--jobs: must be at least 1"),
+    (["serve", "--port", "99999"], "--port: must be 1..65535"),
+])
+def test_bad_numbers_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.replace("argument ", "")
+
+
+def test_out_pointing_at_a_file_is_refused(tiny_models, tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("not a run")
+    argv = _run_args(tiny_models, file)
+    assert main(argv) == 2
+    assert f"--out {file}: is a file" in capsys.readouterr().err and file.read_text() == "not a run"
+
+
+def test_deep_yaml_is_refused_without_traceback(tiny_models, tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(DEEP)
+    argv = _run_args(tiny_models, tmp_path / "out")
+    argv[argv.index("--scenarios") + 1] = str(deep)
+    assert main(argv) == 2
+    assert "deep.yaml: field 'scenarios[0].tags" in capsys.readouterr().err
+
+
+def test_bad_endpoint_arguments_leave_nothing_that_blocks_the_same_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HARNESS_TEST_UNSET_KEY", raising=False)
+    out = tmp_path / "live"
+    with refusing_server() as url:
+        base = ["run", "--out", str(out), "--scenarios", str(SMOKE), "--no-progress", "--reference", url,
+                "--candidate", url]
+        assert main([*base, "--tokenizer", "/nonexistent"]) == 2
+        assert "--tokenizer /nonexistent: no such directory" in capsys.readouterr().err
+        assert main([*base, "--api-key-env", "HARNESS_TEST_UNSET_KEY"]) == 2
+        assert "--api-key-env HARNESS_TEST_UNSET_KEY" in capsys.readouterr().err
+        assert not out.exists()
+        assert main(base) == 3  # the same --out, good arguments: it runs (and its units fail: exit 3)
+
+
+def test_every_input_is_checked_before_the_first_unit(tiny_models, tmp_path, capsys):
+    """A good model then a missing one: refused before the good one's replay, listing the missing one."""
+    out = tmp_path / "two"
+    argv = [*_run_args(tiny_models, out), "--model", str(tmp_path / "missing-model")]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - started < 10
+    assert "missing-model: no such directory" in capsys.readouterr().err and not out.exists()
