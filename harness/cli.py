@@ -193,6 +193,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
     from harness import job
+    from harness.runs.status import unusable_judgements
     from harness.runs.store import RunStore
     from harness.runs.summary import format_summary
 
@@ -209,6 +210,9 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
     unfinished = manifest.get("unfinished_units", 0)
     if unfinished:
         print(f"{unfinished} unit(s) not finished; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
+    unusable = unusable_judgements(run_dir)
+    if unusable:
+        print(f"{unusable} LLM judge verdict(s) gave no score; see {run_dir / 'judgements.jsonl'}")
     print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
     print(f"report: {report}")
 

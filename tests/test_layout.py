@@ -29,7 +29,7 @@ STAGES = {
     "harness.runs": 7,
 }
 ENTRY = 99
-ENTRY_MODULES = ("harness.cli", "harness.job", "harness.serve", "harness.bench", "harness.pytest_plugin",
+ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench", "harness.pytest_plugin",
                  "harness.nightly", "harness.canary.train", "harness.canary.retrain",
                  "harness.canary.record_accuracy", "harness.canary.make_scenarios")
 

@@ -219,3 +219,22 @@ def test_every_input_is_checked_before_the_first_unit(tiny_models, tmp_path, cap
     assert main(argv) == 2
     assert time.perf_counter() - started < 10
     assert "missing-model: no such directory" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("status, verdicts, judgements, fail_on_verdict, code", [
+    ("complete", [], [], True, 0),
+    ("complete", ["pass", "fail"], [], True, 1),
+    ("complete", ["pass", "fail"], [], False, 0),                    # --no-fail-on-verdict
+    ("complete_with_errors", ["fail"], [], True, 3),                 # incomplete wins over a failed verdict
+    ("complete", ["pass"], [("judge_llm", "failed")], True, 3),      # the LLM judge gave no usable verdict
+    ("complete", ["pass"], [("judge_llm", "skipped"), ("judge_rule", "ok")], True, 0),
+])
+def test_exit_code_contract(tmp_path, status, verdicts, judgements, fail_on_verdict, code):
+    from harness.runs.status import run_exit_code
+    from harness.runs.store import RunStore
+
+    store = RunStore.create(tmp_path / "run", {"status": status})
+    store.append("verdicts", [{"model": "m", "scenario": "s", "path": "p", "turn": 0, "verdict": v} for v in verdicts])
+    store.append("judgements", [{"model": "m", "scenario": "s", "path": "p", "turn": 0, "metric": m, "status": st}
+                                for m, st in judgements])
+    assert run_exit_code(tmp_path / "run", fail_on_verdict=fail_on_verdict) == code

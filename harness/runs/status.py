@@ -38,11 +38,22 @@ def failed_verdicts(run_dir: Path) -> int:
     return sum(1 for row in RunStore(run_dir).read("verdicts") if row.get("verdict") == "fail")
 
 
+UNUSABLE_JUDGEMENT = ("unparsable", "failed")  # harness/judges/verdict.py STATUSES without a score
+
+
+def unusable_judgements(run_dir: Path) -> int:
+    """LLM-judge verdicts (judge_llm*, judge_pairwise) that gave no score: the judge failed or was unreadable."""
+    return sum(1 for row in RunStore(run_dir).read("judgements")
+               if str(row.get("metric", "")).startswith(("judge_llm", "judge_pairwise"))
+               and row.get("status") in UNUSABLE_JUDGEMENT)
+
+
 def run_exit_code(run_dir: Path, fail_on_verdict: bool = True) -> int:
-    """3 when units are still missing (rerun with --resume), else 1 when a path's verdict failed
-    (unless `fail_on_verdict` is off), else 0. Incomplete wins: a verdict over missing units is partial."""
+    """3 when units are still missing (rerun with --resume) or an LLM judge gave no usable verdict, else 1
+    when a path's verdict failed (unless `fail_on_verdict` is off), else 0. Incomplete wins: a verdict over
+    missing units is partial."""
     manifest = RunStore(run_dir).read_manifest()
-    if manifest.get("status") != "complete":
+    if manifest.get("status") != "complete" or unusable_judgements(run_dir):
         return EXIT_INCOMPLETE
     if fail_on_verdict and failed_verdicts(run_dir):
         return EXIT_VERDICT_FAILED
