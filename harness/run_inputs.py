@@ -31,7 +31,7 @@ class InputError(ValueError):
 def check_run_inputs(config: RunConfig) -> None:
     problems = [*_out_problems(config.out, config.resume)]
     for directory in config.models:
-        problems += _model_problems(Path(directory))
+        problems += _model_problems(Path(directory)) or _checkpoint_scale_problems(Path(directory), config.paths)
     problems += _endpoint_problems(config)
     if config.jobs < 1:
         problems.append(f"--jobs {config.jobs}: must be at least 1")
@@ -62,6 +62,25 @@ def _model_problems(directory: Path) -> list[str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return [f"--model {directory}: config.json is not valid JSON ({error})"]
     return []
+
+
+def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
+    """A `:checkpoint` FP8 path needs k_scale/v_scale tensors: looked up in the safetensors headers now,
+    not after the model has loaded (harness/kv_paths/cache.py names any layer still missing later)."""
+    wanted = [p.name for p in paths if p.is_fp8 and p.scale_source == "checkpoint"]
+    if not wanted:
+        return []
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                if any(name.endswith(("k_scale", "v_scale")) for name in handle.keys()):
+                    return []
+        except Exception as error:  # noqa: BLE001 - a broken weights file: say which
+            return [f"--model {directory}: cannot read {file.name} ({type(error).__name__}: {error})"]
+    return [f"--paths {','.join(wanted)}: model {directory} has no k_scale/v_scale tensors in its *.safetensors "
+            f"(a checkpoint scale source needs them)"]
 
 
 def _endpoint_problems(config: RunConfig) -> list[str]:

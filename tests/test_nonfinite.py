@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from harness.cli import main
-from harness.records import decode_value, decode_values, encode_value, encode_values
 from harness.runs.store import RunStore
 from harness.runs.summary import format_summary
 
@@ -54,6 +53,8 @@ def checkpoint_with_scales(target: Path, scale: float) -> Path:
 
 
 def test_encode_and_decode_round_trip_non_finite_values():
+    from harness.records import decode_value, decode_values, encode_value, encode_values
+
     assert encode_value(math.inf) == {"value": None, "value_text": "inf"}
     series = encode_values([0.5, math.nan, -math.inf, None])
     assert series == {"values": [0.5, None, None, None], "values_text": {"1": "nan", "2": "-inf"}}

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.records import scrub_credentials
 
 SMOKE = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
 DEEP = "scenarios:\n  - id: deep\n    kind: chat\n    tags: " + "[" * 50_000 + "]" * 50_000 + "\n"
@@ -135,6 +134,8 @@ def test_a_second_writer_is_refused_while_the_first_runs(tiny_models, tmp_path):
 
 
 def test_scrub_credentials():
+    from harness.records import scrub_credentials
+
     assert scrub_credentials("harness run --reference http://user:secret@h:8000/v1 x") == \
         "harness run --reference http://***@h:8000/v1 x"
     assert scrub_credentials("https://token@host and http://plain:80") == "https://***@host and http://plain:80"
@@ -238,3 +239,11 @@ def test_exit_code_contract(tmp_path, status, verdicts, judgements, fail_on_verd
     store.append("judgements", [{"model": "m", "scenario": "s", "path": "p", "turn": 0, "metric": m, "status": st}
                                 for m, st in judgements])
     assert run_exit_code(tmp_path / "run", fail_on_verdict=fail_on_verdict) == code
+
+
+def test_checkpoint_path_without_scales_is_refused_before_the_model_loads(tiny_models, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    argv = _run_args(tiny_models, out)
+    argv[argv.index("--paths") + 1] = "bf16,fp8_e4m3:checkpoint"
+    assert main(argv) == 2
+    assert "has no k_scale/v_scale tensors" in capsys.readouterr().err and not out.exists()

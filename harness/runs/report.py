@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.records import METRIC_DIRECTIONS
+from harness.records import METRIC_DIRECTIONS, decode_values
 
 TEMPLATES = Path(str(importlib.resources.files("reports") / "templates"))  # shipped as package data
 REFERENCE = "reference"
@@ -186,8 +186,8 @@ def load_run(run_dir: Path | str) -> StoredRun:
         records["value"] = records["value"].where(records["value_text"].isna(), special)
     records["turn"] = records["turn"].astype(int)
     records["kind"] = records["kind"].fillna("")
-    series = pd.DataFrame(read_jsonl(run_dir / "series.jsonl"),
-                          columns=["model", "scenario", "path", "turn", "series", "values"])
+    series = pd.DataFrame([{**row, "values": decode_values(row)} for row in read_jsonl(run_dir / "series.jsonl")],
+                          columns=["model", "scenario", "path", "turn", "series", "values"])  # inf/nan restored
     texts = {(r["model"], r["scenario"], r["path"], int(r["turn"])): r for r in read_jsonl(run_dir / "texts.jsonl")}
     return StoredRun(run_dir, manifest, records, series, texts, read_jsonl(run_dir / "judges.jsonl"),
                      read_jsonl(run_dir / "errors.jsonl"), read_jsonl(run_dir / "checks.jsonl"))
