@@ -30,6 +30,8 @@ def requests(model: str | None, prompt_ids: list[int]) -> list[tuple[str, str, d
         ("POST", "/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 5,
                                                  "return_tokens_as_token_ids": True}),
         ("POST", "/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 5, "return_token_ids": True}),
+        ("POST", "/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 5, "return_token_ids": True,
+                                                 "return_tokens_as_token_ids": True}),
         ("POST", "/v1/chat/completions", chat | {"stop": ["5"]}),
         ("POST", "/v1/chat/completions", chat | {"max_tokens": 1_000_000}),
         ("POST", "/v1/chat/completions", chat | {"model": "no-such-model"}),

@@ -364,9 +364,13 @@ class EndpointBackend:
 
     def degraded(self) -> list[str]:
         """One line per capability the server lacks that costs the run a metric."""
-        scoring = self.capabilities.get("scoring", "")
-        return [f"teacher-forced metrics unavailable for {self.label}: {scoring.removeprefix('unavailable: ')}"] \
-            if scoring.startswith("unavailable") else []
+        lines = [f"teacher-forced metrics unavailable for {self.label}: {why.removeprefix('unavailable: ')}"
+                 for why in (self.capabilities.get("scoring", ""), self.capabilities.get("prompt_ids", ""))
+                 if why.startswith("unavailable")]
+        if "chat_reply_invalid" in self.capabilities:
+            lines.append(f"{self.label}: reply token ids re-tokenised from the text, the server's failed validation: "
+                         f"{self.capabilities['chat_reply_invalid']}")
+        return lines
 
     async def preflight(self) -> None:
         """Ask the server once for everything a run needs: its model, a reply with token ids, a scoring.
@@ -409,6 +413,7 @@ class EndpointBackend:
             return Scores(logprobs=None, top_logprobs=[])
         prompt = await self.prompt_ids(messages)
         if isinstance(prompt, str):
+            self.capabilities.setdefault("prompt_ids", prompt)
             return Scores(logprobs=None, top_logprobs=None, unavailable=prompt)
         ids = prompt + continuation
         mode, reply = await self._scoring_mode(ids)
