@@ -72,12 +72,12 @@ class ServedModel:
         return self.tokenizer.decode([token_id])
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int) -> tuple[list[StepLogprobs], str]:
-        """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs."""
+        """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs. As
+        vLLM: a reply that stopped on end-of-sequence lists that token too (its text leaves it out)."""
         steps: list[StepLogprobs] = []
 
         def record(logits: torch.Tensor, next_id: int) -> None:
-            if next_id != self.tokenizer.eos_token_id:
-                steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
+            steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
 
         with self._lock:
             _, finish_reason, _ = self.backend.greedy_ids(prompt_ids, max_new_tokens, on_step=record)
@@ -164,15 +164,15 @@ def _apply_stop(served: "ServedModel", steps: list["StepLogprobs"], finish: str,
                 stop: list[str]) -> tuple[list["StepLogprobs"], str, str, str | None]:
     """(steps, text, finish_reason, stop_reason) after the first stop string, as vLLM cuts: the text ends
     before the stop string; the tokens end with the one that completed it."""
-    text = served.tokenizer.decode([s.token_id for s in steps])
-    if not stop:
-        return steps, text, finish, None
-    for n in range(1, len(steps) + 1):
-        partial = served.tokenizer.decode([s.token_id for s in steps[:n]])
+    eos = finish == "stop" and steps and steps[-1].token_id == served.tokenizer.eos_token_id
+    shown = steps[:-1] if eos else steps
+    text = served.tokenizer.decode([s.token_id for s in shown])
+    for n in range(1, len(shown) + 1 if stop else 0):
+        partial = served.tokenizer.decode([s.token_id for s in shown[:n]])
         hits = [(partial.find(s), s) for s in stop if s in partial]
         if hits:
             at, which = min(hits)
-            return steps[:n], partial[:at], "stop", which
+            return shown[:n], partial[:at], "stop", which
     return steps, text, finish, None
 
 
@@ -278,15 +278,14 @@ def build_app(served: ServedModel) -> Starlette:
         max_new = _max_tokens(body, len(prompt), served.max_model_len, DEFAULT_MAX_TOKENS)
         steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
         steps, text, finish, stop_reason = _apply_stop(served, steps, finish, stop)
-        ids = [s.token_id for s in steps]
+        ids = [s.token_id for s in steps]  # the end-of-sequence token included, as vLLM lists it
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": _chat_logprobs(served, steps, bool(body.get("return_tokens_as_token_ids")))
                   if body.get("logprobs") else None,
                   "finish_reason": finish}
         reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                  "model": served.name, "choices": [choice], "usage": _usage(len(prompt), len(ids))}
-        if stop_reason is not None:
-            choice["stop_reason"] = stop_reason
+        choice["stop_reason"] = stop_reason  # None: stopped on end-of-sequence (listed last) or on length
         if body.get("return_token_ids"):  # vLLM's and SGLang's extension: the exact ids, prompt and reply
             choice["token_ids"], reply["prompt_token_ids"] = ids, prompt
         return JSONResponse(reply)
@@ -306,7 +305,7 @@ def build_app(served: ServedModel) -> Starlette:
         if echo and wants_logprobs or body.get("prompt_logprobs") is not None:
             scored = await run_in_threadpool(served.prompt_logprobs, prompt, max(top_k, prompt_top_k))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
-        text = served.tokenizer.decode([s.token_id for s in steps])
+        steps, text, finish, _ = _apply_stop(served, steps, finish, [])
         choice = {"index": 0, "text": (served.tokenizer.decode(prompt) if echo else "") + text,
                   "logprobs": None, "finish_reason": finish}
         if wants_logprobs:

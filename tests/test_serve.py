@@ -44,9 +44,11 @@ def test_chat_completion_matches_in_process_generation(served, client):
     choice = reply.choices[0]
     assert choice.message.content == expected.text
     assert choice.finish_reason == {"eos": "stop", "length": "length"}[expected.finish_reason]
-    assert [entry.token for entry in choice.logprobs.content] == expected.tokens
+    eos = [model.tokenizer.decode([model.tokenizer.eos_token_id])] if expected.finish_reason == "eos" else []
+    assert [entry.token for entry in choice.logprobs.content] == expected.tokens + eos  # EOS listed, as vLLM
     assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
-    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids) + len(eos)
+    assert choice.model_extra["stop_reason"] is None
 
 
 def test_completion_echo_scores_every_prompt_token(served, client):
@@ -146,7 +148,11 @@ def test_stop_strings_and_return_token_ids(served):
                                                        "return_token_ids": True}).json()
         text, ids = free["choices"][0]["message"]["content"], free["choices"][0]["token_ids"]
         assert free["prompt_token_ids"] == model.encode_chat([Message(**m) for m in messages])
-        assert model.tokenizer.decode(ids) == text and len(ids) == free["usage"]["completion_tokens"]
+        choice = free["choices"][0]
+        if choice["finish_reason"] == "stop" and choice["stop_reason"] is None:  # stopped on EOS: listed last
+            assert ids[-1] == model.tokenizer.eos_token_id
+            ids = ids[:-1]
+        assert model.tokenizer.decode(ids) == text and len(choice["token_ids"]) == free["usage"]["completion_tokens"]
         stop = text[len(text) // 2:][:2] if len(text) > 3 else None
         if stop:  # the random-weight model's own text gives the stop string
             cut = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "stop": [stop],
