@@ -36,7 +36,8 @@ def template(messages: list[dict]) -> list[int]:
 
 def fault_app(faults: set[str], log: list | None = None) -> Starlette:
     """Healthy unless `faults` (a set the test may change while the server runs) names a fault:
-    drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble."""
+    drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble,
+    flaky (the third chat request answers 500)."""
     log = log if log is not None else []
 
     def entry(token_id: int, logprob: float = -0.25) -> dict:
@@ -49,6 +50,8 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
             await asyncio.sleep(3600)
         first = body["messages"][-1]["content"] not in {entry[2] for entry in log[:-1] if len(entry) > 2}
         log[-1] = (*log[-1], body["messages"][-1]["content"])
+        if "flaky" in faults and len(log) == 3:  # the run's first turn, after two pre-flight chats
+            return JSONResponse({"error": {"message": "injected 500"}}, status_code=500)
         if "retry_after" in faults and first:  # each distinct message is refused once
             return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "0.4"})
         if "judge_babble" in faults and "grade" in json.dumps(body).lower():
@@ -177,7 +180,7 @@ def write_scenarios(directory: Path) -> Path:
 def test_manifest_records_capabilities_and_failures_once_known(tmp_path, capsys):
     """Before: capabilities {} and failed_attempts 0 in every run (written before any request)."""
     with running_server(fault_app(set()), log_level=QUIET) as healthy, \
-            running_server(fault_app({"no_prompt_logprobs"}), log_level=QUIET) as faulty:
+            running_server(fault_app({"no_prompt_logprobs", "flaky"}), log_level=QUIET) as faulty:
         code = cli.main(["run", "--reference", healthy, "--candidate", f"fp8={faulty}", "--out",
                          str(tmp_path / "run"), "--scenarios", str(write_scenarios(tmp_path)), "--no-progress"])
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
@@ -185,6 +188,7 @@ def test_manifest_records_capabilities_and_failures_once_known(tmp_path, capsys)
     assert code == 0
     assert described["capabilities"]["chat_logprobs"] == "token ids"
     assert described["capabilities"]["scoring"].startswith("unavailable")
+    assert described["failed_attempts"] == 1  # the injected 500, retried
     assert manifest["models"][0]["reference"]["capabilities"]["scoring"] == "prompt_logprobs"
     warning = "teacher-forced metrics unavailable for fp8: teacher-forced scoring needs"
     assert any(w.startswith(warning) for w in manifest["warnings"])

@@ -181,7 +181,6 @@ class RequestClient:
             return hit
         response = await self._with_retries("POST", path, body)
         if validate is not None and (problem := validate(response)) is not None:
-            self.failures.append({"url": url, "attempt": 0, "error": f"invalid reply: {problem}", "time": time.time()})
             raise InvalidReply(f"POST {url}", problem, response)
         if key:
             self.cache.put(key, url, body, response)
