@@ -1,4 +1,5 @@
-"""Project-wide pytest options: `--gpu` enables CUDA tests, `--slow` enables slow CPU tests."""
+"""Project-wide pytest options: `--gpu` enables CUDA tests, `--slow` enables slow CPU tests, `--peer` tests
+against real servers (vLLM, transformers serve)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--gpu", action="store_true", help="run tests marked gpu (needs CUDA)")
     parser.addoption("--slow", action="store_true", help="run tests marked slow")
+    parser.addoption("--peer", action="store_true",
+                     help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; see tests/test_peer.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -23,6 +26,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="--gpu given but torch sees no CUDA device"))
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --slow to run it"))
+        if "peer" in item.keywords and not config.getoption("--peer"):
+            item.add_marker(pytest.mark.skip(reason="peer-server test: pass --peer to run it"))
 
 
 @pytest.fixture(autouse=True)

@@ -71,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="turns the LLM judge sees (default: only turns that diverged)")
     live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
     live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
+    _add_endpoint_options(live)
     serve = commands.add_parser("serve", help="serve a model with a KV path over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
     serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
@@ -96,6 +97,34 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
     return parser
+
+
+def _add_endpoint_options(live) -> None:
+    """Per-endpoint model names and API-key variables (default: /v1/models' only model, --api-key-env)."""
+    live.add_argument("--reference-model", metavar="NAME", help="model the reference server serves")
+    live.add_argument("--candidate-model", action="append", metavar="[LABEL=]NAME",
+                      help="model a candidate serves (repeatable; NAME alone: every candidate)")
+    live.add_argument("--judge-model", metavar="NAME", help="model the judge server serves")
+    for role in ("reference", "candidate", "judge"):
+        live.add_argument(f"--{role}-api-key-env", metavar="VAR", help=f"API-key variable for the {role} server")
+
+
+def _endpoint_config(args: argparse.Namespace) -> dict:
+    """The RunConfig fields of the per-endpoint options."""
+    keys = tuple((role, getattr(args, f"{role}_api_key_env")) for role in ("reference", "candidate", "judge")
+                 if getattr(args, f"{role}_api_key_env"))
+    return dict(reference_model=args.reference_model, candidate_models=tuple(args.candidate_model or ()),
+                judge_model=args.judge_model, api_key_envs=keys)
+
+
+def _print_judge_problem(run_dir: Path) -> None:
+    """Name the LLM judge that gave no usable verdict (the run then exits 3, runs/status.py)."""
+    from harness.judges.usable import llm_judge_problem
+    from harness.runs.store import RunStore
+
+    problem = llm_judge_problem(RunStore(run_dir))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -146,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.runs.status import run_exit_code
     from harness.runs.store import RunStoreError
+    from harness.replay.endpoint import PreflightError
     from harness.scenarios.load import ScenarioError
 
     warnings, config = [], None
@@ -175,11 +205,11 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
-            command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])))
+            command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
                               warn=lambda m: print(m, file=sys.stderr))
-    except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError) as error:
+    except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -188,6 +218,7 @@ def _run(args: argparse.Namespace) -> int:
               f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
     _print_run_end(run_dir, time.perf_counter() - started, warnings)
+    _print_judge_problem(run_dir)
     return run_exit_code(run_dir, fail_on_verdict=not args.no_fail_on_verdict)
 
 

@@ -52,6 +52,10 @@ class RunConfig:
     api_key_env: str | None = None  # name of the environment variable holding the API key
     tokenizer: str | None = None  # local tokenizer for servers without /tokenize
     concurrency: int = 8  # scenarios replayed at once against endpoints
+    reference_model: str | None = None  # served model names; None: the one /v1/models lists
+    candidate_models: tuple[str, ...] = ()  # "NAME" (every candidate) or "LABEL=NAME"
+    judge_model: str | None = None
+    api_key_envs: tuple[tuple[str, str], ...] = ()  # (reference|candidate|judge, VAR): overrides api_key_env
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
 
 
@@ -182,6 +186,8 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
+    if config.reference_url:
+        asyncio.run(preflight_endpoints(config))  # a dead or odd server is refused before a run directory exists
     with hold_run_lock(config.out):
         return _run_locked(config, scenarios, calibration_chats, progress, warn)
 
@@ -290,34 +296,77 @@ ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
 
 
 async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:
-    from harness.replay.endpoint import open_endpoint
+    from harness.replay import live
 
-    common = dict(api_key_env=config.api_key_env, tokenizer=config.tokenizer, seed=config.seed,
-                  cache_dir=store.directory / "http-cache")  # per run: --resume reuses it, a new run does not
-    reference = open_endpoint(config.reference_url, label="reference", **common)
-    candidates = [open_endpoint(url, label=label, **common) for label, url in candidate_labels(config.candidate_urls)]
-    manifest = store.read_manifest()
-    described = reference.describe()
-    manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
-                           "arch": described.get("model") or "endpoint", "random_weights": False,
-                           "reference": described}]
-    manifest["paths"] = [{"name": b.label, "canonical": b.label, "description": b.describe()} for b in candidates]
-    store.write_manifest(manifest)
+    reference, candidates = _open_endpoints(config, store.directory / "http-cache")
     try:
+        await live.preflight([reference, *candidates])  # capabilities are known before the manifest is written
+        _note_endpoints(store, config, reference, candidates, live.degraded([reference, *candidates]))
         replay = Replay(ENDPOINT_MODEL, reference, candidates, store, config.history_mode,
                         on_unit_done=(bar.update if bar else None))
         await replay.run(scenarios, concurrency=config.concurrency)
+        _note_endpoints(store, config, reference, candidates, live.degraded([reference, *candidates]))
     finally:
         for backend in [reference, *candidates]:
             await backend.aclose()
+
+
+async def preflight_endpoints(config: RunConfig) -> None:
+    """`PreflightError` (exit 2) naming every server, judge included, that cannot serve the run."""
+    from harness.replay import live
+
+    reference, candidates = _open_endpoints(config, None)
+    try:
+        await live.preflight([reference, *candidates])
+    finally:
+        for backend in [reference, *candidates]:
+            await backend.aclose()
+    if config.judge_url:
+        key = live.api_key_env_for("judge", config.api_key_envs, config.api_key_env)
+        await live.judge_model(config.judge_url, config.judge_model, key, None)
+
+
+def _open_endpoints(config: RunConfig, cache_dir: Path | None):
+    """The reference and candidate backends, each with its own model name and API key variable."""
+    from harness.replay.endpoint import open_endpoint
+    from harness.replay.live import api_key_env_for, per_label
+
+    labelled = candidate_labels(config.candidate_urls)
+    models = per_label(config.candidate_models, [label for label, _ in labelled], "--candidate-model")
+    common = dict(tokenizer=config.tokenizer, seed=config.seed, cache_dir=cache_dir)  # per run: --resume reuses it
+    reference = open_endpoint(config.reference_url, label="reference", model=config.reference_model,
+                              api_key_env=api_key_env_for("reference", config.api_key_envs, config.api_key_env),
+                              **common)
+    key = api_key_env_for("candidate", config.api_key_envs, config.api_key_env)
+    candidates = [open_endpoint(url, label=label, model=models.get(label), api_key_env=key, **common)
+                  for label, url in labelled]
+    return reference, candidates
+
+
+def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, degraded: list[str]) -> None:
+    """The servers as detected (model, capabilities, failed attempts) and what they could not measure."""
+    described = reference.describe()
+
+    def edit(manifest: dict) -> None:
+        manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
+                               "arch": described.get("model") or "endpoint", "random_weights": False,
+                               "reference": described}]
+        manifest["paths"] = [{"name": b.label, "canonical": b.label, "description": b.describe()} for b in candidates]
+        manifest["warnings"] = [w for w in manifest.get("warnings", []) if w not in degraded] + degraded
+
+    store.edit_manifest(edit)
 
 
 async def _judge(config: RunConfig, scenarios, store: RunStore) -> None:
     """Rule and reference-agreement judges on every reply; the LLM judge too when --judge is given."""
     from harness.judges import JudgeConfig, LLMJudge, judge_run
 
-    llm = LLMJudge(config.judge_url, api_key_env=config.api_key_env, cache_dir=store.directory / "http-cache",
-                   seed=config.seed) if config.judge_url else None
+    from harness.replay.live import api_key_env_for, judge_model
+
+    key = api_key_env_for("judge", config.api_key_envs, config.api_key_env)
+    cache_dir = store.directory / "http-cache"
+    llm = LLMJudge(config.judge_url, model=await judge_model(config.judge_url, config.judge_model, key, cache_dir),
+                   api_key_env=key, cache_dir=cache_dir, seed=config.seed) if config.judge_url else None
     if llm is not None:
         store.update_manifest(judge=llm.describe())
     try:

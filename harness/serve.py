@@ -14,6 +14,7 @@ decode steps).
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -34,12 +35,16 @@ from harness.types import Message
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
 DEFAULT_MAX_TOKENS = 256
 TOKEN_ID_PREFIX = "token_id:"
+# A request body larger than this is refused (413) before it is read whole: a full 4096-token context is
+# at most ~40 KB of JSON at 10 bytes per token (escapes included); 100x that leaves room for long chats
+# while a 10 MB body (which took 100 s and 4.4 GB before this limit) is refused at once.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +72,12 @@ class ServedModel:
         return self.tokenizer.decode([token_id])
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int) -> tuple[list[StepLogprobs], str]:
-        """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs."""
+        """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs. As
+        vLLM: a reply that stopped on end-of-sequence lists that token too (its text leaves it out)."""
         steps: list[StepLogprobs] = []
 
         def record(logits: torch.Tensor, next_id: int) -> None:
-            if next_id != self.tokenizer.eos_token_id:
-                steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
+            steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
 
         with self._lock:
             _, finish_reason, _ = self.backend.greedy_ids(prompt_ids, max_new_tokens, on_step=record)
@@ -124,11 +129,51 @@ def _check_common(body: dict) -> None:
 
 
 def _max_tokens(body: dict, prompt_len: int, limit: int, default: int) -> int:
+    """The reply's token budget. As vLLM: a prompt that fills the context, or a max_tokens beyond what
+    the context leaves, is a 400 naming both numbers; without max_tokens, the default within the context."""
+    if prompt_len >= limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                         f"{prompt_len} input tokens.", "messages" if "messages" in body else "prompt")
     value = body.get("max_completion_tokens", body.get("max_tokens"))
-    value = default if value is None else value
-    if not isinstance(value, int) or value < 0:
+    if value is None:
+        return min(default, limit - prompt_len)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise BadRequest(f"max_tokens must be a non-negative integer, got {value!r}", "max_tokens")
-    return max(0, min(value, limit - prompt_len))
+    if prompt_len + value > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{prompt_len + value} tokens ({prompt_len} in the prompt, {value} for the completion).",
+                         "max_tokens")
+    return value
+
+
+def _check_model(served: "ServedModel", body: dict) -> None:
+    name = body.get("model")
+    if name is not None and name != served.name:
+        raise BadRequest(f"The model `{name}` does not exist. Served: {served.name}.", "model", status=404)
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    return stop
+
+
+def _apply_stop(served: "ServedModel", steps: list["StepLogprobs"], finish: str,
+                stop: list[str]) -> tuple[list["StepLogprobs"], str, str, str | None]:
+    """(steps, text, finish_reason, stop_reason) after the first stop string, as vLLM cuts: the text ends
+    before the stop string; the tokens end with the one that completed it."""
+    eos = finish == "stop" and steps and steps[-1].token_id == served.tokenizer.eos_token_id
+    shown = steps[:-1] if eos else steps
+    text = served.tokenizer.decode([s.token_id for s in shown])
+    for n in range(1, len(shown) + 1 if stop else 0):
+        partial = served.tokenizer.decode([s.token_id for s in shown[:n]])
+        hits = [(partial.find(s), s) for s in stop if s in partial]
+        if hits:
+            at, which = min(hits)
+            return shown[:n], partial[:at], "stop", which
+    return steps, text, finish, None
 
 
 def _top_k(value, name: str) -> int:
@@ -139,6 +184,16 @@ def _top_k(value, name: str) -> int:
     if not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"{name} must be an integer in 0..{MAX_TOP_LOGPROBS}, got {value!r}", name)
     return value
+
+
+def _known_ids(served: "ServedModel", tokens, param: str) -> list[int]:
+    vocab = int(served.model.config.vocab_size)
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest(f"'{param}' must be a list of token ids", param)
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"{param} token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+    return tokens
 
 
 def _prompt_ids(served: ServedModel, prompt) -> list[int]:
@@ -216,22 +271,29 @@ def build_app(served: ServedModel) -> Starlette:
     async def chat_completions(request: Request) -> JSONResponse:
         body = await _json_body(request)
         _check_common(body)
+        _check_model(served, body)
+        stop = _stop_strings(body)
         prompt = served.encode_chat(_messages(body))
         top_k = _top_k(body.get("top_logprobs"), "top_logprobs") if body.get("logprobs") else 0
         max_new = _max_tokens(body, len(prompt), served.max_model_len, DEFAULT_MAX_TOKENS)
         steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
-        ids = [s.token_id for s in steps]
-        choice = {"index": 0, "message": {"role": "assistant", "content": served.tokenizer.decode(ids)},
+        steps, text, finish, stop_reason = _apply_stop(served, steps, finish, stop)
+        ids = [s.token_id for s in steps]  # the end-of-sequence token included, as vLLM lists it
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": _chat_logprobs(served, steps, bool(body.get("return_tokens_as_token_ids")))
                   if body.get("logprobs") else None,
                   "finish_reason": finish}
-        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                             "created": int(time.time()), "model": served.name, "choices": [choice],
-                             "usage": _usage(len(prompt), len(ids))})
+        reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                 "model": served.name, "choices": [choice], "usage": _usage(len(prompt), len(ids))}
+        choice["stop_reason"] = stop_reason  # None: stopped on end-of-sequence (listed last) or on length
+        if body.get("return_token_ids"):  # vLLM's and SGLang's extension: the exact ids, prompt and reply
+            choice["token_ids"], reply["prompt_token_ids"] = ids, prompt
+        return JSONResponse(reply)
 
     async def completions(request: Request) -> JSONResponse:
         body = await _json_body(request)
         _check_common(body)
+        _check_model(served, body)
         prompt = _prompt_ids(served, body.get("prompt"))
         top_k = _top_k(body.get("logprobs"), "logprobs")
         wants_logprobs = body.get("logprobs") is not None
@@ -243,7 +305,7 @@ def build_app(served: ServedModel) -> Starlette:
         if echo and wants_logprobs or body.get("prompt_logprobs") is not None:
             scored = await run_in_threadpool(served.prompt_logprobs, prompt, max(top_k, prompt_top_k))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
-        text = served.tokenizer.decode([s.token_id for s in steps])
+        steps, text, finish, _ = _apply_stop(served, steps, finish, [])
         choice = {"index": 0, "text": (served.tokenizer.decode(prompt) if echo else "") + text,
                   "logprobs": None, "finish_reason": finish}
         if wants_logprobs:
@@ -273,9 +335,7 @@ def build_app(served: ServedModel) -> Starlette:
 
     async def detokenize(request: Request) -> JSONResponse:
         body = await _json_body(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise BadRequest("/detokenize needs 'tokens', a list of token ids", "tokens")
+        tokens = _known_ids(served, body.get("tokens"), "tokens")
         return JSONResponse({"prompt": served.tokenizer.decode(tokens)})
 
     async def health(request: Request) -> JSONResponse:
@@ -287,7 +347,7 @@ def build_app(served: ServedModel) -> Starlette:
               Route("/tokenize", tokenize, methods=["POST"]),
               Route("/detokenize", detokenize, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request})
+    return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request, Exception: _server_error})
 
 
 def _trim(steps: list[StepLogprobs], top_k: int) -> list[StepLogprobs]:
@@ -295,8 +355,18 @@ def _trim(steps: list[StepLogprobs], top_k: int) -> list[StepLogprobs]:
 
 
 async def _json_body(request: Request) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body of {int(declared)} bytes is over the {MAX_BODY_BYTES}-byte limit", status=413)
+    raw = bytearray()
+    async for chunk in request.stream():  # chunked bodies declare no length: count as they arrive
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(f"request body is over the {MAX_BODY_BYTES}-byte limit", status=413)
     try:
-        body = await request.json()
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     except ValueError:
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -305,9 +375,16 @@ async def _json_body(request: Request) -> dict:
 
 
 async def _bad_request(request: Request, error: Exception) -> JSONResponse:
-    param = getattr(error, "param", None)
-    return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
-                                   "code": None}}, status_code=400)
+    status = getattr(error, "status", 400)
+    kind = {404: "NotFoundError", 413: "RequestTooLargeError"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": str(error), "type": kind, "param": getattr(error, "param", None),
+                                   "code": status}}, status_code=status)
+
+
+async def _server_error(request: Request, error: Exception) -> JSONResponse:
+    """Any other failure: an OpenAI-style 500 naming the error, never a traceback in the reply."""
+    return JSONResponse({"error": {"message": f"internal error: {type(error).__name__}: {str(error)[:200]}",
+                                   "type": "InternalServerError", "param": None, "code": 500}}, status_code=500)
 
 
 # ---------------------------------------------------------------- running it

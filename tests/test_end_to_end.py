@@ -166,13 +166,12 @@ def test_run_against_live_servers(tiny_models, tmp_path):
     assert (out / "report" / "index.html").is_file()
 
 
-def test_dead_endpoint_is_recorded_not_fatal(tmp_path, capsys):
+def test_dead_endpoint_is_refused_before_any_work(tmp_path, capsys):
+    """Endpoint pre-flight (exit 2): one error naming each dead server, instead of per-unit retries."""
     out = tmp_path / "dead"
     dead = "http://127.0.0.1:9"  # discard port: nothing listens, the connection is refused
     assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--no-progress",
-                 "--reference", dead, "--candidate", dead]) == 3  # every unit failed: the run is incomplete
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
-    assert errors and all("127.0.0.1:9" in e["error"] for e in errors)
-    assert json.loads((out / "manifest.json").read_text())["status"] == "complete_with_errors"
-    printed = capsys.readouterr().out
-    assert "unit(s) not finished" in printed and "not written" not in printed  # the report renders an empty run too
+                 "--reference", dead, "--candidate", dead]) == 2
+    err = capsys.readouterr().err
+    assert "endpoint pre-flight failed" in err and f"reference {dead}: " in err and f"candidate {dead}: " in err
+    assert "Traceback" not in err and not out.exists()

@@ -143,7 +143,9 @@ def test_server_without_scoring_or_tokenize_is_reported_not_faked(model, tmp_pat
         local = open_endpoint(url, tokenizer=str(tmp_path / "tok"))
         try:
             generation = await bare.generate(messages, 4)
-            return generation, await bare.score(messages, [40, 41]), await local.prompt_ids(messages), bare.describe()
+            # a chat never generated here: no prompt ids from return_token_ids, and no /tokenize
+            other = await bare.score([Message("user", "Other")], [40, 41])
+            return generation, other, await local.prompt_ids(messages), bare.describe()
         finally:
             await bare.aclose(), await local.aclose()
 

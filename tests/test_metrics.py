@@ -237,3 +237,23 @@ def test_noise_floor():
         "token_edit_distance": 2.0, "exact_match": 1.0, "common_prefix_frac": 0.25,
     })
     assert noise_floor([]) == {}
+
+
+def test_topk_kl_tolerates_logprob_rounding_of_a_bf16_server():
+    # a bf16 server's top logprob is exactly 0.0: its listed mass exceeds 1 by ~7e-8 (issue 13), while
+    # the fp32 reference leaves ~1e-7 unlisted. Both are rounding: KL must be finite and tiny, not inf.
+    ref = [{7: -2e-7, 3: -17.0, 9: -18.0}]  # leaves 1.4e-7 unlisted
+    path = [{7: 0.0, 3: -16.5, 9: -17.9}]
+    kl = teacher_forced_topk(ref, path, [7]).series["kl"][0]
+    assert math.isfinite(kl) and kl < 1e-6
+
+
+def test_topk_kl_still_flags_mass_the_path_lost():
+    # the reference leaves 0.1 outside its top-k; the path lists all its mass on shared tokens: KL is a
+    # finite lower bound (the path's leftover is taken as the most rounding could hide), and large
+    ref = [{1: math.log(0.6), 2: math.log(0.3)}]
+    path = [{1: math.log(0.7), 2: math.log(0.3)}]
+    from harness.analysis.metrics import TOPK_MASS_TOL
+    expected = 0.6 * math.log(0.6 / 0.7) + 0.1 * math.log(0.1 / TOPK_MASS_TOL)
+    assert teacher_forced_topk(ref, path, [1]).series["kl"] == [pytest.approx(expected, rel=1e-9)]
+    assert expected > 0.9

@@ -25,18 +25,35 @@ DEEP = "scenarios:\n  - id: deep\n    kind: chat\n    tags: " + "[" * 50_000 + "
 
 @contextlib.contextmanager
 def refusing_server():
-    """A loopback server that answers every request 400 with an OpenAI-style error: every unit fails at
+    """A loopback server that passes the endpoint pre-flight (one model listed; the probe "Say OK." answered
+    with an empty reply) and answers every other request 400 with an OpenAI-style error: every unit fails at
     once (400 is not retried), so a run against it is a run whose units all fail, in well under a second."""
+    probe_reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}]}
+
     class Refuse(http.server.BaseHTTPRequestHandler):
-        def _refuse(self):
-            body = json.dumps({"error": {"message": "injected 400", "type": "invalid_request_error"}}).encode()
-            self.send_response(400)
+        def _send(self, status: int, payload: dict):
+            body = json.dumps(payload).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        do_GET = do_POST = _refuse
+        def _refuse(self):
+            self._send(400, {"error": {"message": "injected 400", "type": "invalid_request_error"}})
+
+        def do_GET(self):
+            if self.path != "/v1/models":
+                return self._refuse()
+            self._send(200, {"object": "list", "data": [{"id": "canary", "object": "model"}]})
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path == "/v1/chat/completions" and request.get("messages", [{}])[-1].get("content") == "Say OK.":
+                return self._send(200, probe_reply)
+            if self.path == "/tokenize" and request.get("prompt") == "":
+                return self._send(200, {"tokens": [], "count": 0, "max_model_len": 4096})
+            self._refuse()
 
         def log_message(self, *args):
             pass
@@ -228,13 +245,14 @@ def test_every_input_is_checked_before_the_first_unit(tiny_models, tmp_path, cap
     ("complete", ["pass", "fail"], [], False, 0),                    # --no-fail-on-verdict
     ("complete_with_errors", ["fail"], [], True, 3),                 # incomplete wins over a failed verdict
     ("complete", ["pass"], [("judge_llm", "failed")], True, 3),      # the LLM judge gave no usable verdict
+    ("complete", ["pass"], [("judge_llm", "failed"), ("judge_llm", "ok")], True, 0),  # one usable: degraded, not void
     ("complete", ["pass"], [("judge_llm", "skipped"), ("judge_rule", "ok")], True, 0),
 ])
 def test_exit_code_contract(tmp_path, status, verdicts, judgements, fail_on_verdict, code):
     from harness.runs.status import run_exit_code
     from harness.runs.store import RunStore
 
-    store = RunStore.create(tmp_path / "run", {"status": status})
+    store = RunStore.create(tmp_path / "run", {"status": status, "judge": {"url": "http://127.0.0.1:1", "model": "j"}})
     store.append("verdicts", [{"model": "m", "scenario": "s", "path": "p", "turn": 0, "verdict": v} for v in verdicts])
     store.append("judgements", [{"model": "m", "scenario": "s", "path": "p", "turn": 0, "metric": m, "status": st}
                                 for m, st in judgements])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai  # a test dependency (the '[test]' extra): the official client must work against us
 import pytest
@@ -42,9 +44,11 @@ def test_chat_completion_matches_in_process_generation(served, client):
     choice = reply.choices[0]
     assert choice.message.content == expected.text
     assert choice.finish_reason == {"eos": "stop", "length": "length"}[expected.finish_reason]
-    assert [entry.token for entry in choice.logprobs.content] == expected.tokens
+    eos = [model.tokenizer.decode([model.tokenizer.eos_token_id])] if expected.finish_reason == "eos" else []
+    assert [entry.token for entry in choice.logprobs.content] == expected.tokens + eos  # EOS listed, as vLLM
     assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
-    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids) + len(eos)
+    assert choice.model_extra["stop_reason"] is None
 
 
 def test_completion_echo_scores_every_prompt_token(served, client):
@@ -90,3 +94,68 @@ def test_tokenize_detokenize_health(served):
         assert tokens == model.encode_chat([Message("user", "Hi")])
         assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == model.tokenizer.decode(tokens)
         assert http.post("/tokenize", content=b"{not json").status_code == 400
+
+
+# ---------------------------------------------------------------- request limits (issue 15, item 7)
+
+
+def _error(reply: httpx.Response) -> dict:
+    assert "Traceback" not in reply.text
+    return reply.json()["error"]
+
+
+def test_oversized_and_deeply_nested_bodies_are_refused_fast(served):
+    _, url = served
+    with httpx.Client(base_url=url, timeout=30) as http:
+        big = {"model": "tiny-gqa", "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
+        started = time.monotonic()
+        reply = http.post("/v1/chat/completions", json=big)
+        assert reply.status_code == 413 and "limit" in _error(reply)["message"]
+        assert time.monotonic() - started < 5  # before: 100 s and 4.4 GB for a 10 MB chat
+        deep = b"[" * 100_000 + b"]" * 100_000
+        reply = http.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and "nested too deeply" in _error(reply)["message"]
+
+
+def test_prompt_and_max_tokens_beyond_the_context_are_400(served):
+    model, url = served
+    limit = model.max_model_len
+    with httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post("/v1/completions", json={"model": "tiny-gqa", "prompt": [5] * (limit + 10), "max_tokens": 1})
+        assert reply.status_code == 400 and f"maximum context length is {limit}" in _error(reply)["message"]
+        chat = {"model": "tiny-gqa", "messages": [{"role": "user", "content": "hi"}], "max_tokens": limit}
+        reply = http.post("/v1/chat/completions", json=chat)
+        error = _error(reply)
+        assert reply.status_code == 400 and error["param"] == "max_tokens" and "you requested" in error["message"]
+
+
+def test_bad_detokenize_ids_and_unknown_model_get_json_errors(served):
+    _, url = served
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for tokens in ([10**9], [-1], ["a"], [True]):
+            reply = http.post("/detokenize", json={"tokens": tokens})
+            assert reply.status_code == 400 and _error(reply)["param"] == "tokens"
+        reply = http.post("/v1/chat/completions", json={"model": "other", "max_tokens": 1,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 404 and _error(reply)["param"] == "model"
+
+
+def test_stop_strings_and_return_token_ids(served):
+    model, url = served
+    messages = [{"role": "user", "content": "Count: 1 2 3"}]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        free = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12,
+                                                       "return_token_ids": True}).json()
+        text, ids = free["choices"][0]["message"]["content"], free["choices"][0]["token_ids"]
+        assert free["prompt_token_ids"] == model.encode_chat([Message(**m) for m in messages])
+        choice = free["choices"][0]
+        if choice["finish_reason"] == "stop" and choice["stop_reason"] is None:  # stopped on EOS: listed last
+            assert ids[-1] == model.tokenizer.eos_token_id
+            ids = ids[:-1]
+        assert model.tokenizer.decode(ids) == text and len(choice["token_ids"]) == free["usage"]["completion_tokens"]
+        stop = text[len(text) // 2:][:2] if len(text) > 3 else None
+        if stop:  # the random-weight model's own text gives the stop string
+            cut = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "stop": [stop],
+                                                          "return_token_ids": True}).json()["choices"][0]
+            assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+            assert cut["message"]["content"] == text[:text.find(stop)]

@@ -16,7 +16,13 @@ SERIES_KEYS = ("kl", "top1_agree", "ref_logprob_delta", "ref_rank")
 IDENTICAL_RUN_VALUES = {"exact_match": 1.0, "top1_agree": 1.0, "common_prefix_frac": 1.0,
                         "token_edit_distance": 0.0}
 IDENTICAL_ZERO_PREFIXES = ("kl_", "ref_logprob_delta_", "ref_rank_")
-TOPK_MASS_EPS = 1e-9  # leftover probability below this is rounding in the listed logprobs, not mass
+# Leftover probability within this of 0 is rounding in the listed logprobs, not mass. Servers compute
+# logprobs as log_softmax in float32: each listed value is off by up to ~|logit| float32 ulps, so the
+# listed mass is off by up to ~64 * 2**-24 for logits up to 64 in magnitude. Measured on real vLLM 0.32
+# replies (float32 and bf16 servers, the 12 canary scenarios, 12,492 prompt_logprobs rows): listed mass
+# exceeds 1 by up to 1.4e-7 (4,504 rows), and 1,973 rows leave between 1e-9 and this tolerance unlisted;
+# with the former 1e-9, 6 of 12 candidate units got an infinite KL. 2**-18 = 3.8e-6 is 28x the largest excess.
+TOPK_MASS_TOL = 2.0 ** -18
 
 
 # ---------------------------------------------------------------- free-running
@@ -187,8 +193,10 @@ def teacher_forced_topk(reference_top: list[dict[int, float]], path_top: list[di
             plus one 'other' bucket holding the rest of the mass, 1 - sum of the listed probabilities
             (tokens listed on one side only go there too: their probability on the other side is
             unknown). Merging outcomes never raises KL (log-sum inequality), hence the bound.
-            Leftover mass below TOPK_MASS_EPS counts as 0; P(b) > 0 with Q(b) = 0 gives +inf, and so
-            does NaN in the path's logprobs.
+            Leftover mass within TOPK_MASS_TOL of 0 counts as 0 (logprob rounding). When the reference
+            has leftover mass and the path lists none, the path's true leftover lies in [0, TOPK_MASS_TOL]
+            (it cannot be told from rounding), so TOPK_MASS_TOL is used: the largest value, keeping the
+            bound. A listed token with logprob -inf on the path side gives +inf, and so does NaN.
     """
     tokens = [int(t) for t in reference_tokens]
     if not len(reference_top) == len(path_top) == len(tokens):
@@ -224,13 +232,13 @@ def _topk_kl(ref: dict[int, float], path: dict[int, float]) -> float:
     p = [math.exp(ref[v]) for v in shared]
     q = [math.exp(path[v]) for v in shared]
     p.append(_leftover_mass(p))
-    q.append(_leftover_mass(q))
+    q.append(_leftover_mass(q) or TOPK_MASS_TOL)  # hidden by rounding at most: see teacher_forced_topk
     return max(0.0, sum(_kl_term(pb, qb) for pb, qb in zip(p, q)))
 
 
 def _leftover_mass(probs: list[float]) -> float:
     rest = 1.0 - math.fsum(probs)
-    return rest if rest > TOPK_MASS_EPS else 0.0
+    return rest if rest > TOPK_MASS_TOL else 0.0
 
 
 def _kl_term(p: float, q: float) -> float:

@@ -22,7 +22,7 @@ import os
 import random
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +57,15 @@ def lacks_capability(error: EndpointError, fields: Sequence[str]) -> bool:
     return error.status in REFUSED_STATUS and any(name in str(error) for name in fields)
 
 
+class InvalidReply(EndpointError):
+    """A reply that arrived but failed validation (too few logprobs, a short /tokenize): never cached,
+    never retried (a server that drops a token does so every time); the caller degrades what needs it."""
+
+    def __init__(self, url: str, problem: str, reply: dict):
+        super().__init__(url, [f"invalid reply: {problem}"])
+        self.problem, self.reply = problem, reply
+
+
 class _RetryableError(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
@@ -73,13 +82,17 @@ class RequestPolicy:
     retries: int = 4  # further attempts after the first
     backoff_s: float = 0.5  # first retry's wait; doubles per attempt, with jitter
     max_backoff_s: float = 30.0  # cap on any wait, Retry-After included
+    retry_after_jitter: float = 0.25  # a Retry-After wait is stretched by up to this fraction, at random
+    deadline_s: float = 300.0  # one request, all attempts and waits: a server hanging for good fails in this
 
     def __post_init__(self) -> None:
-        for name, low in (("concurrency", 1), ("retries", 0), ("backoff_s", 0.0), ("max_backoff_s", 0.0)):
+        for name, low in (("concurrency", 1), ("retries", 0), ("backoff_s", 0.0), ("max_backoff_s", 0.0),
+                          ("retry_after_jitter", 0.0)):
             if getattr(self, name) < low:
                 raise ValueError(f"RequestPolicy.{name} must be >= {low}, got {getattr(self, name)!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"RequestPolicy.timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("timeout_s", "deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RequestPolicy.{name} must be > 0, got {getattr(self, name)!r}")
 
 
 def request_key(url: str, body: dict) -> str:
@@ -157,13 +170,18 @@ class RequestClient:
             self._urls[path] = httpx.URL(self.base_url + path)
         return self._urls[path]
 
-    async def post(self, path: str, body: dict, *, cache: bool = True) -> dict:
+    async def post(self, path: str, body: dict, *, cache: bool = True,
+                   validate: Callable[[dict], str | None] | None = None) -> dict:
+        """The decoded reply. `validate` names what is wrong with a reply (or None): an invalid reply
+        raises `InvalidReply` and is never cached, so a later `--resume` asks the server again."""
         url = self.base_url + path
         key = request_key(url, body) if cache and self.cache else None
-        if key and (hit := self.cache.get(key)) is not None:
+        if key and (hit := self.cache.get(key)) is not None and (validate is None or validate(hit) is None):
             self.cache_hits += 1
             return hit
         response = await self._with_retries("POST", path, body)
+        if validate is not None and (problem := validate(response)) is not None:
+            raise InvalidReply(f"POST {url}", problem, response)
         if key:
             self.cache.put(key, url, body, response)
         return response
@@ -176,15 +194,24 @@ class RequestClient:
 
     async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
         attempts: list[str] = []
+        deadline = time.monotonic() + self.policy.deadline_s
         for attempt in range(self.policy.retries + 1):
             try:
-                return await self._attempt(method, path, body)
+                async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
+                    return await self._attempt(method, path, body)
+            except TimeoutError:  # the overall deadline cut this attempt short
+                attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
+                break
             except _RetryableError as error:
                 attempts.append(str(error))
                 self.failures.append({"url": self.base_url + path, "attempt": attempt, "error": str(error),
                                       "time": time.time()})
+                wait = self._wait_s(attempt, error.retry_after_s)
                 if attempt < self.policy.retries:
-                    await asyncio.sleep(self._wait_s(attempt, error.retry_after_s))
+                    if time.monotonic() + wait >= deadline:
+                        attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
+                        break
+                    await asyncio.sleep(wait)
             except EndpointError as error:
                 self.failures.append({"url": self.base_url + path, "attempt": attempt,
                                       "error": "; ".join(error.attempts), "time": time.time()})
@@ -192,8 +219,9 @@ class RequestClient:
         raise EndpointError(f"{method} {self.base_url}{path}", attempts)
 
     def _wait_s(self, attempt: int, retry_after_s: float | None) -> float:
-        if retry_after_s is not None:
-            return min(retry_after_s, self.policy.max_backoff_s)
+        if retry_after_s is not None:  # never sooner than asked; clients told the same spread out
+            return min(retry_after_s, self.policy.max_backoff_s) * random.uniform(
+                1.0, 1.0 + self.policy.retry_after_jitter)
         backoff = min(self.policy.backoff_s * 2 ** attempt, self.policy.max_backoff_s)
         return backoff * random.uniform(0.5, 1.0)  # jitter: clients retrying together spread out
 
@@ -293,9 +321,19 @@ class EndpointConfig:
                              f"got {self.top_logprobs}")
 
 
+class PreflightError(RuntimeError):
+    """A server that cannot serve the run at all (unreachable, no model, no token ids): found before any
+    unit starts, named once (`harness run` exits 2)."""
+
+
+MODEL_HINT = "harness run: --reference-model, --candidate-model [LABEL=]NAME, --judge-model"
+PROBE_CHAT = (Message("user", "Say OK."),)  # the pre-flight's one generation and scoring
+
+
 class EndpointBackend:
-    """`Backend` over one OpenAI-compatible server. Capabilities are detected on first use and kept
-    in `capabilities` (name -> the form used, or "unavailable: why"), which `describe()` reports."""
+    """`Backend` over one OpenAI-compatible server. Capabilities are detected once, by `preflight()`
+    (or on first use), and kept in `capabilities` (name -> the form used, or "unavailable: why"),
+    which `describe()` reports."""
 
     def __init__(self, config: EndpointConfig, client: RequestClient | None = None):
         self.config = config
@@ -308,6 +346,8 @@ class EndpointBackend:
         self._lock = asyncio.Lock()
         self.capabilities: dict[str, str] = {}
         self._token_text: dict[int, asyncio.Future[str]] = {}  # token id -> its text, from /detokenize
+        self._prompt_counts: dict[str, int] = {}  # chat key -> prompt length the server counted (usage)
+        self._prompt_ids: dict[str, list[int]] = {}  # chat key -> prompt ids the server returned (return_token_ids)
 
     # ------------------------------------------------------------ Backend
 
@@ -318,25 +358,53 @@ class EndpointBackend:
                 "seed": self.config.seed, "top_logprobs": self.config.top_logprobs, "temperature": 0.0,
                 "capabilities": dict(self.capabilities), "attention_error": ATTENTION_ERROR_UNAVAILABLE,
                 "policy": {"concurrency": policy.concurrency, "timeout_s": policy.timeout_s,
-                           "retries": policy.retries},
+                           "retries": policy.retries, "deadline_s": policy.deadline_s},
                 "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
 
+    def degraded(self) -> list[str]:
+        """One line per capability the server lacks that costs the run a metric."""
+        lines = [f"teacher-forced metrics unavailable for {self.label}: {why.removeprefix('unavailable: ')}"
+                 for why in (self.capabilities.get("scoring", ""), self.capabilities.get("prompt_ids", ""))
+                 if why.startswith("unavailable")]
+        if "chat_reply_invalid" in self.capabilities:
+            lines.append(f"{self.label}: reply token ids re-tokenised from the text, the server's failed validation: "
+                         f"{self.capabilities['chat_reply_invalid']}")
+        return lines
+
+    async def preflight(self) -> None:
+        """Ask the server once for everything a run needs: its model, a reply with token ids, a scoring.
+        Raises `PreflightError` naming the server and what failed; a missing scoring form is a
+        capability (recorded), not a failure."""
+        try:
+            await self.model()
+            generation = await self.generate(PROBE_CHAT, 4)
+            if generation.token_ids:
+                await self.score(PROBE_CHAT, generation.token_ids)
+        except EndpointError as error:
+            raise PreflightError(f"{self.label} {self.client.base_url}: {error}") from None
+
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
-        body = {"model": await self.model(), "messages": [_message_json(m) for m in messages],
-                "max_tokens": max_new_tokens, "temperature": 0.0, "seed": self.config.seed, "n": 1}
-        reply = await self._chat_with_best_logprobs(body)
-        prompt_tokens = (reply.get("usage") or {}).get("prompt_tokens")
+        chat = [_message_json(m) for m in messages]
+        body = {"model": await self.model(), "messages": chat, "max_tokens": max_new_tokens, "temperature": 0.0,
+                "seed": self.config.seed, "n": 1}
+        reply, problem = await self._chat_with_best_logprobs(body)
         choice = _first_choice(reply, "chat completion")
+        usage = reply.get("usage") or {}
+        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+        self._note_prompt(_chat_key(chat), prompt_tokens, reply.get("prompt_token_ids", choice.get("prompt_token_ids")))
         text = (choice.get("message") or {}).get("content") or ""
         reason = choice.get("finish_reason")
         finish = {"stop": "eos", "length": "length"}.get(reason, str(reason))
-        content = (choice.get("logprobs") or {}).get("content")
-        if content:
-            ids, top = self._ids_from_logprobs(content)
-            if ids is not None:
-                return Generation(ids, text, finish, await self._token_strings(ids, content), top, prompt_tokens)
-        ids = await self._tokenize_text(text)  # no usable ids in the reply: re-tokenise its text
-        return Generation(ids, text, finish, await self._token_strings(ids, None), None, prompt_tokens)
+        ids, top, strings = (None, None, None) if problem else self._reply_tokens(choice)
+        if ids is None:  # no usable ids in the reply: re-tokenise its text
+            ids, top, strings = await self._tokenize_text(text), None, None
+        elif finish == "eos" and "stop_reason" in choice and choice["stop_reason"] is None and ids:
+            # vLLM lists the end-of-sequence token in a reply that stopped on it (stop_reason null);
+            # the in-process backend and `harness serve` leave it out: drop it so identical texts match
+            ids, top, strings = ids[:-1], top[:-1] if top else top, strings[:-1] if strings else strings
+        if strings is None:
+            strings = await self._display_strings(ids)
+        return Generation(ids, text, finish, strings, top, prompt_tokens)
 
     async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
         continuation = [int(t) for t in continuation_ids]
@@ -344,13 +412,19 @@ class EndpointBackend:
             return Scores(logprobs=None, top_logprobs=[])
         prompt = await self.prompt_ids(messages)
         if isinstance(prompt, str):
+            self.capabilities.setdefault("prompt_ids", prompt)
             return Scores(logprobs=None, top_logprobs=None, unavailable=prompt)
         ids = prompt + continuation
         mode, reply = await self._scoring_mode(ids)
         if mode.startswith("unavailable"):
             return Scores(logprobs=None, top_logprobs=None, unavailable=mode)
         if reply is None:
-            reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids))
+            try:
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids),
+                                               validate=lambda r: _scoring_reply_problem(mode, r, len(ids)))
+            except InvalidReply as error:
+                return Scores(None, None, unavailable=f"unavailable: the scoring reply failed validation: "
+                                                      f"{error.problem}")
         return _scores_from_reply(mode, reply, len(prompt), continuation, self._vocab_map())
 
     async def aclose(self) -> None:
@@ -359,44 +433,76 @@ class EndpointBackend:
     # ------------------------------------------------------------ model and tokens
 
     async def model(self) -> str:
-        """The served model's name: the configured one, else the first /v1/models lists."""
+        """The served model's name: the configured one, else the only one /v1/models lists."""
         if self._model is None:
             async with self._lock:
                 if self._model is None:
-                    listed = (await self.client.get("/v1/models")).get("data") or []
-                    if not listed:
-                        raise EndpointError(f"GET {self.client.base_url}/v1/models", ["no models listed"])
-                    self._model = str(listed[0]["id"])
+                    self._model = await self._listed_model()
         return self._model
 
+    async def _listed_model(self) -> str:
+        where = f"GET {self.client.base_url}/v1/models"
+        try:
+            listed = (await self.client.get("/v1/models")).get("data") or []
+        except EndpointError as error:
+            raise EndpointError(where, error.attempts + [f"name the served model instead ({MODEL_HINT})"],
+                                error.status) from None
+        names = [str(m.get("id")) for m in listed if isinstance(m, dict) and m.get("id")]
+        if len(names) != 1:
+            raise EndpointError(where, [f"{len(names)} models listed ({', '.join(names[:5])}); name the served "
+                                        f"model ({MODEL_HINT})"])
+        return names[0]
+
+    def _note_prompt(self, key: str, count: int | None, ids) -> None:
+        if count is not None:
+            self._prompt_counts[key] = count
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids) and count in (None, len(ids)):
+            self._prompt_ids[key] = list(ids)
+
     async def prompt_ids(self, messages: Sequence[Message]) -> list[int] | str:
-        """Token ids of the chat-templated prompt (generation prompt added), or why there are none."""
+        """Token ids of the chat-templated prompt (generation prompt added), or why there are none.
+        In order: the ids the server returned with a reply to these messages (return_token_ids), its
+        /tokenize, the local tokenizer. A /tokenize whose length differs from the prompt length the
+        server itself counted for these messages is refused (and not cached)."""
         chat = [_message_json(m) for m in messages]
+        key = _chat_key(chat)
+        if key in self._prompt_ids:
+            return self._prompt_ids[key]
         body = {"model": await self.model(), "messages": chat, "add_generation_prompt": True}
-        ids = await self._server_tokenize("tokenize_chat", body)
+        expected = self._prompt_counts.get(key)
+        try:
+            ids = await self._server_tokenize("tokenize_chat", body, expected)
+        except InvalidReply as error:
+            return f"unavailable: /tokenize disagrees with the server's own prompt length: {error.problem}"
         if ids is not None:
             return ids
         if self._tokenizer is not None:
             text = self._tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        return ("unavailable: the server has no /tokenize for chat messages and no local tokenizer was given "
-                "(EndpointConfig.tokenizer), so the continuation cannot be placed after the prompt")
+            ids = list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            if expected is not None and len(ids) != expected:
+                return (f"unavailable: the local tokenizer gives {len(ids)} prompt tokens where the server counted "
+                        f"{expected} (a different chat template or tokenizer)")
+            return ids
+        return ("unavailable: the server has no /tokenize for chat messages, returns no prompt token ids and no "
+                "local tokenizer was given (--tokenizer), so the continuation cannot be placed after the prompt")
 
     async def _tokenize_text(self, text: str) -> list[int]:
         body = {"model": await self.model(), "prompt": text, "add_special_tokens": False}
-        ids = await self._server_tokenize("tokenize_text", body)
+        ids = await self._server_tokenize("tokenize_text", body, None)
         if ids is not None:
             return ids
         if self._tokenizer is not None:
             return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         raise EndpointError(self.client.base_url, ["the reply carries no token ids, the server has no /tokenize "
-                                                   "and no local tokenizer was given"])
+                                                   "and no local tokenizer was given (--tokenizer)"])
 
-    async def _server_tokenize(self, capability: str, body: dict) -> list[int] | None:
+    async def _server_tokenize(self, capability: str, body: dict, expected: int | None) -> list[int] | None:
         if self.capabilities.get(capability, "").startswith("unavailable"):
             return None
         try:
-            reply = await self.client.post("/tokenize", body)
+            reply = await self.client.post("/tokenize", body, validate=lambda r: _tokenize_problem(r, expected))
+        except InvalidReply:
+            raise
         except EndpointError as error:
             if not lacks_capability(error, ("messages", "tokenize", "prompt")):
                 raise
@@ -417,6 +523,26 @@ class EndpointBackend:
             self._vocab_by_text = {text: ids[0] for text, ids in ids_by_text.items() if len(ids) == 1}
         return self._vocab_by_text
 
+    def _reply_tokens(self, choice: dict) -> tuple[list[int] | None, list[dict[int, float]] | None, list[str] | None]:
+        """(ids, per-token top-k, display strings) from a reply: the ids from `token_ids`
+        (return_token_ids) or from logprobs that name tokens by id (or by text, with a local tokenizer)."""
+        content = (choice.get("logprobs") or {}).get("content") or None
+        listed = choice.get("token_ids")
+        ids = [int(t) for t in listed] if isinstance(listed, list) and all(isinstance(t, int) for t in listed) \
+            else None
+        top = None
+        if content:
+            logprob_ids, top = self._ids_from_logprobs(content)
+            ids = ids or logprob_ids
+            if top is not None and ids != logprob_ids:
+                top = None
+        if ids is None:
+            return None, None, None
+        strings = None
+        if content and len(content) == len(ids) and not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
+            strings = [str(e.get("token", "")) for e in content]
+        return ids, top, strings
+
     def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
         vocab = self._vocab_map()
         ids = [_token_id(str(entry.get("token", "")), vocab) for entry in content]
@@ -431,9 +557,15 @@ class EndpointBackend:
             top.append(row)
         return ids, top
 
-    async def _token_strings(self, ids: list[int], content: list[dict] | None) -> list[str]:
-        if content and not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
-            return [str(e.get("token", "")) for e in content]
+    async def _display_strings(self, ids: list[int]) -> list[str]:
+        """Each token's text for display; a failed /detokenize costs only the display (token_id:N)."""
+        try:
+            return await self._token_strings(ids)
+        except EndpointError as error:
+            self.capabilities["detokenize"] = f"failed: {error.attempts[-1]} (tokens shown as {TOKEN_ID_PREFIX}N)"
+            return [f"{TOKEN_ID_PREFIX}{t}" for t in ids]
+
+    async def _token_strings(self, ids: list[int]) -> list[str]:
         if self._tokenizer is not None:
             return [self._tokenizer.decode([t]) for t in ids]
         for token_id in set(ids) - self._token_text.keys():  # one request per id, however many ask at once
@@ -451,9 +583,12 @@ class EndpointBackend:
     async def _detokenize_one(self, token_id: int) -> str:
         if not self.capabilities.get("detokenize", "").startswith("unavailable"):
             try:
-                reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]})
+                reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]},
+                                               validate=_detokenize_problem)
                 self.capabilities["detokenize"] = "server /detokenize"
-                return str(reply.get("prompt", ""))
+                return str(reply["prompt"] if "prompt" in reply else reply["text"])  # vLLM | SGLang
+            except InvalidReply:
+                raise
             except EndpointError as error:
                 if not lacks_capability(error, ("tokens", "detokenize")):
                     raise
@@ -462,27 +597,32 @@ class EndpointBackend:
 
     # ------------------------------------------------------------ capability detection
 
-    async def _chat_with_best_logprobs(self, body: dict) -> dict:
-        """A chat completion with the richest logprobs the server accepts: token ids in the logprobs
-        (vLLM's return_tokens_as_token_ids), plain top-k logprobs, or none. The form that works first
-        is remembered for the server."""
+    async def _chat_with_best_logprobs(self, body: dict) -> tuple[dict, str | None]:
+        """A chat completion with the richest token information the server accepts: token ids
+        (return_token_ids, and vLLM's return_tokens_as_token_ids in the logprobs), plain top-k
+        logprobs, or none. The form that works first is remembered for the server. Returns the reply and
+        what failed validation in it (its logprobs or ids are then not to be used), or None."""
         k = self.config.top_logprobs
-        forms = [("token ids", {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True},
-                  ("return_tokens_as_token_ids",)),
-                 ("token text", {"logprobs": True, "top_logprobs": k}, ("logprobs",)),
+        forms = [("token ids", {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True,
+                                "return_token_ids": True}, ("return_tokens_as_token_ids", "return_token_ids")),
+                 ("token text", {"logprobs": True, "top_logprobs": k}, ("logprobs", "top_logprobs")),
                  ("none", {}, ())]
         chosen = self.capabilities.get("chat_logprobs")
         for name, extra, fields in forms:
             if chosen is not None and name != chosen:
                 continue
             try:
-                reply = await self.client.post("/v1/chat/completions", body | extra)
+                reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem)
+            except InvalidReply as error:
+                self.capabilities.setdefault("chat_logprobs", name)
+                self.capabilities["chat_reply_invalid"] = error.problem
+                return error.reply, error.problem
             except EndpointError as error:
                 if chosen is not None or not fields or not lacks_capability(error, fields):
                     raise
                 continue
             self.capabilities["chat_logprobs"] = name
-            return reply
+            return reply, None
         raise AssertionError("unreachable: the last form returns or raises")
 
     async def _scoring_mode(self, ids: list[int]) -> tuple[str, dict | None]:
@@ -497,19 +637,26 @@ class EndpointBackend:
             return mode, reply
 
     async def _detect_scoring(self, ids: list[int]) -> tuple[str, dict | None]:
+        """Each form in turn; a refusal (4xx) or a reply without the logprobs asked for rules a form out,
+        with its reason. Forms: vLLM's prompt_logprobs; echo + logprobs with tokens named by id; echo +
+        logprobs with tokens named by text (needs a local tokenizer to map them)."""
         reasons = []
-        for mode, fields in (("prompt_logprobs", ("prompt_logprobs",)), ("echo", ("echo", "logprobs"))):
+        for mode in ("prompt_logprobs", "echo", "echo_text"):
+            if mode == "echo_text" and self._vocab_map() is None:
+                reasons.append("echo_text: no local tokenizer to map token texts to ids")
+                continue
             try:
-                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids))
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids),
+                                               validate=lambda r, m=mode: _scoring_reply_problem(m, r, len(ids)))
+            except InvalidReply as error:
+                reasons.append(f"{mode}: {error.problem}")
+                continue
             except EndpointError as error:
-                if not lacks_capability(error, fields):
+                if error.status is None or not 400 <= error.status < 500:
                     raise
                 reasons.append(f"{mode}: {error.attempts[-1]}")
                 continue
-            problem = _scoring_reply_problem(mode, reply, len(ids))
-            if problem is None:
-                return mode, reply
-            reasons.append(f"{mode}: {problem}")
+            return mode, reply
         return ("unavailable: teacher-forced scoring needs /v1/completions with prompt_logprobs or echo+logprobs ("
                 + "; ".join(reasons) + ")"), None
 
@@ -517,10 +664,52 @@ class EndpointBackend:
         body = {"model": self._model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "seed": self.config.seed}
         if mode == "prompt_logprobs":
             return body | {"prompt_logprobs": self.config.top_logprobs}
+        if mode == "echo_text":
+            return body | {"echo": True, "logprobs": self.config.top_logprobs}
         return body | {"echo": True, "logprobs": self.config.top_logprobs, "return_tokens_as_token_ids": True}
 
 
+# ---------------------------------------------------------------- reply validation
+
+
+def _chat_key(chat: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(chat, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _chat_reply_problem(reply: dict) -> str | None:
+    """What makes a chat reply's token information unusable: logprobs or token ids that do not cover
+    the reply as the server itself counted it (usage.completion_tokens)."""
+    choices = reply.get("choices")
+    if not choices or not isinstance(choices[0], dict):
+        return f"reply has no choices: {_excerpt(json.dumps(reply))}"
+    count = (reply.get("usage") or {}).get("completion_tokens")
+    if not isinstance(count, int):
+        return None
+    content = (choices[0].get("logprobs") or {}).get("content")
+    if isinstance(content, list) and content and len(content) != count:
+        return f"the logprobs list {len(content)} tokens where usage.completion_tokens is {count}"
+    ids = choices[0].get("token_ids")
+    if isinstance(ids, list) and len(ids) != count:
+        return f"token_ids lists {len(ids)} tokens where usage.completion_tokens is {count}"
+    return None
+
+
+def _tokenize_problem(reply: dict, expected: int | None) -> str | None:
+    tokens = reply.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        return "/tokenize reply has no list of token ids ('tokens')"
+    if expected is not None and len(tokens) != expected:
+        return f"/tokenize gave {len(tokens)} tokens for a prompt the server counted as {expected} (usage.prompt_tokens)"
+    return None
+
+
+def _detokenize_problem(reply: dict) -> str | None:
+    return None if isinstance(reply.get("prompt", reply.get("text")), str) else \
+        "/detokenize reply has neither 'prompt' (vLLM) nor 'text' (SGLang)"
+
+
 # ---------------------------------------------------------------- reply parsing
+
 
 
 def _message_json(message: Message) -> dict:
@@ -547,11 +736,15 @@ def _scoring_reply_problem(mode: str, reply: dict, num_ids: int) -> str | None:
     choices = reply.get("choices") or [{}]
     if mode == "prompt_logprobs":
         rows = choices[0].get("prompt_logprobs")
-        return None if isinstance(rows, list) and len(rows) == num_ids else "reply has no prompt_logprobs"
+        if not isinstance(rows, list):
+            return "reply has no prompt_logprobs"
+        return None if len(rows) == num_ids else f"prompt_logprobs has {len(rows)} rows for {num_ids} prompt tokens"
     logprobs = choices[0].get("logprobs") or {}
-    rows = logprobs.get("top_logprobs")
-    if not isinstance(rows, list) or len(rows) < num_ids or not logprobs.get("token_logprobs"):
+    rows, tokens = logprobs.get("top_logprobs"), logprobs.get("tokens")
+    if not isinstance(rows, list) or not isinstance(tokens, list) or not logprobs.get("token_logprobs"):
         return "echo reply has no per-prompt-token logprobs"
+    if len(rows) < num_ids or len(tokens) < num_ids:
+        return f"echo reply lists {min(len(rows), len(tokens))} tokens for {num_ids} prompt tokens"
     return None
 
 

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from harness.analysis.metrics import free_running, teacher_forced, teacher_forced_topk
+from harness.analysis.metrics import SUMMARY_KEYS, free_running, teacher_forced, teacher_forced_topk
 from harness.analysis.thresholds import ThresholdCheck
 from harness.records import encode_value, encode_values, scrub_credentials
 from harness.replay.backend import Backend
@@ -126,12 +126,15 @@ class Replay:
             reply = TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False)
             own.append(reply)
             values = dict(free_running(ref.token_ids, generation.token_ids))
-            tf_summary, tf_series = await self._teacher_forced(scenario, backend, reference, turn, reference_scores)
+            tf_summary, tf_series, unavailable = await self._teacher_forced(scenario, backend, reference, turn,
+                                                                            reference_scores)
             values.update(tf_summary)
             values.update(generation.metrics or {})
             if generation.prompt_tokens is not None:
                 values["context_tokens"] = generation.prompt_tokens
             rows = [self._record(scenario, backend.label, turn, metric, value) for metric, value in values.items()]
+            rows += [self._record(scenario, backend.label, turn, metric, None) | {"unavailable": unavailable}
+                     for metric in (SUMMARY_KEYS if unavailable else ())]
             tables["records"] += rows + self._task_records(scenario, backend.label, turn, generation)
             tables["series"] += [{**self._key(scenario, backend.label, turn), "series": name, **encode_values(series)}
                                  for name, series in tf_series.items()]
@@ -140,6 +143,25 @@ class Replay:
         await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)
 
     async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores):
+        """(summary, series, None), or ({}, {}, why) when either side could not score: the turn keeps its
+        free-running metrics and records the teacher-forced ones as unavailable, with the reason."""
+        try:
+            scored = await self._scores(scenario, backend, reference, turn, reference_scores)
+        except Exception as error:  # noqa: BLE001 - a scoring failure never costs the free-running metrics
+            return {}, {}, f"scoring failed: {type(error).__name__}: {error}"
+        ref_scores, path_scores = scored
+        if ref_scores.logprobs is not None and path_scores.logprobs is not None:
+            result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, reference[turn].token_ids)
+        elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:
+            result = teacher_forced_topk(ref_scores.top_logprobs, path_scores.top_logprobs, reference[turn].token_ids)
+        else:
+            reasons = [f"{side}: {scores.unavailable or 'no logprobs'}"
+                       for side, scores in ((REFERENCE, ref_scores), (backend.label, path_scores))
+                       if scores.logprobs is None and scores.top_logprobs is None]
+            return {}, {}, "; ".join(reasons) or "reference and path scores are of different kinds"
+        return result.summary, result.series, None
+
+    async def _scores(self, scenario, backend, reference, turn, reference_scores):
         messages = _messages(scenario, reference, turn)
         target = reference[turn].token_ids
         if turn not in reference_scores:  # one reference scoring per turn, shared by all candidates
@@ -150,14 +172,7 @@ class Replay:
         except BaseException:
             path_scores.cancel()
             raise
-        path_scores = await path_scores
-        if ref_scores.logprobs is not None and path_scores.logprobs is not None:
-            result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, target)
-        elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:
-            result = teacher_forced_topk(ref_scores.top_logprobs, path_scores.top_logprobs, target)
-        else:
-            return {}, {}
-        return result.summary, result.series
+        return ref_scores, await path_scores
 
     # -- rows -----------------------------------------------------------------------------------------
     def _key(self, scenario: Scenario, path: str, turn: int | None) -> dict:

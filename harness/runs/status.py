@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from harness.judges.usable import llm_judge_problem
 from harness.runs.store import RunStore
 
 EXIT_OK, EXIT_VERDICT_FAILED, EXIT_INPUT_REFUSED, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -42,18 +43,19 @@ UNUSABLE_JUDGEMENT = ("unparsable", "failed")  # harness/judges/verdict.py STATU
 
 
 def unusable_judgements(run_dir: Path) -> int:
-    """LLM-judge verdicts (judge_llm*, judge_pairwise) that gave no score: the judge failed or was unreadable."""
+    """LLM-judge verdicts (judge_llm*, judge_pairwise) that gave no score: a degraded measurement, named in
+    the run's summary; only a judge with no usable verdict at all makes the run incomplete."""
     return sum(1 for row in RunStore(run_dir).read("judgements")
                if str(row.get("metric", "")).startswith(("judge_llm", "judge_pairwise"))
                and row.get("status") in UNUSABLE_JUDGEMENT)
 
 
 def run_exit_code(run_dir: Path, fail_on_verdict: bool = True) -> int:
-    """3 when units are still missing (rerun with --resume) or an LLM judge gave no usable verdict, else 1
-    when a path's verdict failed (unless `fail_on_verdict` is off), else 0. Incomplete wins: a verdict over
-    missing units is partial."""
+    """3 when units are still missing (rerun with --resume) or an LLM judge was asked and gave no usable
+    verdict at all (judges/usable.py), else 1 when a path's verdict failed (unless `fail_on_verdict` is off),
+    else 0. Incomplete wins: a verdict over missing units is partial."""
     manifest = RunStore(run_dir).read_manifest()
-    if manifest.get("status") != "complete" or unusable_judgements(run_dir):
+    if manifest.get("status") != "complete" or llm_judge_problem(RunStore(run_dir)):
         return EXIT_INCOMPLETE
     if fail_on_verdict and failed_verdicts(run_dir):
         return EXIT_VERDICT_FAILED
