@@ -78,6 +78,15 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", type=Path, metavar="DIR", help="default: ./compare-<A>-vs-<B>")
     compare.add_argument("--threshold", action="append", metavar="SPEC",
                          help="e.g. kl_max:+0.02 (B may be worse than A by at most this) or kl_max:0.05 (a limit)")
+    nightly = commands.add_parser("nightly", help="one night of the nightly job on this machine: run, compare with "
+                                  "the last night, render the trend page; exit 1 on a failing path or a regression")
+    nightly.add_argument("--history", type=Path, default=Path("runs/nightly"), metavar="DIR",
+                         help="where nights are kept (default: runs/nightly); trend page: DIR/trend/index.html")
+    nightly.add_argument("--night", metavar="NAME", help="tonight's name (default: the time)")
+    nightly.add_argument("--model", action="append", type=Path, metavar="DIR", help="default: the bundled canaries")
+    nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
+    nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
+    nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
     export = commands.add_parser("export", help="export a run's records as a table")
     export.add_argument("run", type=Path, metavar="RUN")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
@@ -100,6 +109,22 @@ def _compare(args: argparse.Namespace) -> int:
     print(result.summary_line)
     print(f"report: {result.report_path}", file=sys.stderr)
     return 1 if result.regressed else 0
+
+
+def _nightly(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.nightly import run_night
+
+    fields = dict(models=tuple(args.model or ()) or job.default_models()[0],
+                  scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+                  paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), device=job.resolve_device(args.device),
+                  command=shlex.join(["harness", *sys.argv[1:]]))
+    night = run_night(args.history, fields, args.night)
+    for model, path in night.failing:
+        print(f"VERDICT FAIL: {model} {path}")
+    print(night.compare_line or "first night: nothing to compare with")
+    print(f"night: {night.run_dir}\ntrend: {night.trend_page}")
+    return night.exit_code
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -209,7 +234,8 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[t
     return failing
 
 
-COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
+COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
+            "nightly": _nightly}
 
 
 def main(argv: list[str] | None = None) -> int:

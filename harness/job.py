@@ -175,6 +175,8 @@ def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     """Run everything in `config`; returns the run directory. Safe to interrupt and `resume`."""
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
+    if config.scenario_ids:
+        scenarios = [s for s in scenarios if s.id in set(config.scenario_ids)]
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
     if config.resume:

@@ -7,8 +7,8 @@ Checks (each turn of each candidate path; severity in brackets):
 - task [fail]: a task check (`answer_correct`, `rules_followed`) the reference passed and the path failed.
 - divergence [warn / fail]: teacher-forced `kl_max` / `kl_mean` beyond `DEFAULT_THRESHOLDS`.
 - nonfinite [fail]: a metric stored as NaN/inf, or NaN/inf read back from the KV cache (`kv_nonfinite`).
-- degenerate [fail / warn]: the rule judge found a repetition loop or non-text output the reference's
-  reply does not have [fail], or an EOS before half the reference's length [warn].
+- degenerate [fail / warn]: the rule judge found a repetition loop the reference's reply does not have
+  [fail], or non-text output or an EOS before half the reference's length [warn].
 - threshold [fail]: a scenario file's threshold (stored in checks.jsonl) or a `--threshold` override.
 - unmeasured [warn]: the turn has no teacher-forced divergence (e.g. an endpoint without logprobs) or
   its unit errored: nothing about it can pass unseen.
@@ -179,7 +179,9 @@ def nonfinite_reasons(values: Mapping[str, float | None]) -> list[dict]:
     return reasons
 
 
-DEGENERATION = (("repetition loop", "fail"), ("non-text output", "fail"), ("early EOS", "warn"))
+# Non-text output only warns: its "token that decodes to no text" finding also matches byte-fallback pieces
+# of real tokenizers (one emoji = several such tokens), so a diverged but healthy reply can show it.
+DEGENERATION = (("repetition loop", "fail"), ("non-text output", "warn"), ("early EOS", "warn"))
 
 
 def degeneration_reasons(findings: list[str], reference_findings: list[str]) -> list[dict]:
