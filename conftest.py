@@ -1,5 +1,6 @@
-"""Project-wide pytest options: `--gpu` enables CUDA tests, `--slow` enables slow CPU tests, `--peer` tests
-against real servers (vLLM, transformers serve)."""
+"""Project-wide pytest options: `--gpu` enables CUDA tests (and is an error without a CUDA device: the
+harness plugin refuses to start), `--slow` enables slow CPU tests, `--peer` tests against real servers (vLLM,
+transformers serve). `pytest harness` comes from the plugin."""
 
 from __future__ import annotations
 
@@ -7,23 +8,22 @@ import random
 
 import pytest
 
+# harness.pytest_plugin: `pytest harness` from this checkout, and it owns --gpu (installed, it also comes in as a
+# pytest11 entry point; pytest registers it once); pytester: the plugin's own end-to-end tests.
+pytest_plugins = ["harness.pytest_plugin", "pytester"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--gpu", action="store_true", help="run tests marked gpu (needs CUDA)")
     parser.addoption("--slow", action="store_true", help="run tests marked slow")
     parser.addoption("--peer", action="store_true",
-                     help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; see tests/test_peer.py)")
+                     help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; tests/test_peer.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
     for item in items:
         if "gpu" in item.keywords:
             if not config.getoption("--gpu"):
                 item.add_marker(pytest.mark.skip(reason="GPU test: pass --gpu on a CUDA machine to run it"))
-            elif not torch.cuda.is_available():
-                item.add_marker(pytest.mark.skip(reason="--gpu given but torch sees no CUDA device"))
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --slow to run it"))
         if "peer" in item.keywords and not config.getoption("--peer"):

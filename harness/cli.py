@@ -55,7 +55,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
     run.add_argument("--paths", default=None, metavar="SPECS",
                      help="comma-separated KV path specs; bf16 is always added (noise floor). "
-                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup")
+                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2")
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
     run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
@@ -63,6 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
+                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
@@ -92,6 +94,15 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", type=Path, metavar="DIR", help="default: ./compare-<A>-vs-<B>")
     compare.add_argument("--threshold", action="append", metavar="SPEC",
                          help="e.g. kl_max:+0.02 (B may be worse than A by at most this) or kl_max:0.05 (a limit)")
+    nightly = commands.add_parser("nightly", help="one night of the nightly job on this machine: run, compare with "
+                                  "the last night, render the trend page; exit 1 on a failing path or a regression")
+    nightly.add_argument("--history", type=Path, default=Path("runs/nightly"), metavar="DIR",
+                         help="where nights are kept (default: runs/nightly); trend page: DIR/trend/index.html")
+    nightly.add_argument("--night", metavar="NAME", help="tonight's name (default: the time)")
+    nightly.add_argument("--model", action="append", type=Path, metavar="DIR", help="default: the bundled canaries")
+    nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
+    nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
+    nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
     export = commands.add_parser("export", help="export a run's records as a table")
     export.add_argument("run", type=Path, metavar="RUN")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
@@ -144,6 +155,22 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if result.regressed else 0
 
 
+def _nightly(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.nightly import run_night
+
+    fields = dict(models=tuple(args.model or ()) or job.default_models()[0],
+                  scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+                  paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), device=job.resolve_device(args.device),
+                  command=shlex.join(["harness", *sys.argv[1:]]))
+    night = run_night(args.history, fields, args.night)
+    for model, path in night.failing:
+        print(f"VERDICT FAIL: {model} {path}")
+    print(night.compare_line or "first night: nothing to compare with")
+    print(f"night: {night.run_dir}\ntrend: {night.trend_page}")
+    return night.exit_code
+
+
 def _export(args: argparse.Namespace) -> int:
     from harness.runs.report import export_run
 
@@ -173,6 +200,7 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.analysis.verdicts import parse_threshold_overrides
     from harness.runs.status import run_exit_code
     from harness.runs.store import RunStoreError
     from harness.replay.endpoint import PreflightError
@@ -196,6 +224,7 @@ def _run(args: argparse.Namespace) -> int:
         print("error: --resume needs --out RUN_DIR (the run to continue)", file=sys.stderr)
         return 2
     try:
+        parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
         config = job.RunConfig(
             models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
@@ -205,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            thresholds=tuple(args.threshold or ()),
             command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
@@ -222,10 +252,12 @@ def _run(args: argparse.Namespace) -> int:
     return run_exit_code(run_dir, fail_on_verdict=not args.no_fail_on_verdict)
 
 
-def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
+def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[tuple[str, str]]:
+    """Print the summary (verdict matrix first); return the (model, path) pairs that failed their verdicts."""
     from harness import job
     from harness.runs.status import unusable_judgements
     from harness.runs.store import RunStore
+    from harness.analysis.verdicts import failing_paths
     from harness.runs.summary import format_summary
 
     store = RunStore(run_dir)
@@ -246,9 +278,15 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
         print(f"{unusable} LLM judge verdict(s) gave no score; see {run_dir / 'judgements.jsonl'}")
     print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
     print(f"report: {report}")
+    failing = failing_paths(manifest.get("verdicts") or {})
+    if failing:
+        print("VERDICT FAIL: " + ", ".join(f"{model} {path}" for model, path in failing)
+              + " (a path failed its checks; see verdicts.jsonl)")
+    return failing
 
 
-COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
+COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
+            "nightly": _nightly}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,130 @@
+"""`harness nightly`: the nightly job's local twin, on the CPU with the canaries.
+
+Each call is one night: a run stored under `HISTORY/nights/<night>`, compared with the previous night
+(`<night>/compare/compare.html`), and the trend page `HISTORY/trend/index.html` re-rendered from every night
+kept: each path's verdicts and key metrics over nights, as matplotlib plots. Exit 1 when tonight a path fails
+its verdicts or compare finds a regression against last night (docs/CONTRACTS.md exit codes).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+TREND_METRICS = {"kl_max": "KL max (mean over turns)", "kl_mean": "KL mean (mean over turns)",
+                 "answer_correct": "answer accuracy"}
+
+
+@dataclass(frozen=True, slots=True)
+class NightResult:
+    run_dir: Path
+    failing: list[tuple[str, str]]  # (model, path) with a failing verdict tonight
+    compare_line: str | None  # compare's summary line against the previous night; None on the first night
+    regressed: bool
+    trend_page: Path
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failing or self.regressed else 0
+
+
+def nights(history: Path) -> list[Path]:
+    """Stored nights, oldest first (night names sort by time)."""
+    root = history / "nights"
+    return sorted(p for p in root.iterdir() if (p / "manifest.json").exists()) if root.exists() else []
+
+
+def run_night(history: Path, config_fields: dict, night: str | None = None) -> NightResult:
+    """Run tonight (RunConfig fields other than `out`), compare with the last night, re-render the trend."""
+    from harness import job
+    from harness.analysis.verdicts import failing_paths
+    from harness.runs.compare import compare_runs
+    from harness.runs.gate import run_matrix
+
+    previous = nights(history)
+    name = night or dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = history / "nights" / name
+    if out.exists():
+        raise ValueError(f"night {out} already exists; choose another --night")
+    job.run_job(job.RunConfig(out=out, **config_fields))
+    failing = failing_paths(run_matrix(out))
+    compare_line, regressed = None, False
+    if previous:
+        result = compare_runs(previous[-1], out, out_dir=out / "compare")
+        compare_line, regressed = result.summary_line, result.regressed
+    return NightResult(out, failing, compare_line, regressed, render_trend(history))
+
+
+# ---------------------------------------------------------------- trend
+
+
+def trend_table(history: Path) -> pd.DataFrame:
+    """One row per (night, model, path): verdict counts and the mean of each trend metric."""
+    from harness.runs.gate import run_matrix
+    from harness.runs.summary import records_frame
+
+    rows = []
+    for night in nights(history):
+        matrix = run_matrix(night)
+        frame = records_frame(night)
+        means = frame[frame["metric"].isin(list(TREND_METRICS))].groupby(["model", "path", "metric"])["value"].mean()
+        for model, paths in matrix.items():
+            for path, cell in paths.items():
+                metrics = {m: means.get((model, path, m), float("nan")) for m in TREND_METRICS}
+                rows.append({"night": night.name, "model": model, "path": path, "pass": cell["pass"],
+                             "warn": cell["warn"], "fail": cell["fail"]} | metrics)
+    return pd.DataFrame(rows, columns=["night", "model", "path", "pass", "warn", "fail", *TREND_METRICS])
+
+
+def trend_figure(table: pd.DataFrame, model: str, target: Path) -> Path:
+    """One model's paths over nights: failing turns, then each trend metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("fail", "failing turns")] + list(TREND_METRICS.items())
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
+    mine = table[table["model"] == model]
+    nights_order = list(dict.fromkeys(table["night"]))
+    for axis, (column, title) in zip(axes, panels):
+        for path, rows in mine.groupby("path", sort=False):
+            series = rows.set_index("night")[column].reindex(nights_order)
+            axis.plot(range(len(nights_order)), series.to_numpy(float), marker="o", label=path)
+        axis.set_ylabel(title, fontsize=8)
+        if column == "kl_max" or column == "kl_mean":
+            axis.set_yscale("symlog", linthresh=1e-6)
+    axes[-1].set_xticks(range(len(nights_order)), nights_order, rotation=30, ha="right", fontsize=7)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes[0].set_title(f"{model}: verdicts and key metrics per night")
+    figure.tight_layout()
+    figure.savefig(target, dpi=90)
+    plt.close(figure)
+    return target
+
+
+def render_trend(history: Path) -> Path:
+    """HISTORY/trend/index.html: a plot per model and the verdict table of every night (self-contained dir)."""
+    out = history / "trend"
+    out.mkdir(parents=True, exist_ok=True)
+    table = trend_table(history)
+    images = [trend_figure(table, model, out / f"trend-{model}.png").name for model in dict.fromkeys(table["model"])]
+    cells = "".join(
+        f"<tr class='{'fail' if r.fail else 'warn' if r.warn else 'pass'}'><td>{html.escape(r.night)}</td>"
+        f"<td>{html.escape(r.model)}</td><td>{html.escape(r.path)}</td><td>{r.pass_}</td><td>{r.warn}</td>"
+        f"<td>{r.fail}</td><td>{r.kl_max:.3g}</td><td>{r.answer_correct:.3g}</td></tr>"
+        for r in table.rename(columns={"pass": "pass_"}).itertuples())
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>fp8-harness nightly trend</title>"
+        "<style>body{font:14px system-ui;margin:2em}td,th{padding:2px 8px;text-align:left}"
+        "tr.fail{background:#fdd}tr.warn{background:#ffd}</style>"
+        f"<h1>Nightly trend ({len(set(table['night']))} nights)</h1>"
+        + "".join(f"<p><img src='{html.escape(name)}' alt='{html.escape(name)}'></p>" for name in images)
+        + "<table><tr><th>night</th><th>model</th><th>path</th><th>pass</th><th>warn</th><th>fail</th>"
+          "<th>KL max (mean)</th><th>answer acc</th></tr>" + cells + "</table>")
+    (out / "index.html").write_text(page, encoding="utf-8")
+    return out / "index.html"

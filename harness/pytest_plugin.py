@@ -1,0 +1,252 @@
+"""pytest plugin: `pytest harness` collects one item per model x scenario x path (`gqa::canary-arith-1::fp8_e4m3`)
+and passes or fails each on the run's verdicts (harness/analysis/verdicts.py).
+
+Registered as the `harness.pytest_plugin` pytest11 entry point, so once fp8-harness is installed `pytest harness`
+works from any directory (a bare `harness` argument that is no local path means the installed package); in this
+repository the root conftest.py loads it. Items are collected only when the harness package directory is named
+on the command line, so an ordinary `pytest` (testpaths = tests) never replays scenarios.
+
+Each model is replayed once per process, on its first item, over the selected scenarios and paths, into a part
+run; with `pytest -n N` (pytest-xdist) items are grouped by model (`--dist loadgroup`), one GPU per worker with
+`--gpu` when there are several. At session end the parts are merged into one stored run, its report written,
+and with `--baseline RUN` the compare report too; a regression fails the session (exit 1).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shlex
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+RUN_ENV = "FP8_HARNESS_PYTEST_RUN"  # the session's run directory, shared with xdist workers
+ENDPOINT_MODEL = "endpoint"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fp8-harness", "fp8-harness (`pytest harness`)")
+    group.addoption("--gpu", action="store_true",
+                    help="CUDA and our Triton kernels (an error when torch sees no CUDA device); also runs the "
+                         "repository's gpu-marked tests")
+    group.addoption("--model", action="append", metavar="DIR", help="model directory (repeatable; default: canaries)")
+    group.addoption("--scenarios", action="append", metavar="PATH", help="scenario file or directory (repeatable)")
+    group.addoption("--paths", metavar="SPECS", help="comma-separated KV path specs (default: the healthy defaults)")
+    group.addoption("--reference-endpoint", metavar="URL", help="OpenAI-compatible server with the BF16 cache")
+    group.addoption("--candidate-endpoint", action="append", metavar="[LABEL=]URL", help="server(s) to check")
+    group.addoption("--judge-endpoint", metavar="URL", help="OpenAI-compatible server whose model grades replies")
+    group.addoption("--report-dir", metavar="DIR", default="runs", help="where the stored run goes (default: runs)")
+    group.addoption("--baseline", metavar="RUN", help="stored run to compare with; a regression fails the session")
+    group.addoption("--threshold", action="append", metavar="METRIC:LIMIT", help="verdict limit override (repeatable)")
+
+
+def pytest_load_initial_conftests(early_config, parser, args: list[str]) -> None:
+    """`pytest harness` outside this repository: the bare word means the installed package."""
+    for i, arg in enumerate(args):
+        if arg.rstrip("/") == "harness" and not os.path.exists(arg):
+            args[i] = str(PACKAGE_DIR)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.exit(f"--gpu given but torch {torch.__version__} sees no CUDA device: refusing to run "
+                        "(a GPU job that lost its GPU must not pass)", returncode=2)
+    if not _harness_requested(config):
+        return
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"  # one model per worker: each replays its models once
+    if not hasattr(config, "workerinput") and RUN_ENV not in os.environ:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        os.environ[RUN_ENV] = str(Path(config.getoption("report_dir")).resolve() / f"pytest-{stamp}-{uuid.uuid4().hex[:6]}")
+    config.stash[SESSION] = HarnessSession(config)
+
+
+def _harness_requested(config: pytest.Config) -> bool:
+    base = Path(config.invocation_params.dir)
+    return any((base / arg.split("::")[0]).resolve() == PACKAGE_DIR for arg in config.args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collect_directory(path: Path, parent: pytest.Collector):
+    if Path(path).resolve() == PACKAGE_DIR and SESSION in parent.config.stash:
+        return HarnessDirectory.from_parent(parent, path=path)
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SESSION in config.stash:
+        config.stash[SESSION].select([i for i in items if isinstance(i, ScenarioItem)])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    harness = session.config.stash.get(SESSION, None)
+    if harness is None or hasattr(session.config, "workerinput"):
+        return
+    if harness.finish(session) and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    harness = config.stash.get(SESSION, None)
+    if harness is not None and harness.lines:
+        terminalreporter.section("fp8-harness")
+        for line in harness.lines:
+            terminalreporter.write_line(line)
+
+
+# ---------------------------------------------------------------- the session
+
+
+class HarnessSession:
+    """What the session replays (models, scenarios, paths), the part runs this process made, and the end."""
+
+    def __init__(self, config: pytest.Config):
+        from harness import job
+
+        self.config = config
+        self.run_dir = Path(os.environ[RUN_ENV])
+        self.reference = config.getoption("reference_endpoint")
+        self.candidates = tuple(config.getoption("candidate_endpoint") or ())
+        if bool(self.reference) != bool(self.candidates):
+            raise pytest.UsageError("--reference-endpoint and --candidate-endpoint go together")
+        self.models = () if self.reference else tuple(Path(m) for m in config.getoption("model") or ()) \
+            or job.default_models()[0]
+        self.scenario_paths = tuple(Path(s) for s in config.getoption("scenarios") or ()) or job.default_scenarios()
+        self.path_spec = config.getoption("paths") or job.DEFAULT_PATHS
+        self.thresholds = tuple(config.getoption("threshold") or ())
+        self.selected: dict[str, dict] = {}  # model label -> {"scenarios": [...], "paths": [...]}
+        self.parts: dict[str, Path] = {}  # model label -> part run directory (this process)
+        self.lines: list[str] = []
+
+    def items(self, parent: pytest.Collector):
+        from harness import job
+        from harness.analysis.verdicts import parse_threshold_overrides
+        from harness.scenarios.load import load_scenarios
+
+        try:
+            parse_threshold_overrides(self.thresholds)
+            scenarios = load_scenarios(list(self.scenario_paths))
+            if self.reference:
+                targets = [(ENDPOINT_MODEL, None, [label for label, _ in job.candidate_labels(self.candidates)])]
+            else:
+                paths = [p.name for p in job.parse_kv_paths(self.path_spec)]
+                targets = [(job.model_label(m), m, paths) for m in self.models]
+        except Exception as error:  # a bad scenario file, path spec or threshold: one clear line, exit 2
+            pytest.exit(f"fp8-harness: {error}", returncode=2)
+        for label, directory, paths in targets:
+            for scenario in scenarios:
+                for path in paths:
+                    yield ScenarioItem.from_parent(parent, name=f"{label}::{scenario.id}::{path}", model=label,
+                                                   model_dir=directory, scenario=scenario.id, kv_path=path)
+
+    def select(self, items: list["ScenarioItem"]) -> None:
+        for item in items:
+            chosen = self.selected.setdefault(item.model, {"dir": item.model_dir, "scenarios": [], "paths": []})
+            for field, value in (("scenarios", item.scenario), ("paths", item.kv_path)):
+                if value not in chosen[field]:
+                    chosen[field].append(value)
+            item.add_marker(pytest.mark.xdist_group(item.model))
+
+    def device(self) -> str:
+        if not self.config.getoption("gpu"):
+            return "cpu"
+        import torch
+
+        worker = getattr(self.config, "workerinput", {}).get("workerid", "gw0")
+        return f"cuda:{int(worker.lstrip('gw') or 0) % torch.cuda.device_count()}"
+
+    def part(self, model: str) -> Path:
+        """Replay `model` over the selected scenarios and paths once in this process; the part's directory."""
+        if model not in self.parts:
+            from harness import job
+
+            chosen = self.selected[model]
+            worker = getattr(self.config, "workerinput", {}).get("workerid", "main")
+            out = self.run_dir.with_name(self.run_dir.name + ".parts") / f"{worker}-{model}"
+            self.parts[model] = out
+            paths = () if self.reference else job.parse_kv_paths(",".join(chosen["paths"]))
+            config = job.RunConfig(
+                models=() if self.reference else (Path(chosen["dir"]),), scenario_paths=self.scenario_paths,
+                paths=paths, out=out, device=self.device(), reference_url=self.reference,
+                candidate_urls=self.candidates, judge_url=self.config.getoption("judge_endpoint"),
+                thresholds=self.thresholds, scenario_ids=tuple(chosen["scenarios"]),
+                command=shlex.join(["pytest", *self.config.invocation_params.args]))
+            job.run_job(config, warn=lambda message: print(message, file=sys.stderr))
+        return self.parts[model]
+
+    def finish(self, session: pytest.Session) -> bool:
+        """Merge the parts into one run, write its report (and compare); True when compare found a regression."""
+        parts = sorted(p for p in self.run_dir.with_name(self.run_dir.name + ".parts").glob("*")
+                       if (p / "manifest.json").exists())
+        if not parts:
+            return False
+        from harness import job
+        from harness.runs.gate import write_verdicts
+        from harness.runs.merge import merge_runs
+
+        store = merge_runs(parts, self.run_dir, shlex.join(["pytest", *self.config.invocation_params.args]))
+        write_verdicts(store, list(self.thresholds))
+        self.lines += [f"stored run: {self.run_dir}", f"report: {job.write_report(self.run_dir)}"]
+        baseline = self.config.getoption("baseline")
+        if not baseline:
+            return False
+        from harness.runs.compare import compare_runs
+
+        result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
+        self.lines += [f"compare with {baseline}: {result.summary_line}", f"compare report: {result.report_path}"]
+        return result.regressed
+
+
+SESSION = pytest.StashKey[HarnessSession]()
+
+
+# ---------------------------------------------------------------- collectors and items
+
+
+class HarnessDirectory(pytest.Directory):
+    def collect(self):
+        yield from self.config.stash[SESSION].items(self)
+
+
+class VerdictFailure(Exception):
+    def __init__(self, diagnoses: list[str]):
+        super().__init__("\n\n".join(diagnoses))
+        self.diagnoses = diagnoses
+
+
+class ScenarioItem(pytest.Item):
+    def __init__(self, *, model: str, model_dir: Path | None, scenario: str, kv_path: str, **kwargs):
+        super().__init__(**kwargs)
+        self.model, self.model_dir, self.scenario, self.kv_path = model, model_dir, scenario, kv_path
+
+    def runtest(self) -> None:
+        from harness.analysis.verdicts import diagnosis
+        from harness.runs.gate import run_verdicts
+        from harness.runs.store import RunStore
+
+        part = self.config.stash[SESSION].part(self.model)
+        rows = [r for r in run_verdicts(part)
+                if (r["model"], r["scenario"], r["path"]) == (self.model, self.scenario, self.kv_path)]
+        if not rows:
+            raise VerdictFailure([f"{self.name}: no verdict: the unit produced nothing (see {part}/errors.jsonl)"])
+        failing = [r for r in rows if r["verdict"] == "fail"]
+        if failing:
+            texts = {(t["model"], t["scenario"], t["path"], t["turn"]): t for t in RunStore(part).read("texts")
+                     if t["model"] == self.model and t["scenario"] == self.scenario}
+            raise VerdictFailure([diagnosis(r, texts) for r in failing])
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, VerdictFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, self.name

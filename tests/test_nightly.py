@@ -1,0 +1,42 @@
+"""`harness nightly` (the nightly job's local twin) on a two-night history: one canary, one two-token scenario,
+one FP8 path, so CI pays seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.cli import main
+from harness.nightly import trend_table
+
+ROOT = Path(__file__).resolve().parents[1]
+GQA = ROOT / "harness" / "canary" / "weights" / "gqa"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (GQA / "config.json").exists(), reason="trained gqa canary not bundled")
+def test_two_nights_compare_and_render_the_trend(tmp_path, capsys):
+    source = yaml.safe_load((ROOT / "scenarios" / "canary" / "default.yaml").read_text())
+    scenarios = tmp_path / "arith.yaml"
+    scenarios.write_text(yaml.safe_dump({"scenarios": [s for s in source["scenarios"] if s["id"] == "canary-arith-3"]}))
+    history = tmp_path / "history"
+    argv = ["nightly", "--history", str(history), "--model", str(GQA), "--scenarios", str(scenarios),
+            "--paths", "fp8_e4m3"]
+    assert main(argv + ["--night", "2026-01-01"]) == 0
+    assert "first night: nothing to compare with" in capsys.readouterr().out
+    assert main(argv + ["--night", "2026-01-02"]) == 0
+    printed = capsys.readouterr().out
+    assert "OK: no regression beyond noise" in printed
+    assert (history / "nights" / "2026-01-02" / "compare" / "compare.html").is_file()
+    table = trend_table(history)
+    assert list(dict.fromkeys(table["night"])) == ["2026-01-01", "2026-01-02"]
+    assert set(table["path"]) == {"bf16", "fp8_e4m3"} and (table["fail"] == 0).all()
+    page = (history / "trend" / "index.html").read_text()
+    assert "Nightly trend (2 nights)" in page and "trend-gqa.png" in page
+    assert (history / "trend" / "trend-gqa.png").stat().st_size > 5000
+    # a broken path tonight: exit 1, named, and the compare against last night regresses (a path A lacked fails)
+    assert main(argv[:-1] + ["fp8_e4m3,fp8_e4m3:warmup", "--night", "2026-01-03"]) == 1
+    printed = capsys.readouterr().out
+    assert "VERDICT FAIL: gqa fp8_e4m3:warmup" in printed and "REGRESSION" in printed

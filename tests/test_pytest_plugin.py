@@ -1,0 +1,98 @@
+"""`pytest harness` end to end with pytester: items per model x scenario x path, verdicts as outcomes, a
+diagnosis on failure, one stored run with its report, --baseline, -n 2 merged into one run, --gpu refused
+without CUDA. Each session replays the real gqa/mla canaries on one two-token arithmetic scenario."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY = ROOT / "harness" / "canary" / "weights"
+pytestmark = pytest.mark.skipif(not (CANARY / "gqa" / "config.json").exists(), reason="trained canaries not bundled")
+
+
+@pytest.fixture
+def scenario_file(tmp_path: Path) -> Path:
+    """canary-arith-3 alone: the gqa canary answers it in bf16, and warm-up scales break that answer."""
+    source = yaml.safe_load((ROOT / "scenarios" / "canary" / "default.yaml").read_text())
+    target = tmp_path / "arith.yaml"
+    target.write_text(yaml.safe_dump({"scenarios": [s for s in source["scenarios"] if s["id"] == "canary-arith-3"]}))
+    return target
+
+
+def harness_session(pytester: pytest.Pytester, scenario_file: Path, *args: str, models=("gqa",)):
+    argv = ["-p", "harness.pytest_plugin", "--noconftest", "harness", "-v", "--scenarios", str(scenario_file),
+            "--report-dir", str(pytester.path / "runs")]
+    for model in models:
+        argv += ["--model", str(CANARY / model)]
+    return pytester.runpytest_subprocess(*argv, *args)
+
+
+def stored_runs(pytester: pytest.Pytester) -> list[Path]:
+    return sorted(p for p in (pytester.path / "runs").glob("pytest-*") if not p.name.endswith(".parts"))
+
+
+@pytest.mark.slow
+def test_healthy_paths_pass_and_the_run_is_stored(pytester, scenario_file):
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3,fp8_e4m3:per_head:calibrated")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*gqa::canary-arith-3::fp8_e4m3 PASSED*", "*gqa::canary-arith-3::bf16 PASSED*",
+                                 "*stored run: *", "*report: *index.html"])
+    (run,) = stored_runs(pytester)
+    assert json.loads((run / "manifest.json").read_text())["verdicts"]["gqa"]["fp8_e4m3"]["pass"] == 1
+    assert (run / "verdicts.jsonl").exists() and (run / "report" / "index.html").exists()
+
+
+@pytest.mark.slow
+def test_a_broken_path_fails_with_a_diagnosis(pytester, scenario_file):
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3,fp8_e4m3:warmup")
+    result.assert_outcomes(passed=2, failed=1)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines([
+        "*gqa::canary-arith-3::fp8_e4m3:warmup turn 0: FAIL",
+        "*[[]fail] task: answer_correct 0: the reference got the answer right, this path did not",
+        "*first divergent token 0: reference * vs path *",
+        "*reference reply: '96'*",
+    ])
+
+
+@pytest.mark.slow
+def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenario_file):
+    first = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", models=("gqa", "mla"))
+    first.assert_outcomes(passed=4)
+    (baseline,) = stored_runs(pytester)
+    second = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", "-n", "2", "--baseline", str(baseline),
+                             models=("gqa", "mla"))
+    second.assert_outcomes(passed=4)
+    second.stdout.fnmatch_lines(["*compare with *: OK: no regression beyond noise*", "*compare report: *compare.html"])
+    merged = [r for r in stored_runs(pytester) if r != baseline]
+    assert len(merged) == 1  # both workers' parts in one stored run
+    manifest = json.loads((merged[0] / "manifest.json").read_text())
+    assert set(manifest["verdicts"]) == {"gqa", "mla"}
+    assert len(parts := list(merged[0].with_name(merged[0].name + ".parts").iterdir())) == 2, parts
+
+
+def test_gpu_without_cuda_is_an_error_not_skips(pytester):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "harness.pytest_plugin", "--gpu")
+    assert result.ret == 2
+    assert "--gpu given but torch" in str(result.stdout) + str(result.stderr)
+
+
+def test_ordinary_sessions_collect_no_scenario_items(pytester):
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "harness.pytest_plugin", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["test_x.py::test_x", "1 test collected*"])
+
+
+def test_a_bad_path_spec_is_a_usage_error(pytester, scenario_file):
+    result = harness_session(pytester, scenario_file, "--paths", "fp8:per_chanel")
+    assert result.ret == 2  # input refused before anything ran (docs/CONTRACTS.md exit codes)
+    assert "fp8-harness: " in str(result.stdout) + str(result.stderr) and "per_chanel" in str(result.stdout)
