@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.kv_paths.spec import PathSpecError
+from harness import __version__
+from harness.kv_paths.spec import DEFAULT_PATHS, PathSpecError
 
 EPILOG = """\
 examples:
@@ -31,6 +32,8 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the harness version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="replay scenarios and store a run", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,9 +41,16 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="local transformers model directory (repeatable); default: the bundled canaries")
     run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--select", action="append", metavar="TERMS",
+                     help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
+                          "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
+                          "matched against id, tags and kind; e.g. --select kind:recall,id:canary-arith-1")
+    run.add_argument("--models", action="append", metavar="LABELS",
+                     help="keep only the models with these labels (directory names, comma-separated), "
+                          "of --model or the bundled canaries; e.g. --models mla,hybrid")
     run.add_argument("--paths", default=None, metavar="SPECS",
-                     help="comma-separated KV path specs; bf16 is always added (noise floor). "
-                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup")
+                     help="comma-separated KV path specs (see below); bf16 is always added (noise floor). "
+                          "default: " + ", ".join(DEFAULT_PATHS.split(",")))
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
     run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
@@ -59,14 +69,15 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model with a KV path over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
     serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
-    report.add_argument("run", type=Path, metavar="RUN")
+    report.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
     report.add_argument("--out", type=Path, metavar="DIR", help="default: RUN/report")
     compare = commands.add_parser("compare", help="compare two stored runs; exit 1 on a regression (for CI)")
     compare.add_argument("run_a", type=Path, metavar="RUN_A", help="the baseline")
@@ -75,8 +86,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--threshold", action="append", metavar="SPEC",
                          help="e.g. kl_max:+0.02 (B may be worse than A by at most this) or kl_max:0.05 (a limit)")
     export = commands.add_parser("export", help="export a run's records as a table")
-    export.add_argument("run", type=Path, metavar="RUN")
-    export.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    export.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
+    export.add_argument("--format", choices=["csv", "parquet"], default="csv",
+                        help="csv (default) or parquet (needs pyarrow); one row per model, scenario, path, turn, metric")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
     return parser
 
@@ -122,13 +134,24 @@ def _raise_interrupt(signum, frame):
 def _progress(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="unit", desc="scenario x path", dynamic_ncols=True, file=sys.stderr)
+    # smoothing=0: the ETA uses the run's average rate so far. Units differ a lot in cost (a reference
+    # unit generates, a path unit also scores; models differ 2x), so a recent-rate ETA swings with each unit.
+    return tqdm(total=total, unit="unit", desc="scenario x path", dynamic_ncols=True, file=sys.stderr, smoothing=0)
+
+
+def _say(message: str) -> None:
+    """A harness warning during the run, printed above the progress bar (never through it)."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.runs.library_log import quiet_libraries
     from harness.runs.store import RunStoreError
     from harness.scenarios.load import ScenarioError
+    from harness.scenarios.select import select_models
 
     warnings, config = [], None
     if bool(args.reference) != bool(args.candidate):
@@ -148,8 +171,9 @@ def _run(args: argparse.Namespace) -> int:
         print("error: --resume needs --out RUN_DIR (the run to continue)", file=sys.stderr)
         return 2
     try:
+        models = select_models(models, args.models or ())
         config = job.RunConfig(
-            models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+            models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=() if args.reference else job.parse_kv_paths(args.paths or job.DEFAULT_PATHS),
             out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
@@ -159,8 +183,8 @@ def _run(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
-        run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
-                              warn=lambda m: print(m, file=sys.stderr))
+        quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
+        run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

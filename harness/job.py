@@ -14,18 +14,19 @@ from pathlib import Path
 
 import torch
 
+import harness
 from harness.analysis.metrics import noise_floor
-from harness.kv_paths.spec import KVPath, parse_paths
+from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import Replay
 from harness.runs.store import RunStore, RunStoreError
 from harness.scenarios.load import Scenario, load_scenarios
+from harness.scenarios.select import select_scenarios
 from harness.types import Message
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CANARY_WEIGHTS = Path(__file__).resolve().parent / "canary" / "weights"
 CANARY_ARCHS = ("gqa", "mla", "hybrid")
 DEFAULT_SCENARIOS = REPO_ROOT / "scenarios" / "canary"
-DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup"
 RANDOM_MODEL_CACHE = Path.home() / ".cache" / "fp8-harness" / "random-models"
 
 
@@ -50,6 +51,7 @@ class RunConfig:
     tokenizer: str | None = None  # local tokenizer for servers without /tokenize
     concurrency: int = 8  # scenarios replayed at once against endpoints
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
+    select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -102,7 +104,7 @@ def _versions() -> dict:
     import transformers
 
     versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "harness": "0.1.0", "triton": None}
+                "transformers": transformers.__version__, "harness": harness.__version__, "triton": None}
     try:
         import triton
 
@@ -170,6 +172,7 @@ def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     """Run everything in `config`; returns the run directory. Safe to interrupt and `resume`."""
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
+    scenarios = select_scenarios(scenarios, config.select)
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
     if config.resume:
@@ -233,7 +236,7 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
 
     done_before = len(store.read("done"))
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init) as pool:
+                                     initializer=_worker_init, initargs=(config.out,)) as pool:
         pending = {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
                    for directory in config.models}
         try:
@@ -251,11 +254,16 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
             raise
 
 
-def _worker_init() -> None:
+def _worker_init(run_dir: Path | None = None) -> None:
     """Model workers: one intra-op thread each, and they die with the parent (a killed run leaves no
-    orphan still writing into it)."""
+    orphan still writing into it). Library noise goes to the run's library.log, as in the parent."""
     import ctypes
     import signal
+
+    if run_dir is not None:
+        from harness.runs.library_log import quiet_libraries
+
+        quiet_libraries(run_dir)
 
     torch.set_num_threads(1)
     try:

@@ -23,6 +23,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from harness.records import METRIC_DIRECTIONS
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -56,8 +57,8 @@ class Threshold:
 
     def __post_init__(self) -> None:
         if metric_direction(self.metric) is None:
-            raise ValueError(f"threshold {self.spec!r}: unknown metric {self.metric!r}; expected one of "
-                             "harness.records.METRIC_DIRECTIONS or a judge_*/attn_* metric")
+            raise ValueError(f"threshold {self.spec!r}: unknown metric {self.metric!r}; valid metrics: "
+                             f"{', '.join(threshold_metrics())}, or any judge_* / attn_* metric")
         if not math.isfinite(self.value):
             raise ValueError(f"threshold {self.spec!r}: value must be a finite number")
 
@@ -78,6 +79,11 @@ class Threshold:
         if (b > self.value) if lower else (b < self.value):
             return f"{self.metric} {format_value(b)} {'>' if lower else '<'} {format_value(self.value)}"
         return None
+
+
+def threshold_metrics() -> list[str]:
+    """The metric names a threshold may name (those with a better direction), for error messages."""
+    return sorted(m for m, d in METRIC_DIRECTIONS.items() if d in ("higher", "lower"))
 
 
 def parse_threshold(spec: str) -> Threshold:
