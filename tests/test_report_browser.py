@@ -253,3 +253,15 @@ def test_real_run_tables_hold_no_raw_json_and_fit_the_screen(real_report, watche
     assert last["x"] + last["width"] <= 1400  # the judge_rule column is not cut off
     assert page.locator("#kv-table tbody tr").count() >= 4  # K/V diagnostics of every FP8 path
     watched.check_clean()
+
+
+def test_real_run_shows_the_candidates_at_the_first_divergent_token(real_report, watched):
+    row = next(r for r in real_rows("texts") if r.get("candidates_at_divergence"))
+    stored = row["candidates_at_divergence"]
+    page = watched.open(real_report.parent / scenario_page_name(row["model"], row["scenario"]))
+    block = page.locator(f"#turn-{row['turn']} details.pathblock[data-path='{row['path']}']")
+    tables = block.locator("table.cands")
+    assert tables.count() == 2 and f"at token {stored['position']}" in block.locator(".candidates").inner_text()
+    assert block.locator("table.cands").nth(1).locator("tr.is-path").count() == 1  # the path's own token is listed
+    assert block.locator("table.cands tbody tr").count() == len(stored["reference"]) + len(stored["path"])
+    watched.check_clean()

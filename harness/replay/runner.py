@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from harness.analysis.candidates import candidates_at_divergence
 from harness.analysis.metrics import free_running, teacher_forced, teacher_forced_topk
 from harness.analysis.thresholds import ThresholdCheck
 from harness.records import encode_value
@@ -126,7 +127,8 @@ class Replay:
             reply = TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False)
             own.append(reply)
             values = dict(free_running(ref.token_ids, generation.token_ids))
-            tf_summary, tf_series = await self._teacher_forced(scenario, backend, reference, turn, reference_scores)
+            tf_summary, tf_series, candidates = await self._teacher_forced(
+                scenario, backend, reference, turn, reference_scores, values["first_divergent_token"])
             values.update(tf_summary)
             values.update(generation.metrics or {})
             if generation.prompt_tokens is not None:
@@ -136,10 +138,12 @@ class Replay:
             tables["series"] += [dict(self._key(scenario, backend.label, turn), series=name, values=series)
                                  for name, series in tf_series.items()]
             tables["texts"].append(self._text_row(scenario, backend.label, turn, reply, generation))
+            if candidates is not None:  # the next-token candidates where the reply first left the reference
+                tables["texts"][-1]["candidates_at_divergence"] = candidates
             tables["checks"] += self._checks(scenario, backend.label, turn, checks, values, tables["records"])
         await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)
 
-    async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores):
+    async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores, divergent_at=None):
         messages = _messages(scenario, reference, turn)
         target = reference[turn].token_ids
         if turn not in reference_scores:  # one reference scoring per turn, shared by all candidates
@@ -156,8 +160,8 @@ class Replay:
         elif ref_scores.top_logprobs is not None and path_scores.top_logprobs is not None:
             result = teacher_forced_topk(ref_scores.top_logprobs, path_scores.top_logprobs, target)
         else:
-            return {}, {}
-        return result.summary, result.series
+            return {}, {}, None
+        return result.summary, result.series, candidates_at_divergence(ref_scores, path_scores, divergent_at)
 
     # -- rows -----------------------------------------------------------------------------------------
     def _key(self, scenario: Scenario, path: str, turn: int | None) -> dict:

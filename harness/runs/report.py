@@ -141,6 +141,15 @@ class StoredRun:
         return out
 
     @cached_property
+    def vocabulary(self) -> dict[tuple[str, int], str]:
+        """(model, token id) -> its text, from every stored reply (the run stores no tokenizer)."""
+        out = {}
+        for (model, *_), row in self.texts.items():
+            for token_id, token in zip(row.get("token_ids") or [], row.get("tokens") or []):
+                out[(model, int(token_id))] = token
+        return out
+
+    @cached_property
     def turn_verdicts(self) -> dict[tuple, dict]:
         """(model, scenario, path, turn) -> verdict row."""
         return turn_verdicts(list(self.verdicts))
@@ -472,6 +481,7 @@ def path_block(run: StoredRun, model: str, scenario: str, path: str, turn: int, 
     finite = [v for v in kl if not math.isnan(v)]
     verdict = run.turn_verdicts.get((model, scenario, path, turn))
     return {"path": path, "row": row, "diverged_at": at, "identical": row is not None and at is None,
+            "candidates": candidate_view(run, model, (row or {}).get("candidates_at_divergence"), reference, row),
             "reference_tokens": reference_tokens, "path_tokens": token_view(row, at),
             "has_kl": bool(kl), "charts": [c for c in charts if c["points"] or c["marks"]],
             "kl_max": format_value(max(finite) if finite else None),
@@ -482,6 +492,27 @@ def path_block(run: StoredRun, model: str, scenario: str, path: str, turn: int, 
             "failed_checks": [c.get("message") for c in run.failed_checks(model, scenario, path)
                               if c.get("turn") == turn],
             "judges": judges_for(run, model, scenario, path, turn)}
+
+
+def candidate_view(run: StoredRun, model: str, stored: dict | None, reference: dict | None,
+                   row: dict | None) -> dict | None:
+    """The top next-token candidates of reference and path at the first divergent token, as probabilities,
+    the reference's own token and the path's marked."""
+    if not stored:
+        return None
+    at = stored["position"]
+    chosen = {"reference": (token_key(reference) or [None] * (at + 1))[at:at + 1],
+              "path": (token_key(row) or [None] * (at + 1))[at:at + 1]}
+
+    def side(name: str) -> list[dict]:
+        out = []
+        for token_id, logprob in stored[name]:
+            text = run.vocabulary.get((model, int(token_id)), f"\u27e8{token_id}\u27e9")
+            out.append({"text": text, "id": token_id, "p": "—" if logprob is None else f"{math.exp(logprob):.3f}",
+                        "is_reference": [token_id] == chosen["reference"], "is_path": [token_id] == chosen["path"]})
+        return out
+
+    return {"position": at, "reference": side("reference"), "path": side("path")}
 
 
 TOKEN_CHARTS = [("kl", "KL(reference || path)", "nats, log", True),
@@ -594,6 +625,15 @@ def manifest_view(manifest: dict) -> dict:
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
 
 
+def kl_mean_limit(verdicts) -> tuple[float, str] | None:
+    """The kl_mean limit the verdicts applied (a default or a --threshold), to draw on the plots."""
+    for row in verdicts:
+        for reason in row.get("reasons") or []:
+            if reason.get("metric") == "kl_mean" and isinstance(reason.get("limit"), (int, float)):
+                return float(reason["limit"]), str(reason.get("source") or "verdicts")
+    return None
+
+
 def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) -> Path:
     """Render `run_dir` (a stored run) into `out_dir` (default `run_dir/report`); return index.html's path."""
     from reports import plots
@@ -603,7 +643,8 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
-    figures = plots.run_plots(run.records, out, paths, verdicts=list(run.verdicts))
+    figures = plots.run_plots(run.records, out, paths, verdicts=list(run.verdicts),
+                              limit=kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
