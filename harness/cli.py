@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness.kv_paths.spec import PathSpecError
+from harness import __version__
+from harness.kv_paths.spec import DEFAULT_PATHS, PathSpecError
 from harness.records import scrub_credentials
 
 EPILOG = """\
@@ -46,6 +47,8 @@ def _bounded_int(low: int, high: int | None):
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the harness version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="replay scenarios and store a run", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,9 +56,16 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="local transformers model directory (repeatable); default: the bundled canaries")
     run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--select", action="append", metavar="TERMS",
+                     help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
+                          "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
+                          "matched against id, tags and kind; e.g. --select kind:recall,id:canary-arith-1")
+    run.add_argument("--models", action="append", metavar="LABELS",
+                     help="keep only the models with these labels (directory names, comma-separated), "
+                          "of --model or the bundled canaries; e.g. --models mla,hybrid")
     run.add_argument("--paths", default=None, metavar="SPECS",
-                     help="comma-separated KV path specs; bf16 is always added (noise floor). "
-                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2")
+                     help="comma-separated KV path specs (see below); bf16 is always added (noise floor). "
+                          "default: " + ", ".join(DEFAULT_PATHS.split(",")))
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
     run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
@@ -77,16 +87,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model with a KV path over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
     serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000)
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
                      help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--no-fail-on-verdict", action="store_true",
                      help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
-    report.add_argument("run", type=Path, metavar="RUN")
+    report.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
     report.add_argument("--out", type=Path, metavar="DIR", help="default: RUN/report")
     compare = commands.add_parser("compare", help="compare two stored runs; exit 1 on a regression (for CI)")
     compare.add_argument("run_a", type=Path, metavar="RUN_A", help="the baseline")
@@ -104,8 +115,9 @@ def _build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
     nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
     export = commands.add_parser("export", help="export a run's records as a table")
-    export.add_argument("run", type=Path, metavar="RUN")
-    export.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    export.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
+    export.add_argument("--format", choices=["csv", "parquet"], default="csv",
+                        help="csv (default) or parquet (needs pyarrow); one row per model, scenario, path, turn, metric")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
     return parser
 
@@ -195,16 +207,27 @@ def _raise_interrupt(signum, frame):
 def _progress(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="unit", desc="scenario x path", dynamic_ncols=True, file=sys.stderr)
+    # smoothing=0: the ETA uses the run's average rate so far. Units differ a lot in cost (a reference
+    # unit generates, a path unit also scores; models differ 2x), so a recent-rate ETA swings with each unit.
+    return tqdm(total=total, unit="unit", desc="scenario x path", dynamic_ncols=True, file=sys.stderr, smoothing=0)
+
+
+def _say(message: str) -> None:
+    """A harness warning during the run, printed above the progress bar (never through it)."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
     from harness.runs.status import run_exit_code
+    from harness.runs.library_log import quiet_libraries
     from harness.runs.store import RunStoreError
     from harness.replay.endpoint import PreflightError
     from harness.scenarios.load import ScenarioError
+    from harness.scenarios.select import select_models
 
     warnings, config = [], None
     if bool(args.reference) != bool(args.candidate):
@@ -225,8 +248,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
+        models = select_models(models, args.models or ())
         config = job.RunConfig(
-            models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+            models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
             out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
@@ -237,8 +261,8 @@ def _run(args: argparse.Namespace) -> int:
             thresholds=tuple(args.threshold or ()),
             command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
-        run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
-                              warn=lambda m: print(m, file=sys.stderr))
+        quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
+        run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
         return 2

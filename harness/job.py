@@ -15,23 +15,22 @@ from pathlib import Path
 
 import torch
 
+import harness
 from harness.analysis.metrics import noise_floor
-from harness.kv_paths.spec import KVPath, parse_paths
+from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import Replay
 from harness.run_inputs import check_run_inputs
 from harness.runs.gate import write_verdicts
 from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
 from harness.scenarios.load import Scenario, load_scenarios
+from harness.scenarios.select import select_scenarios
 from harness.types import Message
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CANARY_WEIGHTS = Path(__file__).resolve().parent / "canary" / "weights"
 CANARY_ARCHS = ("gqa", "mla", "hybrid")
 DEFAULT_SCENARIOS = REPO_ROOT / "scenarios" / "canary"
-# healthy paths only: a default run exits 0 on a sound install. The known-bad fp8_e4m3:warmup (scales from
-# one dummy pass) is the README's demonstration of a failing path (`--paths bf16,fp8_e4m3,fp8_e4m3:warmup`).
-DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2"
 RANDOM_MODEL_CACHE = Path.home() / ".cache" / "fp8-harness" / "random-models"
 
 
@@ -62,6 +61,7 @@ class RunConfig:
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
     thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
     scenario_ids: tuple[str, ...] = ()  # replay only these scenarios of the files (empty: all); the pytest plugin
+    select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -119,7 +119,7 @@ def _versions() -> dict:
     import transformers
 
     versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "harness": "0.1.0", "triton": None}
+                "transformers": transformers.__version__, "harness": harness.__version__, "triton": None}
     try:
         import triton
 
@@ -191,6 +191,7 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     scenarios = load_scenarios(list(config.scenario_paths))  # validates everything before any model loads
     if config.scenario_ids:
         scenarios = [s for s in scenarios if s.id in set(config.scenario_ids)]
+    scenarios = select_scenarios(scenarios, config.select)
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
     if config.reference_url:
@@ -263,7 +264,7 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
 
     done_before = len(store.read("done"))
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init) as pool:
+                                     initializer=_worker_init, initargs=(config.out,)) as pool:
         pending = {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
                    for directory in config.models}
         try:
@@ -281,11 +282,16 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
             raise
 
 
-def _worker_init() -> None:
+def _worker_init(run_dir: Path | None = None) -> None:
     """Model workers: one intra-op thread each, and they die with the parent (a killed run leaves no
-    orphan still writing into it)."""
+    orphan still writing into it). Library noise goes to the run's library.log, as in the parent."""
     import ctypes
     import signal
+
+    if run_dir is not None:
+        from harness.runs.library_log import quiet_libraries
+
+        quiet_libraries(run_dir)
 
     torch.set_num_threads(1)
     try:

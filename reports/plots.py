@@ -1,8 +1,15 @@
-"""Matplotlib plots for the run and compare reports, drawn from the tidy records table and saved as PNG."""
+"""Matplotlib plots for the run and compare reports, drawn from the tidy records table and saved as PNG.
+
+Every plot survives non-finite values: an inf KL is drawn as a marked point or bar end at the top of its
+axis with the word "inf", a NaN as an "x" on the axis; nothing is dropped silently and no axis scale is
+computed from them. Each saved figure notes the boxes of its texts and legends that fall outside the
+image (`outside`), so tests can check that labels are inside the picture, not only that a file exists.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -10,75 +17,162 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a display
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 REFERENCE = "reference"
 DPI = 90
 FAILURE_CHECKS = ("answer_correct", "rules_followed")
+KL_LIMIT = (0.05, "report default")  # kl_mean above which the report's levels call a cell bad
+VERDICT_COLOURS = {"pass": "#5aa469", "warn": "#e0b03c", "fail": "#d9534f", None: "#9aa3ad"}
+NONFINITE_COLOUR = "#c62828"
+
+
+def finite(values) -> np.ndarray:
+    array = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
+    return array[np.isfinite(array)]
 
 
 def _linthresh(values) -> float:
-    """Linear range of a symlog axis: below the smallest positive value, so zeros sit on the axis and
-    everything measured is on the log part (1e-4 when there is nothing positive)."""
-    positive = [v for v in values if v > 0]
-    return 10 ** math.floor(math.log10(min(positive))) if positive else 1e-4
-
-
-def _legend_below(ax) -> None:
-    """Legend under the axes, so it never hides a line."""
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    """Linear range of a symlog axis: below the smallest positive finite value, so zeros sit on the axis and
+    everything measured is on the log part (1e-4 when there is nothing positive and finite)."""
+    positive = finite(values)
+    positive = positive[positive > 0]
+    return float(10 ** math.floor(math.log10(positive.min()))) if len(positive) else 1e-4
 
 
 def _label(model: str, path: str, models: int) -> str:
     return path if models == 1 else f"{model} / {path}"
 
 
-def _save(fig, out_dir: Path, name: str, title: str, caption: str) -> dict:
-    fig.tight_layout()
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "x"
+
+
+def outside_boxes(fig) -> list[str]:
+    """Texts and legends (with text) whose drawn box leaves the figure: what a reader would see cut off."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    found = []
+    tick_labels, drawn_ticks = set(), []
+    for ax in fig.axes:  # an axis keeps labels of ticks beyond its limits; only those in view are drawn
+        for axis, (low, high) in ((ax.xaxis, sorted(ax.get_xlim())), (ax.yaxis, sorted(ax.get_ylim()))):
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                tick_labels |= {id(tick.label1), id(tick.label2)}
+                if low - 1e-9 * abs(high - low) <= tick.get_loc() <= high + 1e-9 * abs(high - low):
+                    drawn_ticks += [t for t in (tick.label1, tick.label2) if t.get_visible()]
+    artists = [t for t in fig.findobj(matplotlib.text.Text)
+               if t.get_visible() and id(t) not in tick_labels] + drawn_ticks
+    artists = [t for t in artists if t.get_text().strip()]
+    artists += [lg for ax in fig.axes if (lg := ax.get_legend()) is not None] + list(fig.legends)
+    for artist in artists:
+        box = artist.get_window_extent(renderer)
+        if box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1:
+            name = artist.get_text() if hasattr(artist, "get_text") else "legend"
+            found.append(f"{name!r} at {box.x0:.0f},{box.y0:.0f}-{box.x1:.0f},{box.y1:.0f} in {width:.0f}x{height:.0f}")
+    return found
+
+
+def _save(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
     fig.savefig(out_dir / name, dpi=DPI)
+    size = [int(round(v * DPI)) for v in fig.get_size_inches()]  # the PNG's pixels
+    outside = outside_boxes(fig)
+    texts = sorted({t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip()})
     plt.close(fig)
-    return {"file": name, "title": title, "caption": caption}
+    return {"file": name, "title": title, "caption": caption, "size": size, "outside": outside, "texts": texts,
+            **extra}
 
 
 def _metric(records: pd.DataFrame, metric: str) -> pd.DataFrame:
-    return records[(records.metric == metric) & (records.path != REFERENCE)].dropna(subset=["value"])
+    """Candidate rows of one metric; non-finite values kept (NaN only where nothing was stored)."""
+    return records[(records.metric == metric) & (records.path != REFERENCE)]
 
 
-def _by_turn(records: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Mean of a metric over scenarios, per (model, path) and turn."""
-    table = _metric(records, metric).groupby(["model", "path", "turn"], sort=False)["value"].mean().reset_index()
+def _by_turn(records: pd.DataFrame, metric: str, keys=("model", "path", "turn")) -> pd.DataFrame:
+    """Mean over scenarios per key; a group holding an inf is inf (the mean of it), a group of NaN only is NaN."""
+    table = _metric(records, metric).groupby(list(keys), sort=False)["value"].agg(
+        lambda v: v.mean() if v.notna().any() else math.nan).reset_index()
     return table.sort_values("turn", kind="stable")
 
 
-def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], style: dict | None = None,
-                       name: str = "divergence_vs_turn.png") -> dict | None:
-    panels = [m for m in ("kl_mean", "top1_agree") if (records.metric == m).any()]
-    if not panels:
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, metric in zip(axes[0], panels):
-        draw_by_turn(ax, records, metric, paths, style or {})
-    return _save(fig, out_dir, name, "Divergence against turn",
-                 "Mean teacher-forced KL and top-1 agreement over scenarios, per turn and path.")
+def mark_nonfinite(ax, xs, ys, colour, horizontal: bool = False) -> int:
+    """Draw each non-finite value at the top (inf) or the bottom (NaN, -inf) edge of the axes, labelled.
+    Returns how many were drawn."""
+    drawn = 0
+    transform = ax.get_xaxis_transform() if not horizontal else ax.get_yaxis_transform()
+    for x, y in zip(xs, ys):
+        if y is None or np.isfinite(y):
+            continue
+        edge, marker, word = (0.97, "^", "inf") if y == math.inf else (0.03, "x", "NaN" if np.isnan(y) else "-inf")
+        point = (x, edge) if not horizontal else (edge, x)
+        ax.plot(*point, marker=marker, color=NONFINITE_COLOUR, markersize=9, transform=transform, clip_on=False)
+        ax.annotate(word, point, xycoords=transform, textcoords="offset points", xytext=(5, -3),
+                    fontsize=7, color=NONFINITE_COLOUR)
+        drawn += 1
+    return drawn
 
 
-def draw_by_turn(ax, records: pd.DataFrame, metric: str, paths: list[str], style: dict, suffix: str = "",
-                 linthresh: float | None = None) -> None:
-    table = _by_turn(records, metric)
-    models = table["model"].nunique()
-    for (model, path), line in table.groupby(["model", "path"], sort=False):
-        colour = f"C{paths.index(path) % 10}" if path in paths else None
-        ax.plot(line["turn"], line["value"], marker="o", color=colour,
-                label=_label(model, path, models) + suffix, **style)
-    ax.set_xlabel("turn")
-    ax.set_ylabel(metric + (" (nats, symlog)" if metric.startswith("kl") else ""))
-    if metric.startswith("kl"):
-        ax.set_yscale("symlog", linthresh=linthresh or _linthresh(table["value"]))
-    if not table.empty:
-        ax.set_xticks(sorted(table["turn"].unique()))
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        _legend_below(ax)
+KL_LINEAR_BELOW = 1e-4  # nats: a KL this small is a rounding difference; it need not get log decades of its own
+
+
+def _kl_axis(ax, values, limit: float | None = None) -> None:
+    """KL is >= 0: symlog from 0, linear below max(1e-4, smallest positive value), up to above the largest
+    finite value (and the limit line), so bar and line heights read as decades, never as noise blown up."""
+    threshold = max(KL_LINEAR_BELOW, _linthresh(values))
+    ax.set_yscale("symlog", linthresh=threshold, linscale=0.5)
+    shown = finite(list(values) + ([limit] if limit else []))
+    top = max(float(shown.max()) if len(shown) else threshold, threshold) * 3
+    ax.set_ylim(0, top)
+    ax.set_ylabel(f"kl_mean (nats; linear below {threshold:g}, log above)", fontsize=8)
+
+
+def _threshold_line(ax, limit: tuple[float, str] | None, axis: str = "y") -> None:
+    if limit is None:
+        return
+    value, source = limit
+    line = ax.axhline if axis == "y" else ax.axvline
+    line(value, color="#d9534f", linestyle=":", linewidth=1.2, label=f"fail above {value:g} ({source})")
+
+
+# ---------------------------------------------------------------- run plots
+
+
+def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], limit=KL_LIMIT) -> list[dict]:
+    """One figure per model, one panel per scenario kind: mean kl_mean over that kind's scenarios per turn and
+    path, the kl_mean limit drawn. Kinds are kept apart: turn 2 of a recall chat is not turn 2 of a chat."""
+    table = _by_turn(records, "kl_mean", ("model", "kind", "path", "turn"))
+    out = []
+    for model, by_model in table.groupby("model", sort=True):
+        kinds = sorted(by_model["kind"].unique())
+        fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1.4, 3.6), squeeze=False, sharey=True)
+        for ax, kind in zip(axes[0], kinds):
+            part = by_model[by_model["kind"] == kind]
+            for path, line in part.groupby("path", sort=False):
+                colour = f"C{paths.index(path) % 10}" if path in paths else None
+                shown = line["value"].where(np.isfinite(line["value"]))
+                ax.plot(line["turn"], shown, marker="o", color=colour, label=path)
+                mark_nonfinite(ax, line["turn"], line["value"], colour)
+            _threshold_line(ax, limit)
+            ax.set_title(f"{kind} ({part['turn'].nunique()} turn(s))", fontsize=9)
+            ax.set_xlabel("turn")
+            ax.set_xticks(sorted(part["turn"].unique()))
+            ax.grid(alpha=0.3)
+        _kl_axis(axes[0][0], by_model["value"], limit=limit[0] if limit else None)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        for ax in axes[0][1:]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7.5, frameon=False)
+        fig.suptitle(f"{model}: divergence against turn, per scenario kind", fontsize=10)
+        fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(labels) / 3), 1, 0.95))
+        out.append(_save(fig, out_dir, f"divergence_vs_turn-{_slug(model)}.png", f"{model}: divergence against turn",
+                         "Mean teacher-forced KL per turn over the scenarios of each kind; the dotted line is the "
+                         "kl_mean limit. Red triangles: inf.", model=model))
+    return out
 
 
 def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]) -> dict | None:
@@ -88,92 +182,195 @@ def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]
         return None
     keys = ["model", "scenario", "path", "turn"]
     joined = kl[keys + ["value"]].merge(context[keys + ["value"]], on=keys, suffixes=("_kl", "_context"))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    models = joined["model"].nunique()
-    for (model, path), points in joined.groupby(["model", "path"], sort=False):
-        colour = f"C{paths.index(path) % 10}" if path in paths else None
-        ax.scatter(points["value_context"], points["value_kl"], color=colour, s=22,
-                   label=_label(model, path, models))
-    ax.set_yscale("symlog", linthresh=_linthresh(joined["value_kl"]))
-    ax.set_xlabel("context length at the turn (tokens)")
-    ax.set_ylabel("kl_mean (nats, symlog)")
-    ax.grid(alpha=0.3)
-    _legend_below(ax)
+    models = sorted(joined["model"].unique())
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 1, 3.8), squeeze=False, sharey=True)
+    for ax, model in zip(axes[0], models):
+        for path, points in joined[joined["model"] == model].groupby("path", sort=False):
+            colour = f"C{paths.index(path) % 10}" if path in paths else None
+            ax.scatter(points["value_context"], points["value_kl"].where(np.isfinite(points["value_kl"])),
+                       color=colour, s=20, label=path)
+            mark_nonfinite(ax, points["value_context"], points["value_kl"], colour)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("context tokens at the turn")
+        ax.margins(x=0.08)
+        ax.grid(alpha=0.3)
+    _kl_axis(axes[0][0], joined["value_kl"])
+    handles, labels = {}, []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7.5,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(handles) / 3), 0.98, 1))
     return _save(fig, out_dir, "divergence_vs_context.png", "Divergence against context length",
-                 "Teacher-forced KL per turn against the context length the turn was generated at.")
+                 "Teacher-forced KL per turn against the context length the turn was generated at, per model.")
 
 
-def sensitivity_table(records: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, path): mean KL and the fraction of checked turns that failed, most sensitive first."""
-    kl = _metric(records, "kl_mean").groupby(["model", "path"])["value"].mean().rename("kl_mean")
-    checks = records[records.metric.isin(FAILURE_CHECKS) & (records.path != REFERENCE)].dropna(subset=["value"])
-    failed = (checks.assign(failed=checks["value"] < 1).groupby(["model", "path"])["failed"].mean()
-              .rename("failure_rate"))
-    table = pd.concat([kl, failed], axis=1).reset_index()
-    return table.sort_values(["failure_rate", "kl_mean"], ascending=True, na_position="first")
+def verdict_table(verdicts: list[dict]) -> pd.DataFrame:
+    """Per (model, path): the worst verdict and the fraction of turns that failed."""
+    if not verdicts:
+        return pd.DataFrame(columns=["model", "path", "verdict", "failure_rate"])
+    table = pd.DataFrame([{"model": r["model"], "path": r["path"], "verdict": r["verdict"]} for r in verdicts])
+    rank = table["verdict"].map({"pass": 0, "warn": 1, "fail": 2})
+    worst = table.assign(rank=rank).groupby(["model", "path"])["rank"].max().map({0: "pass", 1: "warn", 2: "fail"})
+    rate = (table["verdict"] == "fail").groupby([table["model"], table["path"]]).mean()
+    return pd.concat([worst.rename("verdict"), rate.rename("failure_rate")], axis=1).reset_index()
 
 
-def sensitivity_ranking(records: pd.DataFrame, out_dir: Path) -> dict | None:
-    table = sensitivity_table(records)
+def sensitivity_table(records: pd.DataFrame, verdicts: list[dict] | None = None) -> pd.DataFrame:
+    """Per (model, path): mean KL, the verdict and the fraction of turns that failed, most sensitive first.
+    Without verdicts the failure rate is that of the task checks (answer_correct, rules_followed)."""
+    kl = _metric(records, "kl_mean").groupby(["model", "path"])["value"].agg(
+        lambda v: v.mean() if v.notna().any() else math.nan).rename("kl_mean")
+    judged = verdict_table(verdicts or [])
+    if len(judged):
+        table = pd.concat([kl, judged.set_index(["model", "path"])], axis=1).reset_index()
+    else:
+        checks = records[records.metric.isin(FAILURE_CHECKS) & (records.path != REFERENCE)].dropna(subset=["value"])
+        failed = (checks.assign(failed=checks["value"] < 1).groupby(["model", "path"])["failed"].mean()
+                  .rename("failure_rate"))
+        table = pd.concat([kl, failed], axis=1).reset_index()
+        table["verdict"] = None
+    order = table["kl_mean"].replace(math.inf, 1e300).fillna(-1)
+    return table.assign(_order=order).sort_values(["failure_rate", "_order"], ascending=True,
+                                                  na_position="first").drop(columns="_order")
+
+
+def _bars(ax, y, values, colours, height=0.7, **style) -> None:
+    """Horizontal bars of positive values on a log axis, each labelled with its value; zeros, inf and NaN
+    are written out where a bar cannot show them."""
+    values = np.asarray(values, dtype=float)
+    shown = finite(values)
+    positive = shown[shown > 0]
+    floor = 10 ** math.floor(math.log10(positive.min())) / 3 if len(positive) else 1e-6
+    top = positive.max() * 30 if len(positive) else 1.0
+    lengths = [v if np.isfinite(v) and v > 0 else (top if v == math.inf else floor) for v in values]
+    ax.barh(y, [length - floor for length in lengths], left=floor, height=height, color=colours, **style)
+    ax.set_xscale("log")
+    ax.set_xlim(floor, top)
+    for yi, v, length in zip(y, values, lengths):
+        text = ("inf" if v == math.inf else "NaN (not measured)" if np.isnan(v) else "0" if v == 0
+                else f"{v:.2g}")
+        colour = NONFINITE_COLOUR if not np.isfinite(v) else "#1c2530"
+        ax.annotate(text, (min(length, top), yi), xytext=(-3 if v == math.inf else 3, 0), textcoords="offset points",
+                    ha="right" if v == math.inf else "left", va="center", fontsize=7, color=colour)
+
+
+def sensitivity_ranking(records: pd.DataFrame, out_dir: Path, verdicts: list[dict] | None = None) -> dict | None:
+    table = sensitivity_table(records, verdicts)
     if table.empty:
         return None
     models = table["model"].nunique()
     labels = [_label(m, p, models) for m, p in zip(table["model"], table["path"])]
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 0.45 * len(table) + 1.6), sharey=True)
-    axes[0].barh(labels, table["kl_mean"].fillna(0), color="C3")
-    axes[0].set_xscale("symlog", linthresh=_linthresh(table["kl_mean"].dropna()))
-    axes[0].set_xlabel("mean kl_mean (nats, symlog)")
-    axes[1].barh(labels, table["failure_rate"].fillna(0), color="C1")
+    colours = [VERDICT_COLOURS.get(v if isinstance(v, str) else None, VERDICT_COLOURS[None]) for v in table["verdict"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.36 * len(table) + 1.9), sharey=True,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    y = list(range(len(table)))
+    _bars(axes[0], y, table["kl_mean"], colours)
+    axes[0].set_yticks(y, labels, fontsize=8)
+    axes[0].set_xlabel("mean kl_mean over turns (nats, log scale; value at each bar)")
+    axes[1].barh(y, table["failure_rate"].fillna(0), color=colours, height=0.7)
     axes[1].set_xlim(0, 1)
-    axes[1].set_xlabel("fraction of checked turns failed")
+    axes[1].set_xlabel("fraction of turns failed" + (" (verdicts)" if table["verdict"].notna().any() else
+                                                     " (task checks)"))
     for ax in axes:
         ax.grid(alpha=0.3, axis="x")
+    handles = [Line2D([], [], color=c, linewidth=8, label=v) for v, c in VERDICT_COLOURS.items() if v]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False, title="verdict of the path",
+               title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.1 + 0.6 / (len(table) + 3), 1, 1))
     return _save(fig, out_dir, "sensitivity_ranking.png", "Sensitivity ranking of paths",
-                 "Paths ordered by failed checks, then by mean KL; the most sensitive at the top.")
+                 "Paths ordered by failed turns, then by mean KL, the most sensitive at the top; colour = the path's verdict.")
 
 
 def attention_error(records: pd.DataFrame, out_dir: Path) -> dict | None:
-    attn = records[records.metric.str.startswith("attn_") & (records.path != REFERENCE)].dropna(subset=["value"])
+    attn = records[records.metric.str.startswith("attn_") & (records.path != REFERENCE)]
     if attn.empty:
         return None
-    table = attn.groupby(["path", "metric"])["value"].max().unstack("metric")
-    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(table) + 1.6))
-    table.plot.barh(ax=ax)
+    models = attn["model"].nunique()
+    attn = attn.assign(label=[_label(m, p, models) for m, p in zip(attn["model"], attn["path"])])
+    table = attn.groupby(["label", "metric"])["value"].max().unstack("metric")
+    fig, ax = plt.subplots(figsize=(7.2, 0.45 * len(table) * max(1, len(table.columns) / 2) + 1.8))
+    shown = table.where(np.isfinite(table))
+    shown.plot.barh(ax=ax)
+    for row, label in enumerate(table.index):
+        mark_nonfinite(ax, [row] * len(table.columns), table.loc[label].to_numpy(float), None, horizontal=True)
     ax.set_xlabel("max over scenarios and turns")
     ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
     return _save(fig, out_dir, "attention_error.png", "Attention error",
                  "Largest attention error per path for each attn_ metric the run measured.")
 
 
-def run_plots(records: pd.DataFrame, out_dir: Path, paths: list[str]) -> list[dict]:
-    drawn = [divergence_vs_turn(records, out_dir, paths), divergence_vs_context(records, out_dir, paths),
-             sensitivity_ranking(records, out_dir), attention_error(records, out_dir)]
+def run_plots(records: pd.DataFrame, out_dir: Path, paths: list[str], verdicts: list[dict] | None = None,
+              limit=KL_LIMIT) -> list[dict]:
+    drawn = [*divergence_vs_turn(records, out_dir, paths, limit), divergence_vs_context(records, out_dir, paths),
+             sensitivity_ranking(records, out_dir, verdicts), attention_error(records, out_dir)]
     return [d for d in drawn if d is not None]
+
+
+# ---------------------------------------------------------------- compare plots
 
 
 def compare_plots(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list[str],
                   labels: tuple[str, str]) -> list[dict]:
-    """Run A dashed, run B solid, same colour per path: kl_mean and top1_agree by turn, and the ranking."""
-    panels = [m for m in ("kl_mean", "top1_agree") if (a.metric == m).any() or (b.metric == m).any()]
+    """kl_mean by turn (A dashed, B solid, colour = path; one panel per model) and mean KL per model/path."""
     out = []
-    if panels:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.8), squeeze=False)
-        for ax, metric in zip(axes[0], panels):
-            both = _linthresh(pd.concat([_by_turn(a, metric)["value"], _by_turn(b, metric)["value"]]))
-            draw_by_turn(ax, a, metric, paths, {"linestyle": "--", "alpha": 0.7}, f" (A {labels[0]})", both)
-            draw_by_turn(ax, b, metric, paths, {"linestyle": "-"}, f" (B {labels[1]})", both)
-        out.append(_save(fig, out_dir, "compare_by_turn.png", "Divergence against turn, A dashed, B solid",
-                         "Mean over scenarios per turn; same colour = same path."))
-    table = sensitivity_table(a).merge(sensitivity_table(b), on=["model", "path"], how="outer", suffixes=("_a", "_b"))
-    if not table.empty:
-        fig, ax = plt.subplots(figsize=(6.8, 0.5 * len(table) + 1.6))
-        y = range(len(table))
-        ax.barh([i + 0.2 for i in y], table["kl_mean_a"].fillna(0), height=0.4, label=f"A {labels[0]}", alpha=0.6)
-        ax.barh([i - 0.2 for i in y], table["kl_mean_b"].fillna(0), height=0.4, label=f"B {labels[1]}")
-        ax.set_yticks(list(y), table["path"])
-        ax.set_xscale("symlog", linthresh=_linthresh(pd.concat([table["kl_mean_a"], table["kl_mean_b"]]).dropna()))
-        ax.set_xlabel("mean kl_mean (nats, symlog)")
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(alpha=0.3, axis="x")
-        out.append(_save(fig, out_dir, "compare_sensitivity.png", "Mean KL per path, A and B", ""))
+    by_turn = compare_by_turn(a, b, out_dir, paths, labels)
+    if by_turn:
+        out.append(by_turn)
+    ranking = compare_sensitivity(a, b, out_dir, labels)
+    if ranking:
+        out.append(ranking)
     return out
+
+
+def compare_by_turn(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list[str],
+                    labels: tuple[str, str]) -> dict | None:
+    ta, tb = _by_turn(a, "kl_mean"), _by_turn(b, "kl_mean")
+    models = sorted(set(ta["model"]) | set(tb["model"]))
+    if not models:
+        return None
+    fig, axes = plt.subplots(1, len(models), figsize=(4.4 * len(models) + 1.2, 3.9), squeeze=False, sharey=True)
+    seen: dict[str, str] = {}
+    for ax, model in zip(axes[0], models):
+        for table, style in ((ta, {"linestyle": "--", "alpha": 0.75}), (tb, {"linestyle": "-"})):
+            for path, line in table[table["model"] == model].groupby("path", sort=False):
+                colour = seen.setdefault(path, f"C{paths.index(path) % 10}" if path in paths else f"C{len(seen) % 10}")
+                ax.plot(line["turn"], line["value"].where(np.isfinite(line["value"])), marker="o", color=colour,
+                        **style)
+                mark_nonfinite(ax, line["turn"], line["value"], colour)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    _kl_axis(axes[0][0], pd.concat([ta["value"], tb["value"]]))
+    handles = [Line2D([], [], color=c, linewidth=2, label=p) for p, c in seen.items()]
+    handles += [Line2D([], [], color="#555", linestyle="--", label=f"A {labels[0]}"),
+                Line2D([], [], color="#555", linestyle="-", label=f"B {labels[1]}")]
+    fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=7.5, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.05 * math.ceil(len(handles) / 3), 1, 1))
+    return _save(fig, out_dir, "compare_by_turn.png", "kl_mean against turn, A dashed, B solid",
+                 "Mean over scenarios per turn; one panel per model, colour = path.")
+
+
+def compare_sensitivity(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, labels: tuple[str, str]) -> dict | None:
+    table = sensitivity_table(a).merge(sensitivity_table(b), on=["model", "path"], how="outer", suffixes=("_a", "_b"))
+    if table.empty:
+        return None
+    table = table.sort_values(["model", "path"])
+    names = [f"{m} / {p}" for m, p in zip(table["model"], table["path"])]  # always with the model
+    fig, ax = plt.subplots(figsize=(8.4, 0.55 * len(table) + 1.9))
+    y = np.arange(len(table), dtype=float)
+    values = pd.concat([table["kl_mean_a"], table["kl_mean_b"]]).to_numpy(float)
+    _bars(ax, np.concatenate([y + 0.2, y - 0.2]), values, ["#9db7d5"] * len(table) + ["#1e6fd9"] * len(table),
+          height=0.38)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.set_xlabel("mean kl_mean (nats, log scale; value at each bar)")
+    ax.grid(alpha=0.3, axis="x")
+    handles = [Line2D([], [], color="#9db7d5", linewidth=8, label=f"A {labels[0]}"),
+               Line2D([], [], color="#1e6fd9", linewidth=8, label=f"B {labels[1]}")]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12 * 3 / (len(table) + 3), 1, 1))
+    return _save(fig, out_dir, "compare_sensitivity.png", "Mean KL per model and path, A and B", "")

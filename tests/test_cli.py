@@ -28,3 +28,160 @@ def test_export_and_report(tmp_path, capsys):
 def test_missing_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "not a stored run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 16: a CLI that selects, helps and stays quiet
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import tomllib  # noqa: E402
+
+import pytest  # noqa: E402
+
+import harness  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.kv_paths.spec import DEFAULT_PATHS  # noqa: E402
+from harness.runs.library_log import LOG_NAME, quiet_libraries  # noqa: E402
+from harness.scenarios.load import load_scenarios  # noqa: E402
+from harness.scenarios.select import select_models, select_scenarios  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY_SCENARIOS = ROOT / "scenarios" / "canary" / "default.yaml"
+
+
+def test_version_matches_the_package(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out.strip() == f"harness {project['version']}" == f"harness {harness.__version__}"
+
+
+def all_actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps them there
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for name, sub in action.choices.items():
+                yield from ((f"{name} {a.dest}", a) for a in sub._actions)  # noqa: SLF001
+        else:
+            yield action.dest, action
+
+
+def test_every_option_and_argument_has_help():
+    missing = [name for name, action in all_actions(cli._build_parser())
+               if not action.help and not isinstance(action, argparse._SubParsersAction)]  # noqa: SLF001
+    assert missing == []
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_paths_default_in_help_never_breaks_a_spec(columns, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    words = set(re.findall(r"[\w:]+", text))
+    assert set(DEFAULT_PATHS.split(",")) <= words  # each default spec whole on one line
+
+
+def test_compare_threshold_with_unknown_metric_lists_the_valid_ones(tmp_path, capsys):
+    assert main(["compare", str(RUNS / "baseline"), str(RUNS / "noise"), "--out", str(tmp_path),
+                 "--threshold", "klmax:0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown metric 'klmax'" in err
+    assert all(name in err for name in ("kl_max", "kl_mean", "top1_agree", "answer_correct"))
+
+
+@pytest.mark.parametrize("terms, ids", [
+    (["kind:recall"], ["canary-recall-1", "canary-recall-2", "canary-recall-3"]),
+    (["id:canary-arith-1,id:canary-needle-?"], ["canary-arith-1", "canary-needle-1", "canary-needle-2",
+                                                "canary-needle-3"]),
+    (["tag:long_context"], ["canary-needle-1", "canary-needle-2", "canary-needle-3"]),
+    (["chat", "id:canary-arith-2"], ["canary-arith-2", "canary-chat-1", "canary-chat-2", "canary-chat-3"]),
+    ([], None),
+])
+def test_select_scenarios_by_tag_id_or_kind(terms, ids):
+    scenarios = load_scenarios([CANARY_SCENARIOS])
+    picked = [s.id for s in select_scenarios(scenarios, terms)]
+    assert sorted(picked) == (ids or sorted(s.id for s in scenarios))
+
+
+@pytest.mark.parametrize("terms, message", [(["kind:recal"], "kind:recal matched no scenario"),
+                                            (["colour:red"], "unknown field 'colour'"), (["a,,b"], "empty term")])
+def test_a_selection_that_cannot_match_is_refused(terms, message):
+    with pytest.raises(ValueError, match=message):
+        select_scenarios(load_scenarios([CANARY_SCENARIOS]), terms)
+
+
+def test_run_refuses_a_selection_matching_nothing_before_any_model_loads(tmp_path, capsys):
+    code = main(["run", "--scenarios", str(CANARY_SCENARIOS), "--select", "tag:nope", "--out", str(tmp_path / "r"),
+                 "--no-progress", "--paths", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tag:nope matched no scenario" in err and "tags: " in err and "long_context" in err
+
+
+def test_select_models_by_label(tmp_path, capsys):
+    dirs = [tmp_path / "gqa", tmp_path / "mla", tmp_path / "hybrid"]
+    assert select_models(dirs, ["mla,hybrid"]) == (dirs[1], dirs[2])
+    assert select_models(dirs, []) == tuple(dirs)
+    with pytest.raises(ValueError, match="no model labelled mistral; the models are gqa, mla, hybrid"):
+        select_models(dirs, ["mistral"])
+    assert main(["run", "--models", "mistral", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "no model labelled mistral" in capsys.readouterr().err
+
+
+@pytest.fixture
+def restore_logging():
+    from transformers.utils import logging as hf_logging
+
+    from harness.runs.library_log import LIBRARY_LOGGERS
+
+    saved = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate) for name in LIBRARY_LOGGERS}
+    yield
+    logging.captureWarnings(False)
+    hf_logging.enable_progress_bar()
+    for name, (handlers, propagate) in saved.items():
+        logging.getLogger(name).handlers, logging.getLogger(name).propagate = handlers, propagate
+
+
+def test_library_noise_goes_to_the_run_log_not_the_terminal(tmp_path, capsys, restore_logging):
+    run_dir = tmp_path / "run"
+    quiet_libraries(run_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers.modeling_utils").warning("falling back to the torch implementation")
+    logging.getLogger("py.warnings").warning("a deprecation")  # what warnings.warn becomes
+    run_dir.mkdir()  # the store creates it after the first messages
+    hf_logging.get_logger("transformers.modeling_utils").warning("loaded")
+    assert capsys.readouterr().err == ""
+    log = (run_dir / LOG_NAME).read_text()
+    assert "falling back to the torch implementation" in log and "a deprecation" in log and "loaded" in log
+    assert hf_logging.is_progress_bar_enabled() is False  # no weight-loading bars under ours
+
+
+def eta_swing(bar, costs: list[float]) -> float:
+    """Largest relative jump of the predicted run length between two updates, units costing `costs` seconds."""
+    clock = [0.0]
+    bar._time = lambda: clock[0]  # noqa: SLF001 - tqdm reads its clock here
+    bar.start_t = bar.last_print_t = 0.0
+    etas = []
+    for cost in costs:
+        clock[0] += cost
+        bar.update(1)
+        d = bar.format_dict
+        rate = d["rate"] or d["n"] / d["elapsed"]
+        etas.append((d["total"] - d["n"]) / rate + d["elapsed"])  # predicted total duration
+    bar.close()
+    settled = etas[len(costs) // 3:-1]  # once a third of the run is done
+    return max(abs(b / a - 1) for a, b in zip(settled, settled[1:]))  # largest jump between two updates
+
+
+def test_eta_uses_the_average_rate_of_the_run(monkeypatch):
+    from tqdm import tqdm
+
+    # reference units generate only; path units generate and score; models differ ~2x (BENCHMARKS.md)
+    # per model, scenario after scenario: a reference unit, then 5 path units (the last one, a broken path, ends early)
+    costs = [c * scale for scale in (1.0, 2.2, 2.4) for _ in range(6) for c in (1.0, 2.0, 2.2, 2.3, 2.3, 0.9)]
+    monkeypatch.setattr(cli.sys, "stderr", open("/dev/null", "w"))
+    ours = eta_swing(cli._progress(len(costs)), costs)
+    default = eta_swing(tqdm(total=len(costs), file=cli.sys.stderr, mininterval=0), costs)
+    assert ours < 0.1 and default > 3 * ours, (ours, default)  # the predicted run length holds steady

@@ -43,7 +43,7 @@ def pages(report: Path) -> dict[str, str]:
 def test_report_files(baseline_report):
     names = {p.name for p in baseline_report.parent.iterdir()}
     assert baseline_report.name == "index.html"
-    assert {"divergence_vs_turn.png", "divergence_vs_context.png", "sensitivity_ranking.png",
+    assert {"divergence_vs_turn-canary-mla.png", "divergence_vs_context.png", "sensitivity_ranking.png",
             "attention_error.png"} <= names
     assert len([n for n in names if n.startswith("scenario-")]) == 3
 
@@ -70,12 +70,18 @@ def test_only_the_reports_own_script_may_run(baseline_report):
         assert re.search(r"(src|href)=\"(https?:)?//", text) is None, name  # nothing from the network
 
 
-def test_headline_names_the_failing_cells(baseline_report):
+def section(index: str, start: str, end: str) -> str:
+    at = index.index(start)
+    return index[at:index.index(end, at)]
+
+
+def test_headline_is_the_verdict_matrix_and_lists_every_failing_turn(baseline_report):
     index = pages(baseline_report)["index.html"]
-    headline = index[index.index('id="headline"'):index.index("</div>", index.index('id="headline"'))]
-    assert "chat-xss-0001</a> on <b>fp8_e4m3</b>" in headline
-    assert "recall-0001</a> on <b>fp8_e4m3</b>" in headline
-    assert "fp8_e4m3:per_head:calibrated" not in headline
+    matrix = section(index, 'id="verdict-matrix"', "</table>")
+    cells = dict(re.findall(r'data-path="([^"]+)" title="[^"]*"><b>(\w+)</b>', matrix))
+    assert cells == {"bf16": "pass", "fp8_e4m3:per_head:calibrated": "pass", "fp8_e4m3": "fail"}
+    failing = section(index, 'id="failing-turns"', "</details>")
+    assert "chat-xss-0001</a>" in failing and "recall-0001</a>" in failing  # every failing turn, none cut
 
 
 def test_summary_grades_with_direction():
@@ -137,3 +143,123 @@ def test_export_rejects_unknown_format(tmp_path):
                                          (0.01234, "0.012"), (2.5e-5, "2.5e-05")])
 def test_format_value(value, text):
     assert format_value(value) == text
+
+
+# ---------------------------------------------------------------- issue 16
+
+import json  # noqa: E402
+import math  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from harness.runs.compare import compare_runs, metric_rows  # noqa: E402
+from harness.runs.report import readable  # noqa: E402
+from reports import plots  # noqa: E402
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_test_runs_use_the_files_and_fields_a_real_run_writes():
+    """tests/data/runs/real comes from an actual `harness run` (tests/data/make_real_run.py); the synthetic
+    runs must not name a file or a field the real writer does not, or the reader is tested on a fiction."""
+    real = {p.name for p in (RUNS / "real").iterdir()}
+    # written only when there is something to write (no scenario thresholds, no errors in the real run):
+    # their fields are checked against docs/CONTRACTS.md instead
+    contract = (Path(__file__).parents[1] / "docs" / "CONTRACTS.md").read_text()
+    documented = {name: set(re.findall(r'"(\w+)"', re.search(rf"`{name}`: [^\n]*", contract).group(0)))
+                  for name in ("checks.jsonl", "errors.jsonl")}
+    for run in ("baseline", "noise", "regressed"):
+        files = {p.name for p in (RUNS / run).iterdir()}
+        assert files - real <= set(documented), files - real
+        for name in files - {"manifest.json"}:
+            real_keys = (set().union(*[row.keys() for row in jsonl(RUNS / "real" / name)] or [set()])
+                         if name in real else documented[name])
+            keys = set().union(*[row.keys() for row in jsonl(RUNS / run / name)] or [set()])
+            assert keys <= real_keys, (run, name, keys - real_keys)
+    assert len(load_run(RUNS / "real").judges) == len(jsonl(RUNS / "real" / "judgements.jsonl")) > 0
+
+
+def test_judge_reasons_of_a_real_run_reach_its_scenario_pages(tmp_path):
+    index = render_run_report(RUNS / "real", tmp_path)
+    text = "\n".join(html.unescape(p.read_text()) for p in index.parent.glob("scenario-*.html"))
+    reasons = {r["reason"] for r in jsonl(RUNS / "real" / "judgements.jsonl") if r.get("reason")}
+    assert reasons and all(reason in text for reason in reasons)
+
+
+def inf_records() -> pd.DataFrame:
+    """Two models; one path's KL is inf on every turn (its only positive values), one metric only NaN."""
+    rows = []
+    for model in ("gqa", "mla"):
+        for path, kl in (("bf16", 0.0), ("fp8_e4m3", math.inf), ("fp8_e5m2", 1e-5)):
+            for kind, turns in (("chat", 3), ("arithmetic", 1)):
+                for turn in range(turns):
+                    base = {"model": model, "scenario": f"{kind}-1", "scenario_hash": kind, "kind": kind,
+                            "tags": [], "path": path, "turn": turn}
+                    rows += [base | {"metric": "kl_mean", "value": kl},
+                             base | {"metric": "context_tokens", "value": 50.0 + 20 * turn},
+                             base | {"metric": "answer_correct", "value": float(kl < 1)},
+                             base | {"metric": "attn_out_rel_err", "value": math.nan if kl else 0.0}]
+    return pd.DataFrame(rows)
+
+
+def test_plots_survive_inf_and_nan_and_say_so(tmp_path):
+    records = inf_records()
+    only_inf = records[(records.metric == "kl_mean") & (records.path == "fp8_e4m3")].copy()
+    figures = plots.run_plots(records, tmp_path, ["bf16", "fp8_e4m3", "fp8_e5m2"])
+    figures += plots.run_plots(only_inf, tmp_path / "only-inf" if (tmp_path / "only-inf").mkdir() is None else None,
+                               ["fp8_e4m3"])
+    figures += plots.compare_plots(records, only_inf, tmp_path, ["bf16", "fp8_e4m3"], ("a", "b"))
+    by_file = {f["file"]: f for f in figures}
+    for name in ("divergence_vs_turn-gqa.png", "sensitivity_ranking.png", "compare_by_turn.png",
+                 "compare_sensitivity.png"):
+        assert "inf" in by_file[name]["texts"], name  # drawn and labelled, never dropped
+    assert all(f["outside"] == [] for f in figures), [f["outside"] for f in figures]
+    assert all((tmp_path / f["file"]).is_file() or (tmp_path / "only-inf" / f["file"]).is_file() for f in figures)
+
+
+def test_outside_boxes_sees_a_legend_cut_off():
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="a long legend entry that will not fit")
+    ax.legend(loc="center right", bbox_to_anchor=(-0.2, 0.5))
+    assert plots.outside_boxes(fig)
+    ax.legend(loc="upper left")
+    assert plots.outside_boxes(fig) == []
+    plt.close(fig)
+
+
+def test_kl_bars_show_small_values_at_their_size_and_colour_by_verdict(tmp_path):
+    records = inf_records()
+    verdicts = [{"model": m, "scenario": "chat-1", "path": p, "turn": 0, "reasons": [],
+                 "verdict": {"bf16": "pass", "fp8_e4m3": "fail", "fp8_e5m2": "pass"}[p]}
+                for m in ("gqa", "mla") for p in ("bf16", "fp8_e4m3", "fp8_e5m2")]
+    table = plots.sensitivity_table(records, verdicts)
+    assert list(table["verdict"].iloc[-2:]) == ["fail", "fail"]  # the most sensitive on top, failing
+    figure = plots.sensitivity_ranking(records, tmp_path, verdicts)
+    assert "1e-05" in figure["texts"] and "0" in figure["texts"] and "inf" in figure["texts"]
+
+
+def test_compare_says_inconclusive_with_the_scenarios_and_the_sample_size():
+    result = compare_runs(RUNS / "baseline", RUNS / "regressed", n_boot=500)
+    rows = {(r["path"], r["metric"]): r for r in metric_rows(result.metrics, result.pairs)}
+    kl = rows[("fp8_e4m3:per_head:calibrated", "kl_mean")]
+    assert kl["flag"] == "inconclusive (n=3)" and kl["changed"]
+    assert re.fullmatch(r"about \d+ scenarios at this spread", kl["needed"])
+    assert kl["evidence"][0]["scenario"] == "recall-0001" and kl["evidence"][0]["worse"]
+    assert all(r["flag"] in ("within noise", "unchanged") for r in rows.values() if not r["changed"])
+    quiet = compare_runs(RUNS / "baseline", RUNS / "noise", n_boot=500)
+    assert not [r for r in metric_rows(quiet.metrics, quiet.pairs) if r["flag"].startswith("inconclusive")
+                and r["path"] == "bf16"]
+
+
+def test_manifest_values_read_as_text_not_json():
+    assert readable({"source": "calibrated", "layers": [0, 1, 2, 3], "k_scale": {"max": 0.5}}) == \
+        "source: calibrated; layers: 0–3 (4); k_scale: max: 0.500"
+    assert readable(["a", "b"]) == "a, b" and readable(None) == "—"
+
+
+def test_fp8_divergence_informs_and_only_bf16_divergence_is_red():
+    rows = {(r["scenario"], r["path"]): r for r in summary_rows(load_run(RUNS / "baseline"))}
+    assert rows[("recall-0001", "fp8_e4m3")]["divergence"]["state"] == "none"
+    assert rows[("recall-0001", "fp8_e4m3")]["worst"] == "bad"  # the verdict colours the row

@@ -327,3 +327,20 @@ def test_scenario_checks_itself_when_built_by_hand():
         Scenario(id="x", kind="essay", turns=(Turn("hi"),))
     with pytest.raises(ValueError, match="field 'turns'"):
         Scenario(id="x", kind="chat", turns=())
+
+
+@pytest.mark.parametrize("chars, seed", [(300, 1832813), (301, 5), (40, 2)])
+def test_needle_at_the_end_follows_a_whole_sentence(chars, seed):
+    filler = filler_text(chars, seed)
+    text = insert_needle(filler, "The meeting is in room 768.", 1.0)
+    head, _, _ = text.rpartition("The meeting")
+    assert text.endswith("The meeting is in room 768.")
+    assert head == "" or head.endswith(". "), head[-30:]  # never glued onto a cut word ("While liThe")
+    assert head.strip() in filler
+
+
+def test_needle_inside_the_filler_starts_a_sentence():
+    filler = filler_text(800, 1563224)
+    text = insert_needle(filler, "The magic word is Hoanan.", 0.13)
+    before = text[:text.index("The magic word")]
+    assert before.endswith(". ") and filler.startswith(before)

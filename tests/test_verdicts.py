@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,9 +158,10 @@ def test_diagnosis_shows_the_first_divergent_token_in_both_texts():
     assert "first divergent token 3: reference 'The answer is[ 9]6' vs path 'The answer is[ 4]2'" in text
 
 
-def test_stored_run_without_verdicts_gets_them_on_the_fly():
-    run = ROOT / "tests" / "data" / "runs" / "baseline"
-    assert not (run / "verdicts.jsonl").exists()
+def test_stored_run_without_verdicts_gets_them_on_the_fly(tmp_path):
+    run = tmp_path / "baseline"  # a run stored before verdicts existed: no verdicts.jsonl
+    shutil.copytree(ROOT / "tests" / "data" / "runs" / "baseline", run)
+    (run / "verdicts.jsonl").unlink(missing_ok=True)
     rows = run_verdicts(run)
     assert rows and {r["verdict"] for r in rows} <= {"pass", "warn", "fail"}
     assert set(run_matrix(run)) == {r["model"] for r in rows}

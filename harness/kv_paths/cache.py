@@ -53,8 +53,12 @@ class LayerScales:
                 return {}
             return {"min": flat.min().item(), "max": flat.max().item(), "mean": flat.mean().item()}
 
+        def per_layer(scales: dict[int, torch.Tensor]) -> list[float]:  # largest scale of each layer
+            return [float(scales[layer].float().max()) for layer in sorted(scales)]
+
         return {"source": self.source, "provenance": self.provenance, "k_scale": stats(self.k),
-                "v_scale": stats(self.v), "layers": sorted(self.k)}
+                "v_scale": stats(self.v), "layers": sorted(self.k), "k_scale_per_layer": per_layer(self.k),
+                "v_scale_per_layer": per_layer(self.v)}
 
 
 class QuantizedKVLayer(DynamicLayer):

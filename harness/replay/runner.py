@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from harness.analysis.candidates import candidates_at_divergence
 from harness.analysis.metrics import SUMMARY_KEYS, free_running, teacher_forced, teacher_forced_topk
 from harness.analysis.thresholds import ThresholdCheck
 from harness.records import encode_value, encode_values, scrub_credentials
@@ -126,8 +127,8 @@ class Replay:
             reply = TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False)
             own.append(reply)
             values = dict(free_running(ref.token_ids, generation.token_ids))
-            tf_summary, tf_series, unavailable = await self._teacher_forced(scenario, backend, reference, turn,
-                                                                            reference_scores)
+            tf_summary, tf_series, unavailable, candidates = await self._teacher_forced(
+                scenario, backend, reference, turn, reference_scores, values["first_divergent_token"])
             values.update(tf_summary)
             values.update(generation.metrics or {})
             if generation.prompt_tokens is not None:
@@ -139,16 +140,18 @@ class Replay:
             tables["series"] += [{**self._key(scenario, backend.label, turn), "series": name, **encode_values(series)}
                                  for name, series in tf_series.items()]
             tables["texts"].append(self._text_row(scenario, backend.label, turn, reply, generation))
+            if candidates is not None:  # the next-token candidates where the reply first left the reference
+                tables["texts"][-1]["candidates_at_divergence"] = candidates
             tables["checks"] += self._checks(scenario, backend.label, turn, checks, values, tables["records"])
         await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)
 
-    async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores):
-        """(summary, series, None), or ({}, {}, why) when either side could not score: the turn keeps its
+    async def _teacher_forced(self, scenario, backend, reference, turn, reference_scores, divergent_at=None):
+        """(summary, series, None, candidates at the first divergent token), or ({}, {}, why, None) when either side could not score: the turn keeps its
         free-running metrics and records the teacher-forced ones as unavailable, with the reason."""
         try:
             scored = await self._scores(scenario, backend, reference, turn, reference_scores)
         except Exception as error:  # noqa: BLE001 - a scoring failure never costs the free-running metrics
-            return {}, {}, f"scoring failed: {type(error).__name__}: {error}"
+            return {}, {}, f"scoring failed: {type(error).__name__}: {error}", None
         ref_scores, path_scores = scored
         if ref_scores.logprobs is not None and path_scores.logprobs is not None:
             result = teacher_forced(ref_scores.logprobs, path_scores.logprobs, reference[turn].token_ids)
@@ -158,8 +161,9 @@ class Replay:
             reasons = [f"{side}: {scores.unavailable or 'no logprobs'}"
                        for side, scores in ((REFERENCE, ref_scores), (backend.label, path_scores))
                        if scores.logprobs is None and scores.top_logprobs is None]
-            return {}, {}, "; ".join(reasons) or "reference and path scores are of different kinds"
-        return result.summary, result.series, None
+            return {}, {}, "; ".join(reasons) or "reference and path scores are of different kinds", None
+        return (result.summary, result.series, None,
+                candidates_at_divergence(ref_scores, path_scores, divergent_at))
 
     async def _scores(self, scenario, backend, reference, turn, reference_scores):
         messages = _messages(scenario, reference, turn)

@@ -27,6 +27,7 @@ import pandas as pd
 
 from harness.analysis.verdicts import HEALTHY_SPREAD
 from harness.runs.gate import run_verdicts
+from harness.records import METRIC_DIRECTIONS
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -59,8 +60,8 @@ class Threshold:
 
     def __post_init__(self) -> None:
         if metric_direction(self.metric) is None:
-            raise ValueError(f"threshold {self.spec!r}: unknown metric {self.metric!r}; expected one of "
-                             "harness.records.METRIC_DIRECTIONS or a judge_*/attn_* metric")
+            raise ValueError(f"threshold {self.spec!r}: unknown metric {self.metric!r}; valid metrics: "
+                             f"{', '.join(threshold_metrics())}, or any judge_* / attn_* metric")
         if not math.isfinite(self.value):
             raise ValueError(f"threshold {self.spec!r}: value must be a finite number")
 
@@ -81,6 +82,11 @@ class Threshold:
         if (b > self.value) if lower else (b < self.value):
             return f"{self.metric} {format_value(b)} {'>' if lower else '<'} {format_value(self.value)}"
         return None
+
+
+def threshold_metrics() -> list[str]:
+    """The metric names a threshold may name (those with a better direction), for error messages."""
+    return sorted(m for m, d in METRIC_DIRECTIONS.items() if d in ("higher", "lower"))
 
 
 def parse_threshold(spec: str) -> Threshold:
@@ -319,7 +325,7 @@ class CompareResult:
         figures = plots.compare_plots(self.run_a.records, self.run_b.records, out, paths,
                                       (self.run_a.run_id, self.run_b.run_id))
         self.report_path = write_page(environment(), out, "compare.html", "compare.html", result=self,
-                                      metric_rows=metric_rows(self.metrics), cases=self.regressed_cases(),
+                                      metric_rows=metric_rows(self.metrics, self.pairs), cases=self.regressed_cases(),
                                       figures=figures)
         return self.report_path
 
@@ -341,16 +347,55 @@ def side_by_side(a: StoredRun, b: StoredRun, case: dict, names: tuple[dict, dict
             "missing": [side for side, t in (("A", text_a), ("B", text_b)) if t is None]}
 
 
-def metric_rows(metrics: pd.DataFrame) -> list[dict]:
+def metric_rows(metrics: pd.DataFrame, pairs: pd.DataFrame | None = None) -> list[dict]:
+    """The metric table as shown: regressed, improved, inconclusive first; each row labelled by what the
+    interval can say at this sample size, with the per-scenario evidence of rows that are not settled."""
     rows = []
     for r in metrics.to_dict("records"):
-        state = "bad" if r["regressed"] else "good" if r["improved"] else "none"
-        flag = ("regressed" if r["regressed"] else "improved" if r["improved"] else
-                "unchanged" if r["delta"] == 0 else "within noise")
+        flag, needed = metric_flag(r)
+        state = "bad" if r["regressed"] else "good" if r["improved"] else "warn" if flag.startswith("inconclusive") \
+            else "none"
         ci = "—" if math.isnan(r["ci_low"]) else f"[{format_value(r['ci_low'])}, {format_value(r['ci_high'])}]"
-        rows.append(r | {"state": state, "flag": flag, "ci": ci})
-    order = {"regressed": 0, "improved": 1, "within noise": 2, "unchanged": 3}
-    return sorted(rows, key=lambda r: (order[r["flag"]], r["model"], r["path"], r["metric"]))
+        evidence = scenario_evidence(pairs, r) if pairs is not None and state != "none" else []
+        rows.append(r | {"state": state, "flag": flag, "ci": ci, "needed": needed, "evidence": evidence,
+                         "changed": state != "none"})
+    order = {"bad": 0, "warn": 1, "good": 2, "none": 3}
+    return sorted(rows, key=lambda r: (order[r["state"]], r["model"], r["path"], r["metric"]))
+
+
+def metric_flag(row: dict) -> tuple[str, str]:
+    """(label, what would decide it). 'within noise' only when the whole interval sits inside the tolerance;
+    an interval that reaches past it is 'inconclusive (n=...)', with the number of scenarios at which an
+    interval of the same spread would settle the question (it narrows as 1/sqrt(n))."""
+    if row["regressed"]:
+        return "regressed", ""
+    if row["improved"]:
+        return "improved", ""
+    if row["delta"] == 0 and (math.isnan(row["ci_low"]) or row["ci_low"] == row["ci_high"] == 0):
+        return "unchanged", ""
+    n, tol = int(row["n_scenarios"]), row["tolerance"]
+    if math.isnan(row["ci_low"]):
+        return f"inconclusive (n={n})", "at least 2 paired scenarios give an interval"
+    if -tol <= row["ci_low"] and row["ci_high"] <= tol:
+        return "within noise", ""
+    half = (row["ci_high"] - row["ci_low"]) / 2
+    gap = abs(abs(row["delta"]) - tol)
+    if not math.isfinite(half) or gap == 0:
+        return f"inconclusive (n={n})", "more scenarios"
+    needed = math.ceil(n * (half / gap) ** 2)
+    return f"inconclusive (n={n})", f"about {needed} scenarios at this spread"
+
+
+def scenario_evidence(pairs: pd.DataFrame, row: dict) -> list[dict]:
+    """Per scenario (mean over its turns): A, B and the delta of one (model, path, metric), worst first."""
+    hit = pairs[(pairs.model == row["model"]) & (pairs.path == row["path"]) & (pairs.metric == row["metric"])]
+    if hit.empty:
+        return []
+    per = hit.groupby("scenario_b", sort=False)[["value_a", "value_b", "delta"]].mean().reset_index()
+    worse = per["delta"] if row["direction"] == "lower" else -per["delta"]
+    per = per.assign(worse=worse.fillna(0)).sort_values("worse", ascending=False)
+    return [{"scenario": e.scenario_b, "a": format_value(e.value_a), "b": format_value(e.value_b),
+             "delta": format_value(e.delta), "worse": bool(e.worse > 0)} for e in per.itertuples()]
 
 
 def compare_runs(run_a: Path | str, run_b: Path | str, out_dir: Path | str | None = None,

@@ -21,6 +21,16 @@ from pathlib import Path
 import pandas as pd
 
 from harness.records import METRIC_DIRECTIONS, decode_values
+from harness.runs.report_views import (
+    STATE,
+    case_verdicts,
+    kv_rows,
+    reason_text,
+    sparkline,
+    turn_verdicts,
+    verdict_matrix_view,
+    verdict_turns,
+)
 
 TEMPLATES = Path(str(importlib.resources.files("reports") / "templates"))  # shipped as package data
 REFERENCE = "reference"
@@ -89,9 +99,10 @@ class StoredRun:
     records: pd.DataFrame  # model scenario scenario_hash kind tags path turn metric value
     series: pd.DataFrame  # model scenario path turn series values
     texts: dict[tuple, dict]  # (model, scenario, path, turn) -> texts.jsonl row
-    judges: list[dict]  # judge verdict rows: key + metric, value, status, reason
+    judges: list[dict]  # judgements.jsonl: key + metric, value, status, reason, judge_model
     errors: list[dict]
     checks: list[dict]  # scenario threshold checks: key + metric, value, limit, passed, message
+    verdicts: list[dict] = ()  # verdicts.jsonl rows (key + verdict, reasons), or computed for an older run
 
     @property
     def run_id(self) -> str:
@@ -110,10 +121,9 @@ class StoredRun:
         return out
 
     @cached_property
-    def _kl(self) -> dict[tuple, list]:
-        kl = self.series[self.series["series"] == "kl"]
-        return {(m, s, p, int(t)): v for m, s, p, t, v in
-                kl[["model", "scenario", "path", "turn", "values"]].itertuples(index=False)}
+    def _series(self) -> dict[tuple, list]:
+        return {(m, s, p, int(t), name): v for m, s, p, t, name, v in
+                self.series[["model", "scenario", "path", "turn", "series", "values"]].itertuples(index=False)}
 
     @cached_property
     def _limits(self) -> dict[str, dict[str, float]]:
@@ -130,6 +140,20 @@ class StoredRun:
             out.setdefault((model, scenario), set()).add(int(turn))
         return out
 
+    @cached_property
+    def vocabulary(self) -> dict[tuple[str, int], str]:
+        """(model, token id) -> its text, from every stored reply (the run stores no tokenizer)."""
+        out = {}
+        for (model, *_), row in self.texts.items():
+            for token_id, token in zip(row.get("token_ids") or [], row.get("tokens") or []):
+                out[(model, int(token_id))] = token
+        return out
+
+    @cached_property
+    def turn_verdicts(self) -> dict[tuple, dict]:
+        """(model, scenario, path, turn) -> verdict row."""
+        return turn_verdicts(list(self.verdicts))
+
     def turns(self, model: str, scenario: str) -> list[int]:
         return sorted(self._turns.get((model, scenario), ()))
 
@@ -137,8 +161,11 @@ class StoredRun:
         return self._values.get((model, scenario, path, int(turn)), {})
 
     def kl_series(self, model: str, scenario: str, path: str, turn: int) -> list[float]:
-        values = self._kl.get((model, scenario, path, int(turn))) or []
-        return [math.nan if v is None else float(v) for v in values]
+        return self.series_values(model, scenario, path, turn, "kl")
+
+    def series_values(self, model: str, scenario: str, path: str, turn: int, name: str) -> list[float]:
+        """A per-token series; null entries (the store's NaN/inf without a text) read as NaN."""
+        return [decode_number(v) for v in self._series.get((model, scenario, path, int(turn), name)) or []]
 
     @cached_property
     def _failed(self) -> dict[tuple, list[dict]]:
@@ -189,11 +216,37 @@ def load_run(run_dir: Path | str) -> StoredRun:
     series = pd.DataFrame([{**row, "values": decode_values(row)} for row in read_jsonl(run_dir / "series.jsonl")],
                           columns=["model", "scenario", "path", "turn", "series", "values"])  # inf/nan restored
     texts = {(r["model"], r["scenario"], r["path"], int(r["turn"])): r for r in read_jsonl(run_dir / "texts.jsonl")}
-    return StoredRun(run_dir, manifest, records, series, texts, read_jsonl(run_dir / "judges.jsonl"),
-                     read_jsonl(run_dir / "errors.jsonl"), read_jsonl(run_dir / "checks.jsonl"))
+    # runs write judgements.jsonl (docs/CONTRACTS.md); judges.jsonl is the name reports once read
+    judges = read_jsonl(run_dir / "judgements.jsonl") or read_jsonl(run_dir / "judges.jsonl")
+    return StoredRun(run_dir, manifest, records, series, texts, judges, read_jsonl(run_dir / "errors.jsonl"),
+                     read_jsonl(run_dir / "checks.jsonl"), load_verdicts(run_dir))
+
+
+def load_verdicts(run_dir: Path) -> list[dict]:
+    """The run's verdict rows: verdicts.jsonl, or for a run made before verdicts existed, computed now by
+    the same function that writes them (harness.runs.gate); [] where that is not available."""
+    rows = read_jsonl(run_dir / "verdicts.jsonl")
+    if rows or (run_dir / "verdicts.jsonl").exists():
+        return rows
+    try:
+        from harness.runs.gate import run_verdicts
+    except ImportError:
+        return []
+    return run_verdicts(run_dir)
 
 
 # ---------------------------------------------------------------- values, levels, colours
+
+
+def decode_number(value) -> float:
+    """A stored number: float, null (NaN), or the store's text form of a non-finite value."""
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        return {"inf": math.inf, "-inf": -math.inf}.get(value, math.nan)
+    if isinstance(value, dict):  # {"value": null, "value_text": "inf"}
+        return decode_number(value.get("value_text") if value.get("value") is None else value.get("value"))
+    return float(value)
 
 
 def is_missing(value) -> bool:
@@ -318,7 +371,22 @@ def summary_rows(run: StoredRun) -> list[dict]:
                      "failed_checks": [{"metric": c.get("metric"), "message": c.get("message") or
                                         f"{c.get('metric')} failed"} for c in failed],
                      "page": scenario_page_name(model, scenario)})
+    add_verdicts(rows, case_verdicts(list(run.verdicts)))
     return sorted(rows, key=lambda r: (r["model"], r["scenario"], r["path"] != REFERENCE, r["path"]))
+
+
+def add_verdicts(rows: list[dict], verdicts: dict[tuple, dict]) -> None:
+    """The row's state is its verdict (worst over its turns) when the run has verdicts: one meaning of failure.
+    Without verdicts (a run the verdict function cannot read) the metric grades stand, labelled as such."""
+    for row in rows:
+        found = verdicts.get((row["model"], row["scenario"], row["path"]))
+        row["verdict_reasons"] = found["reasons"] if found else []
+        if found:
+            row["verdict"], row["worst"] = found["verdict"], found["state"]
+        else:
+            row["verdict"] = "reference" if row["path"] == REFERENCE else f"{row['worst']} (metrics)"
+            row["worst"] = "none" if row["path"] == REFERENCE else row["worst"]
+        row["worst_rank"] = {"none": -1, "good": 0, "warn": 1, "bad": 2}[row["worst"]]
 
 
 def first_divergences(records: pd.DataFrame) -> dict[tuple, tuple[int, int] | None]:
@@ -344,7 +412,8 @@ def first_divergence(hit: tuple[int, int] | None | bool, path: str, canonical: s
         return {"turn": None, "token": None, "text": "—", "state": "none", "sort": 1e9, "tip": "not measured"}
     turn, token = hit
     bf16 = canonical.startswith("bf16")  # a BF16 cache must be bit-identical to the reference (class 3)
-    return {"turn": turn, "token": token, "text": f"turn {turn}, token {token}", "state": "bad" if bf16 else "warn",
+    # an FP8 path may diverge and still pass: the cell informs (the verdict judges), only bf16 must not
+    return {"turn": turn, "token": token, "text": f"turn {turn}, token {token}", "state": "bad" if bf16 else "none",
             "sort": turn * 100_000 + token,
             "tip": ("a bf16 path must never diverge from the reference" if bf16 else
                     f"free-running reply first differs at turn {turn}, token {token}")}
@@ -401,17 +470,54 @@ def path_block(run: StoredRun, model: str, scenario: str, path: str, turn: int, 
     if row is None and reference is None:
         return None
     at = first_difference(token_key(reference), token_key(row)) if row is not None else None
-    ref_tokens = (reference or {}).get("tokens") or []
     kl = run.kl_series(model, scenario, path, turn)
-    strip = [{"colour": kl_colour(v), "tip": f"{i}: {ref_tokens[i] if i < len(ref_tokens) else '?'!r} "
-                                            f"KL {format_value(v)}"} for i, v in enumerate(kl)]
+    reference_tokens = token_view(reference, at)
+    for i, token in enumerate(reference_tokens):  # KL under the very token it was measured on
+        value = kl[i] if i < len(kl) else None
+        token["kl"] = None if value is None else {"colour": kl_colour(value), "text": format_value(value)}
+    charts = [{"name": name, "unit": unit, **sparkline(run.series_values(model, scenario, path, turn, series), at,
+                                                        format_value, log)}
+              for series, name, unit, log in TOKEN_CHARTS]
+    finite = [v for v in kl if not math.isnan(v)]
+    verdict = run.turn_verdicts.get((model, scenario, path, turn))
     return {"path": path, "row": row, "diverged_at": at, "identical": row is not None and at is None,
-            "reference_tokens": token_view(reference, at), "path_tokens": token_view(row, at),
-            "kl_strip": strip, "kl_max": format_value(max(kl) if kl else None),
+            "candidates": candidate_view(run, model, (row or {}).get("candidates_at_divergence"), reference, row),
+            "reference_tokens": reference_tokens, "path_tokens": token_view(row, at),
+            "has_kl": bool(kl), "charts": [c for c in charts if c["points"] or c["marks"]],
+            "kl_max": format_value(max(finite) if finite else None),
+            "verdict": None if verdict is None else {"verdict": verdict["verdict"],
+                                                     "state": STATE[verdict["verdict"]],
+                                                     "reasons": reason_text(verdict)},
             "checks": turn_checks(run, model, scenario, path, turn),
             "failed_checks": [c.get("message") for c in run.failed_checks(model, scenario, path)
                               if c.get("turn") == turn],
             "judges": judges_for(run, model, scenario, path, turn)}
+
+
+def candidate_view(run: StoredRun, model: str, stored: dict | None, reference: dict | None,
+                   row: dict | None) -> dict | None:
+    """The top next-token candidates of reference and path at the first divergent token, as probabilities,
+    the reference's own token and the path's marked."""
+    if not stored:
+        return None
+    at = stored["position"]
+    chosen = {"reference": (token_key(reference) or [None] * (at + 1))[at:at + 1],
+              "path": (token_key(row) or [None] * (at + 1))[at:at + 1]}
+
+    def side(name: str) -> list[dict]:
+        out = []
+        for token_id, logprob in stored[name]:
+            text = run.vocabulary.get((model, int(token_id)), f"\u27e8{token_id}\u27e9")
+            out.append({"text": text, "id": token_id, "p": "—" if logprob is None else f"{math.exp(logprob):.3f}",
+                        "is_reference": [token_id] == chosen["reference"], "is_path": [token_id] == chosen["path"]})
+        return out
+
+    return {"position": at, "reference": side("reference"), "path": side("path")}
+
+
+TOKEN_CHARTS = [("kl", "KL(reference || path)", "nats, log", True),
+                ("ref_logprob_delta", "change in the reference token's log-prob", "nats", False),
+                ("ref_rank", "rank of the reference token under the path", "0 = top", False)]
 
 
 def turn_checks(run: StoredRun, model: str, scenario: str, path: str, turn: int) -> list[dict]:
@@ -478,26 +584,54 @@ def scale_summary(summary) -> str:
     return "—" if summary is None else str(summary)
 
 
+def readable(value) -> str:
+    """A manifest value as text a reader scans: `key: value` pairs, lists joined, numbers formatted; no JSON."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool) or isinstance(value, str):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return format_value(value)
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {readable(v)}" for k, v in value.items()) or "—"
+    if isinstance(value, (list, tuple)):
+        if len(value) > 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+                and list(value) == list(range(value[0], value[0] + len(value))):
+            return f"{value[0]}–{value[-1]} ({len(value)})"  # layer lists: 0–5 (6)
+        return ", ".join(readable(v) for v in value) or "—"
+    return str(value)
+
+
 def manifest_view(manifest: dict) -> dict:
     """The manifest as tables: scales with their provenance, noise floor, models, scenarios, the rest."""
     scales = []
     for model, by_path in (manifest.get("scales") or {}).items():
         for path, described in (by_path or {}).items():
             described = described if isinstance(described, dict) else {"value": described}
-            rest = {k: v for k, v in described.items() if k not in ("source", "provenance", "k_scale", "v_scale")}
+            rest = {k: v for k, v in described.items() if k not in ("source", "provenance", "k_scale", "v_scale",
+                                                                    "k_scale_per_layer", "v_scale_per_layer")}
             scales.append({"model": model, "path": path, "source": described.get("source", "—"),
                            "provenance": described.get("provenance", ""),
                            "k_scale": scale_summary(described.get("k_scale")),
                            "v_scale": scale_summary(described.get("v_scale")),
-                           "detail": json.dumps(rest, sort_keys=True) if rest else ""})
+                           "detail": readable(rest)})
     noise = [{"model": m, "metric": k, "value": format_value(v), "zero": not v}
              for m, metrics in (manifest.get("noise_floor") or {}).items() for k, v in (metrics or {}).items()]
     shown = {"paths", "scales", "noise_floor", "models", "scenario_files", "versions", "scenarios", "warnings"}
-    fields = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in manifest.items() if k not in shown]
+    fields = [(k, readable(v)) for k, v in manifest.items() if k not in shown]
     return {"scales": scales, "noise": noise, "noise_zero": all(n["zero"] for n in noise), "fields": fields,
             "paths": manifest.get("paths", []), "models": manifest.get("models", []),
             "scenario_files": manifest.get("scenario_files", []), "scenarios": manifest.get("scenarios", []),
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
+
+
+def kl_mean_limit(verdicts) -> tuple[float, str] | None:
+    """The kl_mean limit the verdicts applied (a default or a --threshold), to draw on the plots."""
+    for row in verdicts:
+        for reason in row.get("reasons") or []:
+            if reason.get("metric") == "kl_mean" and isinstance(reason.get("limit"), (int, float)):
+                return float(reason["limit"]), str(reason.get("source") or "verdicts")
+    return None
 
 
 def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) -> Path:
@@ -509,7 +643,8 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
-    figures = plots.run_plots(run.records, out, paths)
+    figures = plots.run_plots(run.records, out, paths, verdicts=list(run.verdicts),
+                              limit=kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
@@ -520,7 +655,10 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
-                      metrics=metrics, figures=figures, manifest=manifest_view(run.manifest))
+                      metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
+                      matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name),
+                      verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
+                      kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value))
 
 
 # ---------------------------------------------------------------- export

@@ -31,12 +31,19 @@ def filler_text(n_chars: int, seed: int) -> str:
 
 
 def insert_needle(filler: str, needle: str, depth: float) -> str:
-    """Put `needle` at fraction `depth` (0 = start, 1 = end) of `filler`, at a sentence boundary."""
+    """Put `needle` at fraction `depth` (0 = start, 1 = end) of `filler`, at a sentence boundary.
+
+    The filler is cut at a fixed length, so it usually ends inside a sentence (even inside a word): at
+    depth 1.0 the needle goes after the last complete sentence and that fragment is dropped, so the needle
+    never joins a truncated word ("While liThe meeting ...").
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be within [0, 1], got {depth}")
+    if depth == 1.0:
+        end = filler.rstrip()
+        last = end.rfind(".") + 1  # 0 when the filler holds no full sentence: the needle alone
+        return f"{end[:last]} {needle}".strip()
     cut = int(len(filler) * depth)
     boundary = filler.rfind(". ", 0, cut)
     cut = 0 if boundary < 0 or depth == 0.0 else boundary + 2
-    if depth == 1.0:
-        cut = len(filler)
     return f"{filler[:cut]}{needle} {filler[cut:]}".strip()

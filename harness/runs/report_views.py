@@ -1,0 +1,146 @@
+"""What the run report shows beside its tables: the verdict matrix (model x path), every failing turn with
+its reasons, K/V-cache diagnostics, and the per-token views of a scenario page.
+
+The verdicts are the run's `verdicts.jsonl` rows (docs/CONTRACTS.md), the one meaning of failure that the
+summary, compare and the pytest plugin read too; nothing here grades a turn on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+
+VERDICTS = ("pass", "warn", "fail")
+STATE = {"pass": "good", "warn": "warn", "fail": "bad"}  # verdict -> the report's colour class
+KV_METRICS = ("kv_clipped_frac", "kv_amax_over_max", "kv_nonfinite")
+
+
+def worst_verdict(verdicts: Iterable[str]) -> str | None:
+    found = [v for v in verdicts if v in VERDICTS]
+    return max(found, key=VERDICTS.index) if found else None
+
+
+def reason_text(row: Mapping) -> str:
+    """Every reason of one verdict row, fail first, as one line."""
+    reasons = sorted(row.get("reasons") or [], key=lambda r: r.get("severity") != "fail")
+    return "; ".join(str(r.get("message") or r.get("check")) for r in reasons)
+
+
+def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callable[[str, str], str]) -> dict:
+    """Rows per model, one cell per candidate path: the worst verdict, counts and the worst turn's reason."""
+    grouped: dict[tuple, list[dict]] = defaultdict(list)
+    for row in verdicts:
+        grouped[(row["model"], row["path"])].append(row)
+    models = sorted({model for model, _ in grouped})
+    shown = [p for p in paths if any((m, p) in grouped for m in models)]
+    shown += sorted({p for _, p in grouped} - set(shown))
+    cells = {}
+    for (model, path), rows in grouped.items():
+        worst = max(rows, key=lambda r: (VERDICTS.index(r["verdict"]), len(r.get("reasons") or [])))
+        counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+        cells[(model, path)] = {"verdict": worst["verdict"], "state": STATE[worst["verdict"]], **counts,
+                                "turns": len(rows), "scenario": worst["scenario"], "turn": worst["turn"],
+                                "reason": reason_text(worst), "page": page_of(model, worst["scenario"])}
+    return {"models": models, "paths": shown, "cells": cells,
+            "failing": sum(c["verdict"] == "fail" for c in cells.values()),
+            "warning": sum(c["verdict"] == "warn" for c in cells.values())}
+
+
+def verdict_turns(verdicts: list[dict], page_of: Callable[[str, str], str]) -> list[dict]:
+    """Every (model, path) with a turn that failed or warned, each with all such turns and their reasons."""
+    grouped: dict[tuple, list[dict]] = defaultdict(list)
+    for row in verdicts:
+        if row["verdict"] != "pass":
+            grouped[(row["model"], row["path"])].append(row)
+    out = []
+    for (model, path), rows in sorted(grouped.items()):
+        rows = sorted(rows, key=lambda r: (-VERDICTS.index(r["verdict"]), r["scenario"], r["turn"] or 0))
+        out.append({"model": model, "path": path, "verdict": rows[0]["verdict"], "state": STATE[rows[0]["verdict"]],
+                    "turns": [{"scenario": r["scenario"], "turn": r["turn"], "verdict": r["verdict"],
+                               "state": STATE[r["verdict"]], "reasons": reason_text(r),
+                               "page": page_of(model, r["scenario"])} for r in rows]})
+    return sorted(out, key=lambda g: (-VERDICTS.index(g["verdict"]), g["model"], g["path"]))
+
+
+def case_verdicts(verdicts: list[dict]) -> dict[tuple, dict]:
+    """(model, scenario, path) -> worst verdict over its turns, and the reasons of the turns that did not pass."""
+    grouped: dict[tuple, list[dict]] = defaultdict(list)
+    for row in verdicts:
+        grouped[(row["model"], row["scenario"], row["path"])].append(row)
+    out = {}
+    for key, rows in grouped.items():
+        verdict = worst_verdict(r["verdict"] for r in rows)
+        reasons = [f"turn {r['turn']}: {reason_text(r)}" for r in rows if r["verdict"] != "pass"]
+        out[key] = {"verdict": verdict, "state": STATE[verdict], "reasons": reasons}
+    return out
+
+
+def turn_verdicts(verdicts: list[dict]) -> dict[tuple, dict]:
+    """(model, scenario, path, turn) -> the verdict row."""
+    return {(r["model"], r["scenario"], r["path"], r["turn"]): r for r in verdicts}
+
+
+# ---------------------------------------------------------------- K/V-cache diagnostics
+
+
+def kv_rows(records, scales: Mapping, fmt: Callable) -> list[dict]:
+    """Per (model, path): what the FP8 cast did (clipped fraction, amax over the format's max, non-finite
+    values read back; worst turn) and the per-layer scales the path used, from the manifest."""
+    kv = records[records.metric.isin(KV_METRICS)]
+    out = []
+    for (model, path), group in kv.groupby(["model", "path"], sort=True):
+        worst = group.groupby("metric")["value"].max()
+        cells = {}
+        for metric, bad_above in (("kv_clipped_frac", 0.0), ("kv_amax_over_max", 1.0), ("kv_nonfinite", 0.0)):
+            value = worst.get(metric)
+            missing = value is None or (isinstance(value, float) and math.isnan(value))
+            state = "none" if missing else "bad" if value > bad_above else "good"
+            cells[metric] = {"text": fmt(value), "state": state, "value": None if missing else value}
+        described = ((scales.get(model) or {}).get(path) or {})
+        out.append({"model": model, "path": path, "cells": cells,
+                    "layers": layer_scales(described, fmt)})
+    return out
+
+
+def layer_scales(described: Mapping, fmt: Callable) -> list[dict]:
+    """[{layer, k, v}] from a scales summary that lists them per layer (empty for older runs)."""
+    if not isinstance(described, Mapping):
+        return []
+    layers = described.get("layers") or []
+    k, v = described.get("k_scale_per_layer") or [], described.get("v_scale_per_layer") or []
+    return [{"layer": layer, "k": fmt(k[i]) if i < len(k) else "—", "v": fmt(v[i]) if i < len(v) else "—"}
+            for i, layer in enumerate(layers)]
+
+
+# ---------------------------------------------------------------- per-token views (scenario pages)
+
+SPARK_W, SPARK_H = 360, 46  # pixels of one inline chart
+
+
+def sparkline(values: list[float | None], marker: int | None, fmt: Callable, log: bool = False) -> dict:
+    """An inline SVG polyline of a per-token series: finite points joined, non-finite ones marked in red at
+    the top edge (never dropped), the first divergent token as a vertical line."""
+    n = len(values)
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if n == 0:
+        return {"points": "", "marks": [], "marker_x": None, "low": "—", "high": "—", "nonfinite": 0}
+
+    def scaled(v: float) -> float:
+        return math.log10(max(v, 1e-6)) if log else v
+
+    low = min(map(scaled, finite), default=0.0)
+    high = max(map(scaled, finite), default=1.0)
+    span = (high - low) or 1.0
+    step = SPARK_W / max(n - 1, 1)
+    points, marks = [], []
+    for i, v in enumerate(values):
+        x = round(i * step, 1)
+        if v is None or not math.isfinite(v):
+            marks.append({"x": x, "tip": f"token {i}: {fmt(v)}"})
+            continue
+        y = round(SPARK_H - 4 - (scaled(v) - low) / span * (SPARK_H - 8), 1)
+        points.append(f"{x},{y}")
+    return {"points": " ".join(points), "marks": marks, "nonfinite": len(marks),
+            "marker_x": None if marker is None or marker >= n else round(marker * step, 1),
+            "low": fmt(min(finite)) if finite else "—", "high": fmt(max(finite)) if finite else "—"}
