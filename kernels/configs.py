@@ -5,7 +5,8 @@ copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in
 (the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
-split-KV programs per SM the split plan aims for), block_h (MLA: heads per program).
+split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). MLA with >= 64 heads
+uses the `*_many_heads` entries. swap with prefetch is refused by the launchers (NaN on Triton 3.6).
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import functools
 
 import torch
 
-KINDS = ("gqa_fp8", "gqa_bf16", "mla_fp8", "mla_bf16")
+KINDS = ("gqa_fp8", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
 
 H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
-    "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),
+    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=2, block_h=16),
+    # >= 64 heads (DeepSeek-V3: 128): 64 heads per program, so each cache tile feeds 64 MMA rows
+    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+                               block_h=64),
+    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+                                block_h=64),
 }
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}

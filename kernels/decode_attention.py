@@ -227,6 +227,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if value is not None:
             cfg[key] = value
     block_n = cfg["block_n"]
+    assert not (cfg["swap"] and cfg["prefetch"]), \
+        "swap with prefetch is refused: it produced NaN on an H100 with Triton 3.6 (kernels/BENCHMARKS.md)"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     scales = [s for s in (k_scale, v_scale) if s is not None and fp8]

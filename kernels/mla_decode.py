@@ -166,13 +166,15 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
     device = q_latent.device
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
-    cfg = launch_config("mla_fp8" if fp8 else "mla_bf16", device)
+    cfg = launch_config(("mla_fp8" if fp8 else "mla_bf16") + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("block_h", block_h)):
         if value is not None:
             cfg[key] = value
     block_n, block_h = cfg["block_n"], cfg["block_h"]
+    assert not (cfg["swap"] and cfg["prefetch"]), \
+        "swap with prefetch is refused: it produced NaN on an H100 with Triton 3.6 (kernels/BENCHMARKS.md)"
     assert block_h >= 16 and block_h & (block_h - 1) == 0, f"block_h must be a power of two >= 16, got {block_h}"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"

@@ -31,10 +31,10 @@ MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap
                   for bn, w, st, pf, sw, bh in [(32, 8, 2, False, False, 16), (64, 8, 1, True, False, 16),
                                                 (64, 4, 2, False, True, 16), (64, 4, 3, False, True, 16),
                                                 (32, 4, 3, False, True, 16), (64, 8, 2, False, True, 16),
-                                                (128, 8, 2, False, True, 16), (64, 8, 1, True, True, 16),
+                                                
                                                 (32, 8, 2, False, False, 32), (32, 8, 2, False, False, 64),
                                                 (16, 8, 2, False, False, 64), (64, 4, 2, False, True, 32)]]
-PROGRAMS_PER_SM = (2, 4, 8)
+PROGRAMS_PER_SM = {"gqa": (4, 8, 16, 32), "mla": (2, 4, 8)}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -65,6 +65,11 @@ def _poison() -> None:
     torch.empty(1 << 26, device="cuda").fill_(float("nan"))
 
 
+def _nan_max(a: float, b: float) -> float:
+    """max that keeps NaN (Python's max(0.0, nan) is 0.0: an all-NaN output would pass)."""
+    return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def check_gqa(cfg: dict, fmt: str, qk_fp8: bool = False) -> float:
     """Kernel max error / torch bf16 SDPA max error, both against fp64 attention over the stored values."""
     lengths, page, hq, hkv, d = [1, 300, 4099, 77], 16, 32, 8, 128
@@ -84,9 +89,9 @@ def check_gqa(cfg: dict, fmt: str, qk_fp8: bool = False) -> float:
         truth = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v)
         sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k.bfloat16().transpose(0, 1)[None],
                                               v.bfloat16().transpose(0, 1)[None], scale=d ** -0.5)[0, :, 0]
-        worst = max(worst, (out[b].double() - truth).abs().max().item())
+        worst = _nan_max(worst, (out[b].double() - truth).abs().max().item())
         worst_torch = max(worst_torch, (sdpa.double() - truth).abs().max().item())
-    return worst / worst_torch if math.isfinite(worst) else float("inf")
+    return worst / worst_torch if math.isfinite(worst) else float("inf")   # NaN or inf: never <= 2
 
 
 def check_mla(cfg: dict, fmt: str, heads: int) -> float:
@@ -109,9 +114,9 @@ def check_mla(cfg: dict, fmt: str, heads: int) -> float:
         kk = torch.cat([c, pe], -1).bfloat16()[None, None].expand(1, heads, n, dc + dr)
         qq = torch.cat([ql[b], qp[b]], -1)[None, :, None]
         sdpa = F.scaled_dot_product_attention(qq, kk, c.bfloat16()[None, None].expand(1, heads, n, dc), scale=sm)[0, :, 0]
-        worst = max(worst, (out[b].double() - truth).abs().max().item())
+        worst = _nan_max(worst, (out[b].double() - truth).abs().max().item())
         worst_torch = max(worst_torch, (sdpa.double() - truth).abs().max().item())
-    return worst / worst_torch if math.isfinite(worst) else float("inf")
+    return worst / worst_torch if math.isfinite(worst) else float("inf")   # NaN or inf: never <= 2
 
 
 def _timer(kind: str, batch: int, ctx: int, mla_heads: int):
@@ -129,11 +134,11 @@ def _timer(kind: str, batch: int, ctx: int, mla_heads: int):
                                                                    programs_per_sm=pps, **cfg, **kw))
     page, dc, dr = 64, 512, 64
     shape = (batch * ctx // page, page, dc + dr)
-    dtype = torch.float8_e4m3fn if kind == "mla_fp8" else torch.bfloat16
-    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(16 if kind == "mla_fp8" else 1).to(dtype)
+    dtype = torch.float8_e4m3fn if "fp8" in kind else torch.bfloat16
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(16 if "fp8" in kind else 1).to(dtype)
     ql = torch.randn(batch, mla_heads, dc, device="cuda", dtype=torch.bfloat16)
     qp = torch.randn(batch, mla_heads, dr, device="cuda", dtype=torch.bfloat16)
-    s = torch.tensor(0.01, device="cuda") if kind == "mla_fp8" else None
+    s = torch.tensor(0.01, device="cuda") if "fp8" in kind else None
     table = torch.arange(batch * ctx // page, dtype=torch.int32, device="cuda").view(batch, -1)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return lambda cfg, pps: _ms(lambda: mla_decode(ql, qp, cache, table, lens, s, 0.072, programs_per_sm=pps, **cfg))
@@ -142,7 +147,7 @@ def _timer(kind: str, batch: int, ctx: int, mla_heads: int):
 def sweep(kind: str, batch: int = 8, ctx: int = 32768, mla_heads: int = 16) -> tuple[list[str], dict]:
     """Lines of the sweep table and the fastest correct configuration (with its programs_per_sm)."""
     gqa = kind.startswith("gqa")
-    fmt = "e4m3" if kind.endswith("fp8") else "bf16"
+    fmt = "e4m3" if "fp8" in kind else "bf16"
     candidates = GQA_CANDIDATES if gqa else MLA_CANDIDATES
     time_it = _timer(kind, batch, ctx, mla_heads)
     lines = [f"sweep {kind} batch {batch} ctx {ctx}{'' if gqa else f' heads {mla_heads}'}: config | err ratio | "
@@ -158,7 +163,7 @@ def sweep(kind: str, batch: int = 8, ctx: int = 32768, mla_heads: int = 16) -> t
             lines.append(f"  {cfg} | WRONG: error {ratio:.2f}x torch's")
             continue
         timings = []
-        for pps in PROGRAMS_PER_SM:
+        for pps in PROGRAMS_PER_SM["gqa" if gqa else "mla"]:
             ms = time_it(cfg, pps)
             timings.append(f"{pps}:{ms:.4f}")
             if ms < best[0]:
