@@ -11,14 +11,12 @@ rope 64, page 64, --mla-heads heads.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels import reference as ref
 from kernels.configs import KINDS
 from kernels.decode_attention import decode_attention
 from kernels.mla_decode import mla_decode
