@@ -142,11 +142,12 @@ def _timer(kind: str, batch: int, ctx: int, mla_heads: int):
     return lambda cfg, pps: _ms(lambda: mla_decode(ql, qp, cache, table, lens, s, 0.072, programs_per_sm=pps, **cfg))
 
 
-def sweep(kind: str, batch: int = 8, ctx: int = 32768, mla_heads: int = 16) -> tuple[list[str], dict]:
+def sweep(kind: str, batch: int = 8, ctx: int = 32768, mla_heads: int = 16,
+          candidates: list[dict] | None = None) -> tuple[list[str], dict]:
     """Lines of the sweep table and the fastest correct configuration (with its programs_per_sm)."""
     gqa = kind.startswith("gqa")
     fmt = "e4m3" if "fp8" in kind else "bf16"
-    candidates = GQA_CANDIDATES if gqa else MLA_CANDIDATES
+    candidates = candidates or (GQA_CANDIDATES if gqa else MLA_CANDIDATES)
     time_it = _timer(kind, batch, ctx, mla_heads)
     lines = [f"sweep {kind} batch {batch} ctx {ctx}{'' if gqa else f' heads {mla_heads}'}: config | err ratio | "
              f"programs/SM -> ms"]
@@ -192,11 +193,13 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--mla-heads", type=int, default=16)
     parser.add_argument("--qk-fp8", action="store_true", help="also measure the qk_fp8 option")
+    parser.add_argument("--first", type=int, default=0, help="only the first N candidates of each kind")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
     for kind in args.kinds.split(","):
-        lines, best = sweep(kind, args.batch, args.ctx, args.mla_heads)
+        pool = GQA_CANDIDATES if kind.startswith("gqa") else MLA_CANDIDATES
+        lines, best = sweep(kind, args.batch, args.ctx, args.mla_heads, pool[:args.first] if args.first else None)
         print("\n".join(lines), flush=True)
         torch.cuda.empty_cache()
     if args.qk_fp8:

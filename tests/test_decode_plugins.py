@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from harness.kv_paths.decode_kernels import KernelPluginError, resolve
 from harness.kv_paths.spec import PathSpecError, parse_path
