@@ -89,8 +89,9 @@ def _decode_attention_kernel(
         # FP8 straight to the tensor cores for Q.K: each query head quantised under its own scale
         # (amax / fp8 max); the scale is folded into the scores with k_scale. Extra error measured in tests.
         q_amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        q_s = tl.where(q_amax > 0, q_amax / FP8_MAX, 1.0)                                 # [BLOCK_G]
-        q = (q.to(tl.float32) / q_s[:, None]).to(K_CACHE.dtype.element_ty)
+        # IEEE division and round-to-nearest-even, as torch's amax / max and fp8 cast of q / q_s (tests mirror it)
+        q_s = tl.where(q_amax > 0, tl.math.div_rn(q_amax, tl.full([BLOCK_G], FP8_MAX, tl.float32)), 1.0)
+        q = tl.math.div_rn(q.to(tl.float32), q_s[:, None]).to(K_CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
         s_scale = s_scale * q_s
     if SWAP:
         q_t = tl.trans(q)                                                                  # [BLOCK_D, BLOCK_G]

@@ -191,21 +191,36 @@ def test_decode_attention_launch_configs(kern, config, fmt):
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"decode {config} lse")
 
 
-# qk_fp8: Q rounded to the cache's fp8 format (relative step 2^-4 for e4m3, 2^-3 for e5m2, against bf16's 2^-8)
-# before Q.K. Measured on an H100 (kernels/BENCHMARKS.md, kernels.tune --qk-fp8): 3.2-4.5x torch's bf16 error for
-# e4m3, 5.4-11.3x for e5m2; the tolerances are about 2x those, so the option's extra error stays bounded and named.
-QK_FP8_TOLERANCE = {"e4m3": 8.0, "e5m2": 24.0}
+def _qk_fp8_query(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What the qk_fp8 kernel multiplies: q (fp16) quantised per head under amax / fp8 max, as fp64 values."""
+    qf = q.half().float()
+    q_s = qf.abs().amax(dim=-1, keepdim=True) / ref.FP8_MAX[fmt]
+    q_s = torch.where(q_s > 0, q_s, torch.ones_like(q_s))
+    return ref.quantize(qf, q_s, fmt).double() * q_s.double()
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
 @pytest.mark.parametrize("config", [dict(swap=True, num_stages=3), dict(swap=False)], ids=str)
 def test_decode_attention_qk_fp8(kern, fmt, per_head, config):
+    """qk_fp8 computes attention of the fp8-rounded Q exactly as well as torch does (judged against fp64 attention
+    of that Q, relative to SDPA bf16 on the same Q); its extra error against the true Q is the option's cost,
+    printed by `python -m kernels.tune --qk-fp8` and recorded in kernels/BENCHMARKS.md, not bounded here."""
     case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, fmt, per_head=per_head)
     out, lse = kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
                                      case.k_scale, case.v_scale, case.sm_scale, qk_fp8=True, **config)
-    truth, _, torch_out = _gqa_truth_and_torch(case)
-    _assert_error_ratio(out, truth, torch_out, QK_FP8_TOLERANCE[fmt], f"qk_fp8 {fmt} {config}")
+    q8 = SimpleNamespace(**vars(case))
+    q8.q = _qk_fp8_query(case.q, fmt).to(torch.bfloat16)          # SDPA's view of that Q, rounded to bf16
+    _, _, torch_out = _gqa_truth_and_torch(q8)
+    q_exact = _qk_fp8_query(case.q, fmt).cuda()                    # fp64: the exact fp8 Q
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    outs = []
+    for b, (k, v) in enumerate(zip(case.k_dense, case.v_dense)):
+        k, v = k.cuda().repeat_interleave(group, 1), v.cuda().repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q_exact[b], k) * case.sm_scale
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+    truth = torch.stack(outs)
+    _assert_error_ratio(out, truth, torch_out, 2.0, f"qk_fp8 {fmt} {config}")
     assert out.isfinite().all() and lse.isfinite().all()
 
 
