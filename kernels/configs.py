@@ -21,7 +21,7 @@ H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
-    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=2, block_h=16),
+    "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),
     # >= 64 heads (DeepSeek-V3: 128): 64 heads per program, so each cache tile feeds 64 MMA rows
     "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
                                block_h=64),

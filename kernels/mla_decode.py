@@ -172,6 +172,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                        ("block_h", block_h)):
         if value is not None:
             cfg[key] = value
+    if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
+        cfg["swap"] = False
     block_n, block_h = cfg["block_n"], cfg["block_h"]
     assert not (cfg["swap"] and cfg["prefetch"]), \
         "swap with prefetch is refused: it produced NaN on an H100 with Triton 3.6 (kernels/BENCHMARKS.md)"

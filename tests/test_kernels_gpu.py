@@ -199,7 +199,7 @@ def _qk_fp8_query(q: torch.Tensor, fmt: str) -> torch.Tensor:
     return ref.quantize(qf, q_s, fmt).double() * q_s.double()
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", ["e4m3"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
 @pytest.mark.parametrize("config", [dict(swap=True, num_stages=3), dict(swap=False)], ids=str)
 def test_decode_attention_qk_fp8(kern, fmt, per_head, config):
@@ -222,6 +222,16 @@ def test_decode_attention_qk_fp8(kern, fmt, per_head, config):
     truth = torch.stack(outs)
     _assert_error_ratio(out, truth, torch_out, 2.0, f"qk_fp8 {fmt} {config}")
     assert out.isfinite().all() and lse.isfinite().all()
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "bf16"])
+def test_qk_fp8_needs_an_e4m3_cache(kern, fmt):
+    """e5m2 failed the qk_fp8 agreement test above with per-tensor scales on an H100 (2 of 4 e5m2 cases, swap
+    and plain; kernels/BENCHMARKS.md), so the launcher refuses it rather than run an option it cannot vouch for."""
+    case = _gqa_case([40], 16, 8, 2, 64, fmt, per_head=False)
+    with pytest.raises(AssertionError, match="qk_fp8 needs an e4m3 cache"):
+        kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, case.k_scale,
+                              case.v_scale, case.sm_scale, qk_fp8=True)
 
 
 def test_swap_with_prefetch_is_refused(kern):
