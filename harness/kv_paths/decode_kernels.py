@@ -43,10 +43,6 @@ class DecodeKernel:
         if self.decode_attention is None and self.mla_decode is None:
             raise KernelPluginError(f"decode kernel {self.name!r} provides neither decode_attention nor mla_decode")
 
-    @property
-    def builtin(self) -> bool:
-        return self.name in BUILTIN
-
 
 def check_name(name: str) -> str:
     """The name if it is well formed (a built-in or `package.module:attr`), else KernelPluginError. A user
