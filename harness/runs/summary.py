@@ -20,6 +20,7 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "kv_clipped_frac": ("clipped", "mean"),
     "kv_nonfinite": ("KV non-finite", "max"),  # shown only when some path read a NaN/inf back from its cache
     "kernel_err_ratio": ("kernel err / torch err", "max"),  # GPU runs: our decode kernel's agreement
+    "kernel_ms_per_step": ("kernel ms/step", "mean"),  # its time per decode call (plug-ins compared in one run)
 }
 SHOWN_WHEN_NONZERO = {"kv_nonfinite"}  # healthy runs are all zero there: no column to read past
 
