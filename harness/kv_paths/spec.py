@@ -1,8 +1,9 @@
 """KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`.
 
 Every combination of format and scale source is valid (failure class 5: never refuse a valid one).
-Only genuine contradictions are refused, with the reason: a dimension set twice, or per-token scales
-(computed from each token as it is written) combined with a stored scale source.
+Only genuine contradictions are refused, with the reason: a dimension set twice, per-token scales
+(computed from each token as it is written) combined with a stored scale source, or the
+`k_scale_on_scores` fault option (failure class 3 as a preset) on anything but a BF16 cache with scales.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ DIMENSIONS = {
     "scale_source": ("default", "calibrated", "checkpoint", "warmup"),
     "cast": ("sat", "nosat"),
     "prefill": ("quantized_prefill", "raw_prefill"),
+    # A fault preset, not a choice: a BF16 cache whose attention scores are multiplied by k_scale, as the
+    # SGLang MLA backend did with a checkpoint's scales (failure class 3). Correct BF16 paths ignore scales.
+    "scores": ("k_scale_on_scores",),
 }
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
@@ -39,6 +43,7 @@ class KVPath:
     # False: the chunk being prefilled attends to its own unquantised K/V (engines that run prefill
     # attention before the cache write); earlier tokens are always read back quantised.
     quantize_current_chunk: bool = True
+    k_scale_on_scores: bool = False  # failure class 3 reproduced: bf16 cache, scores times k_scale
 
     @property
     def is_fp8(self) -> bool:
@@ -47,7 +52,8 @@ class KVPath:
     @property
     def canonical(self) -> str:
         if not self.is_fp8:
-            return "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
+            base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
+            return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
         parts = [f"fp8_{self.fmt}", self.granularity]
         if self.granularity != "per_token":  # per-token scales are always dynamic
             parts.append(self.scale_source)
@@ -57,6 +63,9 @@ class KVPath:
         return ":".join(parts)
 
     def describe(self) -> str:
+        if self.k_scale_on_scores:
+            return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
+                    f"(fault preset: failure class 3)")
         if not self.is_fp8:
             note = "" if self.scale_source == "default" else f"; {self.scale_source} scales present and ignored"
             return f"bf16 cache (no quantisation{note})"
@@ -87,6 +96,8 @@ def parse_path(spec: str) -> KVPath:
         raise PathSpecError(
             f"KV path {spec!r}: per_token scales are computed from each token as it is written, so they "
             f"cannot also come from {source!r}; use per_tensor or per_head for {source!r} scales")
+    if "scores" in chosen:
+        _check_k_scale_on_scores(spec, FORMATS[head], source)
     return KVPath(
         name=text,
         fmt=FORMATS[head],
@@ -94,7 +105,20 @@ def parse_path(spec: str) -> KVPath:
         scale_source="dynamic" if granularity == "per_token" and FORMATS[head] != "bf16" else source,
         saturate=chosen.get("cast", "sat") == "sat",
         quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
+        k_scale_on_scores="scores" in chosen,
     )
+
+
+def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
+    if fmt != "bf16":
+        raise PathSpecError(
+            f"KV path {spec!r}: k_scale_on_scores reproduces failure class 3 (a BF16 cache whose attention "
+            f"scores are multiplied by k_scale) and applies only to a bf16 cache; an FP8 cache already applies "
+            f"k_scale where it belongs, when it dequantises. Use e.g. 'bf16:calibrated:k_scale_on_scores'")
+    if source == "default":
+        raise PathSpecError(
+            f"KV path {spec!r}: k_scale_on_scores needs scales to misapply, and the default scale 1.0 would "
+            f"change nothing; add a scale source: 'calibrated' or 'checkpoint'")
 
 
 def parse_paths(specs: str | list[str]) -> list[KVPath]:
