@@ -25,6 +25,8 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
                 warmup (one dummy pass, recurrent state uninitialised)
   cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
   prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
+  kernel=NAME   decode through: triton (default on CUDA) | dequant (dequantise-everything workaround) |
+                reference | package.module:function (your own; contract in docs/CONTRACTS.md)
 """
 
 

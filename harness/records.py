@@ -36,6 +36,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kernel_max_abs_err": "lower",       # max |kernel - fp64| over the turn's decode steps and layers
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
     "kernel_steps": "none",              # decode attention calls that ran through the kernel
+    "kernel_ms_per_step": "none",        # mean wall time of one decode-kernel call (device synchronised)
     # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
     "judge_rule": "higher",
     "judge_agreement": "higher",

@@ -20,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import is_fp8
+from kernels.configs import launch_config
+from kernels.reference import FP8_MAX, fp8_format, is_fp8
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
-# Launch configuration, swept on an H100 (kernels/BENCHMARKS.md): 128-token tiles, 4 warps, Triton's cp.async
-# pipeline, and enough splits for ~8 programs per SM (2-3 are resident at a time: more waves, smaller tail).
-BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM = 128, 4, 2, 8
+# Launch configurations (tile size, warps, pipeline, tokens-as-M "swap", programs per SM): kernels/configs.py.
 
 
 @triton.jit
@@ -62,7 +61,7 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SWAP: tl.constexpr, QK_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -85,9 +84,23 @@ def _decode_attention_kernel(
         qk_scale = sm_scale_log2 * tl.load(K_SCALE + kv_head * k_scale_stride)
         v_scale = tl.load(V_SCALE + kv_head * v_scale_stride)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)     # running max, base 2
-    l_i = tl.zeros([BLOCK_G], tl.float32)                   # running sum of 2^(s - m)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    s_scale = tl.zeros([BLOCK_G], tl.float32) + qk_scale                                  # per query head
+    if QK_FP8:
+        # FP8 straight to the tensor cores for Q.K: each query head quantised under its own scale
+        # (amax / fp8 max); the scale is folded into the scores with k_scale. Extra error measured in tests.
+        q_amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_s = tl.where(q_amax > 0, q_amax / FP8_MAX, 1.0)                                 # [BLOCK_G]
+        q = (q.to(tl.float32) / q_s[:, None]).to(K_CACHE.dtype.element_ty)
+        s_scale = s_scale * q_s
+    if SWAP:
+        q_t = tl.trans(q)                                                                  # [BLOCK_D, BLOCK_G]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)                                     # out transposed
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)     # running max, base 2
+        l_i = tl.zeros([BLOCK_G], tl.float32)                   # running sum of 2^(s - m)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = BLOCK_TABLE + b * stride_tb
     head_off = kv_head * stride_ch
     if PREFETCH:
@@ -110,18 +123,31 @@ def _decode_attention_kernel(
             k, v = _decode_attention_load_tile(K_CACHE, V_CACHE, _decode_attention_pages(table_row, n0 + offs_n, t_mask,
                                                PAGE_SIZE), n0 + offs_n, t_mask, d_mask, offs_d, head_off, stride_cb,
                                                stride_cs, PAGE_SIZE)
-        s = tl.dot(q, tl.trans(k.to(COMPUTE_DTYPE))) * qk_scale                          # [BLOCK_G, BLOCK_N]
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE))
+        k_op = k if QK_FP8 else k.to(COMPUTE_DTYPE)
+        if SWAP:
+            # Tokens as the MMA's M dimension (128 rows: Hopper wgmma), the group's heads as N (padded to 16).
+            s = tl.dot(k_op, q_t) * s_scale[None, :]                                              # [BLOCK_N, BLOCK_G]
+            s = tl.where(t_mask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(COMPUTE_DTYPE)), p.to(COMPUTE_DTYPE))
+        else:
+            s = tl.dot(q, tl.trans(k_op)) * s_scale[:, None]                                      # [BLOCK_G, BLOCK_N]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE))
         m_i = m_new
         if PREFETCH:
             k, v, t_mask = k_next, v_next, next_mask
             next_page, next_mask = after_page, after_mask
 
+    if SWAP:
+        acc = tl.trans(acc)                                                                # [BLOCK_G, BLOCK_D]
     empty = l_i == 0.0                                       # split past the end of this sequence
     out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
@@ -160,14 +186,17 @@ def _decode_attention_merge_kernel(
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                     sm_scale: float, num_splits: int | None = None, *, block_n: int = BLOCK_N,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     sm_scale: float, num_splits: int | None = None, *, qk_fp8: bool = False,
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     prefetch: bool | None = None, swap: bool | None = None,
+                     programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
     Returns (out [B, Hq, D] q.dtype, lse [B, Hq] fp32 natural log). num_splits=None picks enough
-    splits to fill the GPU; block_n/num_warps/num_stages/prefetch are tuning knobs for the benchmark."""
+    splits to fill the GPU. qk_fp8 (fp8 cache only): Q is quantised per head to the cache's fp8 format
+    and Q.K runs on fp8 tensor cores (extra error; see tests). The launch keywords override this GPU's
+    entry in kernels/configs.py."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -184,24 +213,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         f"block_table must be [{batch}, max_blocks] int32, got {list(block_table.shape)} {block_table.dtype}"
     assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32, \
         f"seq_lens must be [{batch}] int32, got {list(seq_lens.shape)} {seq_lens.dtype}"
-    if is_fp8(k_cache.dtype):
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             assert isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.shape in ((), (kv_heads,)), \
                 f"{name} must be an fp32 tensor of shape [] or [{kv_heads}], got {s!r:.80}"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
-    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
-    scales = [s for s in (k_scale, v_scale) if s is not None and is_fp8(k_cache.dtype)]
+    assert fp8 or not qk_fp8, "qk_fp8 needs an fp8 cache"
     device = q.device
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    cfg = launch_config("gqa_fp8" if fp8 else "gqa_bf16", device)
+    for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
+                       ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm)):
+        if value is not None:
+            cfg[key] = value
+    block_n = cfg["block_n"]
+    assert not (cfg["swap"] and cfg["prefetch"]), \
+        "swap with prefetch is refused: it produced NaN on an H100 with Triton 3.6 (kernels/BENCHMARKS.md)"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    scales = [s for s in (k_scale, v_scale) if s is not None and fp8]
     assert all(t.device == device for t in (k_cache, v_cache, block_table, seq_lens, *scales)), \
         "all tensors must be on one device"
 
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, block_n,
-                                               PROGRAMS_PER_SM, device, num_splits)
+                                               cfg["programs_per_sm"], device, num_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     part_out, part_lse = partials(out, num_splits)
     group = q_heads // kv_heads
-    fp8 = is_fp8(k_cache.dtype)
     _decode_attention_kernel[(kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens, part_out, part_lse,
@@ -212,7 +250,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n, CACHE_IS_FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16),
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=cfg["prefetch"], SWAP=cfg["swap"], QK_FP8=qk_fp8,
+        FP8_MAX=FP8_MAX[fp8_format(k_cache.dtype)] if fp8 else 1.0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
 

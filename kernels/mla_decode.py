@@ -19,13 +19,12 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, _decode_attention_pages, merge_splits, partials, plan_splits
+from kernels.configs import launch_config
 from kernels.reference import is_fp8
 
-BLOCK_H = 16   # heads per program: the smallest tl.dot M dimension
-# Launch configurations (block_n, num_warps, num_stages, prefetch), swept on an H100 (kernels/BENCHMARKS.md),
-# with splits for ~2 programs per SM. FP8: 64-token tiles prefetched in registers (Triton does not cp.async-
-# pipeline a tile that feeds two dots through an fp8 -> fp16 conversion); BF16: 32-token tiles, cp.async.
-CONFIG_FP8, CONFIG_BF16, PROGRAMS_PER_SM = (64, 8, 1, True), (32, 8, 2, False), 2
+# Launch configurations (tile, warps, pipeline, heads per program, tokens-as-M "swap", programs per SM) per GPU:
+# kernels/configs.py. FP8 on an H100: 64-token tiles prefetched in registers (Triton does not cp.async-pipeline
+# a tile that feeds two dots through an fp8 -> fp16 conversion); BF16: 32-token tiles, cp.async.
 
 
 @triton.jit
@@ -50,7 +49,7 @@ def _mla_decode_kernel(
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, PREFETCH: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -78,7 +77,12 @@ def _mla_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    if SWAP:
+        q_c = tl.trans(q_c)                                                                # [BLOCK_DC, BLOCK_H]
+        q_r = tl.trans(q_r)
+        acc = tl.zeros([BLOCK_DC, BLOCK_H], tl.float32)                                    # out transposed
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
     table_row = BLOCK_TABLE + b * stride_tb
     if PREFETCH:   # as in decode_attention: tile i computes while tile i+1 and tile i+2's pages load
         t_mask = start + offs_n < end
@@ -99,18 +103,31 @@ def _mla_decode_kernel(
                                           n0 + offs_n, t_mask, offs_c, offs_r, c_mask, r_mask, stride_cb, stride_cs,
                                           LATENT_DIM, PAGE_SIZE)
         c16 = c.to(COMPUTE_DTYPE)                                                          # [BLOCK_N, BLOCK_DC]
-        s = tl.dot(q_r, tl.trans(pe.to(COMPUTE_DTYPE)), acc=tl.dot(q_c, tl.trans(c16))) * qk_scale   # [BLOCK_H, BLOCK_N]
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c16)
+        if SWAP:
+            # Tokens as the MMA's M dimension, heads as N: S^T = C Q^T, O^T += C^T P^T (the accumulator
+            # is [latent, heads], so the latent dimension fills M of the second product).
+            s = tl.dot(pe.to(COMPUTE_DTYPE), q_r, acc=tl.dot(c16, q_c)) * qk_scale        # [BLOCK_N, BLOCK_H]
+            s = tl.where(t_mask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c16), p.to(COMPUTE_DTYPE))
+        else:
+            s = tl.dot(q_r, tl.trans(pe.to(COMPUTE_DTYPE)), acc=tl.dot(q_c, tl.trans(c16))) * qk_scale   # [BLOCK_H, BLOCK_N]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c16)
         m_i = m_new
         if PREFETCH:
             c, pe, t_mask = c_next, pe_next, next_mask
             next_page, next_mask = after_page, after_mask
 
+    if SWAP:
+        acc = tl.trans(acc)                                                                # [BLOCK_H, BLOCK_DC]
     empty = l_i == 0.0
     out = acc * (out_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
@@ -122,10 +139,12 @@ def _mla_decode_kernel(
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float, num_splits: int | None = None,
                *, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-               prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
+               block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
-    scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32)."""
+    scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
+    The launch keywords override this GPU's entry in kernels/configs.py."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -145,20 +164,27 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if fp8:
         assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.shape == (), \
             f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
-    default = CONFIG_FP8 if fp8 else CONFIG_BF16
-    block_n, num_warps, num_stages, prefetch = (d if x is None else x for x, d in
-                                                zip((block_n, num_warps, num_stages, prefetch), default))
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
-    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     device = q_latent.device
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    cfg = launch_config(("mla_fp8" if fp8 else "mla_bf16") + ("_many_heads" if heads >= 64 else ""), device)
+    for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
+                       ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
+                       ("block_h", block_h)):
+        if value is not None:
+            cfg[key] = value
+    block_n, block_h = cfg["block_n"], cfg["block_h"]
+    assert not (cfg["swap"] and cfg["prefetch"]), \
+        "swap with prefetch is refused: it produced NaN on an H100 with Triton 3.6 (kernels/BENCHMARKS.md)"
+    assert block_h >= 16 and block_h & (block_h - 1) == 0, f"block_h must be a power of two >= 16, got {block_h}"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     assert all(t.device == device for t in (q_pe, cache, block_table, seq_lens, *([scale] if fp8 else []))), \
         "all tensors must be on one device"
 
     page_size = cache.shape[1]
-    head_blocks = triton.cdiv(heads, BLOCK_H)
+    head_blocks = triton.cdiv(heads, block_h)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
-                                               PROGRAMS_PER_SM, device, num_splits)
+                                               cfg["programs_per_sm"], device, num_splits)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
@@ -169,7 +195,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_DC=triton.next_power_of_2(latent_dim),
-        BLOCK_DR=triton.next_power_of_2(rope_dim), BLOCK_H=BLOCK_H, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_DR=triton.next_power_of_2(rope_dim), BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=cfg["prefetch"], SWAP=cfg["swap"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)

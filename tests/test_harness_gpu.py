@@ -28,3 +28,19 @@ def test_bf16_path_stays_bit_identical_on_gpu(tiny_models):
     reference = model.backend(None).score_sync(CHAT, [30, 31, 32])
     scored = model.backend(parse_path("bf16:calibrated")).score_sync(CHAT, [30, 31, 32])
     assert (scored.logprobs == reference.logprobs).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+def test_plugins_on_cuda_give_the_same_replies(tiny_models, arch):
+    """Our Triton kernel, the dequantise-everything workaround and a user kernel defined in a test file
+    (tests/test_decode_plugins.py), each through the decode-kernel contract on CUDA: same tokens, each
+    within the agreement bound against fp64 over the stored codes, and each timed."""
+    model = InProcessModel.load(tiny_models[arch], device="cuda")
+    replies = {}
+    for kernel in ("", ":kernel=dequant", ":kernel=test_decode_plugins:UserKernel"):
+        generation = model.backend(parse_path("fp8_e4m3:per_head:calibrated" + kernel)).generate_sync(CHAT, 16)
+        assert generation.metrics["kernel_steps"] > 0 and generation.metrics["kernel_ms_per_step"] > 0
+        assert generation.metrics["kernel_err_ratio"] <= 4.0, (kernel, generation.metrics)
+        replies[kernel] = generation.token_ids
+    assert len({tuple(ids) for ids in replies.values()}) == 1, replies

@@ -177,7 +177,9 @@ def test_decode_attention_lengths_and_splits(kern, length, num_splits):
 @pytest.mark.parametrize("config", [
     dict(block_n=64, num_warps=4, num_stages=2, prefetch=False), dict(block_n=32, num_warps=4, num_stages=1, prefetch=True),
     dict(block_n=64, num_warps=8, num_stages=1, prefetch=True), dict(block_n=128, num_warps=4, num_stages=2, prefetch=False),
-    dict(block_n=16, num_warps=2, num_stages=1, prefetch=True)], ids=str)
+    dict(block_n=16, num_warps=2, num_stages=1, prefetch=True),
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True),
+    dict(block_n=64, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=16)], ids=str)
 @pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
 def test_decode_attention_launch_configs(kern, config, fmt):
     """Every tuning knob the benchmark may pick computes the same attention (prefetch covers ragged tails)."""
@@ -187,6 +189,31 @@ def test_decode_attention_launch_configs(kern, config, fmt):
     truth, truth_lse, torch_out = _gqa_truth_and_torch(case)
     _assert_error_ratio(out, truth, torch_out, 2.0, f"decode {config}")
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"decode {config} lse")
+
+
+# qk_fp8: Q rounded to the cache's fp8 format (relative step 2^-4 for e4m3, 2^-3 for e5m2, against bf16's 2^-8)
+# before Q.K. Measured on an H100 (kernels/BENCHMARKS.md, kernels.tune --qk-fp8): 3.2-4.5x torch's bf16 error for
+# e4m3, 5.4-11.3x for e5m2; the tolerances are about 2x those, so the option's extra error stays bounded and named.
+QK_FP8_TOLERANCE = {"e4m3": 8.0, "e5m2": 24.0}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("config", [dict(swap=True, num_stages=3), dict(swap=False)], ids=str)
+def test_decode_attention_qk_fp8(kern, fmt, per_head, config):
+    case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, fmt, per_head=per_head)
+    out, lse = kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                     case.k_scale, case.v_scale, case.sm_scale, qk_fp8=True, **config)
+    truth, _, torch_out = _gqa_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, QK_FP8_TOLERANCE[fmt], f"qk_fp8 {fmt} {config}")
+    assert out.isfinite().all() and lse.isfinite().all()
+
+
+def test_swap_with_prefetch_is_refused(kern):
+    case = _gqa_case([40], 16, 8, 2, 64, "e4m3", per_head=False)
+    with pytest.raises(AssertionError, match="swap with prefetch"):
+        kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, case.k_scale,
+                              case.v_scale, case.sm_scale, swap=True, prefetch=True)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
@@ -287,7 +314,10 @@ def test_mla_decode_splits(kern, num_splits):
 @pytest.mark.parametrize("config", [
     dict(block_n=32, num_warps=8, num_stages=2, prefetch=False), dict(block_n=16, num_warps=4, num_stages=1, prefetch=True),
     dict(block_n=32, num_warps=8, num_stages=1, prefetch=True), dict(block_n=64, num_warps=8, num_stages=1, prefetch=True),
-    dict(block_n=32, num_warps=4, num_stages=2, prefetch=False)], ids=str)
+    dict(block_n=32, num_warps=4, num_stages=2, prefetch=False),
+    dict(block_n=32, num_warps=4, num_stages=3, prefetch=False, swap=True),
+    dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, block_h=64),
+    dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, swap=True, block_h=32)], ids=str)
 @pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
 def test_mla_decode_launch_configs(kern, config, fmt):
     case = _mla_case([4099, 1, 300, 17], 64, 20, fmt)

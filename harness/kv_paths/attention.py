@@ -2,17 +2,21 @@
 
 Registered with transformers as `harness`: it runs SDPA, lets a per-module observer see q/k/v/output,
 and, for decode steps of a cache layer that keeps a paged FP8 copy (`PagedKV`), returns the output of
-our kernel (`kernels.decode_attention`, or `kernels.mla_decode` with absorbed projections for MLA)
-while measuring its agreement with the torch computation over the same dequantised cache.
+the path's decode plug-in (default: our `kernels.decode_attention`, or `kernels.mla_decode` with absorbed
+projections for MLA; `decode_kernels.py`) while measuring its agreement with fp64 attention over the same
+stored codes and its time.
 """
 
 from __future__ import annotations
 
 import contextvars
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from harness.kv_paths.decode_kernels import DecodeKernel, run_gqa, run_mla
 
 ATTENTION_NAME = "harness"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
@@ -27,6 +31,7 @@ class KernelAgreement:
     steps: int = 0
     max_abs_err: float = 0.0  # max |kernel - fp64|
     max_ratio: float = 0.0  # max of kernel error / SDPA bf16 error (torch's own error at this precision)
+    kernel_s: float = 0.0  # wall time inside the decode kernel calls (device synchronised around each)
 
     def add(self, kernel: torch.Tensor, sdpa: torch.Tensor, exact: torch.Tensor) -> None:
         kernel_err = (kernel.double() - exact).abs().max().item()
@@ -39,14 +44,16 @@ class KernelAgreement:
 
     def as_record(self) -> dict[str, float]:
         return {"kernel_steps": float(self.steps), "kernel_max_abs_err": self.max_abs_err,
-                "kernel_err_ratio": self.max_ratio}
+                "kernel_err_ratio": self.max_ratio,
+                "kernel_ms_per_step": 1e3 * self.kernel_s / self.steps if self.steps else 0.0}
 
 
-def kernel_ops():
-    """Triton launchers on CUDA; the torch reference (same names) when asked, e.g. to test the glue on CPU."""
+def kernel_ops(device: torch.device | None = None):
+    """Triton launchers on CUDA; the torch reference (same names) when asked, e.g. to test the glue on CPU,
+    or on a CPU device (a path that names a plug-in kernel stores through the reference there)."""
     import os
 
-    if os.environ.get("HARNESS_KERNELS") == "reference":
+    if os.environ.get("HARNESS_KERNELS") == "reference" or (device is not None and device.type != "cuda"):
         from kernels import reference as ops
         return ops
     import kernels.decode_attention
@@ -75,8 +82,9 @@ class PagedKV:
     v_scale: torch.Tensor
     saturate: bool
     mla: bool
-    ops: object
+    ops: object  # store_kv / store_latent (ours: the cache layout is the contract's)
     agreement: KernelAgreement
+    kernel: DecodeKernel  # the decode plug-in (harness/kv_paths/decode_kernels.py)
     length: int = 0
     pages: list = field(default_factory=list)
 
@@ -112,20 +120,33 @@ class PagedKV:
                 torch.tensor([self.length], dtype=torch.int32, device=device))
 
 
+def _timed_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
+    """`_kernel_decode`, its wall time (device synchronised before and after) added to the agreement."""
+    cuda = query.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(query.device)
+    start = time.perf_counter()
+    out = _kernel_decode(module, query, paged)
+    if cuda:
+        torch.cuda.synchronize(query.device)
+    paged.agreement.kernel_s += time.perf_counter() - start
+    return out
+
+
 def _kernel_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
-    """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the kernel over the paged cache."""
+    """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache."""
     table, lens = paged.block_table(query.device)
     if not paged.mla:
-        out, _ = paged.ops.decode_attention(query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
-                                            paged.k_scale, paged.v_scale, module.scaling)
+        out = run_gqa(paged.kernel, query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
+                      paged.k_scale, paged.v_scale, module.scaling)
         return out.unsqueeze(1)
     # Absorbed MLA: q_latent = q_nope W_UK, out = (softmax . c) W_UV, with W from kv_b_proj.
     nope, heads = module.qk_nope_head_dim, query.shape[1]
     weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # [H, nope + v, Dc]
     q_nope, q_pe = query[0, :, 0, :nope], query[0, :, 0, nope:]
     q_latent = torch.einsum("hn,hnc->hc", q_nope.float(), weight[:, :nope].float()).to(query.dtype)
-    out_latent, _ = paged.ops.mla_decode(q_latent.unsqueeze(0).contiguous(), q_pe.unsqueeze(0).contiguous(),
-                                         paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling)
+    out_latent = run_mla(paged.kernel, q_latent.unsqueeze(0).contiguous(), q_pe.unsqueeze(0).contiguous(),
+                         paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling)
     out = torch.einsum("hc,hvc->hv", out_latent[0].float(), weight[:, nope:].float()).to(query.dtype)
     return out.view(1, 1, heads, -1)
 
@@ -179,7 +200,7 @@ def register(observer_attr: str = "harness_observer") -> None:
         output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
-            kernel_out = _kernel_decode(module, query, paged)
+            kernel_out = _timed_decode(module, query, paged)
             paged.agreement.add(kernel_out, output, _exact_attention(module, query, paged))
             output = kernel_out
         observer: Callable | None = getattr(module, observer_attr, None)

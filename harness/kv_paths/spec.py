@@ -1,4 +1,5 @@
-"""KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`.
+"""KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`,
+`fp8_e4m3:kernel=dequant` or `fp8_e4m3:kernel=mypkg.attn:decode` (decode through a plug-in kernel).
 
 Every combination of format and scale source is valid (failure class 5: never refuse a valid one).
 Only genuine contradictions are refused, with the reason: a dimension set twice, per-token scales
@@ -44,6 +45,8 @@ class KVPath:
     # attention before the cache write); earlier tokens are always read back quantised.
     quantize_current_chunk: bool = True
     k_scale_on_scores: bool = False  # failure class 3 reproduced: bf16 cache, scores times k_scale
+    # Decode-kernel plug-in (`kernel=NAME`): "" is our Triton kernel on CUDA (harness/kv_paths/decode_kernels.py)
+    kernel: str = ""
 
     @property
     def is_fp8(self) -> bool:
@@ -60,6 +63,8 @@ class KVPath:
         parts.append("sat" if self.saturate else "nosat")
         if not self.quantize_current_chunk:
             parts.append("raw_prefill")
+        if self.kernel:
+            parts.append(f"kernel={self.kernel}")
         return ":".join(parts)
 
     def describe(self) -> str:
@@ -81,6 +86,10 @@ def parse_path(spec: str) -> KVPath:
     head, *options = [part.strip() for part in text.split(":")]
     if head not in FORMATS:
         raise PathSpecError(f"KV path {spec!r}: unknown cache format {head!r}; expected one of {', '.join(FORMATS)}")
+    options, kernel = _kernel_option(spec, options)
+    if kernel and (FORMATS[head] == "bf16" or "per_token" in options):
+        raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "
+                            f"scales (the decode-kernel contract, docs/CONTRACTS.md)")
     chosen: dict[str, str] = {}
     for option in options:
         dimension = next((d for d, values in DIMENSIONS.items() if option in values), None)
@@ -106,6 +115,7 @@ def parse_path(spec: str) -> KVPath:
         saturate=chosen.get("cast", "sat") == "sat",
         quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
         k_scale_on_scores="scores" in chosen,
+        kernel=kernel,
     )
 
 
@@ -119,6 +129,34 @@ def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
         raise PathSpecError(
             f"KV path {spec!r}: k_scale_on_scores needs scales to misapply, and the default scale 1.0 would "
             f"change nothing; add a scale source: 'calibrated' or 'checkpoint'")
+
+
+def _kernel_option(spec: str, options: list[str]) -> tuple[list[str], str]:
+    """Split off `kernel=NAME` (NAME may itself hold one ':', as in `kernel=package.module:function`)."""
+    from harness.kv_paths.decode_kernels import BUILTIN, KernelPluginError, check_name
+
+    rest, kernel = [], ""
+    i = 0
+    while i < len(options):
+        option = options[i]
+        i += 1
+        if not option.startswith("kernel="):
+            rest.append(option)
+            continue
+        if kernel:
+            raise PathSpecError(f"KV path {spec!r} sets kernel twice")
+        kernel = option.removeprefix("kernel=")
+        if kernel not in BUILTIN and i < len(options) and options[i].isidentifier() and not _is_option(options[i]):
+            kernel, i = f"{kernel}:{options[i]}", i + 1
+        try:
+            check_name(kernel)
+        except KernelPluginError as e:
+            raise PathSpecError(f"KV path {spec!r}: {e}") from e
+    return rest, kernel
+
+
+def _is_option(word: str) -> bool:
+    return any(word in values for values in DIMENSIONS.values())
 
 
 def parse_paths(specs: str | list[str]) -> list[KVPath]:

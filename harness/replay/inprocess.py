@@ -8,6 +8,7 @@ path must match the reference bit for bit. Attention runs through a registered a
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,7 +17,7 @@ import torch
 
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
-from harness.kv_paths import attention
+from harness.kv_paths import attention, decode_kernels
 from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
 from harness.kv_paths.cache import (
     KVWriteStats,
@@ -167,7 +168,7 @@ class InProcessBackend:
             described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
         if self.scales is not None:
             described["scales"] = self.scales.summary()
-        described["decode_kernel"] = self._kernel_reason() or "triton (kernels/)"
+        described["decode_kernel"] = self._kernel_reason() or self._kernel_label()
         return described
 
     def new_cache(self):
@@ -214,7 +215,8 @@ class InProcessBackend:
 
     def _kernel_reason(self) -> str | None:
         """Why decode does not run through our kernels for this path (None: it does)."""
-        if not self.owner.use_kernels:
+        named = self.kv_path is not None and self.kv_path.kernel and os.environ.get("HARNESS_KERNELS") != "off"
+        if not self.owner.use_kernels and not named:  # a path that names a plug-in runs it on any device
             return "kernels off (CPU, or HARNESS_KERNELS=off)"
         if self.kv_path is None or not self.kv_path.is_fp8:
             return "not an FP8 path"
@@ -222,16 +224,32 @@ class InProcessBackend:
             return "per-token scales: the kernels take per-tensor or per-head scales"
         return None
 
+    def _kernel_name(self) -> str:
+        """The path's plug-in, or ours: the Triton kernels (their torch mirror under HARNESS_KERNELS=reference)."""
+        if self.kv_path.kernel:
+            return self.kv_path.kernel
+        return "reference" if os.environ.get("HARNESS_KERNELS") == "reference" else decode_kernels.DEFAULT
+
+    def _kernel_label(self) -> str:
+        if not self.kv_path.kernel:
+            return "triton (kernels/)"
+        return f"plug-in {self.kv_path.kernel} (kernel= path option)"
+
     def _attach_kernels(self, cache) -> KernelAgreement | None:
         if self._kernel_reason() is not None:
             return None
-        agreement, ops = KernelAgreement(), attention.kernel_ops()
+        name = self._kernel_name()
+        if name == "triton" and self.owner.device.type != "cuda":
+            raise decode_kernels.KernelPluginError(f"KV path {self.kv_path.name!r}: kernel=triton needs a CUDA "
+                                                   f"device (run with --device cuda)")
+        kernel = decode_kernels.resolve(name)
+        agreement, ops = KernelAgreement(), attention.kernel_ops(self.owner.device)
         fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[self.kv_path.fmt]
         for layer in cache.layers:
             if hasattr(layer, "paged"):
                 layer.paged = PagedKV(fmt_dtype, layer.k_scale.float().to(self.owner.device),
                                       layer.v_scale.float().to(self.owner.device), self.kv_path.saturate,
-                                      self.owner.is_mla, ops, agreement)
+                                      self.owner.is_mla, ops, agreement, kernel)
         return agreement
 
     def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step) -> tuple[list[int], str]:

@@ -18,6 +18,7 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "top1_agree": ("top-1 agree", "mean"),
     "kv_clipped_frac": ("clipped", "mean"),
     "kernel_err_ratio": ("kernel err / torch err", "max"),  # GPU runs: our decode kernel's agreement
+    "kernel_ms_per_step": ("kernel ms/step", "mean"),  # its time per decode call (plug-ins compared in one run)
 }
 
 

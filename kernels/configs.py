@@ -1,0 +1,51 @@
+"""Launch configurations of the decode kernels, per GPU: a recorded table, looked up by device name.
+
+Each entry was measured by `python -m kernels.bench` (its sweep, batch 8, context 32k) on that GPU and is
+copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in the table gets DEFAULT
+(the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
+Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
+register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
+split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). MLA with >= 64 heads
+uses the `*_many_heads` entries. swap with prefetch is refused by the launchers (NaN on Triton 3.6).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+KINDS = ("gqa_fp8", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
+
+H100 = {
+    "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
+    "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
+    "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
+    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=2, block_h=16),
+    # >= 64 heads (DeepSeek-V3: 128): 64 heads per program, so each cache tile feeds 64 MMA rows
+    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+                               block_h=64),
+    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+                                block_h=64),
+}
+DEFAULT = H100
+TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def launch_config(kind: str, device: torch.device) -> dict:
+    """The recorded configuration of `kind` for this device's GPU (a copy: callers may override keys)."""
+    assert kind in KINDS, f"unknown kernel kind {kind!r}; expected one of {KINDS}"
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return dict(TABLE.get(name, DEFAULT)[kind])
+
+
+def describe(kind: str, device: torch.device) -> str:
+    """One line naming the configuration and where it came from, for benchmark output."""
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    source = "recorded for this GPU" if name in TABLE else "default (H100 entry; GPU not in the table)"
+    return f"{kind}: {launch_config(kind, device)} ({source})"

@@ -1,0 +1,210 @@
+"""Launch-configuration sweep of the decode kernels: `python -m kernels.tune [--kinds gqa_fp8,mla_bf16,...]`.
+
+For each kind (kernels/configs.py KINDS) every candidate configuration is first checked against fp64 attention
+on fresh random inputs (ragged lengths, shuffled pages, poisoned output buffers): a configuration whose error
+exceeds 2x torch bf16 SDPA's own error on the same values is marked WRONG and never chosen. The rest are timed
+(median of triton.testing.do_bench, L2 flushed) at one shape, by default batch 8, context 32k; the fastest is
+printed as a `kernels/configs.py` entry. GQA: 32 q / 8 kv heads, head_dim 128, page 16. MLA: latent 512 +
+rope 64, page 64, --mla-heads heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kernels.configs import KINDS
+from kernels.decode_attention import decode_attention
+from kernels.mla_decode import mla_decode
+
+GQA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, swap=sw)
+                  for bn, w, st, sw in [(128, 4, 2, False), (64, 4, 3, False), (128, 4, 3, False), (128, 8, 2, False),
+                                        (64, 4, 2, True), (128, 4, 2, True), (128, 4, 3, True), (128, 8, 2, True),
+                                        (256, 8, 2, True), (64, 4, 3, True)]]
+MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh)
+                  for bn, w, st, pf, sw, bh in [(32, 8, 2, False, False, 16), (64, 8, 1, True, False, 16),
+                                                (64, 4, 2, False, True, 16), (64, 4, 3, False, True, 16),
+                                                (32, 4, 3, False, True, 16), (64, 8, 2, False, True, 16),
+                                                
+                                                (32, 8, 2, False, False, 32), (32, 8, 2, False, False, 64),
+                                                (16, 8, 2, False, False, 64), (64, 4, 2, False, True, 32)]]
+PROGRAMS_PER_SM = {"gqa": (4, 8, 16, 32), "mla": (2, 4, 8)}
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _pages(lengths: list[int], page: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    pages = [-(-n // page) for n in lengths]
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks)
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p].int()
+    return table.cuda(), torch.tensor(lengths, dtype=torch.int32).cuda(), num_blocks
+
+
+def _read(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of one sequence as fp64 (codes or values, unscaled)."""
+    page = cache.shape[1]
+    raw = cache.view(torch.uint8)[table[: -(-n // page)].long()].view(cache.dtype) if cache.element_size() == 1 \
+        else cache[table[: -(-n // page)].long()]
+    return raw.flatten(0, 1)[:n].double()
+
+
+def _poison() -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs the launchers allocate start as NaN."""
+    torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max that keeps NaN (Python's max(0.0, nan) is 0.0: an all-NaN output would pass)."""
+    return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def check_gqa(cfg: dict, fmt: str, qk_fp8: bool = False) -> float:
+    """Kernel max error / torch bf16 SDPA max error, both against fp64 attention over the stored values."""
+    lengths, page, hq, hkv, d = [1, 300, 4099, 77], 16, 32, 8, 128
+    table, seq, nb = _pages(lengths, page)
+    dtype = FP8.get(fmt, torch.bfloat16)
+    k_scale, v_scale = torch.rand(hkv, device="cuda") * 0.02 + 0.005, torch.tensor(0.013, device="cuda")
+    caches = [torch.randn(nb, page, hkv, d, device="cuda").mul_(60 if fmt in FP8 else 1).to(dtype) for _ in range(2)]
+    q = torch.randn(len(lengths), hq, d, device="cuda", dtype=torch.bfloat16)
+    _poison()
+    out = decode_attention(q, *caches, table, seq, k_scale, v_scale, d ** -0.5, qk_fp8=qk_fp8, **cfg)[0]
+    worst, worst_torch = 0.0, 0.0
+    for b, n in enumerate(lengths):
+        ks, vs = (k_scale.double().view(1, -1, 1), v_scale.double()) if fmt in FP8 else (1.0, 1.0)
+        k = (_read(caches[0], table[b], n) * ks).repeat_interleave(hq // hkv, 1)
+        v = (_read(caches[1], table[b], n) * vs).repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), k) * d ** -0.5
+        truth = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v)
+        sdpa = F.scaled_dot_product_attention(q[b][None, :, None], k.bfloat16().transpose(0, 1)[None],
+                                              v.bfloat16().transpose(0, 1)[None], scale=d ** -0.5)[0, :, 0]
+        worst = _nan_max(worst, (out[b].double() - truth).abs().max().item())
+        worst_torch = max(worst_torch, (sdpa.double() - truth).abs().max().item())
+    return worst / worst_torch if math.isfinite(worst) else float("inf")   # NaN or inf: never <= 2
+
+
+def check_mla(cfg: dict, fmt: str, heads: int) -> float:
+    lengths, page, dc, dr = [1, 300, 4099, 77], 64, 512, 64
+    table, seq, nb = _pages(lengths, page)
+    dtype = FP8.get(fmt, torch.bfloat16)
+    scale = torch.tensor(0.02, device="cuda")
+    cache = torch.randn(nb, page, dc + dr, device="cuda").mul_(20 if fmt in FP8 else 0.4).to(dtype)
+    ql = torch.randn(len(lengths), heads, dc, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(len(lengths), heads, dr, device="cuda", dtype=torch.bfloat16)
+    sm = (128 + 64) ** -0.5
+    _poison()
+    out = mla_decode(ql, qp, cache, table, seq, scale if fmt in FP8 else None, sm, **cfg)[0]
+    worst, worst_torch = 0.0, 0.0
+    for b, n in enumerate(lengths):
+        rows = _read(cache, table[b], n) * (scale.double() if fmt in FP8 else 1.0)
+        c, pe = rows[:, :dc], rows[:, dc:]
+        s = (ql[b].double() @ c.T + qp[b].double() @ pe.T) * sm
+        truth = torch.softmax(s, -1) @ c
+        kk = torch.cat([c, pe], -1).bfloat16()[None, None].expand(1, heads, n, dc + dr)
+        qq = torch.cat([ql[b], qp[b]], -1)[None, :, None]
+        sdpa = F.scaled_dot_product_attention(qq, kk, c.bfloat16()[None, None].expand(1, heads, n, dc), scale=sm)[0, :, 0]
+        worst = _nan_max(worst, (out[b].double() - truth).abs().max().item())
+        worst_torch = max(worst_torch, (sdpa.double() - truth).abs().max().item())
+    return worst / worst_torch if math.isfinite(worst) else float("inf")   # NaN or inf: never <= 2
+
+
+def _timer(kind: str, batch: int, ctx: int, mla_heads: int):
+    """A function (cfg, programs_per_sm) -> ms over fresh random data of this shape."""
+    if kind.startswith("gqa"):
+        page, hq, hkv, d = 16, 32, 8, 128
+        shape = (batch * ctx // page, page, hkv, d)
+        dtype = torch.float8_e4m3fn if kind == "gqa_fp8" else torch.bfloat16
+        k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(16).to(dtype) for _ in range(2))
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        s = torch.tensor(0.01, device="cuda") if kind == "gqa_fp8" else None
+        table = torch.arange(batch * ctx // page, dtype=torch.int32, device="cuda").view(batch, -1)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        return lambda cfg, pps, **kw: _ms(lambda: decode_attention(q, k, v, table, lens, s, s, d ** -0.5,
+                                                                   programs_per_sm=pps, **cfg, **kw))
+    page, dc, dr = 64, 512, 64
+    shape = (batch * ctx // page, page, dc + dr)
+    dtype = torch.float8_e4m3fn if "fp8" in kind else torch.bfloat16
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(16 if "fp8" in kind else 1).to(dtype)
+    ql = torch.randn(batch, mla_heads, dc, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(batch, mla_heads, dr, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor(0.01, device="cuda") if "fp8" in kind else None
+    table = torch.arange(batch * ctx // page, dtype=torch.int32, device="cuda").view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return lambda cfg, pps: _ms(lambda: mla_decode(ql, qp, cache, table, lens, s, 0.072, programs_per_sm=pps, **cfg))
+
+
+def sweep(kind: str, batch: int = 8, ctx: int = 32768, mla_heads: int = 16,
+          candidates: list[dict] | None = None) -> tuple[list[str], dict]:
+    """Lines of the sweep table and the fastest correct configuration (with its programs_per_sm)."""
+    gqa = kind.startswith("gqa")
+    fmt = "e4m3" if "fp8" in kind else "bf16"
+    candidates = candidates or (GQA_CANDIDATES if gqa else MLA_CANDIDATES)
+    time_it = _timer(kind, batch, ctx, mla_heads)
+    lines = [f"sweep {kind} batch {batch} ctx {ctx}{'' if gqa else f' heads {mla_heads}'}: config | err ratio | "
+             f"programs/SM -> ms"]
+    best = (float("inf"), None)
+    for cfg in candidates:
+        try:
+            ratio = check_gqa(cfg, fmt) if gqa else check_mla(cfg, fmt, mla_heads)
+        except Exception as e:   # noqa: BLE001 - a config that does not compile or fit is a result
+            lines.append(f"  {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+            continue
+        if not ratio <= 2.0:
+            lines.append(f"  {cfg} | WRONG: error {ratio:.2f}x torch's")
+            continue
+        timings = []
+        for pps in PROGRAMS_PER_SM["gqa" if gqa else "mla"]:
+            ms = time_it(cfg, pps)
+            timings.append(f"{pps}:{ms:.4f}")
+            if ms < best[0]:
+                best = (ms, dict(cfg, programs_per_sm=pps))
+        lines.append(f"  {cfg} | {ratio:.2f} | " + "  ".join(timings))
+    lines.append(f"  best {kind}: {best[1]} -> {best[0]:.4f} ms")
+    return lines, best[1]
+
+
+def qk_fp8_rows(batch: int = 8, ctx: int = 32768) -> list[str]:
+    """The qk_fp8 option (Q quantised per head, Q.K on fp8 tensor cores): its extra error and its time."""
+    time_it = _timer("gqa_fp8", batch, ctx, 16)
+    lines = [f"qk_fp8 batch {batch} ctx {ctx}: config | err ratio e4m3 (plain -> qk_fp8) | e5m2 | ms plain -> qk_fp8"]
+    for cfg in GQA_CANDIDATES[:2] + GQA_CANDIDATES[5:8]:
+        try:
+            ratios = [f"{check_gqa(cfg, fmt):.2f} -> {check_gqa(cfg, fmt, qk_fp8=True):.2f}" for fmt in ("e4m3", "e5m2")]
+            lines.append(f"  {cfg} | {ratios[0]} | {ratios[1]} | {time_it(cfg, 8):.4f} -> "
+                         f"{time_it(cfg, 8, qk_fp8=True):.4f}")
+        except Exception as e:   # noqa: BLE001
+            lines.append(f"  {cfg} | {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--mla-heads", type=int, default=16)
+    parser.add_argument("--qk-fp8", action="store_true", help="also measure the qk_fp8 option")
+    parser.add_argument("--first", type=int, default=0, help="only the first N candidates of each kind")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
+    for kind in args.kinds.split(","):
+        pool = GQA_CANDIDATES if kind.startswith("gqa") else MLA_CANDIDATES
+        lines, best = sweep(kind, args.batch, args.ctx, args.mla_heads, pool[:args.first] if args.first else None)
+        print("\n".join(lines), flush=True)
+        torch.cuda.empty_cache()
+    if args.qk_fp8:
+        print("\n".join(qk_fp8_rows(args.batch, args.ctx)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
