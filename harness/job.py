@@ -50,6 +50,8 @@ class RunConfig:
     tokenizer: str | None = None  # local tokenizer for servers without /tokenize
     concurrency: int = 8  # scenarios replayed at once against endpoints
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
+    # ((model dir, (path name, ...)), ...): models that run only some of `paths` (the zoo); others run all
+    paths_by_model: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -218,7 +220,8 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     loaded.calibration_chats = calibration_chats
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
-    backends = [loaded.backend(path) for path in config.paths]
+    wanted = dict(config.paths_by_model).get(str(directory))
+    backends = [loaded.backend(path) for path in config.paths if wanted is None or path.name in wanted]
     _note_scales(store, label, backends)
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done)
     asyncio.run(replay.run(scenarios))

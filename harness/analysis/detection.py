@@ -25,6 +25,9 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "attention error": ("kernel_err_ratio", "kernel_max_abs_err", "attention_err", "attention_err_ratio"),
 }
 FAMILY_OF = {metric: family for family, metrics in FAMILIES.items() for metric in metrics}
+# Verdict checks (harness/analysis/verdicts.py) whose reasons name no metric.
+CHECK_FAMILY = {"degenerate": "rule judge", "task": "task checks", "divergence": "teacher-forced KL",
+                "nonfinite": "cache cast"}
 OTHER = "other"
 EXPECTATIONS = ("fail", "pass")
 
@@ -64,7 +67,9 @@ class MatrixRow:
 
 
 def family_of(reason: Mapping) -> str:
-    return FAMILY_OF.get(str(reason.get("metric")), FAMILY_OF.get(str(reason.get("check")), OTHER))
+    """The family of a verdict reason: by its metric, else by its check (a degeneration finding of the
+    rule judge names no metric)."""
+    return FAMILY_OF.get(str(reason.get("metric")), CHECK_FAMILY.get(str(reason.get("check")), OTHER))
 
 
 def detection_matrix(verdict_rows: Iterable[Mapping], entries: Sequence[MatrixEntry]) -> list[MatrixRow]:
