@@ -42,7 +42,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
     run.add_argument("--paths", default=None, metavar="SPECS",
                      help="comma-separated KV path specs; bf16 is always added (noise floor). "
-                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup")
+                          "default: bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2")
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
     run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
@@ -50,6 +50,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
+                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+    run.add_argument("--no-fail-on-verdict", action="store_true",
+                     help="exit 0 even when a path fails its verdict checks (default: exit 1)")
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
@@ -129,6 +133,7 @@ def _progress(total: int):
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.analysis.verdicts import parse_threshold_overrides
     from harness.runs.store import RunStoreError
     from harness.scenarios.load import ScenarioError
 
@@ -150,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         print("error: --resume needs --out RUN_DIR (the run to continue)", file=sys.stderr)
         return 2
     try:
+        parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
         config = job.RunConfig(
             models=models, scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=() if args.reference else job.parse_kv_paths(args.paths or job.DEFAULT_PATHS),
@@ -159,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            thresholds=tuple(args.threshold or ()),
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,
@@ -171,13 +178,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: finished work is stored; continue with "
               f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
-    _print_run_end(run_dir, time.perf_counter() - started, warnings)
-    return 0
+    failing = _print_run_end(run_dir, time.perf_counter() - started, warnings)
+    return 1 if failing and not args.no_fail_on_verdict else 0
 
 
-def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
+def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[tuple[str, str]]:
+    """Print the summary (verdict matrix first); return the (model, path) pairs that failed their verdicts."""
     from harness import job
     from harness.runs.store import RunStore
+    from harness.analysis.verdicts import failing_paths
     from harness.runs.summary import format_summary
 
     store = RunStore(run_dir)
@@ -195,6 +204,11 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
         print(f"{len(errors)} unit(s) failed; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
     print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
     print(f"report: {report}")
+    failing = failing_paths(manifest.get("verdicts") or {})
+    if failing:
+        print("VERDICT FAIL: " + ", ".join(f"{model} {path}" for model, path in failing)
+              + " (a path failed its checks; see verdicts.jsonl)")
+    return failing
 
 
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
