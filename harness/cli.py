@@ -80,6 +80,12 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", type=Path, metavar="DIR", help="default: ./compare-<A>-vs-<B>")
     compare.add_argument("--threshold", action="append", metavar="SPEC",
                          help="e.g. kl_max:+0.02 (B may be worse than A by at most this) or kl_max:0.05 (a limit)")
+    zoo = commands.add_parser("zoo", help="run the failure-class zoo and print the detection matrix (exit 1 if "
+                                          "a fault is missed or a healthy path fails)")
+    zoo.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: runs/<time>-zoo)")
+    zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
+    zoo.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="models replayed at once (CPU)")
+    zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
     export = commands.add_parser("export", help="export a run's records as a table")
     export.add_argument("run", type=Path, metavar="RUN")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
@@ -211,7 +217,21 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[t
     return failing
 
 
-COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
+def _zoo(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.zoo import run_zoo
+
+    out = args.out or job.new_run_dir().with_name(job.new_run_dir().name + "-zoo")
+    detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, job.resolve_device(args.device),
+                        args.jobs, shlex.join(["harness", *sys.argv[1:]]))
+    print(detection["markdown"])
+    for case in detection["spec_cases"]:
+        print(f"class 5 {'ok ' if case['ok'] else 'BAD'} {case['spec']} ({case['model'] or 'any model'}): {case['got']}")
+    print(f"report: {job.write_report(out)}")
+    return 0 if detection["ok"] else 1
+
+
+COMMANDS = {"zoo": _zoo, "run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

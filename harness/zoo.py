@@ -113,20 +113,6 @@ def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEnt
                      paths_by_model=by_model)
 
 
-def run_verdicts(run_dir: Path) -> list[dict]:
-    """The run's verdict rows: stored, or computed on the fly from its tables (same function)."""
-    from harness.analysis.verdicts import compute_verdicts
-    from harness.runs.store import RunStore
-
-    store = RunStore(run_dir)
-    stored = store.read("verdicts") if (Path(run_dir) / "verdicts.jsonl").exists() else []
-    if stored:
-        return stored
-    sources = {s["id"]: s["source"] for s in store.read_manifest().get("scenarios", [])}
-    return compute_verdicts(store.read("records"), store.read("checks"), store.read("judgements"),
-                            store.read("errors"), scenario_sources=sources)
-
-
 def signals(records: list[dict], model: str, path: str) -> dict:
     """Measured beside the checks, not checks: turns whose free-running reply left the reference's, and
     the judges' mean 1-5 scores."""
@@ -145,6 +131,8 @@ def signals(records: list[dict], model: str, path: str) -> dict:
 
 def write_detection(run_dir: Path, entries: list[ZooEntry], spec_results: list[dict]) -> dict:
     from harness.runs.store import RunStore
+
+    from harness.runs.gate import run_verdicts
 
     matrix = detection_matrix(run_verdicts(run_dir), [MatrixEntry(e.label, model_label(Path(e.model)), e.path,
                                                                   e.expect) for e in entries])
@@ -165,5 +153,6 @@ def run_zoo(out: Path, scenario_paths: tuple[Path, ...] | None = None, device: s
     loaded.clear()
     entries = zoo_entries(device)
     scenarios = scenario_paths or (REPO_ROOT / "scenarios" / "canary" / "default.yaml",)
-    run_dir = run_job(zoo_config(out, tuple(scenarios), entries, device, jobs, command), progress=progress)
+    config = zoo_config(out, tuple(scenarios), entries, device, jobs, command)
+    run_dir = run_job(config, progress=progress)
     return write_detection(run_dir, entries, spec_results)

@@ -30,8 +30,9 @@ STAGES = {
 }
 ENTRY = 99
 ENTRY_MODULES = ("harness.cli", "harness.job", "harness.serve", "harness.bench", "harness.pytest_plugin",
-                 "harness.nightly", "harness.canary.train", "harness.canary.retrain",
-                 "harness.canary.record_accuracy", "harness.canary.make_scenarios")
+                 "harness.nightly", "harness.zoo", "harness.canary.train", "harness.canary.retrain",
+                 "harness.canary.record_accuracy", "harness.canary.make_scenarios",
+                 "harness.canary.check_variant")
 
 
 def stage_of(module: str) -> int | None:

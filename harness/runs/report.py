@@ -519,8 +519,10 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
+    detection = run.run_dir / "detection.json"  # written by `harness zoo`
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
-                      metrics=metrics, figures=figures, manifest=manifest_view(run.manifest))
+                      metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
+                      detection=json.loads(detection.read_text()) if detection.exists() else None)
 
 
 # ---------------------------------------------------------------- export
