@@ -86,6 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="models replayed at once (CPU)")
     zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
+    scores = commands.add_parser("judge-scores", help="mean 1-5 judge score per model and path over a run's "
+                                                      "multi-turn scenarios (markdown)")
+    scores.add_argument("run", type=Path, metavar="RUN_DIR")
+    scores.add_argument("--all-scenarios", action="store_true", help="single-turn scenarios too")
     export = commands.add_parser("export", help="export a run's records as a table")
     export.add_argument("run", type=Path, metavar="RUN")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
@@ -231,7 +235,16 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0 if detection["ok"] else 1
 
 
-COMMANDS = {"zoo": _zoo, "run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
+def _judge_scores(args: argparse.Namespace) -> int:
+    from harness.runs.judge_scores import format_judge_scores, judge_score_rows
+
+    if not (args.run / "records.jsonl").is_file():
+        raise FileNotFoundError(f"{args.run} is not a run directory (no records.jsonl)")
+    print(format_judge_scores(judge_score_rows(args.run, multi_turn_only=not args.all_scenarios)))
+    return 0
+
+
+COMMANDS = {"judge-scores": _judge_scores, "zoo": _zoo, "run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,3 +103,23 @@ def test_zoo_class4_kernel_and_workaround_on_gpu(tmp_path):
     assert len(class4) == 2 and all(r["ok"] for r in class4)
     assert all(r["signals"]["kernel_ms_per_step"] for r in class4)
     assert detection["ok"]
+
+
+def test_judge_score_table_means_over_multi_turn_scenarios(tmp_path):
+    from harness.runs.judge_scores import format_judge_scores, judge_score_rows
+
+    texts = [{"model": "m", "scenario": s, "path": p, "turn": t} for s, turns in (("chat", 2), ("sum", 1))
+             for p in ("reference", "bf16", "fp8") for t in range(turns)]
+    scores = {"reference": 5.0, "bf16": 5.0, "fp8": 1.0}
+    records = [{"model": "m", "scenario": r["scenario"], "path": r["path"], "turn": r["turn"], "metric": metric,
+                "value": scores[r["path"]] if r["turn"] == 0 else 4.0}
+               for r in texts for metric in ("judge_rule", "judge_agreement") if r["path"] != "reference"
+               or metric == "judge_rule"]
+    for name, rows in (("texts", texts), ("records", records)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows = {r["path"]: r for r in judge_score_rows(tmp_path)}
+    assert [r["path"] for r in judge_score_rows(tmp_path)] == ["reference", "bf16", "fp8"]
+    assert rows["fp8"]["judge_rule"] == 2.5 and rows["fp8"]["turns"] == 2  # the one-turn "sum" is left out
+    assert rows["reference"]["judge_agreement"] is None and rows["bf16"]["judge_agreement"] == 4.5
+    assert judge_score_rows(tmp_path, multi_turn_only=False)[2]["turns"] == 3
+    assert "| m | `fp8` | 1 | 2 | 2.50 | 2.50 |  |" in format_judge_scores(list(rows.values()))
