@@ -25,6 +25,8 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
                 warmup (one dummy pass, recurrent state uninitialised)
   cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
   prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
+  fault preset  k_scale_on_scores (bf16 cache only, with calibrated/checkpoint scales: failure class 3,
+                k_scale multiplied into the attention scores; `harness zoo` runs every preset)
   kernel=NAME   decode through: triton (default on CUDA) | dequant (dequantise-everything workaround) |
                 reference | package.module:function (your own; contract in docs/CONTRACTS.md)
 """
