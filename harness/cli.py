@@ -27,6 +27,8 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
                 warmup (one dummy pass, recurrent state uninitialised)
   cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
   prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
+  fault preset  k_scale_on_scores (bf16 cache only, with calibrated/checkpoint scales: failure class 3,
+                k_scale multiplied into the attention scores; `harness zoo` runs every preset)
   kernel=NAME   decode through: triton (default on CUDA) | dequant (dequantise-everything workaround) |
                 reference | package.module:function (your own; contract in docs/CONTRACTS.md)
 """
@@ -116,6 +118,16 @@ def _build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
     nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
     nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
+    zoo = commands.add_parser("zoo", help="run the failure-class zoo and print the detection matrix (exit 1 if "
+                                          "a fault is missed or a healthy path fails)")
+    zoo.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: runs/<time>-zoo)")
+    zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
+    zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
+    zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
+    scores = commands.add_parser("judge-scores", help="mean 1-5 judge score per model and path over a run's "
+                                                      "multi-turn scenarios (markdown)")
+    scores.add_argument("run", type=Path, metavar="RUN_DIR", help="a stored run directory (holds manifest.json)")
+    scores.add_argument("--all-scenarios", action="store_true", help="single-turn scenarios too")
     export = commands.add_parser("export", help="export a run's records as a table")
     export.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv",
@@ -311,8 +323,31 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[t
     return failing
 
 
+def _zoo(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.zoo import run_zoo
+
+    out = args.out or job.new_run_dir().with_name(job.new_run_dir().name + "-zoo")
+    detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, job.resolve_device(args.device),
+                        args.jobs, shlex.join(["harness", *sys.argv[1:]]))
+    print(detection["markdown"])
+    for case in detection["spec_cases"]:
+        print(f"class 5 {'ok ' if case['ok'] else 'BAD'} {case['spec']} ({case['model'] or 'any model'}): {case['got']}")
+    print(f"report: {job.write_report(out)}")
+    return 0 if detection["ok"] else 1
+
+
+def _judge_scores(args: argparse.Namespace) -> int:
+    from harness.runs.judge_scores import format_judge_scores, judge_score_rows
+
+    if not (args.run / "records.jsonl").is_file():
+        raise FileNotFoundError(f"{args.run} is not a run directory (no records.jsonl)")
+    print(format_judge_scores(judge_score_rows(args.run, multi_turn_only=not args.all_scenarios)))
+    return 0
+
+
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
-            "nightly": _nightly}
+            "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,8 @@ class RunConfig:
     judge_model: str | None = None
     api_key_envs: tuple[tuple[str, str], ...] = ()  # (reference|candidate|judge, VAR): overrides api_key_env
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
+    # ((model dir, (path name, ...)), ...): models that run only some of `paths` (the zoo); others run all
+    paths_by_model: tuple[tuple[str, tuple[str, ...]], ...] = ()
     thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
     scenario_ids: tuple[str, ...] = ()  # replay only these scenarios of the files (empty: all); the pytest plugin
     select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
@@ -249,7 +251,8 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     loaded.calibration_chats = calibration_chats
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
-    backends = [loaded.backend(path) for path in config.paths]
+    wanted = dict(config.paths_by_model).get(str(directory))
+    backends = [loaded.backend(path) for path in config.paths if wanted is None or path.name in wanted]
     _note_scales(store, label, backends)
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done)
     asyncio.run(replay.run(scenarios))

@@ -29,9 +29,10 @@ STAGES = {
     "harness.runs": 7,
 }
 ENTRY = 99
-ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench", "harness.pytest_plugin",
-                 "harness.nightly", "harness.canary.train", "harness.canary.retrain",
-                 "harness.canary.record_accuracy", "harness.canary.make_scenarios")
+ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
+                 "harness.pytest_plugin", "harness.nightly", "harness.zoo", "harness.canary.train",
+                 "harness.canary.retrain", "harness.canary.record_accuracy", "harness.canary.make_scenarios",
+                 "harness.canary.check_variant")
 
 
 def stage_of(module: str) -> int | None:

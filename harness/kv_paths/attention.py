@@ -179,15 +179,27 @@ def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tenso
     return out.view(1, 1, heads, -1)
 
 
+def _k_scale_on_scores(module, query: torch.Tensor, k_scale: torch.Tensor, kwargs: dict):
+    """Failure class 3 on purpose: scores = q.k * scaling * k_scale over a BF16 cache (a per-head
+    k_scale scales the query heads of each KV head's group)."""
+    if k_scale.numel() == 1:
+        scaling = kwargs.get("scaling") or module.scaling
+        return query, {**kwargs, "scaling": scaling * float(k_scale)}
+    factor = k_scale.to(query.device, torch.float32).repeat_interleave(query.shape[1] // k_scale.numel())
+    return (query.float() * factor.view(1, -1, 1, 1)).to(query.dtype), kwargs
+
+
 def register(observer_attr: str = "harness_observer") -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
-        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         cache = active_cache.get()
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
+            query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
+        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _timed_decode(module, query, paged)

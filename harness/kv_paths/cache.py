@@ -150,7 +150,8 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
-        if kv_path.is_fp8 and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
+        needs_scales = kv_path.is_fp8 or kv_path.k_scale_on_scores
+        if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
         cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats)
     return cache
@@ -201,7 +202,7 @@ def scales_from_checkpoint(tensors: dict[str, torch.Tensor], config, kv_path: KV
         scale = value.max() if kv_path.granularity == "per_tensor" or value.numel() == 1 else value
         (k if parts[-1] == "k_scale" else v)[layer] = scale.reshape(()) if scale.numel() == 1 else scale
     missing = [i for i in attention_layer_indices(config) if i not in k or i not in v]
-    if kv_path.is_fp8 and missing:
+    if (kv_path.is_fp8 or kv_path.k_scale_on_scores) and missing:
         raise ValueError(f"KV path {kv_path.name!r}: checkpoint {model_dir} has no k_scale/v_scale for "
                          f"attention layers {missing} (looked for '*.layers.N.*.k_scale' tensors in *.safetensors)")
     return LayerScales(k=k, v=v, source="checkpoint", provenance=f"k_scale/v_scale tensors in {model_dir}")

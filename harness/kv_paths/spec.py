@@ -2,8 +2,9 @@
 `fp8_e4m3:kernel=dequant` or `fp8_e4m3:kernel=mypkg.attn:decode` (decode through a plug-in kernel).
 
 Every combination of format and scale source is valid (failure class 5: never refuse a valid one).
-Only genuine contradictions are refused, with the reason: a dimension set twice, or per-token scales
-(computed from each token as it is written) combined with a stored scale source.
+Only genuine contradictions are refused, with the reason: a dimension set twice, per-token scales
+(computed from each token as it is written) combined with a stored scale source, or the
+`k_scale_on_scores` fault option (failure class 3 as a preset) on anything but a BF16 cache with scales.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ DIMENSIONS = {
     "scale_source": ("default", "calibrated", "checkpoint", "warmup"),
     "cast": ("sat", "nosat"),
     "prefill": ("quantized_prefill", "raw_prefill"),
+    # A fault preset, not a choice: a BF16 cache whose attention scores are multiplied by k_scale, as the
+    # SGLang MLA backend did with a checkpoint's scales (failure class 3). Correct BF16 paths ignore scales.
+    "scores": ("k_scale_on_scores",),
 }
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
@@ -44,6 +48,7 @@ class KVPath:
     # False: the chunk being prefilled attends to its own unquantised K/V (engines that run prefill
     # attention before the cache write); earlier tokens are always read back quantised.
     quantize_current_chunk: bool = True
+    k_scale_on_scores: bool = False  # failure class 3 reproduced: bf16 cache, scores times k_scale
     # Decode-kernel plug-in (`kernel=NAME`): "" is our Triton kernel on CUDA (harness/kv_paths/decode_kernels.py)
     kernel: str = ""
 
@@ -54,7 +59,8 @@ class KVPath:
     @property
     def canonical(self) -> str:
         if not self.is_fp8:
-            return "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
+            base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
+            return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
         parts = [f"fp8_{self.fmt}", self.granularity]
         if self.granularity != "per_token":  # per-token scales are always dynamic
             parts.append(self.scale_source)
@@ -66,6 +72,9 @@ class KVPath:
         return ":".join(parts)
 
     def describe(self) -> str:
+        if self.k_scale_on_scores:
+            return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
+                    f"(fault preset: failure class 3)")
         if not self.is_fp8:
             note = "" if self.scale_source == "default" else f"; {self.scale_source} scales present and ignored"
             return f"bf16 cache (no quantisation{note})"
@@ -100,6 +109,8 @@ def parse_path(spec: str) -> KVPath:
         raise PathSpecError(
             f"KV path {spec!r}: per_token scales are computed from each token as it is written, so they "
             f"cannot also come from {source!r}; use per_tensor or per_head for {source!r} scales")
+    if "scores" in chosen:
+        _check_k_scale_on_scores(spec, FORMATS[head], source)
     return KVPath(
         name=text,
         fmt=FORMATS[head],
@@ -107,8 +118,21 @@ def parse_path(spec: str) -> KVPath:
         scale_source="dynamic" if granularity == "per_token" and FORMATS[head] != "bf16" else source,
         saturate=chosen.get("cast", "sat") == "sat",
         quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
+        k_scale_on_scores="scores" in chosen,
         kernel=kernel,
     )
+
+
+def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
+    if fmt != "bf16":
+        raise PathSpecError(
+            f"KV path {spec!r}: k_scale_on_scores reproduces failure class 3 (a BF16 cache whose attention "
+            f"scores are multiplied by k_scale) and applies only to a bf16 cache; an FP8 cache already applies "
+            f"k_scale where it belongs, when it dequantises. Use e.g. 'bf16:calibrated:k_scale_on_scores'")
+    if source == "default":
+        raise PathSpecError(
+            f"KV path {spec!r}: k_scale_on_scores needs scales to misapply, and the default scale 1.0 would "
+            f"change nothing; add a scale source: 'calibrated' or 'checkpoint'")
 
 
 def _kernel_option(spec: str, options: list[str]) -> tuple[list[str], str]:

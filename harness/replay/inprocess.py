@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+from harness.canary.variants import apply_variant, read_variant
 from harness.kv_paths import attention, decode_kernels
 from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
 from harness.kv_paths.cache import (
@@ -54,6 +55,7 @@ class InProcessModel:
     random_weights: bool
     calibration_chats: list = field(default_factory=list)  # list[list[Message]]; empty = defaults
     use_kernels: bool = False  # decode of FP8 paths through our Triton kernels (CUDA)
+    variant: object = None  # harness.canary.variants.Variant when loaded from a stress variant's folder
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
 
     @classmethod
@@ -61,23 +63,30 @@ class InProcessModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         directory = Path(directory)
-        if not (directory / "config.json").is_file():
+        variant = read_variant(directory)  # a stress variant: its base's weights, reparametrised
+        weights = variant.base if variant is not None else directory
+        if not (weights / "config.json").is_file():
             raise FileNotFoundError(f"model directory {directory} has no config.json")
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation=ATTENTION_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(str(weights))
+        model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
+        if variant is not None:
+            apply_variant(model, variant)
         model.to(device).eval()
         import os
 
         wanted = os.environ.get("HARNESS_KERNELS", "auto")  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
-                   arch=model.config.model_type, random_weights=(directory / RANDOM_WEIGHTS_MARKER).exists(),
-                   use_kernels=use_kernels)
+                   arch=model.config.model_type, random_weights=(weights / RANDOM_WEIGHTS_MARKER).exists(),
+                   use_kernels=use_kernels, variant=variant)
 
     def describe(self) -> dict:
-        return {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
-                "random_weights": self.random_weights, "dtype": str(next(self.model.parameters()).dtype),
-                "parameters": sum(p.numel() for p in self.model.parameters())}
+        described = {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
+                     "random_weights": self.random_weights, "dtype": str(next(self.model.parameters()).dtype),
+                     "parameters": sum(p.numel() for p in self.model.parameters())}
+        if self.variant is not None:
+            described["variant"] = {**self.variant.describe(), "base_sha256": sha256_of_dir(self.variant.base)}
+        return described
 
     def backend(self, kv_path: KVPath | None, label: str | None = None) -> "InProcessBackend":
         scales = self.scales_for(kv_path) if kv_path is not None else None
@@ -268,8 +277,15 @@ class InProcessBackend:
         quantised cache as in decoding. A `raw_prefill` path feeds the continuation one token at a time,
         since there a multi-token chunk would attend to its own raw K/V, which decoding never does.
         """
-        model, device = self.owner.model, self.owner.device
         cache = self.new_cache()
+        token = attention.active_cache.set(cache)  # the attention function reads the path's layers
+        try:
+            return self._score(cache, messages, continuation_ids)
+        finally:
+            attention.active_cache.reset(token)
+
+    def _score(self, cache, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+        model, device = self.owner.model, self.owner.device
         prompt = self.owner.encode_chat(messages)
         continuation = list(continuation_ids)
         if not continuation:

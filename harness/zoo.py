@@ -1,0 +1,158 @@
+"""`harness zoo`: the failure classes of FAILURE-CLASSES.md reproduced on the canaries, and the detection matrix.
+
+Each fault preset is a (canary, KV path) pair a user can also run by hand with `harness run --model ...
+--paths ...`; the healthy paths run beside them on every canary. The zoo is one run directory: every
+preset at the harness's default verdict thresholds, its report with the detection matrix, and
+`detection.json` (the matrix, the path-spec cases of class 5, and signals that are measured but not checks).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.analysis.detection import MatrixEntry, detection_matrix, format_matrix
+from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, parse_kv_paths, run_job
+from harness.kv_paths.spec import PathSpecError, parse_path
+
+DETECTION_FILE = "detection.json"
+LATENT_VARIANT = "stress/mla-latent-2048"  # the MLA canary with its latent 2048x larger (same BF16 model)
+
+
+@dataclass(frozen=True, slots=True)
+class ZooEntry:
+    label: str
+    model: str  # folder under harness/canary/weights
+    path: str  # KV path spec
+    expect: str  # "fail": a fault the harness must catch; "pass": a path it must leave alone
+    note: str = ""
+    gpu_only: bool = False
+
+    def __post_init__(self) -> None:
+        parse_path(self.path)  # a preset names a valid spec
+        if self.expect not in ("fail", "pass"):
+            raise ValueError(f"ZooEntry {self.label!r}: expect must be 'fail' or 'pass', got {self.expect!r}")
+
+
+FAULTS: tuple[ZooEntry, ...] = (
+    ZooEntry("class 1: MLA latent, engine-default scale 1.0", LATENT_VARIANT, "fp8_e4m3", "fail",
+             "latent amax ~8000 (2048 x the canary's ~4) stored with scale 1.0: e4m3 saturates at 448"),
+    ZooEntry("class 2: scales from a warm-up pass, hybrid", "hybrid", "fp8_e4m3:warmup", "fail",
+             "amax from one dummy pass with uninitialised recurrent state, frozen"),
+    ZooEntry("class 3: checkpoint k_scale on BF16 scores", "mla", "bf16:calibrated:k_scale_on_scores", "fail",
+             "BF16 cache, attention scores multiplied by the calibrated k_scale (~0.03), as the SGLang MLA bug"),
+)
+# Class 4 is a cost difference with the same replies: both decode kernels must pass; kernel_ms_per_step differs.
+GPU_ENTRIES: tuple[ZooEntry, ...] = (
+    ZooEntry("class 4: our Triton MLA FP8 kernel", "mla", "fp8_e4m3:calibrated:kernel=triton", "pass", gpu_only=True),
+    ZooEntry("class 4: dequantise-everything workaround", "mla", "fp8_e4m3:calibrated:kernel=dequant", "pass",
+             gpu_only=True),
+)
+HEALTHY_PATHS = ("bf16", "fp8_e4m3:calibrated")
+HEALTHY_MODELS = ("gqa", "mla", "hybrid", LATENT_VARIANT)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCase:
+    """Class 5: a spec (with the model it is for, when the answer depends on the checkpoint) that must be
+    accepted (`refusal` None) or refused with a message naming the true reason (`refusal` a phrase of it)."""
+
+    spec: str
+    model: str | None
+    refusal: str | None
+    why: str
+
+
+SPEC_CASES: tuple[SpecCase, ...] = (
+    SpecCase("fp8_e5m2", "gqa", None, "e5m2 on a checkpoint that is not FP8: valid (the vLLM gate refused it)"),
+    SpecCase("fp8_e5m2:per_head:calibrated", "mla", None, "e5m2 with calibrated per-head scales: valid"),
+    SpecCase("fp8_e5m2:checkpoint", "gqa", "no k_scale/v_scale", "checkpoint scales asked of a checkpoint without them"),
+    SpecCase("fp8_e4m3:per_token:calibrated", None, "computed from each token", "per-token scales are dynamic"),
+    SpecCase("fp8_e4m3:calibrated:k_scale_on_scores", None, "applies only to a bf16 cache", "the class-3 preset on FP8"),
+    SpecCase("bf16:k_scale_on_scores", None, "needs scales", "the class-3 preset with nothing to misapply"),
+)
+
+
+def check_spec_case(case: SpecCase, loaded: dict) -> dict:
+    """Run one case: parse the spec and, when it names a model, build that path's backend (scales included)."""
+    try:
+        path = parse_path(case.spec)
+        if case.model is not None:
+            loaded.setdefault(case.model, _load(case.model)).backend(path)
+        message = None
+    except (PathSpecError, ValueError) as error:
+        message = str(error)
+    if case.refusal is None:
+        ok = message is None
+    else:
+        ok = message is not None and case.refusal in message
+    return {"spec": case.spec, "model": case.model, "why": case.why, "expected": case.refusal or "accepted",
+            "got": message or "accepted", "ok": ok}
+
+
+def _load(model: str):
+    from harness.replay.inprocess import InProcessModel
+
+    return InProcessModel.load(CANARY_WEIGHTS / model)
+
+
+def zoo_entries(device: str) -> list[ZooEntry]:
+    healthy = [ZooEntry("healthy", model, path, "pass") for model in HEALTHY_MODELS for path in HEALTHY_PATHS]
+    return list(FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
+
+
+def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEntry], device: str = "cpu",
+               jobs: int = 1, command: str = "harness zoo") -> RunConfig:
+    models = list(dict.fromkeys(e.model for e in entries))
+    paths = list(dict.fromkeys(["bf16", *(e.path for e in entries)]))
+    by_model = tuple((str(CANARY_WEIGHTS / m), tuple(dict.fromkeys(["bf16", *(e.path for e in entries
+                                                                         if e.model == m)]))) for m in models)
+    return RunConfig(models=tuple(CANARY_WEIGHTS / m for m in models), scenario_paths=scenario_paths,
+                     paths=parse_kv_paths(",".join(paths)), out=out, device=device, jobs=jobs, command=command,
+                     paths_by_model=by_model)
+
+
+def signals(records: list[dict], model: str, path: str) -> dict:
+    """Measured beside the checks, not checks: turns whose free-running reply left the reference's, and
+    the judges' mean 1-5 scores."""
+    mine = [r for r in records if r["model"] == model and r["path"] == path]
+
+    def values(metric: str) -> list[float]:
+        return [r["value"] for r in mine if r["metric"] == metric and r["value"] is not None]
+
+    exact = values("exact_match")
+    out = {"diverged_turns": sum(v < 1 for v in exact), "turns": len(exact)}
+    for metric in ("judge_rule", "judge_agreement", "kernel_ms_per_step"):
+        found = values(metric)
+        out[metric] = sum(found) / len(found) if found else None
+    return out
+
+
+def write_detection(run_dir: Path, entries: list[ZooEntry], spec_results: list[dict]) -> dict:
+    from harness.runs.store import RunStore
+
+    from harness.runs.gate import run_verdicts
+
+    matrix = detection_matrix(run_verdicts(run_dir), [MatrixEntry(e.label, model_label(Path(e.model)), e.path,
+                                                                  e.expect) for e in entries])
+    records = RunStore(run_dir).read("records")
+    rows = [row.as_dict() | {"note": e.note, "signals": signals(records, row.entry.model, row.entry.path)}
+            for row, e in zip(matrix, entries)]
+    detection = {"rows": rows, "markdown": format_matrix(matrix), "spec_cases": spec_results,
+                 "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in spec_results)}
+    (Path(run_dir) / DETECTION_FILE).write_text(json.dumps(detection, indent=1))
+    return detection
+
+
+def run_zoo(out: Path, scenario_paths: tuple[Path, ...] | None = None, device: str = "cpu", jobs: int = 1,
+            command: str = "harness zoo", progress=None) -> dict:
+    """Check the class-5 spec cases, run every preset and healthy path, store and return the detection."""
+    loaded: dict = {}
+    spec_results = [check_spec_case(case, loaded) for case in SPEC_CASES]
+    loaded.clear()
+    entries = zoo_entries(device)
+    scenarios = scenario_paths or (REPO_ROOT / "scenarios" / "canary" / "default.yaml",)
+    config = zoo_config(out, tuple(scenarios), entries, device, jobs, command)
+    run_dir = run_job(config, progress=progress)
+    return write_detection(run_dir, entries, spec_results)

@@ -1,0 +1,125 @@
+"""The failure-class zoo: its stress variants are the same BF16 model, its fault presets are caught by the
+default verdicts and its healthy paths are not (the detection matrix), its path-spec cases answer truly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.analysis.detection import MatrixEntry, detection_matrix, format_matrix
+from harness.job import CANARY_WEIGHTS
+from harness.kv_paths.spec import PathSpecError, parse_path
+from harness.types import Message
+
+ROOT = Path(__file__).resolve().parents[1]
+ZOO_SCENARIOS = ROOT / "tests" / "data" / "zoo_scenarios.yaml"  # 3 of the 12 default canary scenarios
+VARIANTS = ("stress/mla-latent-2048", "stress/mla-latent-div1024", "stress/gqa-kout-1024")
+CHATS = [[Message("system", "Answer with the number only."), Message("user", "What is 6 * 7 + 9 * 6?")],
+         [Message("user", "My favourite colour is violet."), Message("assistant", "Noted."),
+          Message("user", "What is my favourite colour?")]]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stress_variant_is_the_same_bf16_model(variant):
+    """A power-of-two reparametrisation: logits bit-identical to the base canary's (no tolerance: bf16
+    scaling by 2^k is exact, so any difference is a wrong transform), while the cached tensor grows."""
+    from harness.replay.inprocess import InProcessModel
+
+    model = InProcessModel.load(CANARY_WEIGHTS / variant)
+    base = InProcessModel.load(model.variant.base)
+    for chat in CHATS:
+        ids = base.encode_chat(chat)
+        assert torch.equal(model._forward(ids, model.backend(None).new_cache()),
+                           base._forward(ids, base.backend(None).new_cache()))
+    assert model.describe()["variant"]["alpha"] == model.variant.alpha
+
+
+def test_k_scale_on_scores_spec():
+    path = parse_path("bf16:calibrated:k_scale_on_scores")
+    assert path.k_scale_on_scores and not path.is_fp8 and path.canonical == "bf16:calibrated:k_scale_on_scores"
+    assert not parse_path("bf16:calibrated").k_scale_on_scores  # correct behaviour stays the default
+    with pytest.raises(PathSpecError, match="applies only to a bf16 cache"):
+        parse_path("fp8_e4m3:calibrated:k_scale_on_scores")
+    with pytest.raises(PathSpecError, match="needs scales"):
+        parse_path("bf16:k_scale_on_scores")
+
+
+def test_detection_matrix_counts_failing_families():
+    def row(path, turn, verdict, *reasons):
+        return {"model": "m", "scenario": "s", "path": path, "turn": turn, "verdict": verdict,
+                "reasons": [{"check": c, "metric": metric, "severity": sev} for c, metric, sev in reasons]}
+
+    rows = [row("bad", 0, "fail", ("task", "answer_correct", "fail"), ("divergence", "kl_max", "fail")),
+            row("bad", 1, "fail", ("degenerate", None, "fail")),
+            row("good", 0, "warn", ("divergence", "kl_max", "warn")),
+            row("loud", 0, "fail", ("divergence", "kl_mean", "fail"))]
+    entries = [MatrixEntry("fault", "m", "bad", "fail"), MatrixEntry("healthy", "m", "good", "pass"),
+               MatrixEntry("healthy", "m", "loud", "pass"), MatrixEntry("fault", "m", "absent", "fail")]
+    bad, good, loud, absent = detection_matrix(rows, entries)
+    assert bad.ok and bad.families == {"task checks": 1, "teacher-forced KL": 1, "rule judge": 1}
+    assert good.ok and good.failed_turns == 0  # a warn is not a failure
+    assert not loud.ok and not absent.ok  # a false alarm; a preset that never ran is no detection
+    text = format_matrix([bad, good, loud, absent])
+    assert "caught" in text and "quiet" in text and "FALSE ALARM" in text and "NOT RUN" in text
+
+
+@pytest.mark.slow
+def test_zoo_detection_matrix_on_cpu(tmp_path):
+    """Every fault preset fails at least one check family at the default thresholds; bf16 and calibrated
+    fp8_e4m3 fail none on any canary (stress variant included); every class-5 spec case answers truly."""
+    from harness.zoo import run_zoo
+
+    detection = run_zoo(tmp_path / "zoo", (ZOO_SCENARIOS,), jobs=2)
+    print(detection["markdown"])
+    faults = [r for r in detection["rows"] if r["expect"] == "fail"]
+    healthy = [r for r in detection["rows"] if r["expect"] == "pass"]
+    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3"}
+    for row in faults:
+        assert row["failed_turns"] > 0 and row["families"], f"missed: {row}"
+    for row in healthy:
+        assert row["turns"] > 0 and row["failed_turns"] == 0, f"false alarm: {row}"
+    assert len(healthy) == 8  # bf16 and calibrated fp8_e4m3 on gqa, mla, hybrid and the latent variant
+    assert all(case["ok"] for case in detection["spec_cases"]), detection["spec_cases"]
+    assert detection["ok"]
+    stored = json.loads((tmp_path / "zoo" / "detection.json").read_text())
+    assert stored["rows"] == detection["rows"]
+    from harness.job import write_report
+
+    assert "Detection matrix" in Path(write_report(tmp_path / "zoo")).read_text()
+
+
+@pytest.mark.gpu
+def test_zoo_class4_kernel_and_workaround_on_gpu(tmp_path):
+    """Class 4: our MLA FP8 kernel and the dequantise-everything workaround give replies that pass the same
+    checks; both are timed per decode step (kernel_ms_per_step; the cost comparison is a benchmark)."""
+    from harness.zoo import run_zoo
+
+    detection = run_zoo(tmp_path / "zoo", (ZOO_SCENARIOS,), device="cuda", jobs=1)
+    print(detection["markdown"])
+    class4 = [r for r in detection["rows"] if r["label"].startswith("class 4")]
+    assert len(class4) == 2 and all(r["ok"] for r in class4)
+    assert all(r["signals"]["kernel_ms_per_step"] for r in class4)
+    assert detection["ok"]
+
+
+def test_judge_score_table_means_over_multi_turn_scenarios(tmp_path):
+    from harness.runs.judge_scores import format_judge_scores, judge_score_rows
+
+    texts = [{"model": "m", "scenario": s, "path": p, "turn": t} for s, turns in (("chat", 2), ("sum", 1))
+             for p in ("reference", "bf16", "fp8") for t in range(turns)]
+    scores = {"reference": 5.0, "bf16": 5.0, "fp8": 1.0}
+    records = [{"model": "m", "scenario": r["scenario"], "path": r["path"], "turn": r["turn"], "metric": metric,
+                "value": scores[r["path"]] if r["turn"] == 0 else 4.0}
+               for r in texts for metric in ("judge_rule", "judge_agreement") if r["path"] != "reference"
+               or metric == "judge_rule"]
+    for name, rows in (("texts", texts), ("records", records)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows = {r["path"]: r for r in judge_score_rows(tmp_path)}
+    assert [r["path"] for r in judge_score_rows(tmp_path)] == ["reference", "bf16", "fp8"]
+    assert rows["fp8"]["judge_rule"] == 2.5 and rows["fp8"]["turns"] == 2  # the one-turn "sum" is left out
+    assert rows["reference"]["judge_agreement"] is None and rows["bf16"]["judge_agreement"] == 4.5
+    assert judge_score_rows(tmp_path, multi_turn_only=False)[2]["turns"] == 3
+    assert "| m | `fp8` | 1 | 2 | 2.50 | 2.50 |  |" in format_judge_scores(list(rows.values()))
