@@ -48,6 +48,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--scales", type=Path, metavar="FILE",
+                     help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
+                          "(default: the model directory's *.safetensors)")
+    _add_attention_options(run)
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
@@ -79,6 +83,26 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
     return parser
+
+
+def _add_attention_options(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    group = parser.add_argument_group("attention-score error (in-process models)")
+    group.add_argument("--attention", choices=["isolated", "end-to-end"], default=default,
+                       help="capture each path's attention against the reference's: 'isolated' feeds every layer "
+                            "the reference's inputs (its own error), 'end-to-end' its own (what earlier layers "
+                            "passed on)" + ("" if default is None else f" (default: {default})"))
+    group.add_argument("--attention-heads", type=int, default=8, metavar="N", help="query heads sampled per layer")
+    group.add_argument("--attention-rows", type=int, default=16, metavar="N",
+                       help="query positions sampled per turn (evenly over the reply, ends included)")
+
+
+def _attention_options(args: argparse.Namespace):
+    if not getattr(args, "attention", None):
+        return None
+    from harness.kv_paths.capture import CaptureSample
+    from harness.replay.attention import AttentionOptions
+
+    return AttentionOptions(mode=args.attention, sample=CaptureSample(args.attention_heads, args.attention_rows))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -157,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            attention=_attention_options(args), scales_file=args.scales,
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,

@@ -15,6 +15,9 @@ from typing import Callable
 import torch
 
 ATTENTION_NAME = "harness"
+# Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
+# each call and may return a tensor to use as the output instead (attention capture, isolated mode).
+ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
@@ -156,7 +159,7 @@ def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tenso
     return out.view(1, 1, heads, -1)
 
 
-def register(observer_attr: str = "harness_observer") -> None:
+def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -172,7 +175,8 @@ def register(observer_attr: str = "harness_observer") -> None:
             output = kernel_out
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:
-            observer(module, query, key, value, output)
+            replaced = observer(module, query, key, value, output)
+            output = output if replaced is None else replaced
         return output, weights
 
     AttentionInterface.register(ATTENTION_NAME, harness_attention)

@@ -53,6 +53,7 @@ class InProcessModel:
     random_weights: bool
     calibration_chats: list = field(default_factory=list)  # list[list[Message]]; empty = defaults
     use_kernels: bool = False  # decode of FP8 paths through our Triton kernels (CUDA)
+    scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
 
     @classmethod
@@ -109,8 +110,8 @@ class InProcessModel:
         if kv_path.scale_source == "default":
             return unit_scales(config)
         if kv_path.scale_source == "checkpoint":
-            return scales_from_checkpoint(calibration.checkpoint_tensors(self.directory), config, kv_path,
-                                          str(self.directory))
+            where = self.scales_file or self.directory
+            return scales_from_checkpoint(calibration.checkpoint_tensors(where), config, kv_path, str(where))
         cache = observer_cache(config)
         if kv_path.scale_source == "calibrated":
             chats = self.calibration_chats or calibration.default_calibration_chats()
@@ -173,6 +174,19 @@ class InProcessBackend:
 
     async def aclose(self) -> None:
         return None
+
+    async def attention_error(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        return self.attention_error_sync(messages, continuation_ids, options)
+
+    def attention_error_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        """Attention-score error of this path against the reference on the reference's continuation
+        (`harness.replay.attention.measure_turn`); the reference backend has nothing to compare."""
+        from harness.replay.attention import AttentionTurn, measure_turn
+
+        if self.kv_path is None:
+            return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
+        return measure_turn(self.owner.model, self.owner.device, self.kv_path, self.scales,
+                            self.owner.encode_chat(messages), list(continuation_ids), options)
 
     @torch.inference_mode()
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
