@@ -210,3 +210,57 @@ def test_bad_scales_file_is_named(tmp_path, tiny_models):
         calibration.read_scale_file(bad)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         calibration.read_scale_file(tmp_path / "missing.safetensors")
+
+
+# ---------------------------------------------------------------- FP8 attention paths, per-layer maps
+
+
+def test_attention_fp8_reference_by_hand():
+    from kernels.reference import attention_fp8
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    plain, _ = attention_fp8(q.double(), k.double(), v.double(), 0.35, None, None, None)
+    mask = torch.arange(5).unsqueeze(0) <= torch.arange(3).unsqueeze(1) + 2  # the 3 queries are keys 2..4
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), attn_mask=mask,
+        scale=0.35).transpose(1, 2)
+    # fp32 math against fp64 SDPA: a few fp32 ulps of values of order 1
+    assert torch.allclose(plain.double(), expect, atol=1e-5, rtol=0)
+    # FP8 Q with scale 1/16: q' = fp8(16 q) / 16 exactly; the same attention on q' by hand
+    out, used = attention_fp8(q, k, v, 0.35, None, torch.tensor(1 / 16), None)
+    q8 = (q * 16).to(torch.float8_e4m3fn).float() / 16
+    assert torch.equal(used, q8)
+    by_hand = torch.nn.functional.scaled_dot_product_attention(
+        q8, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.35).transpose(1, 2)
+    assert torch.allclose(out, by_hand, atol=1e-5, rtol=0)
+    # FP8 P with scale 1: small probabilities flush to zero, so rows no longer sum to 1
+    _, _ = attention_fp8(q, k, v, 0.35, None, None, torch.tensor(1.0))
+
+
+def test_fp8_attention_paths_show_error_and_keep_bf16_layers_show_none(tiny_models):
+    model = InProcessModel.load(tiny_models["gqa"])
+    for spec in ("bf16:fp8_q", "bf16:calibrated:fp8_p"):
+        turn = _turn(model, spec, "isolated")
+        assert max(r["attn_out_rel_err"] for r in turn.rows) > 0, spec
+    scales = model.scales_for(parse_path("bf16:calibrated:fp8_q"))
+    assert sorted(scales.q) == [0, 1] and all(s.dim() == 0 for s in scales.q.values())
+    turn = _turn(model, "fp8_e4m3:calibrated:keep_bf16=0", "isolated")
+    assert max(r["attn_out_rel_err"] for r in turn.rows if r["layer"] == 0) == 0.0
+    assert max(r["attn_out_rel_err"] for r in turn.rows if r["layer"] == 1) > 0.0
+
+
+def test_layer_map_option(tmp_path):
+    from harness.kv_paths.spec import PathSpecError
+
+    good = tmp_path / "map.json"
+    good.write_text(json.dumps({"bf16_layers": [7, 3]}))
+    path = parse_path(f"fp8_e4m3:layers={good}")
+    assert path.bf16_layers == (3, 7) and path.canonical.endswith(":keep_bf16=3+7")
+    assert parse_path("fp8:keep_bf16=7+3").bf16_layers == (3, 7)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for spec, message in ((f"fp8:layers={bad}", "bad.json"), ("fp8:keep_bf16=x", "keep_bf16"),
+                          ("fp8:layers=/no/such.json", "does not exist"), ("fp8:shape=3", "unknown option")):
+        with pytest.raises(PathSpecError, match=message):
+            parse_path(spec)

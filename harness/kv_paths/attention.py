@@ -165,9 +165,17 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
-        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         cache = active_cache.get()
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        quant = getattr(layer, "attn_quant", None)
+        if quant is None:
+            output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        else:  # FP8 attention (q_scale / prob_scale): the torch reference, on every device
+            from kernels.reference import attention_fp8
+
+            output, query = attention_fp8(query, key, value, module.scaling, attention_mask, quant.q_scale,
+                                          quant.prob_scale, quant.fmt)
+            weights = None
         paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _kernel_decode(module, query, paged)

@@ -44,7 +44,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                if name.endswith(("k_scale", "v_scale")):
+                if name.endswith(SCALE_NAMES):
                     found[name] = handle.get_tensor(name)
     return found
 
@@ -52,6 +52,45 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def dummy_warmup_ids(tokenizer) -> list[int]:
     ids = tokenizer(DUMMY_WARMUP_TEXT, add_special_tokens=False)["input_ids"]
     return (ids * DUMMY_WARMUP_TOKENS)[:DUMMY_WARMUP_TOKENS]
+
+
+@contextlib.contextmanager
+def query_amax(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the running amax of the (post-RoPE) query of every attention layer while entered:
+    {layer: 0-d fp32 tensor}, the statistic a calibrated q_scale is made from."""
+    from harness.kv_paths.attention import ATTENTION_OBSERVER
+
+    found: dict[int, torch.Tensor] = {}
+
+    def observe(module, query, key, value, output):
+        amax = query.detach().float().abs().amax().cpu()
+        layer = int(module.layer_idx)
+        found[layer] = amax if layer not in found else torch.maximum(found[layer], amax)
+
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    for module in modules:
+        setattr(module, ATTENTION_OBSERVER, observe)
+    try:
+        yield found
+    finally:
+        for module in modules:
+            delattr(module, ATTENTION_OBSERVER)
+
+
+def attention_scales_from_checkpoint(tensors: dict[str, torch.Tensor], layers: list[int], where: str,
+                                     names: tuple[str, ...]) -> dict[str, dict[int, torch.Tensor]]:
+    """q_scale / prob_scale per attention layer from `*.layers.N.*.q_scale` tensors (max over elements)."""
+    found: dict[str, dict[int, torch.Tensor]] = {name: {} for name in names}
+    for key, value in tensors.items():
+        parts = key.split(".")
+        if parts[-1] in names and "layers" in parts:
+            found[parts[-1]][int(parts[parts.index("layers") + 1])] = value.float().max().reshape(())
+    for name in names:
+        missing = [i for i in layers if i not in found[name]]
+        if missing:
+            raise ValueError(f"checkpoint {where} has no {name} for attention layers {missing} "
+                             f"(looked for '*.layers.N.*.{name}')")
+    return found
 
 
 @contextlib.contextmanager

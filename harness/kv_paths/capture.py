@@ -77,7 +77,8 @@ class CaptureSession:
     keep_outputs: keep each call's full attention output (isolated mode's reference pass).
     replace_outputs: {(layer, call index): output} handed back in place of the layer's own output
         (isolated mode's path pass), so every layer sees the reference's hidden states.
-    prob_transform: applied to a path's probabilities before they are compared (a path that rounds P).
+    prob_transform(layer, probs): applied to a path's probabilities before they are compared (a path
+        that rounds P to FP8 multiplies V with the rounded ones).
     """
 
     model: torch.nn.Module
@@ -86,7 +87,7 @@ class CaptureSession:
     on_rows: Callable[[int, LayerRows], None] | None = None
     keep_outputs: bool = False
     replace_outputs: dict | None = None
-    prob_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    prob_transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     rows: dict[int, list[LayerRows]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
@@ -108,7 +109,8 @@ class CaptureSession:
         layer = int(module.layer_idx)
         call = self.calls.get(layer, 0)
         self.calls[layer] = call + 1
-        rows = sample_rows(module, query, key, value, output, self.heads, self.positions, self.prob_transform)
+        transform = None if self.prob_transform is None else (lambda probs: self.prob_transform(layer, probs))
+        rows = sample_rows(module, query, key, value, output, self.heads, self.positions, transform)
         if rows is not None:
             if self.on_rows is not None:
                 self.on_rows(layer, rows)

@@ -92,6 +92,8 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
         seen[layer] = index + 1
         rows.extend(_compare_rows(layer, reference.rows[layer][index], path_rows, options.top_k))
 
+    if prob_transform is None and kv_path.fp8_prob:
+        prob_transform = _prob_rounding(path_cache_probe(config, kv_path, scales))
     path = CaptureSession(model, heads, positions, on_rows=compare,
                           replace_outputs=reference.outputs if isolated else None, prob_transform=prob_transform)
     path_cache = build_cache(config, kv_path, scales)
@@ -110,6 +112,24 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     summary["attn_heads_sampled"] = float(len(heads))
     summary["attn_rows_sampled"] = float(len(positions))
     return AttentionTurn(summary=summary, rows=rows, channels=channels, sampled=sampled)
+
+
+def path_cache_probe(config, kv_path: KVPath, scales: LayerScales | None) -> dict[int, object]:
+    """{layer: AttentionQuant} of the path's attention layers."""
+    cache = build_cache(config, kv_path, scales)
+    return {i: layer.attn_quant for i, layer in enumerate(cache.layers) if getattr(layer, "attn_quant", None)}
+
+
+def _prob_rounding(quants: dict[int, object]):
+    from kernels.reference import dequantize, quantize
+
+    def transform(layer: int, probs: torch.Tensor) -> torch.Tensor:
+        quant = quants.get(layer)
+        if quant is None or quant.prob_scale is None:
+            return probs
+        return dequantize(quantize(probs, quant.prob_scale, quant.fmt), quant.prob_scale)
+
+    return transform
 
 
 def _run_chunks(model, device, chunks: list[list[int]], cache) -> None:

@@ -97,7 +97,43 @@ class InProcessModel:
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
             self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales
+        if kv_path.quantizes_attention and self._scales[key] is not None:
+            return self._with_attention_scales(kv_path, self._scales[key])
         return self._scales[key]
+
+    def _with_attention_scales(self, kv_path: KVPath, scales: LayerScales) -> LayerScales:
+        """The path's q_scale / prob_scale per attention layer, from its scale source (see spec.py)."""
+        import dataclasses
+
+        from harness.kv_paths import calibration
+        from harness.kv_paths.cache import attention_layer_indices
+        from kernels.reference import amax_scale
+
+        layers = attention_layer_indices(self.model.config)
+        source = kv_path.scale_source
+        key = ("attention", source)
+        if key not in self._scales:
+            if source == "default":
+                q = {i: torch.tensor(1.0) for i in layers}
+                prob = dict(q)
+            elif source == "checkpoint":
+                where = self.scales_file or self.directory
+                found = calibration.attention_scales_from_checkpoint(
+                    calibration.checkpoint_tensors(where), layers, str(where), ("q_scale", "prob_scale"))
+                q, prob = found["q_scale"], found["prob_scale"]
+            else:
+                with calibration.query_amax(self.model) as amax:
+                    if source == "calibrated":
+                        for chat in self.calibration_chats or calibration.default_calibration_chats():
+                            self._forward(self.encode_chat(chat), observer_cache(self.model.config))
+                    else:
+                        with calibration.uninitialised_recurrent_state(self.model):
+                            self._forward(calibration.dummy_warmup_ids(self.tokenizer), observer_cache(self.model.config))
+                q = {i: amax_scale(amax[i], "e4m3") for i in layers}
+                prob = {i: amax_scale(torch.tensor(1.0), "e4m3") for i in layers}  # amax of P is 1
+            self._scales[key] = LayerScales(k={}, v={}, source=source, q=q, prob=prob)
+        extra = self._scales[key]
+        return dataclasses.replace(scales, q=extra.q, prob=extra.prob)
 
     @property
     def is_mla(self) -> bool:
