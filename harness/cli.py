@@ -82,6 +82,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("run", type=Path, metavar="RUN")
     export.add_argument("--format", choices=["csv", "parquet"], default="csv")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
+    for name, text in (("attention", "harness run --attention isolated, plus where each path's attention broke"),
+                       ("sensitivity", "FP8 on one attention layer at a time: ranking and a per-layer precision map"),
+                       ("calibrate", "write k_scale/v_scale files vLLM and SGLang load (and :checkpoint reads)")):
+        commands.add_parser(name, help=text, add_help=False)  # parsed by harness.attention_cli
     return parser
 
 
@@ -224,6 +228,11 @@ COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _expo
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("attention", "sensitivity", "calibrate"):
+        from harness import attention_cli
+
+        return attention_cli.main(argv)
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted

@@ -31,7 +31,8 @@ STAGES = {
 ENTRY = 99
 ENTRY_MODULES = ("harness.cli", "harness.job", "harness.serve", "harness.bench", "harness.pytest_plugin",
                  "harness.nightly", "harness.canary.train", "harness.canary.retrain",
-                 "harness.canary.record_accuracy", "harness.canary.make_scenarios")
+                 "harness.canary.record_accuracy", "harness.canary.make_scenarios",
+                 "harness.attention_cli")
 
 
 def stage_of(module: str) -> int | None:

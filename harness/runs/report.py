@@ -510,6 +510,9 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
     figures = plots.run_plots(run.records, out, paths)
+    from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
+
+    figures += attention_plots.run_figures(run.run_dir, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
