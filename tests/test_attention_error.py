@@ -264,3 +264,21 @@ def test_layer_map_option(tmp_path):
                           ("fp8:layers=/no/such.json", "does not exist"), ("fp8:shape=3", "unknown option")):
         with pytest.raises(PathSpecError, match=message):
             parse_path(spec)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_capture_on_cuda_matches_cpu_semantics(tiny_models, arch):
+    """On CUDA: bf16 shows exactly zero error in both modes, an FP8 path a nonzero one of the size CPU
+    measures (bf16 SDPA on either device: same order of magnitude, not bit-equal)."""
+    cuda = InProcessModel.load(tiny_models[arch], device="cuda")
+    cpu = InProcessModel.load(tiny_models[arch])
+    for mode in ("isolated", "end-to-end"):
+        zero = _turn(cuda, "bf16", mode)
+        assert zero.rows and max(r["attn_out_rel_err"] for r in zero.rows) == 0.0, mode
+    on_gpu = _turn(cuda, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
+    on_cpu = _turn(cpu, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
+    assert on_gpu > 0 and 0.25 < on_gpu / on_cpu < 4.0, (on_gpu, on_cpu)

@@ -136,7 +136,9 @@ def _run_chunks(model, device, chunks: list[list[int]], cache) -> None:
     token = attn.active_cache.set(cache)
     try:
         for chunk in chunks:
-            model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True)
+            # capture needs no next-token logits: keep one row, not [chunk, vocab]
+            model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
     finally:
         attn.active_cache.reset(token)
 
