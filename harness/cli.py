@@ -79,6 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
     run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
                      help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+    run.add_argument("--scales", type=Path, metavar="FILE",
+                     help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
+                          "(default: the model directory's *.safetensors)")
+    _add_attention_options(run)
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
@@ -133,6 +137,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv",
                         help="csv (default) or parquet (needs pyarrow); one row per model, scenario, path, turn, metric")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
+    for name, text in (("attention", "harness run --attention isolated, plus where each path's attention broke"),
+                       ("sensitivity", "FP8 on one attention layer at a time: ranking and a per-layer precision map"),
+                       ("calibrate", "write k_scale/v_scale files vLLM and SGLang load (and :checkpoint reads)")):
+        commands.add_parser(name, help=text, add_help=False)  # parsed by harness.attention_cli
     return parser
 
 
@@ -162,6 +170,26 @@ def _print_judge_problem(run_dir: Path) -> None:
     problem = llm_judge_problem(RunStore(run_dir))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+
+
+def _add_attention_options(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    group = parser.add_argument_group("attention-score error (in-process models)")
+    group.add_argument("--attention", choices=["isolated", "end-to-end"], default=default,
+                       help="capture each path's attention against the reference's: 'isolated' feeds every layer "
+                            "the reference's inputs (its own error), 'end-to-end' its own (what earlier layers "
+                            "passed on)" + ("" if default is None else f" (default: {default})"))
+    group.add_argument("--attention-heads", type=int, default=8, metavar="N", help="query heads sampled per layer")
+    group.add_argument("--attention-rows", type=int, default=16, metavar="N",
+                       help="query positions sampled per turn (evenly over the reply, ends included)")
+
+
+def _attention_options(args: argparse.Namespace):
+    if not getattr(args, "attention", None):
+        return None
+    from harness.kv_paths.capture import CaptureSample
+    from harness.replay.attention import AttentionOptions
+
+    return AttentionOptions(mode=args.attention, sample=CaptureSample(args.attention_heads, args.attention_rows))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -272,7 +300,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
-            thresholds=tuple(args.threshold or ()),
+            thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
@@ -351,6 +379,11 @@ COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _expo
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("attention", "sensitivity", "calibrate"):
+        from harness import attention_cli
+
+        return attention_cli.main(argv)
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted

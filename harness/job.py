@@ -64,6 +64,8 @@ class RunConfig:
     thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
     scenario_ids: tuple[str, ...] = ()  # replay only these scenarios of the files (empty: all); the pytest plugin
     select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
+    attention: object | None = None  # harness.replay.attention.AttentionOptions: capture attention error
+    scales_file: Path | None = None  # k_scale/v_scale file for ':checkpoint' paths (else the model directory)
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -157,6 +159,7 @@ def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
         "paths": [{"name": p.name, "canonical": p.canonical, "description": p.describe()} for p in config.paths],
         "calibration_files": [str(p) for p in config.calibration_paths] or "built-in (harness/calibration.py)",
         "scales": {}, "noise_floor": {}, "warnings": [],
+        "attention": config.attention.describe() if config.attention is not None else None,
     }
 
 
@@ -249,12 +252,14 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
 
     loaded = InProcessModel.load(directory, device=config.device)
     loaded.calibration_chats = calibration_chats
+    loaded.scales_file = config.scales_file
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
     wanted = dict(config.paths_by_model).get(str(directory))
     backends = [loaded.backend(path) for path in config.paths if wanted is None or path.name in wanted]
     _note_scales(store, label, backends)
-    replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done)
+    replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done,
+                    attention=config.attention)
     asyncio.run(replay.run(scenarios))
 
 

@@ -38,6 +38,26 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
     "kernel_steps": "none",              # decode attention calls that ran through the kernel
     "kernel_ms_per_step": "none",        # median wall time of one decode-kernel call (device synchronised)
+    # attention-score error (harness/analysis/attention_error.py), in-process runs with --attention:
+    # worst and mean over the sampled (layer, head, query position) rows of the turn
+    "attn_max_abs_dp_max": "lower",      # max |p_path - p_ref| over an attention row
+    "attn_max_abs_dp_mean": "lower",
+    "attn_kl_max": "lower",              # KL(ref row || path row), nats
+    "attn_kl_mean": "lower",
+    "attn_topk_overlap_min": "higher",   # shared top-8 attended keys / 8
+    "attn_topk_overlap_mean": "higher",
+    "attn_out_rel_err_max": "lower",     # ||o_path - o_ref|| / ||o_ref|| of the attention output
+    "attn_out_rel_err_mean": "lower",
+    "attn_logit_err_max": "lower",       # max |logit error| / the row's logit spread
+    "attn_logit_err_mean": "lower",
+    "attn_worst_layer_err": "lower",     # mean attn_out_rel_err of the worst layer
+    "attn_growth_per_1k": "lower",       # slope of attn_out_rel_err against query position, per 1000 tokens
+    "attn_worst_layer": "none",          # layer index with the largest mean attn_out_rel_err
+    "attn_worst_head": "none",           # head index (of attn_worst_head_layer) with the largest mean error
+    "attn_worst_head_layer": "none",
+    "attn_heads_sampled": "none",        # what the capture sampled (see attention.jsonl for which)
+    "attn_rows_sampled": "none",
+    "kv_outlier_ratio_max": "none",      # max over layers of channel amax / median channel amax of K (MLA: latent)
     # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
     "judge_rule": "higher",
     "judge_agreement": "higher",

@@ -161,3 +161,40 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         lse[b] = torch.logsumexp(scores, dim=-1).to(lse.device)
         out[b] = (torch.softmax(scores, dim=-1) @ c).to(q_latent.dtype).to(q_latent.device)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 attention (engines' q_scale / prob_scale): the query and/or the softmax probabilities rounded to
+# FP8 before their matmuls, as vLLM's attention quantisation and FP8 FlashAttention-3 / FlashMLA do.
+# ---------------------------------------------------------------------------------------------------
+
+def attention_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                  mask: torch.Tensor | None, q_scale: torch.Tensor | str | None,
+                  prob_scale: torch.Tensor | None, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """query [B, Hq, T, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv] (L >= T; the T queries are the last T
+    positions). mask: None (causal), bool [B, 1|Hq, T, L] (True = attend) or additive float. q_scale: a
+    scale, "dynamic" (per query token: amax / fp8 max) or None (query kept); prob_scale: a scale or None.
+    Math in fp32: q' = fp8(q / sq) * sq; P = softmax(q' K^T * scaling); P' = fp8(P / sp) * sp; O = P' V.
+    Returns (O [B, T, Hq, Dv] in query's dtype, the query actually used, in query's dtype)."""
+    q = query.float()
+    if isinstance(q_scale, str):
+        q = dequantize(quantize(q, per_token_scale(q, fmt), fmt), per_token_scale(q, fmt))
+    elif q_scale is not None:
+        q = dequantize(quantize(q, q_scale, fmt), q_scale)
+    group = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)
+    v = value.float().repeat_interleave(group, dim=1)
+    logits = (q @ k.transpose(-1, -2)) * scaling  # [B, Hq, T, L]
+    length, chunk = key.shape[2], query.shape[2]
+    if mask is None:
+        rows = torch.arange(chunk, device=q.device).unsqueeze(1) + (length - chunk)
+        mask = torch.arange(length, device=q.device).unsqueeze(0) <= rows
+    if mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    else:
+        logits = logits + mask.float()
+    probs = torch.softmax(logits, dim=-1)
+    if prob_scale is not None:
+        probs = dequantize(quantize(probs, prob_scale, fmt), prob_scale)
+    out = (probs @ v).transpose(1, 2).to(query.dtype)
+    return out, q.to(query.dtype)

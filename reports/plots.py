@@ -195,7 +195,7 @@ def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]
         ax.margins(x=0.08)
         ax.grid(alpha=0.3)
     _kl_axis(axes[0][0], joined["value_kl"])
-    handles, labels = {}, []
+    handles: dict = {}
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)

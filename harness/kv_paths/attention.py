@@ -20,6 +20,9 @@ import torch
 from harness.kv_paths.decode_kernels import DecodeKernel, run_gqa, run_mla
 
 ATTENTION_NAME = "harness"
+# Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
+# each call and may return a tensor to use as the output instead (attention capture, isolated mode).
+ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
@@ -189,7 +192,7 @@ def _k_scale_on_scores(module, query: torch.Tensor, k_scale: torch.Tensor, kwarg
     return (query.float() * factor.view(1, -1, 1, 1)).to(query.dtype), kwargs
 
 
-def register(observer_attr: str = "harness_observer") -> None:
+def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -199,7 +202,15 @@ def register(observer_attr: str = "harness_observer") -> None:
         layer = cache.layers[module.layer_idx] if cache is not None else None
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
-        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        quant = getattr(layer, "attn_quant", None)
+        if quant is None:
+            output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        else:  # FP8 attention (q_scale / prob_scale): the torch reference, on every device
+            from kernels.reference import attention_fp8
+
+            output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask, quant.q_scale,
+                                          quant.prob_scale, quant.fmt)
+            weights = None
         paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _timed_decode(module, query, paged)
@@ -207,7 +218,8 @@ def register(observer_attr: str = "harness_observer") -> None:
             output = kernel_out
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:
-            observer(module, query, key, value, output)
+            replaced = observer(module, query, key, value, output)
+            output = output if replaced is None else replaced
         return output, weights
 
     AttentionInterface.register(ATTENTION_NAME, harness_attention)

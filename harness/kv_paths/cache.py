@@ -13,7 +13,7 @@ prefill chunk (more than one token) attends to its raw K/V and only earlier toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -45,6 +45,9 @@ class LayerScales:
     v: dict[int, torch.Tensor]
     source: str
     provenance: str = ""
+    # FP8 attention paths: per-layer 0-d q_scale / prob_scale (empty when the path does not quantise them)
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    prob: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def summary(self) -> dict:
         def stats(scales: dict[int, torch.Tensor]) -> dict:
@@ -58,7 +61,8 @@ class LayerScales:
 
         return {"source": self.source, "provenance": self.provenance, "k_scale": stats(self.k),
                 "v_scale": stats(self.v), "layers": sorted(self.k), "k_scale_per_layer": per_layer(self.k),
-                "v_scale_per_layer": per_layer(self.v)}
+                "v_scale_per_layer": per_layer(self.v),
+                **({"q_scale": stats(self.q)} if self.q else {}), **({"prob_scale": stats(self.prob)} if self.prob else {})}
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -71,6 +75,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stats = stats
         self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through our kernels
+        self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
@@ -146,7 +151,7 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        if type(layer) is not DynamicLayer or i in kv_path.bf16_layers:
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
@@ -154,7 +159,37 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
         cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats)
+        if kv_path.quantizes_attention:
+            cache.layers[i].attn_quant = attention_quant(kv_path, scales, i)
     return cache
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionQuant:
+    """One layer's FP8 attention: q_scale (None: query not quantised; "dynamic": per token) and prob_scale."""
+
+    q_scale: torch.Tensor | str | None
+    prob_scale: torch.Tensor | None
+    fmt: str = "e4m3"
+
+
+def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> AttentionQuant:
+    def pick(table: dict, name: str):
+        if scales is None or kv_path.scale_source == "dynamic":
+            return None
+        if layer not in table:
+            raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} {name} for layer {layer}")
+        return table[layer]
+
+    q = pick(scales.q if scales else {}, "q_scale") if kv_path.fp8_q else None
+    q = "dynamic" if kv_path.fp8_q and q is None else q
+    # probabilities never exceed 1 (and the first query attends only to itself, so amax is exactly 1):
+    # a dynamic prob scale is 1 / 448
+    prob = None
+    if kv_path.fp8_prob:
+        prob = pick(scales.prob if scales else {}, "prob_scale")
+        prob = prob if prob is not None else fp8.amax_scale(torch.tensor(1.0), "e4m3")
+    return AttentionQuant(q_scale=q, prob_scale=prob)
 
 
 def observer_cache(config) -> DynamicCache:

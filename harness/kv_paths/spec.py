@@ -1,6 +1,12 @@
 """KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`,
 `fp8_e4m3:kernel=dequant` or `fp8_e4m3:kernel=mypkg.attn:decode` (decode through a plug-in kernel).
 
+Beside the cache, a path may quantise the attention computation itself, as engines do with a `q_scale`
+and a `prob_scale`: `fp8_q` (the query in FP8 e4m3) and `fp8_p` (the softmax probabilities in FP8 e4m3),
+with scales from the path's scale source (default 1.0; calibrated amax / 448; checkpoint `q_scale` /
+`prob_scale` tensors; warmup). A per-layer precision map keeps chosen attention layers in BF16:
+`layers=FILE` (a map written by `harness sensitivity`) or `keep_bf16=3+7` (layer indices).
+
 Every combination of format and scale source is valid (failure class 5: never refuse a valid one).
 Only genuine contradictions are refused, with the reason: a dimension set twice, per-token scales
 (computed from each token as it is written) combined with a stored scale source, or the
@@ -24,7 +30,10 @@ DIMENSIONS = {
     # A fault preset, not a choice: a BF16 cache whose attention scores are multiplied by k_scale, as the
     # SGLang MLA backend did with a checkpoint's scales (failure class 3). Correct BF16 paths ignore scales.
     "scores": ("k_scale_on_scores",),
+    "query": ("bf16_q", "fp8_q"),
+    "probs": ("bf16_p", "fp8_p"),
 }
+KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
     "calibrated": "amax / fp8 max over the calibration prompts",
@@ -51,6 +60,13 @@ class KVPath:
     k_scale_on_scores: bool = False  # failure class 3 reproduced: bf16 cache, scores times k_scale
     # Decode-kernel plug-in (`kernel=NAME`): "" is our Triton kernel on CUDA (harness/kv_paths/decode_kernels.py)
     kernel: str = ""
+    fp8_q: bool = False  # the query quantised to e4m3 with a q_scale before QK^T
+    fp8_prob: bool = False  # the softmax probabilities quantised to e4m3 with a prob_scale before PV
+    bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
+
+    @property
+    def quantizes_attention(self) -> bool:
+        return self.fp8_q or self.fp8_prob
 
     @property
     def is_fp8(self) -> bool:
@@ -58,6 +74,16 @@ class KVPath:
 
     @property
     def canonical(self) -> str:
+        return self._canonical_kv() + "".join(self._extra_options())
+
+    def _extra_options(self) -> list[str]:
+        extra = [":fp8_q"] if self.fp8_q else []
+        extra += [":fp8_p"] if self.fp8_prob else []
+        if self.bf16_layers:
+            extra.append(":keep_bf16=" + "+".join(str(i) for i in self.bf16_layers))
+        return extra
+
+    def _canonical_kv(self) -> str:
         if not self.is_fp8:
             base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
             return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
@@ -72,6 +98,15 @@ class KVPath:
         return ":".join(parts)
 
     def describe(self) -> str:
+        extra = []
+        if self.quantizes_attention:
+            parts = [n for n, on in (("query (q_scale)", self.fp8_q), ("probabilities (prob_scale)", self.fp8_prob)) if on]
+            extra.append(f"fp8 e4m3 attention {' and '.join(parts)}, scales from {self.scale_source}")
+        if self.bf16_layers:
+            extra.append(f"attention layers {', '.join(map(str, self.bf16_layers))} kept in bf16")
+        return "; ".join([self._describe_kv(), *extra])
+
+    def _describe_kv(self) -> str:
         if self.k_scale_on_scores:
             return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
                     f"(fault preset: failure class 3)")
@@ -95,7 +130,13 @@ def parse_path(spec: str) -> KVPath:
         raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "
                             f"scales (the decode-kernel contract, docs/CONTRACTS.md)")
     chosen: dict[str, str] = {}
+    bf16_layers: tuple[int, ...] = ()
     for option in options:
+        if "=" in option:
+            if bf16_layers:
+                raise PathSpecError(f"KV path {spec!r} sets the per-layer precision map twice")
+            bf16_layers = _keyed_option(spec, option)
+            continue
         dimension = next((d for d, values in DIMENSIONS.items() if option in values), None)
         if dimension is None:
             valid = "; ".join(f"{d}: {', '.join(v)}" for d, v in DIMENSIONS.items())
@@ -120,6 +161,9 @@ def parse_path(spec: str) -> KVPath:
         quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
         k_scale_on_scores="scores" in chosen,
         kernel=kernel,
+        fp8_q=chosen.get("query") == "fp8_q",
+        fp8_prob=chosen.get("probs") == "fp8_p",
+        bf16_layers=bf16_layers,
     )
 
 
@@ -161,6 +205,40 @@ def _kernel_option(spec: str, options: list[str]) -> tuple[list[str], str]:
 
 def _is_option(word: str) -> bool:
     return any(word in values for values in DIMENSIONS.values())
+
+
+def _keyed_option(spec: str, option: str) -> tuple[int, ...]:
+    """`keep_bf16=3+7` or `layers=FILE` (JSON with "bf16_layers": [..], as `harness sensitivity` writes)."""
+    key, _, value = option.partition("=")
+    if key not in KEYED_OPTIONS:
+        raise PathSpecError(f"KV path {spec!r}: unknown option {key!r}; key=value options are {', '.join(KEYED_OPTIONS)}")
+    if key == "keep_bf16":
+        try:
+            layers = [int(part) for part in value.split("+") if part.strip()]
+        except ValueError:
+            raise PathSpecError(f"KV path {spec!r}: keep_bf16 takes layer indices joined by '+', e.g. keep_bf16=3+7; "
+                                f"got {value!r}") from None
+    else:
+        layers = read_layer_map(spec, value)
+    if any(i < 0 for i in layers):
+        raise PathSpecError(f"KV path {spec!r}: negative layer index in {option!r}")
+    return tuple(sorted(set(layers)))
+
+
+def read_layer_map(spec: str, file: str) -> list[int]:
+    import json
+    from pathlib import Path
+
+    path = Path(file)
+    try:
+        body = json.loads(path.read_text())
+        layers = [int(i) for i in body["bf16_layers"]]
+    except FileNotFoundError:
+        raise PathSpecError(f"KV path {spec!r}: layer map {file} does not exist") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise PathSpecError(f"KV path {spec!r}: layer map {file} is not a precision map "
+                            f"(JSON with \"bf16_layers\": [layer, ...]): {error}") from None
+    return layers
 
 
 def parse_paths(specs: str | list[str]) -> list[KVPath]:

@@ -56,6 +56,7 @@ class InProcessModel:
     calibration_chats: list = field(default_factory=list)  # list[list[Message]]; empty = defaults
     use_kernels: bool = False  # decode of FP8 paths through our Triton kernels (CUDA)
     variant: object = None  # harness.canary.variants.Variant when loaded from a stress variant's folder
+    scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
 
     @classmethod
@@ -106,7 +107,43 @@ class InProcessModel:
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
             self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales
+        if kv_path.quantizes_attention and self._scales[key] is not None:
+            return self._with_attention_scales(kv_path, self._scales[key])
         return self._scales[key]
+
+    def _with_attention_scales(self, kv_path: KVPath, scales: LayerScales) -> LayerScales:
+        """The path's q_scale / prob_scale per attention layer, from its scale source (see spec.py)."""
+        import dataclasses
+
+        from harness.kv_paths import calibration
+        from harness.kv_paths.cache import attention_layer_indices
+        from kernels.reference import amax_scale
+
+        layers = attention_layer_indices(self.model.config)
+        source = kv_path.scale_source
+        key = ("attention", source)
+        if key not in self._scales:
+            if source == "default":
+                q = {i: torch.tensor(1.0) for i in layers}
+                prob = dict(q)
+            elif source == "checkpoint":
+                where = self.scales_file or self.directory
+                found = calibration.attention_scales_from_checkpoint(
+                    calibration.checkpoint_tensors(where), layers, str(where), ("q_scale", "prob_scale"))
+                q, prob = found["q_scale"], found["prob_scale"]
+            else:
+                with calibration.query_amax(self.model) as amax:
+                    if source == "calibrated":
+                        for chat in self.calibration_chats or calibration.default_calibration_chats():
+                            self._forward(self.encode_chat(chat), observer_cache(self.model.config))
+                    else:
+                        with calibration.uninitialised_recurrent_state(self.model):
+                            self._forward(calibration.dummy_warmup_ids(self.tokenizer), observer_cache(self.model.config))
+                q = {i: amax_scale(amax[i], "e4m3") for i in layers}
+                prob = {i: amax_scale(torch.tensor(1.0), "e4m3") for i in layers}  # amax of P is 1
+            self._scales[key] = LayerScales(k={}, v={}, source=source, q=q, prob=prob)
+        extra = self._scales[key]
+        return dataclasses.replace(scales, q=extra.q, prob=extra.prob)
 
     @property
     def is_mla(self) -> bool:
@@ -119,8 +156,8 @@ class InProcessModel:
         if kv_path.scale_source == "default":
             return unit_scales(config)
         if kv_path.scale_source == "checkpoint":
-            return scales_from_checkpoint(calibration.checkpoint_tensors(self.directory), config, kv_path,
-                                          str(self.directory))
+            where = self.scales_file or self.directory
+            return scales_from_checkpoint(calibration.checkpoint_tensors(where), config, kv_path, str(where))
         cache = observer_cache(config)
         if kv_path.scale_source == "calibrated":
             chats = self.calibration_chats or calibration.default_calibration_chats()
@@ -183,6 +220,19 @@ class InProcessBackend:
 
     async def aclose(self) -> None:
         return None
+
+    async def attention_error(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        return self.attention_error_sync(messages, continuation_ids, options)
+
+    def attention_error_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        """Attention-score error of this path against the reference on the reference's continuation
+        (`harness.replay.attention.measure_turn`); the reference backend has nothing to compare."""
+        from harness.replay.attention import AttentionTurn, measure_turn
+
+        if self.kv_path is None:
+            return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
+        return measure_turn(self.owner.model, self.owner.device, self.kv_path, self.scales,
+                            self.owner.encode_chat(messages), list(continuation_ids), options)
 
     @torch.inference_mode()
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:

@@ -51,12 +51,14 @@ class Replay:
     """Runs one model's scenarios for a reference and candidates, appending to `store`."""
 
     def __init__(self, model: str, reference: Backend, candidates: Sequence[Backend], store: RunStore,
-                 history_mode: str = "reference-history", on_unit_done: Callable[[], None] | None = None):
+                 history_mode: str = "reference-history", on_unit_done: Callable[[], None] | None = None,
+                 attention=None):
         if history_mode not in HISTORY_MODES:
             raise ValueError(f"unknown history mode {history_mode!r}; expected one of {', '.join(HISTORY_MODES)}")
         self.model, self.reference, self.candidates = model, reference, list(candidates)
         self.store, self.history_mode = store, history_mode
         self.on_unit_done = on_unit_done or (lambda: None)
+        self.attention = attention  # harness.replay.attention.AttentionOptions, or None: no capture
 
     async def run(self, scenarios: Sequence[Scenario], concurrency: int = 1) -> None:
         gate = asyncio.Semaphore(concurrency)
@@ -114,7 +116,8 @@ class Replay:
     async def _candidate(self, scenario: Scenario, backend: Backend, reference: list[TurnReply],
                          reference_scores: dict[int, object]) -> None:
         own: list[TurnReply] = []
-        tables: dict[str, list[dict]] = {"records": [], "series": [], "texts": [], "checks": []}
+        tables: dict[str, list[dict]] = {"records": [], "series": [], "texts": [], "checks": [], "attention": [],
+                                         "attention_channels": []}
         checks = [ThresholdCheck(metric, limit, scenario.source) for metric, limit in scenario.thresholds.items()]
         for turn, spec in enumerate(scenario.turns):
             ref = reference[turn]
@@ -131,6 +134,7 @@ class Replay:
                 scenario, backend, reference, turn, reference_scores, values["first_divergent_token"])
             values.update(tf_summary)
             values.update(generation.metrics or {})
+            values.update(await self._attention(scenario, backend, reference, turn, tables))
             if generation.prompt_tokens is not None:
                 values["context_tokens"] = generation.prompt_tokens
             rows = [self._record(scenario, backend.label, turn, metric, value) for metric, value in values.items()]
@@ -177,6 +181,18 @@ class Replay:
             path_scores.cancel()
             raise
         return ref_scores, await path_scores
+
+    async def _attention(self, scenario, backend, reference, turn, tables) -> dict:
+        """Attention-score error of the turn (in-process backends, when asked): per-turn aggregates
+        returned as record values; the per-row and per-channel detail appended to `tables`."""
+        if self.attention is None or not hasattr(backend, "attention_error"):
+            return {}
+        measured = await backend.attention_error(_messages(scenario, reference, turn), reference[turn].token_ids,
+                                                 self.attention)
+        key = self._key(scenario, backend.label, turn)
+        tables["attention"] += [{**key, "mode": self.attention.mode, **row} for row in measured.rows]
+        tables["attention_channels"] += [{**key, **row} for row in measured.channels]
+        return measured.summary
 
     # -- rows -----------------------------------------------------------------------------------------
     def _key(self, scenario: Scenario, path: str, turn: int | None) -> dict:

@@ -645,6 +645,9 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
     metrics, paths = summary_metric_names(run.records), path_order(run)
     figures = plots.run_plots(run.records, out, paths, verdicts=list(run.verdicts),
                               limit=kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
+    from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
+
+    figures += attention_plots.run_figures(run.run_dir, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)

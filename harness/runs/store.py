@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 # Tables whose rows belong to a unit; errors.jsonl is a log and keeps every failure across resumes.
-UNIT_TABLES = ("records", "series", "texts", "checks")
+UNIT_TABLES = ("records", "series", "texts", "checks", "attention", "attention_channels")
 
 
 class RunStoreError(RuntimeError):

@@ -1,0 +1,163 @@
+"""Attention-score error: where (layer, head, query position) and why (which channels) a path's attention
+departs from the reference's. Pure functions on tensors and plain rows; capture lives in
+`harness.kv_paths.capture`, orchestration in `harness.replay.attention`.
+
+Per attention row (one layer, head and query position; keys 0..pos are valid, later ones masked):
+    attn_max_abs_dp    max_j |p_path[j] - p_ref[j]|
+    attn_kl            sum_j p_ref[j] (log p_ref[j] - log p_path[j])   (KL(ref || path), nats; terms with
+                       p_ref = 0 are 0; p_ref > 0 with p_path = 0 is +inf; rounding below 0 clamped to 0)
+    attn_topk_overlap  |top-k(p_ref) & top-k(p_path)| / k with k = min(top_k, valid keys); ties go to the
+                       lower key index
+    attn_out_rel_err   ||o_path - o_ref|| / ||o_ref||   (0 when both are 0; +inf when only o_ref is)
+    attn_logit_err     max_j |l_path[j] - l_ref[j]| / (max_j l_ref[j] - min_j l_ref[j])   (the logit error
+                       relative to the row's spread; with one valid key the spread is 0 and the plain
+                       max |dl| is used)
+All in float64 whatever the inputs. A NaN anywhere in a path row makes every metric of that row its worst
+value (inf, 1.0 for |dp|, 0 overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+TOP_K = 8
+ROW_METRICS = ("attn_max_abs_dp", "attn_kl", "attn_topk_overlap", "attn_out_rel_err", "attn_logit_err")
+# Worst value of each row metric (a broken row).
+WORST = {"attn_max_abs_dp": 1.0, "attn_kl": math.inf, "attn_topk_overlap": 0.0, "attn_out_rel_err": math.inf,
+         "attn_logit_err": math.inf}
+# Which direction of each row metric is bad (for "worst" and for aggregation).
+HIGHER_IS_WORSE = {"attn_max_abs_dp": True, "attn_kl": True, "attn_topk_overlap": False, "attn_out_rel_err": True,
+                   "attn_logit_err": True}
+# The metric that names the worst layer and head of a turn: the output error is what flows on to later layers.
+RANKING_METRIC = "attn_out_rel_err"
+
+
+def row_errors(ref_logits: torch.Tensor, path_logits: torch.Tensor, ref_probs: torch.Tensor,
+               path_probs: torch.Tensor, ref_out: torch.Tensor, path_out: torch.Tensor,
+               valid: torch.Tensor, top_k: int = TOP_K) -> dict[str, torch.Tensor]:
+    """Row metrics for N rows. logits/probs [N, L] (probs are what each side multiplied V with, e.g.
+    FP8-rounded for a path that quantises them), out [N, Dv], valid [N, L] bool. Returns {metric: [N] float64}."""
+    _check_shapes(ref_logits, path_logits, ref_probs, path_probs, ref_out, path_out, valid)
+    lr, lp = ref_logits.double(), path_logits.double()
+    pr = torch.where(valid, ref_probs.double(), 0.0)
+    pp = torch.where(valid, path_probs.double(), 0.0)
+    dp = (pp - pr).abs().amax(dim=-1)
+    log_ratio = torch.log(pr) - torch.log(pp)
+    kl = torch.where(pr > 0, pr * log_ratio, 0.0).sum(dim=-1).clamp_min(0.0)
+    overlap = topk_overlap(pr, pp, valid, top_k)
+    o_ref, o_path = ref_out.double(), path_out.double()
+    num, den = (o_path - o_ref).norm(dim=-1), o_ref.norm(dim=-1)
+    out_err = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, math.inf, 0.0))
+    dl = torch.where(valid, (lp - lr).abs(), 0.0).amax(dim=-1)
+    big, small = torch.where(valid, lr, -math.inf).amax(-1), torch.where(valid, lr, math.inf).amin(-1)
+    spread = big - small
+    logit_err = torch.where(spread > 0, dl / spread.clamp_min(1e-300), dl)
+    result = {"attn_max_abs_dp": dp, "attn_kl": kl, "attn_topk_overlap": overlap, "attn_out_rel_err": out_err,
+              "attn_logit_err": logit_err}
+    broken = (torch.where(valid, pp, 0.0).isnan().any(-1) | torch.where(valid, lp, 0.0).isnan().any(-1)
+              | o_path.isnan().any(-1))
+    for name, worst in WORST.items():
+        result[name] = result[name].masked_fill(broken, worst)
+    return result
+
+
+def topk_overlap(ref_probs: torch.Tensor, path_probs: torch.Tensor, valid: torch.Tensor, top_k: int) -> torch.Tensor:
+    """|top-k(ref) & top-k(path)| / k per row, k = min(top_k, valid keys); ties to the lower key index."""
+    n, length = ref_probs.shape
+    keys = valid.sum(-1)
+    k = keys.clamp(max=top_k).clamp_min(1)
+    width = min(top_k, length)
+
+    def top(p: torch.Tensor) -> torch.Tensor:
+        # stable descending sort: equal probabilities keep index order, so ties go to the lower index
+        masked = torch.where(valid, torch.nan_to_num(p, nan=-1.0), -math.inf)
+        order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :width]
+        chosen = torch.zeros(n, length, dtype=torch.bool, device=p.device)
+        rank_ok = torch.arange(width, device=p.device).unsqueeze(0) < k.unsqueeze(1)
+        chosen.scatter_(1, order, rank_ok)
+        return chosen
+
+    both = (top(ref_probs) & top(path_probs)).sum(-1).double()
+    return both / k.double()
+
+
+def _check_shapes(ref_logits, path_logits, ref_probs, path_probs, ref_out, path_out, valid) -> None:
+    shape = tuple(ref_logits.shape)
+    for name, x in (("path_logits", path_logits), ("ref_probs", ref_probs), ("path_probs", path_probs),
+                    ("valid", valid)):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape} like ref_logits")
+    if tuple(ref_out.shape) != tuple(path_out.shape) or ref_out.shape[0] != shape[0]:
+        raise ValueError(f"ref_out {tuple(ref_out.shape)} and path_out {tuple(path_out.shape)} must both be "
+                         f"[{shape[0]}, Dv]")
+
+
+# ---------------------------------------------------------------- per-channel key/value statistics
+
+
+def channel_stats(x: torch.Tensor) -> dict:
+    """x [tokens, channels] -> per-channel amax, and the outlier ratio max(amax) / median(amax) that says
+    how far one channel sticks out (a per-tensor scale sized for it leaves the rest few FP8 codes)."""
+    amax = x.detach().float().abs().amax(dim=0)
+    median = float(amax.median()) if amax.numel() else 0.0
+    top = float(amax.max()) if amax.numel() else 0.0
+    ratio = top / median if median > 0 else (math.inf if top > 0 else 1.0)
+    return {"amax": amax.tolist(), "outlier_ratio": ratio, "amax_max": top, "amax_median": median,
+            "worst_channel": int(amax.argmax()) if amax.numel() else -1}
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def turn_summary(rows: Sequence[Mapping[str, object]]) -> dict[str, float | None]:
+    """Per-turn aggregates of tidy rows (one per layer, head, query position, each with ROW_METRICS):
+    worst and mean of each metric, and the worst layer and head by the mean RANKING_METRIC."""
+    if not rows:
+        return {}
+    summary: dict[str, float | None] = {}
+    for name in ROW_METRICS:
+        values = [float(r[name]) for r in rows]
+        worst = max(values) if HIGHER_IS_WORSE[name] else min(values)
+        summary[f"{name}_{'max' if HIGHER_IS_WORSE[name] else 'min'}"] = worst
+        summary[f"{name}_mean"] = _mean(values)
+    by_layer = _group_mean(rows, ("layer",), RANKING_METRIC)
+    by_head = _group_mean(rows, ("layer", "head"), RANKING_METRIC)
+    worst_layer = max(by_layer, key=lambda key: (by_layer[key], -key[0]))
+    worst_head = max(by_head, key=lambda key: (by_head[key], -key[0], -key[1]))
+    summary["attn_worst_layer"] = float(worst_layer[0])
+    summary["attn_worst_layer_err"] = by_layer[worst_layer]
+    summary["attn_worst_head"] = float(worst_head[1])
+    summary["attn_worst_head_layer"] = float(worst_head[0])
+    return summary
+
+
+def layer_profile(rows: Iterable[Mapping[str, object]], metric: str = RANKING_METRIC) -> dict[int, float]:
+    """Mean of `metric` per layer."""
+    return {key[0]: value for key, value in _group_mean(list(rows), ("layer",), metric).items()}
+
+
+def growth_with_context(rows: Sequence[Mapping[str, object]], metric: str = RANKING_METRIC) -> float | None:
+    """Least-squares slope of the per-position mean of `metric` against the query position, per 1000
+    tokens (> 0: the error grows with context). None with fewer than two positions."""
+    by_pos = _group_mean(rows, ("query_pos",), metric)
+    points = [(k[0], v) for k, v in by_pos.items() if math.isfinite(v)]
+    if len(points) < 2:
+        return None
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = _mean(xs), _mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return None if var == 0 else 1000.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+def _group_mean(rows: Sequence[Mapping[str, object]], keys: tuple[str, ...], metric: str) -> dict[tuple, float]:
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        groups.setdefault(tuple(int(row[k]) for k in keys), []).append(float(row[metric]))
+    return {key: _mean(values) for key, values in groups.items()}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

@@ -1,0 +1,228 @@
+"""`harness attention`, `harness sensitivity`, `harness calibrate`: where an FP8 path's attention goes wrong,
+which layers to keep in BF16, and scales to ship.
+
+  harness attention [run options]         `harness run --attention isolated` plus an attention summary
+  harness sensitivity --model DIR         FP8 on one attention layer at a time; ranking + precision map
+  harness calibrate --model DIR --out D   k_scale/v_scale (and q/prob) files engines load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+COMMANDS = ("attention", "sensitivity", "calibrate")
+
+
+def main(argv: list[str]) -> int:
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "attention":
+            return attention(rest)
+        args = _parser(command).parse_args(rest)
+        return sensitivity(args) if command == "sensitivity" else calibrate(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"harness {command}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="local transformers model directory")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    parser.add_argument("--out", type=Path, required=command == "calibrate", metavar="DIR",
+                        help="where the files go" + ("" if command == "calibrate" else " (default: runs/sensitivity-<model>)"))
+    if command == "calibrate":
+        parser.add_argument("--calibration", action="append", type=Path, metavar="PATH",
+                            help="scenario file(s) whose chats calibrate (default: the built-in set)")
+        parser.add_argument("--granularity", choices=["per_tensor", "per_head"], default="per_tensor")
+        parser.add_argument("--format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format the scales are for")
+        parser.add_argument("--shape", choices=["scalar", "one"], default="scalar",
+                            help="a per-tensor scale as shape [] (scalar) or [1] (one)")
+        parser.add_argument("--attention-scales", action="store_true",
+                            help="also q_scale and prob_scale (FP8 attention paths)")
+    else:
+        parser.add_argument("--path", default="fp8_e4m3", metavar="SPEC", help="the FP8 path to scan (default: fp8_e4m3)")
+        parser.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
+                            help="scenario file or directory (default: scenarios/canary/*.yaml)")
+        parser.add_argument("--max-turns", type=int, default=6, metavar="N", help="turns replayed per measurement")
+        parser.add_argument("--budget", type=float, metavar="KL",
+                            help="teacher-forced kl_mean the mixed path may reach (default: half the all-FP8 path's)")
+        parser.add_argument("--bisect-above", type=int, default=16, metavar="N",
+                            help="bisect over groups when the model has more attention layers than this")
+        parser.add_argument("--scales", type=Path, metavar="FILE", help="scales file for ':checkpoint' paths")
+        parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+# ---------------------------------------------------------------- calibrate
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.kv_paths import calibration
+    from harness.kv_paths.spec import parse_path
+    from harness.replay.inprocess import InProcessModel
+    from harness.scenarios.load import load_scenarios
+
+    loaded = InProcessModel.load(args.model, device=job.resolve_device(args.device))
+    if args.calibration:
+        loaded.calibration_chats = job.calibration_chats_from(load_scenarios(list(args.calibration)))
+    spec = f"fp8_{args.format}:{args.granularity}:calibrated" + (":fp8_q:fp8_p" if args.attention_scales else "")
+    scales = loaded.scales_for(parse_path(spec))
+    tables = {"k_scale": scales.k, "v_scale": scales.v}
+    if args.attention_scales:
+        tables |= {"q_scale": scales.q, "prob_scale": scales.prob}
+    chats = len(loaded.calibration_chats) or len(calibration.default_calibration_chats())
+    files = calibration.write_scale_files(args.out, tables, loaded.model.config, args.format, args.shape,
+                                          metadata={"calibration": scales.provenance, "path": spec,
+                                                    "model": str(args.model), "chats": chats})
+    names = list(tables)
+    print(f"{'layer':>5}  " + "  ".join(f"{n:>22}" for n in names))
+    for layer in sorted(scales.k):
+        cells = [_scale_text(tables[n].get(layer)) for n in names]
+        print(f"{layer:>5}  " + "  ".join(f"{c:>22}" for c in cells))
+    print(f"scales: amax / {args.format} max over {chats} calibration chats ({args.granularity})"
+          + ("; MLA: one scale per latent cache" if loaded.is_mla else ""))
+    for file in files:
+        print(f"wrote {file}")
+    print(f"use: harness run --model {args.model} --paths fp8_{args.format}:{args.granularity}:checkpoint "
+          f"--scales {files[0]}")
+    return 0
+
+
+def _scale_text(value) -> str:
+    if value is None:
+        return "-"
+    flat = value.float().reshape(-1)
+    return f"{flat.item():.6g}" if flat.numel() == 1 else f"[{flat.min().item():.3g}..{flat.max().item():.3g}] x{flat.numel()}"
+
+
+# ---------------------------------------------------------------- sensitivity
+
+
+def sensitivity(args: argparse.Namespace) -> int:
+    from harness import job
+    from harness.kv_paths.cache import attention_layer_indices
+    from harness.kv_paths.spec import parse_path
+    from harness.replay import sensitivity as scan
+    from harness.replay.inprocess import InProcessModel
+    from harness.scenarios.load import load_scenarios
+
+    kv_path = parse_path(args.path)
+    if not kv_path.is_fp8 and not kv_path.quantizes_attention:
+        raise ValueError(f"--path {args.path!r} quantises nothing; scan an FP8 path, e.g. fp8_e4m3")
+    scenarios = load_scenarios(list(args.scenarios or job.default_scenarios()))
+    loaded = InProcessModel.load(args.model, device=job.resolve_device(args.device))
+    loaded.scales_file = args.scales
+    layers = attention_layer_indices(loaded.model.config)
+    out = args.out or Path("runs") / f"sensitivity-{job.model_label(args.model)}"
+    out.mkdir(parents=True, exist_ok=True)
+    bar = None if args.no_progress else _bar(len(layers) + 2)
+    note = (lambda m: bar.update(1)) if bar else None
+    turns = scan.reference_turns(loaded, scenarios, args.max_turns)
+    if not turns:
+        raise ValueError("the scenarios gave no generated turn to measure")
+    all_fp8 = scan.measure(loaded, scan.with_fp8_layers(kv_path, layers, layers), turns, layers)
+    note and note(all_fp8)
+    budget = args.budget if args.budget is not None else all_fp8.kl_mean / 2
+    source = "--budget" if args.budget is not None else f"half the all-FP8 path's kl_mean ({all_fp8.kl_mean:.4g})"
+    ranking = scan.scan(loaded, kv_path, turns, args.bisect_above, floor=budget / max(len(layers), 1),
+                        on_measured=note)
+    bf16, mixed = scan.recommend(loaded, kv_path, turns, ranking, budget, on_measured=note)
+    if bar:
+        bar.close()
+    body = scan.precision_map(job.model_label(args.model), kv_path, budget, bf16, layers, mixed, all_fp8, ranking, source)
+    map_file = out / "sensitivity.json"
+    map_file.write_text(json.dumps(body, indent=1) + "\n")
+    from reports import attention_plots
+
+    attention_plots.run_figures(out, out)
+    _print_sensitivity(body, len(turns))
+    print(f"wrote {map_file} (and sensitivity_layers.png)")
+    print(f"use: harness run --model {args.model} --paths {kv_path.name},{kv_path.name}:layers={map_file}")
+    return 0
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="config", desc="sensitivity", dynamic_ncols=True, file=sys.stderr)
+
+
+def _print_sensitivity(body: dict, turns: int) -> None:
+    print(f"layer sensitivity of {body['kv_path']} on {body['model']} ({turns} turns, FP8 on the listed layers only)")
+    print(f"{'layers':>10} {'kl_mean':>10} {'kl_max':>10} {'first_div':>9} {'diverged':>9}")
+    for row in body["ranking"]:
+        first = "-" if row["first_divergent_token"] is None else str(row["first_divergent_token"])
+        layers = "+".join(map(str, row["fp8_layers"]))
+        print(f"{layers:>10} {row['kl_mean']:>10.4g} {row['kl_max']:>10.4g} {first:>9} "
+              f"{row['diverged_turns']:>4}/{row['turns']:<4}")
+    mixed, every = body["measured"]["mixed"], body["measured"]["all_fp8"]
+    print(f"budget kl_mean <= {body['budget']['limit']:.4g} ({body['budget']['source']})")
+    print(f"all FP8: kl_mean {every['kl_mean']:.4g}; keep in BF16 {body['bf16_layers'] or 'none'}: "
+          f"kl_mean {mixed['kl_mean']:.4g} (measured)")
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention(rest: list[str]) -> int:
+    """`harness run` with attention capture on (isolated unless --attention says otherwise), then a
+    one-screen attention summary and the views under RUN/attention/."""
+    from harness import cli, job
+
+    if "-h" in rest or "--help" in rest:
+        print("usage: harness attention [harness run options]\n  runs `harness run --attention isolated ...` "
+              "(any run option, e.g. --model, --paths, --scales, --attention end-to-end, --attention-heads N) "
+              "and prints where each path's attention error is")
+        return 0
+    argv = list(rest)
+    if not any(a == "--attention" or a.startswith("--attention=") for a in argv):
+        argv = ["--attention", "isolated", *argv]
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(job.new_run_dir())]
+    out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else Path(
+        next(a for a in argv if a.startswith("--out=")).split("=", 1)[1])
+    code = cli.main(["run", *argv])
+    if (out / "attention.jsonl").is_file():
+        print(format_attention_summary(out))
+        from reports import attention_plots
+
+        for figure in attention_plots.run_figures(out, out / "attention"):
+            print(f"view: {out / 'attention' / figure['file']}")
+    return code
+
+
+def format_attention_summary(run_dir: Path) -> str:
+    """Per model and path: worst layer and head, max/mean output error, KL, growth with context."""
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+    wanted = ("attn_out_rel_err_max", "attn_out_rel_err_mean", "attn_kl_max", "attn_topk_overlap_min",
+              "attn_growth_per_1k", "attn_worst_layer", "attn_worst_head", "attn_worst_head_layer",
+              "attn_worst_layer_err")
+    table: dict[tuple[str, str], dict[str, list]] = {}
+    for row in records:
+        if row["metric"] in wanted:
+            value = row["value"] if row["value"] is not None else math.inf
+            table.setdefault((row["model"], row["path"]), {}).setdefault(row["metric"], []).append(value)
+    lines = ["attention-score error (worst over turns; out_err = ||o_path - o_ref|| / ||o_ref||)",
+             f"{'model':<10} {'path':<38} {'out_err max':>11} {'mean':>8} {'attn KL max':>11} {'top8 min':>8} "
+             f"{'growth/1k':>9}  worst layer (head)"]
+    for (model, path), values in table.items():
+        def worst(name, pick=max):
+            return pick(values[name]) if values.get(name) else math.nan
+
+        mean = sum(values.get("attn_out_rel_err_mean", [math.nan])) / max(len(values.get("attn_out_rel_err_mean", [])), 1)
+        # the worst layer of the turn with the largest worst-layer error
+        errs = values.get("attn_worst_layer_err", [])
+        at = errs.index(max(errs)) if errs else None
+        where = "-" if at is None else (f"L{int(values['attn_worst_layer'][at])} "
+                                        f"(L{int(values['attn_worst_head_layer'][at])} h{int(values['attn_worst_head'][at])})")
+        lines.append(f"{model:<10} {path[:38]:<38} {worst('attn_out_rel_err_max'):>11.4g} {mean:>8.4g} "
+                     f"{worst('attn_kl_max'):>11.4g} {worst('attn_topk_overlap_min', min):>8.3g} "
+                     f"{worst('attn_growth_per_1k'):>9.3g}  {where}")
+    return "\n".join(lines)

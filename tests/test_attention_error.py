@@ -1,0 +1,284 @@
+"""Attention-score error: the metrics on hand-computed rows, capture on real (tiny and canary) models,
+isolated vs end-to-end, scale-file export for vLLM/SGLang and the :checkpoint round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from harness.analysis import attention_error as ae
+from harness.kv_paths import calibration
+from harness.kv_paths.capture import CaptureSample, spread
+from harness.kv_paths.spec import parse_path
+from harness.replay.attention import AttentionOptions, measure_turn
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
+
+
+def _rows(ref_logits, path_logits, ref_out=((1.0, 0.0),), path_out=((1.0, 0.0),), top_k=2):
+    lr, lp = torch.tensor(ref_logits, dtype=torch.float64), torch.tensor(path_logits, dtype=torch.float64)
+    valid = lr > -math.inf
+    return ae.row_errors(lr, lp, torch.softmax(lr, -1), torch.softmax(lp, -1), torch.tensor(ref_out),
+                         torch.tensor(path_out), valid, top_k)
+
+
+# ---------------------------------------------------------------- metrics, by hand
+
+
+def test_row_metrics_hand_computed():
+    # ref logits [0, ln 3] -> p = [1/4, 3/4]; path [0, 0] -> q = [1/2, 1/2]
+    m = _rows([[0.0, math.log(3.0)]], [[0.0, 0.0]], ref_out=[[3.0, 4.0]], path_out=[[3.0, 5.0]])
+    assert m["attn_max_abs_dp"].item() == pytest.approx(0.25, abs=1e-15)
+    kl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert m["attn_kl"].item() == pytest.approx(kl, rel=1e-12)
+    assert m["attn_out_rel_err"].item() == pytest.approx(1.0 / 5.0, rel=1e-15)  # |(0,1)| / |(3,4)|
+    assert m["attn_logit_err"].item() == pytest.approx(1.0, rel=1e-12)  # |dl| = ln 3, spread = ln 3
+    assert m["attn_topk_overlap"].item() == 1.0  # k = 2 of 2 keys: both sets are everything
+
+
+def test_topk_overlap_and_masking_by_hand():
+    # 4 keys, the last masked (causal). ref top-2 = {2, 1}; path top-2 = {0, 2}: overlap 1 of 2.
+    ref = [[0.0, 1.0, 2.0, -math.inf]]
+    path = [[3.0, 1.0, 2.0, -math.inf]]
+    m = _rows(ref, path, top_k=2)
+    assert m["attn_topk_overlap"].item() == 0.5
+    # k is capped by the valid keys: one valid key, top_k=8 -> k=1, and the lone key always overlaps
+    one = _rows([[0.5, -math.inf]], [[9.0, -math.inf]], top_k=8)
+    assert one["attn_topk_overlap"].item() == 1.0
+    assert one["attn_max_abs_dp"].item() == 0.0 and one["attn_kl"].item() == 0.0
+    assert one["attn_logit_err"].item() == pytest.approx(8.5)  # spread 0: the plain |dl|
+
+
+def test_topk_ties_go_to_lower_index():
+    # all equal: top-1 is key 0 on both sides even though the path row is a permutation-invariant tie
+    m = _rows([[1.0, 1.0, 1.0]], [[1.0, 1.0, 1.0]], top_k=1)
+    assert m["attn_topk_overlap"].item() == 1.0
+
+
+def test_identical_rows_are_exactly_zero_and_broken_rows_are_worst():
+    m = _rows([[0.1, 0.7, -0.3]], [[0.1, 0.7, -0.3]], ref_out=[[1.0, 2.0]], path_out=[[1.0, 2.0]], top_k=8)
+    assert all(m[k].item() == 0.0 for k in ("attn_max_abs_dp", "attn_kl", "attn_out_rel_err", "attn_logit_err"))
+    assert m["attn_topk_overlap"].item() == 1.0
+    broken = _rows([[0.0, 1.0]], [[0.0, float("nan")]])
+    assert broken["attn_kl"].item() == math.inf and broken["attn_max_abs_dp"].item() == 1.0
+    assert broken["attn_topk_overlap"].item() == 0.0
+
+
+def test_kl_is_inf_when_path_drops_attended_mass():
+    lr = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    q = torch.tensor([[1.0, 0.0]], dtype=torch.float64)  # e.g. FP8-rounded probabilities flushed to 0
+    m = ae.row_errors(lr, lr, torch.softmax(lr, -1), q, torch.ones(1, 1), torch.ones(1, 1), valid)
+    assert m["attn_kl"].item() == math.inf and m["attn_max_abs_dp"].item() == 0.5
+
+
+def test_channel_stats_outlier_ratio():
+    x = torch.tensor([[1.0, -2.0, 10.0], [0.5, 1.0, -3.0]])  # amax [1, 2, 10], median 2
+    stats = ae.channel_stats(x)
+    assert stats["amax"] == [1.0, 2.0, 10.0] and stats["outlier_ratio"] == 5.0 and stats["worst_channel"] == 2
+
+
+def test_turn_summary_names_worst_layer_and_head():
+    rows = [{"layer": l, "head": h, "query_pos": p, **dict.fromkeys(ae.ROW_METRICS, 0.0),
+             "attn_out_rel_err": 0.5 if (l, h) == (1, 3) else 0.01, "attn_topk_overlap": 1.0}
+            for l in (0, 1) for h in (0, 3) for p in (10, 20)]
+    s = ae.turn_summary(rows)
+    assert (s["attn_worst_layer"], s["attn_worst_head"], s["attn_worst_head_layer"]) == (1.0, 3.0, 1.0)
+    assert s["attn_out_rel_err_max"] == 0.5 and s["attn_topk_overlap_min"] == 1.0
+    growing = [{"layer": 0, "head": 0, "query_pos": p, "attn_out_rel_err": p / 1000} for p in (0, 500, 1000)]
+    assert ae.growth_with_context(growing) == pytest.approx(1.0)
+
+
+def test_sample_spread():
+    assert spread(5, 8) == [0, 1, 2, 3, 4]
+    assert spread(10, 3) == [0, 4, 9] or spread(10, 3) == [0, 5, 9]
+    assert CaptureSample(2, 3).positions(100, 109)[0] == 100 and CaptureSample(2, 3).positions(100, 109)[-1] == 109
+    with pytest.raises(ValueError):
+        CaptureSample(0, 4)
+
+
+# ---------------------------------------------------------------- capture on models
+
+
+def _turn(model: InProcessModel, spec: str, mode: str, scales=None, text="Hello there, what is 7 * 8? " * 4):
+    prompt = model.encode_chat([Message("user", text)])
+    continuation = [5 + (i * 7) % 60 for i in range(12)]  # any fixed token ids: teacher-forced
+    path = parse_path(spec)
+    return measure_turn(model.model, model.device, path, scales if scales is not None else model.scales_for(path),
+                        prompt, continuation, AttentionOptions(mode=mode, sample=CaptureSample(4, 6)))
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_bf16_path_shows_exactly_zero_attention_error(tiny_models, arch):
+    model = InProcessModel.load(tiny_models[arch])
+    for mode in ("isolated", "end-to-end"):
+        turn = _turn(model, "bf16", mode)
+        assert turn.rows, "nothing captured"
+        for name in ("attn_max_abs_dp", "attn_kl", "attn_out_rel_err", "attn_logit_err"):
+            assert max(r[name] for r in turn.rows) == 0.0, (arch, mode, name)
+        assert min(r["attn_topk_overlap"] for r in turn.rows) == 1.0
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_fp8_path_shows_nonzero_error_and_what_was_sampled(tiny_models, arch):
+    model = InProcessModel.load(tiny_models[arch])
+    turn = _turn(model, "fp8_e4m3:per_head:calibrated", "isolated")
+    assert max(r["attn_out_rel_err"] for r in turn.rows) > 0
+    assert turn.summary["attn_heads_sampled"] == 4.0 and turn.summary["attn_rows_sampled"] == 6.0
+    layers = {r["layer"] for r in turn.rows}
+    assert layers == set(turn.sampled["layers"])
+    if arch == "hybrid":  # only the full-attention layers call the attention function
+        assert layers == {i for i, t in enumerate(model.model.config.layer_types) if t == "full_attention"}
+    names = {c["tensor"] for c in turn.channels}
+    assert names == ({"latent", "k_pe"} if arch == "mla" else {"k", "v"})
+
+
+def test_isolated_error_of_a_layer_does_not_depend_on_earlier_layers(tiny_models):
+    """Break layer 0's K scale (/20: clips): in isolated mode layer 1's rows are bit-identical; end-to-end they move."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    path = parse_path("fp8_e4m3:per_tensor:calibrated")
+    good = model.scales_for(path)
+    bad_k = dict(good.k)
+    bad_k[0] = good.k[0] / 20
+    bad = type(good)(k=bad_k, v=dict(good.v), source=good.source)
+    for mode, same in (("isolated", True), ("end-to-end", False)):
+        a = _turn(model, path.name, mode, good)
+        b = _turn(model, path.name, mode, bad)
+        layer0 = [r["attn_out_rel_err"] for r in a.rows if r["layer"] == 0]
+        layer0_bad = [r["attn_out_rel_err"] for r in b.rows if r["layer"] == 0]
+        assert layer0 != layer0_bad  # the broken layer itself always shows it
+        layer1 = [r for r in a.rows if r["layer"] == 1]
+        layer1_bad = [r for r in b.rows if r["layer"] == 1]
+        assert (layer1 == layer1_bad) is same, mode
+
+
+# ---------------------------------------------------------------- scale files
+
+
+def test_exported_files_match_what_vllm_and_sglang_load(tmp_path, tiny_models):
+    model = InProcessModel.load(tiny_models["hybrid"])
+    config = model.model.config
+    for granularity, shape, expect in (("per_tensor", "scalar", ()), ("per_tensor", "one", (1,)),
+                                       ("per_head", "scalar", (config.num_key_value_heads,))):
+        scales = model.scales_for(parse_path(f"fp8_e4m3:{granularity}:calibrated"))
+        out = tmp_path / f"{granularity}-{shape}"
+        files = calibration.write_scale_files(out, {"k_scale": scales.k, "v_scale": scales.v}, config, shape=shape)
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt") as handle:
+            keys = set(handle.keys())
+            attention = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+            assert keys == {f"model.layers.{i}.self_attn.{n}" for i in attention for n in ("k_scale", "v_scale")}
+            for key in keys:
+                tensor = handle.get_tensor(key)
+                assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expect, key
+        body = json.loads(files[1].read_text())
+        assert body["model_type"] == config.model_type and body["kv_cache"]["dtype"] == "float8_e4m3fn"
+        layers = body["kv_cache"]["scaling_factor"]["0"]  # TP rank 0 -> {layer: scale}, every hidden layer
+        assert sorted(layers, key=int) == [str(i) for i in range(config.num_hidden_layers)]
+        for i in attention:
+            assert layers[str(i)] == float(torch.maximum(scales.k[i].max(), scales.v[i].max()))
+
+
+@pytest.mark.parametrize("arch,granularity", [("gqa", "per_tensor"), ("gqa", "per_head"), ("mla", "per_tensor"),
+                                              ("hybrid", "per_head")])
+def test_export_then_checkpoint_gives_the_same_scales_bit_for_bit(tmp_path, tiny_models, arch, granularity):
+    calibrated = InProcessModel.load(tiny_models[arch])
+    scales = calibrated.scales_for(parse_path(f"fp8_e4m3:{granularity}:calibrated"))
+    files = calibration.write_scale_files(tmp_path, {"k_scale": scales.k, "v_scale": scales.v},
+                                          calibrated.model.config)
+    for file in files if granularity == "per_tensor" and arch != "hybrid" else files[:1]:
+        loaded = InProcessModel.load(tiny_models[arch])
+        loaded.scales_file = file
+        back = loaded.scales_for(parse_path(f"fp8_e4m3:{granularity}:checkpoint"))
+        assert back.source == "checkpoint" and sorted(back.k) == sorted(scales.k)
+        for i in scales.k:
+            k, v = scales.k[i], scales.v[i]
+            if file.suffix == ".json":  # the quantization-param JSON holds one scale per layer for K and V
+                k = v = torch.maximum(k, v)
+            assert back.k[i].dtype == k.dtype == torch.float32
+            assert torch.equal(back.k[i], k) and torch.equal(back.v[i], v), (file.name, i)
+
+
+def test_bad_scales_file_is_named(tmp_path, tiny_models):
+    bad = tmp_path / "scales.json"
+    bad.write_text('{"kv_cache": {}}')
+    with pytest.raises(ValueError, match="scales.json"):
+        calibration.read_scale_file(bad)
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        calibration.read_scale_file(tmp_path / "missing.safetensors")
+
+
+# ---------------------------------------------------------------- FP8 attention paths, per-layer maps
+
+
+def test_attention_fp8_reference_by_hand():
+    from kernels.reference import attention_fp8
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    plain, _ = attention_fp8(q.double(), k.double(), v.double(), 0.35, None, None, None)
+    mask = torch.arange(5).unsqueeze(0) <= torch.arange(3).unsqueeze(1) + 2  # the 3 queries are keys 2..4
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), attn_mask=mask,
+        scale=0.35).transpose(1, 2)
+    # fp32 math against fp64 SDPA: a few fp32 ulps of values of order 1
+    assert torch.allclose(plain.double(), expect, atol=1e-5, rtol=0)
+    # FP8 Q with scale 1/16: q' = fp8(16 q) / 16 exactly; the same attention on q' by hand
+    out, used = attention_fp8(q, k, v, 0.35, None, torch.tensor(1 / 16), None)
+    q8 = (q * 16).to(torch.float8_e4m3fn).float() / 16
+    assert torch.equal(used, q8)
+    by_hand = torch.nn.functional.scaled_dot_product_attention(
+        q8, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.35).transpose(1, 2)
+    assert torch.allclose(out, by_hand, atol=1e-5, rtol=0)
+    # FP8 P with scale 1: small probabilities flush to zero, so rows no longer sum to 1
+    _, _ = attention_fp8(q, k, v, 0.35, None, None, torch.tensor(1.0))
+
+
+def test_fp8_attention_paths_show_error_and_keep_bf16_layers_show_none(tiny_models):
+    model = InProcessModel.load(tiny_models["gqa"])
+    for spec in ("bf16:fp8_q", "bf16:calibrated:fp8_p"):
+        turn = _turn(model, spec, "isolated")
+        assert max(r["attn_out_rel_err"] for r in turn.rows) > 0, spec
+    scales = model.scales_for(parse_path("bf16:calibrated:fp8_q"))
+    assert sorted(scales.q) == [0, 1] and all(s.dim() == 0 for s in scales.q.values())
+    turn = _turn(model, "fp8_e4m3:calibrated:keep_bf16=0", "isolated")
+    assert max(r["attn_out_rel_err"] for r in turn.rows if r["layer"] == 0) == 0.0
+    assert max(r["attn_out_rel_err"] for r in turn.rows if r["layer"] == 1) > 0.0
+
+
+def test_layer_map_option(tmp_path):
+    from harness.kv_paths.spec import PathSpecError
+
+    good = tmp_path / "map.json"
+    good.write_text(json.dumps({"bf16_layers": [7, 3]}))
+    path = parse_path(f"fp8_e4m3:layers={good}")
+    assert path.bf16_layers == (3, 7) and path.canonical.endswith(":keep_bf16=3+7")
+    assert parse_path("fp8:keep_bf16=7+3").bf16_layers == (3, 7)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for spec, message in ((f"fp8:layers={bad}", "bad.json"), ("fp8:keep_bf16=x", "keep_bf16"),
+                          ("fp8:layers=/no/such.json", "does not exist"), ("fp8:shape=3", "unknown option")):
+        with pytest.raises(PathSpecError, match=message):
+            parse_path(spec)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_capture_on_cuda_matches_cpu_semantics(tiny_models, arch):
+    """On CUDA: bf16 shows exactly zero error in both modes, an FP8 path a nonzero one of the size CPU
+    measures (bf16 SDPA on either device: same order of magnitude, not bit-equal)."""
+    cuda = InProcessModel.load(tiny_models[arch], device="cuda")
+    cpu = InProcessModel.load(tiny_models[arch])
+    for mode in ("isolated", "end-to-end"):
+        zero = _turn(cuda, "bf16", mode)
+        assert zero.rows and max(r["attn_out_rel_err"] for r in zero.rows) == 0.0, mode
+    on_gpu = _turn(cuda, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
+    on_cpu = _turn(cpu, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
+    assert on_gpu > 0 and 0.25 < on_gpu / on_cpu < 4.0, (on_gpu, on_cpu)
