@@ -267,3 +267,21 @@ def test_a_hanging_server_fails_within_the_overall_deadline():
         with pytest.raises(EndpointError, match="overall deadline of 1.5 s reached"):
             asyncio.run(post())
         assert time.monotonic() - started < 3.0
+
+
+def test_models_and_api_keys_per_endpoint(monkeypatch, tmp_path):
+    from harness import job
+
+    monkeypatch.setenv("KEY_ALL", "k-all")
+    monkeypatch.setenv("KEY_CAND", "k-cand")
+    config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, reference_url="http://127.0.0.1:1",
+                           candidate_urls=("a=http://127.0.0.1:2", "b=http://127.0.0.1:3"), api_key_env="KEY_ALL",
+                           api_key_envs=(("candidate", "KEY_CAND"),), reference_model="ref",
+                           candidate_models=("gqa", "b=other"))
+    reference, candidates = job._open_endpoints(config, None)
+    assert reference.client._headers["POST"]["Authorization"] == "Bearer k-all" and reference._model == "ref"
+    assert [c.client._headers["POST"]["Authorization"] for c in candidates] == ["Bearer k-cand"] * 2
+    assert [c._model for c in candidates] == ["gqa", "other"]
+    with pytest.raises(ValueError, match="no candidate is labelled 'c'"):
+        job._open_endpoints(job.RunConfig(**{**{f: getattr(config, f) for f in config.__slots__},
+                                             "candidate_models": ("c=x",)}), None)
