@@ -66,6 +66,10 @@ class InvalidReply(EndpointError):
         self.problem, self.reply = problem, reply
 
 
+class _DeadlineReached(Exception):
+    """The request's overall deadline (RequestPolicy.deadline_s) left no time for another attempt."""
+
+
 class _RetryableError(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
@@ -194,12 +198,11 @@ class RequestClient:
 
     async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
         attempts: list[str] = []
-        deadline = time.monotonic() + self.policy.deadline_s
+        deadline: list[float] = []  # set when the first attempt gets its turn: queueing behind the gate is free
         for attempt in range(self.policy.retries + 1):
             try:
-                async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
-                    return await self._attempt(method, path, body)
-            except TimeoutError:  # the overall deadline cut this attempt short
+                return await self._attempt(method, path, body, deadline)
+            except _DeadlineReached:
                 attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
                 break
             except _RetryableError as error:
@@ -208,7 +211,7 @@ class RequestClient:
                                       "time": time.time()})
                 wait = self._wait_s(attempt, error.retry_after_s)
                 if attempt < self.policy.retries:
-                    if time.monotonic() + wait >= deadline:
+                    if time.monotonic() + wait >= deadline[0]:
                         attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
                         break
                     await asyncio.sleep(wait)
@@ -225,14 +228,24 @@ class RequestClient:
         backoff = min(self.policy.backoff_s * 2 ** attempt, self.policy.max_backoff_s)
         return backoff * random.uniform(0.5, 1.0)  # jitter: clients retrying together spread out
 
-    async def _attempt(self, method: str, path: str, body: dict | None) -> dict:
+    async def _attempt(self, method: str, path: str, body: dict | None, deadline: list[float]) -> dict:
+        """One request. `deadline` holds the request's overall deadline once its first attempt started."""
         content = None if body is None else json.dumps(body).encode()
         request = httpx.Request(method, self._url(path), headers=self._headers[method], content=content,
                                 extensions=self._extensions)
+        budget = self.policy.timeout_s
         try:
-            async with self._gate, asyncio.timeout(self.policy.timeout_s):
-                response = await self._send(request)
+            async with self._gate:
+                if not deadline:
+                    deadline.append(time.monotonic() + self.policy.deadline_s)
+                budget = min(self.policy.timeout_s, deadline[0] - time.monotonic())
+                if budget <= 0:
+                    raise _DeadlineReached
+                async with asyncio.timeout(budget):
+                    response = await self._send(request)
         except TimeoutError:
+            if budget < self.policy.timeout_s:
+                raise _DeadlineReached from None
             raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
         except httpx.TimeoutException as error:
             raise _RetryableError(f"timed out ({type(error).__name__})") from None
