@@ -65,8 +65,12 @@ def _server(argv: list[str], ready_path: str, log: Path, env: dict | None = None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 15)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=60)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # transformers serve may not stop on SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            process.wait(timeout=30)
 
 
 def _vllm(dtype: str, tmp_path_factory, core: int):
@@ -185,5 +189,9 @@ def test_gateway_without_tokenize(vllm_float32, tmp_path, capsys):
     assert code in (0, 1) and not _errors(out) and _units(out) == 2 * len(manifest["scenarios"])
     exact = [r["value"] for r in records if r["path"] == "gw" and r["metric"] == "exact_match"]
     kl = [r["value"] for r in records if r["path"] == "gw" and r["metric"] == "kl_max"]
-    assert exact and all(v == 1.0 for v in exact) and all(v == 0.0 for v in kl)  # the same server behind it
+    # the same server behind it: identical replies; KL not exactly 0, as vLLM batches the two scorings of the
+    # same ids differently (float32 reduction order, measured 2.6e-13 at most), so 1e-9 is the bound
+    assert exact and all(v == 1.0 for v in exact) and all(v is not None and v < 1e-9 for v in kl)
+    capabilities = manifest["paths"][0]["description"]["capabilities"]
+    assert capabilities["scoring"] == "prompt_logprobs" and "tokenize_chat" not in capabilities  # never needed
     print(f"PEER gateway without /tokenize: {_units(out)} units, {seconds:.1f} s")

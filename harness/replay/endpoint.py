@@ -552,8 +552,11 @@ class EndpointBackend:
         if ids is None:
             return None, None, None
         strings = None
-        if content and len(content) == len(ids) and not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
-            strings = [str(e.get("token", "")) for e in content]
+        if content and len(content) == len(ids):
+            if not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
+                strings = [str(e.get("token", "")) for e in content]
+            elif all(isinstance(e.get("bytes"), list) for e in content):  # vLLM: the token's own bytes, by id
+                strings = [bytes(e["bytes"]).decode("utf-8", "replace") for e in content]
         return ids, top, strings
 
     def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
