@@ -128,7 +128,9 @@ def test_transformers_serve_shapes_are_detected_and_named():
     assert b.capabilities["tokenize_text"].startswith("unavailable: /tokenize answered HTTP 404")
     scoring = b.capabilities["scoring"]
     assert scoring.startswith("unavailable") and "prompt_logprobs" in scoring and "422" in scoring
-    assert b.degraded() == [f"teacher-forced metrics unavailable for {b.label}: {scoring.removeprefix('unavailable: ')}"]
+    assert b.describe()["failed_attempts"] == 0  # detection's refusals (422, 404) are answers, not failures
+    why = scoring.removeprefix("unavailable: ")
+    assert b.degraded() == [f"teacher-forced metrics unavailable for {b.label}: {why}"]
 
 
 def sglang_app() -> Starlette:

@@ -160,9 +160,9 @@ def test_vllm_float32_vs_bfloat16(vllm_float32, vllm_bfloat16, tmp_path, capsys)
     capabilities = manifest["paths"][0]["description"]["capabilities"]
     assert capabilities["scoring"] == "prompt_logprobs" and capabilities["chat_logprobs"] == "token ids"
     assert (out / "report" / "index.html").exists()
+    kl_mean = [r["value"] for r in records if r["metric"] == "kl_mean" and r["path"] == "bf16"]
     print(f"PEER vllm fp32 vs bf16: {_units(out)} units, kl_max over turns {max(r['value'] for r in kl):.3g}, "
-          f"kl_mean mean {sum(r['value'] for r in records if r['metric'] == 'kl_mean' and r['path'] == 'bf16') / len(kl):.3g}, "
-          f"{seconds:.1f} s")
+          f"kl_mean mean {sum(kl_mean) / len(kl_mean):.3g}, {seconds:.1f} s")
 
 
 def test_vllm_reference_vs_transformers_serve_with_a_judge(vllm_float32, transformers_serve, tmp_path, capsys):

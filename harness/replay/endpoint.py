@@ -175,15 +175,16 @@ class RequestClient:
         return self._urls[path]
 
     async def post(self, path: str, body: dict, *, cache: bool = True,
-                   validate: Callable[[dict], str | None] | None = None) -> dict:
+                   validate: Callable[[dict], str | None] | None = None, probe: bool = False) -> dict:
         """The decoded reply. `validate` names what is wrong with a reply (or None): an invalid reply
-        raises `InvalidReply` and is never cached, so a later `--resume` asks the server again."""
+        raises `InvalidReply` and is never cached, so a later `--resume` asks the server again. A `probe`
+        (capability detection) refused with 4xx is not a failed attempt: it is what detection asks."""
         url = self.base_url + path
         key = request_key(url, body) if cache and self.cache else None
         if key and (hit := self.cache.get(key)) is not None and (validate is None or validate(hit) is None):
             self.cache_hits += 1
             return hit
-        response = await self._with_retries("POST", path, body)
+        response = await self._with_retries("POST", path, body, probe)
         if validate is not None and (problem := validate(response)) is not None:
             raise InvalidReply(f"POST {url}", problem, response)
         if key:
@@ -196,7 +197,7 @@ class RequestClient:
     async def aclose(self) -> None:
         await self._transport.aclose()
 
-    async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
+    async def _with_retries(self, method: str, path: str, body: dict | None, probe: bool = False) -> dict:
         attempts: list[str] = []
         deadline: list[float] = []  # set when the first attempt gets its turn: queueing behind the gate is free
         for attempt in range(self.policy.retries + 1):
@@ -216,8 +217,9 @@ class RequestClient:
                         break
                     await asyncio.sleep(wait)
             except EndpointError as error:
-                self.failures.append({"url": self.base_url + path, "attempt": attempt,
-                                      "error": "; ".join(error.attempts), "time": time.time()})
+                if not (probe and error.status is not None and 400 <= error.status < 500):
+                    self.failures.append({"url": self.base_url + path, "attempt": attempt,
+                                          "error": "; ".join(error.attempts), "time": time.time()})
                 raise EndpointError(error.url, attempts + error.attempts, error.status) from None
         raise EndpointError(f"{method} {self.base_url}{path}", attempts)
 
@@ -513,7 +515,8 @@ class EndpointBackend:
         if self.capabilities.get(capability, "").startswith("unavailable"):
             return None
         try:
-            reply = await self.client.post("/tokenize", body, validate=lambda r: _tokenize_problem(r, expected))
+            reply = await self.client.post("/tokenize", body, validate=lambda r: _tokenize_problem(r, expected),
+                                           probe=capability not in self.capabilities)
         except InvalidReply:
             raise
         except EndpointError as error:
@@ -600,7 +603,8 @@ class EndpointBackend:
         if not self.capabilities.get("detokenize", "").startswith("unavailable"):
             try:
                 reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]},
-                                               validate=_detokenize_problem)
+                                               validate=_detokenize_problem,
+                                               probe="detokenize" not in self.capabilities)
                 self.capabilities["detokenize"] = "server /detokenize"
                 return str(reply["prompt"] if "prompt" in reply else reply["text"])  # vLLM | SGLang
             except InvalidReply:
@@ -628,7 +632,8 @@ class EndpointBackend:
             if chosen is not None and name != chosen:
                 continue
             try:
-                reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem)
+                reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem,
+                                               probe=chosen is None and bool(fields))
             except InvalidReply as error:
                 self.capabilities.setdefault("chat_logprobs", name)
                 self.capabilities["chat_reply_invalid"] = error.problem
@@ -662,7 +667,7 @@ class EndpointBackend:
                 reasons.append("echo_text: no local tokenizer to map token texts to ids")
                 continue
             try:
-                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids),
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids), probe=True,
                                                validate=lambda r, m=mode: _scoring_reply_problem(m, r, len(ids)))
             except InvalidReply as error:
                 reasons.append(f"{mode}: {error.problem}")
@@ -715,7 +720,8 @@ def _tokenize_problem(reply: dict, expected: int | None) -> str | None:
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         return "/tokenize reply has no list of token ids ('tokens')"
     if expected is not None and len(tokens) != expected:
-        return f"/tokenize gave {len(tokens)} tokens for a prompt the server counted as {expected} (usage.prompt_tokens)"
+        return (f"/tokenize gave {len(tokens)} tokens for a prompt the server counted as {expected} "
+                f"(usage.prompt_tokens)")
     return None
 
 
