@@ -218,9 +218,9 @@ def _token_name(served: ServedModel, token_id: int, as_ids: bool) -> str:
 
 
 def _chat_logprobs(served: ServedModel, steps: list[StepLogprobs], as_ids: bool) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = _token_name(served, token_id, as_ids)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def entry(token_id: int, logprob: float) -> dict:  # bytes: the token's own text, named by id or not (vLLM)
+        return {"token": _token_name(served, token_id, as_ids), "logprob": logprob,
+                "bytes": list(served.token_text(token_id).encode())}
 
     return {"content": [entry(s.token_id, s.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in s.top]}
                         for s in steps]}

@@ -76,6 +76,7 @@ def test_vllm_reply_uses_returned_token_ids_and_drops_the_eos_it_lists(name):
         generation, capabilities = asyncio.run(_generate(url))
     assert generation.token_ids == raw["choices"][0]["token_ids"][:-1]  # "22": the EOS left out, as in-process
     assert generation.text == "22" and generation.finish_reason == "eos"
+    assert generation.tokens == ["2", "2"]  # from each token's bytes: no /detokenize needed
     assert len(generation.top_logprobs) == len(generation.token_ids)
     assert capabilities["chat_logprobs"] == "token ids"
 
@@ -127,7 +128,9 @@ def test_transformers_serve_shapes_are_detected_and_named():
     assert b.capabilities["tokenize_text"].startswith("unavailable: /tokenize answered HTTP 404")
     scoring = b.capabilities["scoring"]
     assert scoring.startswith("unavailable") and "prompt_logprobs" in scoring and "422" in scoring
-    assert b.degraded() == [f"teacher-forced metrics unavailable for {b.label}: {scoring.removeprefix('unavailable: ')}"]
+    assert b.describe()["failed_attempts"] == 0  # detection's refusals (422, 404) are answers, not failures
+    why = scoring.removeprefix("unavailable: ")
+    assert b.degraded() == [f"teacher-forced metrics unavailable for {b.label}: {why}"]
 
 
 def sglang_app() -> Starlette:

@@ -37,7 +37,7 @@ def template(messages: list[dict]) -> list[int]:
 def fault_app(faults: set[str], log: list | None = None) -> Starlette:
     """Healthy unless `faults` (a set the test may change while the server runs) names a fault:
     drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble,
-    flaky (the third chat request answers 500)."""
+    flaky (the third chat request answers 500), slow (0.4 s per chat)."""
     log = log if log is not None else []
 
     def entry(token_id: int, logprob: float = -0.25) -> dict:
@@ -48,6 +48,8 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
         log.append((time.monotonic(), "chat"))
         if "hang" in faults:
             await asyncio.sleep(3600)
+        if "slow" in faults:
+            await asyncio.sleep(0.4)
         first = body["messages"][-1]["content"] not in {entry[2] for entry in log[:-1] if len(entry) > 2}
         log[-1] = (*log[-1], body["messages"][-1]["content"])
         if "flaky" in faults and len(log) == 3:  # the run's first turn, after two pre-flight chats
@@ -267,3 +269,37 @@ def test_a_hanging_server_fails_within_the_overall_deadline():
         with pytest.raises(EndpointError, match="overall deadline of 1.5 s reached"):
             asyncio.run(post())
         assert time.monotonic() - started < 3.0
+
+
+def test_models_and_api_keys_per_endpoint(monkeypatch, tmp_path):
+    from harness import job
+
+    monkeypatch.setenv("KEY_ALL", "k-all")
+    monkeypatch.setenv("KEY_CAND", "k-cand")
+    config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, reference_url="http://127.0.0.1:1",
+                           candidate_urls=("a=http://127.0.0.1:2", "b=http://127.0.0.1:3"), api_key_env="KEY_ALL",
+                           api_key_envs=(("candidate", "KEY_CAND"),), reference_model="ref",
+                           candidate_models=("gqa", "b=other"))
+    reference, candidates = job._open_endpoints(config, None)
+    assert reference.client._headers["POST"]["Authorization"] == "Bearer k-all" and reference._model == "ref"
+    assert [c.client._headers["POST"]["Authorization"] for c in candidates] == ["Bearer k-cand"] * 2
+    assert [c._model for c in candidates] == ["gqa", "other"]
+    with pytest.raises(ValueError, match="no candidate is labelled 'c'"):
+        job._open_endpoints(job.RunConfig(**{**{f: getattr(config, f) for f in config.__slots__},
+                                             "candidate_models": ("c=x",)}), None)
+
+
+def test_waiting_behind_the_concurrency_gate_is_not_counted_against_the_deadline():
+    """Eight requests through one slot, 0.4 s each (3.2 s in all), with a 1 s deadline per request: all succeed."""
+    with running_server(fault_app({"slow"}), log_level=QUIET) as url:
+        async def many():
+            client = RequestClient(url, policy=fast(concurrency=1, deadline_s=1.0, retries=0))
+            try:
+                return await asyncio.gather(*(client.post("/v1/chat/completions",
+                                                          {"messages": [{"role": "user", "content": f"hi {i}"}]})
+                                              for i in range(8)))
+            finally:
+                await client.aclose()
+
+        replies = asyncio.run(many())
+    assert [r["choices"][0]["message"]["content"] for r in replies] == [f"{i} ih" for i in range(8)]

