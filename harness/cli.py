@@ -64,6 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu")
     run.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
+    run.add_argument("--batch-size", type=int, default=None, metavar="N",
+                     help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
+                          "GPU memory, halved on out-of-memory; one at a time on CPU)")
+    run.add_argument("--kernel-check-every", type=int, default=16, metavar="STEPS",
+                     help="batched replay: check the FP8 decode kernel against fp64 every STEPS decode steps (default: 16)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
     report.add_argument("run", type=Path, metavar="RUN")
@@ -157,6 +162,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            batch_size=args.batch_size, kernel_check_every=args.kernel_check_every,
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress,

@@ -50,6 +50,18 @@ class RunConfig:
     tokenizer: str | None = None  # local tokenizer for servers without /tokenize
     concurrency: int = 8  # scenarios replayed at once against endpoints
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
+    batch_size: int | None = None  # batched in-process replay: None = auto on CUDA, off on CPU
+    kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
+
+    def __post_init__(self):
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.kernel_check_every < 1:
+            raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
+
+    @property
+    def batched(self) -> bool:
+        return self.batch_size is not None or self.device != "cpu"
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -220,8 +232,21 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     _note_model(store, label, loaded, warn)
     backends = [loaded.backend(path) for path in config.paths]
     _note_scales(store, label, backends)
+    if config.batched:
+        _replay_batched(config, label, loaded, backends, scenarios, store, on_unit_done)
+        return
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done)
     asyncio.run(replay.run(scenarios))
+
+
+def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, store: RunStore, on_unit_done) -> None:
+    from harness.replay.batched import BatchSettings
+    from harness.replay.batched_runner import BatchedReplay
+
+    settings = BatchSettings(config.batch_size, config.kernel_check_every)
+    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
+    batching = replay.run(scenarios)
+    store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, batching))
 
 
 def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar,

@@ -166,7 +166,9 @@ def register(observer_attr: str = "harness_observer") -> None:
         cache = active_cache.get()
         layer = cache.layers[module.layer_idx] if cache is not None else None
         paged = getattr(layer, "paged", None)
-        if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
+        if paged is not None and query.shape[2] == 1 and hasattr(paged, "decode"):  # batched (harness.replay.batched)
+            output = paged.decode(module, query, output)
+        elif paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _kernel_decode(module, query, paged)
             paged.agreement.add(kernel_out, output, _exact_attention(module, query, paged))
             output = kernel_out
