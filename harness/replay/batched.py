@@ -28,6 +28,9 @@ from kernels import reference as fp8
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
 MAX_AUTO_BATCH = 256
+# Prompt tokens (over all rows) per prefill forward pass: above it the prompt is prefilled in column chunks,
+# which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
+PREFILL_TOKENS = 32768
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,17 +250,17 @@ class BatchedEngine:
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         if fp8_path:
-            _route_stats(cache, stats)
+            _route_stats(cache, stats, self.device)
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
         token = attention.active_cache.set(cache)
         try:
-            logits = self._forward(ids, mask, positions, cache, step)
+            logits = self._prefill(ids, mask, positions, cache, step)
             for decode_step in range(max(limits, default=0)):
-                finite = torch.isfinite(logits).all(-1).tolist()
-                next_ids = logits.argmax(-1).tolist()
+                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+                finite, next_ids = [bool(f) for f in finite_and_next[0]], finite_and_next[1]
                 keep = []
                 for i, row in enumerate(live):
                     if not finite[i]:
@@ -292,6 +295,18 @@ class BatchedEngine:
                 record.update(agreement.as_record())
         self.on_batch("generate", rows)
         return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+
+    def _prefill(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
+        """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
+        the canaries and any batch under the budget): every token is still written before it is read."""
+        rows, length = ids.shape
+        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        logits = None
+        for begin in range(0, length, width):
+            end = min(length, begin + width)
+            step.valid = mask[:, begin:end]
+            logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
+        return logits
 
     def _forward(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
         """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
@@ -333,7 +348,7 @@ class BatchedEngine:
         stats = RowWriteStats(rows, self.device, step)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
-            _route_stats(cache, stats)
+            _route_stats(cache, stats, self.device)
         kv_path = self.backend.kv_path
         last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, logits_to_keep=1).logits[:, -1:].float()
@@ -380,11 +395,14 @@ def right_pad(sequences: Sequence[Sequence[int]], pad: int, device) -> tuple[tor
     return ids.to(device), mask.to(device)
 
 
-def _route_stats(cache, stats: RowWriteStats) -> None:
-    """Quantised layers count per row (pads excluded) instead of into one `KVWriteStats`."""
+def _route_stats(cache, stats: RowWriteStats, device) -> None:
+    """Quantised layers count per row (pads excluded) instead of into one `KVWriteStats`, and keep their
+    static scales on the device (same values; no host-to-device copy, hence no sync, per layer and step)."""
     for layer in cache.layers:
         if hasattr(layer, "kv_path"):
             layer._count = _row_counter(layer, stats)  # noqa: SLF001 - per-instance override
+            layer.k_scale = layer.k_scale.to(device) if layer.k_scale is not None else None
+            layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
 
 
 def _row_counter(layer, stats: RowWriteStats):
