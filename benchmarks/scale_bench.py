@@ -149,20 +149,49 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
     return rows
 
 
+CANARY_SNIPPET = """
+import json, sys, time
+from pathlib import Path
+from harness import job
+from harness.replay import inprocess
+spent = {"load": 0.0, "judge": 0.0}
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+    return wrapper
+inprocess.InProcessModel.load = classmethod(timed("load", inprocess.InProcessModel.load.__func__))
+job._judge = timed("judge", job._judge)
+models, _ = job.default_models()
+config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(), paths=job.parse_kv_paths(job.DEFAULT_PATHS),
+                       out=Path(sys.argv[1]), device="cuda")
+start = time.perf_counter()
+job.run_job(config)
+spent["total"] = time.perf_counter() - start
+print("CANARY " + json.dumps(spent))
+"""
+
+
 def canary_run(timeout: float = 240) -> dict:
+    """The default canary run on CUDA in a fresh process: total, model load and judge seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--device", "cuda", "--out",
-                                   str(Path(tmp) / "run"), "--no-progress"], capture_output=True, text=True,
-                                  timeout=timeout)
+            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run")], capture_output=True,
+                                  text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             done = subprocess.CompletedProcess([], returncode=-1, stdout="", stderr=f"timed out after {timeout} s")
         wall = time.perf_counter() - start
-        manifest = json.loads((Path(tmp) / "run" / "manifest.json").read_text()) if done.returncode in (0, 1) else {}
-        units = sum(1 for _ in open(Path(tmp) / "run" / "done.jsonl")) if (Path(tmp) / "run" / "done.jsonl").exists() else 0
-    return {"wall_s": wall, "rc": done.returncode, "units": units, "batching": manifest.get("batching"),
-            "stderr_tail": done.stderr[-1500:]}
+        manifest_file = Path(tmp) / "run" / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+        done_file = Path(tmp) / "run" / "done.jsonl"
+        units = sum(1 for _ in open(done_file)) if done_file.exists() else 0
+    spent = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("CANARY ")), {})
+    return {"wall_s": wall, "rc": done.returncode, "units": units, **spent, "status": manifest.get("status"),
+            "batching": manifest.get("batching"), "stderr_tail": done.stderr[-1500:]}
 
 
 def main() -> None:
@@ -190,8 +219,9 @@ def main() -> None:
     if args.canary_run:
         result = canary_run()
         log({"canary_run": result})
-        extra.append(f"default canary `harness run --device cuda` (subprocess wall, model load included): "
-                     f"{result['wall_s']:.1f} s, rc {result['rc']}, {result['units']} units")
+        extra.append(f"default canary run on cuda: {result.get('total', float('nan')):.1f} s in run_job "
+                     f"(model load {result.get('load', float('nan')):.1f} s, judges {result.get('judge', float('nan')):.1f} s), "
+                     f"process wall {result['wall_s']:.1f} s, {result['units']} units, status {result.get('status')}")
     bandwidth = copy_bandwidth()
     paths = [p for p in args.paths.split(",") if p]
     configs = args.configs.split(",")
