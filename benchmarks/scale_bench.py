@@ -164,7 +164,14 @@ def timed(name, fn):
             spent[name] += time.perf_counter() - start
     return wrapper
 inprocess.InProcessModel.load = classmethod(timed("load", inprocess.InProcessModel.load.__func__))
-job._judge = timed("judge", job._judge)
+judge = job._judge
+async def timed_judge(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return await judge(*args, **kwargs)
+    finally:
+        spent["judge"] += time.perf_counter() - start
+job._judge = timed_judge
 models, _ = job.default_models()
 config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(), paths=job.parse_kv_paths(job.DEFAULT_PATHS),
                        out=Path(sys.argv[1]), device="cuda")
