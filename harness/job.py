@@ -66,6 +66,18 @@ class RunConfig:
     select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
     attention: object | None = None  # harness.replay.attention.AttentionOptions: capture attention error
     scales_file: Path | None = None  # k_scale/v_scale file for ':checkpoint' paths (else the model directory)
+    batch_size: int | None = None  # batched in-process replay: None = auto on CUDA, off on CPU
+    kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
+
+    def __post_init__(self):
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.kernel_check_every < 1:
+            raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
+
+    @property
+    def batched(self) -> bool:
+        return self.batch_size is not None or self.device != "cpu"
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -256,11 +268,42 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
     wanted = dict(config.paths_by_model).get(str(directory))
-    backends = [loaded.backend(path) for path in config.paths if wanted is None or path.name in wanted]
+    paths = [path for path in config.paths if wanted is None or path.name in wanted]
+    backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
+    unbatchable = _unbatchable_reason(config, paths) if config.batched else None
+    if unbatchable:  # said, and recorded beside the batch settings, never silently changed
+        warn(f"{label}: replayed one sequence at a time: {unbatchable}")
+        store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, {"off": unbatchable}))
+    elif config.batched:
+        _replay_batched(config, label, loaded, backends, scenarios, store, on_unit_done)
+        return
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done,
                     attention=config.attention)
     asyncio.run(replay.run(scenarios))
+
+
+def _unbatchable_reason(config: RunConfig, paths: list[KVPath]) -> str | None:
+    """Why this model's paths cannot run in the batched replay (harness/replay/batched.py), or None: attention
+    capture, decode-kernel plug-ins and FP8 attention (q/prob scales) run through the one-sequence path only."""
+    if config.attention is not None:
+        return "attention capture (--attention) observes one sequence at a time"
+    for path in paths:
+        if path.kernel:
+            return f"path {path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
+        if path.quantizes_attention:
+            return f"path {path.name}: FP8 attention (fp8_q / fp8_p) runs in the torch reference, one sequence at a time"
+    return None
+
+
+def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, store: RunStore, on_unit_done) -> None:
+    from harness.replay.batched import BatchSettings
+    from harness.replay.batched_runner import BatchedReplay
+
+    settings = BatchSettings(config.batch_size, config.kernel_check_every)
+    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
+    batching = replay.run(scenarios)
+    store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, batching))
 
 
 def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar,

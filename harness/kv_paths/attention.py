@@ -208,11 +208,13 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         else:  # FP8 attention (q_scale / prob_scale): the torch reference, on every device
             from kernels.reference import attention_fp8
 
-            output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask, quant.q_scale,
-                                          quant.prob_scale, quant.fmt)
+            output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask,
+                                          quant.q_scale, quant.prob_scale, quant.fmt)
             weights = None
-        paged = getattr(layer, "paged", None)
-        if paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
+        paged = getattr(layer, "paged", None) if quant is None else None  # kernels do not quantise q or p
+        if paged is not None and query.shape[2] == 1 and hasattr(paged, "decode"):  # batched (harness.replay.batched)
+            output = paged.decode(module, query, output)
+        elif paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
             kernel_out = _timed_decode(module, query, paged)
             paged.agreement.add(kernel_out, output, _exact_attention(module, query, paged))
             output = kernel_out

@@ -1,0 +1,261 @@
+"""The harness at real-model scale on one GPU: batched replay vs plain `model.generate`, per KV path.
+
+    python benchmarks/scale_bench.py [--quick] [--configs 8b-1k,8b-8k,mla-1k] [--canary-run]
+
+No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
+DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
+tokens/s of the harness's batched replay per KV path, the same for plain transformers `generate` at the same
+batch and lengths (the baseline, same process), FP8 time / bf16 time, per-decode-step time against the
+bandwidth roof (weights + KV bytes per step over measured copy bandwidth), and peak GPU memory.
+`--canary-run` also times the default `harness run --device cuda` (bundled canaries) in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.kv_paths import attention  # noqa: E402
+from harness.kv_paths.spec import parse_path  # noqa: E402
+from harness.replay.batched import BatchedEngine, BatchSettings, kv_bytes_per_token  # noqa: E402
+from harness.replay.inprocess import InProcessModel  # noqa: E402
+
+PATHS = ["bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3:per_head", "fp8_e4m3:per_token"]
+
+
+def llama_8b():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+
+
+def deepseek_v2_lite():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                            num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+                            n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+                            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                            vocab_size=102400, max_position_embeddings=16384, bos_token_id=None, eos_token_id=None)
+
+
+def build(config) -> InProcessModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention.ATTENTION_NAME)
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return InProcessModel(directory=Path("random"), model=model, tokenizer=None, device=torch.device("cuda"),
+                          arch=config.model_type, random_weights=True, use_kernels=True)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Ragged synthetic prompts: length - 0..63 tokens (as turns of a multi-turn chat differ in length)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [length - int(torch.randint(0, 64, (1,), generator=g)) for _ in range(batch)]
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 10
+    del x, y
+    return 2 * (2 << 30) / seconds  # bytes read + written per second
+
+
+def timed(fn) -> tuple[float, float, object]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30, result
+
+
+def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
+               bandwidth: float, baseline: bool, log) -> list[dict]:
+    model, config = loaded.model, loaded.model.config
+    rows = []
+    ps = prompts(batch, length, config.vocab_size, seed=1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mean_ctx = sum(len(p) for p in ps) / batch + new / 2
+
+    def roof_ms(kv_bytes_per_token: float) -> float:
+        return (weight_bytes + batch * mean_ctx * kv_bytes_per_token) / bandwidth * 1e3
+
+    if baseline:
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in ps], batch_first=True).flip(1).cuda()
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(p), dtype=torch.long) for p in ps],
+                                               batch_first=True).flip(1).cuda()
+
+        def generate(n):
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False)
+
+        timed(lambda: generate(2))  # warm-up
+        t1, _, _ = timed(lambda: generate(1))
+        tn, peak, _ = timed(lambda: generate(new))
+        step = (tn - t1) / (new - 1)
+        rows.append({"config": name, "path": "plain generate (bf16)", "tok_s": batch * new / tn, "s": tn,
+                     "step_ms": step * 1e3, "roof": roof_ms(kv_bytes_per_token(config)) / (step * 1e3), "peak": peak})
+        log(rows[-1])
+    bf16_time = None
+    for spec in paths:
+        backend = loaded.backend(parse_path(spec))
+        engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
+        try:
+            engine.generate(ps[:2], 2)  # warm-up (Triton compiles)
+            t1, _, _ = timed(lambda: engine.generate(ps, 1))
+            tn, peak, result = timed(lambda: engine.generate(ps, new))
+        except torch.OutOfMemoryError as error:
+            rows.append({"config": name, "path": spec, "error": f"OOM: {str(error)[:80]}"})
+            log(rows[-1])
+            torch.cuda.empty_cache()
+            continue
+        produced = sum(len(r.token_ids) for r in result)
+        step = (tn - t1) / (new - 1)
+        kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
+        if spec == "bf16":
+            bf16_time = tn
+        rows.append({"config": name, "path": spec, "tok_s": produced / tn, "s": tn, "step_ms": step * 1e3,
+                     "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
+                     "x_bf16": tn / bf16_time if bf16_time else None,
+                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:]})
+        log(rows[-1])
+        torch.cuda.empty_cache()
+    return rows
+
+
+CANARY_SNIPPET = """
+import json, sys, time
+from pathlib import Path
+from harness import job
+from harness.replay import inprocess
+spent = {"load": 0.0, "judge": 0.0}
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+    return wrapper
+inprocess.InProcessModel.load = classmethod(timed("load", inprocess.InProcessModel.load.__func__))
+judge = job._judge
+async def timed_judge(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return await judge(*args, **kwargs)
+    finally:
+        spent["judge"] += time.perf_counter() - start
+job._judge = timed_judge
+models, _ = job.default_models()
+config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(), paths=job.parse_kv_paths(job.DEFAULT_PATHS),
+                       out=Path(sys.argv[1]), device="cuda")
+start = time.perf_counter()
+job.run_job(config)
+spent["total"] = time.perf_counter() - start
+print("CANARY " + json.dumps(spent))
+"""
+
+
+def canary_run(timeout: float = 240) -> dict:
+    """The default canary run on CUDA in a fresh process: total, model load and judge seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run")], capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            done = subprocess.CompletedProcess([], returncode=-1, stdout="", stderr=f"timed out after {timeout} s")
+        wall = time.perf_counter() - start
+        manifest_file = Path(tmp) / "run" / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+        done_file = Path(tmp) / "run" / "done.jsonl"
+        units = sum(1 for _ in open(done_file)) if done_file.exists() else 0
+    spent = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("CANARY ")), {})
+    return {"wall_s": wall, "rc": done.returncode, "units": units, **spent, "status": manifest.get("status"),
+            "batching": manifest.get("batching"), "stderr_tail": done.stderr[-1500:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="8b-1k,8b-8k,mla-1k")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--new", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--canary-run", action="store_true")
+    parser.add_argument("--log", type=Path, default=None)
+    args = parser.parse_args()
+    out = open(args.log, "a") if args.log else None
+
+    def log(row):
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    import transformers
+    import triton
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"triton {triton.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    rows, extra = [], []
+    if args.canary_run:
+        result = canary_run()
+        log({"canary_run": result})
+        extra.append(f"default canary run on cuda: {result.get('total', float('nan')):.1f} s in run_job "
+                     f"(model load {result.get('load', float('nan')):.1f} s, judges {result.get('judge', float('nan')):.1f} s), "
+                     f"process wall {result['wall_s']:.1f} s, {result['units']} units, status {result.get('status')}")
+    bandwidth = copy_bandwidth()
+    paths = [p for p in args.paths.split(",") if p]
+    configs = args.configs.split(",")
+    if any(c.startswith("8b") for c in configs):
+        loaded = build(llama_8b())
+        if "8b-1k" in configs:
+            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log)
+        if "8b-8k" in configs:
+            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, [p for p in paths if p != "fp8_e4m3:per_token"][:2],
+                               bandwidth, False, log)
+        del loaded
+        torch.cuda.empty_cache()
+    if "mla-1k" in configs:
+        loaded = build(deepseek_v2_lite())
+        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log)
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    for line in extra:
+        print(line)
+    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | x bf16 | decode |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['path']} | {r['error']} |")
+            continue
+        x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
+        print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
+              f"{r['roof']:.2f} | {r['peak']:.1f} | {x} | {r.get('kernel', '')} |")
+
+
+if __name__ == "__main__":
+    main()

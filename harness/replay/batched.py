@@ -1,0 +1,448 @@
+"""Batched in-process replay: many sequences of one (model, KV path) decode, prefill and score together.
+
+Sequences are left-padded to one length; each row carries its own attention mask and position ids (the
+first real token at position 0, as alone), so a row computes what it would alone, up to the reduction
+order of batched matrix products (the batch-invariance floor, measured by `batch_invariance`). A row
+leaves the batch at EOS (every cache layer, the per-row write statistics and the kernel's paged copy are
+re-indexed). Every KV path runs here: `QuantizedKVLayer` quantises [batch, heads, chunk, dim] with
+per-tensor, per-head or per-token scales, the MLA latent and the hybrid's linear-attention state are
+ordinary cache layers; write statistics are kept per row on the device (no host sync per layer).
+
+On CUDA, FP8 decode steps go through our kernels over a batched paged copy (`BatchedPagedKV`); their
+agreement with an fp64 computation is checked on every `kernel_check_every`-th decode step (the kernel runs
+every step). Batches are cut to `batch_size` sequences; a CUDA out-of-memory error halves the batch and
+retries it, keeping every finished row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from harness.kv_paths import attention
+from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, kernel_ops
+from harness.kv_paths.cache import build_cache
+from kernels import reference as fp8
+
+DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
+MAX_AUTO_BATCH = 256
+# Prompt tokens (over all rows) per prefill forward pass: above it the prompt is prefilled in column chunks,
+# which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
+PREFILL_TOKENS = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    batch_size: int | None = None  # None: from free GPU memory (CUDA), else everything in one batch
+    kernel_check_every: int = DEFAULT_KERNEL_CHECK_EVERY
+
+    def __post_init__(self):
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.kernel_check_every < 1:
+            raise ValueError(f"kernel check interval must be >= 1 decode step, got {self.kernel_check_every}")
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    token_ids: list[int]
+    finish_reason: str  # eos | length | nonfinite_logits
+    metrics: dict | None
+
+
+class RowWriteStats:
+    """`KVWriteStats` kept per batch row on the device; `step.valid` [rows, chunk] marks real (unpadded) tokens."""
+
+    def __init__(self, rows: int, device, step: "StepState"):
+        self.step = step
+        self.values = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.clipped = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.nonfinite = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.amax_over_max = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.live = torch.arange(rows, device=device)  # original row of each live batch position
+
+    def count_rows(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
+        # x, ratio, read_back: [live rows, heads, chunk, dim]; pads count nowhere
+        rows_valid = self.step.valid.to(x.device).bool()
+        valid = rows_valid[:, None, :, None]
+        per_token = x.shape[1] * x.shape[3]
+        self.values.index_add_(0, self.live, rows_valid.sum(1).double() * per_token)
+        self.clipped.index_add_(0, self.live, ((ratio > 1) & valid).sum((1, 2, 3)).double())
+        self.nonfinite.index_add_(0, self.live, ((~read_back.isfinite()) & valid).sum((1, 2, 3)).double())
+        finite = torch.where(valid, torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0), 0.0)
+        self.amax_over_max[self.live] = torch.maximum(self.amax_over_max[self.live], finite.amax((1, 2, 3)).double())
+
+    def select(self, live: torch.Tensor) -> None:
+        """Keep batch positions `live` (indices into the current live rows)."""
+        self.live = self.live[live]
+
+    def row_records(self) -> list[dict[str, float]]:
+        values, clipped = self.values.tolist(), self.clipped.tolist()
+        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": n, "kv_amax_over_max": a}
+                for v, c, n, a in zip(values, clipped, self.nonfinite.tolist(), self.amax_over_max.tolist())]
+
+
+@dataclass
+class BatchedPagedKV:
+    """One layer's paged FP8 copy for a batch: row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
+
+    Written by `store_kv` / `store_latent` with slot -1 for pads; decode runs the kernel over all live rows
+    and, on sampled steps, checks each row against fp64 attention over exactly the stored codes.
+    """
+
+    fmt_dtype: torch.dtype
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    saturate: bool
+    mla: bool
+    ops: object
+    agreements: list  # one KernelAgreement per original row
+    step: "StepState"
+    pages_per_row: int
+    pages: list = field(default_factory=list)
+    lengths: torch.Tensor | None = None  # [live rows] int32
+    rows: torch.Tensor | None = None  # [live rows] original row index (int64)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
+        rows, _, chunk, _ = key.shape
+        if not self.pages:
+            self._allocate(rows, key, value)
+        valid = self.step.valid.to(key.device).bool()  # [rows, chunk]
+        offsets = self.lengths[:, None].long() + valid.long().cumsum(1) - 1
+        slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
+        slots = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
+        if self.mla:
+            self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
+                                  self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
+        else:
+            self.ops.store_kv(key.transpose(1, 2).reshape(rows * chunk, key.shape[1], -1).contiguous(),
+                              value.transpose(1, 2).reshape(rows * chunk, value.shape[1], -1).contiguous(),
+                              self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
+        self.lengths = self.lengths + valid.sum(1).to(torch.int32)
+
+    def _allocate(self, rows: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        blocks = rows * self.pages_per_row
+        if self.mla:
+            shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
+        else:
+            shapes = [(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1])] * 2
+        self.pages = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=key.device)
+        self.rows = torch.arange(rows, device=key.device)
+
+    def select(self, live: torch.Tensor) -> None:
+        if self.lengths is not None:
+            self.lengths, self.rows = self.lengths[live], self.rows[live]
+
+    def block_table(self) -> torch.Tensor:
+        base = (self.rows * self.pages_per_row).to(torch.int32)
+        return base[:, None] + torch.arange(self.pages_per_row, dtype=torch.int32, device=base.device)[None, :]
+
+    def decode(self, module, query: torch.Tensor, sdpa_out: torch.Tensor) -> torch.Tensor:
+        """query [rows, Hq, 1, D], sdpa_out [rows, 1, Hq, Dv] -> the kernel's output, same shape."""
+        out = self._kernel(module, query)
+        if self.step.check:
+            for i, row in enumerate(self.rows.tolist()):
+                exact = self._exact(module, query[i], int(self.lengths[i]), int(row))
+                self.agreements[row].add(out[i:i + 1], sdpa_out[i:i + 1], exact)
+        return out
+
+    def _kernel(self, module, query: torch.Tensor) -> torch.Tensor:
+        table, lens = self.block_table(), self.lengths
+        if not self.mla:
+            out, _ = self.ops.decode_attention(query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
+                                               self.k_scale, self.v_scale, module.scaling)
+            return out.unsqueeze(1)
+        nope, heads = module.qk_nope_head_dim, query.shape[1]
+        weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)
+        q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope.float(), weight[:, :nope].float()).to(query.dtype)
+        out_latent, _ = self.ops.mla_decode(q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
+                                            self.k_scale.reshape(()), module.scaling)
+        out = torch.einsum("bhc,hvc->bhv", out_latent.float(), weight[:, nope:].float()).to(query.dtype)
+        return out.view(query.shape[0], 1, heads, -1)
+
+    def _exact(self, module, query: torch.Tensor, length: int, row: int) -> torch.Tensor:
+        """fp64 attention of one row's query [Hq, 1, D] over the codes x scale it holds -> [1, 1, Hq, Dv]."""
+        first = row * self.pages_per_row
+
+        def rows_of(pages: torch.Tensor) -> torch.Tensor:
+            return pages[first:first + self.pages_per_row].flatten(0, 1)[:length].double()
+
+        if not self.mla:
+            k = (rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)).transpose(0, 1)  # [Hkv, L, D]
+            v = (rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)).transpose(0, 1)
+            group = query.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            weights = torch.softmax((query.double() @ k.transpose(-1, -2)) * module.scaling, dim=-1)
+            return (weights @ v).transpose(0, 1).unsqueeze(0)
+        cached = rows_of(self.pages[0]) * self.k_scale.double()
+        nope, heads = module.qk_nope_head_dim, query.shape[0]
+        weight = module.kv_b_proj.weight.double().view(heads, nope + module.v_head_dim, -1)
+        c, pe = cached[:, :weight.shape[-1]], cached[:, weight.shape[-1]:]
+        q = query[:, 0].double()
+        q_latent = torch.einsum("hn,hnc->hc", q[:, :nope], weight[:, :nope])
+        scores = (q_latent @ c.T + q[:, nope:] @ pe.T) * module.scaling
+        out = torch.einsum("hc,hvc->hv", torch.softmax(scores, dim=-1) @ c, weight[:, nope:])
+        return out.view(1, 1, heads, -1)
+
+
+@dataclass
+class StepState:
+    """What the current forward pass writes: which tokens are real, and whether kernels are checked."""
+
+    valid: torch.Tensor | None = None  # [rows, chunk]
+    check: bool = False
+
+
+class BatchedEngine:
+    """Batched greedy decoding and teacher-forced scoring for one `InProcessBackend` (model + KV path)."""
+
+    def __init__(self, backend, settings: BatchSettings = BatchSettings(),
+                 on_batch: Callable[[str, int], None] | None = None):
+        self.backend, self.settings = backend, settings
+        self.model = backend.owner.model
+        self.device = backend.owner.device
+        tokenizer = backend.owner.tokenizer
+        self.eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
+        self.on_batch = on_batch or (lambda kind, size: None)
+        self.batch_sizes_used: list[int] = []
+
+    # -- batching with OOM back-off -------------------------------------------------------------------
+    def _in_batches(self, items: list, run: Callable[[list], list], max_len: int) -> list:
+        size = self.settings.batch_size or auto_batch_size(self.model, self.device, max_len, len(items))
+        results: list = []
+        start = 0
+        while start < len(items):
+            chunk = items[start:start + size]
+            try:
+                results += run(chunk)
+            except torch.OutOfMemoryError:
+                if size == 1:
+                    raise
+                size = max(1, size // 2)
+                _free_cuda()
+                continue
+            self.batch_sizes_used.append(len(chunk))
+            start += len(chunk)
+        return results
+
+    # -- generation -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int) -> list[RowResult]:
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        items = list(zip([list(p) for p in prompts], limits))
+        longest = max((len(p) + n for p, n in items), default=0)
+        return self._in_batches(items, self._generate_batch, longest)
+
+    def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+        prompts, limits = [p for p, _ in items], [n for _, n in items]
+        rows = len(prompts)
+        ids, mask = left_pad(prompts, self.pad, self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step = StepState(valid=mask)
+        stats = RowWriteStats(rows, self.device, step)
+        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        if fp8_path:
+            _route_stats(cache, stats, self.device)
+        agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
+        outputs: list[list[int]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        live = list(range(rows))  # original row of each batch position
+        token = attention.active_cache.set(cache)
+        try:
+            logits = self._prefill(ids, mask, positions, cache, step)
+            for decode_step in range(max(limits, default=0)):
+                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+                finite, next_ids = [bool(f) for f in finite_and_next[0]], finite_and_next[1]
+                keep = []
+                for i, row in enumerate(live):
+                    if not finite[i]:
+                        finish[row] = "nonfinite_logits"
+                    elif next_ids[i] == self.eos:
+                        finish[row] = "eos"
+                    else:
+                        outputs[row].append(next_ids[i])
+                        if len(outputs[row]) >= limits[row]:
+                            finish[row] = "length"
+                        else:
+                            keep.append(i)
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    index = torch.tensor(keep, device=self.device)
+                    _select_rows(cache, index, stats, fp8_path)
+                    mask, positions = mask[index], positions[index]
+                    live = [live[i] for i in keep]
+                    next_ids = [next_ids[i] for i in keep]
+                mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+                positions = positions[:, -1:] + 1
+                step.valid = mask[:, -1:]
+                step.check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
+                step_ids = torch.tensor(next_ids, device=self.device).view(-1, 1)
+                logits = self._forward(step_ids, mask, positions, cache, step)
+        finally:
+            attention.active_cache.reset(token)
+        records = stats.row_records() if fp8_path else [None] * rows
+        if agreements is not None:
+            for record, agreement in zip(records, agreements):
+                record.update(agreement.as_record())
+        self.on_batch("generate", rows)
+        return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+
+    def _prefill(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
+        """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
+        the canaries and any batch under the budget): every token is still written before it is read."""
+        rows, length = ids.shape
+        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        logits = None
+        for begin in range(0, length, width):
+            end = min(length, begin + width)
+            step.valid = mask[:, begin:end]
+            logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
+        return logits
+
+    def _forward(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
+        """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> list | None:
+        if self.backend._kernel_reason() is not None:  # noqa: SLF001 - the backend's own rule
+            return None
+        kv_path, owner = self.backend.kv_path, self.backend.owner
+        agreements = [KernelAgreement() for _ in range(rows)]
+        fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
+        ops = kernel_ops()
+        for layer in cache.layers:
+            if hasattr(layer, "paged"):
+                layer.paged = BatchedPagedKV(fmt_dtype, layer.k_scale.float().to(self.device),
+                                             layer.v_scale.float().to(self.device), kv_path.saturate, owner.is_mla,
+                                             ops, agreements, step, -(-max_len // BLOCK_SIZE))
+        return agreements
+
+    # -- teacher-forced scoring -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probs [T, V] float32 (CPU) of each continuation given its prompt, as `score_sync` computes them:
+        prompt and continuation in two chunks (one token at a time for a `raw_prefill` path)."""
+        vocab = self.model.config.vocab_size
+        items = [(i, list(p), list(c)) for i, (p, c) in enumerate(zip(prompts, continuations)) if len(c)]
+        longest = max((len(p) + len(c) for _, p, c in items), default=0)
+        scored = dict(zip([i for i, _, _ in items], self._in_batches(items, self._score_batch, longest)))
+        return [scored.get(i, torch.zeros(0, vocab)) for i in range(len(prompts))]
+
+    def _score_batch(self, items: list) -> list[torch.Tensor]:
+        prompts, continuations = [p for _, p, _ in items], [c[:-1] for _, _, c in items]
+        rows = len(prompts)
+        ids, mask = left_pad(prompts, self.pad, self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step = StepState(valid=mask)
+        stats = RowWriteStats(rows, self.device, step)
+        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
+        if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
+            _route_stats(cache, stats, self.device)
+        kv_path = self.backend.kv_path
+        last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1:].float()
+        longest = max(len(c) for c in continuations)
+        cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
+        cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
+        chunks = [(0, longest)] if kv_path is None or kv_path.quantize_current_chunk else \
+            [(j, j + 1) for j in range(longest)]
+        rows_logits = [last]
+        for begin, end in chunks:
+            if end <= begin:
+                continue
+            mask = torch.cat([mask, cont_mask[:, begin:end]], dim=1)
+            step.valid = cont_mask[:, begin:end]
+            out = self.model(input_ids=cont_ids[:, begin:end], attention_mask=mask,
+                             position_ids=cont_positions[:, begin:end], past_key_values=cache, use_cache=True)
+            rows_logits.append(out.logits.float())
+        logits = torch.cat(rows_logits, dim=1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        self.on_batch("score", rows)
+        return [logprobs[r, :len(continuations[r]) + 1].cpu() for r in range(rows)]
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def left_pad(sequences: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, longest - len(s):] = torch.tensor(s)
+            mask[i, longest - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _route_stats(cache, stats: RowWriteStats, device) -> None:
+    """Quantised layers count per row (pads excluded) instead of into one `KVWriteStats`, and keep their
+    static scales on the device (same values; no host-to-device copy, hence no sync, per layer and step)."""
+    for layer in cache.layers:
+        if hasattr(layer, "kv_path"):
+            layer._count = _row_counter(layer, stats)  # noqa: SLF001 - per-instance override
+            layer.k_scale = layer.k_scale.to(device) if layer.k_scale is not None else None
+            layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
+
+
+def _row_counter(layer, stats: RowWriteStats):
+    def count(x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
+        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[layer.kv_path.fmt]
+        stats.count_rows(x, ratio, read_back)
+    return count
+
+
+def _select_rows(cache, index: torch.Tensor, stats: RowWriteStats, fp8_path: bool) -> None:
+    for layer in cache.layers:
+        layer.reorder_cache(index)
+        paged = getattr(layer, "paged", None)
+        if paged is not None:
+            paged.select(index)
+    if fp8_path:
+        stats.select(index)
+
+
+def _free_cuda() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of bf16 KV per token over all layers (MLA: latent + rope; an upper bound for hybrids)."""
+    layers = config.num_hidden_layers
+    if getattr(config, "kv_lora_rank", None):
+        return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return layers * 2 * config.num_key_value_heads * head_dim * 2
+
+
+def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> int:
+    """Sequences per batch from free GPU memory: half of it over one sequence's footprint (bf16 KV, the
+    FP8 paths' dequantised + paged copies, prefill activations, one row of logits); everything on CPU."""
+    if device.type != "cuda" or items == 0:
+        return max(1, items)
+    free, _ = torch.cuda.mem_get_info(device)
+    config = model.config
+    per_token = kv_bytes_per_token(config) * 2 + config.hidden_size * 2 * 12 + config.vocab_size * 4 // 64
+    per_sequence = max(1, max_len) * per_token + config.vocab_size * 8
+    return max(1, min(items, MAX_AUTO_BATCH, int(free * 0.5 // per_sequence)))

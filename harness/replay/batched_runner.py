@@ -1,0 +1,185 @@
+"""`Replay` with in-process backends computed in batches first, then written by the ordinary runner.
+
+Schedule (the same for the reference and every path, so the `bf16` path sees exactly the reference's batch
+composition and its noise floor stays exactly zero): turn by turn, the turn-t prompts of all scenarios form
+one wave, cut into batches in scenario order. The reference advances on its own replies; a candidate on the
+reference's (`reference-history`) or its own (`own-history`) replies, as `Replay` defines them. Teacher-forced
+scoring batches the same waves. `Replay` then runs unchanged over backends that answer from these results,
+so records, series and texts are built by one piece of code.
+
+The batch-invariance floor (one model's reference, the same prompts alone vs in their batch) is measured
+per model and returned for the manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import torch
+
+from harness.replay.batched import BatchedEngine, BatchSettings
+from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages
+from harness.scenarios.load import Scenario
+from harness.types import Generation, Message, Scores
+
+FLOOR_SEQUENCES = 4  # prompts of the first wave re-run alone to measure the batch-invariance floor
+
+
+class PrecomputedBackend:
+    """Answers `generate` / `score` from batched results; anything not precomputed runs one at a time."""
+
+    def __init__(self, inner, label: str):
+        self.inner, self.label = inner, label
+        self.generations: dict[tuple, Generation] = {}
+        self.scores: dict[tuple, Scores] = {}
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    def _prompt(self, messages: Sequence[Message]) -> tuple[int, ...]:
+        return tuple(self.inner.owner.encode_chat(messages))
+
+    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
+        found = self.generations.get((self._prompt(messages), max_new_tokens))
+        return found if found is not None else await self.inner.generate(messages, max_new_tokens)
+
+    async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+        found = self.scores.pop((self._prompt(messages), tuple(continuation_ids)), None)
+        return found if found is not None else await self.inner.score(messages, continuation_ids)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class BatchedReplay:
+    """One model's in-process replay in batches; `run` stores exactly what `Replay.run` would."""
+
+    def __init__(self, model: str, reference, candidates: Sequence, store, history_mode: str,
+                 settings: BatchSettings, on_unit_done=None):
+        self.model, self.store, self.history_mode, self.settings = model, store, history_mode, settings
+        self.reference = PrecomputedBackend(reference, reference.label)
+        self.candidates = [PrecomputedBackend(c, c.label) for c in candidates]
+        self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done)
+        self.batch_sizes: list[int] = []
+
+    def run(self, scenarios: Sequence[Scenario]) -> dict:
+        """Replay everything; returns what the manifest records about batching for this model."""
+        pending = [s for s in scenarios if not self._all_done(s)]
+        reference_replies = self._reference_waves(pending)
+        floor = self._batch_invariance(pending, reference_replies)
+        ref_scores = self._score_waves(self.reference, pending, reference_replies)
+        for candidate in self.candidates:
+            todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
+            self._candidate_waves(candidate, todo, reference_replies)
+            self._score_waves(candidate, todo, reference_replies, into=candidate)
+        self.reference.scores.update(ref_scores)  # Replay scores the reference once per (scenario, turn)
+        asyncio.run(self.replay.run(scenarios))
+        return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
+                "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
+                "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor}
+
+    def _all_done(self, scenario: Scenario) -> bool:
+        labels = [REFERENCE] + [c.label for c in self.candidates]
+        return all(self.store.is_done(self.model, scenario.id, label) for label in labels)
+
+    def _engine(self, backend: PrecomputedBackend, settings: BatchSettings | None = None) -> BatchedEngine:
+        return BatchedEngine(backend.inner, settings or self.settings,
+                             on_batch=lambda kind, size: self.batch_sizes.append(size))
+
+    # -- generation waves ---------------------------------------------------------------------------------
+    def _reference_waves(self, scenarios: Sequence[Scenario]) -> dict[str, list[TurnReply]]:
+        replies: dict[str, list[TurnReply]] = {}
+        fresh = []
+        for scenario in scenarios:
+            if self.store.is_done(self.model, scenario.id, REFERENCE):
+                replies[scenario.id] = self._stored_reference(scenario)
+            else:
+                replies[scenario.id] = []
+                fresh.append(scenario)
+        self._waves(self.reference, fresh, replies, lambda s, history: history)
+        return replies
+
+    def _candidate_waves(self, candidate: PrecomputedBackend, scenarios: Sequence[Scenario],
+                         reference: dict[str, list[TurnReply]]) -> None:
+        own: dict[str, list[TurnReply]] = {s.id: [] for s in scenarios}
+        if self.history_mode == "own-history":
+            self._waves(candidate, scenarios, own, lambda s, history: history)
+        else:
+            self._waves(candidate, scenarios, own, lambda s, history: reference[s.id])
+
+    def _waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+               replies: dict[str, list[TurnReply]], history_of) -> None:
+        """Turn by turn over `scenarios`: generate every non-fixed turn-t prompt in one batched call."""
+        engine = self._engine(backend)
+        tokenizer = backend.inner.owner.tokenizer
+        for turn in range(max((len(s.turns) for s in scenarios), default=0)):
+            wave = [s for s in scenarios if turn < len(s.turns)]
+            asked = []
+            for scenario in wave:
+                spec = scenario.turns[turn]
+                if spec.assistant is not None:
+                    replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
+                else:
+                    messages = _messages(scenario, history_of(scenario, replies[scenario.id]), turn)
+                    asked.append((scenario, tuple(backend.inner.owner.encode_chat(messages))))
+            if not asked:
+                continue
+            results = engine.generate([p for _, p in asked], [s.max_new_tokens for s, _ in asked])
+            for (scenario, prompt), result in zip(asked, results):
+                generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
+                                        finish_reason=result.finish_reason,
+                                        tokens=[tokenizer.decode([t]) for t in result.token_ids],
+                                        prompt_tokens=len(prompt), metrics=result.metrics)
+                backend.generations[(prompt, scenario.max_new_tokens)] = generation
+                replies[scenario.id].append(TurnReply(turn, scenario.turns[turn].user, generation.token_ids,
+                                                      generation.text, fixed=False))
+
+    def _stored_reference(self, scenario: Scenario) -> list[TurnReply]:
+        rows = [r for r in self.store.read("texts")
+                if r["model"] == self.model and r["scenario"] == scenario.id and r["path"] == REFERENCE]
+        return [TurnReply(r["turn"], r["user"], r["token_ids"], r["text"], r.get("fixed", False))
+                for r in sorted(rows, key=lambda r: r["turn"])]
+
+    # -- scoring waves ----------------------------------------------------------------------------------
+    def _score_waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+                     reference: dict[str, list[TurnReply]], into: PrecomputedBackend | None = None) -> dict:
+        engine = self._engine(backend)
+        scored: dict[tuple, Scores] = {}
+        for turn in range(max((len(s.turns) for s in scenarios), default=0)):
+            asked = []
+            for scenario in scenarios:
+                if turn < len(scenario.turns) and not reference[scenario.id][turn].fixed:
+                    messages = _messages(scenario, reference[scenario.id], turn)
+                    asked.append((tuple(backend.inner.owner.encode_chat(messages)),
+                                  tuple(reference[scenario.id][turn].token_ids)))
+            if asked:
+                for key, logprobs in zip(asked, engine.score([p for p, _ in asked], [c for _, c in asked])):
+                    scored[key] = Scores(logprobs=logprobs)
+        if into is not None:
+            into.scores.update(scored)
+        return scored
+
+    # -- batch-invariance floor ---------------------------------------------------------------------------
+    def _batch_invariance(self, scenarios: Sequence[Scenario], reference: dict[str, list[TurnReply]]) -> dict:
+        """The reference's first-turn replies scored alone vs in one batch: how much batching alone moves."""
+        asked = []
+        for scenario in scenarios:
+            first = next((r for r in reference.get(scenario.id, []) if not r.fixed and r.token_ids), None)
+            if first is not None:
+                messages = _messages(scenario, reference[scenario.id], first.turn)
+                asked.append((self.reference.inner.owner.encode_chat(messages), first.token_ids))
+        asked = asked[:max(FLOOR_SEQUENCES, 2)]
+        if len(asked) < 2:
+            return {"sequences": len(asked), "note": "fewer than 2 generated replies: not measured"}
+        prompts, targets = [p for p, _ in asked], [c for _, c in asked]
+        batched = self._engine(self.reference).score(prompts, targets)
+        alone_settings = BatchSettings(batch_size=1, kernel_check_every=self.settings.kernel_check_every)
+        alone = BatchedEngine(self.reference.inner, alone_settings).score(prompts, targets)
+        diffs = [(a - b).abs().max().item() for a, b in zip(alone, batched)]
+        kls = [torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1).mean().item()
+               for a, b in zip(alone, batched)]
+        argmax_same = sum(int((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(alone, batched))
+        return {"sequences": len(asked), "batch": len(asked), "max_abs_logprob_diff": max(diffs),
+                "kl_mean": sum(kls) / len(kls), "argmax_identical_sequences": argmax_same,
+                "how": "reference teacher-forced log-probs of first-turn replies, batch of all vs one at a time"}
