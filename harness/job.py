@@ -18,8 +18,8 @@ import torch
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import KVPath, parse_paths
 from harness.replay.runner import Replay
-from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.run_inputs import check_run_inputs
+from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
 from harness.scenarios.load import Scenario, load_scenarios
 from harness.types import Message
