@@ -84,12 +84,15 @@ def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
 
 
 def _endpoint_problems(config: RunConfig) -> list[str]:
+    from harness.job import candidate_labels  # job imports this module: a call-time import
     from harness.replay.endpoint import normalise_base_url
 
     problems = []
     urls = [("--reference", config.reference_url), ("--judge", config.judge_url)]
-    urls += [("--candidate", item.partition("=")[2] if "=" in item and "://" not in item.partition("=")[0]
-              else item) for item in config.candidate_urls]
+    try:
+        urls += [("--candidate", url) for _, url in candidate_labels(config.candidate_urls)]
+    except ValueError as error:
+        problems.append(str(error))
     for flag, url in urls:
         if url is None:
             continue

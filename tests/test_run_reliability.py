@@ -20,6 +20,7 @@ import pytest
 from harness.cli import main
 
 SMOKE = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+GQA_CANARY = Path(__file__).resolve().parent.parent / "harness" / "canary" / "weights" / "gqa"
 DEEP = "scenarios:\n  - id: deep\n    kind: chat\n    tags: " + "[" * 50_000 + "]" * 50_000 + "\n"
 
 
@@ -191,7 +192,10 @@ def test_bad_run_inputs_are_refused_before_any_work(tiny_models, tmp_path, capsy
     (["run", "--jobs", "-3"], "--jobs: must be at least 1"),
     (["serve", "--port", "99999"], "--port: must be 1..65535"),
 ])
-def test_bad_numbers_are_usage_errors(capsys, argv, message):
+def test_bad_numbers_are_usage_errors(tmp_path, capsys, argv, message):
+    if argv[0] == "run":  # the smallest run, should the number be accepted
+        argv = [*argv, "--model", str(GQA_CANARY), "--scenarios", str(SMOKE), "--paths", "bf16",
+                "--out", str(tmp_path / "run"), "--no-progress"]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
