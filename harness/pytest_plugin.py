@@ -7,8 +7,10 @@ repository the root conftest.py loads it. Items are collected only when the harn
 on the command line, so an ordinary `pytest` (testpaths = tests) never replays scenarios.
 
 Each model is replayed once per process, on its first item, over the selected scenarios and paths, into a part
-run; with `pytest -n N` (pytest-xdist) items are grouped by model (`--dist loadgroup`), one GPU per worker with
-`--gpu` when there are several. At session end the parts are merged into one stored run, its report written,
+run; with `pytest -n N` (pytest-xdist) each worker does the same for the models its items belong to, one GPU per
+worker with `--gpu` when there are several. Items are marked `xdist_group(model)` and `--dist load` becomes
+`loadgroup`, but in our tests workers still received items of the same model (the group suffix did not reach
+the nodeids), so a model may be replayed by two workers: the merge keeps one copy of identical rows. At session end the parts are merged into one stored run, its report written,
 and with `--baseline RUN` the compare report too; a regression fails the session (exit 1).
 """
 
@@ -62,6 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"  # one model per worker: each replays its models once
+    if hasattr(config, "workerinput"):
+        config.option.loadgroup = True  # xdist set up this worker from the original --dist load: tag the groups
     if not hasattr(config, "workerinput") and RUN_ENV not in os.environ:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         os.environ[RUN_ENV] = str(Path(config.getoption("report_dir")).resolve() / f"pytest-{stamp}-{uuid.uuid4().hex[:6]}")
@@ -144,8 +148,10 @@ class HarnessSession:
         for label, directory, paths in targets:
             for scenario in scenarios:
                 for path in paths:
-                    yield ScenarioItem.from_parent(parent, name=f"{label}::{scenario.id}::{path}", model=label,
-                                                   model_dir=directory, scenario=scenario.id, kv_path=path)
+                    item = ScenarioItem.from_parent(parent, name=f"{label}::{scenario.id}::{path}", model=label,
+                                                    model_dir=directory, scenario=scenario.id, kv_path=path)
+                    item.add_marker(pytest.mark.xdist_group(label))  # before xdist reads groups: one model, one worker
+                    yield item
 
     def select(self, items: list["ScenarioItem"]) -> None:
         for item in items:
@@ -153,7 +159,6 @@ class HarnessSession:
             for field, value in (("scenarios", item.scenario), ("paths", item.kv_path)):
                 if value not in chosen[field]:
                     chosen[field].append(value)
-            item.add_marker(pytest.mark.xdist_group(item.model))
 
     def device(self) -> str:
         if not self.config.getoption("gpu"):

@@ -207,3 +207,12 @@ def test_bad_threshold_is_refused_before_any_work(tmp_path, capsys):
 
 def test_threshold_values_are_finite():
     assert all(math.isfinite(t.fail) for t in DEFAULT_THRESHOLDS)
+
+
+def test_summary_leads_with_the_verdict_matrix():
+    from harness.runs.summary import format_summary
+
+    text = format_summary(ROOT / "tests" / "data" / "runs" / "baseline")
+    assert text.startswith("verdicts per path")
+    assert text.index("fp8_e4m3  ") < text.index("answer acc")
+    assert "FAIL" in text  # the stored baseline's default-scale path breaks in later turns

@@ -19,6 +19,7 @@ Precedence for one metric: a `--threshold` override, then the scenario file's th
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -227,8 +228,9 @@ def _scenario_checks(checks: Iterable[Mapping], sources: Mapping[str, str]) -> d
         key = (row["model"], row["scenario"], row["path"], row["turn"])
         if not row.get("passed", True):
             source = sources.get(row["scenario"], "scenario file")
+            message = re.sub(r"^turn \d+: ", "", row.get("message") or f"{row['metric']} beyond {row.get('limit')}")
             found[key].append(_reason("threshold", row["metric"], row.get("value"), row.get("limit"), source,
-                                      "fail", row.get("message") or f"{row['metric']} beyond {row.get('limit')}"))
+                                      "fail", message))
     return found
 
 
