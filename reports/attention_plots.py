@@ -48,6 +48,7 @@ def error_by_layer(rows: pd.DataFrame, out_dir: Path) -> dict | None:
     fig, ax = plt.subplots(figsize=(7.0, 3.6))
     for path in table.columns:
         ax.plot(table.index, table[path], marker="o", label=path)
+    ax.set_xticks(list(table.index))  # attention layers only (a hybrid's are not contiguous)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"mean {METRIC}")
     ax.set_yscale("symlog", linthresh=1e-4)

@@ -187,8 +187,12 @@ class Replay:
         returned as record values; the per-row and per-channel detail appended to `tables`."""
         if self.attention is None or not hasattr(backend, "attention_error"):
             return {}
-        measured = await backend.attention_error(_messages(scenario, reference, turn), reference[turn].token_ids,
-                                                 self.attention)
+        try:
+            measured = await backend.attention_error(_messages(scenario, reference, turn), reference[turn].token_ids,
+                                                     self.attention)
+        except Exception as error:  # noqa: BLE001 - named in errors.jsonl; the turn's other metrics stay
+            self._record_error(scenario, backend.label, turn, error)
+            return {}
         key = self._key(scenario, backend.label, turn)
         tables["attention"] += [{**key, "mode": self.attention.mode, **row} for row in measured.rows]
         tables["attention_channels"] += [{**key, **row} for row in measured.channels]

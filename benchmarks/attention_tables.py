@@ -1,0 +1,39 @@
+"""Print where a run's attention error is: mean attn_out_rel_err per layer and per context bucket, per path.
+
+    python benchmarks/attention_tables.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def tables(run_dir: Path) -> str:
+    rows = pd.DataFrame([json.loads(line) for line in (run_dir / "attention.jsonl").read_text().splitlines()])
+    rows["attn_out_rel_err"] = pd.to_numeric(rows["attn_out_rel_err"], errors="coerce")
+    out = [f"## {run_dir.name}: mean attn_out_rel_err by layer (rows: path)"]
+    out.append(rows.pivot_table(index="path", columns="layer", values="attn_out_rel_err", aggfunc="mean")
+               .to_string(float_format=lambda v: f"{v:.4f}"))
+    edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 20]
+    rows["context_bucket"] = pd.cut(rows["context"], edges, right=True).astype(str)
+    out.append(f"\n## {run_dir.name}: mean attn_out_rel_err by context length (keys attended)")
+    out.append(rows.pivot_table(index="path", columns="context_bucket", values="attn_out_rel_err", aggfunc="mean",
+                                sort=False).to_string(float_format=lambda v: f"{v:.4f}"))
+    channels = run_dir / "attention_channels.jsonl"
+    if channels.is_file():
+        ch = pd.DataFrame([json.loads(line) for line in channels.read_text().splitlines()])
+        if "clipped_channels" in ch:
+            out.append(f"\n## {run_dir.name}: channels above scale x fp8 max (max over turns)")
+            out.append(ch.pivot_table(index=["path", "tensor"], columns="layer", values="clipped_channels",
+                                      aggfunc="max").to_string())
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(tables(Path(arg)))
+        print()
