@@ -58,6 +58,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
+                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+    run.add_argument("--no-fail-on-verdict", action="store_true",
+                     help="exit 0 even when a path fails its verdict checks (default: exit 1)")
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
@@ -148,6 +152,7 @@ def _say(message: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.analysis.verdicts import parse_threshold_overrides
     from harness.runs.library_log import quiet_libraries
     from harness.runs.store import RunStoreError
     from harness.scenarios.load import ScenarioError
@@ -172,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         models = select_models(models, args.models or ())
+        parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
         config = job.RunConfig(
             models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
             paths=() if args.reference else job.parse_kv_paths(args.paths or job.DEFAULT_PATHS),
@@ -181,6 +187,7 @@ def _run(args: argparse.Namespace) -> int:
             candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            thresholds=tuple(args.threshold or ()),
             command=shlex.join(["harness", *sys.argv[1:]]))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
@@ -193,13 +200,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: finished work is stored; continue with "
               f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
-    _print_run_end(run_dir, time.perf_counter() - started, warnings)
-    return 0
+    failing = _print_run_end(run_dir, time.perf_counter() - started, warnings)
+    return 1 if failing and not args.no_fail_on_verdict else 0
 
 
-def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
+def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[tuple[str, str]]:
+    """Print the summary (verdict matrix first); return the (model, path) pairs that failed their verdicts."""
     from harness import job
     from harness.runs.store import RunStore
+    from harness.analysis.verdicts import failing_paths
     from harness.runs.summary import format_summary
 
     store = RunStore(run_dir)
@@ -217,6 +226,11 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> None:
         print(f"{len(errors)} unit(s) failed; see {run_dir / 'errors.jsonl'}; rerun with --resume to retry")
     print(f"run {manifest['status']} in {seconds:.1f} s: {run_dir}")
     print(f"report: {report}")
+    failing = failing_paths(manifest.get("verdicts") or {})
+    if failing:
+        print("VERDICT FAIL: " + ", ".join(f"{model} {path}" for model, path in failing)
+              + " (a path failed its checks; see verdicts.jsonl)")
+    return failing
 
 
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve}

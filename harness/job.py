@@ -18,6 +18,7 @@ import harness
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import Replay
+from harness.runs.gate import write_verdicts
 from harness.runs.store import RunStore, RunStoreError
 from harness.scenarios.load import Scenario, load_scenarios
 from harness.scenarios.select import select_scenarios
@@ -52,6 +53,8 @@ class RunConfig:
     concurrency: int = 8  # scenarios replayed at once against endpoints
     jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
     select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
+    thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
+    scenario_ids: tuple[str, ...] = ()  # replay only these scenarios of the files (empty: all); the pytest plugin
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -191,6 +194,7 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
         else:
             _replay_models(config, scenarios, calibration_chats, store, bar, warn)
         asyncio.run(_judge(config, scenarios, store))
+        write_verdicts(store, list(config.thresholds))
         _finish(store, "complete" if not store.read("errors") else "complete_with_errors")
     except KeyboardInterrupt:
         _finish(store, "interrupted")

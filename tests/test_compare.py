@@ -45,7 +45,9 @@ def wide_runs(tmp_path_factory, make_runs):
         "a": make_runs.write_run(root / "a", "a", scenarios, divergences={}),
         "noise": make_runs.write_run(root / "noise", "noise", scenarios, divergences={}, jitter=0.3, seed=3),
         "shifted": make_runs.write_run(root / "shifted", "shifted", scenarios, divergences={},
-                                       base_kl={cal: make_runs.PATHS[cal][2] * 1.6}),
+                                       base_kl={cal: make_runs.PATHS[cal][2] * 8}),
+        "nudged": make_runs.write_run(root / "nudged", "nudged", scenarios, divergences={},
+                                      base_kl={cal: make_runs.PATHS[cal][2] * 1.6}),
     }
 
 
@@ -99,6 +101,46 @@ def test_bootstrap_flags_a_systematic_shift(wide_runs):
     assert set(flagged.path) == {"fp8_e4m3:per_head:calibrated"}
     assert {"kl_mean", "kl_max"} <= set(flagged.metric)
     assert result.with_status("new failure").empty  # the interval alone caught it
+
+
+def test_a_shift_within_the_healthy_spread_is_not_a_regression(wide_runs):
+    """KL 0.004 -> 0.0064 per token: consistent, but smaller than healthy paths already differ by
+    (HEALTHY_SPREAD), so the tolerance keeps it from flagging."""
+    result = compare_runs(wide_runs["a"], wide_runs["nudged"], n_boot=N_BOOT)
+    kl = result.metrics.set_index(["path", "metric"]).loc[("fp8_e4m3:per_head:calibrated", "kl_mean")]
+    assert kl["delta"] > 0 and kl["tolerance"] >= 0.0108 and not kl["regressed"]
+
+
+def _only_paths(source: Path, target: Path, keep: set[str]) -> Path:
+    """A copy of a stored run holding only the reference and the `keep` paths (as a bf16-only baseline would)."""
+    target.mkdir()
+    for table in source.iterdir():
+        if table.suffix != ".jsonl":
+            (target / table.name).write_bytes(table.read_bytes())
+            continue
+        rows = [json.loads(line) for line in table.read_text().splitlines() if line.strip()]
+        kept = [r for r in rows if r.get("path") in keep | {"reference", None}]
+        (target / table.name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return target
+
+
+def test_a_path_new_in_b_is_judged_by_its_own_verdicts(tmp_path):
+    """A bf16-only baseline cannot hide a broken new path: B's fp8_e4m3 fails its verdicts -> regression."""
+    bf16_only = _only_paths(RUNS / "baseline", tmp_path / "bf16", {"bf16"})
+    result = compare_runs(bf16_only, RUNS / "baseline", n_boot=N_BOOT)
+    assert result.regressed and "fp8_e4m3" in result.new_paths
+    new = result.with_status("new failure")
+    assert set(new.path) == {"fp8_e4m3"}  # the healthy calibrated path is new too, and passes
+    assert "new in B (judged by its own verdicts)" in result.summary_line
+    healthy_only = _only_paths(RUNS / "baseline", tmp_path / "healthy", {"bf16", "fp8_e4m3:per_head:calibrated"})
+    assert not compare_runs(bf16_only, healthy_only, n_boot=N_BOOT).regressed
+
+
+def test_a_path_missing_from_b_is_a_regression(tmp_path):
+    bf16_only = _only_paths(RUNS / "baseline", tmp_path / "bf16", {"bf16"})
+    result = compare_runs(RUNS / "baseline", bf16_only, n_boot=N_BOOT)
+    assert result.regressed and set(result.missing_paths) == {"fp8_e4m3", "fp8_e4m3:per_head:calibrated"}
+    assert "not run in B" in result.summary_line
 
 
 def test_renamed_scenario_pairs_by_hash_and_missing_ones_are_listed(tmp_path, make_runs):

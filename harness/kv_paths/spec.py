@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2,fp8_e4m3:warmup"  # `harness run` without --paths
+# `harness run` without --paths: healthy paths only, so a default run exits 0 on a sound install. The known-bad
+# fp8_e4m3:warmup (scales from one dummy pass) is the README's demonstration of a failing path.
+DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2"
 
 FORMATS = {"bf16": "bf16", "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
 DIMENSIONS = {

@@ -3,14 +3,16 @@
 Records pair by (model, scenario_hash, path, turn, metric), so a renamed scenario file still pairs.
 A metric regresses for a (model, path) when the paired bootstrap confidence interval of its mean
 per-scenario delta lies wholly on the metric's bad side of a tolerance, or when a threshold is crossed.
-The tolerance is the larger of the noise floor (either manifest's `noise_floor` for that model and
-metric) and `rel_tol` times A's mean (default 1%: a change too small to matter is not a regression,
-even when it is consistent). The interval's level is Bonferroni-corrected over all the (model, path,
+The tolerance is the largest of the noise floor (either manifest's `noise_floor` for that model and
+metric), `rel_tol` times A's mean (default 1%) and the measured spread between healthy paths
+(`harness.analysis.verdicts.HEALTHY_SPREAD`): a change healthy paths already differ by is not a regression. The interval's level is Bonferroni-corrected over all the (model, path,
 metric) tests, so many paths and metrics do not raise a false alarm on noise alone. With few scenarios
 the interval is wide: a regression in one scenario out of three is flagged by what it breaks (a failed
-check, a crossed threshold), not by the interval. A case (one turn) fails when a task check is 0
-(`answer_correct`, `rules_followed`), a scenario threshold check failed in the run, or a threshold given
-here is crossed; failures new in B are regressions.
+check, a crossed threshold), not by the interval. A case (one turn) fails when its verdict in that run
+fails (`harness.analysis.verdicts`: the one meaning of failure the run, summary and report use) or a
+threshold given here is crossed; failures new in B are regressions. Compare never passes what it cannot
+see: a case only in B (a path new in B or renamed, a new scenario) is judged by B's own verdicts, and a
+path of A that B did not run is a regression (listed as missing).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import numpy as np
 import pandas as pd
 
 from harness.records import METRIC_DIRECTIONS
+from harness.analysis.verdicts import HEALTHY_SPREAD
+from harness.runs.gate import run_verdicts
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -40,7 +44,6 @@ from harness.runs.report import (
 )
 
 CASE = ["model", "scenario_hash", "path", "turn"]
-CHECKS = ("answer_correct", "rules_followed")
 MAX_SHOWN_CASES = 40  # regressed cases shown side by side; the tables list them all
 
 
@@ -160,7 +163,8 @@ def metric_table(pairs: pd.DataFrame, a: StoredRun, b: StoredRun, thresholds: li
     for (model, path, metric), group in groups:
         deltas = group["delta"].to_numpy(float)
         low, high = bootstrap_interval(deltas, n_boot, level, rng) if len(deltas) >= 2 else (math.nan, math.nan)
-        tolerance = max(noise_floor(a, b, model, metric), rel_tol * abs(group["value_a"].mean()))
+        tolerance = max(noise_floor(a, b, model, metric), rel_tol * abs(group["value_a"].mean()),
+                        HEALTHY_SPREAD.get(metric, 0.0))
         lower = metric_direction(metric) == "lower"
         beyond_bad = (low > tolerance) if lower else (high < -tolerance)
         beyond_good = (high < -tolerance) if lower else (low > tolerance)
@@ -182,8 +186,8 @@ def metric_table(pairs: pd.DataFrame, a: StoredRun, b: StoredRun, thresholds: li
 
 
 def case_failures(values: dict[str, float], thresholds: list[Threshold], other: dict[str, float] | None) -> list[str]:
-    """Why one turn fails: a task check of 0, an absolute threshold, or (B only) a delta threshold vs A."""
-    reasons = [f"{check} 0" for check in CHECKS if values.get(check) == 0]
+    """Why one turn crosses a threshold given here: absolute ones, or (B only) delta ones vs A."""
+    reasons = []
     for t in thresholds:
         if t.metric not in values or (t.relative and other is None):
             continue
@@ -193,30 +197,48 @@ def case_failures(values: dict[str, float], thresholds: list[Threshold], other: 
     return reasons
 
 
-def failed_checks_by_case(run: StoredRun) -> dict[tuple, list[str]]:
-    """The run's own failed scenario-threshold checks, keyed like CASE."""
+def verdict_failures(run: StoredRun) -> dict[tuple, list[str]]:
+    """The run's failing verdict reasons per case, keyed like CASE (scenario names mapped to their hash)."""
     hashes = {(m, s): h for m, s, h in run.records[["model", "scenario", "scenario_hash"]].itertuples(index=False)}
     out: dict[tuple, list[str]] = {}
-    for check in run.failed_checks():
-        key = (check["model"], hashes.get((check["model"], check["scenario"])), check["path"], check["turn"])
-        out.setdefault(key, []).append(f"check {check.get('message') or check.get('metric')}")
+    for row in run_verdicts(run.run_dir):
+        if row["verdict"] != "fail":
+            continue
+        key = (row["model"], hashes.get((row["model"], row["scenario"])), row["path"], row["turn"])
+        out[key] = [r["message"] for r in row["reasons"] if r["severity"] == "fail"]
     return out
 
 
-def case_table(pairs: pd.DataFrame, thresholds: list[Threshold], a_run: StoredRun, b_run: StoredRun) -> pd.DataFrame:
-    """One row per paired case: failure reasons in A and B, and new / fixed / unchanged failure / pass."""
-    rows, checks_a, checks_b = [], failed_checks_by_case(a_run), failed_checks_by_case(b_run)
+def case_table(pairs: pd.DataFrame, thresholds: list[Threshold], a_run: StoredRun, b_run: StoredRun,
+               unpaired: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per case: failure reasons in A and B, and new / fixed / unchanged failure / pass. Cases only in
+    B are judged by B's own verdicts (a failing one is a new failure); cases only in A are left to `missing`."""
+    rows, fails_a, fails_b = [], verdict_failures(a_run), verdict_failures(b_run)
     for key, group in pairs.groupby(CASE, sort=False):
         a = dict(zip(group["metric"], group["value_a"]))
         b = dict(zip(group["metric"], group["value_b"]))
-        fail_a = case_failures(a, [t for t in thresholds if not t.relative], None) + checks_a.get(key, [])
-        fail_b = case_failures(b, thresholds, a) + checks_b.get(key, [])
+        fail_a = fails_a.get(key, []) + case_failures(a, [t for t in thresholds if not t.relative], None)
+        fail_b = fails_b.get(key, []) + case_failures(b, thresholds, a)
         status = ("new failure" if fail_b and not fail_a else "fixed" if fail_a and not fail_b
                   else "unchanged failure" if fail_a else "pass")
         rows.append(dict(zip(CASE, key)) | {"scenario": group["scenario_b"].iloc[0],
                                             "fail_a": "; ".join(fail_a), "fail_b": "; ".join(fail_b),
                                             "status": status})
+    only_b = unpaired[unpaired["side"] == "only in B"] if unpaired is not None and len(unpaired) else []
+    for case in (only_b.to_dict("records") if len(only_b) else []):
+        key = tuple(case[c] for c in CASE)
+        fail_b = fails_b.get(key, [])
+        rows.append(dict(zip(CASE, key)) | {"scenario": case["scenario"], "fail_a": "", "fail_b": "; ".join(fail_b),
+                                            "status": "new failure" if fail_b else "pass"})
     return pd.DataFrame(rows, columns=CASE + ["scenario", "fail_a", "fail_b", "status"])
+
+
+def path_changes(a: StoredRun, b: StoredRun) -> tuple[list[str], list[str]]:
+    """(paths new in B, paths of A that B did not run), candidates only (the reference is always there)."""
+    def names(run: StoredRun) -> list[str]:
+        return [p for p in dict.fromkeys(run.records["path"]) if p != "reference"]
+    in_a, in_b = names(a), names(b)
+    return [p for p in in_b if p not in in_a], [p for p in in_a if p not in in_b]
 
 
 def worst_cases(pairs: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
@@ -246,6 +268,8 @@ class CompareResult:
     thresholds: list[Threshold] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # n_boot, seed, alpha, rel_tol: shown on the page
     report_path: Path | None = None
+    new_paths: list[str] = field(default_factory=list)  # in B only: judged by B's own verdicts
+    missing_paths: list[str] = field(default_factory=list)  # in A only: B cannot show they still pass
 
     @property
     def regressed_metrics(self) -> pd.DataFrame:
@@ -256,7 +280,7 @@ class CompareResult:
 
     @property
     def regressed(self) -> bool:
-        return bool(len(self.regressed_metrics) or len(self.with_status("new failure")))
+        return bool(len(self.regressed_metrics) or len(self.with_status("new failure")) or self.missing_paths)
 
     @property
     def summary_line(self) -> str:
@@ -273,7 +297,11 @@ class CompareResult:
                               for r in worse.head(3).itertuples())
             parts.append(f"{len(worse)} metric(s) worse beyond noise or threshold ({named}"
                          f"{', ...' if len(worse) > 3 else ''})")
+        if self.missing_paths:
+            parts.append(f"path(s) of A not run in B: {', '.join(self.missing_paths)}")
         head = "REGRESSION: " + "; ".join(parts) if parts else "OK: no regression beyond noise"
+        if self.new_paths:
+            head += f"; new in B (judged by its own verdicts): {', '.join(self.new_paths)}"
         return (f"{head}; {len(new)} new, {len(self.with_status('fixed'))} fixed, "
                 f"{len(self.with_status('unchanged failure'))} unchanged failure(s); {len(self.pairs)} paired records, "
                 f"{len(self.unpaired)} unpaired case(s) [A {self.run_a.run_id} -> B {self.run_b.run_id}]")
@@ -381,9 +409,11 @@ def compare_runs(run_a: Path | str, run_b: Path | str, out_dir: Path | str | Non
     a, b = load_run(run_a), load_run(run_b)
     parsed = parse_thresholds(thresholds)
     pairs, unpaired = pair_records(a, b)
+    new_paths, missing_paths = path_changes(a, b)
     result = CompareResult(a, b, pairs, metric_table(pairs, a, b, parsed, n_boot, seed, alpha, rel_tol),
-                           case_table(pairs, parsed, a, b), unpaired, parsed,
-                           {"n_boot": n_boot, "seed": seed, "alpha": alpha, "rel_tol": rel_tol})
+                           case_table(pairs, parsed, a, b, unpaired), unpaired, parsed,
+                           {"n_boot": n_boot, "seed": seed, "alpha": alpha, "rel_tol": rel_tol},
+                           new_paths=new_paths, missing_paths=missing_paths)
     if out_dir is not None:
         result.render(out_dir)
     return result

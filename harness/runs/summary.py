@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.runs.gate import run_matrix
 from harness.runs.store import RunStore
 
 COLUMNS = {  # metric -> (column title, aggregate over turns)
@@ -52,8 +53,42 @@ def summary_table(run_dir: Path) -> pd.DataFrame:
     return summary.sort_values(["model", "path"]).set_index(["model", "path"])
 
 
+def verdict_table(matrix: dict, order: list[str]) -> pd.DataFrame:
+    """Models x paths: pass/warn/fail turn counts, the path's verdict and its worst turn."""
+    rows = []
+    for model, paths in sorted(matrix.items()):
+        for path in sorted(paths, key=lambda p: (order.index(p) if p in order else len(order), p)):
+            cell = paths[path]
+            verdict = "FAIL" if cell["fail"] else "warn" if cell["warn"] else "pass"
+            worst = cell.get("worst_turn") or {}
+            where = (f"{worst['scenario']} turn {worst['turn']}: {worst.get('reason', '')}"
+                     if verdict != "pass" and worst else "")
+            rows.append({"model": model, "path": path, "verdict": verdict, "pass": cell["pass"],
+                         "warn": cell["warn"], "fail": cell["fail"], "worst turn": where})
+    return pd.DataFrame(rows).set_index(["model", "path"]) if rows else pd.DataFrame()
+
+
+def format_verdicts(verdicts: pd.DataFrame) -> str:
+    """The verdict matrix as left-aligned text: one line per model and path."""
+    table = verdicts.reset_index()
+    widths = {c: max(len(c), *(len(str(v)) for v in table[c])) for c in ("model", "path", "verdict")}
+    head = (f"{'model':<{widths['model']}}  {'path':<{widths['path']}}  {'verdict':<{widths['verdict']}}  "
+            f"{'pass':>4} {'warn':>4} {'fail':>4}  worst turn")
+    lines = ["verdicts per path, in turns (checks and thresholds: harness/analysis/verdicts.py)", head]
+    for r in table.itertuples(index=False):
+        lines.append(f"{r.model:<{widths['model']}}  {r.path:<{widths['path']}}  {r.verdict:<{widths['verdict']}}  "
+                     f"{r[3]:>4} {r[4]:>4} {r[5]:>4}  {r[6]}".rstrip())
+    return "\n".join(lines)
+
+
 def format_summary(run_dir: Path) -> str:
+    """The verdict matrix first (what may ship), then the numbers behind it."""
+    manifest = RunStore(Path(run_dir)).read_manifest()
+    order = [p["name"] for p in manifest.get("paths", [])]
+    verdicts = verdict_table(run_matrix(run_dir), order)
     summary = summary_table(run_dir)
-    if summary.empty:
-        return "(no records)"
-    return summary.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-")
+    parts = []
+    if not verdicts.empty:
+        parts.append(format_verdicts(verdicts))
+    parts.append("(no records)" if summary.empty else summary.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-"))
+    return "\n\n".join(parts)

@@ -29,14 +29,7 @@ def main() -> None:
     (OUT / "library.log").unlink(missing_ok=True)
     (OUT / ".lock").unlink(missing_ok=True)
     shutil.rmtree(OUT / "report", ignore_errors=True)  # rendered by the tests, not stored
-    if not (OUT / "verdicts.jsonl").exists():  # a harness without the verdict stage yet: the schema's stand-in
-        sys.path.insert(0, str(Path(__file__).parent))
-        from make_runs import verdict_rows
-
-        records = [json.loads(x) for x in (OUT / "records.jsonl").read_text().splitlines() if x.strip()]
-        checks = [json.loads(x) for x in (OUT / "checks.jsonl").read_text().splitlines() if x.strip()] \
-            if (OUT / "checks.jsonl").exists() else []
-        (OUT / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in verdict_rows(records, checks)))
+    assert (OUT / "verdicts.jsonl").exists(), "the run wrote no verdicts.jsonl"
     manifest = json.loads((OUT / "manifest.json").read_text())
     manifest["command"] = "harness run " + " ".join(ARGS)  # the real command, without this machine's paths
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
