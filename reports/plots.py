@@ -77,7 +77,8 @@ def outside_boxes(fig) -> list[str]:
 
 def _save(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
     fig.savefig(out_dir / name, dpi=DPI)
-    size = [int(round(v * DPI)) for v in fig.get_size_inches()]  # the PNG's pixels
+    header = (out_dir / name).read_bytes()[16:24]  # the PNG's IHDR: width, height (big-endian)
+    size = [int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")]
     outside = outside_boxes(fig)
     texts = sorted({t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip()})
     plt.close(fig)

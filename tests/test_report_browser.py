@@ -171,6 +171,16 @@ def test_compare_report(reports, watched):
     page.click("#metrics-table th:text-is('delta B − A')")
     deltas = [float(v) for v in column(page, "metrics-table", "delta B − A")]
     assert deltas == sorted(deltas)
+    # every plot: drawn at its declared size, with no label or legend box outside the image
+    figures = page.eval_on_selector_all("figure img", "els => els.map(e => [e.naturalWidth, e.naturalHeight, "
+                                        "e.getAttribute('width'), e.getAttribute('height'), "
+                                        "e.closest('figure').dataset.outside])")
+    assert len(figures) == 2 and all([str(w), str(h), "0"] == [dw, dh, out] for w, h, dw, dh, out in figures), figures
+    # few scenarios: an unsettled change says so, with its scenarios and the sample size that would decide
+    row = page.locator("#metrics-table tbody tr", has_text="kl_mean").first
+    assert "inconclusive (n=3)" in row.inner_text() and "scenarios at this spread would decide" in row.inner_text()
+    assert "recall-0001" in row.locator("td.evidence .worse").first.inner_text()
+    assert not page.locator("#settled-metrics").get_attribute("open") is not None  # the settled rows are folded
     watched.screenshot("compare.png")
     watched.check_clean()
 
