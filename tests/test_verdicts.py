@@ -157,9 +157,12 @@ def test_diagnosis_shows_the_first_divergent_token_in_both_texts():
     assert "first divergent token 3: reference 'The answer is[ 9]6' vs path 'The answer is[ 4]2'" in text
 
 
-def test_stored_run_without_verdicts_gets_them_on_the_fly():
-    run = ROOT / "tests" / "data" / "runs" / "baseline"
-    assert not (run / "verdicts.jsonl").exists()
+def test_stored_run_without_verdicts_gets_them_on_the_fly(tmp_path):
+    import shutil
+
+    # the test runs carry verdicts.jsonl as real runs do (tests/data/make_runs.py); remove it to get an old run
+    run = shutil.copytree(ROOT / "tests" / "data" / "runs" / "baseline", tmp_path / "old")
+    (run / "verdicts.jsonl").unlink()
     rows = run_verdicts(run)
     assert rows and {r["verdict"] for r in rows} <= {"pass", "warn", "fail"}
     assert set(run_matrix(run)) == {r["model"] for r in rows}
