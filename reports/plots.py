@@ -16,10 +16,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
 
 REFERENCE = "reference"
 DPI = 90
@@ -196,7 +196,7 @@ def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]
         ax.margins(x=0.08)
         ax.grid(alpha=0.3)
     _kl_axis(axes[0][0], joined["value_kl"])
-    handles, labels = {}, []
+    handles = {}
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)

@@ -257,7 +257,7 @@ def test_real_run_scenario_pages_show_the_judges_reasons(real_report, watched):
 def test_real_run_tables_hold_no_raw_json_and_fit_the_screen(real_report, watched):
     page = watched.open(real_report)
     cells = page.eval_on_selector_all("td", "tds => tds.map(t => t.innerText.trim())")
-    raw = [c for c in cells if re.match(r"^[\[{].*[\]}]$", c, re.S) or '{"' in c or '":' in c]
+    raw = [c for c in cells if re.match(r"^[\[{].*[\]}]$", c, re.DOTALL) or '{"' in c or '":' in c]
     assert raw == []
     last = page.locator("#summary-table thead th").last.bounding_box()
     assert last["x"] + last["width"] <= 1400  # the judge_rule column is not cut off

@@ -25,8 +25,8 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from harness.records import METRIC_DIRECTIONS
 from harness.analysis.verdicts import HEALTHY_SPREAD
+from harness.records import METRIC_DIRECTIONS
 from harness.runs.gate import run_verdicts
 from harness.runs.report import (
     StoredRun,

@@ -588,7 +588,7 @@ def readable(value) -> str:
     """A manifest value as text a reader scans: `key: value` pairs, lists joined, numbers formatted; no JSON."""
     if value is None:
         return "—"
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return str(value)
     if isinstance(value, (int, float)):
         return format_value(value)
