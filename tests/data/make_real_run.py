@@ -1,7 +1,7 @@
 """Write `tests/data/runs/real/` from an actual `harness run`, so the report's reader and the run's writer
 cannot drift apart (the synthetic runs of `make_runs.py` are checked against its file and column names).
 
-`python tests/data/make_real_run.py` (about a minute on 2 CPU cores): two bundled canaries (MLA and the
+`python tests/data/make_real_run.py` (3 to 6 minutes on 2 shared CPU cores): two bundled canaries (MLA and the
 hybrid), one scenario of each kind, the reference, bf16 and two FP8 paths, one of which (`fp8_e4m3:warmup`)
 breaks the hybrid. `library.log` is dropped (it names local paths); everything else is kept as written.
 """
