@@ -16,10 +16,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
 
 REFERENCE = "reference"
 DPI = 90
@@ -77,7 +77,8 @@ def outside_boxes(fig) -> list[str]:
 
 def _save(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
     fig.savefig(out_dir / name, dpi=DPI)
-    size = [int(round(v * DPI)) for v in fig.get_size_inches()]  # the PNG's pixels
+    header = (out_dir / name).read_bytes()[16:24]  # the PNG's IHDR: width, height (big-endian)
+    size = [int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")]
     outside = outside_boxes(fig)
     texts = sorted({t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip()})
     plt.close(fig)

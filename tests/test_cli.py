@@ -32,19 +32,21 @@ def test_missing_run_is_a_clear_error(tmp_path, capsys):
 
 # ---------------------------------------------------------------- issue 16: a CLI that selects, helps and stays quiet
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import re  # noqa: E402
-import tomllib  # noqa: E402
+import argparse
+import io
+import itertools
+import logging
+import re
+import tomllib
 
-import pytest  # noqa: E402
+import pytest
 
-import harness  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.kv_paths.spec import DEFAULT_PATHS  # noqa: E402
-from harness.runs.library_log import LOG_NAME, quiet_libraries  # noqa: E402
-from harness.scenarios.load import load_scenarios  # noqa: E402
-from harness.scenarios.select import select_models, select_scenarios  # noqa: E402
+import harness
+from harness import cli
+from harness.kv_paths.spec import DEFAULT_PATHS
+from harness.runs.library_log import LOG_NAME, quiet_libraries
+from harness.scenarios.load import load_scenarios
+from harness.scenarios.select import select_models, select_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY_SCENARIOS = ROOT / "scenarios" / "canary" / "default.yaml"
@@ -59,17 +61,17 @@ def test_version_matches_the_package(capsys):
 
 
 def all_actions(parser: argparse.ArgumentParser):
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps them there
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from ((f"{name} {a.dest}", a) for a in sub._actions)  # noqa: SLF001
+                yield from ((f"{name} {a.dest}", a) for a in sub._actions)
         else:
             yield action.dest, action
 
 
 def test_every_option_and_argument_has_help():
     missing = [name for name, action in all_actions(cli._build_parser())
-               if not action.help and not isinstance(action, argparse._SubParsersAction)]  # noqa: SLF001
+               if not action.help and not isinstance(action, argparse._SubParsersAction)]
     assert missing == []
 
 
@@ -161,7 +163,7 @@ def test_library_noise_goes_to_the_run_log_not_the_terminal(tmp_path, capsys, re
 def eta_swing(bar, costs: list[float]) -> float:
     """Largest relative jump of the predicted run length between two updates, units costing `costs` seconds."""
     clock = [0.0]
-    bar._time = lambda: clock[0]  # noqa: SLF001 - tqdm reads its clock here
+    bar._time = lambda: clock[0]
     bar.start_t = bar.last_print_t = 0.0
     etas = []
     for cost in costs:
@@ -172,7 +174,7 @@ def eta_swing(bar, costs: list[float]) -> float:
         etas.append((d["total"] - d["n"]) / rate + d["elapsed"])  # predicted total duration
     bar.close()
     settled = etas[len(costs) // 3:-1]  # once a third of the run is done
-    return max(abs(b / a - 1) for a, b in zip(settled, settled[1:]))  # largest jump between two updates
+    return max(abs(b / a - 1) for a, b in itertools.pairwise(settled))  # largest jump between two updates
 
 
 def test_eta_uses_the_average_rate_of_the_run(monkeypatch):
@@ -181,7 +183,7 @@ def test_eta_uses_the_average_rate_of_the_run(monkeypatch):
     # reference units generate only; path units generate and score; models differ ~2x (BENCHMARKS.md)
     # per model, scenario after scenario: a reference unit, then 5 path units (the last one, a broken path, ends early)
     costs = [c * scale for scale in (1.0, 2.2, 2.4) for _ in range(6) for c in (1.0, 2.0, 2.2, 2.3, 2.3, 0.9)]
-    monkeypatch.setattr(cli.sys, "stderr", open("/dev/null", "w"))
+    monkeypatch.setattr(cli.sys, "stderr", io.StringIO())
     ours = eta_swing(cli._progress(len(costs)), costs)
     default = eta_swing(tqdm(total=len(costs), file=cli.sys.stderr, mininterval=0), costs)
     assert ours < 0.1 and default > 3 * ours, (ours, default)  # the predicted run length holds steady

@@ -15,7 +15,14 @@ import pandas as pd
 import pytest
 
 from harness.runs import report
-from harness.runs.report import export_run, format_value, grade, load_run, render_run_report, summary_rows
+from harness.runs.report import (
+    export_run,
+    format_value,
+    grade,
+    load_run,
+    render_run_report,
+    summary_rows,
+)
 
 RUNS = Path(__file__).parent / "data" / "runs"
 assert (RUNS / "baseline" / "manifest.json").is_file(), (
@@ -63,7 +70,7 @@ def test_model_text_is_escaped(baseline_report):
 
 def test_only_the_reports_own_script_may_run(baseline_report):
     for name, text in pages(baseline_report).items():
-        scripts = re.findall(r"<script>(.*?)</script>", text, re.S)
+        scripts = re.findall(r"<script>(.*?)</script>", text, re.DOTALL)
         assert len(scripts) == 1, name
         digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
         assert f"script-src 'sha256-{digest}'" in html.unescape(text), name
@@ -147,14 +154,14 @@ def test_format_value(value, text):
 
 # ---------------------------------------------------------------- issue 16
 
-import json  # noqa: E402
-import math  # noqa: E402
+import json
+import math
 
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from harness.runs.compare import compare_runs, metric_rows  # noqa: E402
-from harness.runs.report import readable  # noqa: E402
-from reports import plots  # noqa: E402
+from harness.runs.compare import compare_runs, metric_rows
+from harness.runs.report import readable
+from reports import plots
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -171,6 +171,16 @@ def test_compare_report(reports, watched):
     page.click("#metrics-table th:text-is('delta B − A')")
     deltas = [float(v) for v in column(page, "metrics-table", "delta B − A")]
     assert deltas == sorted(deltas)
+    # every plot: drawn at its declared size, with no label or legend box outside the image
+    figures = page.eval_on_selector_all("figure img", "els => els.map(e => [e.naturalWidth, e.naturalHeight, "
+                                        "e.getAttribute('width'), e.getAttribute('height'), "
+                                        "e.closest('figure').dataset.outside])")
+    assert len(figures) == 2 and all([str(w), str(h), "0"] == [dw, dh, out] for w, h, dw, dh, out in figures), figures
+    # few scenarios: an unsettled change says so, with its scenarios and the sample size that would decide
+    row = page.locator("#metrics-table tbody tr", has_text="kl_mean").first
+    assert "inconclusive (n=3)" in row.inner_text() and "scenarios at this spread would decide" in row.inner_text()
+    assert "recall-0001" in row.locator("td.evidence .worse").first.inner_text()
+    assert not page.locator("#settled-metrics").get_attribute("open") is not None  # the settled rows are folded
     watched.screenshot("compare.png")
     watched.check_clean()
 
@@ -247,7 +257,7 @@ def test_real_run_scenario_pages_show_the_judges_reasons(real_report, watched):
 def test_real_run_tables_hold_no_raw_json_and_fit_the_screen(real_report, watched):
     page = watched.open(real_report)
     cells = page.eval_on_selector_all("td", "tds => tds.map(t => t.innerText.trim())")
-    raw = [c for c in cells if re.match(r"^[\[{].*[\]}]$", c, re.S) or '{"' in c or '":' in c]
+    raw = [c for c in cells if re.match(r"^[\[{].*[\]}]$", c, re.DOTALL) or '{"' in c or '":' in c]
     assert raw == []
     last = page.locator("#summary-table thead th").last.bounding_box()
     assert last["x"] + last["width"] <= 1400  # the judge_rule column is not cut off

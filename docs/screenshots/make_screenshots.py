@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from harness.runs.compare import compare_runs  # noqa: E402
-from harness.runs.report import render_run_report, scenario_page_name  # noqa: E402
+from harness.runs.compare import compare_runs
+from harness.runs.report import render_run_report, scenario_page_name
 
 RUNS = ROOT / "tests" / "data" / "runs"
 OUT = Path(__file__).resolve().parent

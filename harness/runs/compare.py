@@ -26,8 +26,8 @@ import numpy as np
 import pandas as pd
 
 from harness.analysis.verdicts import HEALTHY_SPREAD
-from harness.runs.gate import run_verdicts
 from harness.records import METRIC_DIRECTIONS
+from harness.runs.gate import run_verdicts
 from harness.runs.report import (
     StoredRun,
     environment,

@@ -588,7 +588,7 @@ def readable(value) -> str:
     """A manifest value as text a reader scans: `key: value` pairs, lists joined, numbers formatted; no JSON."""
     if value is None:
         return "—"
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return str(value)
     if isinstance(value, (int, float)):
         return format_value(value)
@@ -617,7 +617,8 @@ def manifest_view(manifest: dict) -> dict:
                            "detail": readable(rest)})
     noise = [{"model": m, "metric": k, "value": format_value(v), "zero": not v}
              for m, metrics in (manifest.get("noise_floor") or {}).items() for k, v in (metrics or {}).items()]
-    shown = {"paths", "scales", "noise_floor", "models", "scenario_files", "versions", "scenarios", "warnings"}
+    shown = {"paths", "scales", "noise_floor", "models", "scenario_files", "versions", "scenarios", "warnings",
+             "verdicts"}  # verdicts: the headline matrix
     fields = [(k, readable(v)) for k, v in manifest.items() if k not in shown]
     return {"scales": scales, "noise": noise, "noise_zero": all(n["zero"] for n in noise), "fields": fields,
             "paths": manifest.get("paths", []), "models": manifest.get("models", []),

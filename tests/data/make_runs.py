@@ -203,43 +203,10 @@ class RunWriter:
 
 
 def verdict_rows(records: list[dict], checks: list[dict]) -> list[dict]:
-    """verdicts.jsonl in the contract's schema (HELPERS.md, docs/CONTRACTS.md), when the verdict function
-    can run (harness.analysis.verdicts); until then a stand-in with the same schema: a task check the
-    reference passes and the path fails, a failed scenario threshold, or a diverged bf16 path fail."""
-    try:
-        from harness.analysis.verdicts import compute_verdicts
-    except ImportError:
-        compute_verdicts = None
-    if compute_verdicts is not None:
-        return compute_verdicts(records, checks)
-    values: dict[tuple, dict] = {}
-    for r in records:
-        values.setdefault((r["model"], r["scenario"], r["path"], r["turn"]), {})[r["metric"]] = r["value"]
-    failed = {(c["model"], c["scenario"], c["path"], c["turn"]): c for c in checks if c["passed"] is False}
-    rows = []
-    for key, own in sorted(values.items()):
-        model, scenario, path, turn = key
-        if path == "reference" or "kl_mean" not in own and "answer_correct" not in own:
-            continue
-        reference = values.get((model, scenario, "reference", turn), {})
-        reasons = [{"check": "task", "metric": m, "value": own[m], "limit": 1.0, "source": "reference passes",
-                    "severity": "fail", "message": f"{m} 0 where the reference scores 1"}
-                   for m in ("answer_correct", "rules_followed") if own.get(m) == 0 and reference.get(m) == 1]
-        if key in failed:
-            c = failed[key]
-            reasons.append({"check": "scenario", "metric": c["metric"], "value": c["value"], "limit": c["limit"],
-                            "source": "scenarios/test.yaml", "severity": "fail", "message": c["message"]})
-        if path == "bf16" and own.get("first_divergent_token") is not None:
-            reasons.append({"check": "bf16_identical", "metric": "first_divergent_token",
-                            "value": own["first_divergent_token"], "limit": None, "source": "failure class 3",
-                            "severity": "fail", "message": "a bf16 path diverged from the reference"})
-        if (own.get("kl_mean") or 0) > 0.05 and not reasons:
-            reasons.append({"check": "limit", "metric": "kl_mean", "value": own["kl_mean"], "limit": 0.05,
-                            "source": "default", "severity": "warn", "message": f"kl_mean {own['kl_mean']:.3g} > 0.05"})
-        verdict = "fail" if any(r["severity"] == "fail" for r in reasons) else "warn" if reasons else "pass"
-        rows.append({"model": model, "scenario": scenario, "path": path, "turn": turn, "verdict": verdict,
-                     "reasons": reasons})
-    return rows
+    """verdicts.jsonl as a run writes it: the one verdict function (harness.analysis.verdicts)."""
+    from harness.analysis.verdicts import compute_verdicts
+
+    return compute_verdicts(records, checks)
 
 
 def write_run(run_dir: Path, run_id: str, scenarios: list[Scenario] | None = None,
