@@ -227,7 +227,8 @@ def _zoo(args: argparse.Namespace) -> int:
     from harness import job
     from harness.zoo import run_zoo
 
-    out = args.out or job.new_run_dir().with_name(job.new_run_dir().name + "-zoo")
+    default = job.new_run_dir()
+    out = args.out or default.with_name(default.name + "-zoo")
     detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, job.resolve_device(args.device),
                         args.jobs, shlex.join(["harness", *sys.argv[1:]]))
     print(detection["markdown"])
