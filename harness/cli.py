@@ -133,6 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
     zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
+    zoo.add_argument("--stress", action="store_true", help="also the other stress variants (measured, not asserted)")
     scores = commands.add_parser("judge-scores", help="mean 1-5 judge score per model and path over a run's "
                                                       "multi-turn scenarios (markdown)")
     scores.add_argument("run", type=Path, metavar="RUN_DIR", help="a stored run directory (holds manifest.json)")
@@ -361,9 +362,10 @@ def _zoo(args: argparse.Namespace) -> int:
     from harness import job
     from harness.zoo import run_zoo
 
-    out = args.out or job.new_run_dir().with_name(job.new_run_dir().name + "-zoo")
+    default = job.new_run_dir()
+    out = args.out or default.with_name(default.name + "-zoo")
     detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, job.resolve_device(args.device),
-                        args.jobs, shlex.join(["harness", *sys.argv[1:]]))
+                        args.jobs, shlex.join(["harness", *sys.argv[1:]]), stress=args.stress)
     print(detection["markdown"])
     for case in detection["spec_cases"]:
         print(f"class 5 {'ok ' if case['ok'] else 'BAD'} {case['spec']} ({case['model'] or 'any model'}): {case['got']}")

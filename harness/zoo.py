@@ -31,8 +31,8 @@ class ZooEntry:
 
     def __post_init__(self) -> None:
         parse_path(self.path)  # a preset names a valid spec
-        if self.expect not in ("fail", "pass"):
-            raise ValueError(f"ZooEntry {self.label!r}: expect must be 'fail' or 'pass', got {self.expect!r}")
+        if self.expect not in ("fail", "pass", "measure"):
+            raise ValueError(f"ZooEntry {self.label!r}: expect must be 'fail', 'pass' or 'measure', got {self.expect!r}")
 
 
 FAULTS: tuple[ZooEntry, ...] = (
@@ -48,6 +48,18 @@ GPU_ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry("class 4: our Triton MLA FP8 kernel", "mla", "fp8_e4m3:calibrated:kernel=triton", "pass", gpu_only=True),
     ZooEntry("class 4: dequantise-everything workaround", "mla", "fp8_e4m3:calibrated:kernel=dequant", "pass",
              gpu_only=True),
+)
+# `harness zoo --stress`: the other stress variants, measured and shown, not asserted (nothing says what a
+# healthy path must do on a model built to be hard).
+STRESS_ENTRIES: tuple[ZooEntry, ...] = (
+    ZooEntry("stress: MLA latent 1024x smaller, scale 1.0", "stress/mla-latent-div1024", "fp8_e4m3", "measure",
+             "latent amax ~0.004: scale 1.0 puts it in e4m3's subnormals"),
+    ZooEntry("stress: MLA latent 1024x smaller, calibrated", "stress/mla-latent-div1024", "fp8_e4m3:calibrated",
+             "measure"),
+    ZooEntry("stress: outlier key pair, per-tensor calibrated", "stress/gqa-kout-1024", "fp8_e4m3:calibrated",
+             "measure", "one RoPE key pair 1024x larger sets the per-tensor scale"),
+    ZooEntry("stress: outlier key pair, per-head calibrated", "stress/gqa-kout-1024",
+             "fp8_e4m3:per_head:calibrated", "measure"),
 )
 HEALTHY_PATHS = ("bf16", "fp8_e4m3:calibrated")
 HEALTHY_MODELS = ("gqa", "mla", "hybrid", LATENT_VARIANT)
@@ -97,9 +109,10 @@ def _load(model: str):
     return InProcessModel.load(CANARY_WEIGHTS / model)
 
 
-def zoo_entries(device: str) -> list[ZooEntry]:
+def zoo_entries(device: str, stress: bool = False) -> list[ZooEntry]:
     healthy = [ZooEntry("healthy", model, path, "pass") for model in HEALTHY_MODELS for path in HEALTHY_PATHS]
-    return list(FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
+    return (list(FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
+            + (list(STRESS_ENTRIES) if stress else []))
 
 
 def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEntry], device: str = "cpu",
@@ -146,12 +159,12 @@ def write_detection(run_dir: Path, entries: list[ZooEntry], spec_results: list[d
 
 
 def run_zoo(out: Path, scenario_paths: tuple[Path, ...] | None = None, device: str = "cpu", jobs: int = 1,
-            command: str = "harness zoo", progress=None) -> dict:
+            command: str = "harness zoo", progress=None, stress: bool = False) -> dict:
     """Check the class-5 spec cases, run every preset and healthy path, store and return the detection."""
     loaded: dict = {}
     spec_results = [check_spec_case(case, loaded) for case in SPEC_CASES]
     loaded.clear()
-    entries = zoo_entries(device)
+    entries = zoo_entries(device, stress)
     scenarios = scenario_paths or (REPO_ROOT / "scenarios" / "canary" / "default.yaml",)
     config = zoo_config(out, tuple(scenarios), entries, device, jobs, command)
     run_dir = run_job(config, progress=progress)

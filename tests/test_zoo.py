@@ -123,3 +123,20 @@ def test_judge_score_table_means_over_multi_turn_scenarios(tmp_path):
     assert rows["reference"]["judge_agreement"] is None and rows["bf16"]["judge_agreement"] == 4.5
     assert judge_score_rows(tmp_path, multi_turn_only=False)[2]["turns"] == 3
     assert "| m | `fp8` | 1 | 2 | 2.50 | 2.50 |  |" in format_judge_scores(list(rows.values()))
+
+
+def test_zoo_entries_and_config():
+    """Every preset names a valid spec and an existing canary; the run gives each model only its own paths."""
+    from harness.zoo import STRESS_ENTRIES, zoo_config, zoo_entries
+
+    cpu, gpu, stress = zoo_entries("cpu"), zoo_entries("cuda"), zoo_entries("cpu", stress=True)
+    assert len(gpu) == len(cpu) + 2 and len(stress) == len(cpu) + len(STRESS_ENTRIES)
+    for entry in stress + gpu:
+        assert (CANARY_WEIGHTS / entry.model / "config.json").exists() or \
+            (CANARY_WEIGHTS / entry.model / "variant.json").exists()
+    config = zoo_config(Path("/tmp/unused"), (ZOO_SCENARIOS,), stress)
+    by_model = dict(config.paths_by_model)
+    assert by_model[str(CANARY_WEIGHTS / "gqa")] == ("bf16", "fp8_e4m3:calibrated")
+    assert "fp8_e4m3:warmup" in by_model[str(CANARY_WEIGHTS / "hybrid")]
+    assert "fp8_e4m3:warmup" not in by_model[str(CANARY_WEIGHTS / "mla")]
+    assert {p.name for p in config.paths} == {"bf16", *(e.path for e in stress)}

@@ -29,7 +29,7 @@ FAMILY_OF = {metric: family for family, metrics in FAMILIES.items() for metric i
 CHECK_FAMILY = {"degenerate": "rule judge", "task": "task checks", "divergence": "teacher-forced KL",
                 "nonfinite": "cache cast"}
 OTHER = "other"
-EXPECTATIONS = ("fail", "pass")
+EXPECTATIONS = ("fail", "pass", "measure")  # measure: a stress row, shown, never asserted
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class MatrixEntry:
     label: str  # e.g. "class 1: MLA latent, scale 1.0" or "healthy"
     model: str
     path: str
-    expect: str  # "fail" (a fault: some family must fail) | "pass" (healthy: none may)
+    expect: str  # "fail" (a fault: some family must fail) | "pass" (healthy: none may) | "measure" (stress)
 
     def __post_init__(self) -> None:
         if self.expect not in EXPECTATIONS:
@@ -58,6 +58,8 @@ class MatrixRow:
         """A fault caught, or a healthy path quiet (and, either way, measured at all)."""
         if self.turns == 0:
             return False
+        if self.entry.expect == "measure":
+            return True
         return self.failed_turns > 0 if self.entry.expect == "fail" else self.failed_turns == 0
 
     def as_dict(self) -> dict:
@@ -101,8 +103,8 @@ def format_matrix(rows: Sequence[MatrixRow]) -> str:
     lines = [head, "|" + "---|" * (len(families) + 5)]
     for row in rows:
         cells = [str(row.families.get(f, "")) or "." for f in families]
-        verdict = ("caught" if row.ok else "MISSED") if row.entry.expect == "fail" else \
-            ("quiet" if row.ok else "FALSE ALARM")
+        verdict = {"fail": "caught" if row.ok else "MISSED", "pass": "quiet" if row.ok else "FALSE ALARM",
+                   "measure": "measured"}[row.entry.expect]
         if row.turns == 0:
             verdict = "NOT RUN"
         lines.append(f"| {row.entry.label} | {row.entry.model} | `{row.entry.path}` | " + " | ".join(cells)
