@@ -20,6 +20,7 @@ def _key(row: dict) -> tuple:
     return row["model"], row["scenario"], row["path"], row["turn"], row.get("metric") or row.get("series")
 
 
+@pytest.mark.slow  # two whole runs: ~75 s each on the shared 2-core machine
 @pytest.mark.parametrize("history", ["reference-history", "own-history"])
 def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     common = ["--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3", "--no-progress",
