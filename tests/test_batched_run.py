@@ -55,3 +55,26 @@ def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     assert batching["largest_batch"] <= 3 and batching["kernel_check_every"] == 16
     assert batching["batch_invariance_floor"]["sequences"] >= 2
     assert "batching" not in json.loads((one / "manifest.json").read_text())
+
+
+@pytest.mark.slow  # one whole run: ~75 s on the shared 2-core machine
+def test_a_failing_batched_phase_falls_back_and_is_named(tiny_models, tmp_path, monkeypatch):
+    from harness.replay import batched
+
+    real = batched.BatchedEngine._generate_batch
+
+    def broken(self, items):
+        if self.backend.label == "fp8_e4m3":
+            raise RuntimeError("simulated kernel failure")
+        return real(self, items)
+
+    monkeypatch.setattr(batched.BatchedEngine, "_generate_batch", broken)
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3", "--no-progress",
+                 "--model", str(tiny_models["gqa"]), "--batch-size", "4"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert any("simulated kernel failure" in f for f in manifest["batching"]["gqa"]["one_at_a_time_fallbacks"])
+    assert any("ran one at a time" in w for w in manifest["warnings"])
+    paths = {r["path"] for r in _rows(out, "texts")}
+    assert paths == {"reference", "bf16", "fp8_e4m3"}  # nothing lost: the path ran one sequence at a time
