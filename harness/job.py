@@ -303,7 +303,13 @@ def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, 
     settings = BatchSettings(config.batch_size, config.kernel_check_every)
     replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
     batching = replay.run(scenarios)
-    store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, batching))
+
+    def edit(manifest: dict) -> None:
+        manifest.setdefault("batching", {})[label] = batching
+        for fallback in batching["one_at_a_time_fallbacks"]:
+            manifest["warnings"].append(f"model {label}: batched replay failed, ran one at a time: {fallback}")
+
+    store.edit_manifest(edit)
 
 
 def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar,

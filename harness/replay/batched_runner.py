@@ -66,18 +66,35 @@ class BatchedReplay:
     def run(self, scenarios: Sequence[Scenario]) -> dict:
         """Replay everything; returns what the manifest records about batching for this model."""
         pending = [s for s in scenarios if not self._all_done(s)]
-        reference_replies = self._reference_waves(pending)
-        floor = self._batch_invariance(pending, reference_replies)
-        ref_scores = self._score_waves(self.reference, pending, reference_replies)
-        for candidate in self.candidates:
-            todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
-            self._candidate_waves(candidate, todo, reference_replies)
-            self._score_waves(candidate, todo, reference_replies, into=candidate)
+        fallbacks: list[str] = []
+        reference_replies = self._guarded(fallbacks, REFERENCE, lambda: self._reference_waves(pending))
+        floor, ref_scores = {}, {}
+        if reference_replies is not None:
+            floor = self._guarded(fallbacks, "batch-invariance floor",
+                                  lambda: self._batch_invariance(pending, reference_replies)) or {}
+            ref_scores = self._guarded(fallbacks, f"{REFERENCE} scores",
+                                       lambda: self._score_waves(self.reference, pending, reference_replies)) or {}
+            for candidate in self.candidates:
+                todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
+                self._guarded(fallbacks, candidate.label, lambda: (
+                    self._candidate_waves(candidate, todo, reference_replies),
+                    self._score_waves(candidate, todo, reference_replies, into=candidate)))
         self.reference.scores.update(ref_scores)  # Replay scores the reference once per (scenario, turn)
         asyncio.run(self.replay.run(scenarios))
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
-                "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor}
+                "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor,
+                "one_at_a_time_fallbacks": fallbacks}
+
+    @staticmethod
+    def _guarded(fallbacks: list[str], what: str, work):
+        """Run one batched phase; if it fails, say so and let `Replay` compute what is missing one sequence at
+        a time (its own per-scenario error handling then records anything that still fails)."""
+        try:
+            return work()
+        except Exception as error:  # noqa: BLE001 - named in the manifest, the run goes on
+            fallbacks.append(f"{what}: {type(error).__name__}: {error}"[:300])
+            return None
 
     def _all_done(self, scenario: Scenario) -> bool:
         labels = [REFERENCE] + [c.label for c in self.candidates]
