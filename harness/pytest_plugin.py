@@ -44,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report-dir", metavar="DIR", default="runs", help="where the stored run goes (default: runs)")
     group.addoption("--baseline", metavar="RUN", help="stored run to compare with; a regression fails the session")
     group.addoption("--threshold", action="append", metavar="METRIC:LIMIT", help="verdict limit override (repeatable)")
+    group.addoption("--attention", choices=["isolated", "end-to-end"],
+                    help="also capture attention-score error (in-process models); a failure then names the worst "
+                         "layer and head")
 
 
 def pytest_load_initial_conftests(early_config, parser, args: list[str]) -> None:
@@ -183,9 +186,17 @@ class HarnessSession:
                 paths=paths, out=out, device=self.device(), reference_url=self.reference,
                 candidate_urls=self.candidates, judge_url=self.config.getoption("judge_endpoint"),
                 thresholds=self.thresholds, scenario_ids=tuple(chosen["scenarios"]),
-                command=shlex.join(["pytest", *self.config.invocation_params.args]))
+                attention=self._attention(), command=shlex.join(["pytest", *self.config.invocation_params.args]))
             job.run_job(config, warn=lambda message: print(message, file=sys.stderr))
         return self.parts[model]
+
+    def _attention(self):
+        mode = self.config.getoption("attention")
+        if mode is None:
+            return None
+        from harness.replay.attention import AttentionOptions
+
+        return AttentionOptions(mode=mode)  # harness run --attention's default sample: 8 heads x 16 rows
 
     def finish(self, session: pytest.Session) -> bool:
         """Merge the parts into one run, write its report (and compare); True when compare found a regression."""
@@ -244,9 +255,14 @@ class ScenarioItem(pytest.Item):
             raise VerdictFailure([f"{self.name}: no verdict: the unit produced nothing (see {part}/errors.jsonl)"])
         failing = [r for r in rows if r["verdict"] == "fail"]
         if failing:
-            texts = {(t["model"], t["scenario"], t["path"], t["turn"]): t for t in RunStore(part).read("texts")
+            store = RunStore(part)
+            texts = {(t["model"], t["scenario"], t["path"], t["turn"]): t for t in store.read("texts")
                      if t["model"] == self.model and t["scenario"] == self.scenario}
-            raise VerdictFailure([diagnosis(r, texts) for r in failing])
+            turn_metrics: dict[tuple, dict] = {}
+            for r in store.read("records"):
+                if (r["model"], r["scenario"], r["path"]) == (self.model, self.scenario, self.kv_path):
+                    turn_metrics.setdefault((r["model"], r["scenario"], r["path"], r["turn"]), {})[r["metric"]] = r["value"]
+            raise VerdictFailure([diagnosis(r, texts, turn_metrics) for r in failing])
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, VerdictFailure):

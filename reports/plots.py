@@ -284,8 +284,13 @@ def sensitivity_ranking(records: pd.DataFrame, out_dir: Path, verdicts: list[dic
                  "Paths ordered by failed turns, then by mean KL, the most sensitive at the top; colour = the path's verdict.")
 
 
+# The worst-row attention errors of each turn (harness/analysis/attention_error.py); the layer/head indices and
+# sample sizes beside them are not errors. The per-layer and per-head views are reports/attention_plots.py's.
+ATTENTION_ERROR_METRICS = ("attn_out_rel_err_max", "attn_kl_max", "attn_max_abs_dp_max", "attn_logit_err_max")
+
+
 def attention_error(records: pd.DataFrame, out_dir: Path) -> dict | None:
-    attn = records[records.metric.str.startswith("attn_") & (records.path != REFERENCE)]
+    attn = records[records.metric.isin(ATTENTION_ERROR_METRICS) & (records.path != REFERENCE)]
     if attn.empty:
         return None
     models = attn["model"].nunique()

@@ -158,6 +158,14 @@ def test_diagnosis_shows_the_first_divergent_token_in_both_texts():
     assert "first divergent token 3: reference 'The answer is[ 9]6' vs path 'The answer is[ 4]2'" in text
 
 
+def test_diagnosis_names_the_worst_attention_layer_and_head_when_captured():
+    row = only(compute_verdicts(healthy(kl_max=3.0)))
+    captured = {("m", "s1", "fp8_e4m3", 0): {"attn_worst_layer": 3.0, "attn_worst_head": 6.0,
+                                              "attn_worst_head_layer": 3.0, "attn_out_rel_err_max": 0.591}}
+    assert "worst attention error: layer 3, head 6 of layer 3 (attn_out_rel_err_max 0.591)" in diagnosis(row, {}, captured)
+    assert "worst attention" not in diagnosis(row, {})  # no capture, no claim
+
+
 def test_stored_run_without_verdicts_gets_them_on_the_fly(tmp_path):
     run = tmp_path / "baseline"  # a run stored before verdicts existed: no verdicts.jsonl
     shutil.copytree(ROOT / "tests" / "data" / "runs" / "baseline", run)

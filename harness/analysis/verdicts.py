@@ -355,12 +355,17 @@ def first_divergence(reference: Mapping | None, path: Mapping | None) -> str | N
             f"{_context(own_tokens, at)!r}")
 
 
-def diagnosis(row: Mapping, texts: Mapping[tuple, Mapping]) -> str:
-    """A verdict row as a diagnosis: the turn, each reason (metric, value, limit and its source), and the
-    first divergent token with both texts around it. `texts`: texts.jsonl rows keyed (model, scenario, path, turn)."""
+def diagnosis(row: Mapping, texts: Mapping[tuple, Mapping], turn_metrics: Mapping[tuple, Mapping] | None = None) -> str:
+    """A verdict row as a diagnosis: the turn, each reason (metric, value, limit and its source), the worst
+    attention layer and head where the run captured attention error, and the first divergent token with both
+    texts around it. `texts`: texts.jsonl rows keyed (model, scenario, path, turn); `turn_metrics`: that key ->
+    {metric: value} from records.jsonl."""
     key = (row["model"], row["scenario"], row["path"], row["turn"])
     lines = [f"{row['model']}::{row['scenario']}::{row['path']} turn {row['turn']}: {row['verdict'].upper()}"]
     lines += [f"  [{r['severity']}] {r['check']}: {r['message']}" for r in row["reasons"]]
+    worst = worst_attention((turn_metrics or {}).get(key) or {})
+    if worst:
+        lines.append(f"  {worst}")
     divergence = first_divergence(texts.get((*key[:2], REFERENCE, key[3])), texts.get(key))
     if divergence:
         lines.append(f"  {divergence}")
@@ -370,3 +375,14 @@ def diagnosis(row: Mapping, texts: Mapping[tuple, Mapping]) -> str:
         lines.append(f"  reference reply: {reference.get('text', '')[:160]!r}")
         lines.append(f"  path reply:      {own.get('text', '')[:160]!r}")
     return "\n".join(lines)
+
+
+def worst_attention(metrics: Mapping) -> str | None:
+    """Where a turn's attention error sits (harness/analysis/attention_error.py aggregates), or None."""
+    layer, head = metrics.get("attn_worst_layer"), metrics.get("attn_worst_head")
+    if layer is None:
+        return None
+    where = f"layer {int(layer)}" + (f", head {int(head)} of layer {int(metrics['attn_worst_head_layer'])}"
+                                     if head is not None and metrics.get("attn_worst_head_layer") is not None else "")
+    error = metrics.get("attn_out_rel_err_max")
+    return f"worst attention error: {where}" + (f" (attn_out_rel_err_max {error:.3g})" if error is not None else "")

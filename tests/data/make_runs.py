@@ -283,7 +283,7 @@ def write_divergence(writer: RunWriter, sc: Scenario, path: str, turn: int, ref_
         "ref_rank_mean": sum(series["ref_rank"]) / len(ref_tokens), "ref_rank_max": max(series["ref_rank"]),
     }
     if path != "bf16":
-        metrics["attn_out_rel_err"] = round(0.01 + 20 * metrics["kl_mean"] ** 0.5 * 0.01, 6)
+        metrics["attn_out_rel_err_max"] = round(0.01 + 20 * metrics["kl_mean"] ** 0.5 * 0.01, 6)
     for metric, value in metrics.items():
         writer.record(sc, path, turn, metric, None if value is None else round(float(value), 6))
     write_threshold_checks(writer, sc, path, turn)
