@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.canary.variants import VARIANT_FILE, VariantError, read_variant
 from harness.records import scrub_credentials
 
 if TYPE_CHECKING:
@@ -54,6 +55,12 @@ def _out_problems(out: Path, resume: bool) -> list[str]:
 def _model_problems(directory: Path) -> list[str]:
     if not directory.is_dir():
         return [f"--model {directory}: no such directory (a local transformers model directory)"]
+    if (directory / VARIANT_FILE).is_file():  # a stress variant: derived from its base canary at load time
+        try:
+            read_variant(directory)
+        except VariantError as error:
+            return [f"--model {directory}: {error}"]
+        return []
     config = directory / "config.json"
     if not config.is_file():
         return [f"--model {directory}: no config.json there; not a transformers model directory"]
