@@ -31,8 +31,12 @@ class InputError(ValueError):
 
 def check_run_inputs(config: RunConfig) -> None:
     problems = [*_out_problems(config.out, config.resume)]
-    for directory in config.models:
-        problems += _model_problems(Path(directory)) or _checkpoint_scale_problems(Path(directory), config.paths)
+    for directory in config.models:  # with --scales, :checkpoint paths read that file instead of the model's
+        problems += _model_problems(Path(directory)) or (
+            [] if config.scales_file else _checkpoint_scale_problems(Path(directory), config.paths))
+    if config.scales_file is not None and not Path(config.scales_file).is_file():
+        problems.append(f"--scales {config.scales_file}: no such file (k_scale/v_scale safetensors, or SGLang's "
+                        f"quantization-param JSON, as harness calibrate writes)")
     problems += _endpoint_problems(config)
     if config.jobs < 1:
         problems.append(f"--jobs {config.jobs}: must be at least 1")

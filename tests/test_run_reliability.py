@@ -269,3 +269,20 @@ def test_checkpoint_path_without_scales_is_refused_before_the_model_loads(tiny_m
     argv[argv.index("--paths") + 1] = "bf16,fp8_e4m3:checkpoint"
     assert main(argv) == 2
     assert "has no k_scale/v_scale tensors" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_scales_file_stands_in_for_checkpoint_scales_in_the_model_directory(tmp_path):
+    """`--scales FILE` (harness calibrate's output) feeds `:checkpoint` paths, so a model directory without
+    k_scale/v_scale is fine then; a missing FILE is refused up front, naming it."""
+    from harness.job import CANARY_WEIGHTS, RunConfig, parse_kv_paths
+    from harness.run_inputs import InputError, check_run_inputs
+
+    scales = tmp_path / "kv_scales.safetensors"
+    scales.write_bytes(b"")  # existence is what is checked up front; the loader reads the tensors later
+    model, paths = (CANARY_WEIGHTS / "gqa",), tuple(parse_kv_paths("bf16,fp8_e4m3:checkpoint"))
+    check_run_inputs(RunConfig(models=model, scenario_paths=(), paths=paths, out=tmp_path / "a", scales_file=scales))
+    with pytest.raises(InputError, match="no k_scale/v_scale"):
+        check_run_inputs(RunConfig(models=model, scenario_paths=(), paths=paths, out=tmp_path / "b"))
+    with pytest.raises(InputError, match="--scales .*missing.safetensors: no such file"):
+        check_run_inputs(RunConfig(models=model, scenario_paths=(), paths=paths, out=tmp_path / "c",
+                                   scales_file=tmp_path / "missing.safetensors"))
