@@ -17,7 +17,8 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-DPI = 90
+from reports.plots import save_figure  # noqa: E402
+
 METRIC = "attn_out_rel_err"
 
 
@@ -34,10 +35,9 @@ def _finite(frame: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 def _save(fig, out_dir: Path, name: str, title: str, caption: str) -> dict:
+    """Saved as every report figure is (reports/plots.py): with its pixel size and any box outside the image."""
     fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=DPI)
-    plt.close(fig)
-    return {"file": name, "title": title, "caption": caption}
+    return save_figure(fig, out_dir, name, title, caption)
 
 
 def error_by_layer(rows: pd.DataFrame, out_dir: Path) -> dict | None:

@@ -75,7 +75,7 @@ def outside_boxes(fig) -> list[str]:
     return found
 
 
-def _save(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
+def save_figure(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
     fig.savefig(out_dir / name, dpi=DPI)
     header = (out_dir / name).read_bytes()[16:24]  # the PNG's IHDR: width, height (big-endian)
     size = [int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")]
@@ -170,7 +170,7 @@ def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], l
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7.5, frameon=False)
         fig.suptitle(f"{model}: divergence against turn, per scenario kind", fontsize=10)
         fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(labels) / 3), 1, 0.95))
-        out.append(_save(fig, out_dir, f"divergence_vs_turn-{_slug(model)}.png", f"{model}: divergence against turn",
+        out.append(save_figure(fig, out_dir, f"divergence_vs_turn-{_slug(model)}.png", f"{model}: divergence against turn",
                          "Mean teacher-forced KL per turn over the scenarios of each kind; the dotted line is the "
                          "kl_mean limit. Red triangles: inf.", model=model))
     return out
@@ -203,7 +203,7 @@ def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7.5,
                frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(handles) / 3), 0.98, 1))
-    return _save(fig, out_dir, "divergence_vs_context.png", "Divergence against context length",
+    return save_figure(fig, out_dir, "divergence_vs_context.png", "Divergence against context length",
                  "Teacher-forced KL per turn against the context length the turn was generated at, per model.")
 
 
@@ -280,7 +280,7 @@ def sensitivity_ranking(records: pd.DataFrame, out_dir: Path, verdicts: list[dic
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False, title="verdict of the path",
                title_fontsize=8)
     fig.tight_layout(rect=(0, 0.1 + 0.6 / (len(table) + 3), 1, 1))
-    return _save(fig, out_dir, "sensitivity_ranking.png", "Sensitivity ranking of paths",
+    return save_figure(fig, out_dir, "sensitivity_ranking.png", "Sensitivity ranking of paths",
                  "Paths ordered by failed turns, then by mean KL, the most sensitive at the top; colour = the path's verdict.")
 
 
@@ -305,7 +305,7 @@ def attention_error(records: pd.DataFrame, out_dir: Path) -> dict | None:
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    return _save(fig, out_dir, "attention_error.png", "Attention error",
+    return save_figure(fig, out_dir, "attention_error.png", "Attention error",
                  "Largest attention error per path for each attn_ metric the run measured.")
 
 
@@ -357,7 +357,7 @@ def compare_by_turn(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list
                 Line2D([], [], color="#555", linestyle="-", label=f"B {labels[1]}")]
     fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=7.5, frameon=False)
     fig.tight_layout(rect=(0, 0.05 + 0.05 * math.ceil(len(handles) / 3), 1, 1))
-    return _save(fig, out_dir, "compare_by_turn.png", "kl_mean against turn, A dashed, B solid",
+    return save_figure(fig, out_dir, "compare_by_turn.png", "kl_mean against turn, A dashed, B solid",
                  "Mean over scenarios per turn; one panel per model, colour = path.")
 
 
@@ -379,4 +379,4 @@ def compare_sensitivity(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, labels:
                Line2D([], [], color="#1e6fd9", linewidth=8, label=f"B {labels[1]}")]
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.12 * 3 / (len(table) + 3), 1, 1))
-    return _save(fig, out_dir, "compare_sensitivity.png", "Mean KL per model and path, A and B", "")
+    return save_figure(fig, out_dir, "compare_sensitivity.png", "Mean KL per model and path, A and B", "")
