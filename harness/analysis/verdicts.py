@@ -48,7 +48,7 @@ class DefaultThreshold:
             raise ValueError(f"DefaultThreshold {self.metric!r}: need 0 <= warn < fail, got {self.warn}, {self.fail}")
 
 
-# THE table of default thresholds. Measured on `harness run --out /tmp/run-after` (default canary
+# THE table of default thresholds. Measured on a default `harness run` at commit 53e7c3c (default canary
 # scenarios x gqa/mla/hybrid canaries, CPU, reference-history): the healthy FP8 paths fp8_e4m3,
 # fp8_e4m3:per_head:calibrated and fp8_e5m2 over 189 turns (21 turns x 3 paths x 3 canaries); every one
 # of those turns gave the reference's answer, kept its rules and matched its reply token for token.
@@ -64,7 +64,7 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "canary-arith-2); warn = max + 30%, fail = 2.6x max rounded to 0.5 nats"),
 )
 # Compare's tolerance floor per metric (harness/runs/compare.py): how far apart equally healthy paths sit.
-# Measured on /tmp/run-after as above: for each canary, the mean of each metric over its 21 turns on each of
+# Measured on that same run: for each canary, the mean of each metric over its 21 turns on each of
 # the three healthy FP8 paths; the spread is max - min across those paths, and the value here the largest
 # spread over the three canaries (mla for every KL and log-prob metric). A change smaller than this is
 # within what healthy paths already differ by; a change that matters crosses a verdict threshold instead.
