@@ -8,9 +8,8 @@ on the command line, so an ordinary `pytest` (testpaths = tests) never replays s
 
 Each model is replayed once per process, on its first item, over the selected scenarios and paths, into a part
 run; with `pytest -n N` (pytest-xdist) each worker does the same for the models its items belong to, one GPU per
-worker with `--gpu` when there are several. Items are marked `xdist_group(model)` and `--dist load` becomes
-`loadgroup`, but in our tests workers still received items of the same model (the group suffix did not reach
-the nodeids), so a model may be replayed by two workers: the merge keeps one copy of identical rows. At session end the parts are merged into one stored run, its report written,
+worker with `--gpu` when there are several; the plugin's scheduler sends all items of a model to one worker, so
+each model is replayed once. At session end the parts are merged into one stored run, its report written,
 and with `--baseline RUN` the compare report too; a regression fails the session (exit 1).
 """
 
@@ -65,10 +64,6 @@ def pytest_configure(config: pytest.Config) -> None:
                         "(a GPU job that lost its GPU must not pass)", returncode=2)
     if not _harness_requested(config):
         return
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"  # one model per worker: each replays its models once
-    if hasattr(config, "workerinput"):
-        config.option.loadgroup = True  # xdist set up this worker from the original --dist load: tag the groups
     if not hasattr(config, "workerinput") and RUN_ENV not in os.environ:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         os.environ[RUN_ENV] = str(Path(config.getoption("report_dir")).resolve() / f"pytest-{stamp}-{uuid.uuid4().hex[:6]}")
@@ -91,6 +86,22 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector):
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if SESSION in config.stash:
         config.stash[SESSION].select([i for i in items if isinstance(i, ScenarioItem)])
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; never called without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `pytest harness -n N`, all items of one model go to one worker, which replays that model once.
+    (xdist's `xdist_group` marks cannot do it on pytest 9: its node-id suffix is no longer read back.)"""
+    if SESSION not in config.stash or config.getvalue("dist") not in ("load", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModelScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("::")  # .../harness::MODEL::SCENARIO::PATH; other tests keep their module scope
+            return f"model {parts[-3]}" if len(parts) >= 4 else super()._split_scope(nodeid)
+
+    return ModelScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -153,7 +164,6 @@ class HarnessSession:
                 for path in paths:
                     item = ScenarioItem.from_parent(parent, name=f"{label}::{scenario.id}::{path}", model=label,
                                                     model_dir=directory, scenario=scenario.id, kv_path=path)
-                    item.add_marker(pytest.mark.xdist_group(label))  # before xdist reads groups: one model, one worker
                     yield item
 
     def select(self, items: list["ScenarioItem"]) -> None:
