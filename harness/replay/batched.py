@@ -240,17 +240,23 @@ class BatchedEngine:
         longest = max((len(p) + n for p, n in items), default=0)
         return self._in_batches(items, self._generate_batch, longest)
 
-    def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
-        prompts, limits = [p for p, _ in items], [n for _, n in items]
-        rows = len(prompts)
+    def _start_batch(self, prompts: list[list[int]]):
+        """Left-padded ids, mask and positions of a batch, and a fresh cache of this path whose FP8 layers count
+        their write statistics per row: what generation and scoring both start from."""
         ids, mask = left_pad(prompts, self.pad, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         step = StepState(valid=mask)
-        stats = RowWriteStats(rows, self.device, step)
+        stats = RowWriteStats(len(prompts), self.device, step)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
-        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
-        if fp8_path:
+        if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
             _route_stats(cache, stats, self.device)
+        return ids, mask, positions, step, stats, cache
+
+    def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+        prompts, limits = [p for p, _ in items], [n for _, n in items]
+        rows = len(prompts)
+        ids, mask, positions, step, stats, cache = self._start_batch(prompts)
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
@@ -342,13 +348,7 @@ class BatchedEngine:
     def _score_batch(self, items: list) -> list[torch.Tensor]:
         prompts, continuations = [p for _, p, _ in items], [c[:-1] for _, _, c in items]
         rows = len(prompts)
-        ids, mask = left_pad(prompts, self.pad, self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        step = StepState(valid=mask)
-        stats = RowWriteStats(rows, self.device, step)
-        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
-        if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
-            _route_stats(cache, stats, self.device)
+        ids, mask, positions, step, _, cache = self._start_batch(prompts)
         kv_path = self.backend.kv_path
         last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, logits_to_keep=1).logits[:, -1:].float()
