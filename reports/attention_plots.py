@@ -58,7 +58,21 @@ def error_by_layer(rows: pd.DataFrame, out_dir: Path) -> dict | None:
                  "Mean relative error of the attention output per attention layer, every sampled head and row.")
 
 
+def series(rows: pd.DataFrame) -> pd.DataFrame:
+    """A decode kernel's rows (`attention` = `kernel:NAME`) become their own series, `PATH [kernel:NAME]`,
+    beside the path's torch rows (runs before kernel capture have no `attention` column: all torch)."""
+    if rows.empty or "attention" not in rows:
+        return rows
+    kernel = rows["attention"].fillna("torch") != "torch"
+    rows = rows.copy()
+    rows.loc[kernel, "path"] = rows.loc[kernel, "path"] + " [" + rows.loc[kernel, "attention"] + "]"
+    return rows
+
+
 def worst_path(rows: pd.DataFrame) -> str | None:
+    """The path whose torch rows have the largest mean error (a kernel series has no channel view)."""
+    if "attention" in rows:
+        rows = rows[rows["attention"].fillna("torch") == "torch"]
     data = _finite(rows, METRIC)
     return None if data.empty else str(data.groupby("path")[METRIC].mean().idxmax())
 
@@ -152,7 +166,7 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = worst_path(rows)
         channels = _read_jsonl(run_dir / "attention_channels.jsonl")
-        figures += [error_by_layer(rows, out_dir)]
+        figures += [error_by_layer(series(rows), out_dir)]
         if path is not None:
             figures += [layer_head_heatmap(rows, out_dir, path), error_vs_position(rows, out_dir, path),
                         channel_amax(channels, rows, out_dir, path)]

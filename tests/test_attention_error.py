@@ -92,6 +92,28 @@ def test_turn_summary_names_worst_layer_and_head():
     assert ae.growth_with_context(growing) == pytest.approx(1.0)
 
 
+def test_kernel_metrics_hand_computed():
+    # o_ref (3, 4), o_torch (3, 4.5), o_kernel (3, 5): |(0,1)|/|(3,4)| = 0.2 against the reference,
+    # |(0,0.5)|/|(3,4.5)| against torch; lse: logsumexp(0, ln 3) = ln 4, the kernel says ln 4 + 0.25
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf]], dtype=torch.float64)
+    m = ae.kernel_errors(torch.tensor([[3.0, 4.0]]), torch.tensor([[3.0, 4.5]]), torch.tensor([[3.0, 5.0]]),
+                         logits, torch.tensor([math.log(4.0) + 0.25]))
+    assert m["attn_out_rel_err"].item() == pytest.approx(0.2, rel=1e-15)
+    assert m["attn_kernel_vs_torch"].item() == pytest.approx(0.5 / math.hypot(3.0, 4.5), rel=1e-12)
+    assert m["attn_kernel_lse_err"].item() == pytest.approx(0.25, rel=1e-6)  # the lse was given in fp32
+    no_lse = ae.kernel_errors(torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2), logits, None)
+    assert set(no_lse) == {"attn_out_rel_err", "attn_kernel_vs_torch"} and no_lse["attn_kernel_vs_torch"].item() == 0.0
+    broken = ae.kernel_errors(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, float("nan")]]), logits, None)
+    assert broken["attn_out_rel_err"].item() == math.inf and broken["attn_kernel_vs_torch"].item() == math.inf
+    rows = [{"layer": 0, "attn_out_rel_err": e, "attn_kernel_vs_torch": v, "attn_kernel_lse_err": l}
+            for e, v, l in ((0.1, 0.01, 0.002), (0.3, 0.02, 0.001))]
+    s = ae.kernel_summary(rows)
+    assert s == {"attn_kernel_rows": 2.0, "attn_kernel_out_rel_err_max": 0.3,
+                 "attn_kernel_out_rel_err_mean": pytest.approx(0.2), "attn_kernel_vs_torch_max": 0.02,
+                 "attn_kernel_vs_torch_mean": pytest.approx(0.015), "attn_kernel_lse_err_max": 0.002}
+    assert ae.kernel_summary([]) == {}
+
+
 def test_sample_spread():
     assert spread(5, 8) == [0, 1, 2, 3, 4]
     assert spread(10, 3) == [0, 4, 9] or spread(10, 3) == [0, 5, 9]
@@ -103,12 +125,22 @@ def test_sample_spread():
 # ---------------------------------------------------------------- capture on models
 
 
-def _turn(model: InProcessModel, spec: str, mode: str, scales=None, text="Hello there, what is 7 * 8? " * 4):
+def _turn(model: InProcessModel, spec: str, mode: str, scales=None, text="Hello there, what is 7 * 8? " * 4,
+          kernel=None):
     prompt = model.encode_chat([Message("user", text)])
     continuation = [5 + (i * 7) % 60 for i in range(12)]  # any fixed token ids: teacher-forced
     path = parse_path(spec)
     return measure_turn(model.model, model.device, path, scales if scales is not None else model.scales_for(path),
-                        prompt, continuation, AttentionOptions(mode=mode, sample=CaptureSample(4, 6)))
+                        prompt, continuation, AttentionOptions(mode=mode, sample=CaptureSample(4, 6)), kernel=kernel)
+
+
+def _split(turn):
+    torch_rows = [r for r in turn.rows if r["attention"] == "torch"]
+    return torch_rows, [r for r in turn.rows if r["attention"] != "torch"]
+
+
+def _where(rows):
+    return [(r["layer"], r["head"], r["query_pos"]) for r in rows]
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
@@ -153,6 +185,93 @@ def test_isolated_error_of_a_layer_does_not_depend_on_earlier_layers(tiny_models
         layer1 = [r for r in a.rows if r["layer"] == 1]
         layer1_bad = [r for r in b.rows if r["layer"] == 1]
         assert (layer1 == layer1_bad) is same, mode
+
+
+# ---------------------------------------------------------------- the decode-kernel path
+
+
+def forgets_v_scale(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale):
+    """A plausible kernel bug: V read as raw codes (its scale never applied)."""
+    from kernels.reference import decode_attention
+
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, torch.ones_like(v_scale), sm_scale)
+
+
+# Bounds for a correct kernel against torch over the same stored codes. Both outputs are rounded to bf16
+# (2^-9 relative each) and torch reads K/V dequantised to bf16 (2^-9 relative per element): measured on these
+# tiny models, the reference kernel is within 4.6e-3 of torch (lse within 1.5e-3 nats); 1e-2 leaves 2x.
+KERNEL_VS_TORCH_MAX = 1e-2
+KERNEL_LSE_MAX = 1e-2
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_kernel_rows_run_beside_torch_on_the_same_codes(tiny_models, arch):
+    """The `reference` decode kernel (the plug-in contract, on CPU) on the sampled rows: every torch row gets
+    a kernel row, the torch rows are bit-identical to a capture without the kernel (it never enters the
+    model's flow), the kernel agrees with torch over the same codes to bf16 rounding, and its error against
+    the reference is the path's quantisation error (same size as torch's)."""
+    model = InProcessModel.load(tiny_models[arch])
+    spec = "fp8_e4m3:per_head:calibrated"
+    plain = _turn(model, spec, "isolated")
+    turn = _turn(model, spec, "isolated", kernel="reference")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == plain.rows and turn.sampled["kernel"] == "kernel:reference"
+    assert _where(kernel_rows) == _where(torch_rows) and {r["attention"] for r in kernel_rows} == {"kernel:reference"}
+    s = turn.summary
+    assert 0 < s["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX and s["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX
+    assert 0.5 < s["attn_kernel_out_rel_err_mean"] / s["attn_out_rel_err_mean"] < 2.0
+    assert s["attn_kernel_rows"] == len(kernel_rows)
+
+
+def test_kernel_rows_of_a_raw_prefill_path_are_its_one_token_calls(tiny_models):
+    """A raw_prefill prompt attends its own K/V unquantised, which no decode kernel reads: only the one-token
+    calls (the reply) get kernel rows; the torch rows stay those of a capture without the kernel."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:calibrated:raw_prefill"
+    plain = _turn(model, spec, "end-to-end")
+    turn = _turn(model, spec, "end-to-end", kernel="reference")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == plain.rows
+    first = min(r["query_pos"] for r in torch_rows)  # the prompt's last token, in the prompt chunk
+    assert _where(kernel_rows) == [w for w in _where(torch_rows) if w[2] > first] and kernel_rows
+    assert turn.summary["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX
+
+
+def test_a_broken_kernel_shows_in_its_rows_and_the_healthy_path_stays_quiet(tiny_models):
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:per_tensor:calibrated"
+    healthy = _turn(model, spec, "isolated", kernel="reference")
+    broken = _turn(model, spec, "isolated", kernel="test_attention_error:forgets_v_scale")
+    assert _split(broken)[0] == _split(healthy)[0]  # torch's rows (the quantisation error) do not move
+    assert healthy.summary["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX
+    assert broken.summary["attn_kernel_vs_torch_mean"] > 10  # calibrated v_scale << 1: codes >> values
+    assert broken.summary["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX  # V is not in the lse: the bug is after softmax
+
+
+def test_kernel_rows_need_the_models_kernel_and_skip_paths_it_does_not_run(tiny_models):
+    from harness.kv_paths.decode_kernels import KernelPluginError
+
+    mla = InProcessModel.load(tiny_models["mla"])
+    with pytest.raises(KernelPluginError, match="has no mla_decode"):
+        _turn(mla, "fp8_e4m3:calibrated", "isolated", kernel="test_attention_error:forgets_v_scale")
+    gqa = InProcessModel.load(tiny_models["gqa"])
+    with pytest.raises(KernelPluginError, match="needs a CUDA device"):
+        _turn(gqa, "fp8_e4m3:calibrated", "isolated", kernel="triton")
+    for spec in ("fp8_e4m3:per_token", "fp8_e4m3:calibrated:fp8_q"):
+        turn = _turn(gqa, spec, "isolated", kernel="reference")
+        assert not _split(turn)[1] and turn.sampled["kernel"].startswith("not measured"), spec
+
+
+def test_backend_measures_its_decode_kernel(tiny_models):
+    """The in-process backend hands capture the kernel its decode runs through: a `kernel=` path on the CPU
+    gets kernel rows; a plain FP8 path on the CPU (torch decode) gets none."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    messages = [Message("user", "Hello there, what is 7 * 8?")]
+    options = AttentionOptions(sample=CaptureSample(2, 3))
+    named = model.backend(parse_path("fp8_e4m3:kernel=reference"), "k").attention_error_sync(messages, [5, 6, 7], options)
+    plain = model.backend(parse_path("fp8_e4m3"), "p").attention_error_sync(messages, [5, 6, 7], options)
+    assert {r["attention"] for r in named.rows} == {"torch", "kernel:reference"}
+    assert {r["attention"] for r in plain.rows} == {"torch"} and "attn_kernel_rows" not in plain.summary
 
 
 # ---------------------------------------------------------------- scale files
@@ -282,3 +401,25 @@ def test_capture_on_cuda_matches_cpu_semantics(tiny_models, arch):
     on_gpu = _turn(cuda, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
     on_cpu = _turn(cpu, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
     assert on_gpu > 0 and 0.25 < on_gpu / on_cpu < 4.0, (on_gpu, on_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_triton_kernel_rows_on_cuda(tiny_models, arch):
+    """On CUDA our Triton decode kernels run on the sampled rows beside torch: the same rows as torch's,
+    within bf16 rounding of torch over the same codes (the reference kernel's bounds), an lse that agrees,
+    the path's quantisation error against the reference; and a run's default FP8 path (which decodes through
+    Triton on CUDA) is captured with them."""
+    cuda = InProcessModel.load(tiny_models[arch], device="cuda")
+    spec = "fp8_e4m3:per_head:calibrated"
+    turn = _turn(cuda, spec, "isolated", kernel="triton")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == _turn(cuda, spec, "isolated").rows
+    assert _where(kernel_rows) == _where(torch_rows) and {r["attention"] for r in kernel_rows} == {"kernel:triton"}
+    s = turn.summary
+    assert 0 < s["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX and s["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX
+    assert 0.5 < s["attn_kernel_out_rel_err_mean"] / s["attn_out_rel_err_mean"] < 2.0
+    messages = [Message("user", "Hello there, what is 7 * 8?")]
+    options = AttentionOptions(sample=CaptureSample(2, 3))
+    default = cuda.backend(parse_path(spec), "p").attention_error_sync(messages, [5, 6, 7], options)
+    assert {r["attention"] for r in default.rows} == {"torch", "kernel:triton"}
