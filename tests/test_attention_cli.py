@@ -94,6 +94,11 @@ def test_attention_command_stores_table_records_and_views(tiny_models, scenario_
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["attention"]["mode"] == "isolated" and manifest["attention"]["max_heads"] == 2
     assert (run / "attention" / "attention_heatmap.png").is_file()
+    assert (run / "attention" / "attention_by_key_position.png").is_file()
+    from harness.runs.summary import summary_table
+
+    columns = summary_table(run).columns
+    assert "attn out err max" in columns and "kernel attn vs torch" in columns
     assert (run / "report" / "attention_by_layer.png").is_file()
     assert "not written" not in printed  # the report renders the attention views with every other figure
     assert 'src="attention_by_layer.png"' in (run / "report" / "index.html").read_text()

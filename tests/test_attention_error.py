@@ -92,6 +92,18 @@ def test_turn_summary_names_worst_layer_and_head():
     assert ae.growth_with_context(growing) == pytest.approx(1.0)
 
 
+def test_mass_moved_by_key_position_by_hand():
+    # 6 keys: buckets [0], [1], [2, 3], [4, 5]; the last key masked. ref p = (.5, .1, .1, .1, .2, 0);
+    # path p = (.3, .1, .2, .1, .3, 0): |dp| = (.2, 0, .1, 0, .1) -> buckets (.2, 0, .1, .1)
+    assert ae.key_buckets(9).tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+    assert ae.key_bucket_labels(5) == ["0", "1", "2-3", "4-7", "8-15"]
+    ref = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2, 0.0]], dtype=torch.float64)
+    path = torch.tensor([[0.3, 0.1, 0.2, 0.1, 0.3, 0.7]], dtype=torch.float64)
+    valid = torch.tensor([[True] * 5 + [False]])
+    moved = ae.dp_by_key_position(ref, path, valid)
+    assert moved.tolist()[0] == pytest.approx([0.2, 0.0, 0.1, 0.1], abs=1e-15)
+
+
 def test_kernel_metrics_hand_computed():
     # o_ref (3, 4), o_torch (3, 4.5), o_kernel (3, 5): |(0,1)|/|(3,4)| = 0.2 against the reference,
     # |(0,0.5)|/|(3,4.5)| against torch; lse: logsumexp(0, ln 3) = ln 4, the kernel says ln 4 + 0.25
@@ -151,6 +163,7 @@ def test_bf16_path_shows_exactly_zero_attention_error(tiny_models, arch):
         assert turn.rows, "nothing captured"
         for name in ("attn_max_abs_dp", "attn_kl", "attn_out_rel_err", "attn_logit_err"):
             assert max(r[name] for r in turn.rows) == 0.0, (arch, mode, name)
+        assert all(set(r["attn_dp_by_key_pos"]) == {0.0} for r in turn.rows)
         assert min(r["attn_topk_overlap"] for r in turn.rows) == 1.0
 
 
@@ -159,6 +172,9 @@ def test_fp8_path_shows_nonzero_error_and_what_was_sampled(tiny_models, arch):
     model = InProcessModel.load(tiny_models[arch])
     turn = _turn(model, "fp8_e4m3:per_head:calibrated", "isolated")
     assert max(r["attn_out_rel_err"] for r in turn.rows) > 0
+    for r in turn.rows:  # one bucket per key-position octave up to the query's own position; they sum to the L1
+        assert len(r["attn_dp_by_key_pos"]) == r["query_pos"].bit_length() + 1
+        assert max(r["attn_dp_by_key_pos"]) <= 2 * r["attn_max_abs_dp"] * r["context"] + 1e-12
     assert turn.summary["attn_heads_sampled"] == 4.0 and turn.summary["attn_rows_sampled"] == 6.0
     layers = {r["layer"] for r in turn.rows}
     assert layers == set(turn.sampled["layers"])
@@ -221,6 +237,16 @@ def test_kernel_rows_run_beside_torch_on_the_same_codes(tiny_models, arch):
     assert 0 < s["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX and s["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX
     assert 0.5 < s["attn_kernel_out_rel_err_mean"] / s["attn_out_rel_err_mean"] < 2.0
     assert s["attn_kernel_rows"] == len(kernel_rows)
+
+
+def test_compare_in_small_batches_gives_the_same_rows(tiny_models, monkeypatch):
+    """Rows are compared in batches bounded by COMPARE_ELEMENTS (memory); the batch size never changes a row."""
+    from harness.replay import attention
+
+    model = InProcessModel.load(tiny_models["gqa"])
+    whole = _turn(model, "fp8_e4m3:calibrated", "isolated", kernel="reference")
+    monkeypatch.setattr(attention, "COMPARE_ELEMENTS", 1)  # one layer call per batch
+    assert _turn(model, "fp8_e4m3:calibrated", "isolated", kernel="reference").rows == whole.rows
 
 
 def test_kernel_rows_of_a_raw_prefill_path_are_its_one_token_calls(tiny_models):

@@ -15,6 +15,12 @@ Per attention row (one layer, head and query position; keys 0..pos are valid, la
 All in float64 whatever the inputs. A NaN anywhere in a path row makes every metric of that row its worst
 value (inf, 1.0 for |dp|, 0 overlap).
 
+Against key position, per row (`dp_by_key_position`):
+    attn_dp_by_key_pos     [sum of |p_path[j] - p_ref[j]| over keys j in bucket b, for b = 0..bucket(pos)]
+                           with buckets by absolute key position: [0], [1], [2, 3], [4, 7], ... (bucket(j) =
+                           0 for j = 0, else floor(log2 j) + 1): where in the context the attention mass moved
+                           (an attention sink at key 0, or the most recent keys of a long context).
+
 A decode kernel exposes its output and its log-sum-exp, not its probabilities, so its rows (`attention` =
 `kernel:<name>` in the tidy table) carry output metrics only (`kernel_errors`):
     attn_out_rel_err       ||o_kernel - o_ref|| / ||o_ref||: the path's total error through the kernel
@@ -104,6 +110,26 @@ def _check_shapes(ref_logits, path_logits, ref_probs, path_probs, ref_out, path_
     if tuple(ref_out.shape) != tuple(path_out.shape) or ref_out.shape[0] != shape[0]:
         raise ValueError(f"ref_out {tuple(ref_out.shape)} and path_out {tuple(path_out.shape)} must both be "
                          f"[{shape[0]}, Dv]")
+
+
+def key_buckets(length: int, device=None) -> torch.Tensor:
+    """Bucket index of each key position 0..length-1: 0 for key 0, else floor(log2 j) + 1."""
+    keys = torch.arange(length, device=device)
+    return torch.where(keys == 0, 0, torch.floor(torch.log2(keys.clamp_min(1).double())).long() + 1)
+
+
+def key_bucket_labels(count: int) -> list[str]:
+    """Labels of the first `count` key-position buckets: "0", "1", "2-3", "4-7", ..."""
+    return ["0", "1"][:count] + [f"{2 ** (b - 1)}-{2 ** b - 1}" for b in range(2, count)]
+
+
+def dp_by_key_position(ref_probs: torch.Tensor, path_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, buckets] L1 probability mass moved per key-position bucket (`key_buckets`), float64."""
+    length = ref_probs.shape[-1]
+    buckets = key_buckets(length, ref_probs.device)
+    dp = torch.where(valid, (path_probs.double() - ref_probs.double()).abs(), 0.0)
+    out = torch.zeros(dp.shape[0], int(buckets[-1]) + 1 if length else 0, dtype=torch.float64, device=dp.device)
+    return out.index_add_(1, buckets, dp)
 
 
 KERNEL_METRICS = ("attn_out_rel_err", "attn_kernel_vs_torch", "attn_kernel_lse_err")

@@ -29,6 +29,9 @@ from harness.kv_paths.spec import KVPath
 from kernels.reference import FP8_MAX
 
 MODES = ("isolated", "end-to-end")
+# Row elements (rows x keys) compared in one batch: the fp64 temporaries of `row_errors` stay near 32 MiB each
+# (the 8B-shaped benchmark at 8k context: 4 layers a batch, 8 batches a turn).
+COMPARE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,26 +212,44 @@ def compare_rows(ref: dict[int, list[LayerRows]], path: dict[int, list[LayerRows
     torch_rows: list[dict] = []
     kernel_rows: list[dict] = []
     for (hs, r, length), members in groups.items():
-        def cat(pick, width):
-            return torch.cat([pick(m).reshape(hs * r, width) for m in members])
-
-        lr, lp = cat(lambda m: m[1].logits, length), cat(lambda m: m[2].logits, length)
-        pr, pp = cat(lambda m: m[1].probabilities(), length), cat(lambda m: m[2].probabilities(), length)
-        o_ref, o_path = cat(lambda m: m[1].out, -1), cat(lambda m: m[2].out, -1)
-        metrics = ae.row_errors(lr, lp, pr, pp, o_ref, o_path, lr > -math.inf, top_k)
-        torch_rows += _tidy(members, hs, r, ae.ROW_METRICS, metrics, "torch")
-        measured = [m for m in members if m[2].kernel_out is not None]
-        if kernel_label is None or not measured:
-            continue
-        keep = torch.tensor([i for i, m in enumerate(members) if m[2].kernel_out is not None], device=lr.device)
-        rows = (torch.arange(hs * r, device=lr.device) + keep.unsqueeze(1) * (hs * r)).reshape(-1)
-        lses = [m[2].kernel_lse for m in measured]
-        lse = None if any(x is None for x in lses) else torch.cat([x.reshape(-1) for x in lses])
-        kernel = ae.kernel_errors(o_ref.index_select(0, rows), o_path.index_select(0, rows),
-                                  torch.cat([m[2].kernel_out.reshape(hs * r, -1) for m in measured]),
-                                  lp.index_select(0, rows), lse)
-        kernel_rows += _tidy(measured, hs, r, tuple(kernel), kernel, kernel_label)
+        per_batch = max(1, COMPARE_ELEMENTS // (hs * r * length))
+        for start in range(0, len(members), per_batch):
+            batch = members[start:start + per_batch]
+            torch_part, kernel_part = _compare_batch(batch, hs, r, length, top_k, kernel_label)
+            torch_rows += torch_part
+            kernel_rows += kernel_part
     return torch_rows, kernel_rows
+
+
+def _compare_batch(members, hs: int, r: int, length: int, top_k: int,
+                   kernel_label: str | None) -> tuple[list[dict], list[dict]]:
+    def cat(pick, width):
+        return torch.cat([pick(m).reshape(hs * r, width) for m in members])
+
+    lr, lp = cat(lambda m: m[1].logits, length), cat(lambda m: m[2].logits, length)
+    pr, pp = cat(lambda m: m[1].probabilities(), length), cat(lambda m: m[2].probabilities(), length)
+    o_ref, o_path = cat(lambda m: m[1].out, -1), cat(lambda m: m[2].out, -1)
+    valid = lr > -math.inf
+    metrics = ae.row_errors(lr, lp, pr, pp, o_ref, o_path, valid, top_k)
+    torch_rows = _tidy(members, hs, r, ae.ROW_METRICS, metrics, "torch")
+    by_key = ae.dp_by_key_position(pr, pp, valid).cpu().tolist()
+    for row, moved in zip(torch_rows, by_key):
+        row["attn_dp_by_key_pos"] = moved[: _bucket(row["query_pos"]) + 1]
+    measured = [m for m in members if m[2].kernel_out is not None]
+    if kernel_label is None or not measured:
+        return torch_rows, []
+    keep = torch.tensor([i for i, m in enumerate(members) if m[2].kernel_out is not None], device=lr.device)
+    rows = (torch.arange(hs * r, device=lr.device) + keep.unsqueeze(1) * (hs * r)).reshape(-1)
+    lses = [m[2].kernel_lse for m in measured]
+    lse = None if any(x is None for x in lses) else torch.cat([x.reshape(-1) for x in lses])
+    kernel = ae.kernel_errors(o_ref.index_select(0, rows), o_path.index_select(0, rows),
+                              torch.cat([m[2].kernel_out.reshape(hs * r, -1) for m in measured]),
+                              lp.index_select(0, rows), lse)
+    return torch_rows, _tidy(measured, hs, r, tuple(kernel), kernel, kernel_label)
+
+
+def _bucket(position: int) -> int:
+    return 0 if position == 0 else position.bit_length()  # floor(log2 p) + 1, as ae.key_buckets
 
 
 def _tidy(members, hs: int, r: int, names: tuple[str, ...], metrics: dict, label: str) -> list[dict]:
