@@ -98,8 +98,12 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     path = CaptureSession(model, heads, positions, replace_outputs=reference.outputs if isolated else None,
                           prob_transform=prob_transform, kernel=kernel_rows,
                           kernel_every_call=kv_path.quantize_current_chunk)
-    with path.attached():
-        _run_chunks(model, device, chunks, path_cache)
+    try:
+        with path.attached():
+            _run_chunks(model, device, chunks, path_cache)
+    finally:  # the writing wrapper refers to its layer: drop it, or the cache lives on until a full GC
+        for layer in path_cache.layers:
+            vars(layer).pop("update", None)
     reference.outputs.clear()
     label = f"kernel:{kernel}" if kernel_rows is not None else None
     rows, kernel_table = compare_rows(reference.rows, path.rows, options.top_k, label)
