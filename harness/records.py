@@ -63,6 +63,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "attn_kernel_vs_torch_mean": "lower",
     "attn_kernel_lse_err_max": "lower",      # |kernel lse - torch logsumexp| over the same codes, nats
     "attn_kernel_rows": "none",              # rows the kernel ran on (attention.jsonl: attention = kernel:NAME)
+    "attn_kernel_failed": "lower",           # 1: the kernel raised on the sampled rows (errors.jsonl says why)
     "kv_outlier_ratio_max": "none",      # max over layers of channel amax / median channel amax of K (MLA: latent)
     # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
     "judge_rule": "higher",

@@ -213,6 +213,14 @@ def forgets_v_scale(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, torch.ones_like(v_scale), sm_scale)
 
 
+def one_sequence_only(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale):
+    """A plug-in written for the one-sequence decode the harness runs: it refuses a batch."""
+    from kernels.reference import decode_attention
+
+    assert q.shape[0] == 1, f"this kernel decodes one sequence, got a batch of {q.shape[0]}"
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale)
+
+
 # Bounds for a correct kernel against torch over the same stored codes. Both outputs are rounded to bf16
 # (2^-9 relative each) and torch reads K/V dequantised to bf16 (2^-9 relative per element): measured on these
 # tiny models, the reference kernel is within 4.6e-3 of torch (lse within 1.5e-3 nats); 1e-2 leaves 2x.
@@ -291,6 +299,18 @@ def test_a_broken_kernel_shows_in_its_rows_and_the_healthy_path_stays_quiet(tiny
     assert healthy.summary["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX
     assert broken.summary["attn_kernel_vs_torch_mean"] > 10  # calibrated v_scale << 1: codes >> values
     assert broken.summary["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX  # V is not in the lse: the bug is after softmax
+
+
+def test_a_kernel_that_fails_on_the_rows_keeps_torchs_rows_and_is_named(tiny_models):
+    """Capture runs the sampled rows as a batch; a plug-in that cannot take one loses its own rows only."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:calibrated"
+    turn = _turn(model, spec, "isolated", kernel="test_attention_error:one_sequence_only")
+    assert _split(turn) == (_turn(model, spec, "isolated").rows, [])
+    assert turn.summary["attn_kernel_failed"] == 1.0 and "attn_kernel_rows" not in turn.summary
+    assert len(turn.errors) == 1 and "one_sequence_only" in turn.errors[0] and "got a batch of" in turn.errors[0]
+    assert "failed: AssertionError" in turn.sampled["kernel"]
+    assert not _turn(model, spec, "isolated", kernel="reference").errors
 
 
 def test_kernel_rows_need_the_models_kernel_and_skip_paths_it_does_not_run(tiny_models):

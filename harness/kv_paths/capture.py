@@ -88,16 +88,29 @@ class KernelRows:
 
     kernel: object  # harness.kv_paths.decode_kernels.DecodeKernel
     paged: dict
+    failure: str | None = None  # the first error the kernel raised; it is not called again after one
+
+    def run(self, module, query: torch.Tensor, row_idx: torch.Tensor, seq_lens: torch.Tensor,
+            head_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`measure` unless the kernel already failed; a failure (e.g. a plug-in written for one sequence
+        at a time, handed a batch) is kept in `failure`, never raised: torch's rows stay."""
+        if self.failure is not None:
+            return None
+        try:
+            return self.measure(module, query, row_idx, seq_lens, head_idx)
+        except Exception as error:  # noqa: BLE001 - a user's plug-in may raise anything; named in the run
+            self.failure = f"{type(error).__name__}: {error}"
+            return None
 
     @property
     def name(self) -> str:
         return self.kernel.name
 
-    def run(self, module, query: torch.Tensor, row_idx: torch.Tensor, seq_lens: torch.Tensor,
-            head_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def measure(self, module, query: torch.Tensor, row_idx: torch.Tensor, seq_lens: torch.Tensor,
+                head_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(out [Hs, R, Dv] fp32, lse [Hs, R] fp32 or None) of the kernel for the rows row_idx of query
         [1, Hq, T, D]; None when the layer has no paged cache."""
-        from harness.kv_paths.decode_kernels import kernel_result
+        from harness.kv_paths.decode_kernels import KernelPluginError, kernel_result
 
         paged = self.paged.get(int(module.layer_idx))
         if paged is None or paged.length == 0:
@@ -106,6 +119,8 @@ class KernelRows:
         q = query[0].index_select(1, row_idx).transpose(0, 1).contiguous()  # [R, Hq, D]
         blocks = paged.pages[0].shape[0]
         table = torch.arange(blocks, dtype=torch.int32, device=q.device).expand(rows, blocks).contiguous()
+        if (self.kernel.mla_decode if paged.mla else self.kernel.decode_attention) is None:
+            raise KernelPluginError(f"kernel {self.name!r} has no {'mla_decode' if paged.mla else 'decode_attention'}")
         if not paged.mla:
             result = self.kernel.decode_attention(q, paged.pages[0], paged.pages[1], table, seq_lens,
                                                   paged.k_scale, paged.v_scale, float(module.scaling))

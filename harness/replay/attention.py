@@ -60,6 +60,7 @@ class AttentionTurn:
     rows: list[dict]
     channels: list[dict]
     sampled: dict
+    errors: tuple[str, ...] = ()  # measurements that could not be made (the turn's other rows stand)
 
 
 def chunks_for(kv_path: KVPath | None, prompt: list[int], continuation: list[int]) -> list[list[int]]:
@@ -105,6 +106,13 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
         for layer in path_cache.layers:
             vars(layer).pop("update", None)
     reference.outputs.clear()
+    errors: tuple[str, ...] = ()
+    if kernel_rows is not None and kernel_rows.failure is not None:
+        kernel_note = f"failed: {kernel_rows.failure}"
+        errors = (f"attention capture: decode kernel {kernel!r} failed on the sampled rows (run as a batch of decode "
+                  f"queries sharing the sequence's pages, per docs/CONTRACTS.md); torch's rows are kept, the "
+                  f"kernel's dropped: {kernel_rows.failure}",)
+        kernel_rows = None
     label = f"kernel:{kernel}" if kernel_rows is not None else None
     rows, kernel_table = compare_rows(reference.rows, path.rows, options.top_k, label)
     channels = channel_rows(ref_cache, kv_path, scales, _is_mla(config))
@@ -120,9 +128,11 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
                "layers": sorted(reference.rows)}
     if kernel is not None:
         sampled["kernel"] = label or f"not measured: {kernel_note}"
+    if errors:
+        summary["attn_kernel_failed"] = 1.0
     summary["attn_heads_sampled"] = float(len(heads))
     summary["attn_rows_sampled"] = float(len(positions))
-    return AttentionTurn(summary=summary, rows=rows + kernel_table, channels=channels, sampled=sampled)
+    return AttentionTurn(summary=summary, rows=rows + kernel_table, channels=channels, sampled=sampled, errors=errors)
 
 
 def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
