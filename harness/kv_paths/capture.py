@@ -9,9 +9,14 @@ cache (FP8 paths: dequantised), and for MLA the keys and values up-projected fro
 latent by `kv_b_proj`, never the latent bytes. Layers that do not call the attention function (the
 linear-attention layers of hybrids) are not captured.
 
+A path that decodes through a kernel (ours on CUDA, or a `kernel=` plug-in) can also have the kernel run on
+the same rows (`KernelRows`): the sampled query rows become a batch of decode queries over the layer's
+paged FP8 copy, so the kernel reads exactly the codes torch's rows were computed from. The model itself
+keeps running torch attention; a kernel exposes its output and lse, so that is what its rows carry.
+
 Memory is bounded by sampling: `heads` (query heads) and `positions` (absolute query positions) are
-chosen by the caller; each captured row holds [context] logits and probabilities in fp32 plus the [Dv]
-output. Isolated mode additionally keeps the reference's full attention output of each layer and chunk
+chosen by the caller; each captured row holds [context] logits (and, for a path that rounds P to FP8, its
+probabilities) in fp32 plus the [Dv] output. Isolated mode additionally keeps the reference's full attention output of each layer and chunk
 (the model's own activation size) so it can be handed to the path's layer in its place.
 """
 
