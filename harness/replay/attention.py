@@ -99,40 +99,56 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     path = CaptureSession(model, heads, positions, replace_outputs=reference.outputs if isolated else None,
                           prob_transform=prob_transform, kernel=kernel_rows,
                           kernel_every_call=kv_path.quantize_current_chunk)
-    try:
-        with path.attached():
-            _run_chunks(model, device, chunks, path_cache)
-    finally:  # the writing wrapper refers to its layer: drop it, or the cache lives on until a full GC
-        for layer in path_cache.layers:
-            vars(layer).pop("update", None)
+    _run_path(model, device, chunks, path_cache, path)
     reference.outputs.clear()
-    errors: tuple[str, ...] = ()
-    if kernel_rows is not None and kernel_rows.failure is not None:
-        kernel_note = f"failed: {kernel_rows.failure}"
-        errors = (f"attention capture: decode kernel {kernel!r} failed on the sampled rows (run as a batch of decode "
-                  f"queries sharing the sequence's pages, per docs/CONTRACTS.md); torch's rows are kept, the "
-                  f"kernel's dropped: {kernel_rows.failure}",)
-        kernel_rows = None
+    errors = _kernel_errors(kernel, kernel_rows)
+    if errors:
+        kernel_rows, kernel_note = None, f"failed: {kernel_rows.failure}"
     label = f"kernel:{kernel}" if kernel_rows is not None else None
     rows, kernel_table = compare_rows(reference.rows, path.rows, options.top_k, label)
     channels = channel_rows(ref_cache, kv_path, scales, _is_mla(config))
-    summary = ae.turn_summary(rows)
-    if rows:
-        summary["attn_growth_per_1k"] = ae.growth_with_context(rows)
-    summary.update(ae.kernel_summary(kernel_table))
-    ratios = [c["outlier_ratio"] for c in channels if c["tensor"] in ("k", "latent")]
-    if ratios:
-        summary["kv_outlier_ratio_max"] = max(ratios)
+    summary = _summary(rows, kernel_table, channels, len(heads), len(positions), bool(errors))
     sampled = {"mode": options.mode, "heads": heads, "query_positions": positions,
                "num_heads": int(config.num_attention_heads), "context_tokens": len(prompt) + len(continuation) - 1,
                "layers": sorted(reference.rows)}
     if kernel is not None:
         sampled["kernel"] = label or f"not measured: {kernel_note}"
-    if errors:
-        summary["attn_kernel_failed"] = 1.0
-    summary["attn_heads_sampled"] = float(len(heads))
-    summary["attn_rows_sampled"] = float(len(positions))
     return AttentionTurn(summary=summary, rows=rows + kernel_table, channels=channels, sampled=sampled, errors=errors)
+
+
+def _run_path(model, device, chunks: list[list[int]], cache, session: CaptureSession) -> None:
+    try:
+        with session.attached():
+            _run_chunks(model, device, chunks, cache)
+    finally:  # the paged writer refers to its layer: drop it, or the cache lives on until a full GC
+        for layer in cache.layers:
+            vars(layer).pop("update", None)
+
+
+def _kernel_errors(kernel: str | None, kernel_rows: KernelRows | None) -> tuple[str, ...]:
+    if kernel_rows is None or kernel_rows.failure is None:
+        return ()
+    return (f"attention capture: decode kernel {kernel!r} failed on the sampled rows (run as a batch of decode "
+            f"queries sharing the sequence's pages, per docs/CONTRACTS.md); torch's rows are kept, the kernel's "
+            f"dropped: {kernel_rows.failure}",)
+
+
+def _summary(rows: list[dict], kernel_table: list[dict], channels: list[dict], heads: int, positions: int,
+             kernel_failed: bool) -> dict:
+    """Per-turn record values: torch's rows' aggregates, the kernel's, the K (MLA: latent) outlier ratio and
+    what was sampled."""
+    summary = ae.turn_summary(rows)
+    if rows:
+        summary["attn_growth_per_1k"] = ae.growth_with_context(rows)
+    summary.update(ae.kernel_summary(kernel_table))
+    if kernel_failed:
+        summary["attn_kernel_failed"] = 1.0
+    ratios = [c["outlier_ratio"] for c in channels if c["tensor"] in ("k", "latent")]
+    if ratios:
+        summary["kv_outlier_ratio_max"] = max(ratios)
+    summary["attn_heads_sampled"] = float(heads)
+    summary["attn_rows_sampled"] = float(positions)
+    return summary
 
 
 def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
