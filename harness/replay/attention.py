@@ -263,8 +263,8 @@ def _compare_batch(members, hs: int, r: int, length: int, top_k: int,
     metrics = ae.row_errors(lr, lp, pr, pp, o_ref, o_path, valid, top_k)
     torch_rows = _tidy(members, hs, r, ae.ROW_METRICS, metrics, "torch")
     by_key = ae.dp_by_key_position(pr, pp, valid).cpu().tolist()
-    for row, moved in zip(torch_rows, by_key):
-        row["attn_dp_by_key_pos"] = moved[: _bucket(row["query_pos"]) + 1]
+    for row, moved in zip(torch_rows, by_key):  # 4 significant digits: a view's series, one list per row
+        row["attn_dp_by_key_pos"] = [float(f"{v:.4g}") for v in moved[: _bucket(row["query_pos"]) + 1]]
     measured = [m for m in members if m[2].kernel_out is not None]
     if kernel_label is None or not measured:
         return torch_rows, []
