@@ -3,7 +3,9 @@
 Prints, per context length: the time of a plain teacher-forced pass of an FP8 path (prompt chunk +
 continuation chunk, what `score` runs), the reference + path pair a run already makes for its
 teacher-forced metrics, and capture in isolated and end-to-end mode (which includes its own reference
-pass), with ratios against both baselines and peak GPU memory of each. CUDA only.
+pass), torch only and with the path's Triton decode kernel run on the sampled rows (`kernel=triton`: what
+a run of this path on CUDA captures), with ratios against both baselines and peak GPU memory of each.
+CUDA only.
 
     python benchmarks/attention_capture.py [--contexts 2048,8192] [--reply 64] [--heads 8] [--rows 16]
 """
@@ -24,6 +26,9 @@ from harness.kv_paths.cache import build_cache, unit_scales
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=16384,
                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+VARIANTS = (("isolated", None), ("end-to-end", None), ("isolated", "triton"), ("end-to-end", "triton"))
 
 
 def build_model(layers: int):
@@ -88,25 +93,30 @@ def main() -> None:
         plain_t, plain_m = timed(lambda: plain_pass(model, kv_path, scales, prompt, reply), args.repeat)
         pair_t, pair_m = timed(lambda: (plain_pass(model, None, None, prompt, reply),
                                         plain_pass(model, kv_path, scales, prompt, reply)), args.repeat)
-        row = {"context": context, "plain_s": plain_t, "plain_gib": plain_m, "pair_s": pair_t}
-        for mode in ("isolated", "end-to-end"):
+        row = {"context": context, "plain_s": plain_t, "plain_gib": plain_m, "pair_s": pair_t, "variants": []}
+        for mode, kernel in VARIANTS:
             options = AttentionOptions(mode=mode, sample=sample)
             result = {}
 
             def capture():
-                result["turn"] = measure_turn(model, torch.device("cuda"), kv_path, scales, prompt, reply, options)
+                result["turn"] = measure_turn(model, torch.device("cuda"), kv_path, scales, prompt, reply, options,
+                                              kernel=kernel)
 
             t, m = timed(capture, args.repeat)
-            row[mode] = (t, m, result["turn"].summary.get("attn_out_rel_err_max"), len(result["turn"].rows))
+            print(f"  {context} {mode} kernel={kernel or '-'}: {t:.3f} s ({t / plain_t:.2f}x plain)", flush=True)
+            summary = result["turn"].summary
+            row["variants"].append((mode, kernel or "-", t, m, summary.get("attn_out_rel_err_max"),
+                                    summary.get("attn_kernel_vs_torch_max", float("nan")), len(result["turn"].rows)))
         rows.append(row)
         torch.cuda.empty_cache()
-    print(f"\n{'context':>7} {'plain s':>8} {'plain GiB':>9} {'ref+path s':>10} | {'mode':>10} {'capture s':>9} "
-          f"{'x plain':>7} {'x ref+path':>10} {'peak GiB':>8} {'rows':>6} {'out_err max':>11}")
+    print(f"\n{'context':>7} {'plain s':>8} {'plain GiB':>9} {'ref+path s':>10} | {'mode':>10} {'kernel':>6} "
+          f"{'capture s':>9} {'x plain':>7} {'x ref+path':>10} {'peak GiB':>8} {'rows':>6} {'out_err max':>11} "
+          f"{'kern vs torch':>13}")
     for row in rows:
-        for mode in ("isolated", "end-to-end"):
-            t, m, err, n = row[mode]
+        for mode, kernel, t, m, err, vs_torch, n in row["variants"]:
             print(f"{row['context']:>7} {row['plain_s']:>8.3f} {row['plain_gib']:>9.2f} {row['pair_s']:>10.3f} | "
-                  f"{mode:>10} {t:>9.3f} {t / row['plain_s']:>7.2f} {t / row['pair_s']:>10.2f} {m:>8.2f} {n:>6} {err:>11.4g}")
+                  f"{mode:>10} {kernel:>6} {t:>9.3f} {t / row['plain_s']:>7.2f} {t / row['pair_s']:>10.2f} {m:>8.2f} "
+                  f"{n:>6} {err:>11.4g} {vs_torch:>13.3g}")
     print(f"peak GiB: above the {weights:.1f} GiB of weights; capture keeps the reference's attention outputs "
           f"in isolated mode (the activation size of one chunk per layer)")
 

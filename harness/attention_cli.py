@@ -203,7 +203,8 @@ def format_attention_summary(run_dir: Path) -> str:
     records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
     wanted = ("attn_out_rel_err_max", "attn_out_rel_err_mean", "attn_kl_max", "attn_topk_overlap_min",
               "attn_growth_per_1k", "attn_worst_layer", "attn_worst_head", "attn_worst_head_layer",
-              "attn_worst_layer_err")
+              "attn_worst_layer_err", "attn_kernel_out_rel_err_max", "attn_kernel_out_rel_err_mean",
+              "attn_kernel_vs_torch_max", "attn_kernel_lse_err_max")
     table: dict[tuple[str, str], dict[str, list]] = {}
     for row in records:
         if row["metric"] in wanted:
@@ -225,4 +226,14 @@ def format_attention_summary(run_dir: Path) -> str:
         lines.append(f"{model:<10} {path[:38]:<38} {worst('attn_out_rel_err_max'):>11.4g} {mean:>8.4g} "
                      f"{worst('attn_kl_max'):>11.4g} {worst('attn_topk_overlap_min', min):>8.3g} "
                      f"{worst('attn_growth_per_1k'):>9.3g}  {where}")
+        if values.get("attn_kernel_out_rel_err_max"):  # the path's decode kernel, run on the same rows
+            kernel_mean = _mean(values["attn_kernel_out_rel_err_mean"])
+            lse = f", lse err max {worst('attn_kernel_lse_err_max'):.3g}" if values.get("attn_kernel_lse_err_max") else ""
+            lines.append(f"{'':<10} {'  its decode kernel':<38} {worst('attn_kernel_out_rel_err_max'):>11.4g} "
+                         f"{kernel_mean:>8.4g}  vs torch on the same codes: max {worst('attn_kernel_vs_torch_max'):.3g}"
+                         f"{lse}")
     return "\n".join(lines)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

@@ -57,6 +57,13 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "attn_worst_head_layer": "none",
     "attn_heads_sampled": "none",        # what the capture sampled (see attention.jsonl for which)
     "attn_rows_sampled": "none",
+    "attn_kernel_out_rel_err_max": "lower",  # decode kernel's output vs the reference's (quantisation + kernel)
+    "attn_kernel_out_rel_err_mean": "lower",
+    "attn_kernel_vs_torch_max": "lower",     # decode kernel's output vs torch's over the same stored codes
+    "attn_kernel_vs_torch_mean": "lower",
+    "attn_kernel_lse_err_max": "lower",      # |kernel lse - torch logsumexp| over the same codes, nats
+    "attn_kernel_rows": "none",              # rows the kernel ran on (attention.jsonl: attention = kernel:NAME)
+    "attn_kernel_failed": "lower",           # 1: the kernel raised on the sampled rows (errors.jsonl says why)
     "kv_outlier_ratio_max": "none",      # max over layers of channel amax / median channel amax of K (MLA: latent)
     # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
     "judge_rule": "higher",

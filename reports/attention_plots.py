@@ -1,7 +1,7 @@
 """Attention-score error views (matplotlib, PNG), drawn from a run's `attention.jsonl` and
 `attention_channels.jsonl` and a sensitivity map: where a path's attention broke (layer, head, context
 position) and why (the channels a scale clips). One screen: error by layer, a layer x head heat map,
-error against query position, per-channel amax of the worst layer, and the sensitivity ranking.
+error against query position and against key position, per-channel amax of the worst layer, and the sensitivity ranking.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from harness.analysis.attention_error import key_bucket_labels  # noqa: E402
 from reports.plots import save_figure  # noqa: E402
 
 METRIC = "attn_out_rel_err"
@@ -58,7 +59,21 @@ def error_by_layer(rows: pd.DataFrame, out_dir: Path) -> dict | None:
                  "Mean relative error of the attention output per attention layer, every sampled head and row.")
 
 
+def series(rows: pd.DataFrame) -> pd.DataFrame:
+    """A decode kernel's rows (`attention` = `kernel:NAME`) become their own series, `PATH [kernel:NAME]`,
+    beside the path's torch rows (runs before kernel capture have no `attention` column: all torch)."""
+    if rows.empty or "attention" not in rows:
+        return rows
+    kernel = rows["attention"].fillna("torch") != "torch"
+    rows = rows.copy()
+    rows.loc[kernel, "path"] = rows.loc[kernel, "path"] + " [" + rows.loc[kernel, "attention"] + "]"
+    return rows
+
+
 def worst_path(rows: pd.DataFrame) -> str | None:
+    """The path whose torch rows have the largest mean error (a kernel series has no channel view)."""
+    if "attention" in rows:
+        rows = rows[rows["attention"].fillna("torch") == "torch"]
     data = _finite(rows, METRIC)
     return None if data.empty else str(data.groupby("path")[METRIC].mean().idxmax())
 
@@ -95,6 +110,31 @@ def error_vs_position(rows: pd.DataFrame, out_dir: Path, path: str) -> dict | No
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     return _save(fig, out_dir, "attention_vs_position.png", f"Attention error against context position: {path}",
                  "Mean over sampled heads per query position, one line per layer: a rising line is error that grows with context.")
+
+
+def error_vs_key_position(rows: pd.DataFrame, out_dir: Path, path: str) -> dict | None:
+    """Mean L1 probability mass moved per key-position bucket, one line per layer (`attn_dp_by_key_pos`)."""
+    if "attn_dp_by_key_pos" not in rows:
+        return None
+    data = rows[(rows.path == path) & rows["attn_dp_by_key_pos"].map(lambda v: isinstance(v, list) and bool(v))]
+    if data.empty:
+        return None
+    width = max(len(v) for v in data["attn_dp_by_key_pos"])
+    padded = pd.DataFrame([v + [0.0] * (width - len(v)) for v in data["attn_dp_by_key_pos"]], index=data.index)
+    table = padded.groupby(data["layer"]).mean().T  # [bucket, layer]
+    fig, ax = plt.subplots(figsize=(7.0, 3.6))
+    for layer in table.columns:
+        ax.plot(range(width), table[layer], marker=".", label=f"layer {layer}")
+    ax.set_xticks(range(width), key_bucket_labels(width), rotation=45, fontsize=7)
+    ax.set_xlabel("key position (log2 buckets)")
+    ax.set_ylabel("mean sum |dp| in bucket")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4, frameon=False)
+    return _save(fig, out_dir, "attention_by_key_position.png", f"Where the attention mass moved: {path}",
+                 "Probability mass moved between the reference's and the path's attention rows, by key position "
+                 "(bucket 0 is the first token, where attention sinks sit); mean over sampled heads and rows.")
 
 
 def channel_amax(channels: pd.DataFrame, rows: pd.DataFrame, out_dir: Path, path: str) -> dict | None:
@@ -152,10 +192,10 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = worst_path(rows)
         channels = _read_jsonl(run_dir / "attention_channels.jsonl")
-        figures += [error_by_layer(rows, out_dir)]
+        figures += [error_by_layer(series(rows), out_dir)]
         if path is not None:
             figures += [layer_head_heatmap(rows, out_dir, path), error_vs_position(rows, out_dir, path),
-                        channel_amax(channels, rows, out_dir, path)]
+                        error_vs_key_position(rows, out_dir, path), channel_amax(channels, rows, out_dir, path)]
     sensitivity = run_dir / "sensitivity.json"
     if sensitivity.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)

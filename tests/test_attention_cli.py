@@ -74,19 +74,31 @@ def test_calibrate_and_sensitivity_commands(tiny_models, scenario_file, tmp_path
 def test_attention_command_stores_table_records_and_views(tiny_models, scenario_file, tmp_path, capsys):
     run = tmp_path / "run"
     code = cli.main(["attention", "--model", str(tiny_models["mla"]), "--scenarios", str(scenario_file),
-                     "--paths", "fp8_e4m3", "--out", str(run), "--no-progress", "--attention-heads", "2",
-                     "--attention-rows", "3"])
+                     "--paths", "fp8_e4m3,fp8_e4m3:kernel=reference", "--out", str(run), "--no-progress",
+                     "--attention-heads", "2", "--attention-rows", "3"])
     assert code in (0, 1)  # 1: a verdict failed on random weights; the run itself completed
     printed = capsys.readouterr().out
-    assert "attention-score error" in printed and "fp8_e4m3" in printed
+    assert "attention-score error" in printed and "fp8_e4m3" in printed and "its decode kernel" in printed
     rows = [json.loads(line) for line in (run / "attention.jsonl").read_text().splitlines()]
-    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3"} and {r["head"] for r in rows} <= {0, 3}
+    kernel_path = "fp8_e4m3:kernel=reference"
+    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", kernel_path} and {r["head"] for r in rows} <= {0, 3}
     assert all(r["attn_out_rel_err"] == 0.0 for r in rows if r["path"] == "bf16")
+    # the kernel=reference path decodes through the plug-in on the CPU: its rows are in the same table,
+    # named as the kernel's; the CPU's plain fp8_e4m3 decodes in torch and has none
+    kinds = {(r["path"], r["attention"]) for r in rows}
+    assert kinds == {("bf16", "torch"), ("fp8_e4m3", "torch"), (kernel_path, "torch"), (kernel_path, "kernel:reference")}
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert {"attn_out_rel_err_max", "attn_worst_layer", "attn_rows_sampled"} <= {r["metric"] for r in records}
+    kernel_metrics = {r["path"] for r in records if r["metric"] == "attn_kernel_vs_torch_max"}
+    assert kernel_metrics == {kernel_path}
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["attention"]["mode"] == "isolated" and manifest["attention"]["max_heads"] == 2
     assert (run / "attention" / "attention_heatmap.png").is_file()
+    assert (run / "attention" / "attention_by_key_position.png").is_file()
+    from harness.runs.summary import summary_table
+
+    columns = summary_table(run).columns
+    assert "attn out err max" in columns and "kernel attn vs torch" in columns
     assert (run / "report" / "attention_by_layer.png").is_file()
     assert "not written" not in printed  # the report renders the attention views with every other figure
     assert 'src="attention_by_layer.png"' in (run / "report" / "index.html").read_text()

@@ -92,6 +92,40 @@ def test_turn_summary_names_worst_layer_and_head():
     assert ae.growth_with_context(growing) == pytest.approx(1.0)
 
 
+def test_mass_moved_by_key_position_by_hand():
+    # 6 keys: buckets [0], [1], [2, 3], [4, 5]; the last key masked. ref p = (.5, .1, .1, .1, .2, 0);
+    # path p = (.3, .1, .2, .1, .3, 0): |dp| = (.2, 0, .1, 0, .1) -> buckets (.2, 0, .1, .1)
+    assert ae.key_buckets(9).tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+    assert ae.key_bucket_labels(5) == ["0", "1", "2-3", "4-7", "8-15"]
+    ref = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2, 0.0]], dtype=torch.float64)
+    path = torch.tensor([[0.3, 0.1, 0.2, 0.1, 0.3, 0.7]], dtype=torch.float64)
+    valid = torch.tensor([[True] * 5 + [False]])
+    moved = ae.dp_by_key_position(ref, path, valid)
+    assert moved.tolist()[0] == pytest.approx([0.2, 0.0, 0.1, 0.1], abs=1e-15)
+
+
+def test_kernel_metrics_hand_computed():
+    # o_ref (3, 4), o_torch (3, 4.5), o_kernel (3, 5): |(0,1)|/|(3,4)| = 0.2 against the reference,
+    # |(0,0.5)|/|(3,4.5)| against torch; lse: logsumexp(0, ln 3) = ln 4, the kernel says ln 4 + 0.25
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf]], dtype=torch.float64)
+    m = ae.kernel_errors(torch.tensor([[3.0, 4.0]]), torch.tensor([[3.0, 4.5]]), torch.tensor([[3.0, 5.0]]),
+                         logits, torch.tensor([math.log(4.0) + 0.25]))
+    assert m["attn_out_rel_err"].item() == pytest.approx(0.2, rel=1e-15)
+    assert m["attn_kernel_vs_torch"].item() == pytest.approx(0.5 / math.hypot(3.0, 4.5), rel=1e-12)
+    assert m["attn_kernel_lse_err"].item() == pytest.approx(0.25, rel=1e-6)  # the lse was given in fp32
+    no_lse = ae.kernel_errors(torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2), logits, None)
+    assert set(no_lse) == {"attn_out_rel_err", "attn_kernel_vs_torch"} and no_lse["attn_kernel_vs_torch"].item() == 0.0
+    broken = ae.kernel_errors(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, float("nan")]]), logits, None)
+    assert broken["attn_out_rel_err"].item() == math.inf and broken["attn_kernel_vs_torch"].item() == math.inf
+    rows = [{"layer": 0, "attn_out_rel_err": e, "attn_kernel_vs_torch": v, "attn_kernel_lse_err": l}
+            for e, v, l in ((0.1, 0.01, 0.002), (0.3, 0.02, 0.001))]
+    s = ae.kernel_summary(rows)
+    assert s == {"attn_kernel_rows": 2.0, "attn_kernel_out_rel_err_max": 0.3,
+                 "attn_kernel_out_rel_err_mean": pytest.approx(0.2), "attn_kernel_vs_torch_max": 0.02,
+                 "attn_kernel_vs_torch_mean": pytest.approx(0.015), "attn_kernel_lse_err_max": 0.002}
+    assert ae.kernel_summary([]) == {}
+
+
 def test_sample_spread():
     assert spread(5, 8) == [0, 1, 2, 3, 4]
     assert spread(10, 3) == [0, 4, 9] or spread(10, 3) == [0, 5, 9]
@@ -103,12 +137,22 @@ def test_sample_spread():
 # ---------------------------------------------------------------- capture on models
 
 
-def _turn(model: InProcessModel, spec: str, mode: str, scales=None, text="Hello there, what is 7 * 8? " * 4):
+def _turn(model: InProcessModel, spec: str, mode: str, scales=None, text="Hello there, what is 7 * 8? " * 4,
+          kernel=None):
     prompt = model.encode_chat([Message("user", text)])
     continuation = [5 + (i * 7) % 60 for i in range(12)]  # any fixed token ids: teacher-forced
     path = parse_path(spec)
     return measure_turn(model.model, model.device, path, scales if scales is not None else model.scales_for(path),
-                        prompt, continuation, AttentionOptions(mode=mode, sample=CaptureSample(4, 6)))
+                        prompt, continuation, AttentionOptions(mode=mode, sample=CaptureSample(4, 6)), kernel=kernel)
+
+
+def _split(turn):
+    torch_rows = [r for r in turn.rows if r["attention"] == "torch"]
+    return torch_rows, [r for r in turn.rows if r["attention"] != "torch"]
+
+
+def _where(rows):
+    return [(r["layer"], r["head"], r["query_pos"]) for r in rows]
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
@@ -119,6 +163,7 @@ def test_bf16_path_shows_exactly_zero_attention_error(tiny_models, arch):
         assert turn.rows, "nothing captured"
         for name in ("attn_max_abs_dp", "attn_kl", "attn_out_rel_err", "attn_logit_err"):
             assert max(r[name] for r in turn.rows) == 0.0, (arch, mode, name)
+        assert all(set(r["attn_dp_by_key_pos"]) == {0.0} for r in turn.rows)
         assert min(r["attn_topk_overlap"] for r in turn.rows) == 1.0
 
 
@@ -127,6 +172,9 @@ def test_fp8_path_shows_nonzero_error_and_what_was_sampled(tiny_models, arch):
     model = InProcessModel.load(tiny_models[arch])
     turn = _turn(model, "fp8_e4m3:per_head:calibrated", "isolated")
     assert max(r["attn_out_rel_err"] for r in turn.rows) > 0
+    for r in turn.rows:  # one bucket per key-position octave up to the query's own position; they sum to the L1
+        assert len(r["attn_dp_by_key_pos"]) == r["query_pos"].bit_length() + 1
+        assert max(r["attn_dp_by_key_pos"]) <= 2 * r["attn_max_abs_dp"] * r["context"] + 1e-12
     assert turn.summary["attn_heads_sampled"] == 4.0 and turn.summary["attn_rows_sampled"] == 6.0
     layers = {r["layer"] for r in turn.rows}
     assert layers == set(turn.sampled["layers"])
@@ -153,6 +201,142 @@ def test_isolated_error_of_a_layer_does_not_depend_on_earlier_layers(tiny_models
         layer1 = [r for r in a.rows if r["layer"] == 1]
         layer1_bad = [r for r in b.rows if r["layer"] == 1]
         assert (layer1 == layer1_bad) is same, mode
+
+
+# ---------------------------------------------------------------- the decode-kernel path
+
+
+def forgets_v_scale(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale):
+    """A plausible kernel bug: V read as raw codes (its scale never applied)."""
+    from kernels.reference import decode_attention
+
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, torch.ones_like(v_scale), sm_scale)
+
+
+def one_sequence_only(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale):
+    """A plug-in written for the one-sequence decode the harness runs: it refuses a batch."""
+    from kernels.reference import decode_attention
+
+    assert q.shape[0] == 1, f"this kernel decodes one sequence, got a batch of {q.shape[0]}"
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale)
+
+
+# Bounds for a correct kernel against torch over the same stored codes. Both outputs are rounded to bf16
+# (2^-9 relative each) and torch reads K/V dequantised to bf16 (2^-9 relative per element): measured on these
+# tiny models, the reference kernel is within 4.6e-3 of torch (lse within 1.5e-3 nats); 1e-2 leaves 2x.
+KERNEL_VS_TORCH_MAX = 1e-2
+KERNEL_LSE_MAX = 1e-2
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_kernel_rows_run_beside_torch_on_the_same_codes(tiny_models, arch):
+    """The `reference` decode kernel (the plug-in contract, on CPU) on the sampled rows: every torch row gets
+    a kernel row, the torch rows are bit-identical to a capture without the kernel (it never enters the
+    model's flow), the kernel agrees with torch over the same codes to bf16 rounding, and its error against
+    the reference is the path's quantisation error (same size as torch's)."""
+    model = InProcessModel.load(tiny_models[arch])
+    spec = "fp8_e4m3:per_head:calibrated"
+    plain = _turn(model, spec, "isolated")
+    turn = _turn(model, spec, "isolated", kernel="reference")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == plain.rows and turn.sampled["kernel"] == "kernel:reference"
+    assert _where(kernel_rows) == _where(torch_rows) and {r["attention"] for r in kernel_rows} == {"kernel:reference"}
+    s = turn.summary
+    assert 0 < s["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX and s["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX
+    assert 0.5 < s["attn_kernel_out_rel_err_mean"] / s["attn_out_rel_err_mean"] < 2.0
+    assert s["attn_kernel_rows"] == len(kernel_rows)
+
+
+def test_compare_in_small_batches_gives_the_same_rows(tiny_models, monkeypatch):
+    """Rows are compared in batches bounded by COMPARE_ELEMENTS (memory); the batch size never changes a row."""
+    from harness.replay import attention
+
+    model = InProcessModel.load(tiny_models["gqa"])
+    whole = _turn(model, "fp8_e4m3:calibrated", "isolated", kernel="reference")
+    monkeypatch.setattr(attention, "COMPARE_ELEMENTS", 1)  # one layer call per batch
+    assert _turn(model, "fp8_e4m3:calibrated", "isolated", kernel="reference").rows == whole.rows
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects() touches a deprecated torch alias
+def test_kernel_capture_leaves_no_cache_behind(tiny_models):
+    """Without the cyclic GC, every cache layer of a kernel capture is freed when it returns (a reference
+    cycle kept each turn's caches and paged copy alive: on the GPU, +4.5 GiB over 3 turns at 8k context)."""
+    import gc
+
+    from harness.kv_paths.cache import QuantizedKVLayer
+
+    model = InProcessModel.load(tiny_models["gqa"])
+    gc.collect()
+    gc.disable()
+    try:
+        _turn(model, "fp8_e4m3:calibrated", "isolated", kernel="reference")
+        alive = [o for o in gc.get_objects() if isinstance(o, QuantizedKVLayer)]
+    finally:
+        gc.enable()
+    assert not alive
+
+
+def test_kernel_rows_of_a_raw_prefill_path_are_its_one_token_calls(tiny_models):
+    """A raw_prefill prompt attends its own K/V unquantised, which no decode kernel reads: only the one-token
+    calls (the reply) get kernel rows; the torch rows stay those of a capture without the kernel."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:calibrated:raw_prefill"
+    plain = _turn(model, spec, "end-to-end")
+    turn = _turn(model, spec, "end-to-end", kernel="reference")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == plain.rows
+    first = min(r["query_pos"] for r in torch_rows)  # the prompt's last token, in the prompt chunk
+    assert _where(kernel_rows) == [w for w in _where(torch_rows) if w[2] > first] and kernel_rows
+    assert turn.summary["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX
+
+
+def test_a_broken_kernel_shows_in_its_rows_and_the_healthy_path_stays_quiet(tiny_models):
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:per_tensor:calibrated"
+    healthy = _turn(model, spec, "isolated", kernel="reference")
+    broken = _turn(model, spec, "isolated", kernel="test_attention_error:forgets_v_scale")
+    assert _split(broken)[0] == _split(healthy)[0]  # torch's rows (the quantisation error) do not move
+    assert healthy.summary["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX
+    assert broken.summary["attn_kernel_vs_torch_mean"] > 10  # calibrated v_scale << 1: codes >> values
+    assert broken.summary["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX  # V is not in the lse: the bug is after softmax
+
+
+def test_a_kernel_that_fails_on_the_rows_keeps_torchs_rows_and_is_named(tiny_models):
+    """Capture runs the sampled rows as a batch; a plug-in that cannot take one loses its own rows only."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    spec = "fp8_e4m3:calibrated"
+    turn = _turn(model, spec, "isolated", kernel="test_attention_error:one_sequence_only")
+    assert _split(turn) == (_turn(model, spec, "isolated").rows, [])
+    assert turn.summary["attn_kernel_failed"] == 1.0 and "attn_kernel_rows" not in turn.summary
+    assert len(turn.errors) == 1 and "one_sequence_only" in turn.errors[0] and "got a batch of" in turn.errors[0]
+    assert "failed: AssertionError" in turn.sampled["kernel"]
+    assert not _turn(model, spec, "isolated", kernel="reference").errors
+
+
+def test_kernel_rows_need_the_models_kernel_and_skip_paths_it_does_not_run(tiny_models):
+    from harness.kv_paths.decode_kernels import KernelPluginError
+
+    mla = InProcessModel.load(tiny_models["mla"])
+    with pytest.raises(KernelPluginError, match="has no mla_decode"):
+        _turn(mla, "fp8_e4m3:calibrated", "isolated", kernel="test_attention_error:forgets_v_scale")
+    gqa = InProcessModel.load(tiny_models["gqa"])
+    with pytest.raises(KernelPluginError, match="needs a CUDA device"):
+        _turn(gqa, "fp8_e4m3:calibrated", "isolated", kernel="triton")
+    for spec in ("fp8_e4m3:per_token", "fp8_e4m3:calibrated:fp8_q"):
+        turn = _turn(gqa, spec, "isolated", kernel="reference")
+        assert not _split(turn)[1] and turn.sampled["kernel"].startswith("not measured"), spec
+
+
+def test_backend_measures_its_decode_kernel(tiny_models):
+    """The in-process backend hands capture the kernel its decode runs through: a `kernel=` path on the CPU
+    gets kernel rows; a plain FP8 path on the CPU (torch decode) gets none."""
+    model = InProcessModel.load(tiny_models["gqa"])
+    messages = [Message("user", "Hello there, what is 7 * 8?")]
+    options = AttentionOptions(sample=CaptureSample(2, 3))
+    named = model.backend(parse_path("fp8_e4m3:kernel=reference"), "k").attention_error_sync(messages, [5, 6, 7], options)
+    plain = model.backend(parse_path("fp8_e4m3"), "p").attention_error_sync(messages, [5, 6, 7], options)
+    assert {r["attention"] for r in named.rows} == {"torch", "kernel:reference"}
+    assert {r["attention"] for r in plain.rows} == {"torch"} and "attn_kernel_rows" not in plain.summary
 
 
 # ---------------------------------------------------------------- scale files
@@ -282,3 +466,25 @@ def test_capture_on_cuda_matches_cpu_semantics(tiny_models, arch):
     on_gpu = _turn(cuda, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
     on_cpu = _turn(cpu, "fp8_e4m3:per_head:calibrated", "isolated").summary["attn_out_rel_err_mean"]
     assert on_gpu > 0 and 0.25 < on_gpu / on_cpu < 4.0, (on_gpu, on_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_triton_kernel_rows_on_cuda(tiny_models, arch):
+    """On CUDA our Triton decode kernels run on the sampled rows beside torch: the same rows as torch's,
+    within bf16 rounding of torch over the same codes (the reference kernel's bounds), an lse that agrees,
+    the path's quantisation error against the reference; and a run's default FP8 path (which decodes through
+    Triton on CUDA) is captured with them."""
+    cuda = InProcessModel.load(tiny_models[arch], device="cuda")
+    spec = "fp8_e4m3:per_head:calibrated"
+    turn = _turn(cuda, spec, "isolated", kernel="triton")
+    torch_rows, kernel_rows = _split(turn)
+    assert torch_rows == _turn(cuda, spec, "isolated").rows
+    assert _where(kernel_rows) == _where(torch_rows) and {r["attention"] for r in kernel_rows} == {"kernel:triton"}
+    s = turn.summary
+    assert 0 < s["attn_kernel_vs_torch_max"] < KERNEL_VS_TORCH_MAX and s["attn_kernel_lse_err_max"] < KERNEL_LSE_MAX
+    assert 0.5 < s["attn_kernel_out_rel_err_mean"] / s["attn_out_rel_err_mean"] < 2.0
+    messages = [Message("user", "Hello there, what is 7 * 8?")]
+    options = AttentionOptions(sample=CaptureSample(2, 3))
+    default = cuda.backend(parse_path(spec), "p").attention_error_sync(messages, [5, 6, 7], options)
+    assert {r["attention"] for r in default.rows} == {"torch", "kernel:triton"}

@@ -14,11 +14,30 @@ Per attention row (one layer, head and query position; keys 0..pos are valid, la
                        max |dl| is used)
 All in float64 whatever the inputs. A NaN anywhere in a path row makes every metric of that row its worst
 value (inf, 1.0 for |dp|, 0 overlap).
+
+Against key position, per row (`dp_by_key_position`):
+    attn_dp_by_key_pos     [sum of |p_path[j] - p_ref[j]| over keys j in bucket b, for b = 0..bucket(pos)]
+                           with buckets by absolute key position: [0], [1], [2, 3], [4, 7], ... (bucket(j) =
+                           0 for j = 0, else floor(log2 j) + 1): where in the context the attention mass moved
+                           (an attention sink at key 0, or the most recent keys of a long context).
+
+A decode kernel exposes its output and its log-sum-exp, not its probabilities, so its rows (`attention` =
+`kernel:<name>` in the tidy table) carry output metrics only (`kernel_errors`):
+    attn_out_rel_err       ||o_kernel - o_ref|| / ||o_ref||: the path's total error through the kernel
+                           (quantisation + the kernel's own)
+    attn_kernel_vs_torch   ||o_kernel - o_torch|| / ||o_torch||, o_torch = torch's attention over the same
+                           stored codes (the path's torch row): the kernel's own error, apart from the
+                           quantisation error (which is the torch row's attn_out_rel_err). Both sides round
+                           their output to bf16, so ~2^-8 relative is the floor of two correct computations.
+    attn_kernel_lse_err    |lse_kernel - logsumexp(l_torch)| (nats): the kernel's softmax normaliser against
+                           torch's fp32 one over the same codes (every probability it used is off by this
+                           factor in log space); absent when the kernel returns no lse.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -49,8 +68,7 @@ def row_errors(ref_logits: torch.Tensor, path_logits: torch.Tensor, ref_probs: t
     kl = torch.where(pr > 0, pr * log_ratio, 0.0).sum(dim=-1).clamp_min(0.0)
     overlap = topk_overlap(pr, pp, valid, top_k)
     o_ref, o_path = ref_out.double(), path_out.double()
-    num, den = (o_path - o_ref).norm(dim=-1), o_ref.norm(dim=-1)
-    out_err = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, math.inf, 0.0))
+    out_err = _rel_err(o_path, o_ref)
     dl = torch.where(valid, (lp - lr).abs(), 0.0).amax(dim=-1)
     big, small = torch.where(valid, lr, -math.inf).amax(-1), torch.where(valid, lr, math.inf).amin(-1)
     spread = big - small
@@ -95,13 +113,61 @@ def _check_shapes(ref_logits, path_logits, ref_probs, path_probs, ref_out, path_
                          f"[{shape[0]}, Dv]")
 
 
+def key_buckets(length: int, device=None) -> torch.Tensor:
+    """Bucket index of each key position 0..length-1: 0 for key 0, else floor(log2 j) + 1."""
+    keys = torch.arange(length, device=device)
+    return torch.where(keys == 0, 0, torch.floor(torch.log2(keys.clamp_min(1).double())).long() + 1)
+
+
+def key_bucket_labels(count: int) -> list[str]:
+    """Labels of the first `count` key-position buckets: "0", "1", "2-3", "4-7", ..."""
+    return ["0", "1"][:count] + [f"{2 ** (b - 1)}-{2 ** b - 1}" for b in range(2, count)]
+
+
+def dp_by_key_position(ref_probs: torch.Tensor, path_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, buckets] L1 probability mass moved per key-position bucket (`key_buckets`), float64."""
+    length = ref_probs.shape[-1]
+    buckets = key_buckets(length, ref_probs.device)
+    dp = torch.where(valid, (path_probs.double() - ref_probs.double()).abs(), 0.0)
+    out = torch.zeros(dp.shape[0], int(buckets[-1]) + 1 if length else 0, dtype=torch.float64, device=dp.device)
+    return out.index_add_(1, buckets, dp)
+
+
+KERNEL_METRICS = ("attn_out_rel_err", "attn_kernel_vs_torch", "attn_kernel_lse_err")
+
+
+def kernel_errors(ref_out: torch.Tensor, torch_out: torch.Tensor, kernel_out: torch.Tensor,
+                  torch_logits: torch.Tensor, kernel_lse: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Kernel row metrics for N rows: outs [N, Dv], torch_logits [N, L] (masked keys -inf), kernel_lse [N]
+    or None. Returns {metric: [N] float64} (no attn_kernel_lse_err without an lse). A NaN in the kernel's
+    output or lse makes its metrics inf."""
+    k = kernel_out.double()
+    result = {"attn_out_rel_err": _rel_err(k, ref_out.double()), "attn_kernel_vs_torch": _rel_err(k, torch_out.double())}
+    broken = k.isnan().any(-1)
+    if kernel_lse is not None:
+        result["attn_kernel_lse_err"] = (kernel_lse.double() - torch.logsumexp(torch_logits.double(), dim=-1)).abs()
+        broken = broken | kernel_lse.isnan()
+    return {name: values.masked_fill(broken, math.inf) for name, values in result.items()}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||a - b|| / ||b|| per row (0 when both are 0; +inf when only b is)."""
+    num, den = (a - b).norm(dim=-1), b.norm(dim=-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, math.inf, 0.0))
+
+
 # ---------------------------------------------------------------- per-channel key/value statistics
 
 
 def channel_stats(x: torch.Tensor) -> dict:
     """x [tokens, channels] -> per-channel amax, and the outlier ratio max(amax) / median(amax) that says
     how far one channel sticks out (a per-tensor scale sized for it leaves the rest few FP8 codes)."""
-    amax = x.detach().float().abs().amax(dim=0)
+    return amax_stats(x.detach().float().abs().amax(dim=0))
+
+
+def amax_stats(amax: torch.Tensor) -> dict:
+    """`channel_stats` from the per-channel amax [channels]."""
+    amax = amax.detach().float().cpu()
     median = float(amax.median()) if amax.numel() else 0.0
     top = float(amax.max()) if amax.numel() else 0.0
     ratio = top / median if median > 0 else (math.inf if top > 0 else 1.0)
@@ -134,6 +200,21 @@ def turn_summary(rows: Sequence[Mapping[str, object]]) -> dict[str, float | None
     return summary
 
 
+def kernel_summary(rows: Sequence[Mapping[str, object]]) -> dict[str, float]:
+    """Per-turn aggregates of a kernel's rows (`kernel_errors`): attn_kernel_out_rel_err_max|mean (against
+    the reference), attn_kernel_vs_torch_max|mean, attn_kernel_lse_err_max and how many rows were measured."""
+    if not rows:
+        return {}
+    summary: dict[str, float] = {"attn_kernel_rows": float(len(rows))}
+    for name, key in (("attn_out_rel_err", "attn_kernel_out_rel_err"), ("attn_kernel_vs_torch", "attn_kernel_vs_torch")):
+        values = [float(r[name]) for r in rows]
+        summary[f"{key}_max"], summary[f"{key}_mean"] = max(values), _mean(values)
+    lse = [float(r["attn_kernel_lse_err"]) for r in rows if r.get("attn_kernel_lse_err") is not None]
+    if lse:
+        summary["attn_kernel_lse_err_max"] = max(lse)
+    return summary
+
+
 def layer_profile(rows: Iterable[Mapping[str, object]], metric: str = RANKING_METRIC) -> dict[int, float]:
     """Mean of `metric` per layer."""
     return {key[0]: value for key, value in _group_mean(list(rows), ("layer",), metric).items()}
@@ -153,10 +234,12 @@ def growth_with_context(rows: Sequence[Mapping[str, object]], metric: str = RANK
 
 
 def _group_mean(rows: Sequence[Mapping[str, object]], keys: tuple[str, ...], metric: str) -> dict[tuple, float]:
+    pick = operator.itemgetter(*keys, metric)  # one C call per row: a turn has thousands of rows
     groups: dict[tuple, list[float]] = {}
     for row in rows:
-        groups.setdefault(tuple(int(row[k]) for k in keys), []).append(float(row[metric]))
-    return {key: _mean(values) for key, values in groups.items()}
+        *key, value = pick(row)
+        groups.setdefault(tuple(key), []).append(value)
+    return {tuple(int(k) for k in key): _mean([float(v) for v in values]) for key, values in groups.items()}
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -104,6 +104,17 @@ def _output(kernel: DecodeKernel, what: str, result: object, like: torch.Tensor,
     return out
 
 
+def kernel_result(kernel: DecodeKernel, what: str, result: object, like: torch.Tensor,
+                  shape: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse or None) of a plug-in call: out checked as `run_gqa` checks it; lse is the tuple's second
+    element when it is a [B, H] tensor (our kernels and the reference return one; the contract allows none)."""
+    out = _output(kernel, what, result, like, shape)
+    lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(shape[:2]):
+        lse = None
+    return out, lse
+
+
 def run_gqa(kernel: DecodeKernel, q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale,
             sm_scale: float) -> torch.Tensor:
     """out [B, Hq, D] in q's dtype from the plug-in's decode_attention, checked against the contract."""

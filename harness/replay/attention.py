@@ -24,11 +24,14 @@ import torch
 from harness.analysis import attention_error as ae
 from harness.kv_paths import attention as attn
 from harness.kv_paths.cache import LayerScales, build_cache
-from harness.kv_paths.capture import CaptureSample, CaptureSession, LayerRows
+from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
 from harness.kv_paths.spec import KVPath
 from kernels.reference import FP8_MAX
 
 MODES = ("isolated", "end-to-end")
+# Row elements (rows x keys) compared in one batch: the fp64 temporaries of `row_errors` stay near 32 MiB each
+# (the 8B-shaped benchmark at 8k context: 4 layers a batch, 8 batches a turn).
+COMPARE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class AttentionTurn:
     rows: list[dict]
     channels: list[dict]
     sampled: dict
+    errors: tuple[str, ...] = ()  # measurements that could not be made (the turn's other rows stand)
 
 
 def chunks_for(kv_path: KVPath | None, prompt: list[int], continuation: list[int]) -> list[list[int]]:
@@ -69,8 +73,11 @@ def chunks_for(kv_path: KVPath | None, prompt: list[int], continuation: list[int
 @torch.inference_mode()
 def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, scales: LayerScales | None,
                  prompt: Sequence[int], continuation: Sequence[int], options: AttentionOptions,
-                 prob_transform=None) -> AttentionTurn:
-    """Compare the path's attention with the reference's on prompt + continuation (teacher-forced)."""
+                 prob_transform=None, kernel: str | None = None) -> AttentionTurn:
+    """Compare the path's attention with the reference's on prompt + continuation (teacher-forced).
+
+    kernel: the path's decode plug-in (`kernel=` name; None: torch only). Its rows are measured beside
+    torch's on the same stored codes (`KernelRows`) and land in the same table, named `kernel:<name>`."""
     prompt, continuation = list(prompt), list(continuation)
     if not prompt or not continuation:
         return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
@@ -84,39 +91,113 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     ref_cache = build_cache(config, None, None)
     with reference.attached():
         _run_chunks(model, device, chunks, ref_cache)
-    rows: list[dict] = []
-    seen: dict[int, int] = {}
-
-    def compare(layer: int, path_rows: LayerRows) -> None:
-        index = seen.get(layer, 0)
-        seen[layer] = index + 1
-        rows.extend(_compare_rows(layer, reference.rows[layer][index], path_rows, options.top_k))
-
-    if prob_transform is None and kv_path.fp8_prob:
-        prob_transform = _prob_rounding(path_cache_probe(config, kv_path, scales))
-    path = CaptureSession(model, heads, positions, on_rows=compare,
-                          replace_outputs=reference.outputs if isolated else None, prob_transform=prob_transform)
     path_cache = build_cache(config, kv_path, scales)
-    with path.attached():
-        _run_chunks(model, device, chunks, path_cache)
+    if prob_transform is None and kv_path.fp8_prob:
+        prob_transform = _prob_rounding(_attention_quants(path_cache))
+    kernel_note = _kernel_note(kv_path, kernel)
+    kernel_rows = attach_kernel(path_cache, kv_path, kernel, device, _is_mla(config)) if kernel_note is None else None
+    path = CaptureSession(model, heads, positions, replace_outputs=reference.outputs if isolated else None,
+                          prob_transform=prob_transform, kernel=kernel_rows,
+                          kernel_every_call=kv_path.quantize_current_chunk)
+    _run_path(model, device, chunks, path_cache, path)
+    reference.outputs.clear()
+    errors = _kernel_errors(kernel, kernel_rows)
+    if errors:
+        kernel_rows, kernel_note = None, f"failed: {kernel_rows.failure}"
+    label = f"kernel:{kernel}" if kernel_rows is not None else None
+    rows, kernel_table = compare_rows(reference.rows, path.rows, options.top_k, label)
     channels = channel_rows(ref_cache, kv_path, scales, _is_mla(config))
-    summary = ae.turn_summary(rows)
-    if rows:
-        summary["attn_growth_per_1k"] = ae.growth_with_context(rows)
-    ratios = [c["outlier_ratio"] for c in channels if c["tensor"] in ("k", "latent")]
-    if ratios:
-        summary["kv_outlier_ratio_max"] = max(ratios)
+    summary = _summary(rows, kernel_table, channels, len(heads), len(positions), bool(errors))
     sampled = {"mode": options.mode, "heads": heads, "query_positions": positions,
                "num_heads": int(config.num_attention_heads), "context_tokens": len(prompt) + len(continuation) - 1,
                "layers": sorted(reference.rows)}
-    summary["attn_heads_sampled"] = float(len(heads))
-    summary["attn_rows_sampled"] = float(len(positions))
-    return AttentionTurn(summary=summary, rows=rows, channels=channels, sampled=sampled)
+    if kernel is not None:
+        sampled["kernel"] = label or f"not measured: {kernel_note}"
+    return AttentionTurn(summary=summary, rows=rows + kernel_table, channels=channels, sampled=sampled, errors=errors)
 
 
-def path_cache_probe(config, kv_path: KVPath, scales: LayerScales | None) -> dict[int, object]:
+def _run_path(model, device, chunks: list[list[int]], cache, session: CaptureSession) -> None:
+    try:
+        with session.attached():
+            _run_chunks(model, device, chunks, cache)
+    finally:  # the paged writer refers to its layer: drop it, or the cache lives on until a full GC
+        for layer in cache.layers:
+            vars(layer).pop("update", None)
+
+
+def _kernel_errors(kernel: str | None, kernel_rows: KernelRows | None) -> tuple[str, ...]:
+    if kernel_rows is None or kernel_rows.failure is None:
+        return ()
+    return (f"attention capture: decode kernel {kernel!r} failed on the sampled rows (run as a batch of decode "
+            f"queries sharing the sequence's pages, per docs/CONTRACTS.md); torch's rows are kept, the kernel's "
+            f"dropped: {kernel_rows.failure}",)
+
+
+def _summary(rows: list[dict], kernel_table: list[dict], channels: list[dict], heads: int, positions: int,
+             kernel_failed: bool) -> dict:
+    """Per-turn record values: torch's rows' aggregates, the kernel's, the K (MLA: latent) outlier ratio and
+    what was sampled."""
+    summary = ae.turn_summary(rows)
+    if rows:
+        summary["attn_growth_per_1k"] = ae.growth_with_context(rows)
+    summary.update(ae.kernel_summary(kernel_table))
+    if kernel_failed:
+        summary["attn_kernel_failed"] = 1.0
+    ratios = [c["outlier_ratio"] for c in channels if c["tensor"] in ("k", "latent")]
+    if ratios:
+        summary["kv_outlier_ratio_max"] = max(ratios)
+    summary["attn_heads_sampled"] = float(heads)
+    summary["attn_rows_sampled"] = float(positions)
+    return summary
+
+
+def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
+    """Why the kernel's rows are not measured for this path (None: they are)."""
+    if kernel is None:
+        return "no decode kernel"
+    if not kv_path.is_fp8 or kv_path.granularity == "per_token":
+        return "the path's decode does not run through a kernel"
+    if kv_path.quantizes_attention:
+        return "FP8 attention (q/prob scales) runs in the torch reference"
+    return None
+
+
+def attach_kernel(cache, kv_path: KVPath, name: str, device: torch.device, mla: bool) -> KernelRows:
+    """A paged FP8 copy of every quantised layer of `cache`, written by the store kernels as the layer is
+    updated (what a decode step reads), and the kernel that reads it. The copy is not the layer's `paged`
+    attribute: the model itself keeps running torch attention, so torch's rows stay torch's."""
+    from harness.kv_paths import decode_kernels
+    from harness.kv_paths.attention import KernelAgreement, PagedKV, kernel_ops
+
+    if name == "triton" and device.type != "cuda":
+        raise decode_kernels.KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device "
+                                               f"(run with --device cuda)")
+    kernel = decode_kernels.resolve(name)
+    if (kernel.mla_decode if mla else kernel.decode_attention) is None:
+        what = "mla_decode (MLA models need one)" if mla else "decode_attention (GQA/MHA models need one)"
+        raise decode_kernels.KernelPluginError(f"kernel {name!r} has no {what}")
+    ops = kernel_ops(device)
+    fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
+    paged = {}
+    for index, layer in enumerate(cache.layers):
+        if hasattr(layer, "paged") and getattr(layer, "k_scale", None) is not None:
+            paged[index] = PagedKV(fmt_dtype, layer.k_scale.float().to(device), layer.v_scale.float().to(device),
+                                   kv_path.saturate, mla, ops, KernelAgreement(), kernel)
+            layer.update = _writing_to(layer.update, paged[index])
+    return KernelRows(kernel, paged)
+
+
+def _writing_to(update, paged):
+    def write_too(key_states, value_states, *args, **kwargs):
+        result = update(key_states, value_states, *args, **kwargs)
+        paged.write(key_states, value_states)
+        return result
+
+    return write_too
+
+
+def _attention_quants(cache) -> dict[int, object]:
     """{layer: AttentionQuant} of the path's attention layers."""
-    cache = build_cache(config, kv_path, scales)
     return {i: layer.attn_quant for i, layer in enumerate(cache.layers) if getattr(layer, "attn_quant", None)}
 
 
@@ -143,21 +224,73 @@ def _run_chunks(model, device, chunks: list[list[int]], cache) -> None:
         attn.active_cache.reset(token)
 
 
-def _compare_rows(layer: int, ref: LayerRows, path: LayerRows, top_k: int) -> list[dict]:
-    if ref.positions != path.positions or ref.logits.shape != path.logits.shape:
-        raise RuntimeError(f"layer {layer}: reference and path captured different rows "
-                           f"({ref.positions} vs {path.positions}); the two passes did not chunk alike")
-    hs, r, length = ref.logits.shape
-    valid = (ref.logits > -math.inf).reshape(hs * r, length)
-    metrics = ae.row_errors(ref.logits.reshape(hs * r, length), path.logits.reshape(hs * r, length),
-                            ref.probs.reshape(hs * r, length), path.probs.reshape(hs * r, length),
-                            ref.out.reshape(hs * r, -1), path.out.reshape(hs * r, -1), valid, top_k)
-    columns = {name: values.cpu().tolist() for name, values in metrics.items()}
+def compare_rows(ref: dict[int, list[LayerRows]], path: dict[int, list[LayerRows]], top_k: int,
+                 kernel_label: str | None = None) -> tuple[list[dict], list[dict]]:
+    """Tidy rows (torch's, then the kernel's) of every captured layer call, computed in one batch per row
+    shape: a few dozen device ops and one host transfer for the whole turn."""
+    groups: dict[tuple, list[tuple[int, LayerRows, LayerRows]]] = {}
+    for layer in sorted(path):
+        mine, theirs = path[layer], ref.get(layer, [])
+        if len(mine) != len(theirs):
+            raise RuntimeError(f"layer {layer}: the reference made {len(theirs)} attention calls, the path "
+                               f"{len(mine)}; the two passes did not chunk alike")
+        for r, p in zip(theirs, mine):
+            if r.positions != p.positions or r.logits.shape != p.logits.shape:
+                raise RuntimeError(f"layer {layer}: reference and path captured different rows "
+                                   f"({r.positions} vs {p.positions}); the two passes did not chunk alike")
+            groups.setdefault(tuple(r.logits.shape), []).append((layer, r, p))
+    torch_rows: list[dict] = []
+    kernel_rows: list[dict] = []
+    for (hs, r, length), members in groups.items():
+        per_batch = max(1, COMPARE_ELEMENTS // (hs * r * length))
+        for start in range(0, len(members), per_batch):
+            batch = members[start:start + per_batch]
+            torch_part, kernel_part = _compare_batch(batch, hs, r, length, top_k, kernel_label)
+            torch_rows += torch_part
+            kernel_rows += kernel_part
+    return torch_rows, kernel_rows
+
+
+def _compare_batch(members, hs: int, r: int, length: int, top_k: int,
+                   kernel_label: str | None) -> tuple[list[dict], list[dict]]:
+    def cat(pick, width):
+        return torch.cat([pick(m).reshape(hs * r, width) for m in members])
+
+    lr, lp = cat(lambda m: m[1].logits, length), cat(lambda m: m[2].logits, length)
+    pr, pp = cat(lambda m: m[1].probabilities(), length), cat(lambda m: m[2].probabilities(), length)
+    o_ref, o_path = cat(lambda m: m[1].out, -1), cat(lambda m: m[2].out, -1)
+    valid = lr > -math.inf
+    metrics = ae.row_errors(lr, lp, pr, pp, o_ref, o_path, valid, top_k)
+    torch_rows = _tidy(members, hs, r, ae.ROW_METRICS, metrics, "torch")
+    by_key = ae.dp_by_key_position(pr, pp, valid).cpu().tolist()
+    for row, moved in zip(torch_rows, by_key):  # 4 significant digits: a view's series, one list per row
+        row["attn_dp_by_key_pos"] = [float(f"{v:.4g}") for v in moved[: _bucket(row["query_pos"]) + 1]]
+    measured = [m for m in members if m[2].kernel_out is not None]
+    if kernel_label is None or not measured:
+        return torch_rows, []
+    keep = torch.tensor([i for i, m in enumerate(members) if m[2].kernel_out is not None], device=lr.device)
+    rows = (torch.arange(hs * r, device=lr.device) + keep.unsqueeze(1) * (hs * r)).reshape(-1)
+    lses = [m[2].kernel_lse for m in measured]
+    lse = None if any(x is None for x in lses) else torch.cat([x.reshape(-1) for x in lses])
+    kernel = ae.kernel_errors(o_ref.index_select(0, rows), o_path.index_select(0, rows),
+                              torch.cat([m[2].kernel_out.reshape(hs * r, -1) for m in measured]),
+                              lp.index_select(0, rows), lse)
+    return torch_rows, _tidy(measured, hs, r, tuple(kernel), kernel, kernel_label)
+
+
+def _bucket(position: int) -> int:
+    return 0 if position == 0 else position.bit_length()  # floor(log2 p) + 1, as ae.key_buckets
+
+
+def _tidy(members, hs: int, r: int, names: tuple[str, ...], metrics: dict, label: str) -> list[dict]:
+    columns = dict(zip(names, torch.stack([metrics[n] for n in names]).cpu().tolist()))
     out = []
-    for i in range(hs * r):
-        head, pos = ref.heads[i // r], ref.positions[i % r]
-        out.append({"layer": layer, "head": head, "query_pos": pos, "context": pos + 1,
-                    **{name: columns[name][i] for name in ae.ROW_METRICS}})
+    for block, (layer, ref, _) in enumerate(members):
+        for i in range(hs * r):
+            at = block * hs * r + i
+            out.append({"layer": layer, "head": ref.heads[i // r], "query_pos": ref.positions[i % r],
+                        "context": ref.positions[i % r] + 1, "attention": label,
+                        **{name: columns[name][at] for name in names}})
     return out
 
 
@@ -170,20 +303,26 @@ def channel_rows(cache, kv_path: KVPath | None, scales: LayerScales | None, mla:
     representable value per channel (scale x fp8 max) and how many channels exceed it."""
     from transformers.cache_utils import DynamicLayer
 
-    rows = []
     names = ("latent", "k_pe") if mla else ("k", "v")
+    found = []
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer or getattr(layer, "keys", None) is None:
             continue
         for name, tensor, side in ((names[0], layer.keys, "k"), (names[1], layer.values, "v")):
-            flat = tensor[0].transpose(0, 1).reshape(tensor.shape[2], -1)  # [tokens, heads * dim]
-            stats = ae.channel_stats(flat)
-            row = {"layer": i, "tensor": name, "heads": int(tensor.shape[1]), **stats}
-            limit = _channel_limit(kv_path, scales, i, side, int(tensor.shape[1]), int(tensor.shape[3]))
-            if limit is not None:
-                row["fp8_limit"] = limit
-                row["clipped_channels"] = sum(a > m for a, m in zip(stats["amax"], limit))
-            rows.append(row)
+            # [1, heads, tokens, dim] -> per channel (head x dim) amax on the device; one transfer for all
+            found.append((i, name, side, tensor.shape, tensor[0].abs().amax(dim=1).reshape(-1)))
+    if not found:
+        return []
+    amaxes = torch.cat([f[4] for f in found]).float().cpu().split([f[4].numel() for f in found])
+    rows = []
+    for (i, name, side, shape, _), amax in zip(found, amaxes):
+        stats = ae.amax_stats(amax)
+        row = {"layer": i, "tensor": name, "heads": int(shape[1]), **stats}
+        limit = _channel_limit(kv_path, scales, i, side, int(shape[1]), int(shape[3]))
+        if limit is not None:
+            row["fp8_limit"] = limit
+            row["clipped_channels"] = sum(a > m for a, m in zip(stats["amax"], limit))
+        rows.append(row)
     return rows
 
 

@@ -231,8 +231,9 @@ class InProcessBackend:
 
         if self.kv_path is None:
             return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
+        kernel = self._kernel_name() if self._kernel_reason() is None else None  # its rows beside torch's
         return measure_turn(self.owner.model, self.owner.device, self.kv_path, self.scales,
-                            self.owner.encode_chat(messages), list(continuation_ids), options)
+                            self.owner.encode_chat(messages), list(continuation_ids), options, kernel=kernel)
 
     @torch.inference_mode()
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:

@@ -193,6 +193,8 @@ class Replay:
         except Exception as error:  # noqa: BLE001 - named in errors.jsonl; the turn's other metrics stay
             self._record_error(scenario, backend.label, turn, error)
             return {}
+        for message in getattr(measured, "errors", ()):  # a part that could not be measured, named in the run
+            self._record_error(scenario, backend.label, turn, RuntimeError(message))
         key = self._key(scenario, backend.label, turn)
         tables["attention"] += [{**key, "mode": self.attention.mode, **row} for row in measured.rows]
         tables["attention_channels"] += [{**key, **row} for row in measured.channels]

@@ -21,6 +21,8 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "kv_nonfinite": ("KV non-finite", "max"),  # shown only when some path read a NaN/inf back from its cache
     "kernel_err_ratio": ("kernel err / torch err", "max"),  # GPU runs: our decode kernel's agreement
     "kernel_ms_per_step": ("kernel ms/step", "mean"),  # its time per decode call (plug-ins compared in one run)
+    "attn_out_rel_err_max": ("attn out err max", "max"),  # runs with --attention: worst attention-output error
+    "attn_kernel_vs_torch_max": ("kernel attn vs torch", "max"),  # its decode kernel vs torch on the same codes
 }
 SHOWN_WHEN_NONZERO = {"kv_nonfinite"}  # healthy runs are all zero there: no column to read past
 
