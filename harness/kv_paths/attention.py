@@ -166,7 +166,8 @@ def _attention_scales(quant, device: torch.device) -> dict:
         return {}
     assert quant.fmt == "e4m3", f"FP8 attention in {quant.fmt}: our kernels quantise Q and P to e4m3 only"
     q = quant.q_scale
-    q = q.to(device, torch.float32).reshape(q.shape if q.dim() <= 1 else (-1,)) if isinstance(q, torch.Tensor) else q
+    if isinstance(q, torch.Tensor):   # one scale ([] or [1]) or one per query head
+        q = q.to(device, torch.float32).reshape(() if q.numel() == 1 else (-1,))
     prob = quant.prob_scale
     return {"q_scale": q, "prob_scale": None if prob is None else prob.to(device, torch.float32).reshape(())}
 
