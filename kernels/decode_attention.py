@@ -124,12 +124,12 @@ def _decode_attention_kernel(
         q8 = tl.clamp(tl.math.div_rn(qf, q_s[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         q = q8.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         if not K_AS_FP8:
-            q = q.to(COMPUTE_DTYPE)                                 # e5m2 cache: both widened to fp16 (exact)
+            q = q.to(COMPUTE_DTYPE)             # plain layout or e5m2/bf16 cache: Q and K widened (exact)
         s_scale = s_scale * q_s
     p_inv = 1.0
     if P_FP8:
         prob_scale = tl.load(PROB_SCALE)
-        p_inv = 1.0 / prob_scale                                    # r = fp32(1 / prob_scale)
+        p_inv = tl.math.div_rn(1.0, prob_scale)                    # r = fp32(1 / prob_scale), IEEE (not div.full)
         v_scale = v_scale * prob_scale
     if SWAP:
         q_t = tl.trans(q)                                                                  # [BLOCK_D, BLOCK_G]
