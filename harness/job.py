@@ -292,7 +292,7 @@ def _unbatchable_reason(config: RunConfig, paths: list[KVPath]) -> str | None:
         if path.kernel:
             return f"path {path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
         if path.quantizes_attention:
-            return f"path {path.name}: FP8 attention (fp8_q / fp8_p) runs in the torch reference, one sequence at a time"
+            return f"path {path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
     return None
 
 

@@ -4,6 +4,8 @@ GQA (32 query / 8 KV heads, head_dim 128, page 16): our FP8 decode vs torch SDPA
 (the 4 query heads of a KV head passed as 4 query rows, so SDPA reads each KV head once) vs the workaround
 "dequantise the whole FP8 cache to BF16 (fp8 -> fp32 -> bf16), then SDPA"; plus our kernel on a paged BF16 cache.
 A "qk_fp8" row: our FP8 kernel with Q quantised per head and Q.K on fp8 tensor cores (an option; extra error).
+FP8 attention rows: P (and Q) in e4m3 (prob_scale 1/448, q_scale per head), P.V on the e4m3 V codes; a table
+of each option's extra error against fp64 follows the GQA table.
 MLA (16 and 128 heads, latent 512 + RoPE 64, page 64): our FP8 vs our BF16 vs "dequantise everything, then our BF16".
 Columns: median ms (triton.testing.do_bench, L2 flushed between runs); GB/s of the cache bytes that the row's
 attention must read (for the workaround: its FP8 input); that as a fraction of the measured device-to-device
@@ -25,9 +27,10 @@ import triton
 from triton.testing import do_bench
 
 from kernels import reference as ref
-from kernels.configs import KINDS, describe
+from kernels.configs import KINDS, describe, launch_config
 from kernels.decode_attention import decode_attention
 from kernels.mla_decode import mla_decode
+from kernels.tune import FP8_ATTENTION_OPTIONS, GQA_QUICK, attention_kwargs, check_fp8_attention
 
 BATCHES = (1, 8, 32)
 CONTEXTS = (1024, 8192, 32768, 131072)
@@ -37,6 +40,9 @@ FP8 = torch.float8_e4m3fn
 GIB = 1 << 30
 # The qk_fp8 row (Q quantised per head, Q.K on fp8 tensor cores): tokens as M, so Hopper's fp8 wgmma applies.
 QK_FP8 = dict(swap=True, num_stages=3)
+# FP8 attention rows (kernels/decode_attention.py; the gqa_fp8_pv entry of kernels/configs.py): P in e4m3 for P.V
+# over the e4m3 V codes, and Q too; their extra error against fp64 is the table printed after these.
+FP8_ATTENTION_ROWS = (("ours FP8, fp8 P.V (prob_scale)", "p"), ("ours FP8, fp8 Q + P (q_scale, prob_scale)", "q+p"))
 
 
 def _ms(fn) -> float:
@@ -71,6 +77,20 @@ def _identity_table(batch: int, ctx: int, page: int) -> tuple[torch.Tensor, torc
     return table, torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
 
 
+SPREAD: list[tuple[float, str]] = []   # (relative difference, what) of round 1 vs round 2, printed under the table
+
+
+def _two_rounds(fns: dict, where: str) -> dict[str, float]:
+    """Each function timed in two round-robin rounds (so no row is always first after a warm-up or a
+    compile); returns round 2 and notes the largest |round 1 - round 2| / round 2 in SPREAD."""
+    first = {label: _ms(fn) for label, fn in fns.items()}
+    second = {label: _ms(fn) for label, fn in fns.items()}
+    worst = max(fns, key=lambda label: abs(first[label] - second[label]) / second[label])
+    SPREAD.append((abs(first[worst] - second[worst]) / second[worst],
+                   f"{where} {worst}: {first[worst]:.4f} -> {second[worst]:.4f} ms"))
+    return second
+
+
 def bench_gqa(batch: int, ctx: int, tuned: dict) -> list[tuple[str, float, float]] | None:
     """[(method, ms, bytes that must be read)], or None when the shape does not fit."""
     fp8_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM                     # K + V, 1 byte each
@@ -85,13 +105,16 @@ def bench_gqa(batch: int, ctx: int, tuned: dict) -> list[tuple[str, float, float
     k_cache, v_cache = (_fill_fp8(torch.empty(shape, dtype=FP8, device="cuda")) for _ in range(2))
     scale = torch.tensor(0.01, device="cuda")
     cfg = tuned.get("gqa_fp8", {})
-    rows = [("ours FP8", _ms(lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, scale, scale, sm_scale,
-                                                      **cfg)), fp8_bytes)]
+    pv_cfg = tuned.get("gqa_fp8_pv", {})
+    fns = {"ours FP8": lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, scale, scale, sm_scale, **cfg)}
     if QK_FP8:
-        rows.append(("ours FP8, qk_fp8 (Q in fp8)", _ms(lambda: decode_attention(
-            q, k_cache, v_cache, table, seq_lens, scale, scale, sm_scale, qk_fp8=True, **dict(cfg, **QK_FP8))),
-            fp8_bytes))
-
+        fns["ours FP8, qk_fp8 (Q in fp8)"] = lambda: decode_attention(
+            q, k_cache, v_cache, table, seq_lens, scale, scale, sm_scale, qk_fp8=True, **dict(cfg, **QK_FP8))
+    for label, option in FP8_ATTENTION_ROWS:
+        fns[label] = functools.partial(decode_attention, q, k_cache, v_cache, table, seq_lens, scale, scale, sm_scale,
+                                       **pv_cfg, **attention_kwargs(option, q))
+    rows = [(label, ms, fp8_bytes) for label, ms in _two_rounds(fns, f"batch {batch}, {ctx}").items()]
+    fns = None
     def workaround():   # peak: fp8 caches + one fp32 temporary (2x) + both bf16 copies (2x) + SDPA copies
         k = ref.dequantize(k_cache, scale, torch.bfloat16).view(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
         v = ref.dequantize(v_cache, scale, torch.bfloat16).view(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2)
@@ -105,8 +128,10 @@ def bench_gqa(batch: int, ctx: int, tuned: dict) -> list[tuple[str, float, float
                  2 * fp8_bytes))
     k_sdpa, v_sdpa = (t.view(batch, ctx, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous() for t in (k_bf16, v_bf16))
     k_bf16 = v_bf16 = None
-    rows.insert(0, ("torch SDPA BF16", _ms(lambda: F.scaled_dot_product_attention(q_rows, k_sdpa, v_sdpa, scale=sm_scale)),
-                    2 * fp8_bytes))
+    sdpa = _two_rounds({"torch SDPA BF16": lambda: F.scaled_dot_product_attention(q_rows, k_sdpa, v_sdpa,
+                                                                                  scale=sm_scale)},
+                       f"batch {batch}, {ctx}")
+    rows.insert(0, ("torch SDPA BF16", sdpa["torch SDPA BF16"], 2 * fp8_bytes))
     return rows
 
 
@@ -152,14 +177,35 @@ def _table(title: str, bench, copy_bw: float, batches, contexts, tuned: dict) ->
     return lines + [""]
 
 
+def fp8_attention_errors(tuned: dict) -> list[str]:
+    """The extra error of each FP8 attention option against fp64 attention of the unquantised Q and P, over
+    torch bf16 SDPA's own error on the same data (kernels.tune.check_fp8_attention; e4m3 cache, ragged lengths)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = tuned.get("gqa_fp8_pv") or launch_config("gqa_fp8_pv", device)
+    cfg = {key: cfg[key] for key in ("block_n", "num_warps", "num_stages", "prefetch", "swap")}
+    lines = ["### FP8 attention options: max error against fp64 (unquantised Q and P) over torch bf16 SDPA's", "",
+             f"e4m3 cache, 32 q / 8 kv heads, lengths 1/300/4099/77, 5 splits, config {cfg}; emulation = "
+             "reference.decode_attention_fp8 (the kernel's definition in fp64); normalised = P quantised after "
+             "normalisation (reference.attention_fp8's definition, in fp64).", "",
+             "| option | kernel | emulation | normalised | kernel vs emulation |", "|---|---:|---:|---:|---:|"]
+    for option in FP8_ATTENTION_OPTIONS:
+        e = check_fp8_attention(cfg, option)
+        lines.append(f"| {option} | {e['kernel']:.2f}x | {e['emulation']:.2f}x | {e['normalised']:.2f}x | "
+                     f"{e['kernel_vs_emulation']:.2f}x |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 8, context 32k only")
     parser.add_argument("--sweep", action="store_true",
                         help="first sweep launch configurations (kernels.tune) and use the fastest correct ones")
+    parser.add_argument("--sweep-kinds", default=",".join(KINDS), help="the kinds --sweep sweeps (comma-separated)")
+    parser.add_argument("--quick-sweep", action="store_true",
+                        help="GQA kinds: sweep only kernels.tune.GQA_QUICK (the default and the 1-stage variants)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    parser.add_argument("--mla-heads", default="16,128")
+    parser.add_argument("--mla-heads", default="16,128", help="MLA head counts ('' for GQA only)")
     args = parser.parse_args()
     batches, contexts = ((8,), (32768,)) if args.quick else (
         tuple(int(x) for x in args.batches.split(",")), tuple(int(x) for x in args.contexts.split(",")))
@@ -173,19 +219,25 @@ def main() -> None:
     tuned = {}
     if args.sweep:
         from kernels.tune import sweep
-        for kind in KINDS:
-            lines, tuned[kind] = sweep(kind, mla_heads=128 if kind.endswith("many_heads") else 16)
+        for kind in args.sweep_kinds.split(","):
+            quick = GQA_QUICK if args.quick_sweep and kind.startswith("gqa") else None
+            lines, tuned[kind] = sweep(kind, mla_heads=128 if kind.endswith("many_heads") else 16, candidates=quick)
             print("\n".join(lines), flush=True)
             torch.cuda.empty_cache()
-    header += ["launch configurations that ran" + (" (swept, batch 8, context 32k):" if args.sweep else
-                                                   " (kernels/configs.py):")]
+    header += ["launch configurations that ran" + (" (swept at batch 8, context 32k where marked; the rest "
+                                                   "kernels/configs.py):" if args.sweep else " (kernels/configs.py):")]
     header += [f"- {kind}: {tuned[kind]} (swept)" if kind in tuned else f"- {describe(kind, device)}"
                for kind in KINDS]
     header += [f"- qk_fp8 row: the FP8 config with {QK_FP8}", ""]
     print("\n".join(header[-len(KINDS) - 3:]), flush=True)
     out = header + _table(f"GQA decode, {Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, e4m3 cache",
                           bench_gqa, copy_bw, batches, contexts, tuned)
-    for heads in (int(h) for h in args.mla_heads.split(",")):
+    spread = max(SPREAD, default=(0.0, "none"))
+    out += [f"Rows timed twice (round robin), round 2 shown; the largest round-1 vs round-2 difference: "
+            f"{spread[0]:.1%} ({spread[1]})", ""]
+    out += fp8_attention_errors(tuned)
+    print("\n".join(out[-len(FP8_ATTENTION_OPTIONS) - 6:]), flush=True)
+    for heads in (int(h) for h in args.mla_heads.split(",") if h):
         out += _table(f"MLA decode, {heads} heads, latent {LATENT_DIM} + rope {ROPE_DIM}, e4m3 cache",
                       functools.partial(bench_mla, heads=heads), copy_bw, batches, contexts, tuned)
     print("\n" + "\n".join(out))

@@ -5,7 +5,8 @@ copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in
 (the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
-split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). MLA with >= 64 heads
+split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). gqa_fp8_pv: GQA with P in fp8
+(prob_scale) over an e4m3 cache. MLA with >= 64 heads
 uses the `*_many_heads` entries. swap with prefetch is refused by the launchers (NaN on Triton 3.6).
 """
 
@@ -15,10 +16,14 @@ import functools
 
 import torch
 
-KINDS = ("gqa_fp8", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
+KINDS = ("gqa_fp8", "gqa_fp8_pv", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
 
 H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
+    # P (and Q) in fp8 over an e4m3 cache (prob_scale given). The plain layout: fp8 operands widened in the MMA's
+    # operand layout (0.230 ms at batch 8, 32k); swap reaches fp8 wgmma but Triton 3.6 transposes the fp8 V tile
+    # through shared memory a byte at a time (0.417 ms) (python -m kernels.tune --fp8-attention, H100)
+    "gqa_fp8_pv": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
     "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),

@@ -12,6 +12,21 @@ FP8 codes are exact in fp16, so an FP8 cache is multiplied in fp16 on tensor cor
 exact for bf16 q in fp16's normal range, |q| < 65504), P is rounded to fp16 for P @ V; accumulation is fp32.
 A BF16/FP16 cache runs the same code in its own dtype and never reads the scales (failure class 3).
 The torch mirror is `reference.decode_attention`.
+
+FP8 attention options (engines' q_scale / prob_scale; FP8 FlashAttention-3), always in e4m3:
+- Q: q8 = e4m3(q / q_scale) (IEEE division, RTNE, saturating), q_scale given ([] or [Hq]) or "dynamic" (per
+  head: amax / 448); the scores use q8 * q_scale. On an e4m3 cache in the swap layout Q.K then runs on fp8
+  tensor cores (K never converted); otherwise the e4m3 Q and the K codes are widened to fp16 (exact; same values).
+- P: an online softmax never holds the normalised probabilities, so the kernel quantises what it has: the
+  tile-relative unnormalised p_j = 2^(s_j - m_t) in (0, 1], m_t the running max of the split up to tile t:
+      p8_j = e4m3(p_j * r),  r = fp32(1 / prob_scale)  (RTNE, saturating at 448)
+      out = v_scale * prob_scale * sum_j 2^(m_t(j) - M) p8_j v_codes_j / sum_j 2^(s_j - M)
+  with the denominator from the unquantised p (the reference also quantises P and does not renormalise).
+  On an e4m3 cache P.V gets V's codes as they are (fp8 operands; swap: fp8 wgmma). The torch
+  emulation of exactly this definition (tile and split boundaries included) is `reference.decode_attention`
+  with prob_scale and block_n; `reference.attention_fp8` quantises the normalised P instead (same scale
+  convention: prob_scale 1/448 maps the largest possible probability, 1, onto 448); the two differ in which
+  values get rounded, not in the size of the rounding (kernels/BENCHMARKS.md measures both against fp64).
 """
 
 from __future__ import annotations
@@ -21,9 +36,10 @@ import triton
 import triton.language as tl
 
 from kernels.configs import launch_config
-from kernels.reference import FP8_MAX, fp8_format, is_fp8
+from kernels.reference import FP8_MAX, is_fp8
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
+FP8_ACC_CHUNK = 32               # fp8 MMA products summed in fp32 per this many (Triton's max_num_imprecise_acc)
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
 # Launch configurations (tile size, warps, pipeline, tokens-as-M "swap", programs per SM): kernels/configs.py.
 
@@ -51,18 +67,27 @@ def _decode_attention_kernel(
     K_CACHE, V_CACHE,        # [num_blocks, block_size, Hkv, D] fp8 / bf16 / fp16
     BLOCK_TABLE, SEQ_LENS,   # [B, max_blocks] int32, [B] int32
     K_SCALE, V_SCALE,        # fp32 [] or [Hkv] (unread for a bf16/fp16 cache)
+    Q_SCALE, PROB_SCALE,     # fp32 [] or [Hq] (read when Q_QUANT == 2), fp32 [] (read when P_FP8)
     PART_OUT, PART_LSE,      # [B, Hq, splits, D] fp32 normalised partial outputs, [B, Hq, splits] fp32 base-2 lse
     sm_scale_log2,           # sm_scale * log2(e)
     tokens_per_split,        # multiple of BLOCK_N
     k_scale_stride, v_scale_stride,               # 0 per tensor, 1 per KV head
+    q_scale_stride,                               # 0 per tensor, 1 per query head
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,              # shared by both caches (asserted)
     stride_tb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    PREFETCH: tl.constexpr, SWAP: tl.constexpr, QK_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    PREFETCH: tl.constexpr, SWAP: tl.constexpr, Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
+    K_AS_FP8: tl.constexpr, V_AS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, QK_ACC: tl.constexpr,
+    PV_ACC: tl.constexpr,
 ):
+    # Q_QUANT: 0 Q as is, 1 dynamic per-head e4m3, 2 e4m3 under Q_SCALE. P_FP8: P quantised to e4m3 under
+    # PROB_SCALE. K_AS_FP8 / V_AS_FP8: the cache tile goes to the MMA as fp8 codes (e4m3 cache with Q / P in fp8).
+    # QK_ACC / PV_ACC: fp8 MMAs add their partial sums in fp32 every 32 products (None for fp16/bf16 MMAs):
+    # Hopper's fp8 wgmma otherwise accumulates in reduced precision, which moved the scores (and the lse) by
+    # ~3e-4 relative on an H100 (tests/test_kernels_gpu.py::test_fp8_attention_*, kernels/BENCHMARKS.md).
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -76,8 +101,8 @@ def _decode_attention_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_G, BLOCK_D]
+    q_raw = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)                     # [BLOCK_G, BLOCK_D]
     qk_scale = sm_scale_log2
     v_scale = 1.0
     if CACHE_IS_FP8:
@@ -85,14 +110,27 @@ def _decode_attention_kernel(
         v_scale = tl.load(V_SCALE + kv_head * v_scale_stride)
 
     s_scale = tl.zeros([BLOCK_G], tl.float32) + qk_scale                                  # per query head
-    if QK_FP8:
-        # FP8 straight to the tensor cores for Q.K: each query head quantised under its own scale
-        # (amax / fp8 max); the scale is folded into the scores with k_scale. Extra error measured in tests.
-        q_amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        # IEEE division and round-to-nearest-even, as torch's amax / max and fp8 cast of q / q_s (tests mirror it)
-        q_s = tl.where(q_amax > 0, tl.math.div_rn(q_amax, tl.full([BLOCK_G], FP8_MAX, tl.float32)), 1.0)
-        q = tl.math.div_rn(q.to(tl.float32), q_s[:, None]).to(K_CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
+    if Q_QUANT == 0:
+        q = q_raw.to(COMPUTE_DTYPE)
+    else:
+        # Q in e4m3 under its own scale (folded into the scores with k_scale). IEEE division and
+        # round-to-nearest-even, as torch's q / q_scale and fp8 cast (the reference mirrors it).
+        qf = q_raw.to(tl.float32)
+        if Q_QUANT == 1:
+            q_amax = tl.max(tl.abs(qf), axis=1)
+            q_s = tl.where(q_amax > 0, tl.math.div_rn(q_amax, tl.full([BLOCK_G], FP8_MAX, tl.float32)), 1.0)
+        else:
+            q_s = tl.load(Q_SCALE + heads * q_scale_stride, mask=g_mask, other=1.0)
+        q8 = tl.clamp(tl.math.div_rn(qf, q_s[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = q8.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        if not K_AS_FP8:
+            q = q.to(COMPUTE_DTYPE)             # plain layout or e5m2/bf16 cache: Q and K widened (exact)
         s_scale = s_scale * q_s
+    p_inv = 1.0
+    if P_FP8:
+        prob_scale = tl.load(PROB_SCALE)
+        p_inv = tl.math.div_rn(1.0, prob_scale)                    # r = fp32(1 / prob_scale), IEEE (not div.full)
+        v_scale = v_scale * prob_scale
     if SWAP:
         q_t = tl.trans(q)                                                                  # [BLOCK_D, BLOCK_G]
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -124,24 +162,36 @@ def _decode_attention_kernel(
             k, v = _decode_attention_load_tile(K_CACHE, V_CACHE, _decode_attention_pages(table_row, n0 + offs_n, t_mask,
                                                PAGE_SIZE), n0 + offs_n, t_mask, d_mask, offs_d, head_off, stride_cb,
                                                stride_cs, PAGE_SIZE)
-        k_op = k if QK_FP8 else k.to(COMPUTE_DTYPE)
+        k_op = k if K_AS_FP8 else k.to(COMPUTE_DTYPE)
         if SWAP:
             # Tokens as the MMA's M dimension (128 rows: Hopper wgmma), the group's heads as N (padded to 16).
-            s = tl.dot(k_op, q_t) * s_scale[None, :]                                              # [BLOCK_N, BLOCK_G]
+            s = tl.dot(k_op, q_t, max_num_imprecise_acc=QK_ACC) * s_scale[None, :]               # [BLOCK_N, BLOCK_G]
             s = tl.where(t_mask[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(COMPUTE_DTYPE)), p.to(COMPUTE_DTYPE))
+            p_op = p.to(COMPUTE_DTYPE)
+            if P_FP8:   # e4m3(p * r), saturating; fp8 to the MMA, or widened to fp16 over an e5m2/bf16 cache
+                p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                if not V_AS_FP8:
+                    p_op = p_op.to(COMPUTE_DTYPE)
+            v_op = v if V_AS_FP8 else v.to(COMPUTE_DTYPE)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v_op), p_op, max_num_imprecise_acc=PV_ACC)
         else:
-            s = tl.dot(q, tl.trans(k_op)) * s_scale[:, None]                                      # [BLOCK_G, BLOCK_N]
+            s = tl.dot(q, tl.trans(k_op), max_num_imprecise_acc=QK_ACC) * s_scale[:, None]       # [BLOCK_G, BLOCK_N]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE))
+            p_op = p.to(COMPUTE_DTYPE)
+            if P_FP8:
+                p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                if not V_AS_FP8:
+                    p_op = p_op.to(COMPUTE_DTYPE)
+            v_op = v if V_AS_FP8 else v.to(COMPUTE_DTYPE)   # here, not before Q.K: 7% slower there (H100)
+            acc = acc * alpha[:, None] + tl.dot(p_op, v_op, max_num_imprecise_acc=PV_ACC)
         m_i = m_new
         if PREFETCH:
             k, v, t_mask = k_next, v_next, next_mask
@@ -190,14 +240,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sm_scale: float, num_splits: int | None = None, *, qk_fp8: bool = False,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      prefetch: bool | None = None, swap: bool | None = None,
-                     programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     programs_per_sm: int | None = None, q_scale: torch.Tensor | str | None = None,
+                     prob_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
     Returns (out [B, Hq, D] q.dtype, lse [B, Hq] fp32 natural log). num_splits=None picks enough
-    splits to fill the GPU. qk_fp8 (e4m3 cache only): Q is quantised per head to e4m3
-    and Q.K runs on fp8 tensor cores (extra error; see tests). The launch keywords override this GPU's
-    entry in kernels/configs.py."""
+    splits to fill the GPU. FP8 attention (module docstring; always e4m3): q_scale = "dynamic" (per head,
+    amax / 448) or an fp32 tensor [] or [Hq] quantises Q; prob_scale (fp32 []) quantises the tile-relative
+    probabilities for P.V. qk_fp8=True is the older spelling of q_scale="dynamic" (e4m3 cache only). Any cache
+    takes them; an e4m3 cache gets the speed (fp8 MMAs, no tile converted). The launch keywords override this
+    GPU's entry in kernels/configs.py ("gqa_fp8_pv" when P is in fp8 over an e4m3 cache)."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -219,12 +272,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             assert isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.shape in ((), (kv_heads,)), \
                 f"{name} must be an fp32 tensor of shape [] or [{kv_heads}], got {s!r:.80}"
-    # e5m2 is refused: on an H100 the e5m2 (2 mantissa bits) Q failed the 2x-torch agreement test with per-tensor
-    # scales (tests/test_kernels_gpu.py::test_decode_attention_qk_fp8, kernels/BENCHMARKS.md)
+    # qk_fp8 quantised Q into the cache's format; e5m2 (2 mantissa bits) failed the 2x-torch agreement test with
+    # per-tensor scales on an H100 (kernels/BENCHMARKS.md, session 4). q_scale="dynamic" is always e4m3.
     assert not qk_fp8 or k_cache.dtype == torch.float8_e4m3fn, "qk_fp8 needs an e4m3 cache"
+    assert not (qk_fp8 and q_scale is not None), "give qk_fp8 or q_scale, not both"
+    q_scale = "dynamic" if qk_fp8 else q_scale
     device = q.device
+    q_quant = _check_attention_scales(q_scale, prob_scale, q_heads, device)
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
-    cfg = launch_config("gqa_fp8" if fp8 else "gqa_bf16", device)
+    e4m3 = k_cache.dtype == torch.float8_e4m3fn
+    kind = "gqa_fp8" if fp8 else "gqa_bf16"
+    cfg = launch_config("gqa_fp8_pv" if e4m3 and prob_scale is not None else kind, device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm)):
         if value is not None:
@@ -245,21 +303,42 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     part_out, part_lse = partials(out, num_splits)
     group = q_heads // kv_heads
+    # fp8 Q.K only where it reaches wgmma (swap): in the plain 16-row layout it gave no speed (0.2536 vs 0.2485 ms,
+    # batch 8, 32k) and failed the agreement test with its emulation (q dynamic, H100, session 5), so there the e4m3
+    # Q and the K codes are widened to fp16 (exact) as over an e5m2 cache.
+    k_as_fp8 = e4m3 and q_quant > 0 and cfg["swap"]
     _decode_attention_kernel[(kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens,
-        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens, part_out, part_lse,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
+        q_scale if q_quant == 2 else seq_lens, prob_scale if prob_scale is not None else seq_lens, part_out, part_lse,
         sm_scale * LOG2E, tokens_per_split,
-        int(fp8 and k_scale.dim() == 1), int(fp8 and v_scale.dim() == 1),
+        int(fp8 and k_scale.dim() == 1), int(fp8 and v_scale.dim() == 1), int(q_quant == 2 and q_scale.dim() == 1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n, CACHE_IS_FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16),
-        PREFETCH=cfg["prefetch"], SWAP=cfg["swap"], QK_FP8=qk_fp8,
-        FP8_MAX=FP8_MAX[fp8_format(k_cache.dtype)] if fp8 else 1.0,
+        PREFETCH=cfg["prefetch"], SWAP=cfg["swap"], Q_QUANT=q_quant, P_FP8=prob_scale is not None,
+        K_AS_FP8=k_as_fp8, V_AS_FP8=e4m3 and prob_scale is not None, FP8_MAX=FP8_MAX["e4m3"],
+        QK_ACC=min(FP8_ACC_CHUNK, triton.next_power_of_2(head_dim)) if k_as_fp8 else None,
+        PV_ACC=min(FP8_ACC_CHUNK, block_n) if e4m3 and prob_scale is not None else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
+
+
+def _check_attention_scales(q_scale, prob_scale, q_heads: int, device: torch.device) -> int:
+    """The kernel's Q_QUANT (0 none, 1 dynamic, 2 given scale) after checking both scales' types and shapes."""
+    if isinstance(q_scale, str):
+        assert q_scale == "dynamic", f'q_scale must be "dynamic", an fp32 tensor or None, got {q_scale!r}'
+    for name, s, shapes in (("q_scale", q_scale, ((), (q_heads,))), ("prob_scale", prob_scale, ((),))):
+        if isinstance(s, torch.Tensor):
+            assert s.dtype == torch.float32 and s.shape in shapes and s.device == device, \
+                f"{name} must be an fp32 tensor of shape {' or '.join(str(list(x)) for x in shapes)} on {device}, " \
+                f"got {list(s.shape)} {s.dtype} on {s.device}"
+        else:
+            assert s is None or (name == "q_scale" and s == "dynamic"), f"{name} must be an fp32 tensor, got {s!r:.80}"
+    return 0 if q_scale is None else 1 if isinstance(q_scale, str) else 2
 
 
 def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,

@@ -47,8 +47,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, out_dtype: torc
 
 
 def amax_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Scale that maps `amax` onto the format's largest value: amax / 448 (e4m3) or amax / 57344 (e5m2)."""
-    return (amax.float() / FP8_MAX[fmt]).clamp_min(MIN_SCALE)
+    """Scale that maps `amax` onto the format's largest value: amax / 448 (e4m3) or amax / 57344 (e5m2).
+    Divided by a tensor: on CUDA torch divides by a Python scalar as a multiplication by its reciprocal, one bit
+    off IEEE division for 71 of the 128 bf16 mantissas, which moves e4m3 ties (and the kernels divide exactly)."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX[fmt])).clamp_min(MIN_SCALE)
 
 
 def per_token_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -124,12 +127,20 @@ def _read_sequence(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, s
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, k_scale, v_scale, sm_scale: float,
-                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_splits: int | None = None, *, q_scale: torch.Tensor | str | None = None,
+                     prob_scale: torch.Tensor | None = None, block_n: int = 128,
+                     tokens_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged GQA decode: for query head h of sequence b, over its seq_lens[b] cached tokens,
         s_j = sm_scale * q[b, h] . K_j[h // group],   out = sum_j softmax(s)_j V_j[h // group],
         lse = log sum_j exp(s_j)   (natural log; -inf for an empty sequence).
-    q: [B, Hq, D] -> (out [B, Hq, D] in q.dtype, lse [B, Hq] fp32). num_splits is a kernel knob only."""
+    q: [B, Hq, D] -> (out [B, Hq, D] in q.dtype, lse [B, Hq] fp32). num_splits is a kernel knob only.
+    With q_scale / prob_scale: the FP8 attention of `kernels/decode_attention.py` (`decode_attention_fp8`),
+    whose P quantisation depends on the kernel's tiles (block_n) and splits (tokens_per_split; None: one)."""
     del num_splits
+    if q_scale is not None or prob_scale is not None:
+        out, lse = decode_attention_fp8(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale,
+                                        q_scale, prob_scale, block_n, tokens_per_split)
+        return out.to(q.dtype), lse.float()
     batch, q_heads, _ = q.shape
     group = q_heads // k_cache.shape[2]
     out = torch.zeros_like(q)
@@ -142,6 +153,74 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse[b] = torch.logsumexp(scores, dim=-1).to(lse.device)
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype).to(q.device)
     return out, lse
+
+
+def quantize_query(q: torch.Tensor, q_scale: torch.Tensor | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's Q in e4m3: (codes as fp64 values, scale [..., Hq, 1] fp64) for q [..., Hq, D];
+    q_scale "dynamic" (per head: amax / 448, 1 where amax is 0) or fp32 [] / [Hq]."""
+    qf = q.float()
+    if isinstance(q_scale, str):
+        amax = qf.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax_scale(amax, "e4m3"), torch.ones_like(amax))   # IEEE division, as the kernel
+    else:
+        scale = torch.as_tensor(q_scale, dtype=torch.float32, device=q.device)
+        scale = scale.reshape(-1, 1) if scale.dim() else scale
+    return quantize(qf, scale, "e4m3").double(), torch.as_tensor(scale, device=q.device).double()
+
+
+def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, k_scale, v_scale, sm_scale: float,
+                         q_scale: torch.Tensor | str | None, prob_scale: torch.Tensor | None,
+                         block_n: int = 128, tokens_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 emulation of the decode kernel's FP8 attention (definition in kernels/decode_attention.py):
+    Q rounded to e4m3 under q_scale; P rounded as the online softmax holds it, p_j = exp(s_j - m_t(j)) with
+    m_t the running max of j's split up to the end of j's tile (tiles of block_n tokens; splits of
+    tokens_per_split, a multiple of block_n, None: one split), p8_j = e4m3(p_j * fp32(1 / prob_scale)):
+        out = prob_scale * sum_j exp(m_t(j) - M) p8_j V_j / sum_j exp(s_j - M)   (exact split merge).
+    Returns (out [B, Hq, D] fp64, lse [B, Hq] fp64)."""
+    batch, q_heads, head_dim = q.shape
+    group = q_heads // k_cache.shape[2]
+    q64, q_s = quantize_query(q, q_scale) if q_scale is not None else (q.double(), torch.ones((), dtype=torch.float64))
+    q64 = q64 * q_s.to(q64.device)
+    out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        k = (_read_sequence(k_cache, block_table[b], n, None, 1).double() if not is_fp8(k_cache.dtype) else
+             _read_sequence(k_cache, block_table[b], n, 1.0, 1).double() *
+             _head_scale(k_scale, 1).double().to(k_cache.device))
+        v = (_read_sequence(v_cache, block_table[b], n, None, 1).double() if not is_fp8(v_cache.dtype) else
+             _read_sequence(v_cache, block_table[b], n, 1.0, 1).double() *
+             _head_scale(v_scale, 1).double().to(v_cache.device))
+        k, v = k.repeat_interleave(group, dim=1).to(q.device), v.repeat_interleave(group, dim=1).to(q.device)
+        scores = torch.einsum("hd,lhd->hl", q64[b], k) * sm_scale                        # [Hq, n]
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        if prob_scale is None:
+            out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+            continue
+        m_tile = _running_tile_max(scores, block_n, tokens_per_split or -(-n // block_n) * block_n)            # [Hq, n]
+        inv = (1.0 / torch.as_tensor(prob_scale, dtype=torch.float32)).double().to(q.device)
+        p8 = quantize(torch.exp(scores - m_tile) * inv, 1.0, "e4m3").double()
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = p8 * torch.exp(m_tile - top) * torch.as_tensor(prob_scale).double().to(q.device)
+        out[b] = torch.einsum("hl,lhd->hd", weights, v) / torch.exp(scores - top).sum(-1, keepdim=True)
+    return out, lse
+
+
+def _running_tile_max(scores: torch.Tensor, block_n: int, tokens_per_split: int) -> torch.Tensor:
+    """For each token j of scores [H, n]: the max of its split's scores up to the end of its tile."""
+    assert tokens_per_split % block_n == 0, f"tokens_per_split {tokens_per_split} is not a multiple of {block_n}"
+    heads, n = scores.shape
+    tiles = -(-n // block_n)
+    per_split = tokens_per_split // block_n
+    splits = -(-tiles // per_split)
+    padded = torch.full((heads, splits * per_split * block_n), float("-inf"), dtype=scores.dtype, device=scores.device)
+    padded[:, :n] = scores
+    tile_max = padded.view(heads, splits, per_split, block_n).amax(-1)                  # [H, splits, tiles/split]
+    running = tile_max.cummax(dim=-1).values.reshape(heads, -1)                          # [H, tiles]
+    return running.repeat_interleave(block_n, dim=1)[:, :n]
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

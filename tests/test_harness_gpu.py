@@ -44,3 +44,17 @@ def test_plugins_on_cuda_give_the_same_replies(tiny_models, arch):
         assert generation.metrics["kernel_err_ratio"] <= 4.0, (kernel, generation.metrics)
         replies[kernel] = generation.token_ids
     assert len({tuple(ids) for ids in replies.values()}) == 1, replies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_q:fp8_p"])
+def test_fp8_attention_decodes_through_triton(tiny_models, spec):
+    """FP8 attention (q_scale / prob_scale) on CUDA: decode steps run our Triton kernel with the path's scales,
+    judged against fp64 attention of the raw query over the stored codes relative to the torch reference's FP8
+    attention on the same step (the same quantisation steps, rounded at other places: errors of one size)."""
+    model = InProcessModel.load(tiny_models["gqa"], device="cuda")
+    backend = model.backend(parse_path(spec))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    generation = backend.generate_sync(CHAT, 16)
+    assert generation.metrics["kernel_steps"] > 0
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics

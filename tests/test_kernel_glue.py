@@ -32,3 +32,26 @@ def test_per_token_paths_say_why_no_kernel(tiny_models, monkeypatch):
     backend = InProcessModel.load(tiny_models["gqa"]).backend(parse_path("fp8_e4m3:per_token"))
     assert "per-token" in backend.describe()["decode_kernel"]
     assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_p"])
+def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, spec):
+    """FP8 attention (q_scale / prob_scale) on a GQA model: decode steps go to the kernel ops with the path's
+    scales (here their torch mirror, which computes the Triton kernel's definition), judged against fp64
+    attention of the raw query over the stored codes relative to the torch reference's FP8 attention error."""
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(tiny_models["gqa"]).backend(parse_path(spec))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    generation = backend.generate_sync(CHAT, 8)
+    steps = len(generation.token_ids) - (generation.finish_reason == "length")
+    assert generation.metrics["kernel_steps"] == 2 * steps   # one kernel call per decode step per attention layer
+    # same quantisation steps, rounded at different places (tile-relative vs normalised P): errors of one size
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+
+
+@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p"), ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
+def test_fp8_attention_elsewhere_stays_in_the_torch_reference(tiny_models, monkeypatch, arch, spec):
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
+    assert "torch reference" in backend.describe()["decode_kernel"]
+    assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics

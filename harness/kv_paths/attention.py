@@ -24,6 +24,9 @@ ATTENTION_NAME = "harness"
 # each call and may return a tensor to use as the output instead (attention capture, isolated mode).
 ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
+# Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords) for GQA layers: ours and its torch
+# mirror. Other plug-ins (the contract has no such keywords) and MLA layers run FP8 attention in the torch reference.
+FP8_ATTENTION_KERNELS = ("triton", "reference")
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
 
@@ -125,25 +128,26 @@ class PagedKV:
                 torch.tensor([self.length], dtype=torch.int32, device=device))
 
 
-def _timed_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
+def _timed_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
     """`_kernel_decode`, its wall time (device synchronised before and after) added to the agreement."""
     cuda = query.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(query.device)
     start = time.perf_counter()
-    out = _kernel_decode(module, query, paged)
+    out = _kernel_decode(module, query, paged, quant)
     if cuda:
         torch.cuda.synchronize(query.device)
     paged.agreement.step_s.append(time.perf_counter() - start)
     return out
 
 
-def _kernel_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
-    """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache."""
+def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
+    """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache. `quant`
+    (an AttentionQuant: FP8 attention) goes to our GQA kernels as q_scale / prob_scale (FP8_ATTENTION_KERNELS)."""
     table, lens = paged.block_table(query.device)
     if not paged.mla:
         out = run_gqa(paged.kernel, query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
-                      paged.k_scale, paged.v_scale, module.scaling)
+                      paged.k_scale, paged.v_scale, module.scaling, **_attention_scales(quant, query.device))
         return out.unsqueeze(1)
     # Absorbed MLA: q_latent = q_nope W_UK, out = (softmax . c) W_UV, with W from kv_b_proj.
     nope, heads = module.qk_nope_head_dim, query.shape[1]
@@ -154,6 +158,18 @@ def _kernel_decode(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
                          paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling)
     out = torch.einsum("hc,hvc->hv", out_latent[0].float(), weight[:, nope:].float()).to(query.dtype)
     return out.view(1, 1, heads, -1)
+
+
+def _attention_scales(quant, device: torch.device) -> dict:
+    """AttentionQuant -> the q_scale / prob_scale keywords of our decode_attention (fp32 on `device`)."""
+    if quant is None:
+        return {}
+    assert quant.fmt == "e4m3", f"FP8 attention in {quant.fmt}: our kernels quantise Q and P to e4m3 only"
+    q = quant.q_scale
+    if isinstance(q, torch.Tensor):   # one scale ([] or [1]) or one per query head
+        q = q.to(device, torch.float32).reshape(() if q.numel() == 1 else (-1,))
+    prob = quant.prob_scale
+    return {"q_scale": q, "prob_scale": None if prob is None else prob.to(device, torch.float32).reshape(())}
 
 
 def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
@@ -203,20 +219,23 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
         quant = getattr(layer, "attn_quant", None)
+        raw_query = query
         if quant is None:
             output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        else:  # FP8 attention (q_scale / prob_scale): the torch reference, on every device
+        else:  # FP8 attention (q_scale / prob_scale): the torch reference (prefill; decode when no kernel takes it)
             from kernels.reference import attention_fp8
 
             output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask,
                                           quant.q_scale, quant.prob_scale, quant.fmt)
             weights = None
-        paged = getattr(layer, "paged", None) if quant is None else None  # kernels do not quantise q or p
+        paged = getattr(layer, "paged", None)
         if paged is not None and query.shape[2] == 1 and hasattr(paged, "decode"):  # batched (harness.replay.batched)
-            output = paged.decode(module, query, output)
+            output = paged.decode(module, raw_query, output)
         elif paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
-            kernel_out = _timed_decode(module, query, paged)
-            paged.agreement.add(kernel_out, output, _exact_attention(module, query, paged))
+            # The kernel gets the raw query (it quantises Q itself) and is judged, as the torch reference's FP8
+            # attention (`output`) is, against fp64 attention of the raw query over the stored codes.
+            kernel_out = _timed_decode(module, raw_query, paged, quant)
+            paged.agreement.add(kernel_out, output, _exact_attention(module, raw_query, paged))
             output = kernel_out
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:

@@ -116,11 +116,13 @@ def kernel_result(kernel: DecodeKernel, what: str, result: object, like: torch.T
 
 
 def run_gqa(kernel: DecodeKernel, q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale,
-            sm_scale: float) -> torch.Tensor:
-    """out [B, Hq, D] in q's dtype from the plug-in's decode_attention, checked against the contract."""
+            sm_scale: float, **attention_scales) -> torch.Tensor:
+    """out [B, Hq, D] in q's dtype from the plug-in's decode_attention, checked against the contract.
+    attention_scales (q_scale / prob_scale: FP8 attention) go only to plug-ins that take them (ours)."""
     if kernel.decode_attention is None:
         raise KernelPluginError(f"kernel {kernel.name!r} has no decode_attention (GQA/MHA models need one)")
-    result = kernel.decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale)
+    result = kernel.decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale,
+                                     **attention_scales)
     return _output(kernel, "decode_attention", result, q, q.shape)
 
 
