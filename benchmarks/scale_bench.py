@@ -126,6 +126,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
     for spec in paths:
         backend = loaded.backend(parse_path(spec))
         engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
+        live_before = torch.cuda.memory_allocated() / 2**30  # what earlier runs left allocated (weights etc.)
         try:
             engine.generate(ps[:2], 2)  # warm-up (Triton compiles)
             t1, _, _ = timed(lambda: engine.generate(ps, 1))
@@ -143,41 +144,72 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
         rows.append({"config": name, "path": spec, "tok_s": produced / tn, "s": tn, "step_ms": step * 1e3,
                      "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
-                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:]})
+                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:],
+                     "live_before": live_before})
         log(rows[-1])
         torch.cuda.empty_cache()
     return rows
 
 
 CANARY_SNIPPET = """
-import json, sys, time
+import asyncio, json, sys, time
 from pathlib import Path
 from harness import job
-from harness.replay import inprocess
-spent = {"load": 0.0, "judge": 0.0}
+from harness.replay import batched, batched_runner, inprocess, runner
+spent = {}
+def add(name, seconds):
+    spent[name] = spent.get(name, 0.0) + seconds
 def timed(name, fn):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[name] += time.perf_counter() - start
+            add(name, time.perf_counter() - start)
+    return wrapper
+def timed_async(name, fn):
+    async def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            add(name, time.perf_counter() - start)
     return wrapper
 inprocess.InProcessModel.load = classmethod(timed("load", inprocess.InProcessModel.load.__func__))
-judge = job._judge
-async def timed_judge(*args, **kwargs):
-    start = time.perf_counter()
-    try:
-        return await judge(*args, **kwargs)
-    finally:
-        spent["judge"] += time.perf_counter() - start
-job._judge = timed_judge
+B = batched_runner.BatchedReplay
+for name in ("_reference_waves", "_candidate_waves", "_score_waves", "_batch_invariance"):
+    setattr(B, name, timed(name.strip("_"), getattr(B, name)))
+runner.Replay.run = timed_async("replay_records", runner.Replay.run)
+job._judge = timed_async("judge", job._judge)
+job.write_verdicts = timed("verdicts", job.write_verdicts)
+E = batched.BatchedEngine
+steps = {"forward": 0, "decode_rows": 0}
+forward = E._forward
+def counted(self, ids, *args, **kwargs):
+    steps["forward"] += 1
+    steps["decode_rows"] += ids.shape[0] if ids.shape[1] == 1 else 0
+    return forward(self, ids, *args, **kwargs)
+E._forward = counted
+E._prefill = timed("prefill", E._prefill)
+E._score_batch = timed("score_batches", E._score_batch)
+E._generate_batch = timed("generate_batches", E._generate_batch)
+batched.BatchedPagedKV._check = timed("kernel_checks", batched.BatchedPagedKV._check)
+try:
+    import triton.compiler.compiler as tc
+    import triton.runtime.jit as tj
+    compile_fn = timed("triton_compile", tc.compile)
+    tc.compile = compile_fn
+    if hasattr(tj, "compile"):
+        tj.compile = compile_fn
+except Exception as error:
+    spent["triton_compile_hook"] = str(error)
 models, _ = job.default_models()
 config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(), paths=job.parse_kv_paths(job.DEFAULT_PATHS),
                        out=Path(sys.argv[1]), device="cuda")
 start = time.perf_counter()
 job.run_job(config)
 spent["total"] = time.perf_counter() - start
+spent.update(steps)
 print("CANARY " + json.dumps(spent))
 """
 
@@ -207,6 +239,7 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--new", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--canary-run", action="store_true")
+    parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
     args = parser.parse_args()
     out = open(args.log, "a") if args.log else None
@@ -224,14 +257,17 @@ def main() -> None:
           f"triton {triton.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     rows, extra = [], []
     if args.canary_run:
-        result = canary_run()
+        result = canary_run(args.canary_timeout)
         log({"canary_run": result})
         extra.append(f"default canary run on cuda: {result.get('total', float('nan')):.1f} s in run_job "
                      f"(model load {result.get('load', float('nan')):.1f} s, judges {result.get('judge', float('nan')):.1f} s), "
                      f"process wall {result['wall_s']:.1f} s, {result['units']} units, status {result.get('status')}")
+        phases = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()
+                  if k not in ("stderr_tail", "batching", "wall_s", "rc", "units", "status")}
+        extra.append(f"canary phases (s; nested: generate_batches includes prefill and kernel_checks): {json.dumps(phases)}")
     bandwidth = copy_bandwidth()
     paths = [p for p in args.paths.split(",") if p]
-    configs = args.configs.split(",")
+    configs = [c for c in args.configs.split(",") if c]
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())
         if "8b-1k" in configs:
@@ -247,14 +283,15 @@ def main() -> None:
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)
-    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | x bf16 | decode |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | live before GiB | x bf16 | decode |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['path']} | {r['error']} |")
             continue
         x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
         print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
-              f"{r['roof']:.2f} | {r['peak']:.1f} | {x} | {r.get('kernel', '')} |")
+              f"{r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | {x} | {r.get('kernel', '')} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """`Replay` with in-process backends computed in batches first, then written by the ordinary runner.
 
-Schedule (the same for the reference and every path, so the `bf16` path sees exactly the reference's batch
-composition and its noise floor stays exactly zero): turn by turn, the turn-t prompts of all scenarios form
-one wave, cut into batches in scenario order. The reference advances on its own replies; a candidate on the
-reference's (`reference-history`) or its own (`own-history`) replies, as `Replay` defines them. Teacher-forced
-scoring batches the same waves. `Replay` then runs unchanged over backends that answer from these results,
+Schedule: the reference goes turn by turn (the turn-t prompts of all scenarios form one wave, cut into
+batches in scenario order), advancing on its own replies; a BF16-cache candidate (the `bf16` path) and any
+`own-history` candidate go through the same waves, so the `bf16` path sees exactly the reference's batch
+composition and its noise floor stays exactly zero. An FP8 candidate on the reference's history
+(`reference-history`) knows every turn's prompt at once, so all its turns form one wave (fewer decode steps;
+the batch-invariance floor bounds what the different composition can move). Teacher-forced scoring puts
+every turn in one wave, the same for the reference and every path. `Replay` then runs unchanged over backends that answer from these results,
 so records, series and texts are built by one piece of code.
 
 The batch-invariance floor (one model's reference, the same prompts alone vs in their batch) is measured
@@ -120,16 +122,23 @@ class BatchedReplay:
     def _candidate_waves(self, candidate: PrecomputedBackend, scenarios: Sequence[Scenario],
                          reference: dict[str, list[TurnReply]]) -> None:
         own: dict[str, list[TurnReply]] = {s.id: [] for s in scenarios}
+        kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
             self._waves(candidate, scenarios, own, lambda s, history: history)
-        else:
+        elif kv_path is None or not kv_path.is_fp8:
+            # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
             self._waves(candidate, scenarios, own, lambda s, history: reference[s.id])
+        else:
+            # an FP8 path on the reference's history: every turn's prompt is known, so all go in one wave
+            # (batches differ from the reference's; the batch-invariance floor says how much that can move)
+            asked = [(scenario, turn, tuple(candidate.inner.owner.encode_chat(_messages(scenario, reference[scenario.id], turn))))
+                     for scenario in scenarios for turn, spec in enumerate(scenario.turns) if spec.assistant is None]
+            self._generate(self._engine(candidate), candidate, asked)
 
     def _waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
                replies: dict[str, list[TurnReply]], history_of) -> None:
         """Turn by turn over `scenarios`: generate every non-fixed turn-t prompt in one batched call."""
         engine = self._engine(backend)
-        tokenizer = backend.inner.owner.tokenizer
         for turn in range(max((len(s.turns) for s in scenarios), default=0)):
             wave = [s for s in scenarios if turn < len(s.turns)]
             asked = []
@@ -139,18 +148,27 @@ class BatchedReplay:
                     replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
                 else:
                     messages = _messages(scenario, history_of(scenario, replies[scenario.id]), turn)
-                    asked.append((scenario, tuple(backend.inner.owner.encode_chat(messages))))
-            if not asked:
-                continue
-            results = engine.generate([p for _, p in asked], [s.max_new_tokens for s, _ in asked])
-            for (scenario, prompt), result in zip(asked, results):
-                generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
-                                        finish_reason=result.finish_reason,
-                                        tokens=[tokenizer.decode([t]) for t in result.token_ids],
-                                        prompt_tokens=len(prompt), metrics=result.metrics)
-                backend.generations[(prompt, scenario.max_new_tokens)] = generation
+                    asked.append((scenario, turn, tuple(backend.inner.owner.encode_chat(messages))))
+            for scenario, turn, generation in self._generate(engine, backend, asked):
                 replies[scenario.id].append(TurnReply(turn, scenario.turns[turn].user, generation.token_ids,
                                                       generation.text, fixed=False))
+
+    @staticmethod
+    def _generate(engine: BatchedEngine, backend: PrecomputedBackend, asked: list) -> list:
+        """Generate (scenario, turn, prompt ids) items in one batched call; the backend answers them from now on."""
+        if not asked:
+            return []
+        tokenizer = backend.inner.owner.tokenizer
+        results = engine.generate([p for _, _, p in asked], [s.max_new_tokens for s, _, _ in asked])
+        done = []
+        for (scenario, turn, prompt), result in zip(asked, results):
+            generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
+                                    finish_reason=result.finish_reason,
+                                    tokens=[tokenizer.decode([t]) for t in result.token_ids],
+                                    prompt_tokens=len(prompt), metrics=result.metrics)
+            backend.generations[(prompt, scenario.max_new_tokens)] = generation
+            done.append((scenario, turn, generation))
+        return done
 
     def _stored_reference(self, scenario: Scenario) -> list[TurnReply]:
         rows = [r for r in self.store.read("texts")
@@ -161,18 +179,20 @@ class BatchedReplay:
     # -- scoring waves ----------------------------------------------------------------------------------
     def _score_waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
                      reference: dict[str, list[TurnReply]], into: PrecomputedBackend | None = None) -> dict:
+        """Teacher-forced scores of every generated reference turn, all turns in one batched call (the same
+        composition for the reference and every path: the bf16 path's scores equal the reference's)."""
         engine = self._engine(backend)
         scored: dict[tuple, Scores] = {}
-        for turn in range(max((len(s.turns) for s in scenarios), default=0)):
-            asked = []
-            for scenario in scenarios:
-                if turn < len(scenario.turns) and not reference[scenario.id][turn].fixed:
+        asked = []
+        for scenario in scenarios:
+            for turn in range(len(scenario.turns)):
+                if not reference[scenario.id][turn].fixed:
                     messages = _messages(scenario, reference[scenario.id], turn)
                     asked.append((tuple(backend.inner.owner.encode_chat(messages)),
                                   tuple(reference[scenario.id][turn].token_ids)))
-            if asked:
-                for key, logprobs in zip(asked, engine.score([p for p, _ in asked], [c for _, c in asked])):
-                    scored[key] = Scores(logprobs=logprobs)
+        if asked:
+            for key, logprobs in zip(asked, engine.score([p for p, _ in asked], [c for _, c in asked])):
+                scored[key] = Scores(logprobs=logprobs)
         if into is not None:
             into.scores.update(scored)
         return scored
