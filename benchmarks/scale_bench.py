@@ -95,8 +95,20 @@ def timed(fn) -> tuple[float, float, object]:
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30, result
 
 
+def launches_per_step(engine: BatchedEngine, ps: list[list[int]]) -> float:
+    """Kernel launches (CUDA runtime + driver, Triton's included) per decode step: profiled 1- and 5-token calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for n in (1, 5):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(ps, n)
+        counts.append(sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key))
+    return (counts[1] - counts[0]) / 4
+
+
 def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
-               bandwidth: float, baseline: bool, log) -> list[dict]:
+               bandwidth: float, baseline: bool, log, profile: bool = False) -> list[dict]:
     model, config = loaded.model, loaded.model.config
     rows = []
     ps = prompts(batch, length, config.vocab_size, seed=1)
@@ -137,6 +149,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
             torch.cuda.empty_cache()
             continue
         produced = sum(len(r.token_ids) for r in result)
+        launches = launches_per_step(engine, ps) if profile else None
         step = (tn - t1) / (new - 1)
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
         if spec == "bf16":
@@ -145,7 +158,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
                      "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:],
-                     "live_before": live_before})
+                     "live_before": live_before, "launches_per_step": launches})
         log(rows[-1])
         torch.cuda.empty_cache()
     return rows
@@ -159,6 +172,8 @@ from harness.replay import batched, batched_runner, inprocess, runner
 spent = {}
 def add(name, seconds):
     spent[name] = spent.get(name, 0.0) + seconds
+    if name in ("reference_waves", "candidate_waves", "replay_records", "judge"):
+        print("CANARY_PARTIAL " + json.dumps(spent), flush=True)
 def timed(name, fn):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -221,14 +236,18 @@ def canary_run(timeout: float = 240) -> dict:
         try:
             done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run")], capture_output=True,
                                   text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            done = subprocess.CompletedProcess([], returncode=-1, stdout="", stderr=f"timed out after {timeout} s")
+        except subprocess.TimeoutExpired as error:
+            partial = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+            done = subprocess.CompletedProcess([], returncode=-1, stdout=partial, stderr=f"timed out after {timeout} s")
         wall = time.perf_counter() - start
         manifest_file = Path(tmp) / "run" / "manifest.json"
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
         done_file = Path(tmp) / "run" / "done.jsonl"
         units = sum(1 for _ in open(done_file)) if done_file.exists() else 0
-    spent = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("CANARY ")), {})
+    lines = done.stdout.splitlines()
+    spent = next((json.loads(line[7:]) for line in lines if line.startswith("CANARY ")), None)
+    if spent is None:  # stopped early: the phases finished so far
+        spent = next((json.loads(line[15:]) for line in reversed(lines) if line.startswith("CANARY_PARTIAL ")), {})
     return {"wall_s": wall, "rc": done.returncode, "units": units, **spent, "status": manifest.get("status"),
             "batching": manifest.get("batching"), "stderr_tail": done.stderr[-1500:]}
 
@@ -241,6 +260,7 @@ def main() -> None:
     parser.add_argument("--canary-run", action="store_true")
     parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="also count kernel launches per decode step")
     args = parser.parse_args()
     out = open(args.log, "a") if args.log else None
 
@@ -271,7 +291,7 @@ def main() -> None:
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())
         if "8b-1k" in configs:
-            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log)
+            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log, args.profile)
         if "8b-8k" in configs:
             rows += run_config("8b b16 8k", loaded, 16, 8192, 16, [p for p in paths if p != "fp8_e4m3:per_token"][:2],
                                bandwidth, False, log)
@@ -279,19 +299,20 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "mla-1k" in configs:
         loaded = build(deepseek_v2_lite())
-        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log)
+        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log, args.profile)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)
-    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | live before GiB | x bf16 | decode |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | live before GiB | launches/step | x bf16 | decode |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['path']} | {r['error']} |")
             continue
         x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
         print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
-              f"{r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | {x} | {r.get('kernel', '')} |")
+              f"{r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
+              f"{r.get('launches_per_step') or ''} | {x} | {r.get('kernel', '')} |")
 
 
 if __name__ == "__main__":

@@ -26,15 +26,31 @@ from harness.scenarios.load import Scenario
 from harness.types import Generation, Message, Scores
 
 FLOOR_SEQUENCES = 4  # prompts of the first wave re-run alone to measure the batch-invariance floor
+# Full log-probs (float32, [T, V]) one lazy scoring call may hold on the host per path: a memory bound, not a
+# tuning knob (the canaries' 128-token vocabulary puts every turn in one call; an 8B model's 128k vocabulary
+# puts ~4k scored tokens in one call)
+HOST_SCORE_BYTES = 2 << 30
 
 
 class PrecomputedBackend:
-    """Answers `generate` / `score` from batched results; anything not precomputed runs one at a time."""
+    """Answers `generate` / `score` from batched results; anything not precomputed runs one at a time.
+
+    Teacher-forced scores are computed lazily, in the order `Replay` asks for them (scenario by scenario, turn
+    by turn): a miss scores the next chunk of the queue in one batched call, at most `HOST_SCORE_BYTES` of
+    full log-probs, and `Replay` drops each as it is used. Host memory stays bounded by one chunk per path
+    (an 8B model's 128k vocabulary is 0.5 MB per scored token) instead of every scenario's scores at once;
+    the reference and every path cut the same queue the same way, so their batches stay identical.
+    """
 
     def __init__(self, inner, label: str):
         self.inner, self.label = inner, label
         self.generations: dict[tuple, Generation] = {}
         self.scores: dict[tuple, Scores] = {}
+        self.score_queue: list[tuple] = []  # (prompt ids, continuation ids), in the order Replay asks
+        self.score_engine: BatchedEngine | None = None
+        self.on_score_failure = None  # called with the error when a lazy batch fails (then one at a time)
+        self._queued: dict[tuple, int] = {}
+        self._next = 0  # queue items before this one have been scored (or skipped)
 
     def describe(self) -> dict:
         return self.inner.describe()
@@ -42,16 +58,47 @@ class PrecomputedBackend:
     def _prompt(self, messages: Sequence[Message]) -> tuple[int, ...]:
         return tuple(self.inner.owner.encode_chat(messages))
 
+    def queue_scores(self, asked: list[tuple], engine: BatchedEngine) -> None:
+        self.score_queue, self.score_engine = list(asked), engine
+        self._queued = {key: i for i, key in enumerate(self.score_queue)}
+        self._next = 0
+
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         found = self.generations.get((self._prompt(messages), max_new_tokens))
         return found if found is not None else await self.inner.generate(messages, max_new_tokens)
 
     async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
-        found = self.scores.pop((self._prompt(messages), tuple(continuation_ids)), None)
+        key = (self._prompt(messages), tuple(continuation_ids))
+        if key not in self.scores and self.score_engine is not None and self._queued.get(key, -1) >= self._next:
+            self._score_chunk(self._queued[key])
+        found = self.scores.pop(key, None)
         return found if found is not None else await self.inner.score(messages, continuation_ids)
+
+    def _score_chunk(self, start: int) -> None:
+        vocab = self.inner.owner.model.config.vocab_size
+        end, size = start, 0
+        while end < len(self.score_queue) and (end == start or size + _score_bytes(self.score_queue[end], vocab)
+                                               <= HOST_SCORE_BYTES):
+            size += _score_bytes(self.score_queue[end], vocab)
+            end += 1
+        chunk = self.score_queue[start:end]
+        self._next = end
+        try:
+            scored = self.score_engine.score([p for p, _ in chunk], [c for _, c in chunk])
+        except Exception as error:  # noqa: BLE001 - named in the manifest; the rest is scored one at a time
+            self.score_engine = None
+            if self.on_score_failure is not None:
+                self.on_score_failure(error)
+            return
+        for key, logprobs in zip(chunk, scored):
+            self.scores[key] = Scores(logprobs=logprobs)
 
     async def aclose(self) -> None:
         return None
+
+
+def _score_bytes(item: tuple, vocab: int) -> int:
+    return max(1, len(item[1])) * vocab * 4
 
 
 class BatchedReplay:
@@ -70,19 +117,18 @@ class BatchedReplay:
         pending = [s for s in scenarios if not self._all_done(s)]
         fallbacks: list[str] = []
         reference_replies = self._guarded(fallbacks, REFERENCE, lambda: self._reference_waves(pending))
-        floor, ref_scores = {}, {}
+        floor = {}
         if reference_replies is not None:
             floor = self._guarded(fallbacks, "batch-invariance floor",
                                   lambda: self._batch_invariance(pending, reference_replies)) or {}
-            ref_scores = self._guarded(fallbacks, f"{REFERENCE} scores",
-                                       lambda: self._score_waves(self.reference, pending, reference_replies)) or {}
+            self._score_waves(self.reference, pending, reference_replies, fallbacks)
             for candidate in self.candidates:
                 todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
-                self._guarded(fallbacks, candidate.label, lambda: (
-                    self._candidate_waves(candidate, todo, reference_replies),
-                    self._score_waves(candidate, todo, reference_replies, into=candidate)))
-        self.reference.scores.update(ref_scores)  # Replay scores the reference once per (scenario, turn)
-        asyncio.run(self.replay.run(scenarios))
+                done = self._guarded(fallbacks, candidate.label,
+                                     lambda: self._candidate_waves(candidate, todo, reference_replies) or True)
+                if done:
+                    self._score_waves(candidate, todo, reference_replies, fallbacks)
+        asyncio.run(self.replay.run(scenarios))  # scores are computed as it asks for them (`PrecomputedBackend`)
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
                 "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor,
@@ -178,11 +224,10 @@ class BatchedReplay:
 
     # -- scoring waves ----------------------------------------------------------------------------------
     def _score_waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
-                     reference: dict[str, list[TurnReply]], into: PrecomputedBackend | None = None) -> dict:
-        """Teacher-forced scores of every generated reference turn, all turns in one batched call (the same
-        composition for the reference and every path: the bf16 path's scores equal the reference's)."""
-        engine = self._engine(backend)
-        scored: dict[tuple, Scores] = {}
+                     reference: dict[str, list[TurnReply]], fallbacks: list[str]) -> None:
+        """Queue the teacher-forced scoring of every generated reference turn, scenario by scenario and turn by
+        turn (the order `Replay` asks); the same queue for the reference and every path, so the bf16 path's
+        batches and scores equal the reference's."""
         asked = []
         for scenario in scenarios:
             for turn in range(len(scenario.turns)):
@@ -190,12 +235,9 @@ class BatchedReplay:
                     messages = _messages(scenario, reference[scenario.id], turn)
                     asked.append((tuple(backend.inner.owner.encode_chat(messages)),
                                   tuple(reference[scenario.id][turn].token_ids)))
-        if asked:
-            for key, logprobs in zip(asked, engine.score([p for p, _ in asked], [c for _, c in asked])):
-                scored[key] = Scores(logprobs=logprobs)
-        if into is not None:
-            into.scores.update(scored)
-        return scored
+        backend.queue_scores(asked, self._engine(backend))
+        backend.on_score_failure = lambda error: fallbacks.append(
+            f"{backend.label} scores: {type(error).__name__}: {error}"[:300])
 
     # -- batch-invariance floor ---------------------------------------------------------------------------
     def _batch_invariance(self, scenarios: Sequence[Scenario], reference: dict[str, list[TurnReply]]) -> dict:
