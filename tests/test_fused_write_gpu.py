@@ -113,7 +113,7 @@ def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
     plain = backend.greedy_ids(prompt, 12)
     assert fused[0] == plain[0]
     for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_err_ratio"):
-        assert fused[2][key] == plain[2][key], key
+        assert fused[2].get(key) == plain[2].get(key), key  # per-token paths have no kernel metrics
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
