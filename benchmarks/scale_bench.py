@@ -176,6 +176,9 @@ def add(name, seconds):
     spent[name] = spent.get(name, 0.0) + seconds
     if name in ("reference_waves", "candidate_waves", "replay_records", "judge"):
         print("CANARY_PARTIAL " + json.dumps(spent), flush=True)
+        if len(sys.argv) > 2:  # also to a file, which survives the process (or its parent) being stopped
+            with open(sys.argv[2], "a") as phases:
+                phases.write(json.dumps(spent) + "\n")
 def timed(name, fn):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -231,13 +234,15 @@ print("CANARY " + json.dumps(spent))
 """
 
 
-def canary_run(timeout: float = 240) -> dict:
-    """The default canary run on CUDA in a fresh process: total, model load and judge seconds."""
+def canary_run(timeout: float = 240, phases_file: Path | None = None) -> dict:
+    """The default canary run on CUDA in a fresh process: total, model load and judge seconds, and the seconds
+    of each phase (appended to `phases_file` as they finish, when given)."""
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run")], capture_output=True,
-                                  text=True, timeout=timeout)
+            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run"),
+                                   *([str(phases_file)] if phases_file else [])], capture_output=True, text=True,
+                                  timeout=timeout)
         except subprocess.TimeoutExpired as error:
             partial = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
             done = subprocess.CompletedProcess([], returncode=-1, stdout=partial, stderr=f"timed out after {timeout} s")
@@ -279,7 +284,7 @@ def main() -> None:
           f"triton {triton.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     rows, extra = [], []
     if args.canary_run:
-        result = canary_run(args.canary_timeout)
+        result = canary_run(args.canary_timeout, args.log.with_suffix(".canary_phases.jsonl") if args.log else None)
         log({"canary_run": result})
         extra.append(f"default canary run on cuda: {result.get('total', float('nan')):.1f} s in run_job "
                      f"(model load {result.get('load', float('nan')):.1f} s, judges {result.get('judge', float('nan')):.1f} s), "

@@ -198,7 +198,12 @@ def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, 
 # Fused cache write: the FP8 round trip a harness cache layer emulates (codes = fp8(x / s), read back
 # codes * s in x's dtype), the paged store of the same codes, and the cast statistics, in one launch.
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+# Arguments that change from step to step (the step's pad mask is a column slice of a growing mask: its offset and
+# row stride move every decode step) or from call to call are not specialised on: otherwise Triton compiles a new
+# variant whenever one of them changes divisibility by 16 or pointer alignment, inside a timed decode loop.
+@triton.jit(do_not_specialize=["C", "stride_xr", "stride_xh", "stride_xc", "stride_vr", "stride_cb", "stride_cs",
+                               "stride_ch", "col_offset"],
+            do_not_specialize_on_alignment=["VALID"])
 def _quantize_store_kernel(
     X, OUT,                  # [R, H, C, D] x (any strides), OUT contiguous [R, H, C, D] in x's dtype
     SCALE,                   # fp32 [] or [H] (static scales; unread per token)
