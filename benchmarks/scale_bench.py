@@ -95,8 +95,20 @@ def timed(fn) -> tuple[float, float, object]:
     return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30, result
 
 
+def launches_per_step(engine: BatchedEngine, ps: list[list[int]]) -> float:
+    """Kernel launches (CUDA runtime + driver, Triton's included) per decode step: profiled 1- and 5-token calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for n in (1, 5):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(ps, n)
+        counts.append(sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key))
+    return (counts[1] - counts[0]) / 4
+
+
 def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
-               bandwidth: float, baseline: bool, log) -> list[dict]:
+               bandwidth: float, baseline: bool, log, profile: bool = False) -> list[dict]:
     model, config = loaded.model, loaded.model.config
     rows = []
     ps = prompts(batch, length, config.vocab_size, seed=1)
@@ -116,9 +128,9 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                                   do_sample=False)
 
         timed(lambda: generate(2))  # warm-up
-        t1, _, _ = timed(lambda: generate(1))
+        t2, _, _ = timed(lambda: generate(2))
         tn, peak, _ = timed(lambda: generate(new))
-        step = (tn - t1) / (new - 1)
+        step = (tn - t2) / (new - 2)
         rows.append({"config": name, "path": "plain generate (bf16)", "tok_s": batch * new / tn, "s": tn,
                      "step_ms": step * 1e3, "roof": roof_ms(kv_bytes_per_token(config)) / (step * 1e3), "peak": peak})
         log(rows[-1])
@@ -126,9 +138,12 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
     for spec in paths:
         backend = loaded.backend(parse_path(spec))
         engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
+        live_before = torch.cuda.memory_allocated() / 2**30  # what earlier runs left allocated (weights etc.)
         try:
-            engine.generate(ps[:2], 2)  # warm-up (Triton compiles)
-            t1, _, _ = timed(lambda: engine.generate(ps, 1))
+            # warm-up at the timed shapes, so every Triton specialisation is compiled before timing
+            engine.generate(ps, 2)
+            # decode step 0 runs the kernel-agreement check (fp64, every row): both timed calls include it once
+            t2, _, _ = timed(lambda: engine.generate(ps, 2))
             tn, peak, result = timed(lambda: engine.generate(ps, new))
         except torch.OutOfMemoryError as error:
             rows.append({"config": name, "path": spec, "error": f"OOM: {str(error)[:80]}"})
@@ -136,67 +151,110 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
             torch.cuda.empty_cache()
             continue
         produced = sum(len(r.token_ids) for r in result)
-        step = (tn - t1) / (new - 1)
+        launches = launches_per_step(engine, ps) if profile else None
+        step = (tn - t2) / (new - 2)
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
         if spec == "bf16":
             bf16_time = tn
         rows.append({"config": name, "path": spec, "tok_s": produced / tn, "s": tn, "step_ms": step * 1e3,
                      "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
-                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:]})
+                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:],
+                     "live_before": live_before, "launches_per_step": launches})
         log(rows[-1])
         torch.cuda.empty_cache()
     return rows
 
 
 CANARY_SNIPPET = """
-import json, sys, time
+import asyncio, json, sys, time
 from pathlib import Path
 from harness import job
-from harness.replay import inprocess
-spent = {"load": 0.0, "judge": 0.0}
+from harness.replay import batched, batched_runner, inprocess, runner
+spent = {}
+def add(name, seconds):
+    spent[name] = spent.get(name, 0.0) + seconds
+    if name in ("reference_waves", "candidate_waves", "replay_records", "judge"):
+        print("CANARY_PARTIAL " + json.dumps(spent), flush=True)
+        if len(sys.argv) > 2:  # also to a file, which survives the process (or its parent) being stopped
+            with open(sys.argv[2], "a") as phases:
+                phases.write(json.dumps(spent) + "\n")
 def timed(name, fn):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[name] += time.perf_counter() - start
+            add(name, time.perf_counter() - start)
+    return wrapper
+def timed_async(name, fn):
+    async def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            add(name, time.perf_counter() - start)
     return wrapper
 inprocess.InProcessModel.load = classmethod(timed("load", inprocess.InProcessModel.load.__func__))
-judge = job._judge
-async def timed_judge(*args, **kwargs):
-    start = time.perf_counter()
-    try:
-        return await judge(*args, **kwargs)
-    finally:
-        spent["judge"] += time.perf_counter() - start
-job._judge = timed_judge
+B = batched_runner.BatchedReplay
+for name in ("_reference_waves", "_candidate_waves", "_score_waves", "_batch_invariance"):
+    setattr(B, name, timed(name.strip("_"), getattr(B, name)))
+runner.Replay.run = timed_async("replay_records", runner.Replay.run)
+job._judge = timed_async("judge", job._judge)
+job.write_verdicts = timed("verdicts", job.write_verdicts)
+E = batched.BatchedEngine
+steps = {"forward": 0, "decode_rows": 0}
+forward = E._forward
+def counted(self, ids, *args, **kwargs):
+    steps["forward"] += 1
+    steps["decode_rows"] += ids.shape[0] if ids.shape[1] == 1 else 0
+    return forward(self, ids, *args, **kwargs)
+E._forward = counted
+E._prefill = timed("prefill", E._prefill)
+E._score_batch = timed("score_batches", E._score_batch)
+E._generate_batch = timed("generate_batches", E._generate_batch)
+batched.BatchedPagedKV._check = timed("kernel_checks", batched.BatchedPagedKV._check)
+try:
+    import triton.compiler.compiler as tc
+    import triton.runtime.jit as tj
+    compile_fn = timed("triton_compile", tc.compile)
+    tc.compile = compile_fn
+    if hasattr(tj, "compile"):
+        tj.compile = compile_fn
+except Exception as error:
+    spent["triton_compile_hook"] = str(error)
 models, _ = job.default_models()
 config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(), paths=job.parse_kv_paths(job.DEFAULT_PATHS),
                        out=Path(sys.argv[1]), device="cuda")
 start = time.perf_counter()
 job.run_job(config)
 spent["total"] = time.perf_counter() - start
+spent.update(steps)
 print("CANARY " + json.dumps(spent))
 """
 
 
-def canary_run(timeout: float = 240) -> dict:
-    """The default canary run on CUDA in a fresh process: total, model load and judge seconds."""
+def canary_run(timeout: float = 240, phases_file: Path | None = None) -> dict:
+    """The default canary run on CUDA in a fresh process: total, model load and judge seconds, and the seconds
+    of each phase (appended to `phases_file` as they finish, when given)."""
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run")], capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            done = subprocess.CompletedProcess([], returncode=-1, stdout="", stderr=f"timed out after {timeout} s")
+            done = subprocess.run([sys.executable, "-c", CANARY_SNIPPET, str(Path(tmp) / "run"),
+                                   *([str(phases_file)] if phases_file else [])], capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as error:
+            partial = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+            done = subprocess.CompletedProcess([], returncode=-1, stdout=partial, stderr=f"timed out after {timeout} s")
         wall = time.perf_counter() - start
         manifest_file = Path(tmp) / "run" / "manifest.json"
         manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
         done_file = Path(tmp) / "run" / "done.jsonl"
         units = sum(1 for _ in open(done_file)) if done_file.exists() else 0
-    spent = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("CANARY ")), {})
+    lines = done.stdout.splitlines()
+    spent = next((json.loads(line[7:]) for line in lines if line.startswith("CANARY ")), None)
+    if spent is None:  # stopped early: the phases finished so far
+        spent = next((json.loads(line[15:]) for line in reversed(lines) if line.startswith("CANARY_PARTIAL ")), {})
     return {"wall_s": wall, "rc": done.returncode, "units": units, **spent, "status": manifest.get("status"),
             "batching": manifest.get("batching"), "stderr_tail": done.stderr[-1500:]}
 
@@ -207,7 +265,9 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--new", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--canary-run", action="store_true")
+    parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="also count kernel launches per decode step")
     args = parser.parse_args()
     out = open(args.log, "a") if args.log else None
 
@@ -224,18 +284,21 @@ def main() -> None:
           f"triton {triton.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
     rows, extra = [], []
     if args.canary_run:
-        result = canary_run()
+        result = canary_run(args.canary_timeout, args.log.with_suffix(".canary_phases.jsonl") if args.log else None)
         log({"canary_run": result})
         extra.append(f"default canary run on cuda: {result.get('total', float('nan')):.1f} s in run_job "
                      f"(model load {result.get('load', float('nan')):.1f} s, judges {result.get('judge', float('nan')):.1f} s), "
                      f"process wall {result['wall_s']:.1f} s, {result['units']} units, status {result.get('status')}")
+        phases = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()
+                  if k not in ("stderr_tail", "batching", "wall_s", "rc", "units", "status")}
+        extra.append(f"canary phases (s; nested: generate_batches includes prefill and kernel_checks): {json.dumps(phases)}")
     bandwidth = copy_bandwidth()
     paths = [p for p in args.paths.split(",") if p]
-    configs = args.configs.split(",")
+    configs = [c for c in args.configs.split(",") if c]
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())
         if "8b-1k" in configs:
-            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log)
+            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log, args.profile)
         if "8b-8k" in configs:
             rows += run_config("8b b16 8k", loaded, 16, 8192, 16, [p for p in paths if p != "fp8_e4m3:per_token"][:2],
                                bandwidth, False, log)
@@ -243,18 +306,20 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "mla-1k" in configs:
         loaded = build(deepseek_v2_lite())
-        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log)
+        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log, args.profile)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)
-    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | x bf16 | decode |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | path | tok/s | s | ms/step | roof frac | peak GiB | live before GiB | launches/step | x bf16 | decode |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['path']} | {r['error']} |")
             continue
         x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
         print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
-              f"{r['roof']:.2f} | {r['peak']:.1f} | {x} | {r.get('kernel', '')} |")
+              f"{r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
+              f"{r.get('launches_per_step') or ''} | {x} | {r.get('kernel', '')} |")
 
 
 if __name__ == "__main__":

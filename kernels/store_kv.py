@@ -1,4 +1,5 @@
-"""Paged KV-cache store: quantise new K/V (or an MLA latent row) into an FP8 cache, or copy into a BF16 one.
+"""Paged KV-cache store: quantise new K/V (or an MLA latent row) into an FP8 cache, or copy into a BF16 one;
+`quantize_store` fuses the harness cache layer's FP8 round trip, the paged store and the cast statistics.
 
 codes = fp8(x / scale), round to nearest even, the same bytes as torch's cast (`reference.quantize`):
 saturating clamps |x / scale| to the format's max first; without saturation e4m3 overflow becomes NaN and
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_MAX, fp8_format, is_fp8
+from kernels.reference import FP8_MAX, MIN_SCALE, fp8_format, is_fp8
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
@@ -191,3 +192,127 @@ def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, 
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_DC=triton.next_power_of_2(latent_dim),
         BLOCK_DR=triton.next_power_of_2(rope_dim), **_format_constexprs(cache.dtype, saturate), num_warps=4,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused cache write: the FP8 round trip a harness cache layer emulates (codes = fp8(x / s), read back
+# codes * s in x's dtype), the paged store of the same codes, and the cast statistics, in one launch.
+# ---------------------------------------------------------------------------------------------------
+# Arguments that change from step to step (the step's pad mask is a column slice of a growing mask: its offset and
+# row stride move every decode step) or from call to call are not specialised on: otherwise Triton compiles a new
+# variant whenever one of them changes divisibility by 16 or pointer alignment, inside a timed decode loop.
+@triton.jit(do_not_specialize=["C", "stride_xr", "stride_xh", "stride_xc", "stride_vr", "stride_cb", "stride_cs",
+                               "stride_ch", "col_offset"],
+            do_not_specialize_on_alignment=["VALID"])
+def _quantize_store_kernel(
+    X, OUT,                  # [R, H, C, D] x (any strides), OUT contiguous [R, H, C, D] in x's dtype
+    SCALE,                   # fp32 [] or [H] (static scales; unread per token)
+    CACHE, SLOTS,            # paged cache seen as uint8, [R * C] int64 slots (-1 skip); unread unless STORE
+    VALID, LIVE, COUNTS, AMAX,   # [R, C] int (0 = pad), [R] int64 stats row, [rows, 3] int64, [rows] fp32
+    C, scale_stride,
+    stride_xr, stride_xh, stride_xc, stride_xd, stride_vr,
+    block_size, stride_cb, stride_cs, stride_ch, col_offset,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, FP8_DTYPE: tl.constexpr,
+    FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, IS_E4M3: tl.constexpr,
+    SATURATE: tl.constexpr, PER_TOKEN: tl.constexpr, STORE: tl.constexpr, STATS: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):
+    tiles = tl.cdiv(C, BLOCK_T)
+    pid = tl.program_id(0)
+    r = pid // tiles
+    head = tl.program_id(1)
+    offs_t = (pid % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_mask = offs_t < C
+    m2 = t_mask[:, None] & (offs_d < D)[None, :]
+    src = X + r.to(tl.int64) * stride_xr + head * stride_xh + offs_t[:, None] * stride_xc + offs_d[None, :] * stride_xd
+    x = tl.load(src, mask=m2, other=0.0).to(tl.float32)
+    if PER_TOKEN:
+        # torch: (|x|.amax(-1) / max).clamp_min(MIN_SCALE), a CUDA scalar division being x * (1 / max); NaN wins
+        amax = tl.max(tl.abs(x), axis=1)
+        has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
+        scale = tl.where(has_nan, float("nan"), tl.maximum(amax * INV_MAX, MIN_SCALE))[:, None]
+    else:
+        scale = tl.load(SCALE + head * scale_stride)
+    codes = _store_kv_codes(x, scale, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
+    read = (codes.to(FP8_DTYPE, bitcast=True).to(tl.float32) * scale).to(OUT.dtype.element_ty)
+    out_rows = ((r.to(tl.int64) * tl.num_programs(1) + head) * C + offs_t) * D
+    tl.store(OUT + out_rows[:, None] + offs_d[None, :], read, mask=m2)
+    if STORE:
+        slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
+        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + col_offset
+        tl.store(CACHE + row[:, None] + offs_d[None, :], codes, mask=m2 & (slot >= 0)[:, None])
+    if STATS:
+        if HAS_VALID:
+            real = (tl.load(VALID + r.to(tl.int64) * stride_vr + offs_t, mask=t_mask, other=0) != 0) & t_mask
+        else:
+            real = t_mask
+        counted = real[:, None] & (offs_d < D)[None, :]
+        ratio = tl.abs(tl.math.div_rn(x, scale)) * INV_MAX     # torch on CUDA: (x / s).abs() / max
+        back = read.to(tl.float32)
+        finite_back = (back == back) & (tl.abs(back) != float("inf"))
+        finite_ratio = tl.where(counted & (ratio == ratio) & (ratio != float("inf")), ratio, 0.0)
+        stats_row = tl.load(LIVE + r)
+        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int64)) * D)
+        tl.atomic_add(COUNTS + stats_row * 3 + 1, tl.sum((counted & (ratio > 1.0)).to(tl.int64)))
+        tl.atomic_add(COUNTS + stats_row * 3 + 2, tl.sum((counted & ~finite_back).to(tl.int64)))
+        tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0))
+
+
+def _inverse_max(fmt: str) -> float:
+    """1 / max as fp32 computes it (what torch's CUDA division by a Python scalar multiplies by)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX[fmt], dtype=torch.float32))
+
+
+def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, saturate: bool = True, *,
+                   out: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+                   slots: torch.Tensor | None = None, cache_strides: tuple[int, int, int] = (0, 0, 0),
+                   col_offset: int = 0, block_size: int = 16, counts: torch.Tensor | None = None,
+                   amax: torch.Tensor | None = None, live: torch.Tensor | None = None,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch: codes = fp8(x / scale) (scale None: per token over D, as `reference.per_token_scale`),
+    returns codes * scale in x's dtype (bit-identical to `reference.dequantize(reference.quantize(...))`),
+    optionally writes the codes into a paged cache and adds the cast statistics on the device.
+
+    x: [R, H, C, D] bf16/fp16 (D contiguous or not); scale: fp32 [] or [H], or None for per-token.
+    cache (uint8 view of an fp8 cache) + slots [R * C] int64 (-1 skip, row-major over (r, c)) + cache_strides
+    (block, slot, head) in elements + col_offset: row slot of head h starts at
+    (slot // block_size) * s_b + (slot % block_size) * s_s + h * s_h + col_offset.
+    counts [rows, 3] int64 (+= values, clipped, nonfinite), amax [rows] fp32 (max= largest finite |x / s| / max),
+    live [R] int64: the stats row of each batch row; valid [R, C] int (0 = pad, not counted; None: all real).
+    """
+    assert x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float16), \
+        f"x must be [R, H, C, D] bf16/fp16, got {list(x.shape)} {x.dtype}"
+    assert fmt in _TL_FP8, f"unknown fp8 format {fmt!r}"
+    rows, heads, chunk, dim = x.shape
+    if scale is not None:
+        _check_scale(scale, "scale", (heads,))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == x.shape and out.is_contiguous() and out.dtype == x.dtype, "out must be contiguous, x's shape and dtype"
+    store, stats = cache is not None, counts is not None
+    if store:
+        assert cache.dtype == torch.uint8 and slots is not None, "cache must be a uint8 view, with slots"
+        _check_slots(slots, rows * chunk)
+    if stats:
+        assert counts.dtype == torch.int64 and counts.dim() == 2 and counts.shape[1] == 3, "counts must be [rows, 3] int64"
+        assert amax is not None and amax.dtype == torch.float32 and amax.shape == counts.shape[:1], "amax must be [rows] fp32"
+        assert live is not None and live.dtype == torch.int64 and live.shape == (rows,), "live must be [R] int64"
+        assert valid is None or (valid.shape == (rows, chunk) and valid.stride(1) == 1), "valid must be [R, C]"
+    _check_cuda(x, out, *[t for t in (scale, cache, slots, counts, amax, live, valid) if t is not None])
+    if x.numel() == 0:
+        return out
+    block_t = min(16, triton.next_power_of_2(max(chunk, 2)))
+    dummy = out
+    _quantize_store_kernel[(rows * triton.cdiv(chunk, block_t), heads)](
+        x, out, scale if scale is not None else dummy, cache if store else dummy, slots if store else dummy,
+        valid if valid is not None else dummy, live if stats else dummy, counts if stats else dummy,
+        amax if stats else dummy,
+        chunk, int(scale is not None and scale.dim() == 1),
+        x.stride(0), x.stride(1), x.stride(2), x.stride(3), valid.stride(0) if valid is not None else 0,
+        block_size, *cache_strides, col_offset,
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_T=block_t, FP8_DTYPE=_TL_FP8[fmt], FP8_MAX=FP8_MAX[fmt],
+        INV_MAX=_inverse_max(fmt), MIN_SCALE=MIN_SCALE, IS_E4M3=fmt == "e4m3", SATURATE=bool(saturate),
+        PER_TOKEN=scale is None, STORE=store, STATS=stats, HAS_VALID=valid is not None,
+        num_warps=4 if block_t * triton.next_power_of_2(dim) >= 2048 else 2,
+    )
+    return out

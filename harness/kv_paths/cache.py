@@ -13,6 +13,7 @@ prefill chunk (more than one token) attends to its raw K/V and only earlier toke
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,17 +25,45 @@ from kernels import reference as fp8
 
 @dataclass(slots=True)
 class KVWriteStats:
-    """What the cast did to the values written so far (all quantised layers together)."""
+    """What the cast did to the values written so far (all quantised layers together).
+
+    On CUDA the fused cache write (`kernels.store_kv.quantize_store`) adds into device counters instead
+    (no host sync per layer and step); `fold` moves them into the fields, `as_record` folds first."""
 
     values: int = 0
     clipped: int = 0  # |x / s| > fp8 max (saturated, or NaN/inf without saturation)
     nonfinite: int = 0  # NaN/inf read back
     amax_over_max: float = 0.0  # largest |x / s| / fp8 max seen; > 1 means the scale is too small
+    device_counts: torch.Tensor | None = None  # [1, 3] int64: values, clipped, nonfinite not yet folded
+    device_amax: torch.Tensor | None = None  # [1] fp32
+
+    def fused_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """(counts, amax, live, valid) for `quantize_store`: every row of x counts into the one total."""
+        if self.device_counts is None or self.device_counts.device != x.device:
+            self.fold()
+            self.device_counts = torch.zeros(1, 3, dtype=torch.int64, device=x.device)
+            self.device_amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        return self.device_counts, self.device_amax, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), None
+
+    def fold(self) -> None:
+        if self.device_counts is None:
+            return
+        (values, clipped, nonfinite), amax = self.device_counts[0].tolist(), float(self.device_amax[0])
+        self.values, self.clipped, self.nonfinite = self.values + values, self.clipped + clipped, self.nonfinite + nonfinite
+        self.amax_over_max = max(self.amax_over_max, amax)
+        self.device_counts = self.device_amax = None
 
     def as_record(self) -> dict[str, float]:
+        self.fold()
         frac = self.clipped / self.values if self.values else 0.0
         return {"kv_clipped_frac": frac, "kv_nonfinite": float(self.nonfinite),
                 "kv_amax_over_max": self.amax_over_max}
+
+
+def fused_write_on(x: torch.Tensor) -> bool:
+    """Whether a cache write of x runs the fused Triton round trip (CUDA, kernels not switched off or to the
+    torch reference by HARNESS_KERNELS); otherwise the torch ops below, the CPU truth it is tested against."""
+    return x.is_cuda and os.environ.get("HARNESS_KERNELS") not in ("off", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +110,45 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
             return super().update(key_states, value_states, *args, **kwargs)
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
-        keys, values = super().update(self._round_trip(key_states, self.k_scale),
-                                      self._round_trip(value_states, self.v_scale))
-        if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
-            self.paged.write(key_states, value_states)
+        if fused_write_on(key_states):
+            keys, values = super().update(*self._fused_round_trip(key_states, value_states))
+        else:
+            keys, values = super().update(self._round_trip(key_states, self.k_scale),
+                                          self._round_trip(value_states, self.v_scale))
+            if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
+                self.paged.write(key_states, value_states)
         chunk = key_states.shape[-2]
         if self.kv_path.quantize_current_chunk or chunk == 1:
             return keys, values
         return (torch.cat([keys[..., :-chunk, :], key_states], dim=-2),
                 torch.cat([values[..., :-chunk, :], value_states], dim=-2))
+
+    def _fused_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round trip, the write statistics and (when the paged copy offers its slots: batched replay) the
+        paged store of both tensors in one Triton launch each; the statistics stay on the device."""
+        from kernels.store_kv import quantize_store
+
+        counts, amax, live, valid = self.stats.fused_buffers(key_states)
+        per_token = self.kv_path.granularity == "per_token"
+        targets = self.paged.store_targets(key_states, value_states) \
+            if self.paged is not None and hasattr(self.paged, "store_targets") else None
+        read_back = []
+        for i, (x, name) in enumerate(((key_states, "k_scale"), (value_states, "v_scale"))):
+            scale = None if per_token else self._device_scale(name, x.device)
+            target = targets[i] if targets is not None else {}
+            read_back.append(quantize_store(x, scale, self.kv_path.fmt, self.kv_path.saturate, counts=counts,
+                                            amax=amax, live=live, valid=valid, **target))
+        if self.paged is not None and targets is None:
+            self.paged.write(key_states, value_states)
+        return read_back[0], read_back[1]
+
+    def _device_scale(self, name: str, device: torch.device) -> torch.Tensor:
+        """This layer's static scale on `device` (copied once, then kept: no host-to-device copy per step)."""
+        scale = getattr(self, name)
+        if scale.device != device or scale.dtype != torch.float32 or not scale.is_contiguous():
+            scale = scale.to(device=device, dtype=torch.float32).contiguous()
+            setattr(self, name, scale)
+        return scale
 
     def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
         fmt = self.kv_path.fmt

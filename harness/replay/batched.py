@@ -31,6 +31,8 @@ MAX_AUTO_BATCH = 256
 # Prompt tokens (over all rows) per prefill forward pass: above it the prompt is prefilled in column chunks,
 # which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
 PREFILL_TOKENS = 32768
+# fp64 cache elements a kernel-agreement check reads back at once (rows are checked in groups under it)
+CHECK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,43 +55,48 @@ class RowResult:
 
 
 class RowWriteStats:
-    """`KVWriteStats` kept per batch row on the device; `step.valid` [rows, chunk] marks real (unpadded) tokens."""
+    """`KVWriteStats` kept per batch row on the device; `step.valid` [rows, chunk] marks real (unpadded) tokens.
+    counts [rows, 3] int64 (values, clipped, nonfinite) and amax [rows] fp32, indexed by original row; on CUDA
+    the fused cache write adds into them (`fused_buffers`), elsewhere `count_rows` does with torch ops."""
 
     def __init__(self, rows: int, device, step: "StepState"):
         self.step = step
-        self.values = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.clipped = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.nonfinite = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.amax_over_max = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(rows, 3, dtype=torch.int64, device=device)
+        self.amax_over_max = torch.zeros(rows, dtype=torch.float32, device=device)
         self.live = torch.arange(rows, device=device)  # original row of each live batch position
+
+    def fused_buffers(self, x: torch.Tensor):
+        return self.counts, self.amax_over_max, self.live, self.step.valid
 
     def count_rows(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
         # x, ratio, read_back: [live rows, heads, chunk, dim]; pads count nowhere
         rows_valid = self.step.valid.to(x.device).bool()
         valid = rows_valid[:, None, :, None]
         per_token = x.shape[1] * x.shape[3]
-        self.values.index_add_(0, self.live, rows_valid.sum(1).double() * per_token)
-        self.clipped.index_add_(0, self.live, ((ratio > 1) & valid).sum((1, 2, 3)).double())
-        self.nonfinite.index_add_(0, self.live, ((~read_back.isfinite()) & valid).sum((1, 2, 3)).double())
+        added = torch.stack([rows_valid.sum(1) * per_token, ((ratio > 1) & valid).sum((1, 2, 3)),
+                             ((~read_back.isfinite()) & valid).sum((1, 2, 3))], dim=1)
+        self.counts.index_add_(0, self.live, added)
         finite = torch.where(valid, torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0), 0.0)
-        self.amax_over_max[self.live] = torch.maximum(self.amax_over_max[self.live], finite.amax((1, 2, 3)).double())
+        self.amax_over_max[self.live] = torch.maximum(self.amax_over_max[self.live], finite.amax((1, 2, 3)))
 
     def select(self, live: torch.Tensor) -> None:
         """Keep batch positions `live` (indices into the current live rows)."""
         self.live = self.live[live]
 
     def row_records(self) -> list[dict[str, float]]:
-        values, clipped = self.values.tolist(), self.clipped.tolist()
-        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": n, "kv_amax_over_max": a}
-                for v, c, n, a in zip(values, clipped, self.nonfinite.tolist(), self.amax_over_max.tolist())]
+        counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
+        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
+                for (v, c, n), a in zip(counts, amax)]
 
 
 @dataclass
 class BatchedPagedKV:
     """One layer's paged FP8 copy for a batch: row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
 
-    Written by `store_kv` / `store_latent` with slot -1 for pads; decode runs the kernel over all live rows
-    and, on sampled steps, checks each row against fp64 attention over exactly the stored codes.
+    Written with slot -1 for pads (by the fused cache write on CUDA, which stores the same codes it reads back,
+    or by `store_kv` / `store_latent`); decode runs the kernel over all live rows and, on sampled steps, checks
+    each row against fp64 attention over exactly the stored codes. Slots, lengths and the block table are the
+    step's (`StepState`), shared by every layer.
     """
 
     fmt_dtype: torch.dtype
@@ -100,20 +107,39 @@ class BatchedPagedKV:
     ops: object
     agreements: list  # one KernelAgreement per original row
     step: "StepState"
-    pages_per_row: int
+    fusable: bool = True  # the layer's round-trip scales are these (MLA: one scale for latent and k_pe)
     pages: list = field(default_factory=list)
-    lengths: torch.Tensor | None = None  # [live rows] int32
-    rows: torch.Tensor | None = None  # [live rows] original row index (int64)
+
+    def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.pages:
+            return
+        blocks = self.step.batch_rows * self.step.pages_per_row
+        if self.mla:
+            shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
+        else:
+            shapes = [(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1])] * 2
+        self.pages = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
+
+    def store_targets(self, key: torch.Tensor, value: torch.Tensor) -> tuple[dict, dict] | None:
+        """Where `kernels.store_kv.quantize_store` writes key and value codes (None: write them with `write`)."""
+        if not self.fusable:
+            return None
+        self._ensure(key, value)
+        slots = self.step.slots()
+        pages = [p.view(torch.uint8) for p in self.pages]
+        if self.mla:  # one row per token: [latent | k_pe]
+            strides = (pages[0].stride(0), pages[0].stride(1), 0)
+            return (dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=0, block_size=BLOCK_SIZE),
+                    dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=key.shape[-1],
+                         block_size=BLOCK_SIZE))
+        return tuple(dict(cache=p, slots=slots, cache_strides=(p.stride(0), p.stride(1), p.stride(2)), col_offset=0,
+                          block_size=BLOCK_SIZE) for p in pages)
 
     def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
         rows, _, chunk, _ = key.shape
-        if not self.pages:
-            self._allocate(rows, key, value)
-        valid = self.step.valid.to(key.device).bool()  # [rows, chunk]
-        offsets = self.lengths[:, None].long() + valid.long().cumsum(1) - 1
-        slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
-        slots = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
+        self._ensure(key, value)
+        slots = self.step.slots()
         if self.mla:
             self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
                                   self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
@@ -121,37 +147,38 @@ class BatchedPagedKV:
             self.ops.store_kv(key.transpose(1, 2).reshape(rows * chunk, key.shape[1], -1).contiguous(),
                               value.transpose(1, 2).reshape(rows * chunk, value.shape[1], -1).contiguous(),
                               self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
-        self.lengths = self.lengths + valid.sum(1).to(torch.int32)
-
-    def _allocate(self, rows: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        blocks = rows * self.pages_per_row
-        if self.mla:
-            shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
-        else:
-            shapes = [(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1])] * 2
-        self.pages = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
-        self.lengths = torch.zeros(rows, dtype=torch.int32, device=key.device)
-        self.rows = torch.arange(rows, device=key.device)
-
-    def select(self, live: torch.Tensor) -> None:
-        if self.lengths is not None:
-            self.lengths, self.rows = self.lengths[live], self.rows[live]
-
-    def block_table(self) -> torch.Tensor:
-        base = (self.rows * self.pages_per_row).to(torch.int32)
-        return base[:, None] + torch.arange(self.pages_per_row, dtype=torch.int32, device=base.device)[None, :]
 
     def decode(self, module, query: torch.Tensor, sdpa_out: torch.Tensor) -> torch.Tensor:
         """query [rows, Hq, 1, D], sdpa_out [rows, 1, Hq, Dv] -> the kernel's output, same shape."""
         out = self._kernel(module, query)
         if self.step.check:
-            for i, row in enumerate(self.rows.tolist()):
-                exact = self._exact(module, query[i], int(self.lengths[i]), int(row))
-                self.agreements[row].add(out[i:i + 1], sdpa_out[i:i + 1], exact)
+            self._check(module, query, out, sdpa_out)
         return out
 
+    def _check(self, module, query: torch.Tensor, out: torch.Tensor, sdpa_out: torch.Tensor) -> None:
+        """`KernelAgreement.add` for every live row at once: fp64 attention over the stored codes of groups of
+        rows (padded to the longest, masked), one host sync for the whole check."""
+        lengths, rows = self.step.lengths_after(), self.step.rows
+        per_row = int(lengths.max()) * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
+        group = max(1, CHECK_ELEMENTS // max(per_row, 1))
+        found = []
+        for begin in range(0, rows.shape[0], group):
+            part = slice(begin, begin + group)
+            exact = self._exact_rows(module, query[part], lengths[part], rows[part])  # [rows, 1, Hq, Dv] fp64
+            kernel_err = (out[part].double() - exact).abs().amax((1, 2, 3))
+            torch_err = (sdpa_out[part].double() - exact).abs().amax((1, 2, 3))
+            # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
+            floor = exact.abs().amax((1, 2, 3)) * 2.0 ** -9
+            ratio = kernel_err / torch.maximum(torch.maximum(torch_err, floor), torch.full_like(floor, 1e-30))
+            found.append(torch.stack([kernel_err, ratio], dim=1))
+        for row, (kernel_err, ratio) in zip(rows.tolist(), torch.cat(found).tolist()):
+            agreement = self.agreements[row]
+            agreement.steps += 1
+            agreement.max_abs_err = max(agreement.max_abs_err, kernel_err)
+            agreement.max_ratio = max(agreement.max_ratio, ratio)
+
     def _kernel(self, module, query: torch.Tensor) -> torch.Tensor:
-        table, lens = self.block_table(), self.lengths
+        table, lens = self.step.block_table(), self.step.lengths_after()
         if not self.mla:
             out, _ = self.ops.decode_attention(query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
                                                self.k_scale, self.v_scale, module.scaling)
@@ -165,37 +192,87 @@ class BatchedPagedKV:
         out = torch.einsum("bhc,hvc->bhv", out_latent.float(), weight[:, nope:].float()).to(query.dtype)
         return out.view(query.shape[0], 1, heads, -1)
 
-    def _exact(self, module, query: torch.Tensor, length: int, row: int) -> torch.Tensor:
-        """fp64 attention of one row's query [Hq, 1, D] over the codes x scale it holds -> [1, 1, Hq, Dv]."""
-        first = row * self.pages_per_row
+    def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds -> [n, 1, Hq, Dv]."""
+        span = int(lengths.max())
+        keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
 
-        def rows_of(pages: torch.Tensor) -> torch.Tensor:
-            return pages[first:first + self.pages_per_row].flatten(0, 1)[:length].double()
+        def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] fp64 codes
+            per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
+            return per_row[rows, :span].double()
 
+        def attend(scores: torch.Tensor) -> torch.Tensor:  # [n, H, span] -> softmax over the stored tokens
+            return torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+
+        q = query[:, :, 0].double()  # [n, Hq, D]
         if not self.mla:
-            k = (rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)).transpose(0, 1)  # [Hkv, L, D]
-            v = (rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)).transpose(0, 1)
-            group = query.shape[0] // k.shape[0]
-            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-            weights = torch.softmax((query.double() @ k.transpose(-1, -2)) * module.scaling, dim=-1)
-            return (weights @ v).transpose(0, 1).unsqueeze(0)
-        cached = rows_of(self.pages[0]) * self.k_scale.double()
-        nope, heads = module.qk_nope_head_dim, query.shape[0]
+            k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
+            v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
+            group = q.shape[1] // k.shape[2]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+            weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
+            return torch.einsum("nhs,nshd->nhd", weights, v).unsqueeze(1)
+        cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
+        nope, heads = module.qk_nope_head_dim, q.shape[1]
         weight = module.kv_b_proj.weight.double().view(heads, nope + module.v_head_dim, -1)
-        c, pe = cached[:, :weight.shape[-1]], cached[:, weight.shape[-1]:]
-        q = query[:, 0].double()
-        q_latent = torch.einsum("hn,hnc->hc", q[:, :nope], weight[:, :nope])
-        scores = (q_latent @ c.T + q[:, nope:] @ pe.T) * module.scaling
-        out = torch.einsum("hc,hvc->hv", torch.softmax(scores, dim=-1) @ c, weight[:, nope:])
-        return out.view(1, 1, heads, -1)
+        c, pe = cached[..., :weight.shape[-1]], cached[..., weight.shape[-1]:]
+        q_latent = torch.einsum("nhk,hkc->nhc", q[..., :nope], weight[:, :nope])
+        scores = (torch.einsum("nhc,nsc->nhs", q_latent, c) + torch.einsum("nhr,nsr->nhs", q[..., nope:], pe))
+        latent = torch.einsum("nhs,nsc->nhc", attend(scores * module.scaling), c)
+        return torch.einsum("nhc,hvc->nhv", latent, weight[:, nope:]).unsqueeze(1)
 
 
 @dataclass
 class StepState:
-    """What the current forward pass writes: which tokens are real, and whether kernels are checked."""
+    """What the current forward pass writes: which tokens are real, whether kernels are checked, and, when
+    decode runs through our kernels, where each live row's tokens go in the paged copies. Slots, lengths and
+    the block table are the same for every layer: computed once per forward pass, advanced after it."""
 
     valid: torch.Tensor | None = None  # [rows, chunk]
     check: bool = False
+    batch_rows: int = 0
+    pages_per_row: int = 0
+    rows: torch.Tensor | None = None  # [live rows] original row (int64); None: no paged copies
+    lengths: torch.Tensor | None = None  # [live rows] int32, tokens stored before this forward pass
+    _cached: dict = field(default_factory=dict)
+
+    def start_paged(self, rows: int, pages_per_row: int, device) -> None:
+        self.batch_rows, self.pages_per_row = rows, pages_per_row
+        self.rows = torch.arange(rows, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._cached.clear()
+
+    def slots(self) -> torch.Tensor:
+        """[live rows * chunk] int64 slot of each token of this pass (-1 for pads), row-major."""
+        if "slots" not in self._cached:
+            valid = self.valid.bool()
+            offsets = self.lengths[:, None].long() + valid.long().cumsum(1) - 1
+            slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
+            self._cached["slots"] = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
+        return self._cached["slots"]
+
+    def lengths_after(self) -> torch.Tensor:
+        if "after" not in self._cached:
+            self._cached["after"] = self.lengths + self.valid.sum(1).to(torch.int32)
+        return self._cached["after"]
+
+    def block_table(self) -> torch.Tensor:
+        if "table" not in self._cached:
+            base = (self.rows * self.pages_per_row).to(torch.int32)
+            pages = torch.arange(self.pages_per_row, dtype=torch.int32, device=base.device)
+            self._cached["table"] = base[:, None] + pages[None, :]
+        return self._cached["table"]
+
+    def advance(self) -> None:
+        """After a forward pass: its tokens are stored."""
+        if self.rows is not None and self.valid is not None:
+            self.lengths = self.lengths_after()
+        self._cached.clear()
+
+    def select(self, live: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows, self.lengths = self.rows[live], self.lengths[live]
+        self._cached.clear()
 
 
 class BatchedEngine:
@@ -283,7 +360,7 @@ class BatchedEngine:
                     break
                 if len(keep) < len(live):
                     index = torch.tensor(keep, device=self.device)
-                    _select_rows(cache, index, stats, fp8_path)
+                    _select_rows(cache, index, stats, step, fp8_path)
                     mask, positions = mask[index], positions[index]
                     live = [live[i] for i in keep]
                     next_ids = [next_ids[i] for i in keep]
@@ -318,6 +395,7 @@ class BatchedEngine:
         """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
+        step.advance()
         return out.logits[:, -1].float()
 
     def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> list | None:
@@ -327,11 +405,14 @@ class BatchedEngine:
         agreements = [KernelAgreement() for _ in range(rows)]
         fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
         ops = kernel_ops()
+        step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
         for layer in cache.layers:
             if hasattr(layer, "paged"):
-                layer.paged = BatchedPagedKV(fmt_dtype, layer.k_scale.float().to(self.device),
-                                             layer.v_scale.float().to(self.device), kv_path.saturate, owner.is_mla,
-                                             ops, agreements, step, -(-max_len // BLOCK_SIZE))
+                k_scale, v_scale = layer.k_scale.float().to(self.device), layer.v_scale.float().to(self.device)
+                # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
+                fusable = not owner.is_mla or bool(torch.equal(k_scale, v_scale))
+                layer.paged = BatchedPagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, owner.is_mla, ops,
+                                             agreements, step, fusable)
         return agreements
 
     # -- teacher-forced scoring -------------------------------------------------------------------------
@@ -400,24 +481,24 @@ def _route_stats(cache, stats: RowWriteStats, device) -> None:
     static scales on the device (same values; no host-to-device copy, hence no sync, per layer and step)."""
     for layer in cache.layers:
         if hasattr(layer, "kv_path"):
-            layer._count = _row_counter(layer, stats)  # noqa: SLF001 - per-instance override
+            layer._count = _row_counter(layer.kv_path.fmt, stats)  # noqa: SLF001 - per-instance override
             layer.k_scale = layer.k_scale.to(device) if layer.k_scale is not None else None
             layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
 
 
-def _row_counter(layer, stats: RowWriteStats):
+def _row_counter(fmt: str, stats: RowWriteStats):
+    # takes the format, not the layer: a closure over the layer stored on the layer is a reference cycle that
+    # kept whole batch caches (GiB on an 8B model) alive until the garbage collector's next pass
     def count(x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
-        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[layer.kv_path.fmt]
+        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[fmt]
         stats.count_rows(x, ratio, read_back)
     return count
 
 
-def _select_rows(cache, index: torch.Tensor, stats: RowWriteStats, fp8_path: bool) -> None:
+def _select_rows(cache, index: torch.Tensor, stats: RowWriteStats, step: StepState, fp8_path: bool) -> None:
     for layer in cache.layers:
         layer.reorder_cache(index)
-        paged = getattr(layer, "paged", None)
-        if paged is not None:
-            paged.select(index)
+    step.select(index)
     if fp8_path:
         stats.select(index)
 

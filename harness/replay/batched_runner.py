@@ -1,10 +1,12 @@
 """`Replay` with in-process backends computed in batches first, then written by the ordinary runner.
 
-Schedule (the same for the reference and every path, so the `bf16` path sees exactly the reference's batch
-composition and its noise floor stays exactly zero): turn by turn, the turn-t prompts of all scenarios form
-one wave, cut into batches in scenario order. The reference advances on its own replies; a candidate on the
-reference's (`reference-history`) or its own (`own-history`) replies, as `Replay` defines them. Teacher-forced
-scoring batches the same waves. `Replay` then runs unchanged over backends that answer from these results,
+Schedule: the reference goes turn by turn (the turn-t prompts of all scenarios form one wave, cut into
+batches in scenario order), advancing on its own replies; a BF16-cache candidate (the `bf16` path) and any
+`own-history` candidate go through the same waves, so the `bf16` path sees exactly the reference's batch
+composition and its noise floor stays exactly zero. An FP8 candidate on the reference's history
+(`reference-history`) knows every turn's prompt at once, so all its turns form one wave (fewer decode steps;
+the batch-invariance floor bounds what the different composition can move). Teacher-forced scoring puts
+every turn in one wave, the same for the reference and every path. `Replay` then runs unchanged over backends that answer from these results,
 so records, series and texts are built by one piece of code.
 
 The batch-invariance floor (one model's reference, the same prompts alone vs in their batch) is measured
@@ -24,15 +26,31 @@ from harness.scenarios.load import Scenario
 from harness.types import Generation, Message, Scores
 
 FLOOR_SEQUENCES = 4  # prompts of the first wave re-run alone to measure the batch-invariance floor
+# Full log-probs (float32, [T, V]) one lazy scoring call may hold on the host per path: a memory bound, not a
+# tuning knob (the canaries' 128-token vocabulary puts every turn in one call; an 8B model's 128k vocabulary
+# puts ~4k scored tokens in one call)
+HOST_SCORE_BYTES = 2 << 30
 
 
 class PrecomputedBackend:
-    """Answers `generate` / `score` from batched results; anything not precomputed runs one at a time."""
+    """Answers `generate` / `score` from batched results; anything not precomputed runs one at a time.
+
+    Teacher-forced scores are computed lazily, in the order `Replay` asks for them (scenario by scenario, turn
+    by turn): a miss scores the next chunk of the queue in one batched call, at most `HOST_SCORE_BYTES` of
+    full log-probs, and `Replay` drops each as it is used. Host memory stays bounded by one chunk per path
+    (an 8B model's 128k vocabulary is 0.5 MB per scored token) instead of every scenario's scores at once;
+    the reference and every path cut the same queue the same way, so their batches stay identical.
+    """
 
     def __init__(self, inner, label: str):
         self.inner, self.label = inner, label
         self.generations: dict[tuple, Generation] = {}
         self.scores: dict[tuple, Scores] = {}
+        self.score_queue: list[tuple] = []  # (prompt ids, continuation ids), in the order Replay asks
+        self.score_engine: BatchedEngine | None = None
+        self.on_score_failure = None  # called with the error when a lazy batch fails (then one at a time)
+        self._queued: dict[tuple, int] = {}
+        self._next = 0  # queue items before this one have been scored (or skipped)
 
     def describe(self) -> dict:
         return self.inner.describe()
@@ -40,16 +58,47 @@ class PrecomputedBackend:
     def _prompt(self, messages: Sequence[Message]) -> tuple[int, ...]:
         return tuple(self.inner.owner.encode_chat(messages))
 
+    def queue_scores(self, asked: list[tuple], engine: BatchedEngine) -> None:
+        self.score_queue, self.score_engine = list(asked), engine
+        self._queued = {key: i for i, key in enumerate(self.score_queue)}
+        self._next = 0
+
     async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         found = self.generations.get((self._prompt(messages), max_new_tokens))
         return found if found is not None else await self.inner.generate(messages, max_new_tokens)
 
     async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
-        found = self.scores.pop((self._prompt(messages), tuple(continuation_ids)), None)
+        key = (self._prompt(messages), tuple(continuation_ids))
+        if key not in self.scores and self.score_engine is not None and self._queued.get(key, -1) >= self._next:
+            self._score_chunk(self._queued[key])
+        found = self.scores.pop(key, None)
         return found if found is not None else await self.inner.score(messages, continuation_ids)
+
+    def _score_chunk(self, start: int) -> None:
+        vocab = self.inner.owner.model.config.vocab_size
+        end, size = start, 0
+        while end < len(self.score_queue) and (end == start or size + _score_bytes(self.score_queue[end], vocab)
+                                               <= HOST_SCORE_BYTES):
+            size += _score_bytes(self.score_queue[end], vocab)
+            end += 1
+        chunk = self.score_queue[start:end]
+        self._next = end
+        try:
+            scored = self.score_engine.score([p for p, _ in chunk], [c for _, c in chunk])
+        except Exception as error:  # noqa: BLE001 - named in the manifest; the rest is scored one at a time
+            self.score_engine = None
+            if self.on_score_failure is not None:
+                self.on_score_failure(error)
+            return
+        for key, logprobs in zip(chunk, scored):
+            self.scores[key] = Scores(logprobs=logprobs)
 
     async def aclose(self) -> None:
         return None
+
+
+def _score_bytes(item: tuple, vocab: int) -> int:
+    return max(1, len(item[1])) * vocab * 4
 
 
 class BatchedReplay:
@@ -68,19 +117,18 @@ class BatchedReplay:
         pending = [s for s in scenarios if not self._all_done(s)]
         fallbacks: list[str] = []
         reference_replies = self._guarded(fallbacks, REFERENCE, lambda: self._reference_waves(pending))
-        floor, ref_scores = {}, {}
+        floor = {}
         if reference_replies is not None:
             floor = self._guarded(fallbacks, "batch-invariance floor",
                                   lambda: self._batch_invariance(pending, reference_replies)) or {}
-            ref_scores = self._guarded(fallbacks, f"{REFERENCE} scores",
-                                       lambda: self._score_waves(self.reference, pending, reference_replies)) or {}
+            self._score_waves(self.reference, pending, reference_replies, fallbacks)
             for candidate in self.candidates:
                 todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
-                self._guarded(fallbacks, candidate.label, lambda: (
-                    self._candidate_waves(candidate, todo, reference_replies),
-                    self._score_waves(candidate, todo, reference_replies, into=candidate)))
-        self.reference.scores.update(ref_scores)  # Replay scores the reference once per (scenario, turn)
-        asyncio.run(self.replay.run(scenarios))
+                done = self._guarded(fallbacks, candidate.label,
+                                     lambda: self._candidate_waves(candidate, todo, reference_replies) or True)
+                if done:
+                    self._score_waves(candidate, todo, reference_replies, fallbacks)
+        asyncio.run(self.replay.run(scenarios))  # scores are computed as it asks for them (`PrecomputedBackend`)
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
                 "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor,
@@ -120,16 +168,23 @@ class BatchedReplay:
     def _candidate_waves(self, candidate: PrecomputedBackend, scenarios: Sequence[Scenario],
                          reference: dict[str, list[TurnReply]]) -> None:
         own: dict[str, list[TurnReply]] = {s.id: [] for s in scenarios}
+        kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
             self._waves(candidate, scenarios, own, lambda s, history: history)
-        else:
+        elif kv_path is None or not kv_path.is_fp8:
+            # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
             self._waves(candidate, scenarios, own, lambda s, history: reference[s.id])
+        else:
+            # an FP8 path on the reference's history: every turn's prompt is known, so all go in one wave
+            # (batches differ from the reference's; the batch-invariance floor says how much that can move)
+            asked = [(scenario, turn, tuple(candidate.inner.owner.encode_chat(_messages(scenario, reference[scenario.id], turn))))
+                     for scenario in scenarios for turn, spec in enumerate(scenario.turns) if spec.assistant is None]
+            self._generate(self._engine(candidate), candidate, asked)
 
     def _waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
                replies: dict[str, list[TurnReply]], history_of) -> None:
         """Turn by turn over `scenarios`: generate every non-fixed turn-t prompt in one batched call."""
         engine = self._engine(backend)
-        tokenizer = backend.inner.owner.tokenizer
         for turn in range(max((len(s.turns) for s in scenarios), default=0)):
             wave = [s for s in scenarios if turn < len(s.turns)]
             asked = []
@@ -139,18 +194,27 @@ class BatchedReplay:
                     replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
                 else:
                     messages = _messages(scenario, history_of(scenario, replies[scenario.id]), turn)
-                    asked.append((scenario, tuple(backend.inner.owner.encode_chat(messages))))
-            if not asked:
-                continue
-            results = engine.generate([p for _, p in asked], [s.max_new_tokens for s, _ in asked])
-            for (scenario, prompt), result in zip(asked, results):
-                generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
-                                        finish_reason=result.finish_reason,
-                                        tokens=[tokenizer.decode([t]) for t in result.token_ids],
-                                        prompt_tokens=len(prompt), metrics=result.metrics)
-                backend.generations[(prompt, scenario.max_new_tokens)] = generation
+                    asked.append((scenario, turn, tuple(backend.inner.owner.encode_chat(messages))))
+            for scenario, turn, generation in self._generate(engine, backend, asked):
                 replies[scenario.id].append(TurnReply(turn, scenario.turns[turn].user, generation.token_ids,
                                                       generation.text, fixed=False))
+
+    @staticmethod
+    def _generate(engine: BatchedEngine, backend: PrecomputedBackend, asked: list) -> list:
+        """Generate (scenario, turn, prompt ids) items in one batched call; the backend answers them from now on."""
+        if not asked:
+            return []
+        tokenizer = backend.inner.owner.tokenizer
+        results = engine.generate([p for _, _, p in asked], [s.max_new_tokens for s, _, _ in asked])
+        done = []
+        for (scenario, turn, prompt), result in zip(asked, results):
+            generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
+                                    finish_reason=result.finish_reason,
+                                    tokens=[tokenizer.decode([t]) for t in result.token_ids],
+                                    prompt_tokens=len(prompt), metrics=result.metrics)
+            backend.generations[(prompt, scenario.max_new_tokens)] = generation
+            done.append((scenario, turn, generation))
+        return done
 
     def _stored_reference(self, scenario: Scenario) -> list[TurnReply]:
         rows = [r for r in self.store.read("texts")
@@ -160,22 +224,20 @@ class BatchedReplay:
 
     # -- scoring waves ----------------------------------------------------------------------------------
     def _score_waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
-                     reference: dict[str, list[TurnReply]], into: PrecomputedBackend | None = None) -> dict:
-        engine = self._engine(backend)
-        scored: dict[tuple, Scores] = {}
-        for turn in range(max((len(s.turns) for s in scenarios), default=0)):
-            asked = []
-            for scenario in scenarios:
-                if turn < len(scenario.turns) and not reference[scenario.id][turn].fixed:
+                     reference: dict[str, list[TurnReply]], fallbacks: list[str]) -> None:
+        """Queue the teacher-forced scoring of every generated reference turn, scenario by scenario and turn by
+        turn (the order `Replay` asks); the same queue for the reference and every path, so the bf16 path's
+        batches and scores equal the reference's."""
+        asked = []
+        for scenario in scenarios:
+            for turn in range(len(scenario.turns)):
+                if not reference[scenario.id][turn].fixed:
                     messages = _messages(scenario, reference[scenario.id], turn)
                     asked.append((tuple(backend.inner.owner.encode_chat(messages)),
                                   tuple(reference[scenario.id][turn].token_ids)))
-            if asked:
-                for key, logprobs in zip(asked, engine.score([p for p, _ in asked], [c for _, c in asked])):
-                    scored[key] = Scores(logprobs=logprobs)
-        if into is not None:
-            into.scores.update(scored)
-        return scored
+        backend.queue_scores(asked, self._engine(backend))
+        backend.on_score_failure = lambda error: fallbacks.append(
+            f"{backend.label} scores: {type(error).__name__}: {error}"[:300])
 
     # -- batch-invariance floor ---------------------------------------------------------------------------
     def _batch_invariance(self, scenarios: Sequence[Scenario], reference: dict[str, list[TurnReply]]) -> dict:

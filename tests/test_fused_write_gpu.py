@@ -1,0 +1,137 @@
+"""The fused FP8 cache write (`kernels.store_kv.quantize_store`) against the torch round trip it replaces.
+
+On CUDA a quantised cache layer writes through one Triton launch per tensor: codes = fp8(x / s), the read-back
+codes * s, the paged store of the same codes and the cast statistics. Everything here is compared with torch's
+own ops on the same GPU (`kernels.reference`), which the CPU runs use: codes and read-back bit for bit, the
+statistics exactly (integer counts; the amax is a max, which has no reduction order).
+"""
+
+import pytest
+import torch
+
+from harness.kv_paths.spec import parse_path
+from harness.types import Message
+from kernels import reference as fp8
+
+pytestmark = pytest.mark.gpu
+
+
+def _torch_write(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, saturate: bool):
+    """The torch round trip of `QuantizedKVLayer._round_trip` and its ratio, on x's device."""
+    s = fp8.per_token_scale(x, fmt) if scale is None else (scale.view(-1, 1, 1) if scale.dim() == 1 else scale)
+    codes = fp8.quantize(x, s, fmt, saturate=saturate)
+    ratio = (x.float() / s).abs() / fp8.FP8_MAX[fmt]
+    return codes, fp8.dequantize(codes, s, out_dtype=x.dtype), ratio
+
+
+def _inputs(rows: int, heads: int, chunk: int, dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # [rows, chunk, heads, dim] transposed, as transformers hands K/V to the cache; outliers, NaN and inf
+    x = torch.randn(rows, chunk, heads, dim, device="cuda", generator=g) * 60
+    x[0, 0, 0, :3] = torch.tensor([1e5, float("nan"), float("-inf")])
+    x[-1, -1, -1, 0] = 470.0
+    return x.to(torch.bfloat16).transpose(1, 2)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("chunk", [1, 37])
+def test_quantize_store_equals_torch(fmt, granularity, saturate, chunk):
+    from kernels.store_kv import quantize_store
+
+    rows, heads, dim = 3, 4, 64
+    x = _inputs(rows, heads, chunk, dim, seed=chunk)
+    scale = {"per_tensor": torch.tensor(0.3, device="cuda"), "per_token": None,
+             "per_head": torch.tensor([0.5, 0.02, 1.0, 0.125], device="cuda")}[granularity]
+    valid = torch.ones(rows, chunk + 3, dtype=torch.long, device="cuda")[:, 3:]  # a strided slice, as the step's
+    valid[1, : max(1, chunk // 2)] = 0  # left padding of row 1
+    live = torch.tensor([4, 0, 2], device="cuda")  # stats rows of the live batch rows
+    counts = torch.zeros(5, 3, dtype=torch.int64, device="cuda")
+    amax = torch.zeros(5, device="cuda")
+    pages_per_row = -(-chunk // 16)
+    cache = torch.full((rows * pages_per_row, 16, heads, dim), 0xAB, dtype=torch.uint8, device="cuda")
+    slots = (torch.arange(rows, device="cuda")[:, None] * pages_per_row * 16 + torch.arange(chunk, device="cuda"))
+    slots = torch.where(valid.bool(), slots, -1).reshape(-1)
+    out = torch.full(x.shape, -7777.0, dtype=x.dtype, device="cuda")  # poisoned: every element must be written
+    quantize_store(x, scale, fmt, saturate, out=out, cache=cache, slots=slots,
+                   cache_strides=(cache.stride(0), cache.stride(1), cache.stride(2)), counts=counts, amax=amax,
+                   live=live, valid=valid)
+    codes, read_back, ratio = _torch_write(x, scale, fmt, saturate)
+    # bit for bit (NaN where torch has NaN; NaN payloads are not compared)
+    assert torch.equal(out.isnan(), read_back.isnan())
+    assert torch.equal(out.masked_fill(out.isnan(), 0).view(torch.int16), read_back.masked_fill(read_back.isnan(), 0).view(torch.int16))
+    stored = cache.view(-1, heads, dim)
+    expected_codes = codes.view(torch.uint8).transpose(1, 2).reshape(-1, heads, dim)
+    written = slots >= 0
+    assert torch.equal(stored[slots[written]], expected_codes[written])
+    untouched = torch.ones(stored.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots[written]] = False
+    assert bool((stored[untouched] == 0xAB).all())  # pads (slot -1) wrote nothing
+    real = valid.bool()[:, None, :, None].expand_as(x)
+    for r, stats_row in enumerate(live.tolist()):
+        values = int(real[r].sum())
+        clipped = int(((ratio[r] > 1) & real[r]).sum())
+        nonfinite = int(((~read_back[r].isfinite()) & real[r]).sum())
+        assert counts[stats_row].tolist() == [values, clipped, nonfinite]
+        finite = torch.where(real[r], torch.nan_to_num(ratio[r], nan=0.0, posinf=0.0), 0.0)
+        assert float(amax[stats_row]) == float(finite.max())
+    assert counts[[1, 3]].abs().sum() == 0 and amax[[1, 3]].abs().sum() == 0
+
+
+def test_quantize_store_mla_row_layout():
+    """MLA: latent and k_pe of one token go into one cache row ([latent | k_pe]) under one scale."""
+    from kernels.store_kv import quantize_store
+
+    latent = _inputs(2, 1, 5, 64, seed=1)
+    k_pe = _inputs(2, 1, 5, 16, seed=2)
+    scale = torch.tensor(0.05, device="cuda")
+    cache = torch.zeros(2, 16, 80, dtype=torch.uint8, device="cuda")
+    slots = torch.tensor([0, 1, 2, 3, 4, 16, 17, 18, 19, -1], device="cuda")
+    strides = (cache.stride(0), cache.stride(1), 0)
+    quantize_store(latent, scale, "e4m3", True, cache=cache, slots=slots, cache_strides=strides)
+    quantize_store(k_pe, scale, "e4m3", True, cache=cache, slots=slots, cache_strides=strides, col_offset=64)
+    expected = torch.zeros_like(cache)
+    fp8.store_latent(latent[:, 0].reshape(10, -1), k_pe[:, 0].reshape(10, -1), expected.view(torch.float8_e4m3fn),
+                     slots, scale)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token",
+                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat"])
+def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
+    """A whole one-sequence reply on CUDA: fused cache writes vs the torch round trip (decode through the
+    kernels both times): the same reply and the same write statistics."""
+    import harness.kv_paths.cache as cache
+    from harness.replay.inprocess import InProcessModel
+
+    model = InProcessModel.load(tiny_models["gqa"], device="cuda")
+    backend = model.backend(parse_path(spec))
+    prompt = model.encode_chat([Message("user", "Name three colours and count to five.")])
+    fused = backend.greedy_ids(prompt, 12)
+    monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
+    plain = backend.greedy_ids(prompt, 12)
+    assert fused[0] == plain[0]
+    for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_err_ratio"):
+        assert fused[2].get(key) == plain[2].get(key), key  # per-token paths have no kernel metrics
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token"])
+def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, spec):
+    """Batched replay: per-row write statistics from the fused kernel equal the torch per-row counts."""
+    import harness.kv_paths.cache as cache
+    from harness.replay.batched import BatchedEngine, BatchSettings
+    from harness.replay.inprocess import InProcessModel
+
+    model = InProcessModel.load(tiny_models[arch], device="cuda")
+    backend = model.backend(parse_path(spec))
+    users = ["What is 7 * 8?", "Name three colours, then describe the sea.", "Hi"]
+    prompts = [model.encode_chat([Message("user", u)]) for u in users]
+    fused = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [4, 12, 8])
+    monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
+    plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [4, 12, 8])
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio"):
+            assert a.metrics.get(key) == b.metrics.get(key), key
