@@ -1,0 +1,153 @@
+"""MLA launch-configuration sweep with parallel compilation: `python -m kernels.tune_mla [--quick]`.
+
+Like kernels.tune (whose fp64 check it reuses), for the MLA kernels of kernels/mla_decode.py including the tile
+kernel (`tma`) and the fp8_mma option: worker processes compile each candidate (Triton's on-disk cache is shared),
+check it against fp64 attention on ragged lengths with shuffled pages (err ratio = kernel max error / torch bf16
+SDPA's max error on the same values; > 2 is WRONG for the exact variants, fp8_mma's ratio is its measured extra
+error) and run it once on the timing shape; the parent then times every correct candidate (median of
+triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
+fastest per kind as a kernels/configs.py entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import time
+
+MLA_TC = dict(prefetch=False, tma=True)
+CANDIDATES = {   # kind -> [(label, launch keywords)]
+    "mla_bf16": [
+        ("v4 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=16)),
+        ("tma 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=16)),
+        ("tma 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=16)),
+        ("tma 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=False, block_h=16)),
+        ("tma swap 32/4/3", dict(MLA_TC, block_n=32, num_warps=4, num_stages=3, swap=True, block_h=16)),
+        ("tma swap 64/4/2", dict(MLA_TC, block_n=64, num_warps=4, num_stages=2, swap=True, block_h=16)),
+        ("tma swap 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16)),
+    ],
+    "mla_fp8": [
+        ("v4 64/8/1 prefetch", dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, block_h=16)),
+        ("tma 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=16)),
+        ("tma 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=16)),
+        ("fp8_mma tma swap 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16,
+                                         fp8_mma=True)),
+        ("fp8_mma tma swap 64/4/2", dict(MLA_TC, block_n=64, num_warps=4, num_stages=2, swap=True, block_h=16,
+                                         fp8_mma=True)),
+        ("fp8_mma tma swap 64/4/3", dict(MLA_TC, block_n=64, num_warps=4, num_stages=3, swap=True, block_h=16,
+                                         fp8_mma=True)),
+    ],
+    "mla_bf16_many_heads": [
+        ("v4 h64 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=64)),
+        ("tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64)),
+        ("tma h64 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=64)),
+    ],
+    "mla_fp8_many_heads": [
+        ("v4 h64 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=64)),
+        ("tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64)),
+        ("fp8_mma tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64,
+                                        fp8_mma=True)),
+        ("fp8_mma tma h64 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=False, block_h=64,
+                                        fp8_mma=True)),
+        ("fp8_mma tma swap h64 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=64,
+                                             fp8_mma=True)),
+    ],
+}
+PROGRAMS_PER_SM = (1, 2, 4)
+
+
+def _heads(kind: str) -> int:
+    return 128 if kind.endswith("many_heads") else 16
+
+
+def _prepare(kind: str, label: str, cfg: dict, batch: int, ctx: int) -> dict:
+    """Worker: compile, check against fp64 (e4m3 and, for exact fp8 variants, e5m2), run the timing shape once."""
+    import torch
+
+    from kernels.tune import _timer, check_mla
+    t0 = time.time()
+    fmts = ["e4m3"] if "fp8" in kind else ["bf16"]
+    if "fp8" in kind and not cfg.get("fp8_mma"):
+        fmts.append("e5m2")
+    try:
+        torch.manual_seed(0)
+        ratios = {fmt: check_mla(cfg, fmt, _heads(kind)) for fmt in fmts}
+        timer = _timer(kind, batch, ctx, _heads(kind))
+        for pps in PROGRAMS_PER_SM:   # compiles the specialisations the parent will time (and the merge kernels)
+            timer_cfg = dict(cfg)
+            timer(timer_cfg, pps)
+        return dict(kind=kind, label=label, ratios=ratios, seconds=time.time() - t0)
+    except Exception as e:   # noqa: BLE001 - a candidate that does not compile or run is a result
+        return dict(kind=kind, label=label, error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}",
+                    seconds=time.time() - t0)
+
+
+def _prepare_star(args):
+    return _prepare(*args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--kinds", default=",".join(CANDIDATES))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--job-timeout", type=float, default=90.0, help="seconds from the start for all compile jobs")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    jobs = [(kind, label, cfg, args.batch, args.ctx) for kind in kinds for label, cfg in CANDIDATES[kind]]
+    t0 = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(args.workers)
+    pending = [pool.apply_async(_prepare, job) for job in jobs]
+    prepared = []
+    for job, result in zip(jobs, pending):
+        try:
+            prepared.append(result.get(timeout=max(5.0, args.job_timeout - (time.time() - t0))))
+        except multiprocessing.TimeoutError:
+            prepared.append(dict(kind=job[0], label=job[1], error=f"no result within {args.job_timeout:.0f} s"))
+        print(f"  [{time.time() - t0:5.1f} s] {prepared[-1]}", flush=True)
+    pool.terminate()
+    print(f"compiled and checked {len(jobs)} candidates in {time.time() - t0:.0f} s", flush=True)
+
+    import torch
+
+    from kernels.tune import _timer
+    lines, best = [], {}
+    for kind in kinds:
+        timer = _timer(kind, args.batch, args.ctx, _heads(kind))
+        lines.append(f"{kind} ({_heads(kind)} heads) batch {args.batch} ctx {args.ctx}: candidate | err ratio | "
+                     f"programs/SM -> ms")
+        for (_, label, cfg, _, _), res in zip(jobs, prepared):
+            if res["kind"] != kind:
+                continue
+            if "error" in res:
+                lines.append(f"  {label:30s} | {res['error']}")
+                continue
+            ratios = " ".join(f"{f} {r:.2f}" for f, r in res["ratios"].items())
+            limit = 64.0 if cfg.get("fp8_mma") else 2.0
+            if not all(r <= limit for r in res["ratios"].values()):
+                lines.append(f"  {label:30s} | WRONG: {ratios}")
+                continue
+            timings = []
+            for pps in PROGRAMS_PER_SM:
+                ms = timer(dict(cfg), pps)
+                timings.append(f"{pps}:{ms:.4f}")
+                key = kind + ("+fp8_mma" if cfg.get("fp8_mma") else "")
+                if ms < best.get(key, (float("inf"),))[0]:
+                    best[key] = (ms, label, dict(cfg, programs_per_sm=pps))
+            lines.append(f"  {label:30s} | {ratios} | " + "  ".join(timings))
+        print("\n".join(lines[-len(CANDIDATES[kind]) - 1:]), flush=True)
+        torch.cuda.empty_cache()
+    lines.append("best:")
+    lines += [f"  {key}: {label} -> {ms:.4f} ms  {cfg}" for key, (ms, label, cfg) in best.items()]
+    print("\n".join(lines[-len(best) - 1:]), flush=True)
+    with open(os.path.join(args.out, "tune_mla.json"), "w") as f:
+        json.dump(dict(prepared=prepared, best={k: [v[0], v[1], v[2]] for k, v in best.items()}, lines=lines), f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
