@@ -62,6 +62,48 @@ def _heads(kind: str) -> int:
     return 128 if kind.endswith("many_heads") else 16
 
 
+def check_fp8_mma(cfg: dict, heads: int) -> dict:
+    """fp8_mma's error split in two, on check_mla's inputs: against fp64 attention of the true bf16 Q and of
+    the Q it actually multiplied (per head q_s * fp8(q / q_s)), each over torch bf16 SDPA's error on that Q,
+    and the lse's max abs error against fp64 of the fp8 Q."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import reference as ref
+    from kernels.mla_decode import mla_decode
+    from kernels.tune import _pages, _poison, _read
+    lengths, page, dc, dr = [1, 300, 4099, 77], 64, 512, 64
+    table, seq, nb = _pages(lengths, page)
+    scale = torch.tensor(0.02, device="cuda")
+    cache = torch.randn(nb, page, dc + dr, device="cuda").mul_(20).to(torch.float8_e4m3fn)
+    ql = torch.randn(len(lengths), heads, dc, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(len(lengths), heads, dr, device="cuda", dtype=torch.bfloat16)
+    sm = (128 + 64) ** -0.5
+    _poison()
+    out, lse = mla_decode(ql, qp, cache, table, seq, scale, sm, fp8_mma=True, **cfg)
+    q_true = torch.cat([ql, qp], -1).double()
+    q_s = (q_true.abs().amax(-1, keepdim=True) / 448.0)
+    q_fp8 = ref.quantize(q_true.float() / q_s.float(), 1.0, "e4m3").double() * q_s
+    err = {"true_q": [0.0, 0.0], "fp8_q": [0.0, 0.0]}
+    lse_err = 0.0
+    for b, n in enumerate(lengths):
+        rows = _read(cache, table[b], n) * scale.double()
+        for name, q in (("true_q", q_true[b]), ("fp8_q", q_fp8[b])):
+            s = (q @ rows.T) * sm
+            truth = torch.softmax(s, -1) @ rows[:, :dc]
+            kk = rows.bfloat16()[None, None].expand(1, heads, n, dc + dr)
+            sdpa = F.scaled_dot_product_attention(q.bfloat16()[None, :, None], kk, kk[..., :dc], scale=sm)[0, :, 0]
+            got = (out[b].double() - truth).abs().max().item()
+            err[name][0] = got if math.isnan(got) else max(err[name][0], got)
+            err[name][1] = max(err[name][1], (sdpa.double() - truth).abs().max().item())
+            if name == "fp8_q":
+                lse_err = max(lse_err, (lse[b].double() - torch.logsumexp(s, -1)).abs().max().item())
+    ratios = {name: (e / t if math.isfinite(e) else float("inf")) for name, (e, t) in err.items()}
+    return dict(ratios, lse_abs_err=lse_err)
+
+
 def _prepare(kind: str, label: str, cfg: dict, batch: int, ctx: int) -> dict:
     """Worker: compile, check against fp64 (e4m3 and, for exact fp8 variants, e5m2), run the timing shape once."""
     import torch
@@ -74,11 +116,15 @@ def _prepare(kind: str, label: str, cfg: dict, batch: int, ctx: int) -> dict:
     try:
         torch.manual_seed(0)
         ratios = {fmt: check_mla(cfg, fmt, _heads(kind)) for fmt in fmts}
+        extra = {}
+        if cfg.get("fp8_mma"):
+            extra = {f"fp8_mma {k}": v for k, v in check_fp8_mma({k: v for k, v in cfg.items() if k != "fp8_mma"},
+                                                                  _heads(kind)).items()}
         timer = _timer(kind, batch, ctx, _heads(kind))
         for pps in PROGRAMS_PER_SM:   # compiles the specialisations the parent will time (and the merge kernels)
             timer_cfg = dict(cfg)
             timer(timer_cfg, pps)
-        return dict(kind=kind, label=label, ratios=ratios, seconds=time.time() - t0)
+        return dict(kind=kind, label=label, ratios=ratios, extra=extra, seconds=time.time() - t0)
     except Exception as e:   # noqa: BLE001 - a candidate that does not compile or run is a result
         return dict(kind=kind, label=label, error=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}",
                     seconds=time.time() - t0)
@@ -138,7 +184,8 @@ def main() -> None:
                 key = kind + ("+fp8_mma" if cfg.get("fp8_mma") else "")
                 if ms < best.get(key, (float("inf"),))[0]:
                     best[key] = (ms, label, dict(cfg, programs_per_sm=pps))
-            lines.append(f"  {label:30s} | {ratios} | " + "  ".join(timings))
+            extra = " ".join(f"{k} {v:.3g}" for k, v in res.get("extra", {}).items())
+            lines.append(f"  {label:30s} | {ratios} | " + "  ".join(timings) + (f" | {extra}" if extra else ""))
         print("\n".join(lines[-len(CANDIDATES[kind]) - 1:]), flush=True)
         torch.cuda.empty_cache()
     lines.append("best:")
