@@ -4,7 +4,8 @@ GQA (32 query / 8 KV heads, head_dim 128, page 16): our FP8 decode vs torch SDPA
 (the 4 query heads of a KV head passed as 4 query rows, so SDPA reads each KV head once) vs the workaround
 "dequantise the whole FP8 cache to BF16 (fp8 -> fp32 -> bf16), then SDPA"; plus our kernel on a paged BF16 cache.
 A "qk_fp8" row: our FP8 kernel with Q quantised per head and Q.K on fp8 tensor cores (an option; extra error).
-MLA (16 and 128 heads, latent 512 + RoPE 64, page 64): our FP8 vs our BF16 vs "dequantise everything, then our BF16".
+MLA (16 and 128 heads, latent 512 + RoPE 64, page 64): our FP8 (and its fp8_mma option: Q and P in e4m3 on fp8
+tensor cores) vs our BF16 (and session 4's BF16 kernel) vs "dequantise everything, then our BF16".
 Columns: median ms (triton.testing.do_bench, L2 flushed between runs); GB/s of the cache bytes that the row's
 attention must read (for the workaround: its FP8 input); that as a fraction of the measured device-to-device
 copy bandwidth ((read + write) bytes / s of a 1 GiB copy); speed-up against the BF16 row.
@@ -37,6 +38,11 @@ FP8 = torch.float8_e4m3fn
 GIB = 1 << 30
 # The qk_fp8 row (Q quantised per head, Q.K on fp8 tensor cores): tokens as M, so Hopper's fp8 wgmma applies.
 QK_FP8 = dict(swap=True, num_stages=3)
+# The session-4 MLA BF16 configurations (the old kernel), kept as a row: [16 heads, >= 64 heads].
+MLA_SESSION4 = [dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                     tma=False),
+                dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4, block_h=64,
+                     tma=False)]
 
 
 def _ms(fn) -> float:
@@ -122,12 +128,15 @@ def bench_mla(batch: int, ctx: int, tuned: dict, heads: int = 16) -> list[tuple[
     scale, sm_scale = torch.tensor(0.01, device="cuda"), 192 ** -0.5
     suffix = "_many_heads" if heads >= 64 else ""
 
-    def run(c, s, kind):
-        return mla_decode(q_latent, q_pe, c, table, seq_lens, s, sm_scale, **tuned.get(kind + suffix, {}))
+    def run(c, s, kind, **extra):
+        return mla_decode(q_latent, q_pe, c, table, seq_lens, s, sm_scale, **tuned.get(kind + suffix, {}), **extra)
 
-    rows = [("ours FP8", _ms(lambda: run(cache, scale, "mla")), fp8_bytes)]
+    rows = [("ours FP8", _ms(lambda: run(cache, scale, "mla_fp8")), fp8_bytes),
+            ("ours FP8, fp8_mma (Q, P in e4m3)", _ms(lambda: run(cache, scale, "mla_fp8_mma", fp8_mma=True)), fp8_bytes)]
     cache_bf16 = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     rows.insert(0, ("ours BF16", _ms(lambda: run(cache_bf16, None, "mla_bf16")), 2 * fp8_bytes))
+    rows.insert(1, ("ours BF16, session-4 kernel", _ms(lambda: mla_decode(
+        q_latent, q_pe, cache_bf16, table, seq_lens, None, sm_scale, **MLA_SESSION4[bool(suffix)])), 2 * fp8_bytes))
     cache_bf16 = None
     rows.append(("dequantise all + ours BF16",
                  _ms(lambda: run(ref.dequantize(cache, scale, torch.bfloat16), None, "mla_bf16")), fp8_bytes))
@@ -173,7 +182,7 @@ def main() -> None:
     tuned = {}
     if args.sweep:
         from kernels.tune import sweep
-        for kind in KINDS:
+        for kind in (k for k in KINDS if "fp8_mma" not in k):   # fp8_mma kinds: python -m kernels.tune_mla
             lines, tuned[kind] = sweep(kind, mla_heads=128 if kind.endswith("many_heads") else 16)
             print("\n".join(lines), flush=True)
             torch.cuda.empty_cache()

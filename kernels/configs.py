@@ -16,6 +16,7 @@ import functools
 import torch
 
 KINDS = ("gqa_fp8", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
+KINDS += ("mla_fp8_mma", "mla_fp8_mma_many_heads")   # MLA's fp8_mma option (mla_decode(..., fp8_mma=True))
 
 H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
@@ -27,6 +28,10 @@ H100 = {
                                block_h=64),
     "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
                                 block_h=64),
+    "mla_fp8_mma": dict(block_n=64, num_warps=8, num_stages=2, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
+                        tma=True),
+    "mla_fp8_mma_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2,
+                                   block_h=64, tma=True),
 }
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}

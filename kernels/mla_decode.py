@@ -305,7 +305,11 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
     device = q_latent.device
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
-    cfg = launch_config(("mla_fp8" if fp8 else "mla_bf16") + ("_many_heads" if heads >= 64 else ""), device)
+    assert not fp8_mma or cache.dtype == torch.float8_e4m3fn, \
+        f"fp8_mma needs an e4m3 cache (Q and P are quantised to e4m3), got {cache.dtype}"
+    assert not fp8_mma or rope_dim >= 32, f"fp8_mma needs Dr >= 32 (an fp8 MMA's K step), got {rope_dim}"
+    kind = "mla_fp8_mma" if fp8_mma else "mla_fp8" if fp8 else "mla_bf16"
+    cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("block_h", block_h), ("tma", tma)):
@@ -313,8 +317,6 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             cfg[key] = value
     tile_kernel = cfg.get("tma", False) or fp8_mma
     pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
-    assert not fp8_mma or cache.dtype == torch.float8_e4m3fn, \
-        f"fp8_mma needs an e4m3 cache (Q and P are quantised to e4m3), got {cache.dtype}"
     assert not tile_kernel or pow2, f"tma / fp8_mma need power-of-two Dc and Dr, got {latent_dim}, {rope_dim}"
     assert not (tile_kernel and prefetch), "tma / fp8_mma pipeline with num_stages; prefetch is refused with them"
     if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
