@@ -182,7 +182,7 @@ def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, MASKED: tl.c
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_eb", "stride_eh"])   # they follow the split count: one compile for all
 def _mla_decode_tc_kernel(
     Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
     sm_scale_log2, tokens_per_split, num_heads,

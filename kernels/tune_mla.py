@@ -130,6 +130,34 @@ def _prepare(kind: str, label: str, cfg: dict, batch: int, ctx: int) -> dict:
                     seconds=time.time() - t0)
 
 
+def _warm(heads: int, row: str) -> str:
+    """Worker: compile one MLA row of kernels.bench (its configuration and specialisation) at batch 8, 8k."""
+    import torch
+
+    from kernels.bench import MLA_SESSION4, _identity_table
+    from kernels.mla_decode import mla_decode
+    t0 = time.time()
+    batch, ctx, page = 8, 8192, 64
+    ql = torch.randn(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(batch, heads, 64, device="cuda", dtype=torch.bfloat16)
+    table, lens = _identity_table(batch, ctx, page)
+    fp8 = row.startswith("fp8")
+    cache = torch.randn(batch * ctx // page, page, 576, device="cuda").to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scale = torch.tensor(0.01, device="cuda") if fp8 else None
+    extra = dict(fp8_mma=True) if row == "fp8_mma" else MLA_SESSION4[heads >= 64] if row == "bf16_session4" else {}
+    mla_decode(ql, qp, cache, table, lens, scale, 0.072, **extra)
+    torch.cuda.synchronize()
+    return f"warm {heads} heads {row}: {time.time() - t0:.1f} s"
+
+
+def warm_bench(workers: int) -> None:
+    """Compile the MLA kernels that `python -m kernels.bench` will time, in parallel (Triton's disk cache)."""
+    jobs = [(heads, row) for heads in (16, 128) for row in ("bf16", "bf16_session4", "fp8", "fp8_mma")]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for line in pool.starmap(_warm, jobs):
+            print(line, flush=True)
+
+
 def _prepare_star(args):
     return _prepare(*args)
 
@@ -142,7 +170,11 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(CANDIDATES))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--job-timeout", type=float, default=90.0, help="seconds from the start for all compile jobs")
+    parser.add_argument("--warm-bench", action="store_true", help="only compile kernels.bench's MLA rows")
     args = parser.parse_args()
+    if args.warm_bench:
+        warm_bench(args.workers)
+        return
     kinds = args.kinds.split(",")
     jobs = [(kind, label, cfg, args.batch, args.ctx) for kind in kinds for label, cfg in CANDIDATES[kind]]
     t0 = time.time()
