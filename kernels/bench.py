@@ -168,7 +168,8 @@ def main() -> None:
                         help="first sweep launch configurations (kernels.tune) and use the fastest correct ones")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    parser.add_argument("--mla-heads", default="16,128")
+    parser.add_argument("--mla-heads", default="16,128", help="MLA head counts; empty for none")
+    parser.add_argument("--no-gqa", action="store_true", help="MLA tables only")
     args = parser.parse_args()
     batches, contexts = ((8,), (32768,)) if args.quick else (
         tuple(int(x) for x in args.batches.split(",")), tuple(int(x) for x in args.contexts.split(",")))
@@ -192,9 +193,10 @@ def main() -> None:
                for kind in KINDS]
     header += [f"- qk_fp8 row: the FP8 config with {QK_FP8}", ""]
     print("\n".join(header[-len(KINDS) - 3:]), flush=True)
-    out = header + _table(f"GQA decode, {Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, e4m3 cache",
-                          bench_gqa, copy_bw, batches, contexts, tuned)
-    for heads in (int(h) for h in args.mla_heads.split(",")):
+    out = header + ([] if args.no_gqa else _table(
+        f"GQA decode, {Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, e4m3 cache", bench_gqa, copy_bw, batches,
+        contexts, tuned))
+    for heads in (int(h) for h in args.mla_heads.split(",") if h):
         out += _table(f"MLA decode, {heads} heads, latent {LATENT_DIM} + rope {ROPE_DIM}, e4m3 cache",
                       functools.partial(bench_mla, heads=heads), copy_bw, batches, contexts, tuned)
     print("\n" + "\n".join(out))
