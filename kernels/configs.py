@@ -21,18 +21,24 @@ KINDS += ("mla_fp8_mma", "mla_fp8_mma_many_heads")   # MLA's fp8_mma option (mla
 H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
+}
+# MLA entries: `python -m kernels.tune_mla --write` rewrites the lines between the markers with
+# its sweep's fastest correct configurations (tma: the tile kernel; >= 64 heads use the *_many_heads entries).
+# BEGIN H100 MLA
+H100_MLA = {
     "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
     "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),
-    # >= 64 heads (DeepSeek-V3: 128): 64 heads per program, so each cache tile feeds 64 MMA rows
     "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
-                               block_h=64),
+                               block_h=64, tma=True),
     "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
-                                block_h=64),
-    "mla_fp8_mma": dict(block_n=64, num_warps=8, num_stages=2, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
-                        tma=True),
-    "mla_fp8_mma_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2,
-                                   block_h=64, tma=True),
+                                block_h=64, tma=True),
+    "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, swap=True, programs_per_sm=2,
+                        block_h=16, tma=True),
+    "mla_fp8_mma_many_heads": dict(block_n=64, num_warps=8, num_stages=2, prefetch=False, swap=False,
+                                   programs_per_sm=2, block_h=64, tma=True),
 }
+# END H100 MLA
+H100.update(H100_MLA)
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
 

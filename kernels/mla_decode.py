@@ -315,10 +315,14 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                        ("block_h", block_h), ("tma", tma)):
         if value is not None:
             cfg[key] = value
+    if prefetch and tma is None:   # an explicit register prefetch means session 4's kernel
+        cfg["tma"] = False
     tile_kernel = cfg.get("tma", False) or fp8_mma
     pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
     assert not tile_kernel or pow2, f"tma / fp8_mma need power-of-two Dc and Dr, got {latent_dim}, {rope_dim}"
     assert not (tile_kernel and prefetch), "tma / fp8_mma pipeline with num_stages; prefetch is refused with them"
+    if tile_kernel:   # the table entry's register prefetch belongs to the other kernel
+        cfg["prefetch"] = False
     if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
         cfg["swap"] = False
     block_n, block_h = cfg["block_n"], cfg["block_h"]

@@ -1,4 +1,4 @@
-"""MLA launch-configuration sweep with parallel compilation: `python -m kernels.tune_mla [--quick]`.
+"""MLA launch-configuration sweep with parallel compilation: `python -m kernels.tune_mla [--write]`.
 
 Like kernels.tune (whose fp64 check it reuses), for the MLA kernels of kernels/mla_decode.py including the tile
 kernel (`tma`) and the fp8_mma option: worker processes compile each candidate (Triton's on-disk cache is shared),
@@ -6,7 +6,13 @@ check it against fp64 attention on ragged lengths with shuffled pages (err ratio
 SDPA's max error on the same values; > 2 is WRONG for the exact variants, fp8_mma's ratio is its measured extra
 error) and run it once on the timing shape; the parent then times every correct candidate (median of
 triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
-fastest per kind as a kernels/configs.py entry.
+fastest per kind; --write puts them into kernels/configs.py (the H100 MLA block), --write-from JSON does the same
+from a run's tune_mla.json. Kinds `mla_fp8_mma*` are the fp8_mma option's entries.
+
+Triton's pipeliner spends one stage on the page-index load that a TMA tile's row depends on, and a tile whose
+consumer reads it back from shared memory (mma.sync operands, fp8 -> fp16, fp8_mma's transposed copy) one more:
+the tile kernel double-buffers the latent tile only from num_stages 4 (wgmma from shared) or 5 (the others),
+read off the TTGIR of Triton 3.6's sm_90 build; hence the stage counts below.
 """
 
 from __future__ import annotations
@@ -17,43 +23,32 @@ import multiprocessing
 import os
 import time
 
+CONFIGS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs.py")
 MLA_TC = dict(prefetch=False, tma=True)
-CANDIDATES = {   # kind -> [(label, launch keywords)]
-    "mla_bf16": [
-        ("v4 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=16)),
-        ("tma 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=16)),
-        ("tma 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=16)),
-        ("tma 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=False, block_h=16)),
-        ("tma swap 32/4/3", dict(MLA_TC, block_n=32, num_warps=4, num_stages=3, swap=True, block_h=16)),
-        ("tma swap 64/4/2", dict(MLA_TC, block_n=64, num_warps=4, num_stages=2, swap=True, block_h=16)),
-        ("tma swap 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16)),
-    ],
-    "mla_fp8": [
-        ("v4 64/8/1 prefetch", dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, block_h=16)),
-        ("tma 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=16)),
-        ("tma 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=16)),
-        ("fp8_mma tma swap 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16,
-                                         fp8_mma=True)),
-        ("fp8_mma tma swap 64/4/2", dict(MLA_TC, block_n=64, num_warps=4, num_stages=2, swap=True, block_h=16,
-                                         fp8_mma=True)),
-        ("fp8_mma tma swap 64/4/3", dict(MLA_TC, block_n=64, num_warps=4, num_stages=3, swap=True, block_h=16,
-                                         fp8_mma=True)),
-    ],
-    "mla_bf16_many_heads": [
-        ("v4 h64 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=64)),
-        ("tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64)),
-        ("tma h64 32/8/3", dict(MLA_TC, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=64)),
-    ],
-    "mla_fp8_many_heads": [
-        ("v4 h64 32/8/2", dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, block_h=64)),
-        ("tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64)),
-        ("fp8_mma tma h64 32/8/2", dict(MLA_TC, block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64,
-                                        fp8_mma=True)),
-        ("fp8_mma tma h64 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=False, block_h=64,
-                                        fp8_mma=True)),
-        ("fp8_mma tma swap h64 64/8/2", dict(MLA_TC, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=64,
-                                             fp8_mma=True)),
-    ],
+
+
+def _tc(block_n: int, num_warps: int, num_stages: int, swap: bool, block_h: int) -> dict:
+    return dict(MLA_TC, block_n=block_n, num_warps=num_warps, num_stages=num_stages, swap=swap, block_h=block_h)
+
+
+def _v4(block_n: int, num_warps: int, num_stages: int, block_h: int, prefetch: bool = False) -> dict:
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, swap=False,
+                block_h=block_h, tma=False)
+
+
+CANDIDATES = {   # kind -> [(label, launch keywords)]; "v4" = session 4's kernel, "tma" = the tile kernel
+    "mla_bf16": [("v4 32/8/2", _v4(32, 8, 2, 16)), ("v4 32/8/5", _v4(32, 8, 5, 16)),
+                 ("tma 32/4/5", _tc(32, 4, 5, False, 16)), ("tma swap 32/4/5", _tc(32, 4, 5, True, 16)),
+                 ("tma swap 16/4/5", _tc(16, 4, 5, True, 16)), ("tma swap 32/4/7", _tc(32, 4, 7, True, 16)),
+                 ("tma swap 64/4/4", _tc(64, 4, 4, True, 16))],
+    "mla_fp8": [("v4 64/8/1 prefetch", _v4(64, 8, 1, 16, prefetch=True)), ("v4 32/8/5", _v4(32, 8, 5, 16)),
+                ("tma 32/8/5", _tc(32, 8, 5, False, 16)), ("tma 32/4/5", _tc(32, 4, 5, False, 16))],
+    "mla_fp8_mma": [("tma swap 64/8/5", _tc(64, 8, 5, True, 16)), ("tma swap 64/4/5", _tc(64, 4, 5, True, 16))],
+    "mla_bf16_many_heads": [("tma h64 32/8/2", _tc(32, 8, 2, False, 64)), ("tma h64 32/8/4", _tc(32, 8, 4, False, 64)),
+                            ("tma h64 32/8/5", _tc(32, 8, 5, False, 64))],
+    "mla_fp8_many_heads": [("tma h64 32/8/2", _tc(32, 8, 2, False, 64)), ("v4 h64 32/8/2", _v4(32, 8, 2, 64))],
+    "mla_fp8_mma_many_heads": [("tma h64 32/8/5", _tc(32, 8, 5, False, 64)), ("tma h64 64/8/5", _tc(64, 8, 5, False, 64)),
+                               ("tma h64 64/8/2", _tc(64, 8, 2, False, 64))],
 }
 PROGRAMS_PER_SM = (1, 2, 4)
 
@@ -111,15 +106,17 @@ def _prepare(kind: str, label: str, cfg: dict, batch: int, ctx: int) -> dict:
     from kernels.tune import _timer, check_mla
     t0 = time.time()
     fmts = ["e4m3"] if "fp8" in kind else ["bf16"]
-    if "fp8" in kind and not cfg.get("fp8_mma"):
+    if "fp8" in kind and "fp8_mma" not in kind:
         fmts.append("e5m2")
+    if "fp8_mma" in kind:
+        cfg = dict(cfg, fp8_mma=True)
     try:
         torch.manual_seed(0)
         ratios = {fmt: check_mla(cfg, fmt, _heads(kind)) for fmt in fmts}
         extra = {}
-        if cfg.get("fp8_mma"):
-            extra = {f"fp8_mma {k}": v for k, v in check_fp8_mma({k: v for k, v in cfg.items() if k != "fp8_mma"},
-                                                                  _heads(kind)).items()}
+        if "fp8_mma" in kind:
+            extra = {f"vs {k}" if k != "lse_abs_err" else k: v for k, v in check_fp8_mma(
+                {k: v for k, v in cfg.items() if k != "fp8_mma"}, _heads(kind)).items()}
         timer = _timer(kind, batch, ctx, _heads(kind))
         for pps in PROGRAMS_PER_SM:   # compiles the specialisations the parent will time (and the merge kernels)
             timer_cfg = dict(cfg)
@@ -162,6 +159,72 @@ def _prepare_star(args):
     return _prepare(*args)
 
 
+def _compile_and_check(jobs: list[tuple], workers: int, job_timeout: float) -> list[dict]:
+    t0 = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pending = [pool.apply_async(_prepare, job) for job in jobs]
+    prepared = []
+    for job, result in zip(jobs, pending):
+        try:
+            prepared.append(result.get(timeout=max(5.0, job_timeout - (time.time() - t0))))
+        except multiprocessing.TimeoutError:
+            prepared.append(dict(kind=job[0], label=job[1], error=f"no result within {job_timeout:.0f} s"))
+        print(f"  [{time.time() - t0:5.1f} s] {prepared[-1]}", flush=True)
+    pool.terminate()
+    print(f"compiled and checked {len(jobs)} candidates in {time.time() - t0:.0f} s", flush=True)
+    return prepared
+
+
+def _time_kind(kind: str, results: list[tuple[str, dict, dict]], batch: int, ctx: int) -> tuple[list[str], tuple]:
+    """Table lines of one kind and its fastest correct (ms, label, config with programs_per_sm)."""
+    from kernels.tune import _timer
+    timer = _timer(kind, batch, ctx, _heads(kind))
+    lines = [f"{kind} ({_heads(kind)} heads) batch {batch} ctx {ctx}: candidate | err ratio | programs/SM -> ms"]
+    best = (float("inf"), "", {})
+    for label, cfg, res in results:
+        if "error" in res:
+            lines.append(f"  {label:22s} | {res['error']}")
+            continue
+        ratios = " ".join(f"{f} {r:.2f}" for f, r in res["ratios"].items())
+        if not all(r <= (64.0 if "fp8_mma" in kind else 2.0) for r in res["ratios"].values()):
+            lines.append(f"  {label:22s} | WRONG: {ratios}")
+            continue
+        timings = []
+        for pps in PROGRAMS_PER_SM:
+            ms = timer(dict(cfg, fp8_mma=True) if "fp8_mma" in kind else dict(cfg), pps)
+            timings.append(f"{pps}:{ms:.4f}")
+            if ms < best[0]:
+                best = (ms, label, dict(cfg, programs_per_sm=pps))
+        extra = " ".join(f"{k} {v:.3g}" for k, v in res.get("extra", {}).items())
+        lines.append(f"  {label:22s} | {ratios} | " + "  ".join(timings) + (f" | {extra}" if extra else ""))
+    return lines, best
+
+
+def _entry(kind: str, cfg: dict) -> str:
+    """One kernels/configs.py line (wrapped at 120 columns) for `kind`."""
+    keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma")
+    head, parts = f'    "{kind}": dict(', [f"{k}={cfg[k]!r}" for k in keys if k in cfg]
+    lines, line = [], head
+    for i, part in enumerate(parts):
+        piece = part + (", " if i < len(parts) - 1 else "),")
+        if len(line) + len(piece.rstrip()) > 120:
+            lines.append(line.rstrip())
+            line = " " * len(head)
+        line += piece
+    return "\n".join(lines + [line])
+
+
+def write_configs(best: dict[str, dict], path: str = CONFIGS_PATH) -> None:
+    """Replace the H100 MLA block of kernels/configs.py: swept kinds get their fastest config, others stay."""
+    from kernels.configs import H100_MLA
+    text = open(path).read()
+    begin, end = text.index("# BEGIN H100 MLA\n"), text.index("# END H100 MLA\n")
+    entries = {kind: best.get(kind, cfg) for kind, cfg in H100_MLA.items()}
+    block = "# BEGIN H100 MLA\nH100_MLA = {\n" + "\n".join(_entry(k, c) for k, c in entries.items()) + "\n}\n"
+    with open(path, "w") as f:
+        f.write(text[:begin] + block + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -171,61 +234,34 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--job-timeout", type=float, default=90.0, help="seconds from the start for all compile jobs")
     parser.add_argument("--warm-bench", action="store_true", help="only compile kernels.bench's MLA rows")
+    parser.add_argument("--write", action="store_true", help="write the fastest configs into kernels/configs.py")
+    parser.add_argument("--write-from", help="a run's tune_mla.json: write its fastest configs, sweep nothing")
     args = parser.parse_args()
+    if args.write_from:
+        write_configs({k: v[2] for k, v in json.load(open(args.write_from))["best"].items()})
+        return
     if args.warm_bench:
         warm_bench(args.workers)
         return
     kinds = args.kinds.split(",")
     jobs = [(kind, label, cfg, args.batch, args.ctx) for kind in kinds for label, cfg in CANDIDATES[kind]]
-    t0 = time.time()
-    pool = multiprocessing.get_context("spawn").Pool(args.workers)
-    pending = [pool.apply_async(_prepare, job) for job in jobs]
-    prepared = []
-    for job, result in zip(jobs, pending):
-        try:
-            prepared.append(result.get(timeout=max(5.0, args.job_timeout - (time.time() - t0))))
-        except multiprocessing.TimeoutError:
-            prepared.append(dict(kind=job[0], label=job[1], error=f"no result within {args.job_timeout:.0f} s"))
-        print(f"  [{time.time() - t0:5.1f} s] {prepared[-1]}", flush=True)
-    pool.terminate()
-    print(f"compiled and checked {len(jobs)} candidates in {time.time() - t0:.0f} s", flush=True)
-
+    prepared = _compile_and_check(jobs, args.workers, args.job_timeout)
     import torch
-
-    from kernels.tune import _timer
     lines, best = [], {}
     for kind in kinds:
-        timer = _timer(kind, args.batch, args.ctx, _heads(kind))
-        lines.append(f"{kind} ({_heads(kind)} heads) batch {args.batch} ctx {args.ctx}: candidate | err ratio | "
-                     f"programs/SM -> ms")
-        for (_, label, cfg, _, _), res in zip(jobs, prepared):
-            if res["kind"] != kind:
-                continue
-            if "error" in res:
-                lines.append(f"  {label:30s} | {res['error']}")
-                continue
-            ratios = " ".join(f"{f} {r:.2f}" for f, r in res["ratios"].items())
-            limit = 64.0 if cfg.get("fp8_mma") else 2.0
-            if not all(r <= limit for r in res["ratios"].values()):
-                lines.append(f"  {label:30s} | WRONG: {ratios}")
-                continue
-            timings = []
-            for pps in PROGRAMS_PER_SM:
-                ms = timer(dict(cfg), pps)
-                timings.append(f"{pps}:{ms:.4f}")
-                key = kind + ("+fp8_mma" if cfg.get("fp8_mma") else "")
-                if ms < best.get(key, (float("inf"),))[0]:
-                    best[key] = (ms, label, dict(cfg, programs_per_sm=pps))
-            extra = " ".join(f"{k} {v:.3g}" for k, v in res.get("extra", {}).items())
-            lines.append(f"  {label:30s} | {ratios} | " + "  ".join(timings) + (f" | {extra}" if extra else ""))
-        print("\n".join(lines[-len(CANDIDATES[kind]) - 1:]), flush=True)
+        results = [(job[1], job[2], res) for job, res in zip(jobs, prepared) if job[0] == kind]
+        kind_lines, fastest = _time_kind(kind, results, args.batch, args.ctx)
+        print("\n".join(kind_lines), flush=True)
+        lines += kind_lines
+        if fastest[1]:
+            best[kind] = fastest
         torch.cuda.empty_cache()
-    lines.append("best:")
-    lines += [f"  {key}: {label} -> {ms:.4f} ms  {cfg}" for key, (ms, label, cfg) in best.items()]
+    lines += ["best:"] + [f"  {kind}: {label} -> {ms:.4f} ms  {cfg}" for kind, (ms, label, cfg) in best.items()]
     print("\n".join(lines[-len(best) - 1:]), flush=True)
     with open(os.path.join(args.out, "tune_mla.json"), "w") as f:
-        json.dump(dict(prepared=prepared, best={k: [v[0], v[1], v[2]] for k, v in best.items()}, lines=lines), f,
-                  indent=1)
+        json.dump(dict(prepared=prepared, best={k: list(v) for k, v in best.items()}, lines=lines), f, indent=1)
+    if args.write:
+        write_configs({kind: cfg for kind, (_, _, cfg) in best.items()})
 
 
 if __name__ == "__main__":

@@ -367,11 +367,9 @@ def test_mla_decode_bf16_cache_ignores_scale(kern):
 # The tile kernel (mla_decode(..., tma=True)): whole tiles by TMA where page_size % block_n == 0, else pointer loads;
 # the split's last partial tile masked. Unwritten slots hold NaN here, so a read past seq_len would show.
 MLA_TILE_CONFIGS = [
-    pytest.param(dict(tma=True, block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16), id="tma-swap-64-8-2-h16"),
-    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=3, swap=False, block_h=64), id="tma-32-8-3-h64"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=True, block_h=16), id="tma-swap-32-4-5-h16"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=4, swap=False, block_h=64), id="tma-32-8-4-h64"),
 ]
-NAN_CODES = {"e4m3": 0x7F, "e5m2": 0x7F}   # a NaN byte of each fp8 format
-
 
 def _poison_unwritten(case, lengths: list[int]) -> None:
     """NaN in every cache slot that no sequence owns below its length (stale pages, tails of last pages)."""
@@ -382,7 +380,7 @@ def _poison_unwritten(case, lengths: list[int]) -> None:
         written[case.block_table[b, t // page].long() * page + t % page] = True
     rows = case.cache.view(-1, case.cache.shape[2])
     if case.cache.element_size() == 1:
-        rows.view(torch.uint8)[~written] = 0x7F
+        rows.view(torch.uint8)[~written] = 0x7F           # NaN in e4m3fn and in e5m2
     else:
         rows[~written] = float("nan")
 
@@ -408,16 +406,16 @@ def _fp8_query(q: torch.Tensor) -> torch.Tensor:
     return ref.quantize(q.float() / q_s, 1.0, "e4m3").double() * q_s.double()
 
 
-# fp8_mma's P is rounded to e4m3 (3 mantissa bits vs bf16's 7): its error against fp64 of the fp8 Q it multiplied
-# is larger than torch's bf16 error on that Q. The bound is the kernels/BENCHMARKS.md measurement (session 5) with
-# headroom for max-abs noise.
-FP8_MMA_K = 8.0
-FP8_MMA_LSE_ATOL = 1e-2
+# fp8_mma rounds P to e4m3 (3 mantissa bits vs bf16's 7) and accumulates fp8 products in Hopper's reduced-precision
+# adder: against fp64 of the fp8 Q it multiplied, `python -m kernels.tune_mla` measured 1.86-2.01x torch bf16's error
+# on that Q and an lse error of 0.4-1.0e-3 (session 5, kernels/BENCHMARKS.md); bounds: 2x and 3x those.
+FP8_MMA_K = 4.0
+FP8_MMA_LSE_ATOL = 3e-3
 
 
 @pytest.mark.parametrize("config", [
-    pytest.param(dict(block_n=64, num_warps=8, num_stages=2, swap=True, block_h=16), id="swap-64-8-2-h16"),
-    pytest.param(dict(block_n=32, num_warps=8, num_stages=2, swap=False, block_h=64), id="32-8-2-h64")])
+    pytest.param(dict(block_n=64, num_warps=8, num_stages=5, swap=True, block_h=16), id="swap-64-8-5-h16"),
+    pytest.param(dict(block_n=32, num_warps=8, num_stages=5, swap=False, block_h=64), id="32-8-5-h64")])
 @pytest.mark.parametrize("page_size", [64, 16], ids=["page64-tma", "page16-pointers"])
 def test_mla_fp8_mma_matches_fp64_of_its_fp8_query(kern, config, page_size):
     lengths = [4099, 1, 300, 17, 128]
