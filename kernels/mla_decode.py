@@ -315,10 +315,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                        ("block_h", block_h), ("tma", tma)):
         if value is not None:
             cfg[key] = value
-    if prefetch and tma is None:   # an explicit register prefetch means session 4's kernel
-        cfg["tma"] = False
-    tile_kernel = cfg.get("tma", False) or fp8_mma
     pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
+    if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
+        cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
+    tile_kernel = cfg.get("tma", False) or fp8_mma
     assert not tile_kernel or pow2, f"tma / fp8_mma need power-of-two Dc and Dr, got {latent_dim}, {rope_dim}"
     assert not (tile_kernel and prefetch), "tma / fp8_mma pipeline with num_stages; prefetch is refused with them"
     if tile_kernel:   # the table entry's register prefetch belongs to the other kernel
