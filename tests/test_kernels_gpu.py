@@ -428,6 +428,18 @@ def test_mla_fp8_mma_matches_fp64_of_its_fp8_query(kern, config, page_size):
     assert_close_verbose(lse, truth_lse, atol=FP8_MMA_LSE_ATOL, rtol=0, what=f"mla fp8_mma {config} lse")
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_mla_non_power_of_two_latent_runs_on_the_table_config(kern, fmt):
+    """Dc = 384: whatever the table names, session 4's kernel takes it; an explicit tma=True is refused."""
+    case = _mla_case([300, 17, 1], 64, 16, fmt, latent_dim=384)
+    out, _ = _run_mla(kern, case)
+    truth, _, torch_out = _mla_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, f"mla {fmt} Dc=384")
+    with pytest.raises(AssertionError, match="power-of-two"):
+        kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                        case.sm_scale, tma=True)
+
+
 @pytest.mark.parametrize("fmt", ["e5m2", "bf16"])
 def test_mla_fp8_mma_needs_an_e4m3_cache(kern, fmt):
     case = _mla_case([40], 64, 16, fmt)
