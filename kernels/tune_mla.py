@@ -155,6 +155,19 @@ def warm_bench(workers: int) -> None:
             print(line, flush=True)
 
 
+def matmul_peaks(n: int = 8192) -> str:
+    """The MMA ceilings of the roofline: torch bf16 matmul and e4m3 _scaled_mm rates (TFLOP/s, median)."""
+    import torch
+    from triton.testing import do_bench
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bf16_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), torch.tensor(1.0, device="cuda")
+    fp8_ms = do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                      warmup=25, rep=200, return_mode="median")
+    return (f"matmul peaks ({n}^3): bf16 {2 * n ** 3 / bf16_ms / 1e9:.0f} TFLOP/s, "
+            f"e4m3 _scaled_mm {2 * n ** 3 / fp8_ms / 1e9:.0f} TFLOP/s")
+
+
 def _prepare_star(args):
     return _prepare(*args)
 
@@ -234,6 +247,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--job-timeout", type=float, default=90.0, help="seconds from the start for all compile jobs")
     parser.add_argument("--warm-bench", action="store_true", help="only compile kernels.bench's MLA rows")
+    parser.add_argument("--peak", action="store_true", help="only print the bf16 / fp8 matmul rates")
     parser.add_argument("--write", action="store_true", help="write the fastest configs into kernels/configs.py")
     parser.add_argument("--write-from", help="a run's tune_mla.json: write its fastest configs, sweep nothing")
     args = parser.parse_args()
@@ -242,6 +256,9 @@ def main() -> None:
         return
     if args.warm_bench:
         warm_bench(args.workers)
+        return
+    if args.peak:
+        print(matmul_peaks(), flush=True)
         return
     kinds = args.kinds.split(",")
     jobs = [(kind, label, cfg, args.batch, args.ctx) for kind in kinds for label, cfg in CANDIDATES[kind]]
