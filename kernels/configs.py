@@ -26,16 +26,18 @@ H100 = {
 # its sweep's fastest correct configurations (tma: the tile kernel; >= 64 heads use the *_many_heads entries).
 # BEGIN H100 MLA
 H100_MLA = {
-    "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
-    "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),
+    "mla_fp8": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                    tma=True),
+    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                     tma=True),
     "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
                                block_h=64, tma=True),
-    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=4,
                                 block_h=64, tma=True),
-    "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, swap=True, programs_per_sm=2,
-                        block_h=16, tma=True),
-    "mla_fp8_mma_many_heads": dict(block_n=64, num_warps=8, num_stages=2, prefetch=False, swap=False,
-                                   programs_per_sm=2, block_h=64, tma=True),
+    "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
+                        tma=True),
+    "mla_fp8_mma_many_heads": dict(block_n=64, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=2,
+                                   block_h=64, tma=True),
 }
 # END H100 MLA
 H100.update(H100_MLA)
