@@ -5,11 +5,17 @@ do). With W_UK absorbed into q (q_latent = q_nope @ W_UK) and W_UV applied after
     s_j = sm_scale * scale * (q_latent . c_codes_j + q_pe . pe_codes_j)   (scale folded: exact)
     out = scale * sum_j softmax(s)_j c_codes_j                           (latent space, [H, latent_dim])
     lse = log sum_j exp(s_j)
-A program handles BLOCK_H (16) heads of one sequence over one split, so each cache tile read feeds 16
-heads; the splits are combined by the GQA kernel's merge (same partial layout and formula).
+A program handles BLOCK_H heads of one sequence over one split, so each cache tile read feeds BLOCK_H
+heads; the splits are combined by the GQA kernel's merge (same partial layout and formula). Two kernels:
+- `_mla_decode_kernel` (session 4): every tile read by masked pointer loads (cp.async or register prefetch).
+- `_mla_decode_tc_kernel`, the tile kernel (`tma`, session 5; power-of-two Dc and Dr): a split's whole tiles
+  come by TMA (one bulk copy per tile where page_size % block_n == 0, else unmasked pointer loads), its last
+  partial tile by masked loads, so slots past seq_len (stale or NaN) are never read into the sums.
 An FP8 cache is multiplied in fp16 (codes exact in fp16; q rounded to fp16, exact for bf16 q below
 65504), P rounded to fp16 for P @ c, fp32 accumulation; a BF16/FP16 cache runs in its dtype and never
-reads the scale. Torch mirror: `reference.mla_decode`.
+reads the scale. The fp8_mma option (tile kernel, e4m3 caches) instead quantises Q per head and P (x 2^8)
+to e4m3 and runs both products on fp8 tensor cores: extra error, measured in kernels/BENCHMARKS.md.
+Torch mirror: `reference.mla_decode`.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from kernels.decode_attention import LOG2E, _decode_attention_pages, merge_split
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 
-# Launch configurations (tile, warps, pipeline, heads per program, tokens-as-M "swap", programs per SM) per GPU:
-# kernels/configs.py. FP8 on an H100: 64-token tiles prefetched in registers (Triton does not cp.async-pipeline
-# a tile that feeds two dots through an fp8 -> fp16 conversion); BF16: 32-token tiles, cp.async.
+# Launch configurations (kernel, tile, warps, pipeline depth, heads per program, tokens-as-M "swap", programs per
+# SM) per GPU: kernels/configs.py, swept by kernels/tune_mla.py. Triton 3.6 double-buffers the latent tile only
+# from num_stages 4-5 (one stage goes to the page-index load its address depends on): kernels/BENCHMARKS.md.
 
 
 @triton.jit
