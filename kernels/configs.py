@@ -5,8 +5,10 @@ copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in
 (the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
-split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). MLA with >= 64 heads
-uses the `*_many_heads` entries. swap with prefetch is refused by the launchers (NaN on Triton 3.6).
+split-KV programs per SM the split plan aims for), block_h (MLA: heads per program), tma (MLA: the tile kernel,
+TMA copies of whole tiles). MLA with >= 64 heads uses the `*_many_heads` entries, the fp8_mma option the
+`mla_fp8_mma*` ones; the MLA entries are written by `python -m kernels.tune_mla --write`. swap with prefetch is
+refused by the launchers (NaN on Triton 3.6).
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def _entry(kind: str, cfg: dict) -> str:
 def write_configs(best: dict[str, dict], path: str = CONFIGS_PATH) -> None:
     """Replace the H100 MLA block of kernels/configs.py: swept kinds get their fastest config, others stay."""
     from kernels.configs import H100_MLA
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     begin, end = text.index("# BEGIN H100 MLA\n"), text.index("# END H100 MLA\n")
     entries = {kind: best.get(kind, cfg) for kind, cfg in H100_MLA.items()}
     block = "# BEGIN H100 MLA\nH100_MLA = {\n" + "\n".join(_entry(k, c) for k, c in entries.items()) + "\n}\n"
@@ -252,7 +253,8 @@ def main() -> None:
     parser.add_argument("--write-from", help="a run's tune_mla.json: write its fastest configs, sweep nothing")
     args = parser.parse_args()
     if args.write_from:
-        write_configs({k: v[2] for k, v in json.load(open(args.write_from))["best"].items()})
+        with open(args.write_from) as f:
+            write_configs({k: v[2] for k, v in json.load(f)["best"].items()})
         return
     if args.warm_bench:
         warm_bench(args.workers)
