@@ -25,7 +25,8 @@ GQA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, s
                   for bn, w, st, sw in [(128, 4, 2, False), (64, 4, 3, False), (128, 4, 3, False), (128, 8, 2, False),
                                         (64, 4, 2, True), (128, 4, 2, True), (128, 4, 3, True), (128, 8, 2, True),
                                         (256, 8, 2, True), (64, 4, 3, True)]]
-MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh)
+# Session 4's MLA kernel (tma=False); the tile kernel and the fp8_mma option are swept by kernels/tune_mla.py.
+MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh, tma=False)
                   for bn, w, st, pf, sw, bh in [(32, 8, 2, False, False, 16), (64, 8, 1, True, False, 16),
                                                 (64, 4, 2, False, True, 16), (64, 4, 3, False, True, 16),
                                                 (32, 4, 3, False, True, 16), (64, 8, 2, False, True, 16),
