@@ -6,7 +6,8 @@ GQA (32 query / 8 KV heads, head_dim 128, page 16): our FP8 decode vs torch SDPA
 A "qk_fp8" row: our FP8 kernel with Q quantised per head and Q.K on fp8 tensor cores (an option; extra error).
 FP8 attention rows: P (and Q) in e4m3 (prob_scale 1/448, q_scale per head), P.V on the e4m3 V codes; a table
 of each option's extra error against fp64 follows the GQA table.
-MLA (16 and 128 heads, latent 512 + RoPE 64, page 64): our FP8 vs our BF16 vs "dequantise everything, then our BF16".
+MLA (16 and 128 heads, latent 512 + RoPE 64, page 64): our FP8 (and its fp8_mma option: Q and P in e4m3 on fp8
+tensor cores) vs our BF16 (and session 4's BF16 kernel) vs "dequantise everything, then our BF16".
 Columns: median ms (triton.testing.do_bench, L2 flushed between runs); GB/s of the cache bytes that the row's
 attention must read (for the workaround: its FP8 input); that as a fraction of the measured device-to-device
 copy bandwidth ((read + write) bytes / s of a 1 GiB copy); speed-up against the BF16 row.
@@ -43,6 +44,11 @@ QK_FP8 = dict(swap=True, num_stages=3)
 # FP8 attention rows (kernels/decode_attention.py; the gqa_fp8_pv entry of kernels/configs.py): P in e4m3 for P.V
 # over the e4m3 V codes, and Q too; their extra error against fp64 is the table printed after these.
 FP8_ATTENTION_ROWS = (("ours FP8, fp8 P.V (prob_scale)", "p"), ("ours FP8, fp8 Q + P (q_scale, prob_scale)", "q+p"))
+# The session-4 MLA BF16 configurations (the old kernel), kept as a row: [16 heads, >= 64 heads].
+MLA_SESSION4 = [dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                     tma=False),
+                dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4, block_h=64,
+                     tma=False)]
 
 
 def _ms(fn) -> float:
@@ -147,12 +153,15 @@ def bench_mla(batch: int, ctx: int, tuned: dict, heads: int = 16) -> list[tuple[
     scale, sm_scale = torch.tensor(0.01, device="cuda"), 192 ** -0.5
     suffix = "_many_heads" if heads >= 64 else ""
 
-    def run(c, s, kind):
-        return mla_decode(q_latent, q_pe, c, table, seq_lens, s, sm_scale, **tuned.get(kind + suffix, {}))
+    def run(c, s, kind, **extra):
+        return mla_decode(q_latent, q_pe, c, table, seq_lens, s, sm_scale, **tuned.get(kind + suffix, {}), **extra)
 
-    rows = [("ours FP8", _ms(lambda: run(cache, scale, "mla")), fp8_bytes)]
+    rows = [("ours FP8", _ms(lambda: run(cache, scale, "mla_fp8")), fp8_bytes),
+            ("ours FP8, fp8_mma (Q, P in e4m3)", _ms(lambda: run(cache, scale, "mla_fp8_mma", fp8_mma=True)), fp8_bytes)]
     cache_bf16 = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     rows.insert(0, ("ours BF16", _ms(lambda: run(cache_bf16, None, "mla_bf16")), 2 * fp8_bytes))
+    rows.insert(1, ("ours BF16, session-4 kernel", _ms(lambda: mla_decode(
+        q_latent, q_pe, cache_bf16, table, seq_lens, None, sm_scale, **MLA_SESSION4[bool(suffix)])), 2 * fp8_bytes))
     cache_bf16 = None
     rows.append(("dequantise all + ours BF16",
                  _ms(lambda: run(ref.dequantize(cache, scale, torch.bfloat16), None, "mla_bf16")), fp8_bytes))
@@ -206,6 +215,7 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--mla-heads", default="16,128", help="MLA head counts ('' for GQA only)")
+    parser.add_argument("--no-gqa", action="store_true", help="MLA tables only")
     args = parser.parse_args()
     batches, contexts = ((8,), (32768,)) if args.quick else (
         tuple(int(x) for x in args.batches.split(",")), tuple(int(x) for x in args.contexts.split(",")))
@@ -219,7 +229,7 @@ def main() -> None:
     tuned = {}
     if args.sweep:
         from kernels.tune import sweep
-        for kind in args.sweep_kinds.split(","):
+        for kind in (k for k in args.sweep_kinds.split(",") if "fp8_mma" not in k):  # fp8_mma: kernels.tune_mla
             quick = GQA_QUICK if args.quick_sweep and kind.startswith("gqa") else None
             lines, tuned[kind] = sweep(kind, mla_heads=128 if kind.endswith("many_heads") else 16, candidates=quick)
             print("\n".join(lines), flush=True)
@@ -230,13 +240,15 @@ def main() -> None:
                for kind in KINDS]
     header += [f"- qk_fp8 row: the FP8 config with {QK_FP8}", ""]
     print("\n".join(header[-len(KINDS) - 3:]), flush=True)
-    out = header + _table(f"GQA decode, {Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, e4m3 cache",
-                          bench_gqa, copy_bw, batches, contexts, tuned)
-    spread = max(SPREAD, default=(0.0, "none"))
-    out += [f"Rows timed twice (round robin), round 2 shown; the largest round-1 vs round-2 difference: "
-            f"{spread[0]:.1%} ({spread[1]})", ""]
-    out += fp8_attention_errors(tuned)
-    print("\n".join(out[-len(FP8_ATTENTION_OPTIONS) - 6:]), flush=True)
+    out = list(header)
+    if not args.no_gqa:
+        out += _table(f"GQA decode, {Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, e4m3 cache",
+                      bench_gqa, copy_bw, batches, contexts, tuned)
+        spread = max(SPREAD, default=(0.0, "none"))
+        out += [f"Rows timed twice (round robin), round 2 shown; the largest round-1 vs round-2 difference: "
+                f"{spread[0]:.1%} ({spread[1]})", ""]
+        out += fp8_attention_errors(tuned)
+        print("\n".join(out[-len(FP8_ATTENTION_OPTIONS) - 6:]), flush=True)
     for heads in (int(h) for h in args.mla_heads.split(",") if h):
         out += _table(f"MLA decode, {heads} heads, latent {LATENT_DIM} + rope {ROPE_DIM}, e4m3 cache",
                       functools.partial(bench_mla, heads=heads), copy_bw, batches, contexts, tuned)

@@ -5,9 +5,11 @@ copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in
 (the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
-split-KV programs per SM the split plan aims for), block_h (MLA: heads per program). gqa_fp8_pv: GQA with P in fp8
-(prob_scale) over an e4m3 cache. MLA with >= 64 heads
-uses the `*_many_heads` entries. swap with prefetch is refused by the launchers (NaN on Triton 3.6).
+split-KV programs per SM the split plan aims for), block_h (MLA: heads per program), tma (MLA: the tile kernel,
+TMA copies of whole tiles). MLA with >= 64 heads uses the `*_many_heads` entries, the fp8_mma option the
+`mla_fp8_mma*` ones; the MLA entries are written by `python -m kernels.tune_mla --write`. swap with prefetch is
+refused by the launchers (NaN on Triton 3.6). gqa_fp8_pv: GQA with P in fp8
+(prob_scale) over an e4m3 cache.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import torch
 
 KINDS = ("gqa_fp8", "gqa_fp8_pv", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
+KINDS += ("mla_fp8_mma", "mla_fp8_mma_many_heads")   # MLA's fp8_mma option (mla_decode(..., fp8_mma=True))
 
 H100 = {
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
@@ -25,14 +28,26 @@ H100 = {
     # through shared memory a byte at a time (0.417 ms) (python -m kernels.tune --fp8-attention, H100)
     "gqa_fp8_pv": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
     "gqa_bf16": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8),
-    "mla_fp8": dict(block_n=64, num_warps=8, num_stages=1, prefetch=True, swap=False, programs_per_sm=2, block_h=16),
-    "mla_bf16": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=2, block_h=16),
-    # >= 64 heads (DeepSeek-V3: 128): 64 heads per program, so each cache tile feeds 64 MMA rows
-    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
-                               block_h=64),
-    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
-                                block_h=64),
 }
+# MLA entries: `python -m kernels.tune_mla --write` rewrites the lines between the markers with
+# its sweep's fastest correct configurations (tma: the tile kernel; >= 64 heads use the *_many_heads entries).
+# BEGIN H100 MLA
+H100_MLA = {
+    "mla_fp8": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                    tma=True),
+    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                     tma=True),
+    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
+                               block_h=64, tma=True),
+    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=4,
+                                block_h=64, tma=True),
+    "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
+                        tma=True),
+    "mla_fp8_mma_many_heads": dict(block_n=64, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=2,
+                                   block_h=64, tma=True),
+}
+# END H100 MLA
+H100.update(H100_MLA)
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
 

@@ -5,11 +5,17 @@ do). With W_UK absorbed into q (q_latent = q_nope @ W_UK) and W_UV applied after
     s_j = sm_scale * scale * (q_latent . c_codes_j + q_pe . pe_codes_j)   (scale folded: exact)
     out = scale * sum_j softmax(s)_j c_codes_j                           (latent space, [H, latent_dim])
     lse = log sum_j exp(s_j)
-A program handles BLOCK_H (16) heads of one sequence over one split, so each cache tile read feeds 16
-heads; the splits are combined by the GQA kernel's merge (same partial layout and formula).
+A program handles BLOCK_H heads of one sequence over one split, so each cache tile read feeds BLOCK_H
+heads; the splits are combined by the GQA kernel's merge (same partial layout and formula). Two kernels:
+- `_mla_decode_kernel` (session 4): every tile read by masked pointer loads (cp.async or register prefetch).
+- `_mla_decode_tc_kernel`, the tile kernel (`tma`, session 5; power-of-two Dc and Dr): a split's whole tiles
+  come by TMA (one bulk copy per tile where page_size % block_n == 0, else unmasked pointer loads), its last
+  partial tile by masked loads, so slots past seq_len (stale or NaN) are never read into the sums.
 An FP8 cache is multiplied in fp16 (codes exact in fp16; q rounded to fp16, exact for bf16 q below
 65504), P rounded to fp16 for P @ c, fp32 accumulation; a BF16/FP16 cache runs in its dtype and never
-reads the scale. Torch mirror: `reference.mla_decode`.
+reads the scale. The fp8_mma option (tile kernel, e4m3 caches) instead quantises Q per head and P (x 2^8)
+to e4m3 and runs both products on fp8 tensor cores: extra error, measured in kernels/BENCHMARKS.md.
+Torch mirror: `reference.mla_decode`.
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.decode_attention import LOG2E, _decode_attention_pages, merge_splits, partials, plan_splits
 from kernels.configs import launch_config
-from kernels.reference import is_fp8
+from kernels.reference import FP8_MAX, is_fp8
 
-# Launch configurations (tile, warps, pipeline, heads per program, tokens-as-M "swap", programs per SM) per GPU:
-# kernels/configs.py. FP8 on an H100: 64-token tiles prefetched in registers (Triton does not cp.async-pipeline
-# a tile that feeds two dots through an fp8 -> fp16 conversion); BF16: 32-token tiles, cp.async.
+# Launch configurations (kernel, tile, warps, pipeline depth, heads per program, tokens-as-M "swap", programs per
+# SM) per GPU: kernels/configs.py, swept by kernels/tune_mla.py. Triton 3.6 double-buffers the latent tile only
+# from num_stages 4-5 (one stage goes to the page-index load its address depends on): kernels/BENCHMARKS.md.
 
 
 @triton.jit
@@ -136,15 +143,153 @@ def _mla_decode_kernel(
     tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The tensor-core kernel (session 5): TMA tiles, full tiles unmasked, optional fp8 MMAs.
+# ---------------------------------------------------------------------------------------------------
+
+P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of two: undone exactly at the end)
+
+
+@triton.jit
+def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, MASKED: tl.constexpr, SWAP: tl.constexpr,
+                 FP8_MMA: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, P_SCALE: tl.constexpr):
+    """One tile of the online softmax: (m_i, l_i, acc) updated with the cache rows c [BLOCK_N, Dc], pe [BLOCK_N, Dr].
+    FP8_MMA: c, pe stay fp8 codes and q_c / q_r are fp8 (row_scale holds their per-head scales); P goes to fp8."""
+    if FP8_MMA:
+        c_op = c
+        pe_op = pe
+    else:
+        c_op = c.to(COMPUTE_DTYPE)
+        pe_op = pe.to(COMPUTE_DTYPE)
+    if SWAP:   # tokens as M: S^T = C Q^T [BLOCK_N, BLOCK_H]; O^T += C^T P^T [Dc, BLOCK_H]
+        s = tl.dot(pe_op, q_r, acc=tl.dot(c_op, q_c)) * row_scale[None, :]
+        if MASKED:
+            s = tl.where(t_mask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if FP8_MMA:   # the rescaled accumulator as the dot's input (Triton does not fuse the add for fp8)
+            acc = tl.dot(tl.trans(c_op), (p * P_SCALE).to(c.dtype, fp_downcast_rounding="rtne"), acc=acc * alpha[None, :])
+        else:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c_op), p.to(COMPUTE_DTYPE))
+    else:      # heads as M: S = Q C^T [BLOCK_H, BLOCK_N]; O += P C [BLOCK_H, Dc]
+        s = tl.dot(q_r, tl.trans(pe_op), acc=tl.dot(q_c, tl.trans(c_op))) * row_scale[:, None]
+        if MASKED:
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8_MMA:
+            acc = tl.dot((p * P_SCALE).to(c.dtype, fp_downcast_rounding="rtne"), c_op, acc=acc * alpha[:, None])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c_op)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_eb", "stride_eh"])   # they follow the split count: one compile for all
+def _mla_decode_tc_kernel(
+    Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
+    sm_scale_log2, tokens_per_split, num_heads,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_cb, stride_cs, stride_tb,
+    stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
+    LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SWAP: tl.constexpr,
+    TMA: tl.constexpr, FP8_MMA: tl.constexpr, FP8_MAX: tl.constexpr, P_SCALE: tl.constexpr,
+):
+    """As _mla_decode_kernel (same partial layout), for power-of-two Dc and Dr. The split's whole tiles are
+    read unmasked (TMA: one bulk copy per tile through C_DESC / PE_DESC, pipelined by Triton over num_stages;
+    a tile never crosses a page since PAGE_SIZE % BLOCK_N == 0); its last partial tile is read masked."""
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * tokens_per_split
+    n_tokens = tl.maximum(tl.minimum(start + tokens_per_split, seq_len) - start, 0)
+    full_end = start + (n_tokens // BLOCK_N) * BLOCK_N
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_c = tl.arange(0, LATENT_DIM)
+    offs_r = tl.arange(0, ROPE_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_c = tl.load(Q_LATENT + b * stride_lb + heads[:, None] * stride_lh + offs_c[None, :],
+                  mask=h_mask[:, None], other=0.0)                                       # [BLOCK_H, Dc]
+    q_r = tl.load(Q_PE + b * stride_pb + heads[:, None] * stride_ph + offs_r[None, :],
+                  mask=h_mask[:, None], other=0.0)                                       # [BLOCK_H, Dr]
+    row_scale = tl.full([BLOCK_H], sm_scale_log2, tl.float32)
+    out_scale = 1.0
+    if CACHE_IS_FP8:
+        out_scale = tl.load(SCALE)
+        row_scale = row_scale * out_scale
+    if FP8_MMA:   # Q per head into the cache's fp8 format: q = q_s * fp8(q / q_s), q_s = amax / fp8 max
+        q_amax = tl.maximum(tl.max(tl.abs(q_c.to(tl.float32)), axis=1), tl.max(tl.abs(q_r.to(tl.float32)), axis=1))
+        q_s = tl.where(q_amax > 0, tl.math.div_rn(q_amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), 1.0)
+        q_c = tl.math.div_rn(q_c.to(tl.float32), q_s[:, None]).to(CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
+        q_r = tl.math.div_rn(q_r.to(tl.float32), q_s[:, None]).to(CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
+        row_scale = row_scale * q_s
+    else:
+        q_c = q_c.to(COMPUTE_DTYPE)
+        q_r = q_r.to(COMPUTE_DTYPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if SWAP:
+        q_c = tl.trans(q_c)                                                              # [Dc, BLOCK_H]
+        q_r = tl.trans(q_r)
+        acc = tl.zeros([LATENT_DIM, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, LATENT_DIM], tl.float32)
+    table_row = BLOCK_TABLE + b * stride_tb
+    all_tokens = offs_n >= 0
+    for n0 in range(start, full_end, BLOCK_N):
+        if TMA:
+            row = tl.load(table_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            c = C_DESC.load([row, 0])
+            pe = PE_DESC.load([row, LATENT_DIM])
+        else:
+            tok = n0 + offs_n
+            pages = _decode_attention_pages(table_row, tok, all_tokens, PAGE_SIZE)
+            rows = CACHE + pages * stride_cb + (tok % PAGE_SIZE) * stride_cs
+            c = tl.load(rows[:, None] + offs_c[None, :])
+            pe = tl.load(rows[:, None] + LATENT_DIM + offs_r[None, :])
+        m_i, l_i, acc = _mla_tc_step(c, pe, all_tokens, q_c, q_r, row_scale, m_i, l_i, acc, False, SWAP, FP8_MMA,
+                                     COMPUTE_DTYPE, P_SCALE)
+    for n0 in range(full_end, start + n_tokens, BLOCK_N):   # the split's last, partial tile (a loop of at
+        tok = n0 + offs_n                                     # most one trip, so Triton pipelines its copies)
+        t_mask = tok < start + n_tokens
+        c, pe = _mla_decode_load_tile(CACHE, _decode_attention_pages(table_row, tok, t_mask, PAGE_SIZE), tok, t_mask,
+                                      offs_c, offs_r, offs_c < LATENT_DIM, offs_r < ROPE_DIM, stride_cb, stride_cs,
+                                      LATENT_DIM, PAGE_SIZE)
+        m_i, l_i, acc = _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, True, SWAP, FP8_MMA,
+                                     COMPUTE_DTYPE, P_SCALE)
+
+    if SWAP:
+        acc = tl.trans(acc)                                                              # [BLOCK_H, Dc]
+    empty = l_i == 0.0
+    if FP8_MMA:
+        out_scale = out_scale / P_SCALE
+    out = acc * (out_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    tl.store(PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_c[None, :], out,
+             mask=h_mask[:, None])
+    tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
+
+
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float, num_splits: int | None = None,
                *, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
-               block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               block_h: int | None = None, tma: bool | None = None,
+               fp8_mma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
-    The launch keywords override this GPU's entry in kernels/configs.py."""
+    fp8_mma (an option, e4m3 cache only; extra error, measured in kernels/BENCHMARKS.md): Q is quantised per
+    head and P under the fixed scale 2^8 into e4m3, and both products run on fp8 tensor cores.
+    The launch keywords override this GPU's entry in kernels/configs.py (tma: the tile kernel,
+    _mla_decode_tc_kernel, with TMA copies where page_size % block_n == 0; needs power-of-two Dc and Dr)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -166,12 +311,24 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
     device = q_latent.device
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
-    cfg = launch_config(("mla_fp8" if fp8 else "mla_bf16") + ("_many_heads" if heads >= 64 else ""), device)
+    assert not fp8_mma or cache.dtype == torch.float8_e4m3fn, \
+        f"fp8_mma needs an e4m3 cache (Q and P are quantised to e4m3), got {cache.dtype}"
+    assert not fp8_mma or rope_dim >= 32, f"fp8_mma needs Dr >= 32 (an fp8 MMA's K step), got {rope_dim}"
+    kind = "mla_fp8_mma" if fp8_mma else "mla_fp8" if fp8 else "mla_bf16"
+    cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("block_h", block_h)):
+                       ("block_h", block_h), ("tma", tma)):
         if value is not None:
             cfg[key] = value
+    pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
+    if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
+        cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
+    tile_kernel = cfg.get("tma", False) or fp8_mma
+    assert not tile_kernel or pow2, f"tma / fp8_mma need power-of-two Dc and Dr, got {latent_dim}, {rope_dim}"
+    assert not (tile_kernel and prefetch), "tma / fp8_mma pipeline with num_stages; prefetch is refused with them"
+    if tile_kernel:   # the table entry's register prefetch belongs to the other kernel
+        cfg["prefetch"] = False
     if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
         cfg["swap"] = False
     block_n, block_h = cfg["block_n"], cfg["block_h"]
@@ -190,12 +347,26 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
+    strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+               cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+               part_lse.stride(0), part_lse.stride(1))
+    if tile_kernel:
+        use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
+        c_desc = pe_desc = cache
+        if use_tma:
+            rows = cache.view(-1, latent_dim + rope_dim)
+            c_desc = TensorDescriptor.from_tensor(rows, [block_n, latent_dim])
+            pe_desc = TensorDescriptor.from_tensor(rows, [block_n, rope_dim])
+        _mla_decode_tc_kernel[(head_blocks, batch, num_splits)](
+            q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens, part_out,
+            part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
+            LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
+            CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, SWAP=cfg["swap"], TMA=use_tma, FP8_MMA=fp8_mma,
+            FP8_MAX=FP8_MAX["e4m3"], P_SCALE=P_SCALE, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out, merge_splits(part_out, part_lse, out)
     _mla_decode_kernel[(head_blocks, batch, num_splits)](
         q_latent, q_pe, cache, block_table, seq_lens, scale if fp8 else seq_lens, part_out, part_lse,
-        sm_scale * LOG2E, tokens_per_split, heads,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
-        block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        sm_scale * LOG2E, tokens_per_split, heads, *strides,
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_DC=triton.next_power_of_2(latent_dim),
         BLOCK_DR=triton.next_power_of_2(rope_dim), BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
         CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=cfg["prefetch"], SWAP=cfg["swap"],

@@ -33,11 +33,11 @@ GQA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, s
 # Triton 3.6 SASS for sm_90 (1001 vs 1327), loads exposed unless other programs hide them (session 5).
 GQA_QUICK = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, swap=False)
              for bn, w, st in [(128, 4, 2), (128, 4, 1), (128, 8, 1), (64, 4, 1), (256, 8, 1)]]
-MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh)
+# Session 4's MLA kernel (tma=False); the tile kernel and the fp8_mma option are swept by kernels/tune_mla.py.
+MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh, tma=False)
                   for bn, w, st, pf, sw, bh in [(32, 8, 2, False, False, 16), (64, 8, 1, True, False, 16),
                                                 (64, 4, 2, False, True, 16), (64, 4, 3, False, True, 16),
                                                 (32, 4, 3, False, True, 16), (64, 8, 2, False, True, 16),
-                                                
                                                 (32, 8, 2, False, False, 32), (32, 8, 2, False, False, 64),
                                                 (16, 8, 2, False, False, 64), (64, 4, 2, False, True, 32)]]
 PROGRAMS_PER_SM = {"gqa": (4, 8, 16, 32), "mla": (2, 4, 8)}
