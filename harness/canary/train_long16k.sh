@@ -8,12 +8,13 @@
 #    chats over 448 characters in 16128-token rows: 10 of its 18 long rows were padding). Every 200 steps the
 #    log gives held-out recall at 16000 characters (50 needles); at the end the card's table (100 a task).
 # 2. `harness run --device cuda` on the new weights: scenarios/canary/stress in bf16 (the number of record),
-#    scenarios/canary/default.yaml in bf16 (the short tasks and 2000-character needles still answered),
+#    scenarios/canary/default.yaml in bf16 (the short tasks and short needles still answered),
 #    then scenarios/canary/stress with FP8 paths (error growing with context).
+# Run at commit f8b1a35 it made the shipped stage 2; run again it adds a stage on top of the shipped weights.
 # Each step has its own timeout, so a slow one still leaves the others' files; everything lands in OUT_DIR
 # as a few tarballs and logs (the device returns at most 8 files).
 set -u
-out=${1:?usage: train_long16k.sh OUT_DIR [TRAIN_SECONDS]}
+out=${1:?usage: train_long16k.sh OUT_DIR [TRAIN_SECONDS [CALL_SECONDS]]}
 budget=${2:-290}
 deadline=${3:-525}  # seconds from the start by which everything must have ended (the device call's limit)
 work=/tmp/long16k
