@@ -136,7 +136,10 @@ def _build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
     zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
-    zoo.add_argument("--stress", action="store_true", help="also the other stress variants (measured, not asserted)")
+    zoo.add_argument("--stress", action="store_true",
+                     help="also the other stress variants (measured, not asserted) and the long-context canary on its "
+                          "16k-token needles (RUN_DIR/long-context; bf16 and calibrated e4m3 asserted healthy; the "
+                          "first needle only on the CPU)")
     scores = commands.add_parser("judge-scores", help="mean 1-5 judge score per model and path over a run's "
                                                       "multi-turn scenarios (markdown)")
     scores.add_argument("run", type=Path, metavar="RUN_DIR", help="a stored run directory (holds manifest.json)")

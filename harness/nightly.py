@@ -8,8 +8,9 @@ its verdicts or compare finds a regression against last night (docs/CONTRACTS.md
 `--suite stress` (or `all`) runs the stress suites of `harness/zoo.py` (`STRESS_SUITES`: the outlier-key and
 latent-scale variants on the default canary scenarios, the long-context canary on its 16k-token needles), each
 a night of its own history `HISTORY/stress/<suite>`, judged the same way. Their paths are the ones measured
-healthy on those models. On the CPU the long-context suite replays its first needle only (a 16k-token needle
-costs minutes per FP8 path there; all 10 with four paths take 31 s on an H100).
+healthy on those models. On the CPU the long-context suite replays its first needle only (114 s with four
+paths on the shared 2-core machine, where the 10 needles in bf16 alone took 647 s; all 10 with four paths take
+31 s on an H100).
 """
 
 from __future__ import annotations

@@ -99,9 +99,9 @@ class StressSuite:
         return () if device.startswith("cuda") else self.cpu_select
 
 
-# CPU cost of one 16k-token needle (2 idle cores): bf16 and the reference 45 s, each FP8 path about 3 more
-# minutes (BENCHMARKS.md "harness zoo"); the 10 needles with 4 paths take 31 s on an H100. So on the CPU the
-# long-context suite replays its first needle only.
+# Measured (BENCHMARKS.md "Stress canaries"): on the shared 2-core CPU one 16k-token needle with the reference
+# and 4 paths took 114 s and the 10 needles in bf16 alone 647 s; on an H100 the 10 needles with 4 paths took
+# 31 s. So on the CPU the long-context suite replays its first needle only.
 STRESS_SUITES: tuple[StressSuite, ...] = (
     StressSuite("variants", ("stress/gqa-kout-1024", LATENT_VARIANT, "stress/mla-latent-div1024"),
                 ("scenarios/canary/default.yaml",), ("fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibrated")),

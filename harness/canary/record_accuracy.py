@@ -53,8 +53,13 @@ def needle_chars(manifest: dict) -> list[int]:
     return sorted(chars)
 
 
+def repo_relative(file: str) -> str:
+    path = Path(file)
+    return str(path.relative_to(REPO_ROOT)) if path.is_absolute() and path.is_relative_to(REPO_ROOT) else file
+
+
 def scenario_text(manifest: dict) -> str:
-    files = [entry["file"] for entry in manifest.get("scenario_files", [])]
+    files = [repo_relative(entry["file"]) for entry in manifest.get("scenario_files", [])]
     if files and all(f.startswith(ACCURACY_SET) for f in files):
         return f"`{ACCURACY_SET}` (held-out seeds, never in training)"
     return ", ".join(f"`{f}`" for f in files) + " (held-out seeds)" if files else "its scenarios"
