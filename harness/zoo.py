@@ -6,7 +6,8 @@ preset at the harness's default verdict thresholds, its report with the detectio
 `detection.json` (the matrix, the path-spec cases of class 5, and signals that are measured but not checks).
 With `--stress` the stress variants join the run, and the long-context canary replays its own scenario set
 (`scenarios/canary/stress/`, 16k-token needles) in a second run directory inside the first, `long-context/`,
-whose rows join the same matrix. `STRESS_SUITES` names the same models and scenarios for `harness nightly --stress`.
+whose rows join the same matrix. `STRESS_SUITES` names the same models and scenarios for
+`harness nightly --suite stress`.
 """
 
 from __future__ import annotations

@@ -201,8 +201,9 @@ def test_training_attention_is_causal_sdpa_without_a_mask(arch, monkeypatch):
     train.register_training_attention()
     model = AutoModelForCausalLM.from_config(train.model_config(arch)).eval()
     calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, _f=torch.nn.functional.scaled_dot_product_attention, **k: calls.append(k) or _f(*a, **k))
+                        lambda *a, **k: calls.append(k) or sdpa(*a, **k))
     ids = torch.randint(5, VOCAB_SIZE, (2, 40))
     with torch.no_grad():
         reference = model(input_ids=ids).logits

@@ -180,7 +180,8 @@ def test_detection_joins_the_rows_of_the_zoo_s_second_run(tmp_path):
     entries = [ZooEntry("healthy", "gqa", "bf16", "pass"), ZooEntry("fault", "mla", "fp8_e4m3", "fail")]
     long_entries = [ZooEntry("healthy at 16k tokens", "stress/gqa-long16k", "fp8_e4m3:calibrated", "pass"),
                     ZooEntry("stress", "stress/gqa-long16k", "fp8_e5m2", "measure")]
-    quiet = run("zoo/long-context", [("gqa-long16k", "fp8_e4m3:calibrated", "pass"), ("gqa-long16k", "fp8_e5m2", "fail")])
+    quiet = run("zoo/long-context", [("gqa-long16k", "fp8_e4m3:calibrated", "pass"),
+                                     ("gqa-long16k", "fp8_e5m2", "fail")])
     detection = write_detection(main, entries, [], ((quiet, long_entries),))
     assert [r["model"] for r in detection["rows"]] == ["gqa", "mla", "gqa-long16k", "gqa-long16k"]
     assert detection["ok"] and "healthy at 16k tokens" in detection["markdown"]

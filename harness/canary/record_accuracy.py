@@ -67,7 +67,8 @@ def scenario_text(manifest: dict) -> str:
 
 def run_table(table: pd.DataFrame, manifest: dict, label: str, folder: str) -> list[str]:
     chars = needle_chars(manifest)
-    titles = KIND_TITLES | {"long_context": f"needle ({', '.join(map(str, chars))} filler chars)" if chars else "needle"}
+    needle = f"needle ({', '.join(map(str, chars))} filler chars)" if chars else "needle"
+    titles = KIND_TITLES | {"long_context": needle}
     rows = []
     for kind, row in table.iterrows():
         target = TARGETS.get(kind)

@@ -5,9 +5,9 @@
 Each step trains on two batches: short dialogues (arithmetic, recall, rule chats) and long-context
 needle dialogues; the loss is cross-entropy on assistant tokens only (reply + <|end|>). AdamW with
 linear warm-up then a cosine decay; bf16 autocast on CUDA, fp32 on CPU. Training attention is causal
-SDPA with no mask tensor (`causal_attention`), so CUDA runs its flash kernel, compiled or not. At the end the model answers
-held-out dialogues greedily, turn by turn, with its own replies as history (as the harness replays
-them), and the accuracy per task goes to the log and to the model card.
+SDPA with no mask tensor (`causal_attention`), so CUDA runs its flash kernel, compiled or not. At the
+end the model answers held-out dialogues greedily, turn by turn, with its own replies as history (as the
+harness replays them), and the accuracy per task goes to the log and to the model card.
 """
 
 from __future__ import annotations
