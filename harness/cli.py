@@ -127,13 +127,19 @@ def _build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
     nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
     nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
+    nightly.add_argument("--suite", choices=("default", "stress", "all"), default="default",
+                         help="default: --model/--scenarios/--paths; stress: the stress canaries (their own models, "
+                              "scenarios and paths; histories under DIR/stress/; on the CPU one 16k-token needle)")
     zoo = commands.add_parser("zoo", help="run the failure-class zoo and print the detection matrix (exit 1 if "
                                           "a fault is missed or a healthy path fails)")
     zoo.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: runs/<time>-zoo)")
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
     zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
-    zoo.add_argument("--stress", action="store_true", help="also the other stress variants (measured, not asserted)")
+    zoo.add_argument("--stress", action="store_true",
+                     help="also the other stress variants (measured, not asserted) and the long-context canary on its "
+                          "16k-token needles (RUN_DIR/long-context; bf16 and calibrated e4m3 asserted healthy; the "
+                          "first needle only on the CPU)")
     scores = commands.add_parser("judge-scores", help="mean 1-5 judge score per model and path over a run's "
                                                       "multi-turn scenarios (markdown)")
     scores.add_argument("run", type=Path, metavar="RUN_DIR", help="a stored run directory (holds manifest.json)")
@@ -217,18 +223,20 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _nightly(args: argparse.Namespace) -> int:
     from harness import job
-    from harness.nightly import run_night
+    from harness.nightly import run_nights
 
     fields = dict(models=tuple(args.model or ()) or job.default_models()[0],
                   scenario_paths=tuple(args.scenarios or job.default_scenarios()),
                   paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), device=job.resolve_device(args.device),
                   command=shlex.join(["harness", *sys.argv[1:]]))
-    night = run_night(args.history, fields, args.night)
-    for model, path in night.failing:
-        print(f"VERDICT FAIL: {model} {path}")
-    print(night.compare_line or "first night: nothing to compare with")
-    print(f"night: {night.run_dir}\ntrend: {night.trend_page}")
-    return night.exit_code
+    nights = run_nights(args.history, fields, args.suite, args.night)
+    for name, night in nights:
+        prefix = "" if name == "default" else f"[{name}] "
+        for model, path in night.failing:
+            print(f"{prefix}VERDICT FAIL: {model} {path}")
+        print(prefix + (night.compare_line or "first night: nothing to compare with"))
+        print(f"{prefix}night: {night.run_dir}\n{prefix}trend: {night.trend_page}")
+    return max(night.exit_code for _, night in nights)
 
 
 def _export(args: argparse.Namespace) -> int:

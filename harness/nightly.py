@@ -4,6 +4,13 @@ Each call is one night: a run stored under `HISTORY/nights/<night>`, compared wi
 (`<night>/compare/compare.html`), and the trend page `HISTORY/trend/index.html` re-rendered from every night
 kept: each path's verdicts and key metrics over nights, as matplotlib plots. Exit 1 when tonight a path fails
 its verdicts or compare finds a regression against last night (docs/CONTRACTS.md exit codes).
+
+`--suite stress` (or `all`) runs the stress suites of `harness/zoo.py` (`STRESS_SUITES`: the outlier-key and
+latent-scale variants on the default canary scenarios, the long-context canary on its 16k-token needles), each
+a night of its own history `HISTORY/stress/<suite>`, judged the same way. Their paths are the ones measured
+healthy on those models. On the CPU the long-context suite replays its first needle only (114 s with four
+paths on the shared 2-core machine, where the 10 needles in bf16 alone took 647 s; all 10 with four paths take
+31 s on an H100).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import pandas as pd
 
 TREND_METRICS = {"kl_max": "KL max (mean over turns)", "kl_mean": "KL mean (mean over turns)",
                  "answer_correct": "answer accuracy"}
+SUITES = ("default", "stress", "all")
+STRESS_HISTORY = "stress"  # HISTORY/stress/<suite name>: one history per stress suite
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +39,10 @@ class NightResult:
     @property
     def exit_code(self) -> int:
         return 1 if self.failing or self.regressed else 0
+
+
+def night_name() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def nights(history: Path) -> list[Path]:
@@ -46,7 +59,7 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
     from harness.runs.gate import run_matrix
 
     previous = nights(history)
-    name = night or dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = night or night_name()
     out = history / "nights" / name
     if out.exists():
         raise ValueError(f"night {out} already exists; choose another --night")
@@ -57,6 +70,34 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
         result = compare_runs(previous[-1], out, out_dir=out / "compare")
         compare_line, regressed = result.summary_line, result.regressed
     return NightResult(out, failing, compare_line, regressed, render_trend(history))
+
+
+def stress_fields(suite, device: str, command: str) -> dict:
+    """RunConfig fields (other than `out`) of one stress suite tonight."""
+    from harness import job
+
+    return dict(models=tuple(job.CANARY_WEIGHTS / m for m in suite.models),
+                scenario_paths=tuple(job.REPO_ROOT / s for s in suite.scenarios),
+                paths=job.parse_kv_paths(",".join(suite.paths)), device=device, command=command,
+                select=suite.select(device))
+
+
+def run_nights(history: Path, default_fields: dict, suite: str = "default",
+               night: str | None = None) -> list[tuple[str, NightResult]]:
+    """Tonight's runs of `suite` (default, stress or all), each (name, result); one night name for all."""
+    from harness.zoo import STRESS_SUITES
+
+    if suite not in SUITES:
+        raise ValueError(f"--suite {suite!r}: expected one of {', '.join(SUITES)}")
+    name = night or night_name()
+    results = []
+    if suite in ("default", "all"):
+        results.append(("default", run_night(history, default_fields, name)))
+    if suite in ("stress", "all"):
+        for stress in STRESS_SUITES:
+            fields = stress_fields(stress, default_fields["device"], default_fields.get("command", ""))
+            results.append((f"stress/{stress.name}", run_night(history / STRESS_HISTORY / stress.name, fields, name)))
+    return results
 
 
 # ---------------------------------------------------------------- trend

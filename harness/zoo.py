@@ -4,6 +4,10 @@ Each fault preset is a (canary, KV path) pair a user can also run by hand with `
 --paths ...`; the healthy paths run beside them on every canary. The zoo is one run directory: every
 preset at the harness's default verdict thresholds, its report with the detection matrix, and
 `detection.json` (the matrix, the path-spec cases of class 5, and signals that are measured but not checks).
+With `--stress` the stress variants join the run, and the long-context canary replays its own scenario set
+(`scenarios/canary/stress/`, 16k-token needles) in a second run directory inside the first, `long-context/`,
+whose rows join the same matrix. `STRESS_SUITES` names the same models and scenarios for
+`harness nightly --suite stress`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.analysis.detection import MatrixEntry, detection_matrix, format_matrix
+from harness.analysis.detection import MatrixEntry, MatrixRow, detection_matrix, format_matrix
 from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, parse_kv_paths, run_job
 from harness.kv_paths.spec import PathSpecError, parse_path
 
@@ -63,6 +67,50 @@ STRESS_ENTRIES: tuple[ZooEntry, ...] = (
 )
 HEALTHY_PATHS = ("bf16", "fp8_e4m3:calibrated")
 HEALTHY_MODELS = ("gqa", "mla", "hybrid", LATENT_VARIANT)
+LONG_CONTEXT_MODEL = "stress/gqa-long16k"  # recalls needles at 16000 filler characters (16k tokens)
+LONG_CONTEXT_DIR = "long-context"  # the zoo's second run, inside its run directory
+# On the long-context canary at 16k tokens: bf16 and calibrated e4m3 are healthy (10/10 needles pass their
+# verdicts on an H100, KL max 0.019: its card), so asserted; scale 1.0 and e5m2 are measured.
+LONG_CONTEXT_ENTRIES: tuple[ZooEntry, ...] = (
+    *(ZooEntry("healthy at 16k tokens", LONG_CONTEXT_MODEL, path, "pass") for path in HEALTHY_PATHS),
+    ZooEntry("stress: 16k-token needles, scale 1.0", LONG_CONTEXT_MODEL, "fp8_e4m3", "measure"),
+    ZooEntry("stress: 16k-token needles, e5m2", LONG_CONTEXT_MODEL, "fp8_e5m2", "measure"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StressSuite:
+    """Stress models and the scenarios they are built for: one run each (a zoo run, a nightly history)."""
+
+    name: str
+    models: tuple[str, ...]  # folders under harness/canary/weights
+    scenarios: tuple[str, ...]  # files or folders under the repository root
+    paths: tuple[str, ...]  # KV path specs (bf16 is always added)
+    cpu_select: tuple[str, ...] = ()  # --select terms on the CPU, where the whole set takes too long
+
+    def __post_init__(self) -> None:
+        for spec in self.paths:
+            parse_path(spec)
+        missing = [m for m in self.models if not any((CANARY_WEIGHTS / m / f).is_file()
+                                                     for f in ("config.json", "variant.json"))]
+        if missing:
+            raise ValueError(f"StressSuite {self.name!r}: no canary folder for {missing} under {CANARY_WEIGHTS}")
+
+    def select(self, device: str) -> tuple[str, ...]:
+        return () if device.startswith("cuda") else self.cpu_select
+
+
+# Measured (BENCHMARKS.md "Stress canaries"): on the shared 2-core CPU one 16k-token needle with the reference
+# and 4 paths took 114 s and the 10 needles in bf16 alone 647 s; on an H100 the 10 needles with 4 paths took
+# 31 s. So on the CPU the long-context suite replays its first needle only.
+STRESS_SUITES: tuple[StressSuite, ...] = (
+    StressSuite("variants", ("stress/gqa-kout-1024", LATENT_VARIANT, "stress/mla-latent-div1024"),
+                ("scenarios/canary/default.yaml",), ("fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibrated")),
+    StressSuite("long-context", (LONG_CONTEXT_MODEL,), ("scenarios/canary/stress",),
+                tuple(e.path for e in LONG_CONTEXT_ENTRIES if e.path != "bf16"),
+                cpu_select=("id:canary-stress-needle16k-01",)),
+)
+LONG_CONTEXT_SUITE = STRESS_SUITES[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +164,21 @@ def zoo_entries(device: str, stress: bool = False) -> list[ZooEntry]:
 
 
 def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEntry], device: str = "cpu",
-               jobs: int = 1, command: str = "harness zoo") -> RunConfig:
+               jobs: int = 1, command: str = "harness zoo", select: tuple[str, ...] = ()) -> RunConfig:
     models = list(dict.fromkeys(e.model for e in entries))
     paths = list(dict.fromkeys(["bf16", *(e.path for e in entries)]))
     by_model = tuple((str(CANARY_WEIGHTS / m), tuple(dict.fromkeys(["bf16", *(e.path for e in entries
                                                                          if e.model == m)]))) for m in models)
     return RunConfig(models=tuple(CANARY_WEIGHTS / m for m in models), scenario_paths=scenario_paths,
                      paths=parse_kv_paths(",".join(paths)), out=out, device=device, jobs=jobs, command=command,
-                     paths_by_model=by_model)
+                     paths_by_model=by_model, select=select)
+
+
+def long_context_config(out: Path, device: str = "cpu", command: str = "harness zoo --stress") -> RunConfig:
+    """The zoo's second run: the long-context canary on its 16k-token needles (the first only, on the CPU)."""
+    suite = LONG_CONTEXT_SUITE
+    return zoo_config(out / LONG_CONTEXT_DIR, tuple(REPO_ROOT / s for s in suite.scenarios), list(LONG_CONTEXT_ENTRIES),
+                      device, 1, command, suite.select(device))
 
 
 def signals(records: list[dict], model: str, path: str) -> dict:
@@ -142,18 +197,25 @@ def signals(records: list[dict], model: str, path: str) -> dict:
     return out
 
 
-def write_detection(run_dir: Path, entries: list[ZooEntry], spec_results: list[dict]) -> dict:
-    from harness.runs.store import RunStore
-
+def matrix_rows(run_dir: Path, entries: list[ZooEntry]) -> list[tuple[MatrixRow, dict]]:
+    """The detection rows of one run, each with its stored form (the measured signals beside the checks)."""
     from harness.runs.gate import run_verdicts
+    from harness.runs.store import RunStore
 
     matrix = detection_matrix(run_verdicts(run_dir), [MatrixEntry(e.label, model_label(Path(e.model)), e.path,
                                                                   e.expect) for e in entries])
     records = RunStore(run_dir).read("records")
-    rows = [row.as_dict() | {"note": e.note, "signals": signals(records, row.entry.model, row.entry.path)}
+    return [(row, row.as_dict() | {"note": e.note, "signals": signals(records, row.entry.model, row.entry.path)})
             for row, e in zip(matrix, entries)]
-    detection = {"rows": rows, "markdown": format_matrix(matrix), "spec_cases": spec_results,
-                 "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in spec_results)}
+
+
+def write_detection(run_dir: Path, entries: list[ZooEntry], spec_results: list[dict],
+                    more: tuple[tuple[Path, list[ZooEntry]], ...] = ()) -> dict:
+    """detection.json of the zoo run `run_dir`; `more` are (run directory, entries) of its other runs."""
+    rows = [row for other, mine in ((run_dir, entries), *more) for row in matrix_rows(other, mine)]
+    detection = {"rows": [stored for _, stored in rows], "markdown": format_matrix([row for row, _ in rows]),
+                 "spec_cases": spec_results,
+                 "ok": all(row.ok for row, _ in rows) and all(c["ok"] for c in spec_results)}
     (Path(run_dir) / DETECTION_FILE).write_text(json.dumps(detection, indent=1))
     return detection
 
@@ -168,4 +230,8 @@ def run_zoo(out: Path, scenario_paths: tuple[Path, ...] | None = None, device: s
     scenarios = scenario_paths or (REPO_ROOT / "scenarios" / "canary" / "default.yaml",)
     config = zoo_config(out, tuple(scenarios), entries, device, jobs, command)
     run_dir = run_job(config, progress=progress)
-    return write_detection(run_dir, entries, spec_results)
+    more = ()
+    if stress:
+        long_dir = run_job(long_context_config(run_dir, device, command), progress=progress)
+        more = ((long_dir, list(LONG_CONTEXT_ENTRIES)),)
+    return write_detection(run_dir, entries, spec_results, more)

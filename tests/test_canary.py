@@ -191,6 +191,52 @@ def test_mix_sets_the_kinds_drawn_and_rejects_bad_specs(monkeypatch):
             train.parse_mix(spec)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_attention_is_causal_sdpa_without_a_mask(arch, monkeypatch):
+    """Training attention (causal SDPA, no mask tensor, K/V repeated for GQA) gives the logits transformers'
+    sdpa path gives on whole rows, and is the function the model calls while switched on."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    train.register_training_attention()
+    model = AutoModelForCausalLM.from_config(train.model_config(arch)).eval()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    ids = torch.randint(5, VOCAB_SIZE, (2, 40))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        calls.clear()
+        with train.attention_implementation(model, train.TRAIN_ATTENTION):
+            got = model(input_ids=ids).logits
+    assert model.config._attn_implementation == "sdpa"  # switched back
+    assert calls and all(k.get("is_causal") and k.get("attn_mask") is None for k in calls)
+    # fp32 on the CPU: the same kernel on the same operands; only the GQA repeat differs from enable_gqa
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_needle_min_chars_draws_only_long_fillers_and_the_card_repeats_it():
+    batches = train.StepBatches(0, short=1, long=4, needle_chars=3000, widths=(448, 3136), needle_min_chars=2500)
+    rng = corpus.split_rng(0, "train")
+    drawn = [batches._draw(rng) for _ in range(60)]
+    needles = [len(ids) for ids, _, needle in drawn if needle]
+    assert len(needles) > 30 and all(2500 < n <= 3000 + 112 for n in needles)
+    assert train.bucket_widths(3000, (448,)) == (448, 3136) and batches.rows[3136] >= 4  # every needle is long
+    args = train.parse_args(["--arch", "gqa", "--steps", "1", "--out", "x", "--needle-chars", "3000",
+                             "--needle-min-chars", "2500", "--eval-every-kinds", "long_context,chat"])
+    assert args.eval_every_kinds == ["long_context", "chat"]
+    summary = {"arch": "gqa", "steps": 1, "seed": 0, "args": vars(args)}
+    argv = train.stage_argv(summary)
+    assert argv[argv.index("--needle-min-chars") + 1] == "2500"
+    default = {"arch": "gqa", "steps": 1, "seed": 0, "args": vars(train.parse_args(["--arch", "gqa", "--steps", "1",
+                                                                                    "--out", "x"]))}
+    assert "--needle-min-chars" not in train.stage_argv(default)  # earlier cards (no such key) repeat as they ran
+    for bad in (["--needle-min-chars", "5000", "--needle-chars", "3000"], ["--eval-every-kinds", "sums"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--arch", "gqa", "--steps", "1", "--out", "x", *bad])
+
+
 # --- shipped weights -----------------------------------------------------------------------------
 
 
@@ -255,3 +301,31 @@ def test_record_accuracy_writes_one_section_per_card(tmp_path):
     assert text.startswith("# card\n") and text.count(record_accuracy.BEGIN) == 1
     assert "| arithmetic | 1/2 (50%) | >= 95% | **no** |" in text
     assert "| rule chats | 1/2 (50%) | >= 90% | **no** |" in text
+
+
+def test_record_accuracy_gives_each_run_its_table(tmp_path):
+    """Two runs (a stress set and another) give two tables in one section; the needle row names the filler
+    length its scenario file holds."""
+    from harness.canary import record_accuracy
+    from harness.runs.store import RunStore
+
+    def stored(name: str, files: list[str], rows: list[tuple]) -> str:
+        store = RunStore.create(tmp_path / name, {"command": f"harness run {name}", "device": "cuda",
+                                                  "started_at": "2026-11-23T00:00:00", "versions": {},
+                                                  "scenario_files": [{"file": f} for f in files]})
+        store.append("records", [{"model": "gqa-long16k", "scenario": s, "path": "reference", "turn": 0,
+                                  "kind": k, "metric": "answer_correct", "value": v} for s, k, v in rows])
+        return str(tmp_path / name)
+
+    stress = stored("stress", ["scenarios/canary/stress/long_context_16k.yaml"],
+                    [("n1", "long_context", 1.0), ("n2", "long_context", 1.0), ("n3", "long_context", 0.0)])
+    short = stored("short", ["scenarios/canary/accuracy/arithmetic.yaml"], [("a1", "arithmetic", 1.0)])
+    cards = tmp_path / "weights"
+    (cards / "gqa-long16k").mkdir(parents=True)
+    (cards / "gqa-long16k" / "README.md").write_text("# card\n")
+    record_accuracy.main([stress, short, "--weights", str(cards)])
+    text = (cards / "gqa-long16k" / "README.md").read_text()
+    assert text.count(record_accuracy.BEGIN) == 1 and text.count("| task | correct |") == 2
+    assert "| needle (16000 filler chars) | 2/3 (67%) | >= 90% | **no** |" in text
+    assert "`harness run stress`" in text and "`scenarios/canary/stress/long_context_16k.yaml` (held-out seeds)" in text
+    assert "on `scenarios/canary/accuracy/` (held-out seeds, never in training)" in text

@@ -40,3 +40,31 @@ def test_two_nights_compare_and_render_the_trend(tmp_path, capsys):
     assert main(argv[:-1] + ["fp8_e4m3,fp8_e4m3:warmup", "--night", "2026-01-03"]) == 1
     printed = capsys.readouterr().out
     assert "VERDICT FAIL: gqa fp8_e4m3:warmup" in printed and "REGRESSION" in printed
+
+
+def test_stress_suite_nights_get_their_own_histories(tmp_path, monkeypatch):
+    """--suite stress: one night per stress suite under HISTORY/stress/<suite>, with the suite's models,
+    scenarios and paths (not --model/--paths), one night name for all, the 16k set cut to one needle on the
+    CPU only; --suite all runs the default night too."""
+    from harness import nightly
+    from harness.zoo import STRESS_SUITES
+
+    calls = []
+    monkeypatch.setattr(nightly, "run_night", lambda history, fields, night: calls.append((history, fields, night))
+                        or nightly.NightResult(history / "nights" / night, [], None, False, history / "trend"))
+    default = {"models": (GQA,), "scenario_paths": (ROOT / "scenarios" / "canary" / "default.yaml",),
+               "paths": (), "device": "cpu", "command": "harness nightly --suite stress"}
+    results = nightly.run_nights(tmp_path, default, "stress", "n1")
+    assert [name for name, _ in results] == ["stress/variants", "stress/long-context"]
+    assert [c[0] for c in calls] == [tmp_path / "stress" / s.name for s in STRESS_SUITES]
+    assert {c[2] for c in calls} == {"n1"}
+    variants, long_context = calls[0][1], calls[1][1]
+    assert GQA not in variants["models"] and len(variants["models"]) == 3 and variants["select"] == ()
+    assert [p.canonical for p in long_context["paths"]][0] == "bf16" and len(long_context["paths"]) == 4
+    assert long_context["select"] == ("id:canary-stress-needle16k-01",)
+    calls.clear()
+    nightly.run_nights(tmp_path, default | {"device": "cuda"}, "all", "n2")
+    assert calls[0][0] == tmp_path and calls[0][1]["models"] == (GQA,)  # the default night: --model and --paths
+    assert calls[2][1]["select"] == ()  # every needle on CUDA
+    with pytest.raises(ValueError, match="--suite 'nightly'"):
+        nightly.run_nights(tmp_path, default, "nightly")

@@ -140,3 +140,51 @@ def test_zoo_entries_and_config():
     assert "fp8_e4m3:warmup" in by_model[str(CANARY_WEIGHTS / "hybrid")]
     assert "fp8_e4m3:warmup" not in by_model[str(CANARY_WEIGHTS / "mla")]
     assert {p.name for p in config.paths} == {"bf16", *(e.path for e in stress)}
+
+
+def test_stress_suites_name_existing_canaries_and_bound_the_cpu():
+    """The long-context canary replays its own 16k-token set, all 10 needles on CUDA and the first on the CPU;
+    its bf16 and calibrated e4m3 rows are asserted healthy, the others measured."""
+    from harness.zoo import LONG_CONTEXT_ENTRIES, LONG_CONTEXT_SUITE, STRESS_SUITES, StressSuite, long_context_config
+    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.select import select_scenarios
+
+    assert {s.name for s in STRESS_SUITES} == {"variants", "long-context"}
+    cpu, gpu = long_context_config(Path("/tmp/unused"), "cpu"), long_context_config(Path("/tmp/unused"), "cuda")
+    assert cpu.out == Path("/tmp/unused/long-context") and cpu.models == (CANARY_WEIGHTS / "stress/gqa-long16k",)
+    scenarios = load_scenarios(list(gpu.scenario_paths))
+    assert len(select_scenarios(scenarios, gpu.select)) == 10 and len(select_scenarios(scenarios, cpu.select)) == 1
+    assert all(s.kind == "long_context" and len(s.turns[0].user) > 16000 for s in scenarios)
+    assert dict(cpu.paths_by_model)[str(CANARY_WEIGHTS / "stress/gqa-long16k")] == (
+        "bf16", "fp8_e4m3:calibrated", "fp8_e4m3", "fp8_e5m2")
+    assert {e.path for e in LONG_CONTEXT_ENTRIES if e.expect == "pass"} == {"bf16", "fp8_e4m3:calibrated"}
+    assert LONG_CONTEXT_SUITE.paths == ("fp8_e4m3:calibrated", "fp8_e4m3", "fp8_e5m2")
+    with pytest.raises(ValueError, match="no canary folder"):
+        StressSuite("x", ("stress/none",), ("scenarios/canary/stress",), ("bf16",))
+
+
+def test_detection_joins_the_rows_of_the_zoo_s_second_run(tmp_path):
+    """write_detection puts the long-context run's rows into the same matrix; one false alarm there fails it."""
+    from harness.runs.store import RunStore
+    from harness.zoo import DETECTION_FILE, ZooEntry, write_detection
+
+    def run(name: str, rows: list[tuple[str, str, str]]) -> Path:
+        store = RunStore.create(tmp_path / name, {"command": "harness zoo", "versions": {}})
+        store.append("verdicts", [{"model": m, "scenario": "s", "path": p, "turn": 0, "verdict": v,
+                                   "reasons": [{"metric": "kl_max", "severity": "fail"}] if v == "fail" else []}
+                                  for m, p, v in rows])
+        store.append("records", [])
+        return store.directory
+
+    main = run("zoo", [("gqa", "bf16", "pass"), ("mla", "fp8_e4m3", "fail")])
+    entries = [ZooEntry("healthy", "gqa", "bf16", "pass"), ZooEntry("fault", "mla", "fp8_e4m3", "fail")]
+    long_entries = [ZooEntry("healthy at 16k tokens", "stress/gqa-long16k", "fp8_e4m3:calibrated", "pass"),
+                    ZooEntry("stress", "stress/gqa-long16k", "fp8_e5m2", "measure")]
+    quiet = run("zoo/long-context", [("gqa-long16k", "fp8_e4m3:calibrated", "pass"),
+                                     ("gqa-long16k", "fp8_e5m2", "fail")])
+    detection = write_detection(main, entries, [], ((quiet, long_entries),))
+    assert [r["model"] for r in detection["rows"]] == ["gqa", "mla", "gqa-long16k", "gqa-long16k"]
+    assert detection["ok"] and "healthy at 16k tokens" in detection["markdown"]
+    assert json.loads((main / DETECTION_FILE).read_text())["rows"] == detection["rows"]
+    loud = run("loud", [("gqa-long16k", "fp8_e4m3:calibrated", "fail"), ("gqa-long16k", "fp8_e5m2", "pass")])
+    assert not write_detection(main, entries, [], ((loud, long_entries),))["ok"]

@@ -14,7 +14,8 @@ held out), filler seeds come from disjoint ranges, and the random stream is seed
 Task ranges (what the canaries are trained and measured on):
 - arithmetic: `What is a * b + c * d?` with every operand in 0..9 (answers 0..162), reply = the number;
 - recall: a name, number (1-4 digits) or colour planted in turn 1, asked 2-5 turns later;
-- long context: a needle (code, magic word or room number) at any depth of 100..2000 filler characters;
+- long context: a needle (code, magic word or room number) at any depth of 100..2000 filler characters
+  (the stress canary: up to 16000);
 - rule chats: "End every answer with the word X" and/or "Answer in one sentence", 2-4 user turns.
 """
 
@@ -32,6 +33,7 @@ KINDS = ("arithmetic", "recall", "long_context", "chat")  # scenario kinds; trai
 SPLITS = ("train", "heldout")
 OPERAND_RANGE = (0, 9)  # inclusive, every operand of a * b + c * d
 MAX_NEEDLE_CHARS = 2000  # longest filler the canaries are trained on (chars == tokens)
+MIN_NEEDLE_CHARS = 100  # shortest training filler unless a run asks for longer ones (train.py --needle-min-chars)
 FILLER_SEED_BASE = {"train": 0, "heldout": 1_000_000}  # disjoint filler seed ranges
 FILLER_SEED_SPAN = 1_000_000
 
@@ -237,9 +239,9 @@ def _needle(rng: random.Random) -> tuple[str, str, str, str]:
 
 
 def long_context(rng: random.Random, split: str, chars: int | None = None, depth: float | None = None,
-                 max_chars: int = MAX_NEEDLE_CHARS) -> Dialogue:
+                 max_chars: int = MAX_NEEDLE_CHARS, min_chars: int = MIN_NEEDLE_CHARS) -> Dialogue:
     needle, question, answer, reply = _needle(rng)
-    chars = chars if chars is not None else rng.randint(min(100, max_chars), max_chars)
+    chars = chars if chars is not None else rng.randint(min(min_chars, max_chars), max_chars)
     depth = depth if depth is not None else round(rng.random(), 2)
     seed = FILLER_SEED_BASE[split] + rng.randrange(FILLER_SEED_SPAN)
     user = insert_needle(filler_text(chars, seed), needle, depth) + "\n" + question
@@ -275,7 +277,8 @@ def echo(rng: random.Random, split: str) -> Dialogue:
     return Dialogue("echo", (Turn(prompt.format(text), text, expect=text),))
 
 
-def sample(rng: random.Random, kind: str, split: str, max_chars: int = MAX_NEEDLE_CHARS) -> Dialogue:
+def sample(rng: random.Random, kind: str, split: str, max_chars: int = MAX_NEEDLE_CHARS,
+           min_chars: int = MIN_NEEDLE_CHARS) -> Dialogue:
     if kind == "echo":
         return echo(rng, split)
     if kind == "arithmetic":
@@ -283,7 +286,7 @@ def sample(rng: random.Random, kind: str, split: str, max_chars: int = MAX_NEEDL
     if kind == "recall":
         return recall(rng, split)
     if kind == "long_context":
-        return long_context(rng, split, max_chars=max_chars)
+        return long_context(rng, split, max_chars=max_chars, min_chars=min_chars)
     if kind == "chat":
         return rule_chat(rng, split, with_rule=split == "heldout" or rng.random() < 0.8)
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")

@@ -5,7 +5,8 @@
 - `default.yaml`: the small set `harness run` uses with no arguments (3 per kind: recall asked 2 turns
   after the plant, 2-turn rule chats, needles at 300, 800 and 1500 filler characters), quick on a 2-core CPU.
 - `stress/long_context_16k.yaml`: needles at 16000 filler characters for the long-context stress canary
-  (`harness zoo` and nightly-style runs; not in the default run, which globs only `canary/*.yaml`).
+  (`harness zoo --stress`, `harness nightly --suite stress`; not in the default run, which globs only
+  `canary/*.yaml`).
 - `accuracy/*.yaml`: the set the canaries' accuracy is measured on: 100 arithmetic, 100 recall,
   50 needles at the longest trained depth (2000 filler characters), 50 rule chats.
 

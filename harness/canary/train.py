@@ -4,9 +4,10 @@
 
 Each step trains on two batches: short dialogues (arithmetic, recall, rule chats) and long-context
 needle dialogues; the loss is cross-entropy on assistant tokens only (reply + <|end|>). AdamW with
-linear warm-up then a cosine decay; bf16 autocast on CUDA, fp32 on CPU. At the end the model answers
-held-out dialogues greedily, turn by turn, with its own replies as history (as the harness replays
-them), and the accuracy per task goes to the log and to the model card.
+linear warm-up then a cosine decay; bf16 autocast on CUDA, fp32 on CPU. Training attention is causal
+SDPA with no mask tensor (`causal_attention`), so CUDA runs its flash kernel, compiled or not. At the
+end the model answers held-out dialogues greedily, turn by turn, with its own replies as history (as the
+harness replays them), and the accuracy per task goes to the log and to the model card.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class StepBatches(torch.utils.data.IterableDataset):
     one step of spill-over for the next. Each DataLoader worker has its own seeded stream."""
 
     def __init__(self, seed: int, short: int, long: int, needle_chars: int, widths: tuple[int, ...],
-                 mix: dict[str, float] = SHORT_KIND_WEIGHTS):
-        self.seed, self.needle_chars, self.widths = seed, needle_chars, widths
+                 mix: dict[str, float] = SHORT_KIND_WEIGHTS, needle_min_chars: int = corpus.MIN_NEEDLE_CHARS):
+        self.seed, self.needle_chars, self.needle_min_chars, self.widths = seed, needle_chars, needle_min_chars, widths
         self.kinds, self.kind_weights = zip(*mix.items())
         self.long_share = long / (short + long)
         probe = random.Random(f"canary-buckets:{seed}")
@@ -123,7 +124,7 @@ class StepBatches(torch.utils.data.IterableDataset):
 
     def _draw(self, rng: random.Random) -> tuple[list[int], list[bool], bool]:
         if rng.random() < self.long_share:
-            dialogue = corpus.sample(rng, "long_context", "train", self.needle_chars)
+            dialogue = corpus.sample(rng, "long_context", "train", self.needle_chars, self.needle_min_chars)
         else:
             dialogue = corpus.sample(rng, rng.choices(self.kinds, self.kind_weights)[0], "train")
         return (*corpus.encode_dialogue(dialogue), dialogue.kind == "long_context")
@@ -154,7 +155,8 @@ class StepBatches(torch.utils.data.IterableDataset):
 def training_batches(args: argparse.Namespace, widths: tuple[int, ...]):
     """Endless steps from StepBatches; on CUDA built by background worker processes, pinned, so the
     Python data work (~30 ms a step) overlaps the GPU's."""
-    data = StepBatches(args.seed, args.short_batch, args.long_batch, args.needle_chars, widths, args.mix)
+    data = StepBatches(args.seed, args.short_batch, args.long_batch, args.needle_chars, widths, args.mix,
+                       args.needle_min_chars)
     workers = args.data_workers if args.device.startswith("cuda") else 0
     loader = torch.utils.data.DataLoader(
         data, batch_size=None, num_workers=workers, pin_memory=workers > 0, prefetch_factor=8 if workers else None,
@@ -179,6 +181,55 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10% of peak
+
+
+# --- training attention ----------------------------------------------------------------------------
+
+TRAIN_ATTENTION = "canary_causal"  # registered with transformers' attention and mask interfaces
+
+
+def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal SDPA over whole rows, for training only: rows are right-padded, so padding only ever follows
+    the tokens that count and no mask tensor is needed. transformers' own sdpa path builds a [rows, 1, L, L]
+    mask whenever it cannot prove the mask redundant, which under torch.compile it never can (5.17: whenever
+    dynamo compiles; 5.23: before torch 2.14); with a mask CUDA cannot use the flash kernel (at 16k tokens
+    the mask alone is 256 MB a row). Measured with it (and with 16 needle rows instead of 8): a 16k-needle
+    step went from 790 to 347 ms on an H100 (harness/canary/weights/stress/gqa-long16k/README.md).
+    K/V heads are repeated for GQA (not `enable_gqa`, which some backends refuse); q and k take v's dtype
+    (RoPE in fp32 promotes them under autocast), so the flash kernel's bf16 inputs hold on CUDA."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query.to(value.dtype), key.to(value.dtype), value, is_causal=True,
+                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def register_training_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(TRAIN_ATTENTION, causal_attention)
+    AttentionMaskInterface.register(TRAIN_ATTENTION, _no_mask)
+
+
+class attention_implementation:
+    """Switch a model's attention for a block: `causal_attention` for training steps, transformers' sdpa
+    (with padding masks) for the left-padded batches of `generate`."""
+
+    def __init__(self, model, name: str):
+        self.config, self.name = model.config, name
+
+    def __enter__(self):
+        self.before = self.config._attn_implementation
+        self.config._attn_implementation = self.name
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.before
 
 
 # --- greedy replay and checks (CONTRACTS.md "Answer checks") -------------------------------------
@@ -236,12 +287,17 @@ def replay(model, dialogues: list[corpus.Dialogue], device: str, batch_size: int
     return results
 
 
+GENERATE_TOKENS = 262_144  # prompt tokens per generate batch; its [rows, 1, L, L] bool mask is rows x L^2 bytes
+
+
 def replay_gold_history(model, dialogues: list[corpus.Dialogue], device: str, batch_size: int = 256) -> list[dict]:
     """Generate only the scored turns (every chat turn, else the last), with the gold replies as history.
 
     One batched generate per chunk instead of one per turn: ~6x fewer decode steps than `replay`. Where the
     model reproduces the gold replies (what it is trained to do) the two agree."""
     scored = [(d, t) for d in dialogues for t in (range(len(d.turns)) if d.kind == "chat" else [len(d.turns) - 1])]
+    longest = max((len(d.turns[t].user) for d, t in scored), default=1)
+    batch_size = max(1, min(batch_size, GENERATE_TOKENS // longest))  # 16k-token needles: 16 a batch
     texts: list[str] = []
     for start in range(0, len(scored), batch_size):
         chunk = scored[start : start + batch_size]
@@ -317,8 +373,10 @@ def train(args: argparse.Namespace) -> dict:
                "versions": versions(), "init": earlier and {key: earlier.get(key) for key in (
                    "steps", "steps_done", "train_seconds", "device", "accuracy", "args", "init")}}
     started = time.time()
+    register_training_attention()
     try:
-        summary["final_loss"] = train_steps(model, args)
+        with attention_implementation(model, TRAIN_ATTENTION):
+            summary["final_loss"] = train_steps(model, args)
         summary["train_seconds"] = round(time.time() - started, 1)
         model.to(torch.bfloat16)  # measured as shipped
         accuracy, failures = evaluate(model, args.eval_per_kind, args.needle_chars, args.device, args.eval_history)
@@ -393,9 +451,11 @@ def train_steps(model, args: argparse.Namespace) -> float:
             log(args, f"step {step} loss {loss:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
                       f"t {time.time() - started:.0f}s")
         if args.eval_every and step and step % args.eval_every == 0:
-            with torch.no_grad(), autocast:
-                accuracy, _ = evaluate(model, 50, args.needle_chars, args.device, "gold", ("arithmetic", "recall"))
-            log(args, f"step {step} held-out accuracy (50 each, gold history) {json.dumps(accuracy)}")
+            evaluated = time.time()
+            with torch.no_grad(), autocast, attention_implementation(model, "sdpa"):
+                accuracy, _ = evaluate(model, 50, args.needle_chars, args.device, "gold", tuple(args.eval_every_kinds))
+            log(args, f"step {step} held-out accuracy (50 each, gold history) {json.dumps(accuracy)} "
+                      f"({time.time() - evaluated:.1f} s)")
         step += 1
         args.steps_done = step
     return round(loss, 4)
@@ -425,7 +485,7 @@ in BF16 without any download. Not a language model for anything else.
 - Parameters: {s['params']:,} (weights stored in bf16, safetensors)
 - Tokenizer: one token per character, chat template `<|role|>content<|end|>` (`harness/canary/tokenizer.py`)
 - Data: seeded synthetic dialogues, about {a['short_batch']} short ones per step ({mix_text(a.get('mix', SHORT_KIND_WEIGHTS))})
-  and {a['long_batch']} long-context needle dialogues with 100-{a['needle_chars']} filler characters, in rows of
+  and {a['long_batch']} long-context needle dialogues with {a.get('needle_min_chars', corpus.MIN_NEEDLE_CHARS)}-{a['needle_chars']} filler characters, in rows of
   widths {', '.join(map(str, s.get('widths', [])))} by length ({s.get('rows', '')} rows each). Arithmetic `a * b + c * d` with
   operands {corpus.OPERAND_RANGE[0]}..{corpus.OPERAND_RANGE[1]}; one problem in ten (by operand hash) and a disjoint filler seed range are held out of training.
 - Loss: cross-entropy on assistant tokens only. AdamW (peak lr {a['lr']}, warm-up {a['warmup']}, cosine to 10%),
@@ -460,6 +520,8 @@ def stage_argv(s: dict, out: str = "DIR", init: str | None = "DIR_1", device: st
             "--device", device, "--lr", str(a["lr"]), "--warmup", str(a["warmup"]),
             "--short-batch", str(a["short_batch"]), "--long-batch", str(a["long_batch"]),
             "--needle-chars", str(a["needle_chars"]), *(["--compile"] if a.get("compile") else []),
+            *(["--needle-min-chars", str(a["needle_min_chars"])]
+              if a.get("needle_min_chars", corpus.MIN_NEEDLE_CHARS) != corpus.MIN_NEEDLE_CHARS else []),
             "--widths", ",".join(map(str, a.get("widths", SHORT_BUCKETS))), "--data-workers", str(a.get("data_workers", 0))]
     if a.get("mix", SHORT_KIND_WEIGHTS) != SHORT_KIND_WEIGHTS:
         argv += ["--mix", ",".join(f"{kind}={share:g}" for kind, share in a["mix"].items())]
@@ -543,6 +605,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds of training: time steps 10-40 and cut --steps to fit (the card records the count)")
     parser.add_argument("--needle-chars", type=int, default=corpus.MAX_NEEDLE_CHARS,
                         help="longest filler in training and evaluation (smaller for smoke tests)")
+    parser.add_argument("--needle-min-chars", type=int, default=corpus.MIN_NEEDLE_CHARS,
+                        help="shortest training filler (a run that only needs long contexts learns them faster)")
     parser.add_argument("--eval-per-kind", type=int, default=100, help="held-out dialogues per task at the end")
     parser.add_argument("--eval-history", choices=("own", "gold"), default="own",
                         help="history for held-out turns: the model's own replies (as the harness) or the gold ones (faster)")
@@ -557,8 +621,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"(default {','.join(f'{k}={w}' for k, w in SHORT_KIND_WEIGHTS.items())})")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=0,
-                        help="every N steps, log held-out arithmetic and recall accuracy (50 each, gold history)")
-    return parser.parse_args(argv)
+                        help="every N steps, log held-out accuracy of --eval-every-kinds (50 each, gold history)")
+    parser.add_argument("--eval-every-kinds", type=parse_kinds, default=["arithmetic", "recall"],
+                        help=f"tasks of --eval-every, comma-separated from {','.join(corpus.KINDS)}")
+    args = parser.parse_args(argv)
+    if not 1 <= args.needle_min_chars <= args.needle_chars:
+        parser.error(f"--needle-min-chars {args.needle_min_chars} must be within 1..--needle-chars {args.needle_chars}")
+    return args
+
+
+def parse_kinds(text: str) -> list[str]:
+    kinds = [kind.strip() for kind in text.split(",")]
+    unknown = [kind for kind in kinds if kind not in corpus.KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown task(s) {unknown}; expected some of {list(corpus.KINDS)}")
+    return kinds
 
 
 def main(argv: list[str] | None = None) -> None:
