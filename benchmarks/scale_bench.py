@@ -178,7 +178,7 @@ def add(name, seconds):
         print("CANARY_PARTIAL " + json.dumps(spent), flush=True)
         if len(sys.argv) > 2:  # also to a file, which survives the process (or its parent) being stopped
             with open(sys.argv[2], "a") as phases:
-                phases.write(json.dumps(spent) + "\n")
+                phases.write(json.dumps(spent) + "\\n")
 def timed(name, fn):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()

@@ -228,10 +228,12 @@ def _quantize_store_kernel(
     src = X + r.to(tl.int64) * stride_xr + head * stride_xh + offs_t[:, None] * stride_xc + offs_d[None, :] * stride_xd
     x = tl.load(src, mask=m2, other=0.0).to(tl.float32)
     if PER_TOKEN:
-        # torch: (|x|.amax(-1) / max).clamp_min(MIN_SCALE), a CUDA scalar division being x * (1 / max); NaN wins
+        # reference.per_token_scale: (|x|.amax(-1) / max).clamp_min(MIN_SCALE), an IEEE division (amax_scale
+        # divides by a tensor, so torch on CUDA does not turn it into x * (1 / max)); NaN wins
         amax = tl.max(tl.abs(x), axis=1)
         has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-        scale = tl.where(has_nan, float("nan"), tl.maximum(amax * INV_MAX, MIN_SCALE))[:, None]
+        amax_scale = tl.math.div_rn(amax, tl.full([BLOCK_T], FP8_MAX, tl.float32))
+        scale = tl.where(has_nan, float("nan"), tl.maximum(amax_scale, MIN_SCALE))[:, None]
     else:
         scale = tl.load(SCALE + head * scale_stride)
     codes = _store_kv_codes(x, scale, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)

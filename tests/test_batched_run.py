@@ -78,3 +78,11 @@ def test_a_failing_batched_phase_falls_back_and_is_named(tiny_models, tmp_path, 
     assert any("ran one at a time" in w for w in manifest["warnings"])
     paths = {r["path"] for r in _rows(out, "texts")}
     assert paths == {"reference", "bf16", "fp8_e4m3"}  # nothing lost: the path ran one sequence at a time
+
+
+def test_scale_bench_canary_snippet_is_valid_python():
+    """The benchmark runs the canary run from a source string in a fresh process; a quoting slip there (an
+    unescaped newline) once cost a whole device call, so parse it here, where it is free."""
+    from benchmarks import scale_bench
+
+    compile(scale_bench.CANARY_SNIPPET, "benchmarks/scale_bench.py:CANARY_SNIPPET", "exec")
