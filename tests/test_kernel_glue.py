@@ -34,13 +34,16 @@ def test_per_token_paths_say_why_no_kernel(tiny_models, monkeypatch):
     assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
 
 
-@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_p"])
-def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, spec):
-    """FP8 attention (q_scale / prob_scale) on a GQA model: decode steps go to the kernel ops with the path's
-    scales (here their torch mirror, which computes the Triton kernel's definition), judged against fp64
-    attention of the raw query over the stored codes relative to the torch reference's FP8 attention error."""
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_p",
+                                  "fp8_e4m3:calibrated:fp8_q"])
+def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, arch, spec):
+    """FP8 attention (q_scale / prob_scale) on a GQA or MLA model: decode steps go to the kernel ops with the
+    path's scales (here their torch mirror, which computes the Triton kernels' definition: MLA quantises the
+    absorbed query), judged against fp64 attention of the raw query over the stored codes relative to the torch
+    reference's FP8 attention error."""
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
-    backend = InProcessModel.load(tiny_models["gqa"]).backend(parse_path(spec))
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 8)
     steps = len(generation.token_ids) - (generation.finish_reason == "length")
@@ -49,9 +52,31 @@ def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, 
     assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
 
 
-@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p"), ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
+@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p:kernel=dequant"), ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
 def test_fp8_attention_elsewhere_stays_in_the_torch_reference(tiny_models, monkeypatch, arch, spec):
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
     backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
     assert "torch reference" in backend.describe()["decode_kernel"]
     assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+def test_fp8_attention_scales_reach_the_kernel(tiny_models, monkeypatch, arch):
+    """The path's q_scale / prob_scale arrive at the kernel op unchanged on every decode step (a plain route that
+    dropped them would still agree with fp64 and pass the ratio check above)."""
+    from kernels import reference
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    name = "mla_decode" if arch == "mla" else "decode_attention"
+    seen, original = [], getattr(reference, name)
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("q_scale"), kwargs.get("prob_scale")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reference, name, spy)
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path("fp8_e4m3:fp8_q:fp8_p"))
+    generation = backend.generate_sync(CHAT, 3)
+    assert len(seen) == generation.metrics["kernel_steps"] > 0
+    for q_scale, prob_scale in seen:   # the default scale source: 1.0 for both (engines' default)
+        assert q_scale.shape == () and q_scale.item() == 1.0 and prob_scale.shape == () and prob_scale.item() == 1.0
