@@ -80,3 +80,17 @@ def test_fp8_attention_scales_reach_the_kernel(tiny_models, monkeypatch, arch):
     assert len(seen) == generation.metrics["kernel_steps"] > 0
     for q_scale, prob_scale in seen:   # the default scale source: 1.0 for both (engines' default)
         assert q_scale.shape == () and q_scale.item() == 1.0 and prob_scale.shape == () and prob_scale.item() == 1.0
+
+
+def test_mla_fp8_attention_kernel_route_keeps_the_torch_routes_tokens(tiny_models, monkeypatch):
+    """The MLA canary with fp8_q / fp8_p: decode through the kernel op (its torch mirror here; the absorbed query
+    quantised) and the torch-reference route (attention_fp8 on the model's query; HARNESS_KERNELS=off) quantise
+    different tensors at the same scales, and give the same greedy tokens (16/16 when written)."""
+    tokens = {}
+    for mode in ("reference", "off"):
+        monkeypatch.setenv("HARNESS_KERNELS", mode)
+        generation = InProcessModel.load(tiny_models["mla"]).backend(parse_path("fp8_e4m3:fp8_q:fp8_p")).generate_sync(
+            CHAT, 12)
+        assert ("kernel_steps" in generation.metrics) == (mode == "reference")
+        tokens[mode] = generation.token_ids
+    assert tokens["reference"] == tokens["off"]
