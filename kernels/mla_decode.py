@@ -397,6 +397,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
                cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
                part_lse.stride(0), part_lse.stride(1))
+    q_scale_stride = q_scale.stride(0) if q_quant == 2 and q_scale.dim() == 1 else 0   # per head, or one scale
     if tile_kernel:
         use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
         c_desc = pe_desc = cache
@@ -407,8 +408,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         _mla_decode_tc_kernel[(head_blocks, batch, num_splits)](
             q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens,
             q_scale if q_quant == 2 else seq_lens, prob_scale if prob_scale is not None else seq_lens, part_out,
-            part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_scale.stride(0) if q_quant == 2 and q_scale.dim() == 1 else 0,
-            *strides,
+            part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_scale_stride, *strides,
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, SWAP=cfg["swap"], TMA=use_tma, FP8_MMA=fp8_mma,
             FP8_MAX=FP8_MAX["e4m3"], P_SCALE=P_SCALE, Q_QUANT=q_quant, P_FP8=prob_scale is not None,

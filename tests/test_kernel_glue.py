@@ -52,7 +52,8 @@ def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, 
     assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
 
 
-@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p:kernel=dequant"), ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
+@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p:kernel=dequant"),
+                                        ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
 def test_fp8_attention_elsewhere_stays_in_the_torch_reference(tiny_models, monkeypatch, arch, spec):
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
     backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
