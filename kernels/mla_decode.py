@@ -16,6 +16,14 @@ An FP8 cache is multiplied in fp16 (codes exact in fp16; q rounded to fp16, exac
 reads the scale. The fp8_mma option (tile kernel, e4m3 caches) instead quantises Q per head and P (x 2^8)
 to e4m3 and runs both products on fp8 tensor cores: extra error, measured in kernels/BENCHMARKS.md.
 Torch mirror: `reference.mla_decode`.
+
+FP8 attention options (engines' q_scale / prob_scale; the GQA kernel's definition, kernels/decode_attention.py),
+always in e4m3, in the tile kernel: Q = [q_latent | q_pe] becomes q8 = e4m3(q / q_scale) (IEEE division, RTNE,
+saturating) with q_scale given (fp32 [] or [H]) or "dynamic" (per head: amax over both parts / 448); P is the
+tile-relative unnormalised p_j = 2^(s_j - m_t) in (0, 1] rounded as p8_j = e4m3(p_j * fp32(1 / prob_scale)),
+the denominator sums the unquantised p and prob_scale multiplies the output back. The e4m3 operands are widened
+to the compute dtype (fp16, or bf16 over a bf16 cache: exact) so the products are exact; the fp64 emulation
+of exactly this (tiles and splits included) is `reference.mla_decode_fp8`.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.decode_attention import LOG2E, _decode_attention_pages, merge_splits, partials, plan_splits
+from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_attention_pages, merge_splits, partials,
+                                     plan_splits)
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 
@@ -151,10 +160,12 @@ P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of t
 
 
 @triton.jit
-def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, MASKED: tl.constexpr, SWAP: tl.constexpr,
-                 FP8_MMA: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, P_SCALE: tl.constexpr):
+def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, MASKED: tl.constexpr, SWAP: tl.constexpr,
+                 FP8_MMA: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, P_SCALE: tl.constexpr, P_FP8: tl.constexpr,
+                 FP8_MAX: tl.constexpr):
     """One tile of the online softmax: (m_i, l_i, acc) updated with the cache rows c [BLOCK_N, Dc], pe [BLOCK_N, Dr].
-    FP8_MMA: c, pe stay fp8 codes and q_c / q_r are fp8 (row_scale holds their per-head scales); P goes to fp8."""
+    FP8_MMA: c, pe stay fp8 codes and q_c / q_r are fp8 (row_scale holds their per-head scales); P goes to fp8.
+    P_FP8: P rounded to e4m3 as e4m3(p * p_inv) (RTNE, saturating at FP8_MAX), widened to COMPUTE_DTYPE (exact)."""
     if FP8_MMA:
         c_op = c
         pe_op = pe
@@ -172,7 +183,10 @@ def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, MASKED: tl.c
         if FP8_MMA:   # the rescaled accumulator as the dot's input (Triton does not fuse the add for fp8)
             acc = tl.dot(tl.trans(c_op), (p * P_SCALE).to(c.dtype, fp_downcast_rounding="rtne"), acc=acc * alpha[None, :])
         else:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(c_op), p.to(COMPUTE_DTYPE))
+            p_op = p.to(COMPUTE_DTYPE)
+            if P_FP8:
+                p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(COMPUTE_DTYPE)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c_op), p_op)
     else:      # heads as M: S = Q C^T [BLOCK_H, BLOCK_N]; O += P C [BLOCK_H, Dc]
         s = tl.dot(q_r, tl.trans(pe_op), acc=tl.dot(q_c, tl.trans(c_op))) * row_scale[:, None]
         if MASKED:
@@ -184,19 +198,23 @@ def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, MASKED: tl.c
         if FP8_MMA:
             acc = tl.dot((p * P_SCALE).to(c.dtype, fp_downcast_rounding="rtne"), c_op, acc=acc * alpha[:, None])
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), c_op)
+            p_op = p.to(COMPUTE_DTYPE)
+            if P_FP8:
+                p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(COMPUTE_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p_op, c_op)
     return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["stride_eb", "stride_eh"])   # they follow the split count: one compile for all
 def _mla_decode_tc_kernel(
-    Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
-    sm_scale_log2, tokens_per_split, num_heads,
+    Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, Q_SCALE, PROB_SCALE, PART_OUT, PART_LSE,
+    sm_scale_log2, tokens_per_split, num_heads, q_scale_stride,
     stride_lb, stride_lh, stride_pb, stride_ph, stride_cb, stride_cs, stride_tb,
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SWAP: tl.constexpr,
     TMA: tl.constexpr, FP8_MMA: tl.constexpr, FP8_MAX: tl.constexpr, P_SCALE: tl.constexpr,
+    Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
 ):
     """As _mla_decode_kernel (same partial layout), for power-of-two Dc and Dr. The split's whole tiles are
     read unmasked (TMA: one bulk copy per tile through C_DESC / PE_DESC, pipelined by Triton over num_stages;
@@ -229,9 +247,27 @@ def _mla_decode_tc_kernel(
         q_c = tl.math.div_rn(q_c.to(tl.float32), q_s[:, None]).to(CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
         q_r = tl.math.div_rn(q_r.to(tl.float32), q_s[:, None]).to(CACHE.dtype.element_ty, fp_downcast_rounding="rtne")
         row_scale = row_scale * q_s
+    elif Q_QUANT != 0:   # q_scale: Q in e4m3 under its scale (1 dynamic per head, 2 given), widened (exact)
+        qf_c = q_c.to(tl.float32)
+        qf_r = q_r.to(tl.float32)
+        if Q_QUANT == 1:
+            q_amax = tl.maximum(tl.max(tl.abs(qf_c), axis=1), tl.max(tl.abs(qf_r), axis=1))
+            q_s = tl.where(q_amax > 0, tl.math.div_rn(q_amax, tl.full([BLOCK_H], FP8_MAX, tl.float32)), 1.0)
+        else:
+            q_s = tl.load(Q_SCALE + heads * q_scale_stride, mask=h_mask, other=1.0)
+        q_c = tl.clamp(tl.math.div_rn(qf_c, q_s[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q_r = tl.clamp(tl.math.div_rn(qf_r, q_s[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q_c = q_c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(COMPUTE_DTYPE)
+        q_r = q_r.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(COMPUTE_DTYPE)
+        row_scale = row_scale * q_s
     else:
         q_c = q_c.to(COMPUTE_DTYPE)
         q_r = q_r.to(COMPUTE_DTYPE)
+    p_inv = 1.0
+    if P_FP8:
+        prob_scale = tl.load(PROB_SCALE)
+        p_inv = tl.math.div_rn(1.0, prob_scale)                    # r = fp32(1 / prob_scale), IEEE
+        out_scale = out_scale * prob_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -254,16 +290,16 @@ def _mla_decode_tc_kernel(
             rows = CACHE + pages * stride_cb + (tok % PAGE_SIZE) * stride_cs
             c = tl.load(rows[:, None] + offs_c[None, :])
             pe = tl.load(rows[:, None] + LATENT_DIM + offs_r[None, :])
-        m_i, l_i, acc = _mla_tc_step(c, pe, all_tokens, q_c, q_r, row_scale, m_i, l_i, acc, False, SWAP, FP8_MMA,
-                                     COMPUTE_DTYPE, P_SCALE)
+        m_i, l_i, acc = _mla_tc_step(c, pe, all_tokens, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, False, SWAP,
+                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX)
     for n0 in range(full_end, start + n_tokens, BLOCK_N):   # the split's last, partial tile (a loop of at
         tok = n0 + offs_n                                     # most one trip, so Triton pipelines its copies)
         t_mask = tok < start + n_tokens
         c, pe = _mla_decode_load_tile(CACHE, _decode_attention_pages(table_row, tok, t_mask, PAGE_SIZE), tok, t_mask,
                                       offs_c, offs_r, offs_c < LATENT_DIM, offs_r < ROPE_DIM, stride_cb, stride_cs,
                                       LATENT_DIM, PAGE_SIZE)
-        m_i, l_i, acc = _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, True, SWAP, FP8_MMA,
-                                     COMPUTE_DTYPE, P_SCALE)
+        m_i, l_i, acc = _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, True, SWAP,
+                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX)
 
     if SWAP:
         acc = tl.trans(acc)                                                              # [BLOCK_H, Dc]
@@ -281,13 +317,17 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float, num_splits: int | None = None,
                *, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
-               block_h: int | None = None, tma: bool | None = None,
-               fp8_mma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
+               q_scale: torch.Tensor | str | None = None,
+               prob_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
     fp8_mma (an option, e4m3 cache only; extra error, measured in kernels/BENCHMARKS.md): Q is quantised per
     head and P under the fixed scale 2^8 into e4m3, and both products run on fp8 tensor cores.
+    FP8 attention (module docstring; always e4m3; any cache; the tile kernel only, so power-of-two Dc and Dr):
+    q_scale = "dynamic" (per head, amax of [q_latent | q_pe] / 448) or an fp32 tensor [] or [H] quantises Q;
+    prob_scale (fp32 []) quantises the tile-relative probabilities. Not with fp8_mma (its own fixed scales).
     The launch keywords override this GPU's entry in kernels/configs.py (tma: the tile kernel,
     _mla_decode_tc_kernel, with TMA copies where page_size % block_n == 0; needs power-of-two Dc and Dr)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
@@ -310,6 +350,14 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.shape == (), \
             f"scale must be an fp32 tensor of shape [], got {scale!r:.80}"
     device = q_latent.device
+    q_quant = _check_attention_scales(q_scale, prob_scale, heads, device)
+    fp8_attention = q_quant != 0 or prob_scale is not None
+    assert not (fp8_mma and fp8_attention), \
+        "give fp8_mma or q_scale / prob_scale, not both (fp8_mma quantises Q and P under its own scales)"
+    pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
+    assert not fp8_attention or (pow2 and not prefetch and tma is not False), \
+        (f"q_scale / prob_scale run in the tile kernel only (power-of-two Dc and Dr, no prefetch, tma not False); "
+         f"got Dc={latent_dim}, Dr={rope_dim}, prefetch={prefetch}, tma={tma}")
     assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
     assert not fp8_mma or cache.dtype == torch.float8_e4m3fn, \
         f"fp8_mma needs an e4m3 cache (Q and P are quantised to e4m3), got {cache.dtype}"
@@ -321,10 +369,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                        ("block_h", block_h), ("tma", tma)):
         if value is not None:
             cfg[key] = value
-    pow2 = latent_dim & (latent_dim - 1) == 0 and rope_dim & (rope_dim - 1) == 0
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
         cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
-    tile_kernel = cfg.get("tma", False) or fp8_mma
+    tile_kernel = cfg.get("tma", False) or fp8_mma or fp8_attention
     assert not tile_kernel or pow2, f"tma / fp8_mma need power-of-two Dc and Dr, got {latent_dim}, {rope_dim}"
     assert not (tile_kernel and prefetch), "tma / fp8_mma pipeline with num_stages; prefetch is refused with them"
     if tile_kernel:   # the table entry's register prefetch belongs to the other kernel
@@ -350,6 +397,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     strides = (q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
                cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
                part_lse.stride(0), part_lse.stride(1))
+    q_scale_stride = q_scale.stride(0) if q_quant == 2 and q_scale.dim() == 1 else 0   # per head, or one scale
     if tile_kernel:
         use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
         c_desc = pe_desc = cache
@@ -358,11 +406,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             c_desc = TensorDescriptor.from_tensor(rows, [block_n, latent_dim])
             pe_desc = TensorDescriptor.from_tensor(rows, [block_n, rope_dim])
         _mla_decode_tc_kernel[(head_blocks, batch, num_splits)](
-            q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens, part_out,
-            part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
+            q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens,
+            q_scale if q_quant == 2 else seq_lens, prob_scale if prob_scale is not None else seq_lens, part_out,
+            part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_scale_stride, *strides,
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, SWAP=cfg["swap"], TMA=use_tma, FP8_MMA=fp8_mma,
-            FP8_MAX=FP8_MAX["e4m3"], P_SCALE=P_SCALE, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            FP8_MAX=FP8_MAX["e4m3"], P_SCALE=P_SCALE, Q_QUANT=q_quant, P_FP8=prob_scale is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     _mla_decode_kernel[(head_blocks, batch, num_splits)](
         q_latent, q_pe, cache, block_table, seq_lens, scale if fp8 else seq_lens, part_out, part_lse,

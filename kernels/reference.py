@@ -224,12 +224,19 @@ def _running_tile_max(scores: torch.Tensor, block_n: int, tokens_per_split: int)
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale, sm_scale: float,
-               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seq_lens: torch.Tensor, scale, sm_scale: float, num_splits: int | None = None, *,
+               q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None, block_n: int = 32,
+               tokens_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode with absorbed projections over a latent cache row [c (Dc) | k_pe (Dr)]:
         s_j = sm_scale * (q_latent . c_j + q_pe . k_pe_j),   out = sum_j softmax(s)_j c_j  (latent space),
-        lse = log sum_j exp(s_j). q_latent: [B, H, Dc], q_pe: [B, H, Dr] -> (out [B, H, Dc], lse [B, H])."""
+        lse = log sum_j exp(s_j). q_latent: [B, H, Dc], q_pe: [B, H, Dr] -> (out [B, H, Dc], lse [B, H]).
+    With q_scale / prob_scale: the FP8 attention of `kernels/mla_decode.py` (`mla_decode_fp8`; block_n and
+    tokens_per_split as the kernel's launch tiles and splits the sequence)."""
     del num_splits
+    if q_scale is not None or prob_scale is not None:
+        out, lse = mla_decode_fp8(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, q_scale, prob_scale,
+                                  block_n, tokens_per_split)
+        return out.to(q_latent.dtype), lse.float()
     batch, heads, latent_dim = q_latent.shape
     out = torch.zeros_like(q_latent)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q_latent.device)
@@ -277,3 +284,41 @@ def attention_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         probs = dequantize(quantize(probs, prob_scale, fmt), prob_scale)
     out = (probs @ v).transpose(1, 2).to(query.dtype)
     return out, q.to(query.dtype)
+
+
+def mla_decode_fp8(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, scale, sm_scale: float, q_scale: torch.Tensor | str | None,
+                   prob_scale: torch.Tensor | None, block_n: int = 32,
+                   tokens_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 emulation of the MLA kernel's FP8 attention (kernels/mla_decode.py; the definition of
+    `decode_attention_fp8` with one latent "kv head"): Q = [q_latent | q_pe] rounded to e4m3 under q_scale
+    ("dynamic": per head over both parts; fp32 [] or [H]); P rounded tile-relative, p8_j = e4m3(exp(s_j - m_t(j))
+    * fp32(1 / prob_scale)) with m_t the running max of j's split up to the end of j's tile (tiles of block_n
+    tokens, splits of tokens_per_split, None: one split):
+        out = scale * prob_scale * sum_j exp(m_t(j) - M) p8_j c_codes_j / sum_j exp(s_j - M)   (latent space).
+    Returns (out [B, H, Dc] fp64, lse [B, H] fp64)."""
+    batch, heads, latent_dim = q_latent.shape
+    q = torch.cat([q_latent, q_pe], dim=-1)                                              # [B, H, Dc + Dr]
+    q64, q_s = quantize_query(q, q_scale) if q_scale is not None else (q.double(), torch.ones((), dtype=torch.float64))
+    q64 = q64 * q_s.to(q64.device)
+    out = torch.zeros(batch, heads, latent_dim, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        rows = _read_sequence(cache, block_table[b], n, 1.0 if is_fp8(cache.dtype) else None, 0).double()
+        rows = (rows * float(scale) if is_fp8(cache.dtype) else rows).to(q.device)        # [n, Dc + Dr]
+        scores = (q64[b] @ rows.T) * sm_scale                                            # [H, n]
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        c = rows[:, :latent_dim]
+        if prob_scale is None:
+            out[b] = torch.softmax(scores, dim=-1) @ c
+            continue
+        m_tile = _running_tile_max(scores, block_n, tokens_per_split or -(-n // block_n) * block_n)
+        inv = (torch.ones(()) / torch.as_tensor(prob_scale, dtype=torch.float32).cpu()).double().to(q.device)  # IEEE
+        p8 = quantize(torch.exp(scores - m_tile) * inv, 1.0, "e4m3").double()
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = p8 * torch.exp(m_tile - top) * torch.as_tensor(prob_scale).double().to(q.device)
+        out[b] = (weights @ c) / torch.exp(scores - top).sum(-1, keepdim=True)
+    return out, lse

@@ -34,13 +34,16 @@ def test_per_token_paths_say_why_no_kernel(tiny_models, monkeypatch):
     assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
 
 
-@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_p"])
-def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, spec):
-    """FP8 attention (q_scale / prob_scale) on a GQA model: decode steps go to the kernel ops with the path's
-    scales (here their torch mirror, which computes the Triton kernel's definition), judged against fp64
-    attention of the raw query over the stored codes relative to the torch reference's FP8 attention error."""
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3:fp8_q:fp8_p", "fp8_e4m3:per_head:calibrated:fp8_p",
+                                  "fp8_e4m3:calibrated:fp8_q"])
+def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, arch, spec):
+    """FP8 attention (q_scale / prob_scale) on a GQA or MLA model: decode steps go to the kernel ops with the
+    path's scales (here their torch mirror, which computes the Triton kernels' definition: MLA quantises the
+    absorbed query), judged against fp64 attention of the raw query over the stored codes relative to the torch
+    reference's FP8 attention error."""
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
-    backend = InProcessModel.load(tiny_models["gqa"]).backend(parse_path(spec))
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 8)
     steps = len(generation.token_ids) - (generation.finish_reason == "length")
@@ -49,9 +52,59 @@ def test_fp8_attention_decodes_through_the_kernel_ops(tiny_models, monkeypatch, 
     assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
 
 
-@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p"), ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
+@pytest.mark.parametrize("arch, spec", [("mla", "fp8_e4m3:fp8_q:fp8_p:kernel=dequant"),
+                                        ("gqa", "fp8_e4m3:fp8_p:kernel=dequant")])
 def test_fp8_attention_elsewhere_stays_in_the_torch_reference(tiny_models, monkeypatch, arch, spec):
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
     backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
     assert "torch reference" in backend.describe()["decode_kernel"]
     assert "kernel_steps" not in backend.generate_sync(CHAT, 3).metrics
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+def test_fp8_attention_scales_reach_the_kernel(tiny_models, monkeypatch, arch):
+    """The path's q_scale / prob_scale arrive at the kernel op unchanged on every decode step (a plain route that
+    dropped them would still agree with fp64 and pass the ratio check above)."""
+    from kernels import reference
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    name = "mla_decode" if arch == "mla" else "decode_attention"
+    seen, original = [], getattr(reference, name)
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("q_scale"), kwargs.get("prob_scale")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reference, name, spy)
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path("fp8_e4m3:fp8_q:fp8_p"))
+    generation = backend.generate_sync(CHAT, 3)
+    assert len(seen) == generation.metrics["kernel_steps"] > 0
+    for q_scale, prob_scale in seen:   # the default scale source: 1.0 for both (engines' default)
+        assert q_scale.shape == () and q_scale.item() == 1.0 and prob_scale.shape == () and prob_scale.item() == 1.0
+
+
+def test_mla_fp8_attention_kernel_route_keeps_the_torch_routes_tokens(tiny_models, monkeypatch):
+    """The MLA canary with fp8_q / fp8_p: decode through the kernel op (its torch mirror here; the absorbed query
+    quantised) and the torch-reference route (attention_fp8 on the model's query; HARNESS_KERNELS=off) quantise
+    different tensors at the same scales, and give the same greedy tokens (16/16 when written)."""
+    tokens = {}
+    for mode in ("reference", "off"):
+        monkeypatch.setenv("HARNESS_KERNELS", mode)
+        generation = InProcessModel.load(tiny_models["mla"]).backend(parse_path("fp8_e4m3:fp8_q:fp8_p")).generate_sync(
+            CHAT, 12)
+        assert ("kernel_steps" in generation.metrics) == (mode == "reference")
+        tokens[mode] = generation.token_ids
+    assert tokens["reference"] == tokens["off"]
+
+
+def test_mla_fp8_attention_with_odd_dims_says_why_no_kernel(tiny_models, monkeypatch):
+    """mla_decode refuses q_scale / prob_scale for non-power-of-two latent / RoPE dims (its tile kernel only):
+    on such a model the path decodes in the torch reference and says so, rather than failing at the first step."""
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    model = InProcessModel.load(tiny_models["mla"])
+    monkeypatch.setattr(model.model.config, "kv_lora_rank", 24)
+    backend = model.backend(parse_path("fp8_e4m3:fp8_q:fp8_p"))
+    monkeypatch.setattr(type(backend), "_kernel_name", lambda self: "triton")
+    assert "power-of-two latent and RoPE dims (this model: (24, 16))" in backend.describe()["decode_kernel"]
+    monkeypatch.setattr(model.model.config, "kv_lora_rank", 32)
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"

@@ -450,6 +450,62 @@ def test_mla_fp8_mma_needs_an_e4m3_cache(kern, fmt):
                         case.sm_scale, fp8_mma=True)
 
 
+def _check_mla_fp8_attention(kern, case, mode: str, config: dict, num_splits: int) -> None:
+    """mla_decode with q_scale / prob_scale against the fp64 emulation of its definition (reference.mla_decode_fp8,
+    the launch's tiles and splits), at _check_fp8_attention's bounds and for its reasons: the kernel multiplies the
+    same e4m3 Q and P values (exact in fp16) and differs by fp32 accumulation, the bf16 output rounding and rare
+    e4m3 ties of P that fp32 exp2 puts on the other side."""
+    from kernels.decode_attention import plan_splits
+
+    q = torch.cat([case.q_latent, case.q_pe], -1)
+    kw = _attention_scales(q, mode)
+    out, lse = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                               case.sm_scale, num_splits, **config, **kw)
+    heads_per_program = config["block_h"]
+    tps = plan_splits(case.block_table.shape[1] * case.cache.shape[1], q.shape[0] * -(-q.shape[1] // heads_per_program),
+                      config["block_n"], 2, q.device, num_splits)[1]
+    emul, emul_lse = ref.mla_decode_fp8(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens,
+                                        case.scale, case.sm_scale, kw.get("q_scale"), kw.get("prob_scale"),
+                                        config["block_n"], tps)
+    truth, _, torch_out = _mla_truth_and_torch(case)
+    torch_err = (torch_out.double() - truth).abs().max().item()
+    gap = (out.double() - emul).abs().max().item()
+    err = (out.double() - truth).abs().max().item()
+    emul_err = (emul - truth).abs().max().item()
+    what = (f"mla fp8 attention {mode} {config} splits={num_splits}: |kernel - emulation| {gap:.3g} = "
+            f"{gap / torch_err:.2f}x torch bf16's error {torch_err:.3g}; kernel error vs fp64 {err:.3g}, "
+            f"emulation's {emul_err:.3g}")
+    assert gap <= 2.0 * torch_err + 1e-6 * truth.abs().max().item(), what
+    assert err <= emul_err + 2 * torch_err, what
+    assert_close_verbose(lse, emul_lse, atol=1e-3, rtol=1e-4, what=f"{what}; lse")   # fp32 scores vs fp64
+    assert out.isfinite().all()
+
+
+MLA_FP8_ATTENTION_CONFIG = dict(block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16)   # the table's mla_fp8
+
+
+@pytest.mark.parametrize("mode", ["q dynamic + p", "q per tensor", "q per head + p", "p saturating"])
+def test_mla_fp8_attention_matches_its_emulation(kern, mode):
+    """Page 64 (TMA tiles), ragged lengths, 5 splits, NaN in every unowned slot; H = 20 (a partial head block)."""
+    lengths = [4099, 1, 300, 17, 128]
+    case = _mla_case(lengths, 64, 20, "e4m3")
+    _poison_unwritten(case, lengths)
+    _check_mla_fp8_attention(kern, case, mode, MLA_FP8_ATTENTION_CONFIG, 5)
+
+
+@pytest.mark.parametrize("fmt, page_size, num_splits, config", [
+    pytest.param("e4m3", 16, 1, dict(block_n=32, num_warps=4, num_stages=5, swap=True, block_h=16),
+                 id="e4m3-page16-pointers-swap-1split"),
+    pytest.param("bf16", 64, 7, MLA_FP8_ATTENTION_CONFIG, id="bf16-page64-7splits")])
+def test_mla_fp8_attention_layouts_caches_and_splits(kern, fmt, page_size, num_splits, config):
+    """Page 16 through pointer loads in the swap layout with one split (no merge); a bf16 cache (e4m3 Q and P
+    widened to bf16: exact) over 7 splits."""
+    lengths = [4099, 1, 300, 17, 128]
+    case = _mla_case(lengths, page_size, 20, fmt)
+    _poison_unwritten(case, lengths)
+    _check_mla_fp8_attention(kern, case, "q per head + p", config, num_splits)
+
+
 # ------------------------------------------------------------------------------------------ stores
 
 def _assert_same_codes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -547,7 +603,7 @@ def _attention_scales(q: torch.Tensor, mode: str) -> dict:
     kw = {"q dynamic": dict(q_scale="dynamic"), "q per tensor": dict(q_scale=per_head.amax().reshape(())),
           "q per head": dict(q_scale=per_head), "q saturating": dict(q_scale=per_head.amax().reshape(()) / 8),
           "p": {}, "p saturating": {}}.get(mode.split(" + ")[0], {})
-    if mode.endswith("p"):
+    if mode.endswith("p") or mode == "p saturating":   # ("p saturating" gave no prob_scale before session 5's mlaq)
         kw["prob_scale"] = torch.tensor(1 / 448 if mode != "p saturating" else 1 / 1792, device=q.device)
     return kw
 

@@ -372,3 +372,75 @@ def test_fp8_attention_launcher_rejects_bad_scales(case):
     over, message = FP8_ATTENTION_BAD[case]
     with pytest.raises(AssertionError, match=message):
         decode_attention(**_gqa_args(), **over)
+
+
+# ------------------------------------------------------------------ FP8 attention in MLA: the same definition
+
+def test_mla_fp8_attention_p_by_hand():
+    """One head, Dc = 4, Dr = 2: q_latent = e_0 and c_j[0] = s_j give scores 0 and ln 0.3, so p = (1, 0.3); with
+    prob_scale 1/448, e4m3(448) = 448 and e4m3(134.4) = 128: out = (c_0 + 128/448 c_1) / 1.3 (not renormalised),
+    the output in latent space (the RoPE part scores, never sums)."""
+    c = torch.tensor([[0.0, 1.0, 0.0, 0.0], [math.log(0.3), 0.0, 1.0, 0.0]])
+    cache = torch.zeros(1, 4, 6)
+    cache[0, :2, :4] = c
+    q_latent, q_pe = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), torch.zeros(1, 1, 2)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    out, lse = ref.mla_decode_fp8(q_latent, q_pe, cache, table, lens, None, 1.0, None, torch.tensor(1 / 448))
+    want = (c[0] + 128 / 448 * c[1]).double() / 1.3
+    torch.testing.assert_close(out[0, 0], want, atol=1e-6, rtol=1e-6)
+    assert lse[0, 0].item() == pytest.approx(math.log(1.3), abs=1e-6)
+    exact, _ = ref.mla_decode_fp8(q_latent, q_pe, cache, table, lens, None, 1.0, None, None)
+    torch.testing.assert_close(exact[0, 0], (c[0] + 0.3 * c[1]).double() / 1.3, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("q_scale", [None, "dynamic", "per tensor", "per head"])
+@pytest.mark.parametrize("prob_scale, block_n, tokens_per_split", [(None, 32, None), (1 / 448, 32, None),
+                                                                   (1 / 448, 16, 64), (1 / 1792, 32, 32)])
+def test_mla_fp8_attention_is_the_gqa_definition_with_one_latent_head(q_scale, prob_scale, block_n, tokens_per_split):
+    """MLA = GQA with one KV head whose K row is [c | k_pe] and V row [c | 0]: the emulations agree to fp64
+    rounding for every Q mode, P scale (1/1792 saturates the tile maxima at 448), tile size and split plan."""
+    torch.manual_seed(5)
+    lengths, heads, dc, dr = [1, 17, 150, 64], 4, 32, 16
+    scale = torch.tensor(0.05)
+    cache, table, _ = _paged(lengths, 16, (dc + dr,), torch.float8_e4m3fn, scale)
+    q_latent = torch.randn(len(lengths), heads, dc, dtype=torch.bfloat16) * 2
+    q_pe = torch.randn(len(lengths), heads, dr, dtype=torch.bfloat16)
+    amax = torch.cat([q_latent, q_pe], -1).float().abs().amax(-1).amax(0)          # [H]
+    qs = {"per tensor": ref.amax_scale(amax.amax(), "e4m3") / 2, "per head": ref.amax_scale(amax, "e4m3")}.get(
+        q_scale, q_scale)
+    ps = None if prob_scale is None else torch.tensor(prob_scale)
+    seq = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = ref.mla_decode_fp8(q_latent, q_pe, cache, table, seq, scale, 0.2, qs, ps, block_n, tokens_per_split)
+    v_cache = cache.clone()
+    v_cache.view(torch.uint8)[..., dc:] = 0                                         # e4m3 code 0 is +0
+    want, want_lse = ref.decode_attention_fp8(torch.cat([q_latent, q_pe], -1), cache.unsqueeze(2),
+                                              v_cache.unsqueeze(2), table, seq, scale, scale, 0.2, qs, ps, block_n,
+                                              tokens_per_split)
+    torch.testing.assert_close(out, want[..., :dc], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    if q_scale is not None or prob_scale is not None:   # the options change the result (not silently dropped)
+        plain, _ = ref.mla_decode_fp8(q_latent, q_pe, cache, table, seq, scale, 0.2, None, None)
+        assert (out - plain).abs().max() > 1e-4
+        via_op, op_lse = ref.mla_decode(q_latent, q_pe, cache, table, seq, scale, 0.2, q_scale=qs, prob_scale=ps,
+                                        block_n=block_n, tokens_per_split=tokens_per_split)   # the plug-in op
+        assert torch.equal(via_op, out.to(torch.bfloat16)) and torch.equal(op_lse, lse.float())
+
+
+MLA_FP8_ATTENTION_BAD = {
+    "q_scale wrong heads": (dict(q_scale=torch.ones(3)), "q_scale must be an fp32 tensor of shape"),
+    "q_scale other string": (dict(q_scale="e5m2"), 'q_scale must be "dynamic"'),
+    "prob_scale per head": (dict(prob_scale=torch.ones(16)), "prob_scale must be an fp32 tensor of shape"),
+    "fp8_mma and prob_scale": (dict(fp8_mma=True, prob_scale=torch.tensor(1 / 448)), "not both"),
+    "non power-of-two Dc": (dict(q_latent=torch.randn(2, 16, 384, dtype=torch.bfloat16), q_scale="dynamic",
+                                 cache=torch.zeros(4, 64, 448, dtype=torch.float8_e4m3fn)), "tile kernel only"),
+    "register prefetch": (dict(prefetch=True, prob_scale=torch.tensor(1 / 448)), "tile kernel only"),
+    "tma off": (dict(tma=False, q_scale="dynamic"), "tile kernel only"),
+}
+
+
+@pytest.mark.parametrize("case", list(MLA_FP8_ATTENTION_BAD))
+def test_mla_fp8_attention_launcher_refuses(case):
+    mla_decode = pytest.importorskip("kernels.mla_decode").mla_decode
+    over, message = MLA_FP8_ATTENTION_BAD[case]
+    with pytest.raises(AssertionError, match=message):
+        mla_decode(**_mla_args(**over))

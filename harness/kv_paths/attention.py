@@ -24,8 +24,8 @@ ATTENTION_NAME = "harness"
 # each call and may return a tensor to use as the output instead (attention capture, isolated mode).
 ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
-# Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords) for GQA layers: ours and its torch
-# mirror. Other plug-ins (the contract has no such keywords) and MLA layers run FP8 attention in the torch reference.
+# Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords), for GQA and MLA layers: ours and its
+# torch mirror. Other plug-ins (the contract has no such keywords) run FP8 attention in the torch reference.
 FP8_ATTENTION_KERNELS = ("triton", "reference")
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
@@ -143,7 +143,9 @@ def _timed_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> to
 
 def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
     """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache. `quant`
-    (an AttentionQuant: FP8 attention) goes to our GQA kernels as q_scale / prob_scale (FP8_ATTENTION_KERNELS)."""
+    (an AttentionQuant: FP8 attention) goes to our kernels as q_scale / prob_scale (FP8_ATTENTION_KERNELS); on an
+    MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel multiplies, as engines' MLA kernels do
+    (the torch reference quantises the model's own query [q_nope | q_pe])."""
     table, lens = paged.block_table(query.device)
     if not paged.mla:
         out = run_gqa(paged.kernel, query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
@@ -155,13 +157,14 @@ def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> t
     q_nope, q_pe = query[0, :, 0, :nope], query[0, :, 0, nope:]
     q_latent = torch.einsum("hn,hnc->hc", q_nope.float(), weight[:, :nope].float()).to(query.dtype)
     out_latent = run_mla(paged.kernel, q_latent.unsqueeze(0).contiguous(), q_pe.unsqueeze(0).contiguous(),
-                         paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling)
+                         paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling,
+                         **_attention_scales(quant, query.device))
     out = torch.einsum("hc,hvc->hv", out_latent[0].float(), weight[:, nope:].float()).to(query.dtype)
     return out.view(1, 1, heads, -1)
 
 
 def _attention_scales(quant, device: torch.device) -> dict:
-    """AttentionQuant -> the q_scale / prob_scale keywords of our decode_attention (fp32 on `device`)."""
+    """AttentionQuant -> the q_scale / prob_scale keywords of our decode_attention / mla_decode (fp32 on `device`)."""
     if quant is None:
         return {}
     assert quant.fmt == "e4m3", f"FP8 attention in {quant.fmt}: our kernels quantise Q and P to e4m3 only"

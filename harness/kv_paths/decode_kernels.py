@@ -127,9 +127,10 @@ def run_gqa(kernel: DecodeKernel, q, k_cache, v_cache, block_table, seq_lens, k_
 
 
 def run_mla(kernel: DecodeKernel, q_latent, q_pe, cache, block_table, seq_lens, scale,
-            sm_scale: float) -> torch.Tensor:
-    """out [B, H, Dc] (latent space) in q_latent's dtype from the plug-in's mla_decode, checked."""
+            sm_scale: float, **attention_scales) -> torch.Tensor:
+    """out [B, H, Dc] (latent space) in q_latent's dtype from the plug-in's mla_decode, checked.
+    attention_scales (q_scale / prob_scale) as in run_gqa: only to plug-ins that take them (ours)."""
     if kernel.mla_decode is None:
         raise KernelPluginError(f"kernel {kernel.name!r} has no mla_decode (MLA models need one)")
-    result = kernel.mla_decode(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale)
+    result = kernel.mla_decode(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, **attention_scales)
     return _output(kernel, "mla_decode", result, q_latent, q_latent.shape)

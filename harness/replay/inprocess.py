@@ -273,10 +273,14 @@ class InProcessBackend:
             return "not an FP8 path"
         if self.kv_path.granularity == "per_token":
             return "per-token scales: the kernels take per-tensor or per-head scales"
-        if self.kv_path.quantizes_attention and (self.owner.is_mla or self._kernel_name() not in
-                                                 attention.FP8_ATTENTION_KERNELS):
-            return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our GQA kernel takes "
-                    "q_scale / prob_scale")
+        if self.kv_path.quantizes_attention and self._kernel_name() not in attention.FP8_ATTENTION_KERNELS:
+            return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
+                    "mla_decode) take q_scale / prob_scale")
+        if self.kv_path.quantizes_attention and self.owner.is_mla and self._kernel_name() == "triton":
+            dims = (self.owner.model.config.kv_lora_rank, self.owner.model.config.qk_rope_head_dim)
+            if any(d & (d - 1) for d in dims):
+                return (f"FP8 attention (fp8_q / fp8_p) runs in the torch reference: mla_decode takes q_scale / "
+                        f"prob_scale in its tile kernel, for power-of-two latent and RoPE dims (this model: {dims})")
         return None
 
     def _kernel_name(self) -> str:
