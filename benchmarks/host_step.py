@@ -5,9 +5,9 @@
 
 One wave: the first turn of every bundled canary scenario (`scenarios/canary/default.yaml`), batched, greedy,
 up to `--new-tokens` tokens, through `BatchedEngine.generate` on the bundled canaries (`harness/canary/weights`).
-Per model x path it prints forward calls, ms per forward call (best of `--repeat` runs, wall clock), and that
-time split by a cProfile of one more run: every Python function's own time goes to the code it belongs to
-(transformers, torch's Python, our cache/attention code, the reference kernels, the engine), and the time of
+Per model x path it prints decode forward calls, ms per decode forward call (best of `--repeat` runs, wall clock,
+less the prefill forward), and that time split by a cProfile of one more run (paused during the prefill
+forward): every Python function's own time goes to the code it belongs to (transformers, torch's Python, our cache/attention code, the reference kernels, the engine), and the time of
 each torch op (a C builtin) to the code that called it: "model ops" is the tensor work transformers' lines
 start (model math), "engine ops" the work the engine's own lines start. The shares come from the profiled run
 (cProfile inflates Python) and are scaled onto the unprofiled time. A TorchFunctionMode on a third run counts
@@ -89,16 +89,27 @@ def first_turns(model: InProcessModel) -> list[list[int]]:
 
 
 class ForwardCounter:
-    """Wraps the model's forward: calls and decode calls (one new token per row)."""
+    """Wraps the model's forward: counts decode calls (one new token per row) and times prefill calls, which it
+    keeps out of `profiler` (paused around them), so what is reported is the decode steps."""
 
-    def __init__(self, model):
-        self.model, self.inner, self.calls, self.decode = model, model.forward, 0, 0
+    def __init__(self, model, profiler: cProfile.Profile | None = None):
+        self.model, self.inner, self.profiler = model, model.forward, profiler
+        self.calls, self.decode, self.prefill_s = 0, 0, 0.0
 
     def __enter__(self):
         def forward(*args, **kwargs):
             self.calls += 1
-            self.decode += kwargs["input_ids"].shape[1] == 1
-            return self.inner(*args, **kwargs)
+            if kwargs["input_ids"].shape[1] == 1:
+                self.decode += 1
+                return self.inner(*args, **kwargs)
+            if self.profiler is not None:
+                self.profiler.disable()
+            start = time.perf_counter()
+            out = self.inner(*args, **kwargs)
+            self.prefill_s += time.perf_counter() - start
+            if self.profiler is not None:
+                self.profiler.enable()
+            return out
         self.model.forward = forward
         return self
 
@@ -134,14 +145,15 @@ def measure(model: InProcessModel, spec: str | None, prompts: list[list[int]], n
         with ForwardCounter(model.model) as counter:
             start = time.perf_counter()
             rows = engine.generate(prompts, new_tokens)
-            best = min(best, time.perf_counter() - start)
+            best = min(best, time.perf_counter() - start - counter.prefill_s)  # the decode steps' time
         outputs = [(r.token_ids, r.finish_reason, r.metrics) for r in rows]
     profiler = cProfile.Profile()
-    profiler.enable()
-    engine.generate(prompts, new_tokens)
-    profiler.disable()
+    with ForwardCounter(model.model, profiler):
+        profiler.enable()
+        engine.generate(prompts, new_tokens)
+        profiler.disable()
     stats = pstats.Stats(profiler)
-    with SyncCounter() as syncs:
+    with SyncCounter() as syncs:  # prefill included: its syncs are a handful per batch
         engine.generate(prompts, new_tokens)
     if top:
         stats.sort_stats("tottime").print_stats(top)
@@ -149,13 +161,13 @@ def measure(model: InProcessModel, spec: str | None, prompts: list[list[int]], n
     total = sum(seconds.values())
     return {"model": model.arch, "path": spec or "reference", "rows": len(prompts), "forwards": counter.calls,
             "decode_forwards": counter.decode, "tokens": sum(len(o[0]) for o in outputs), "seconds": best,
-            "ms_per_forward": 1e3 * best / max(counter.calls, 1),
+            "ms_per_forward": 1e3 * best / max(counter.decode, 1),
             "share": {k: v / total for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
-            "syncs_per_forward": {k: v / max(counter.calls, 1) for k, v in sorted(syncs.by_place.items())},
+            "syncs_per_forward": {k: v / max(counter.decode, 1) for k, v in sorted(syncs.by_place.items())},
             "outputs": outputs}
 
 
-COLUMNS = (  # (header, places summed): ms per forward call
+COLUMNS = (  # (header, places summed): ms per decode forward call
     ("model ops", ("transformers ops", "torch-python ops", "other ops")),
     ("tf py", ("transformers",)), ("torch py", ("torch-python", "other")),
     ("cache py", ("cache+attention",)), ("cache ops", ("cache+attention ops",)),
@@ -164,13 +176,13 @@ COLUMNS = (  # (header, places summed): ms per forward call
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'model':8} {'path':9} {'fwd':>4} {'tok':>5} {'s':>6} {'ms/fwd':>7} | "
+    print(f"{'model':8} {'path':9} {'dec':>4} {'tok':>5} {'s':>6} {'ms/dec':>7} | "
           + " ".join(f"{h:>10}" for h, _ in COLUMNS) + " | host syncs per forward, by place")
     for r in results:
         cells = " ".join(f"{r['ms_per_forward'] * sum(r['share'].get(p, 0.0) for p in places):10.2f}"
                          for _, places in COLUMNS)
         syncs = " ".join(f"{k}={v:.2f}" for k, v in r["syncs_per_forward"].items() if v)
-        print(f"{r['model'][:8]:8} {r['path']:9} {r['forwards']:4d} {r['tokens']:5d} {r['seconds']:6.2f} "
+        print(f"{r['model'][:8]:8} {r['path']:9} {r['decode_forwards']:4d} {r['tokens']:5d} {r['seconds']:6.2f} "
               f"{r['ms_per_forward']:7.2f} | {cells} | {syncs}")
 
 

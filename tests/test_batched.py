@@ -144,13 +144,17 @@ def test_row_agreements_fold_as_python_max_did():
     assert folded.records() == [a.as_record() for a in expected]
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mla"])
-def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkeypatch, arch):
+@pytest.mark.parametrize(("arch", "check_elements"), [("gqa", None), ("mla", None), ("gqa", 1)])
+def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkeypatch, arch, check_elements):
     """FP8 decode through `BatchedPagedKV` with the torch reference kernels (HARNESS_KERNELS=reference):
-    every attention layer checks every live row on every `kernel_check_every`-th decode step."""
+    every attention layer checks every live row on every `kernel_check_every`-th decode step, in one group of
+    rows or (check_elements=1) one row per group."""
+    import harness.replay.batched as batched
     from harness.kv_paths.cache import attention_layer_indices
 
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    if check_elements is not None:
+        monkeypatch.setattr(batched, "CHECK_ELEMENTS", check_elements)
     model = InProcessModel.load(tiny_models[arch])
     backend = model.backend(parse_path("fp8_e4m3"))
     assert backend._kernel_reason() is None
