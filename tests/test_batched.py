@@ -123,6 +123,53 @@ def test_out_of_memory_halves_the_batch_and_loses_nothing(cpu_models, monkeypatc
     assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
+def test_row_agreements_fold_as_python_max_did():
+    """The device-side fold of per-row kernel checks (`RowAgreements`) gives what the host-side
+    `max(running, value)` per row did, NaN (never raises a maximum) and inf included."""
+    from harness.kv_paths.attention import KernelAgreement
+    from harness.replay.batched import RowAgreements
+
+    generator = torch.Generator().manual_seed(0)
+    folded, expected = RowAgreements(5, "cpu"), [KernelAgreement() for _ in range(5)]
+    for live in ([0, 1, 2, 3, 4], [4, 1, 3], [3], [1, 3]):
+        rows = torch.tensor(live)
+        err, ratio = torch.rand(len(live), generator=generator, dtype=torch.float64), \
+            torch.rand(len(live), generator=generator, dtype=torch.float64) * 3
+        err[0], ratio[-1] = (float("nan"), float("inf")) if len(live) == 3 else (err[0], ratio[-1])
+        folded.add(rows, err, ratio)
+        for row, e, r in zip(live, err.tolist(), ratio.tolist()):
+            expected[row].steps += 1
+            expected[row].max_abs_err = max(expected[row].max_abs_err, e)
+            expected[row].max_ratio = max(expected[row].max_ratio, r)
+    assert folded.records() == [a.as_record() for a in expected]
+
+
+@pytest.mark.parametrize(("arch", "check_elements"), [("gqa", None), ("mla", None), ("gqa", 1)])
+def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkeypatch, arch, check_elements):
+    """FP8 decode through `BatchedPagedKV` with the torch reference kernels (HARNESS_KERNELS=reference):
+    every attention layer checks every live row on every `kernel_check_every`-th decode step, in one group of
+    rows or (check_elements=1) one row per group."""
+    import harness.replay.batched as batched
+    from harness.kv_paths.cache import attention_layer_indices
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    if check_elements is not None:
+        monkeypatch.setattr(batched, "CHECK_ELEMENTS", check_elements)
+    model = InProcessModel.load(tiny_models[arch])
+    backend = model.backend(parse_path("fp8_e4m3"))
+    assert backend._kernel_reason() is None
+    layers, every, limits = len(attention_layer_indices(model.model.config)), 2, [2, 5, 9, 14]
+    rows = BatchedEngine(backend, BatchSettings(kernel_check_every=every)).generate(_prompts(model), limits)
+    for row in rows:
+        # decode forwards a row takes part in: one per token it keeps after the first, plus the one after
+        # which it read EOS
+        forwards = len(row.token_ids) - 1 + (row.finish_reason == "eos")
+        checked = len(range(0, forwards, every))
+        assert row.metrics["kernel_steps"] == layers * checked, (row.finish_reason, len(row.token_ids))
+        # the reference kernel over the stored codes vs fp64: within 4x SDPA bf16's own error (as the GPU test)
+        assert checked == 0 or 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+
+
 # -- GPU ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_models(tiny_models):

@@ -69,15 +69,15 @@ class RowWriteStats:
         return self.counts, self.amax_over_max, self.live, self.step.valid
 
     def count_rows(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
-        # x, ratio, read_back: [live rows, heads, chunk, dim]; pads count nowhere
-        rows_valid = self.step.valid.to(x.device).bool()
-        valid = rows_valid[:, None, :, None]
-        per_token = x.shape[1] * x.shape[3]
-        added = torch.stack([rows_valid.sum(1) * per_token, ((ratio > 1) & valid).sum((1, 2, 3)),
+        # x, ratio, read_back: [live rows, heads, chunk, dim]; pads count nowhere. The step's masks are built
+        # once per forward pass (`StepState.row_masks`), not per layer and tensor.
+        valid, tokens = self.step.row_masks(x.device)
+        added = torch.stack([tokens * (x.shape[1] * x.shape[3]), ((ratio > 1) & valid).sum((1, 2, 3)),
                              ((~read_back.isfinite()) & valid).sum((1, 2, 3))], dim=1)
         self.counts.index_add_(0, self.live, added)
         finite = torch.where(valid, torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0), 0.0)
-        self.amax_over_max[self.live] = torch.maximum(self.amax_over_max[self.live], finite.amax((1, 2, 3)))
+        # live rows are distinct: the running max of each, in one op (same values as max(old, new))
+        self.amax_over_max.scatter_reduce_(0, self.live, finite.amax((1, 2, 3)), "amax")
 
     def select(self, live: torch.Tensor) -> None:
         """Keep batch positions `live` (indices into the current live rows)."""
@@ -87,6 +87,28 @@ class RowWriteStats:
         counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
         return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
                 for (v, c, n), a in zip(counts, amax)]
+
+
+class RowAgreements:
+    """`KernelAgreement` per original row, kept on the device while the batch decodes (no host sync per layer):
+    steps [rows] int64, max_abs_err / max_ratio [rows] fp64; `records` folds them once, at the batch's end."""
+
+    def __init__(self, rows: int, device):
+        self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.max_abs_err = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.max_ratio = torch.zeros(rows, dtype=torch.float64, device=device)
+
+    def add(self, rows: torch.Tensor, kernel_err: torch.Tensor, ratio: torch.Tensor) -> None:
+        """One check of live rows `rows` (distinct original rows). A NaN never raises a maximum, as Python's
+        `max(0.0, nan)` did when this was folded on the host."""
+        self.steps.index_add_(0, rows, torch.ones_like(rows))
+        for running, found in ((self.max_abs_err, kernel_err), (self.max_ratio, ratio)):
+            running.scatter_reduce_(0, rows, torch.where(found.isnan(), 0.0, found), "amax")
+
+    def records(self) -> list[dict[str, float]]:
+        found = zip(self.steps.tolist(), self.max_abs_err.tolist(), self.max_ratio.tolist())
+        return [KernelAgreement(steps=steps, max_abs_err=err, max_ratio=ratio).as_record()
+                for steps, err, ratio in found]
 
 
 @dataclass
@@ -105,10 +127,11 @@ class BatchedPagedKV:
     saturate: bool
     mla: bool
     ops: object
-    agreements: list  # one KernelAgreement per original row
+    agreements: RowAgreements
     step: "StepState"
     fusable: bool = True  # the layer's round-trip scales are these (MLA: one scale for latent and k_pe)
     pages: list = field(default_factory=list)
+    absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
 
     def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.pages:
@@ -157,25 +180,22 @@ class BatchedPagedKV:
 
     def _check(self, module, query: torch.Tensor, out: torch.Tensor, sdpa_out: torch.Tensor) -> None:
         """`KernelAgreement.add` for every live row at once: fp64 attention over the stored codes of groups of
-        rows (padded to the longest, masked), one host sync for the whole check."""
-        lengths, rows = self.step.lengths_after(), self.step.rows
-        per_row = int(lengths.max()) * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
+        rows (padded to the longest, masked); results stay on the device (one host sync per checked step, for the
+        span, shared by every layer)."""
+        lengths, rows, span = self.step.lengths_after(), self.step.rows, self.step.span()
+        per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
         group = max(1, CHECK_ELEMENTS // max(per_row, 1))
-        found = []
         for begin in range(0, rows.shape[0], group):
             part = slice(begin, begin + group)
-            exact = self._exact_rows(module, query[part], lengths[part], rows[part])  # [rows, 1, Hq, Dv] fp64
+            # one group: the step's span; several: each group's own (as before, so the same fp64 sums)
+            part_span = span if group >= rows.shape[0] else int(lengths[part].max())
+            exact = self._exact_rows(module, query[part], lengths[part], rows[part], part_span)  # [n, 1, Hq, Dv]
             kernel_err = (out[part].double() - exact).abs().amax((1, 2, 3))
             torch_err = (sdpa_out[part].double() - exact).abs().amax((1, 2, 3))
             # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
             floor = exact.abs().amax((1, 2, 3)) * 2.0 ** -9
             ratio = kernel_err / torch.maximum(torch.maximum(torch_err, floor), torch.full_like(floor, 1e-30))
-            found.append(torch.stack([kernel_err, ratio], dim=1))
-        for row, (kernel_err, ratio) in zip(rows.tolist(), torch.cat(found).tolist()):
-            agreement = self.agreements[row]
-            agreement.steps += 1
-            agreement.max_abs_err = max(agreement.max_abs_err, kernel_err)
-            agreement.max_ratio = max(agreement.max_ratio, ratio)
+            self.agreements.add(rows[part], kernel_err, ratio)
 
     def _kernel(self, module, query: torch.Tensor) -> torch.Tensor:
         table, lens = self.step.block_table(), self.step.lengths_after()
@@ -184,17 +204,21 @@ class BatchedPagedKV:
                                                self.k_scale, self.v_scale, module.scaling)
             return out.unsqueeze(1)
         nope, heads = module.qk_nope_head_dim, query.shape[1]
-        weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)
+        if self.absorbed is None:  # the weights are fixed while a batch decodes: no cast per layer and step
+            weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)
+            self.absorbed = (weight[:, :nope].float(), weight[:, nope:].float())
+        w_uk, w_uv = self.absorbed
         q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
-        q_latent = torch.einsum("bhn,hnc->bhc", q_nope.float(), weight[:, :nope].float()).to(query.dtype)
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope.float(), w_uk).to(query.dtype)
         out_latent, _ = self.ops.mla_decode(q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
                                             self.k_scale.reshape(()), module.scaling)
-        out = torch.einsum("bhc,hvc->bhv", out_latent.float(), weight[:, nope:].float()).to(query.dtype)
+        out = torch.einsum("bhc,hvc->bhv", out_latent.float(), w_uv).to(query.dtype)
         return out.view(query.shape[0], 1, heads, -1)
 
-    def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds -> [n, 1, Hq, Dv]."""
-        span = int(lengths.max())
+    def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                    span: int) -> torch.Tensor:
+        """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
+        tokens of each, masked to its length) -> [n, 1, Hq, Dv]."""
         keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
 
         def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] fp64 codes
@@ -250,6 +274,20 @@ class StepState:
             slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
             self._cached["slots"] = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
         return self._cached["slots"]
+
+    def row_masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows, 1, chunk, 1] bool real-token mask, [rows] int64 real tokens) of this pass, for `count_rows`."""
+        cached = self._cached.get("row_masks")
+        if cached is None or cached[0] is not self.valid:  # keyed by the tensor: scoring sets `valid` per chunk
+            rows_valid = self.valid.to(device).bool()
+            cached = self._cached["row_masks"] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
+        return cached[1], cached[2]
+
+    def span(self) -> int:
+        """Longest stored length after this pass (one host sync per checked step, shared by every layer)."""
+        if "span" not in self._cached:
+            self._cached["span"] = int(self.lengths_after().max())
+        return self._cached["span"]
 
     def lengths_after(self) -> torch.Tensor:
         if "after" not in self._cached:
@@ -342,7 +380,10 @@ class BatchedEngine:
         try:
             logits = self._prefill(ids, mask, positions, cache, step)
             for decode_step in range(max(limits, default=0)):
-                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+                # the step's one host sync; the next ids also stay on the device as the next forward's input
+                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
+                step_ids = finite_and_next[1]
+                finite_and_next = finite_and_next.tolist()
                 finite, next_ids = [bool(f) for f in finite_and_next[0]], finite_and_next[1]
                 keep = []
                 for i, row in enumerate(live):
@@ -363,19 +404,18 @@ class BatchedEngine:
                     _select_rows(cache, index, stats, step, fp8_path)
                     mask, positions = mask[index], positions[index]
                     live = [live[i] for i in keep]
-                    next_ids = [next_ids[i] for i in keep]
+                    step_ids = step_ids[index]
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                 positions = positions[:, -1:] + 1
                 step.valid = mask[:, -1:]
                 step.check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
-                step_ids = torch.tensor(next_ids, device=self.device).view(-1, 1)
-                logits = self._forward(step_ids, mask, positions, cache, step)
+                logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         finally:
             attention.active_cache.reset(token)
         records = stats.row_records() if fp8_path else [None] * rows
         if agreements is not None:
-            for record, agreement in zip(records, agreements):
-                record.update(agreement.as_record())
+            for record, agreement in zip(records, agreements.records()):
+                record.update(agreement)
         self.on_batch("generate", rows)
         return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
 
@@ -398,11 +438,11 @@ class BatchedEngine:
         step.advance()
         return out.logits[:, -1].float()
 
-    def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> list | None:
+    def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> RowAgreements | None:
         if self.backend._kernel_reason() is not None:  # noqa: SLF001 - the backend's own rule
             return None
         kv_path, owner = self.backend.kv_path, self.backend.owner
-        agreements = [KernelAgreement() for _ in range(rows)]
+        agreements = RowAgreements(rows, self.device)
         fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
         ops = kernel_ops()
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
