@@ -180,8 +180,7 @@ def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     Returns (out [B, Hq, D] fp64, lse [B, Hq] fp64)."""
     batch, q_heads, head_dim = q.shape
     group = q_heads // k_cache.shape[2]
-    q64, q_s = quantize_query(q, q_scale) if q_scale is not None else (q.double(), torch.ones((), dtype=torch.float64))
-    q64 = q64 * q_s.to(q64.device)
+    q64 = _query_fp64(q, q_scale)
     out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64, device=q.device)
     lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(batch):
@@ -200,13 +199,32 @@ def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if prob_scale is None:
             out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
             continue
-        m_tile = _running_tile_max(scores, block_n, tokens_per_split or -(-n // block_n) * block_n)            # [Hq, n]
-        inv = (1.0 / torch.as_tensor(prob_scale, dtype=torch.float32)).double().to(q.device)
-        p8 = quantize(torch.exp(scores - m_tile) * inv, 1.0, "e4m3").double()
-        top = scores.amax(dim=-1, keepdim=True)
-        weights = p8 * torch.exp(m_tile - top) * torch.as_tensor(prob_scale).double().to(q.device)
-        out[b] = torch.einsum("hl,lhd->hd", weights, v) / torch.exp(scores - top).sum(-1, keepdim=True)
+        weights, denominator = _fp8_prob_weights(scores, prob_scale, block_n, tokens_per_split)
+        out[b] = torch.einsum("hl,lhd->hd", weights, v) / denominator
     return out, lse
+
+
+def _query_fp64(q: torch.Tensor, q_scale: torch.Tensor | str | None) -> torch.Tensor:
+    """The query the FP8-attention kernels multiply, in fp64: q itself, or its e4m3 codes x q_scale."""
+    if q_scale is None:
+        return q.double()
+    codes, scale = quantize_query(q, q_scale)
+    return codes * scale.to(codes.device)
+
+
+def _fp8_prob_weights(scores: torch.Tensor, prob_scale: torch.Tensor, block_n: int,
+                      tokens_per_split: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' tile-relative FP8 P for scores [H, n] fp64: (weights [H, n], denominator [H, 1]) with
+    out = weights @ V / denominator; p8_j = e4m3(exp(s_j - m_t(j)) * fp32(1 / prob_scale)), the reciprocal an
+    IEEE division (computed on the CPU), weights_j = p8_j exp(m_t(j) - M) prob_scale."""
+    n = scores.shape[-1]
+    m_tile = _running_tile_max(scores, block_n, tokens_per_split or -(-n // block_n) * block_n)
+    scale = torch.as_tensor(prob_scale, dtype=torch.float32).cpu()
+    inv = (torch.ones(()) / scale).double().to(scores.device)
+    p8 = quantize(torch.exp(scores - m_tile) * inv, 1.0, "e4m3").double()
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = p8 * torch.exp(m_tile - top) * scale.double().to(scores.device)
+    return weights, torch.exp(scores - top).sum(-1, keepdim=True)
 
 
 def _running_tile_max(scores: torch.Tensor, block_n: int, tokens_per_split: int) -> torch.Tensor:
@@ -299,8 +317,7 @@ def mla_decode_fp8(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     Returns (out [B, H, Dc] fp64, lse [B, H] fp64)."""
     batch, heads, latent_dim = q_latent.shape
     q = torch.cat([q_latent, q_pe], dim=-1)                                              # [B, H, Dc + Dr]
-    q64, q_s = quantize_query(q, q_scale) if q_scale is not None else (q.double(), torch.ones((), dtype=torch.float64))
-    q64 = q64 * q_s.to(q64.device)
+    q64 = _query_fp64(q, q_scale)
     out = torch.zeros(batch, heads, latent_dim, dtype=torch.float64, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(batch):
@@ -315,10 +332,6 @@ def mla_decode_fp8(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         if prob_scale is None:
             out[b] = torch.softmax(scores, dim=-1) @ c
             continue
-        m_tile = _running_tile_max(scores, block_n, tokens_per_split or -(-n // block_n) * block_n)
-        inv = (torch.ones(()) / torch.as_tensor(prob_scale, dtype=torch.float32).cpu()).double().to(q.device)  # IEEE
-        p8 = quantize(torch.exp(scores - m_tile) * inv, 1.0, "e4m3").double()
-        top = scores.amax(dim=-1, keepdim=True)
-        weights = p8 * torch.exp(m_tile - top) * torch.as_tensor(prob_scale).double().to(q.device)
-        out[b] = (weights @ c) / torch.exp(scores - top).sum(-1, keepdim=True)
+        weights, denominator = _fp8_prob_weights(scores, prob_scale, block_n, tokens_per_split)
+        out[b] = (weights @ c) / denominator
     return out, lse

@@ -495,24 +495,23 @@ class BatchedEngine:
 
 # -- helpers ------------------------------------------------------------------------------------------
 def left_pad(sequences: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), longest), pad, dtype=torch.long)
-    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if s:
-            ids[i, longest - len(s):] = torch.tensor(s)
-            mask[i, longest - len(s):] = 1
-    return ids.to(device), mask.to(device)
+    return _pad(sequences, pad, device, left=True)
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pad(sequences, pad, device, left=False)
+
+
+def _pad(sequences: Sequence[Sequence[int]], pad: int, device, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) [rows, longest] long: each sequence at the right (left=True) or left end of its row."""
     longest = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), longest), pad, dtype=torch.long)
     mask = torch.zeros((len(sequences), longest), dtype=torch.long)
     for i, s in enumerate(sequences):
         if s:
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+            where = slice(longest - len(s), None) if left else slice(None, len(s))
+            ids[i, where] = torch.tensor(s)
+            mask[i, where] = 1
     return ids.to(device), mask.to(device)
 
 
