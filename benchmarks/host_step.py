@@ -104,8 +104,10 @@ class ForwardCounter:
                 return self.inner(*args, **kwargs)
             if self.profiler is not None:
                 self.profiler.disable()
+            _sync()
             start = time.perf_counter()
             out = self.inner(*args, **kwargs)
+            _sync()
             self.prefill_s += time.perf_counter() - start
             if self.profiler is not None:
                 self.profiler.enable()
@@ -115,6 +117,11 @@ class ForwardCounter:
 
     def __exit__(self, *exc):
         del self.model.forward
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def place_of(filename: str) -> str:
@@ -193,16 +200,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
-    parser.add_argument("--kernels", choices=("off", "reference"), default="off",
+    parser.add_argument("--kernels", choices=("off", "reference", "triton"), default="off",
                         help="reference: FP8 decode through the kernel glue (BatchedPagedKV, fp64 checks) with the "
                              "torch reference kernels, as CUDA runs it with Triton")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (FP8 decode then runs our Triton kernels "
+                        "unless --kernels says otherwise; time per forward is then wall time with the device synchronised)")
     parser.add_argument("--json", help="write results (with every row's tokens and metrics) to this file")
     args = parser.parse_args()
-    os.environ["HARNESS_KERNELS"] = args.kernels
+    if args.kernels != "triton":
+        os.environ["HARNESS_KERNELS"] = args.kernels
     torch.manual_seed(0)
     results = []
     for arch in args.models.split(","):
-        model = InProcessModel.load(WEIGHTS / arch, device="cpu")
+        model = InProcessModel.load(WEIGHTS / arch, device=args.device)
         prompts = first_turns(model)
         for spec in args.paths.split(","):
             results.append(measure(model, spec, prompts, args.new_tokens, args.repeat, args.top))
