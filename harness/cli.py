@@ -106,6 +106,10 @@ def _build_parser() -> argparse.ArgumentParser:
                           "GPU memory, halved on out-of-memory; one at a time on CPU)")
     run.add_argument("--kernel-check-every", type=int, default=16, metavar="STEPS",
                      help="batched replay: check the FP8 decode kernel against fp64 every STEPS decode steps (default: 16)")
+    run.add_argument("--decode", choices=("auto", "dynamic", "static", "graph"), default="auto",
+                     help="batched replay's decode: a growing cache (dynamic), a preallocated one written in place "
+                          "(static), or static with every decode step one CUDA graph replay (graph); default auto: "
+                          "graph on CUDA, dynamic elsewhere")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--no-fail-on-verdict", action="store_true",
                      help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
@@ -315,7 +319,7 @@ def _run(args: argparse.Namespace) -> int:
             api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
-            batch_size=args.batch_size, kernel_check_every=args.kernel_check_every,
+            batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
             command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log

@@ -68,6 +68,7 @@ class RunConfig:
     scales_file: Path | None = None  # k_scale/v_scale file for ':checkpoint' paths (else the model directory)
     batch_size: int | None = None  # batched in-process replay: None = auto on CUDA, off on CPU
     kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
+    decode: str = "auto"  # batched replay's decode mode (harness.replay.batched.DECODE_MODES)
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -300,7 +301,7 @@ def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, 
     from harness.replay.batched import BatchSettings
     from harness.replay.batched_runner import BatchedReplay
 
-    settings = BatchSettings(config.batch_size, config.kernel_check_every)
+    settings = BatchSettings(config.batch_size, config.kernel_check_every, config.decode)
     replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
     batching = replay.run(scenarios)
 

@@ -170,6 +170,96 @@ def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkey
         assert checked == 0 or 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
 
 
+# -- static storage (the CUDA-graph decode's cache), checked on the CPU ------------------------------------
+STATIC_CASES = [("gqa", None), ("gqa", "fp8_e4m3:raw_prefill"), ("gqa", "fp8_e5m2:per_head:calibrated"),
+                ("mla", "fp8_e4m3"), ("hybrid", "fp8_e4m3:per_token"), ("hybrid", None)]
+
+
+@pytest.mark.parametrize(("arch", "spec"), STATIC_CASES)
+def test_static_decode_replies_as_the_growing_cache(cpu_models, arch, spec):
+    """Static storage (preallocated, written in place, attention over every column under a mask; finished rows
+    stay in the batch, masked) gives the growing cache's replies and per-row write statistics, rows finishing
+    at different steps."""
+    model = cpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    static = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == []
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
+        # attention over the masked extra columns adds exact zeros; only a near tie could flip (as batching)
+        if row.token_ids != other.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+            continue
+        assert row.finish_reason == other.finish_reason
+        if row.metrics is not None:  # the same values were written: the same counts, amax to fp32 rounding
+            assert other.metrics == pytest.approx(row.metrics, rel=1e-5), (row.metrics, other.metrics)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts calls that read a tensor's value back to the host (each one a sync on CUDA, which a CUDA graph
+    capture refuses)."""
+
+    READS = {"item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal",
+             "masked_select", "unique"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("arch", "spec"), [("gqa", "fp8_e4m3"), ("mla", None), ("hybrid", "fp8_e4m3:per_head")])
+def test_static_decode_step_never_reads_back_to_the_host(cpu_models, monkeypatch, arch, spec):
+    """What a CUDA graph replays (a static decode step's forward pass, kernel checks aside) reads nothing back
+    to the host: on CUDA every such read is a sync, and capture fails on it."""
+    import harness.replay.batched as batched
+
+    model = cpu_models[arch]
+    counted, real = [], batched.StaticDecodeStep._forward
+
+    def forward(self):
+        with _HostReads() as mode:
+            out = real(self)
+        counted.append(mode.reads)
+        return out
+
+    monkeypatch.setattr(batched.StaticDecodeStep, "_forward", forward)
+    BatchedEngine(model.backend(parse_path(spec) if spec else None),
+                  BatchSettings(decode="static")).generate(_prompts(model), 6)
+    assert counted and all(reads == [] for reads in counted), counted
+
+
+def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
+    """A sliding-window model decodes with the growing cache, and the engine says why."""
+    from types import SimpleNamespace
+
+    from harness.replay.batched import static_decode_refusal
+
+    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) \
+        == "layer types ['sliding_attention']"
+    assert static_decode_refusal(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) == "sliding window 4096"
+    assert static_decode_refusal(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None
+    assert static_decode_refusal(cpu_models["hybrid"].model.config) is None
+    model = cpu_models["gqa"]
+    engine = BatchedEngine(model.backend(None), BatchSettings(decode="static"))
+    config = model.model.config
+    config.sliding_window, config.use_sliding_window = 64, True
+    try:
+        rows = engine.generate(_prompts(model), 4)
+    finally:
+        del config.sliding_window, config.use_sliding_window
+    assert engine.decode_batches == {"dynamic": 1} and len(rows) == len(USERS)
+    assert engine.decode_fallbacks == ["static decode refused for this model: sliding window 64"]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        BatchedEngine(model.backend(None), BatchSettings(decode="graph")).generate(_prompts(model), 2)
+
+
 # -- GPU ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_models(tiny_models):
@@ -202,6 +292,60 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
         if backend._kernel_reason() is None:
             # kernel vs fp64 relative to SDPA bf16's own error, as in test_harness_gpu
             assert row.metrics["kernel_steps"] > 0 and row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token", "fp8_e5m2:per_head:calibrated"])
+def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, monkeypatch, arch, spec):
+    """The default on CUDA: each decode step after the first is a CUDA graph replay (captured once per batch);
+    replies as the growing cache's, rows finishing at different steps, kernel checks on their steps."""
+    import harness.replay.batched as batched
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    replays, real = [], batched.StaticDecodeStep.run
+
+    def run(self, *args):
+        out = real(self, *args)
+        replays.append(self.captured is not None and not args[3] and self.eager_steps > 0)
+        return out
+
+    monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic", kernel_check_every=4)).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(kernel_check_every=4))
+    graph = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == []
+    assert sum(replays) >= 16, replays  # 23 decode steps: step 0 and the checked ones eager, the rest replayed
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, graph):
+        if row.token_ids != other.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+        elif backend._kernel_reason() is None:
+            assert other.metrics["kernel_steps"] == row.metrics["kernel_steps"]
+            assert other.metrics["kernel_err_ratio"] <= 4.0, other.metrics
+
+
+@pytest.mark.gpu
+def test_gpu_failed_graph_capture_decodes_eagerly_and_says_why(gpu_models, monkeypatch):
+    """A model whose forward pass reads a value back to the host cannot be captured: the batch goes on eagerly on
+    the same storage, with the same replies, and the engine names the failure."""
+    model = gpu_models["gqa"]
+    backend = model.backend(parse_path("fp8_e4m3"))
+    prompts = _prompts(model)
+    expected = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, 12)
+    def read_back(module, args, out):
+        float(out.abs().max())  # a host read: a sync, refused while a CUDA graph is being captured
+
+    hook = model.model.model.norm.register_forward_hook(read_back)
+    try:
+        engine = BatchedEngine(backend)
+        rows = engine.generate(prompts, 12)
+    finally:
+        hook.remove()
+    assert engine.decode_batches == {"graph": 1}
+    assert len(engine.decode_fallbacks) == 1 and "CUDA graph capture failed" in engine.decode_fallbacks[0]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
 @pytest.mark.gpu

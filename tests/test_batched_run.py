@@ -53,6 +53,9 @@ def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     manifest = json.loads((batched / "manifest.json").read_text())
     batching = manifest["batching"]["gqa"]
     assert batching["largest_batch"] <= 3 and batching["kernel_check_every"] == 16
+    # on the CPU "auto" decodes with the growing cache; every generation batch says so
+    assert batching["decode"]["asked"] == "auto" and set(batching["decode"]["batches"]) == {"dynamic"}
+    assert batching["decode"]["fallbacks"] == []
     assert batching["batch_invariance_floor"]["sequences"] >= 2
     assert "batching" not in json.loads((one / "manifest.json").read_text())
 

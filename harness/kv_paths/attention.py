@@ -211,6 +211,22 @@ def _k_scale_on_scores(module, query: torch.Tensor, k_scale: torch.Tensor, kwarg
     return (query.float() * factor.view(1, -1, 1, 1)).to(query.dtype), kwargs
 
 
+def sdpa_backends(query: torch.Tensor):
+    """The SDPA backends our attention calls may use. On CUDA, torch (2.11, H100) prefers cuDNN attention, which
+    builds an execution plan for every new shape: measured 45-60 ms per call when the key length grows by one
+    each decode step, against 0.7-3.5 ms for the other backends (H100, BENCHMARKS.md, issue 18). A batch of static
+    decode reuses one shape, but every batch, prefill chunk and scoring call brings a new one. So cuDNN is left
+    out; HARNESS_SDPA_CUDNN=1 puts it back (to compare)."""
+    import contextlib
+    import os
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not query.is_cuda or os.environ.get("HARNESS_SDPA_CUDNN") == "1":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -224,7 +240,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         quant = getattr(layer, "attn_quant", None)
         raw_query = query
         if quant is None:
-            output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            with sdpa_backends(query):
+                output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         else:  # FP8 attention (q_scale / prob_scale): the torch reference (prefill; decode when no kernel takes it)
             from kernels.reference import attention_fp8
 

@@ -105,23 +105,34 @@ class QuantizedKVLayer(DynamicLayer):
         self.stats = stats
         self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through our kernels
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
+        self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
-            return super().update(key_states, value_states, *args, **kwargs)
+            return self._store(key_states, value_states)
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
         if fused_write_on(key_states):
-            keys, values = super().update(*self._fused_round_trip(key_states, value_states))
+            keys, values = self._store(*self._fused_round_trip(key_states, value_states))
         else:
-            keys, values = super().update(self._round_trip(key_states, self.k_scale),
-                                          self._round_trip(value_states, self.v_scale))
+            keys, values = self._store(self._round_trip(key_states, self.k_scale),
+                                       self._round_trip(value_states, self.v_scale))
             if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
                 self.paged.write(key_states, value_states)
         chunk = key_states.shape[-2]
         if self.kv_path.quantize_current_chunk or chunk == 1:
             return keys, values
+        if self.static is not None:  # the chunk sits at this pass's columns, not at the end
+            return self.static.with_raw(keys, key_states), self.static.with_raw(values, value_states)
         return (torch.cat([keys[..., :-chunk, :], key_states], dim=-2),
                 torch.cat([values[..., :-chunk, :], value_states], dim=-2))
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.static is not None:
+            return self.static.write(self, keys, values)
+        return DynamicLayer.update(self, keys, values)
+
+    def get_seq_length(self) -> int:
+        return self.static.length if self.static is not None else super().get_seq_length()
 
     def _fused_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The round trip, the write statistics and (when the paged copy offers its slots: batched replay) the
@@ -171,6 +182,64 @@ class QuantizedKVLayer(DynamicLayer):
         finite = torch.nan_to_num(ratio, nan=0.0, posinf=0.0)
         if finite.numel():
             self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
+
+
+class StaticColumns:
+    """Preallocated cache storage for a batch of left-padded rows, written in place: every row writes the same
+    columns in a forward pass (`columns`, a device tensor the caller sets before each pass), and attention
+    reads all `max_len` columns under a mask that hides the unwritten ones. Shapes and addresses never
+    change, so a decode step can be captured in a CUDA graph and replayed (harness/replay/batched.py).
+
+    `length` is the host's count of written columns, for `get_seq_length` (transformers asks for it only
+    when position ids are not given; batched replay always gives them)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.columns: torch.Tensor | None = None  # [chunk] int64 on the cache's device
+        self.length = 0
+
+    def write(self, layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys/values [batch, heads, chunk, dim] into the layer's [batch, heads, max_len, dim] buffers."""
+        if not layer.is_initialized or layer.keys.shape[-2] != self.max_len:
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer.keys = keys.new_zeros((*keys.shape[:2], self.max_len, keys.shape[-1]))
+            layer.values = values.new_zeros((*values.shape[:2], self.max_len, values.shape[-1]))
+            layer.is_initialized = True
+        layer.keys.index_copy_(2, self.columns, keys)
+        layer.values.index_copy_(2, self.columns, values)
+        return layer.keys, layer.values
+
+    def with_raw(self, stored: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """`stored` with this pass's columns holding `raw` instead (a `raw_prefill` chunk attends to itself raw)."""
+        return stored.clone().index_copy_(2, self.columns, raw)
+
+
+class StaticKVLayer(DynamicLayer):
+    """A full-attention layer of the reference (or any unquantised layer) on `StaticColumns` storage."""
+
+    def __init__(self, static: StaticColumns):
+        super().__init__()
+        self.static = static
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.static.write(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.static.length
+
+
+def make_static(cache: DynamicCache, static: StaticColumns) -> None:
+    """Put every full-attention layer of `cache` on `static` storage (the reference's layers become
+    `StaticKVLayer`s, a path's `QuantizedKVLayer`s keep their round trip and store in place). Linear-attention
+    layers already keep fixed-shape states updated in place. Raises ValueError for a layer kind that grows
+    another way (sliding windows, ...): the caller then decodes with the growing cache."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = StaticKVLayer(static)
+        elif isinstance(layer, QuantizedKVLayer):
+            layer.static = static
+        elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
 
 
 class AmaxObserverLayer(DynamicLayer):

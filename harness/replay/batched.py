@@ -23,7 +23,7 @@ import torch
 
 from harness.kv_paths import attention
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, kernel_ops
-from harness.kv_paths.cache import build_cache
+from harness.kv_paths.cache import StaticColumns, build_cache, make_static
 from kernels import reference as fp8
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -35,16 +35,25 @@ PREFILL_TOKENS = 32768
 CHECK_ELEMENTS = 1 << 26
 
 
+DECODE_MODES = ("auto", "dynamic", "static", "graph")
+
+
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
     batch_size: int | None = None  # None: from free GPU memory (CUDA), else everything in one batch
     kernel_check_every: int = DEFAULT_KERNEL_CHECK_EVERY
+    # how a batch decodes: "dynamic" (a growing cache, finished rows leave the batch), "static" (preallocated
+    # cache written in place, finished rows masked), "graph" (static, each decode step one CUDA graph replay);
+    # "auto": graph on CUDA, dynamic elsewhere
+    decode: str = "auto"
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
         if self.kernel_check_every < 1:
             raise ValueError(f"kernel check interval must be >= 1 decode step, got {self.kernel_check_every}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +192,9 @@ class BatchedPagedKV:
         rows (padded to the longest, masked); results stay on the device (one host sync per checked step, for the
         span, shared by every layer)."""
         lengths, rows, span = self.step.lengths_after(), self.step.rows, self.step.span()
+        if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync)
+            live = self.step.valid[:, -1].nonzero()[:, 0]
+            query, out, sdpa_out, lengths, rows = (t[live] for t in (query, out, sdpa_out, lengths, rows))
         per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
         group = max(1, CHECK_ELEMENTS // max(per_row, 1))
         for begin in range(0, rows.shape[0], group):
@@ -258,6 +270,8 @@ class StepState:
     pages_per_row: int = 0
     rows: torch.Tensor | None = None  # [live rows] original row (int64); None: no paged copies
     lengths: torch.Tensor | None = None  # [live rows] int32, tokens stored before this forward pass
+    # static decode: finished rows stay in the batch with `valid` 0 (nothing stored, counted or checked for them)
+    masked: bool = False
     _cached: dict = field(default_factory=dict)
 
     def start_paged(self, rows: int, pages_per_row: int, device) -> None:
@@ -302,9 +316,9 @@ class StepState:
         return self._cached["table"]
 
     def advance(self) -> None:
-        """After a forward pass: its tokens are stored."""
+        """After a forward pass: its tokens are stored (in place: a captured decode step replays this too)."""
         if self.rows is not None and self.valid is not None:
-            self.lengths = self.lengths_after()
+            self.lengths.copy_(self.lengths_after())
         self._cached.clear()
 
     def select(self, live: torch.Tensor) -> None:
@@ -327,6 +341,8 @@ class BatchedEngine:
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
         self.on_batch = on_batch or (lambda kind, size: None)
         self.batch_sizes_used: list[int] = []
+        self.decode_batches: dict[str, int] = {}  # generation batches per decode mode actually used
+        self.decode_fallbacks: list[str] = []  # why a batch asked for static/graph decode ran another way
 
     # -- batching with OOM back-off -------------------------------------------------------------------
     def _in_batches(self, items: list, run: Callable[[list], list], max_len: int) -> list:
@@ -367,7 +383,38 @@ class BatchedEngine:
             _route_stats(cache, stats, self.device)
         return ids, mask, positions, step, stats, cache
 
+    def decode_mode(self) -> str:
+        """The mode generation asks for: the setting, with "auto" = graph on CUDA, dynamic elsewhere, and static
+        or graph only for models whose every cache layer has static storage (`static_decode_refusal`)."""
+        mode = self.settings.decode
+        if mode == "auto":
+            mode = "graph" if self.device.type == "cuda" else "dynamic"
+        if mode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"decode mode 'graph' needs a CUDA device, the model is on {self.device}")
+        return mode
+
     def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+        mode = self.decode_mode()
+        refusal = static_decode_refusal(self.model.config) if mode != "dynamic" else None
+        if refusal is not None:
+            self._fall_back(f"{mode} decode refused for this model: {refusal}")
+            mode = "dynamic"
+        if mode != "dynamic":
+            try:
+                results = self._generate_static(items, graph=mode == "graph")
+            except StaticDecodeUnavailable as error:
+                self._fall_back(str(error))
+            else:
+                self.decode_batches[mode] = self.decode_batches.get(mode, 0) + 1
+                return results
+        self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
+        return self._generate_dynamic(items)
+
+    def _fall_back(self, why: str) -> None:
+        if why not in self.decode_fallbacks:
+            self.decode_fallbacks.append(why)
+
+    def _generate_dynamic(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
         prompts, limits = [p for p, _ in items], [n for _, n in items]
         rows = len(prompts)
         ids, mask, positions, step, stats, cache = self._start_batch(prompts)
@@ -418,6 +465,88 @@ class BatchedEngine:
                 record.update(agreement)
         self.on_batch("generate", rows)
         return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+
+    def _generate_static(self, items: list[tuple[list[int], int]], graph: bool) -> list[RowResult]:
+        """`_generate_dynamic` over `StaticColumns` storage: left-padded rows write the same column each step, so
+        no tensor changes shape or address and (graph=True) every decode step after the first is one CUDA graph
+        replay of the whole forward pass (the fp64 kernel checks run eagerly on their steps). A finished row
+        stays in the batch with `valid` 0: nothing of it is stored in the paged copy, counted or checked, and its
+        tokens are dropped; the batch ends when every row has finished."""
+        prompts, limits = [p for p, _ in items], [n for _, n in items]
+        rows = len(prompts)
+        ids, mask = left_pad(prompts, self.pad, self.device)
+        width = ids.shape[1]
+        max_len = width + max(limits, default=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        step = StepState(valid=mask, masked=True)
+        stats = RowWriteStats(rows, self.device, step)
+        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        if fp8_path:
+            _route_stats(cache, stats, self.device)
+        static = StaticColumns(max_len)
+        try:
+            make_static(cache, static)
+        except ValueError as error:
+            raise StaticDecodeUnavailable(str(error)) from error
+        agreements = self._attach_kernels(cache, step, rows, max_len)
+        seen = torch.zeros(rows, max_len, dtype=torch.bool, device=self.device)  # the columns each row attends to
+        seen[:, :width] = mask.bool()
+        outputs: list[list[int]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        live = list(range(rows))
+        token = attention.active_cache.set(cache)
+        try:
+            logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
+            decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
+            for decode_step in range(max(limits, default=0)):
+                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
+                step_ids = finite_and_next[1]
+                finite_and_next = finite_and_next.tolist()
+                keep = []
+                for row in live:
+                    if not finite_and_next[0][row]:
+                        finish[row] = "nonfinite_logits"
+                    elif finite_and_next[1][row] == self.eos:
+                        finish[row] = "eos"
+                    else:
+                        outputs[row].append(finite_and_next[1][row])
+                        if len(outputs[row]) >= limits[row]:
+                            finish[row] = "length"
+                        else:
+                            keep.append(row)
+                if not keep:
+                    break
+                check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
+                logits = decode.run(step_ids, width + decode_step, keep if len(keep) < len(live) else None, check)
+                live = keep
+        finally:
+            attention.active_cache.reset(token)
+        records = stats.row_records() if fp8_path else [None] * rows
+        if agreements is not None:
+            for record, agreement in zip(records, agreements.records()):
+                record.update(agreement)
+        self.on_batch("generate", rows)
+        return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+
+    def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
+                        seen: torch.Tensor) -> torch.Tensor:
+        """`_prefill` over static storage: each chunk writes its columns and attends under an explicit mask
+        (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty)."""
+        rows, length = ids.shape
+        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        keys = torch.arange(static.max_len, device=self.device)
+        logits = None
+        for begin in range(0, length, width):
+            end = min(length, begin + width)
+            queries = torch.arange(begin, end, device=self.device)
+            causal = keys[None, :] <= queries[:, None]  # [chunk, max_len]
+            attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
+            static.columns, static.length = queries, end
+            step.valid = mask[:, begin:end]
+            logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end]),
+                                   positions[:, begin:end], cache, step)
+        return logits
 
     def _prefill(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
         """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
@@ -491,6 +620,93 @@ class BatchedEngine:
         logprobs = torch.log_softmax(logits, dim=-1)
         self.on_batch("score", rows)
         return [logprobs[r, :len(continuations[r]) + 1].cpu() for r in range(rows)]
+
+
+class StaticDecodeUnavailable(RuntimeError):
+    """Static decode cannot run this batch (a cache layer without static storage, a failed graph capture
+    before any step ran): the engine decodes it with the growing cache and names why in the run."""
+
+
+class StaticDecodeStep:
+    """One batch's decode step over static storage: fixed input buffers (ids, positions, the write column, the
+    rows still generating, the attention mask) updated in place, then the forward pass run eagerly or as a
+    CUDA graph captured once (after one eager step has done every lazy initialisation: Triton compiles, scale
+    copies, absorbed MLA weights) and replayed. Checked steps run eagerly: their fp64 agreement check asks
+    the host how long the rows are."""
+
+    def __init__(self, engine: "BatchedEngine", cache, step: StepState, static: StaticColumns, seen: torch.Tensor,
+                 last_positions: torch.Tensor, graph: bool):
+        self.engine, self.cache, self.step, self.static, self.seen = engine, cache, step, static, seen
+        rows, device = seen.shape[0], seen.device
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = last_positions
+        self.valid = torch.ones(rows, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.mask = static_mask(engine.model.config, seen[:, None, None, :], None)
+        self.graph = graph
+        self.captured: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the captured pass's output buffer
+        self.eager_steps = 0
+
+    def run(self, next_ids: torch.Tensor, column: int, keep: list[int] | None, check: bool) -> torch.Tensor:
+        """Feed next_ids [rows] at `column`; keep: the rows still generating, when some just finished."""
+        self.ids.copy_(next_ids.view(-1, 1))
+        self.positions.add_(1)
+        self.column.fill_(column)
+        self.seen[:, column] = True
+        if keep is not None:
+            flags = torch.zeros(self.valid.shape[0], 1, dtype=torch.long)
+            flags[keep] = 1
+            self.valid.copy_(flags)
+        self.static.columns, self.static.length = self.column, column + 1
+        self.step.valid, self.step.check = self.valid, check
+        if not self.graph or check or self.eager_steps == 0:
+            self.eager_steps += 1
+            return self._forward()
+        if self.captured is None and not self._capture():
+            return self._forward()
+        self.captured.replay()
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        return self.engine._forward(self.ids, self.mask, self.positions, self.cache, self.step)  # noqa: SLF001
+
+    def _capture(self) -> bool:
+        """Record one forward pass into a CUDA graph (recording runs nothing: the caller replays it). False when
+        capture failed; the batch then goes on eagerly on the same storage, and the run names why."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.logits = self._forward()
+        except Exception as error:  # noqa: BLE001 - named in the run; nothing recorded has run, no state moved
+            self.graph, self.logits = False, None
+            self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
+            self.engine._fall_back(f"CUDA graph capture failed, decoded eagerly on static storage: "  # noqa: SLF001
+                                   f"{type(error).__name__}: {error}"[:300])
+            return False
+        self.captured = graph
+        return True
+
+
+def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None):
+    """The `attention_mask` a static pass hands the model: the 4D bool mask (transformers uses a 4D mask as
+    given); a hybrid model also gets its linear-attention layers' padding mask [rows, chunk] (None when
+    decoding: a generated token is never padding)."""
+    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+        return attend
+    return {"full_attention": attend, "linear_attention": linear_mask}
+
+
+def static_decode_refusal(config) -> str | None:
+    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
+    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    other = kinds - {"full_attention", "linear_attention"}
+    if other:
+        return f"layer types {sorted(other)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding window {config.sliding_window}"
+    return None
 
 
 # -- helpers ------------------------------------------------------------------------------------------

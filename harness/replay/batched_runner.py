@@ -111,6 +111,7 @@ class BatchedReplay:
         self.candidates = [PrecomputedBackend(c, c.label) for c in candidates]
         self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done)
         self.batch_sizes: list[int] = []
+        self.engines: list[BatchedEngine] = []
 
     def run(self, scenarios: Sequence[Scenario]) -> dict:
         """Replay everything; returns what the manifest records about batching for this model."""
@@ -131,7 +132,8 @@ class BatchedReplay:
         asyncio.run(self.replay.run(scenarios))  # scores are computed as it asks for them (`PrecomputedBackend`)
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
-                "kernel_check_every": self.settings.kernel_check_every, "batch_invariance_floor": floor,
+                "kernel_check_every": self.settings.kernel_check_every, "decode": self._decode_summary(),
+                "batch_invariance_floor": floor,
                 "one_at_a_time_fallbacks": fallbacks}
 
     @staticmethod
@@ -149,8 +151,20 @@ class BatchedReplay:
         return all(self.store.is_done(self.model, scenario.id, label) for label in labels)
 
     def _engine(self, backend: PrecomputedBackend, settings: BatchSettings | None = None) -> BatchedEngine:
-        return BatchedEngine(backend.inner, settings or self.settings,
-                             on_batch=lambda kind, size: self.batch_sizes.append(size))
+        engine = BatchedEngine(backend.inner, settings or self.settings,
+                               on_batch=lambda kind, size: self.batch_sizes.append(size))
+        self.engines.append(engine)
+        return engine
+
+    def _decode_summary(self) -> dict:
+        """Generation batches per decode mode, and why any ran in another mode than asked (named, never silent)."""
+        batches: dict[str, int] = {}
+        fallbacks: list[str] = []
+        for engine in self.engines:
+            for mode, count in engine.decode_batches.items():
+                batches[mode] = batches.get(mode, 0) + count
+            fallbacks += [why for why in engine.decode_fallbacks if why not in fallbacks]
+        return {"asked": self.settings.decode, "batches": batches, "fallbacks": fallbacks}
 
     # -- generation waves ---------------------------------------------------------------------------------
     def _reference_waves(self, scenarios: Sequence[Scenario]) -> dict[str, list[TurnReply]]:
@@ -253,7 +267,8 @@ class BatchedReplay:
             return {"sequences": len(asked), "note": "fewer than 2 generated replies: not measured"}
         prompts, targets = [p for p, _ in asked], [c for _, c in asked]
         batched = self._engine(self.reference).score(prompts, targets)
-        alone_settings = BatchSettings(batch_size=1, kernel_check_every=self.settings.kernel_check_every)
+        alone_settings = BatchSettings(batch_size=1, kernel_check_every=self.settings.kernel_check_every,
+                                       decode=self.settings.decode)
         alone = BatchedEngine(self.reference.inner, alone_settings).score(prompts, targets)
         diffs = [(a - b).abs().max().item() for a, b in zip(alone, batched)]
         kls = [torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1).mean().item()
