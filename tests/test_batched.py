@@ -403,3 +403,20 @@ def test_chunked_prefill_gives_the_same_replies(cpu_models, monkeypatch):
     for row, other in zip(whole, chunked):
         assert row.token_ids == other.token_ids
         assert row.metrics["kv_amax_over_max"] == pytest.approx(other.metrics["kv_amax_over_max"], rel=0.02)
+
+
+def test_packed_gqa_decode_attention_equals_repeated_heads():
+    """`_decode_sdpa_packed` (a GQA decode step on the KV heads, used on CUDA) computes what SDPA over K/V repeated
+    to every query head computes: in float64 they agree to rounding (1e-12: the same sums in another order)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from harness.kv_paths.attention import _decode_sdpa_packed
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 16, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(3, 2, 11, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 11, generator=g) > 0.3
+    mask[..., -1] = True  # every row attends to at least its own token
+    expected = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 4), repeat_kv(value, 4),
+                                                                attn_mask=mask, scale=0.25).transpose(1, 2)
+    assert torch.allclose(_decode_sdpa_packed(query, key, value, mask, 0.25), expected, rtol=0, atol=1e-12)
