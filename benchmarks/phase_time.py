@@ -10,8 +10,9 @@ CUDA the batch size is chosen from free GPU memory unless given. Each phase is a
 nest (scoring batches are asked for lazily while records are built), so the table gives both the inclusive
 seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside it. `store_writes` (a unit's
 rows appended and fsynced) runs in worker threads beside the replay: its seconds overlap the others and are
-left out of "outside every phase". `--profile` also writes
-a cProfile of the whole run and prints its top functions by cumulative and by own time.
+left out of "outside every phase". The last row adds up the host work that is neither a model load nor a phase
+of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top
+functions by cumulative and by own time.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ PHASES = (
     ("judge", job, "_judge"),
     ("verdicts", job, "write_verdicts"),
 )
+# phases whose time is model loads and forward passes (with the decode loop's own per-step host work)
+FORWARD_PHASES = ("load", "scales", "generate_batches", "score_batches", "generate_one", "score_one")
 
 
 class PhaseClock:
@@ -140,6 +143,8 @@ def table(clock: PhaseClock, total: float) -> str:
     outside = total - sum(v for k, v in clock.exclusive.items() if k != "store_writes")
     lines.append(f"| (outside every phase) | | | {outside:.2f} | {100 * outside / total:.1f} |")
     lines.append(f"| run_job total | 1 | {total:.2f} | | |")
+    host = total - sum(clock.exclusive.get(name, 0.0) for name in FORWARD_PHASES)
+    lines.append(f"| host work besides loads and forward passes | | | {host:.2f} | {100 * host / total:.1f} |")
     return "\n".join(lines)
 
 
