@@ -4,6 +4,7 @@ OpenAI-compatible judge (in-memory ASGI, no sockets), pairwise order swapping, c
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from harness.judges import (
     rule_judge,
     summarise,
 )
+from harness.judges.rules import DegenerationLimits
 from harness.replay.endpoint import RequestClient, RequestPolicy
 from harness.scenarios.load import Scenario, Turn
 from harness.types import Generation
@@ -126,6 +128,38 @@ def test_rule_judge_early_eos_against_the_reference():
 
 def test_repetition_loop_ignores_ordinary_text():
     assert repetition_loop("1,000,000 dollars -- a fair price, said the seller, and it was.") is None
+
+
+def loop_one_character_at_a_time(text: str, limits: DegenerationLimits) -> tuple[int, int, str] | None:
+    """The rule as first written, one character at a time: what the vectorised `repetition_loop` must equal."""
+    best = None
+    for period in range(1, min(limits.loop_max_period, len(text) // 2) + 1):
+        run = 0
+        for i in range(period, len(text) + 1):
+            if i < len(text) and text[i] == text[i - period]:
+                run += 1
+                continue
+            span = run + period
+            if run and span >= limits.loop_min_chars and span / period >= limits.loop_min_repeats:
+                if best is None or span > best[1]:
+                    best = (i - span, span, text[i - span:i - span + period])
+            run = 0
+    return best
+
+
+def test_repetition_loop_equals_the_character_loop():
+    # Random texts over small alphabets (so runs of every period, ties between equally long runs, runs that
+    # reach the end) and awkward ones: empty, one character, non-BMP and lone-surrogate characters.
+    rng = random.Random(0)
+    texts = ["", "a", "aa", "!!!!!!!!!!!!", "abcabcabcabc", "ab" * 40 + "x" + "ab" * 40, "\U0001F600" * 13,
+             "\ud800x" * 12, "the the the the the the the end", "1,000,000 dollars -- a fair price"]
+    for _ in range(300):
+        alphabet = rng.choice(["ab", "abc", "ab ", "xyz.!", "aaab"])
+        texts.append("".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 160))))
+    for limits in (DegenerationLimits(), DegenerationLimits(loop_min_chars=4, loop_min_repeats=2.0, loop_max_period=5),
+                   DegenerationLimits(loop_min_chars=30, loop_min_repeats=2.5, loop_max_period=64)):
+        for text in texts:
+            assert repetition_loop(text, limits) == loop_one_character_at_a_time(text, limits), (text, limits)
 
 
 def test_agreement_judge():

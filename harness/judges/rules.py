@@ -10,6 +10,8 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
+import numpy as np
+
 from harness.judges.verdict import Verdict
 from harness.scenarios.checks import broken_rules, check_answer
 from harness.scenarios.load import Scenario
@@ -37,22 +39,29 @@ class DegenerationLimits:
 def repetition_loop(text: str, limits: DegenerationLimits = DegenerationLimits()) -> tuple[int, int, str] | None:
     """The longest periodic run in `text`: (start, length, unit), if it is a loop by `limits`.
 
-    A run of period p is a stretch where text[i] == text[i - p]; with the unit it repeats, it spans
-    run + p characters. O(len(text) * loop_max_period).
+    A run of period p is a maximal stretch where text[i] == text[i - p]; with the unit it repeats, it spans
+    run + p characters. Taken in order of period, then position, the first run of the greatest span wins.
+    All periods are compared at once (a [periods, len(text)] boolean table): O(len(text) * loop_max_period).
     """
-    best = None
-    for period in range(1, min(limits.loop_max_period, len(text) // 2) + 1):
-        run = 0
-        for i in range(period, len(text) + 1):
-            if i < len(text) and text[i] == text[i - period]:
-                run += 1
-                continue
-            span = run + period
-            if run and span >= limits.loop_min_chars and span / period >= limits.loop_min_repeats:
-                if best is None or span > best[1]:
-                    best = (i - span, span, text[i - span:i - span + period])
-            run = 0
-    return best
+    longest_period = min(limits.loop_max_period, len(text) // 2)
+    if longest_period < 1:
+        return None
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)  # one code per character
+    periods = np.arange(1, longest_period + 1)[:, None]  # [P, 1]
+    earlier = np.arange(len(codes))[None, :] - periods  # [P, n]: i - p
+    same = np.zeros((longest_period, len(codes) + 2), dtype=np.int8)  # same[p - 1, i + 1]: text[i] == text[i - p]
+    same[:, 1:-1] = (earlier >= 0) & (codes[None, :] == codes[np.maximum(earlier, 0)])
+    edges = np.diff(same, axis=1)
+    rows, starts = np.nonzero(edges == 1)  # row-major: by period, then position; each run starts, then ends
+    ends = np.nonzero(edges == -1)[1]  # a run of matches is text[starts:ends], its unit just before
+    period = rows + 1
+    spans = ends - starts + period
+    loops = (spans >= limits.loop_min_chars) & (spans / period >= limits.loop_min_repeats)
+    if not loops.any():
+        return None
+    first = int(np.argmax(np.where(loops, spans, -1)))  # the first of the greatest spans
+    start, unit = int(starts[first] - period[first]), int(period[first])
+    return start, int(spans[first]), text[start:start + unit]
 
 
 def non_text(generation: Generation) -> list[str]:

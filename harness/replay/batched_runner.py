@@ -224,7 +224,7 @@ class BatchedReplay:
         for (scenario, turn, prompt), result in zip(asked, results):
             generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
                                     finish_reason=result.finish_reason,
-                                    tokens=[tokenizer.decode([t]) for t in result.token_ids],
+                                    tokens=backend.inner.owner.token_texts(result.token_ids),
                                     prompt_tokens=len(prompt), metrics=result.metrics)
             backend.generations[(prompt, scenario.max_new_tokens)] = generation
             done.append((scenario, turn, generation))

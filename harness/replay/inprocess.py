@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,6 +34,11 @@ from harness.kv_paths.spec import KVPath
 from harness.types import Generation, Message, Scores
 
 attention.register()
+
+# Token ids of encoded chats kept per model (8 bytes each: 64 MiB): a memory bound, not a tuning knob. A replay
+# encodes each chat once per path and per lookup (the batched replay about 8 times per turn); an 8B model's
+# 16k-token needle prompt takes 128 KiB here.
+CHAT_CACHE_TOKENS = 1 << 23
 
 
 def sha256_of_dir(directory: Path) -> str:
@@ -58,6 +65,7 @@ class InProcessModel:
     variant: object = None  # harness.canary.variants.Variant when loaded from a stress variant's folder
     scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
+    _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
 
     @classmethod
     def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> "InProcessModel":
@@ -95,9 +103,18 @@ class InProcessModel:
 
     # -- tokens ---------------------------------------------------------------------------------------
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+        """The chat template's prompt ids (a fresh list; the same chat is encoded once, then kept)."""
+        chat = tuple((m.role, m.content) for m in messages)
+        return self._encodings.bound_to(self.tokenizer).chat_ids(chat, lambda: self._encode_chat(chat))
+
+    def _encode_chat(self, chat: tuple[tuple[str, str], ...]) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in chat],
                                                   add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text, `tokenizer.decode([t])`, decoded once per token id."""
+        return self._encodings.bound_to(self.tokenizer).token_texts(token_ids)
 
     # -- scales ---------------------------------------------------------------------------------------
     def scales_for(self, kv_path: KVPath) -> LayerScales | None:
@@ -135,10 +152,10 @@ class InProcessModel:
                 with calibration.query_amax(self.model) as amax:
                     if source == "calibrated":
                         for chat in self.calibration_chats or calibration.default_calibration_chats():
-                            self._forward(self.encode_chat(chat), observer_cache(self.model.config))
+                            self._observe(self.encode_chat(chat), observer_cache(self.model.config))
                     else:
                         with calibration.uninitialised_recurrent_state(self.model):
-                            self._forward(calibration.dummy_warmup_ids(self.tokenizer), observer_cache(self.model.config))
+                            self._observe(calibration.dummy_warmup_ids(self.tokenizer), observer_cache(self.model.config))
                 q = {i: amax_scale(amax[i], "e4m3") for i in layers}
                 prob = {i: amax_scale(torch.tensor(1.0), "e4m3") for i in layers}  # amax of P is 1
             self._scales[key] = LayerScales(k={}, v={}, source=source, q=q, prob=prob)
@@ -162,20 +179,64 @@ class InProcessModel:
         if kv_path.scale_source == "calibrated":
             chats = self.calibration_chats or calibration.default_calibration_chats()
             for chat in chats:  # one observer cache shared by all prompts: amax over all of them
-                self._forward(self.encode_chat(chat), cache)
+                self._observe(self.encode_chat(chat), cache)
                 cache = _carry_amax(cache, observer_cache(config))
             return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats")
         if kv_path.scale_source == "warmup":
             with calibration.uninitialised_recurrent_state(self.model):
-                self._forward(calibration.dummy_warmup_ids(self.tokenizer), cache)
+                self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
             return scales_from_observers(cache, kv_path, "warmup",
                                          "one dummy warm-up pass, recurrent state uninitialised (failure class 2)")
         raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
 
     @torch.inference_mode()
+    def _observe(self, ids: list[int], cache) -> None:
+        """A forward pass for what the cache (or the attention observers) see; only the last position's
+        logits are computed (an 8B model's [T, 128k] fp32 logits of a 4k-token chat would be 2 GiB)."""
+        self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+
+    @torch.inference_mode()
     def _forward(self, ids: list[int], cache) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=self.device)
         return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+
+
+class EncodingCache:
+    """What one tokenizer gave, kept: chat prompt ids (LRU, at most `max_tokens` ids, stored as int64 arrays)
+    and single-token texts (at most one per vocabulary entry). Tokenisation is a pure function of the tokenizer
+    and its input; another tokenizer (`bound_to`) empties the cache."""
+
+    def __init__(self, max_tokens: int = CHAT_CACHE_TOKENS):
+        self.max_tokens, self.held, self.tokenizer = max_tokens, 0, None
+        self.chats: OrderedDict[tuple, array] = OrderedDict()
+        self.texts: dict[int, str] = {}
+
+    def bound_to(self, tokenizer) -> "EncodingCache":
+        if tokenizer is not self.tokenizer:
+            self.tokenizer, self.held = tokenizer, 0
+            self.chats.clear()
+            self.texts.clear()
+        return self
+
+    def chat_ids(self, chat: tuple, encode: Callable[[], list[int]]) -> list[int]:
+        found = self.chats.get(chat)
+        if found is not None:
+            self.chats.move_to_end(chat)
+            return found.tolist()
+        ids = list(encode())
+        self.chats[chat] = array("q", ids)
+        self.held += len(ids)
+        while self.held > self.max_tokens and len(self.chats) > 1:  # oldest first; the newest always stays
+            self.held -= len(self.chats.popitem(last=False)[1])
+        return ids
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        texts = self.texts
+        for t in token_ids:
+            if t not in texts:
+                texts[t] = self.tokenizer.decode([t])
+        return [texts[t] for t in token_ids]
 
 
 def _one_scale_per_latent(scales: LayerScales) -> LayerScales:
@@ -242,7 +303,7 @@ class InProcessBackend:
         token_ids, finish_reason, metrics = self.greedy_ids(prompt, max_new_tokens)
         tokenizer = self.owner.tokenizer
         return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
-                          tokens=[tokenizer.decode([t]) for t in token_ids], prompt_tokens=len(prompt),
+                          tokens=self.owner.token_texts(token_ids), prompt_tokens=len(prompt),
                           metrics=metrics)
 
     @torch.inference_mode()

@@ -57,6 +57,14 @@ def _judge_key(row: dict) -> tuple:
     return row.get("model"), row.get("scenario"), row.get("path"), row.get("turn"), row.get("metric")
 
 
+@dataclass(slots=True)
+class _PendingUnit:
+    key: tuple[str, str, str]  # (model, scenario, path)
+    texts: dict[str, str]  # table -> its serialised rows
+    finished: bool = False  # a group write took this unit and ended
+    error: BaseException | None = None  # set when that write failed
+
+
 RUN_LOCK = ".run.lock"  # held (flock) by the one `harness run` writing the directory, for the whole run
 
 
@@ -93,6 +101,10 @@ class RunStore:
     # Units finish from worker threads (fsync off the event loop) and model worker processes; one writer
     # at a time (a thread lock plus an flock on .lock) keeps lines whole and a unit's rows together.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # `finish_unit`'s group commit: units waiting to be written, and whether a thread is writing a group now
+    _pending: list = field(default_factory=list, repr=False)
+    _writing: bool = field(default=False, repr=False)
+    _queue: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -180,13 +192,51 @@ class RunStore:
             os.fsync(handle.fileno())
 
     def finish_unit(self, model: str, scenario: str, path: str, tables: dict[str, list[dict]]) -> None:
-        """Append a unit's rows, then mark it done: a kill between the two recomputes only this unit."""
+        """Append a unit's rows, then mark it done: a kill between the two recomputes only this unit.
+
+        Group commit: units finished from several threads at once (the batched replay finishes a model's units
+        back to back) queue while one thread writes; the next writer takes every queued unit and writes each
+        table once (one fsync) for all of them, then all their done lines. A caller returns when its unit is
+        written, and raises what its group's write raised."""
         texts = {table: "".join(_dump(row) + "\n" for row in rows) for table, rows in tables.items()}
-        with self._exclusive():  # every row serialised first: a row that cannot be written writes nothing
-            for table, text in texts.items():
-                self._append_locked(table, text)
-            self._append_locked("done", [{"model": model, "scenario": scenario, "path": path}])
-            self.done.add((model, scenario, path))
+        unit = _PendingUnit((model, scenario, path), texts)  # every row serialised first: a bad row writes nothing
+        with self._queue:
+            self._pending.append(unit)
+            while self._writing and not unit.finished:
+                self._queue.wait()
+            if unit.finished:
+                return self._raise_if_failed(unit)
+            self._writing, group, self._pending = True, self._pending, []
+        try:
+            with self._exclusive():
+                self._commit(group)
+        except BaseException as error:  # the lock itself failed: nothing of the group was written
+            for queued in group:
+                queued.error = queued.error or error
+            raise
+        finally:
+            with self._queue:
+                self._writing = False
+                for queued in group:
+                    queued.finished = True
+                self._queue.notify_all()
+        self._raise_if_failed(unit)
+
+    def _commit(self, group: list["_PendingUnit"]) -> None:
+        try:
+            for table in dict.fromkeys(t for unit in group for t in unit.texts):
+                self._append_locked(table, "".join(unit.texts.get(table, "") for unit in group))
+            self._append_locked("done", [dict(zip(("model", "scenario", "path"), unit.key)) for unit in group])
+        except BaseException as error:  # every unit of the group failed with it: none is marked done
+            for unit in group:
+                unit.error = error
+            return
+        self.done.update(unit.key for unit in group)
+
+    @staticmethod
+    def _raise_if_failed(unit: "_PendingUnit") -> None:
+        if unit.error is not None:
+            raise unit.error
 
     def append_judged(self, judgements: list[dict], records: list[dict]) -> None:
         """Judge metrics to records.jsonl, then their judgements.jsonl rows, which commit them: a kill

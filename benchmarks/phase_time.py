@@ -1,0 +1,189 @@
+"""Seconds per phase of one default canary run (`job.run_job`), CPU or CUDA, with an optional cProfile.
+
+    python benchmarks/phase_time.py [--device cpu|cuda] [--batch-size N | --one-at-a-time] [--out DIR]
+                                    [--profile FILE.prof] [--top 30]
+
+The default run (bundled canaries x canary scenarios x default KV paths), in this process, models one
+after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
+(`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on the CPU by default); on
+CUDA the batch size is chosen from free GPU memory unless given. Each phase is a wrapped function; phases
+nest (scoring batches are asked for lazily while records are built), so the table gives both the inclusive
+seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside it. `store_writes` (a unit's
+rows appended and fsynced) runs in worker threads beside the replay: its seconds overlap the others and are
+left out of "outside every phase". The last row adds up the host work that is neither a model load nor a phase
+of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top
+functions by cumulative and by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import job  # noqa: E402
+from harness.replay import batched, batched_runner, inprocess, runner  # noqa: E402
+from harness.runs import store  # noqa: E402
+
+# (phase, owner, attribute): the functions whose time is a phase
+PHASES = (
+    ("load", inprocess.InProcessModel, "load"),
+    ("scales", inprocess.InProcessModel, "_compute_scales"),
+    ("encode_chat", inprocess.InProcessModel, "encode_chat"),
+    ("reference_waves", batched_runner.BatchedReplay, "_reference_waves"),
+    ("candidate_waves", batched_runner.BatchedReplay, "_candidate_waves"),
+    ("score_waves", batched_runner.BatchedReplay, "_score_waves"),
+    ("batch_invariance", batched_runner.BatchedReplay, "_batch_invariance"),
+    ("generate_batches", batched.BatchedEngine, "_generate_batch"),
+    ("score_batches", batched.BatchedEngine, "_score_batch"),
+    ("generate_one", inprocess.InProcessBackend, "generate_sync"),
+    ("score_one", inprocess.InProcessBackend, "score_sync"),
+    ("replay_records", runner.Replay, "run"),
+    ("tf_metrics", runner, "teacher_forced"),
+    ("store_writes", store.RunStore, "finish_unit"),
+    ("judge", job, "_judge"),
+    ("verdicts", job, "write_verdicts"),
+)
+# phases whose time is model loads and forward passes (with the decode loop's own per-step host work)
+FORWARD_PHASES = ("load", "scales", "generate_batches", "score_batches", "generate_one", "score_one")
+
+
+class PhaseClock:
+    """Inclusive and exclusive seconds and call counts per phase; nested phases subtract from their parent."""
+
+    def __init__(self):
+        self.inclusive: dict[str, float] = {}
+        self.exclusive: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.threads = threading.local()  # .stack: [phase, seconds spent in phases nested inside it]
+        self.lock = threading.Lock()
+
+    @property
+    def stack(self) -> list[list]:
+        if not hasattr(self.threads, "stack"):
+            self.threads.stack = []
+        return self.threads.stack
+
+    def enter(self, name: str) -> float:
+        self.stack.append([name, 0.0])
+        return time.perf_counter()
+
+    def leave(self, start: float) -> None:
+        seconds = time.perf_counter() - start
+        with self.lock:
+            self._add(seconds)
+
+    def _add(self, seconds: float) -> None:
+        name, nested = self.stack.pop()
+        self.inclusive[name] = self.inclusive.get(name, 0.0) + seconds
+        self.exclusive[name] = self.exclusive.get(name, 0.0) + seconds - nested
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.stack and self.stack[-1][0] != name:
+            self.stack[-1][1] += seconds
+        elif self.stack:  # a phase re-entering itself: its outer call keeps the time once
+            self.inclusive[name] -= seconds
+            self.exclusive[name] -= seconds - nested
+            self.stack[-1][1] += nested
+
+    def wrap(self, name: str, fn):
+        clock = self
+        if asyncio.iscoroutinefunction(fn):
+            async def timed_async(*args, **kwargs):
+                start = clock.enter(name)
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    clock.leave(start)
+            return timed_async
+
+        def timed(*args, **kwargs):
+            start = clock.enter(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.leave(start)
+        return timed
+
+
+def install(clock: PhaseClock) -> None:
+    for name, owner, attribute in PHASES:
+        found = owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+        if found is None:  # an older tree without this function
+            continue
+        if isinstance(found, classmethod):
+            setattr(owner, attribute, classmethod(clock.wrap(name, found.__func__)))
+        else:
+            setattr(owner, attribute, clock.wrap(name, found))
+
+
+def run(device: str, batch_size: int | None, out: Path) -> float:
+    models, _ = job.default_models()
+    config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(),
+                           paths=job.parse_kv_paths(job.DEFAULT_PATHS), out=out, device=device, jobs=1,
+                           batch_size=batch_size)
+    start = time.perf_counter()
+    job.run_job(config, warn=lambda message: print(f"# {message}", file=sys.stderr))
+    return time.perf_counter() - start
+
+
+def table(clock: PhaseClock, total: float) -> str:
+    lines = ["| phase | calls | inclusive s | self s | self % of run |", "|---|---:|---:|---:|---:|"]
+    for name, _, _ in PHASES:
+        if name in clock.calls:
+            lines.append(f"| {name} | {clock.calls[name]} | {clock.inclusive[name]:.2f} | "
+                         f"{clock.exclusive[name]:.2f} | {100 * clock.exclusive[name] / total:.1f} |")
+    outside = total - sum(v for k, v in clock.exclusive.items() if k != "store_writes")
+    lines.append(f"| (outside every phase) | | | {outside:.2f} | {100 * outside / total:.1f} |")
+    lines.append(f"| run_job total | 1 | {total:.2f} | | |")
+    host = total - sum(clock.exclusive.get(name, 0.0) for name in FORWARD_PHASES)
+    lines.append(f"| host work besides loads and forward passes | | | {host:.2f} | {100 * host / total:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="batched replay's batch size (default: 64 on the CPU, from free memory on CUDA)")
+    parser.add_argument("--one-at-a-time", action="store_true", help="the CPU's default replay, no batches")
+    parser.add_argument("--out", type=Path, default=None, help="keep the run here (default: a temporary folder)")
+    parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the run here")
+    parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
+    args = parser.parse_args()
+    if args.one_at_a_time and (args.device != "cpu" or args.batch_size is not None):
+        parser.error("--one-at-a-time is the CPU's unbatched replay: no --batch-size, --device cpu")
+    batch_size = None if args.one_at_a_time else (args.batch_size or (64 if args.device == "cpu" else None))
+    clock = PhaseClock()
+    install(clock)
+    profiler = cProfile.Profile() if args.profile else None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp) / "run"
+        if profiler:
+            profiler.enable()
+        total = run(args.device, batch_size, out)
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+    import torch
+    import transformers
+
+    how = "one at a time" if args.one_at_a_time else f"batched, batch size {batch_size or 'auto'}"
+    print(f"# default canary run, device {args.device}, {how}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {time.strftime('%Y-%m-%d %H:%M')}{', under cProfile' if profiler else ''}")
+    if profiler:
+        stats = pstats.Stats(str(args.profile))
+        stats.sort_stats("cumulative").print_stats(args.top)
+        stats.sort_stats("tottime").print_stats(args.top)
+    print(table(clock, total))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Host-side work of the in-process backend kept once instead of redone: chat encodings, token texts, and the
+calibration passes that compute only the last position's logits. Each must give exactly what the plain
+computation gives."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from harness.kv_paths.spec import parse_path
+from harness.replay.inprocess import EncodingCache, InProcessModel
+from harness.types import Message
+
+CHATS = [
+    [Message("system", "Answer briefly."), Message("user", "What is 7 * 8?")],
+    [Message("user", "What is 7 * 8?")],
+    [Message("system", "Answer briefly."), Message("user", "What is 7 * 8?"), Message("assistant", "56"),
+     Message("user", "And 9 * 9?")],
+    [Message("user", "")],  # an awkward one: empty content
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    return {arch: InProcessModel.load(path) for arch, path in tiny_models.items()}
+
+
+def plain_encode(model: InProcessModel, messages) -> list[int]:
+    text = model.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                               add_generation_prompt=True, tokenize=False)
+    return model.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_encode_chat_kept_equals_a_fresh_encoding(loaded):
+    model = loaded["gqa"]
+    for _ in range(2):  # the second round is answered from the cache
+        for chat in CHATS:
+            assert model.encode_chat(chat) == plain_encode(model, chat)
+    assert len(model._encodings.chats) == len(CHATS)  # one entry per distinct chat
+    first = model.encode_chat(CHATS[0])
+    first.append(-1)  # callers get their own list: changing it changes nothing kept
+    assert model.encode_chat(CHATS[0]) == plain_encode(model, CHATS[0])
+
+
+def test_token_texts_equal_decoding_each_token(loaded):
+    model = loaded["mla"]
+    ids = list(range(model.model.config.vocab_size)) + [5, 5, 0]  # every id, and repeats
+    assert model.token_texts(ids) == [model.tokenizer.decode([t]) for t in ids]
+    assert model.token_texts([]) == []
+
+
+def test_encoding_cache_is_bounded_and_per_tokenizer():
+    calls = []
+
+    def encode(n):
+        def run():
+            calls.append(n)
+            return list(range(n))
+        return run
+
+    cache = EncodingCache(max_tokens=10).bound_to("tokenizer A")
+    assert cache.chat_ids(("a",), encode(4)) == [0, 1, 2, 3]
+    assert cache.chat_ids(("b",), encode(5)) == list(range(5))
+    assert cache.chat_ids(("a",), encode(4)) == [0, 1, 2, 3] and calls == [4, 5]  # kept, and now the newest
+    assert cache.chat_ids(("c",), encode(3)) == [0, 1, 2]  # 12 ids > 10: the oldest ("b") goes
+    assert list(cache.chats) == [("a",), ("c",)] and cache.held == 7
+    assert cache.chat_ids(("d",), encode(20)) == list(range(20))  # larger than the bound: kept alone
+    assert list(cache.chats) == [("d",)] and cache.held == 20
+    cache.bound_to("tokenizer B")  # another tokenizer: nothing of A's is answered
+    assert not cache.chats and cache.held == 0
+    cache.chat_ids(("d",), encode(20))
+    assert calls == [4, 5, 3, 20, 20]
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3:per_head:calibrated", "fp8_e5m2:warmup"])
+def test_calibration_scales_equal_full_logit_passes(loaded, arch, spec, monkeypatch):
+    # The observer passes skip the LM head at all but the last position; the K/V they observe, so the scales,
+    # must be exactly those of a pass that computes every position's logits (bit for bit: same ops on K/V).
+    model = loaded[arch]
+    path = parse_path(spec)
+    fast = model._compute_scales(path)
+    monkeypatch.setattr(InProcessModel, "_observe", lambda self, ids, cache: self._forward(ids, cache))
+    full = dataclasses.replace(model, _scales={})._compute_scales(path)
+    for side in ("k", "v"):
+        found, expected = getattr(fast, side), getattr(full, side)
+        assert found.keys() == expected.keys()
+        for layer in expected:
+            assert torch.equal(found[layer], expected[layer]), (arch, spec, side, layer)
+
+
+def test_phase_timer_names_functions_that_exist_and_nests():
+    # benchmarks/phase_time.py skips a phase whose function an older tree lacks: in this tree none may be missing
+    from benchmarks import phase_time
+
+    for name, owner, attribute in phase_time.PHASES:
+        assert (attribute in owner.__dict__) if isinstance(owner, type) else hasattr(owner, attribute), name
+    clock = phase_time.PhaseClock()
+    ticks = iter([0.0, 1.0, 3.0, 3.0, 3.5, 4.0, 4.0, 10.0])  # outer 0..10; inner 1..3, then 3..4 with itself inside
+
+    def fake_clock():
+        return next(ticks)
+
+    original, phase_time.time.perf_counter = phase_time.time.perf_counter, fake_clock
+    try:
+        outer = clock.enter("outer")
+        inner = clock.enter("inner")
+        clock.leave(inner)
+        again = clock.enter("inner")
+        nested = clock.enter("inner")  # a phase inside itself counts once
+        clock.leave(nested)
+        clock.leave(again)
+        clock.leave(outer)
+    finally:
+        phase_time.time.perf_counter = original
+    assert clock.inclusive == {"inner": 3.0, "outer": 10.0} and clock.exclusive == {"inner": 3.0, "outer": 7.0}
