@@ -114,3 +114,17 @@ def test_phase_timer_names_functions_that_exist_and_nests():
     finally:
         phase_time.time.perf_counter = original
     assert clock.inclusive == {"inner": 3.0, "outer": 10.0} and clock.exclusive == {"inner": 3.0, "outer": 7.0}
+
+
+def test_encoding_cache_from_threads_keeps_its_bound_and_answers():
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = EncodingCache(max_tokens=20).bound_to("tokenizer")  # 28 ids asked for in all: evictions happen
+
+    def ask(i: int) -> bool:
+        n = 1 + i % 7
+        return cache.chat_ids((n,), lambda: list(range(n))) == list(range(n))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(ask, range(2000)))
+    assert cache.held == sum(len(ids) for ids in cache.chats.values()) <= 20

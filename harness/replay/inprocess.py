@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -211,28 +212,33 @@ class EncodingCache:
         self.max_tokens, self.held, self.tokenizer = max_tokens, 0, None
         self.chats: OrderedDict[tuple, array] = OrderedDict()
         self.texts: dict[int, str] = {}
+        self.lock = threading.Lock()  # `harness serve` may tokenise from its thread pool
 
     def bound_to(self, tokenizer) -> "EncodingCache":
-        if tokenizer is not self.tokenizer:
-            self.tokenizer, self.held = tokenizer, 0
-            self.chats.clear()
-            self.texts.clear()
+        with self.lock:
+            if tokenizer is not self.tokenizer:
+                self.tokenizer, self.held = tokenizer, 0
+                self.chats.clear()
+                self.texts.clear()
         return self
 
     def chat_ids(self, chat: tuple, encode: Callable[[], list[int]]) -> list[int]:
-        found = self.chats.get(chat)
-        if found is not None:
-            self.chats.move_to_end(chat)
-            return found.tolist()
-        ids = list(encode())
-        self.chats[chat] = array("q", ids)
-        self.held += len(ids)
-        while self.held > self.max_tokens and len(self.chats) > 1:  # oldest first; the newest always stays
-            self.held -= len(self.chats.popitem(last=False)[1])
+        with self.lock:
+            found = self.chats.get(chat)
+            if found is not None:
+                self.chats.move_to_end(chat)
+                return found.tolist()
+        ids = list(encode())  # outside the lock: another thread may encode the same chat meanwhile, same ids
+        with self.lock:
+            if chat not in self.chats:
+                self.chats[chat] = array("q", ids)
+                self.held += len(ids)
+            while self.held > self.max_tokens and len(self.chats) > 1:  # oldest first; the newest always stays
+                self.held -= len(self.chats.popitem(last=False)[1])
         return ids
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        texts = self.texts
+        texts = self.texts  # dict reads and single stores are atomic; a token decoded twice gives the same text
         for t in token_ids:
             if t not in texts:
                 texts[t] = self.tokenizer.decode([t])
