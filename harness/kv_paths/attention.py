@@ -233,8 +233,8 @@ def _decode_sdpa_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def sdpa_backends(query: torch.Tensor):
     """The SDPA backends our attention calls may use. On CUDA, torch (2.11, H100) prefers cuDNN attention, which
-    builds an execution plan for every new shape: measured 45-60 ms per call when the key length grows by one
-    each decode step, against 0.7-3.5 ms for the other backends (H100, BENCHMARKS.md, issue 18). A batch of static
+    builds an execution plan for every new shape: 68-96 ms per call when the key length grows by one each decode
+    step, against 0.3-0.5 ms for the other backends (H100, `benchmarks/sdpa_backends.py`). A batch of static
     decode reuses one shape, but every batch, prefill chunk and scoring call brings a new one. So cuDNN is left
     out; HARNESS_SDPA_CUDNN=1 puts it back (to compare)."""
     import contextlib
