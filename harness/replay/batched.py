@@ -387,8 +387,8 @@ class BatchedEngine:
         return ids, mask, positions, step, stats, cache
 
     def decode_mode(self) -> str:
-        """The mode generation asks for: the setting, with "auto" = graph on CUDA, dynamic elsewhere, and static
-        or graph only for models whose every cache layer has static storage (`static_decode_refusal`)."""
+        """The mode generation asks for: the setting, with "auto" = graph on CUDA, dynamic elsewhere (a model
+        without static storage for every layer then still decodes dynamically: `_generate_batch`)."""
         mode = self.settings.decode
         if mode == "auto":
             mode = "graph" if self.device.type == "cuda" else "dynamic"
@@ -413,6 +413,25 @@ class BatchedEngine:
         self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
         return self._generate_dynamic(items)
 
+    def _finish_rows(self, finite_and_next: list, live: list[int], where: Sequence[int], outputs: list[list[int]],
+                     finish: list, limits: list[int]) -> list[int]:
+        """One decode step's host bookkeeping: live[i]'s logits are at batch position where[i] of
+        finite_and_next ([finite flags, next ids]); a row ends on non-finite logits, EOS or its token limit.
+        Returns the i of the rows that go on."""
+        keep = []
+        for i, (row, at) in enumerate(zip(live, where)):
+            if not finite_and_next[0][at]:
+                finish[row] = "nonfinite_logits"
+            elif finite_and_next[1][at] == self.eos:
+                finish[row] = "eos"
+            else:
+                outputs[row].append(finite_and_next[1][at])
+                if len(outputs[row]) >= limits[row]:
+                    finish[row] = "length"
+                else:
+                    keep.append(i)
+        return keep
+
     def _fall_back(self, why: str) -> None:
         if why not in self.decode_fallbacks:
             self.decode_fallbacks.append(why)
@@ -434,19 +453,7 @@ class BatchedEngine:
                 finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
                 step_ids = finite_and_next[1]
                 finite_and_next = finite_and_next.tolist()
-                finite, next_ids = [bool(f) for f in finite_and_next[0]], finite_and_next[1]
-                keep = []
-                for i, row in enumerate(live):
-                    if not finite[i]:
-                        finish[row] = "nonfinite_logits"
-                    elif next_ids[i] == self.eos:
-                        finish[row] = "eos"
-                    else:
-                        outputs[row].append(next_ids[i])
-                        if len(outputs[row]) >= limits[row]:
-                            finish[row] = "length"
-                        else:
-                            keep.append(i)
+                keep = self._finish_rows(finite_and_next, live, range(len(live)), outputs, finish, limits)
                 if not keep:
                     break
                 if len(keep) < len(live):
@@ -506,23 +513,13 @@ class BatchedEngine:
                 finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
                 step_ids = finite_and_next[1]
                 finite_and_next = finite_and_next.tolist()
-                keep = []
-                for row in live:
-                    if not finite_and_next[0][row]:
-                        finish[row] = "nonfinite_logits"
-                    elif finite_and_next[1][row] == self.eos:
-                        finish[row] = "eos"
-                    else:
-                        outputs[row].append(finite_and_next[1][row])
-                        if len(outputs[row]) >= limits[row]:
-                            finish[row] = "length"
-                        else:
-                            keep.append(row)
+                keep = self._finish_rows(finite_and_next, live, live, outputs, finish, limits)
                 if not keep:
                     break
+                kept = [live[i] for i in keep]
                 check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
-                logits = decode.run(step_ids, width + decode_step, keep if len(keep) < len(live) else None, check)
-                live = keep
+                logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
+                live = kept
         finally:
             attention.active_cache.reset(token)
         records = stats.row_records() if fp8_path else [None] * rows
@@ -626,8 +623,8 @@ class BatchedEngine:
 
 
 class StaticDecodeUnavailable(RuntimeError):
-    """Static decode cannot run this batch (a cache layer without static storage, a failed graph capture
-    before any step ran): the engine decodes it with the growing cache and names why in the run."""
+    """Static decode cannot run this batch (a cache layer without static storage): the engine decodes it with
+    the growing cache and names why in the run."""
 
 
 class StaticDecodeStep:
