@@ -158,7 +158,9 @@ def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
     if not kv_path.is_fp8 or kv_path.granularity == "per_token":
         return "the path's decode does not run through a kernel"
     if kv_path.quantizes_attention:
-        return "FP8 attention (q/prob scales) runs in the torch reference"
+        # decode runs these through our kernels (with q_scale / prob_scale), but capture's kernel rows call the
+        # kernel without them: rows of a different computation would be mislabelled as this path's
+        return "capture runs the kernel without the path's q/prob scales: torch's rows only"
     return None
 
 
