@@ -211,10 +211,14 @@ def _k_scale_on_scores(module, query: torch.Tensor, k_scale: torch.Tensor, kwarg
     return (query.float() * factor.view(1, -1, 1, 1)).to(query.dtype), kwargs
 
 
-def _packs_gqa(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
+def _packs_gqa(query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> bool:
     """A CUDA decode step of a GQA layer under a mask shared by all heads, which transformers (5.17) would hand
     SDPA as K/V repeated to every query head: at 8B shape, batch 32, 1k context that copy is ~0.6 GB per layer
-    and step. `_decode_sdpa_packed` runs it on the KV heads instead (what transformers 5.23 does too)."""
+    and step. `_decode_sdpa_packed` runs it on the KV heads instead (what transformers 5.23 does too). A call
+    with anything plain SDPA does not compute (logit soft-capping, attention sinks, a position bias, dropout)
+    is left to transformers."""
+    if any(kwargs.get(name) for name in ("softcap", "s_aux", "position_bias", "dropout")):
+        return False
     return (query.is_cuda and query.shape[2] == 1 and key.shape[1] < query.shape[1]
             and query.shape[1] % key.shape[1] == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 4
             and mask.shape[1] == 1 and mask.shape[2] == 1)
@@ -267,7 +271,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             return paged.decode(module, raw_query, None), None
         if quant is None:
             with sdpa_backends(query):
-                if _packs_gqa(query, key, attention_mask):
+                if _packs_gqa(query, key, attention_mask, kwargs):
                     output, weights = _decode_sdpa_packed(query, key, value, attention_mask,
                                                           kwargs.get("scaling") or module.scaling), None
                 else:
