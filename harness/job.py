@@ -75,6 +75,8 @@ class RunConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.kernel_check_every < 1:
             raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
+        if self.decode == "graph" and not str(self.device).startswith("cuda"):
+            raise ValueError(f"--decode graph replays CUDA graphs: it needs a CUDA device, not {self.device!r}")
 
     @property
     def batched(self) -> bool:

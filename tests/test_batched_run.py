@@ -89,3 +89,12 @@ def test_scale_bench_canary_snippet_is_valid_python():
     from benchmarks import scale_bench
 
     compile(scale_bench.CANARY_SNIPPET, "benchmarks/scale_bench.py:CANARY_SNIPPET", "exec")
+
+
+def test_graph_decode_on_the_cpu_is_refused_before_any_work(tiny_models, tmp_path, capsys):
+    """`--decode graph` needs CUDA: refused as input (exit 2, the flag named), nothing run or stored."""
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "bf16", "--no-progress",
+                 "--model", str(tiny_models["gqa"]), "--decode", "graph"]) == 2
+    assert "--decode graph" in capsys.readouterr().err
+    assert not (out / "records.jsonl").exists()
