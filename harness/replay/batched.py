@@ -374,12 +374,12 @@ class BatchedEngine:
         longest = max((len(p) + n for p, n in items), default=0)
         return self._in_batches(items, self._generate_batch, longest)
 
-    def _start_batch(self, prompts: list[list[int]]):
+    def _start_batch(self, prompts: list[list[int]], masked: bool = False):
         """Left-padded ids, mask and positions of a batch, and a fresh cache of this path whose FP8 layers count
-        their write statistics per row: what generation and scoring both start from."""
+        their write statistics per row: what generation (growing or static: masked=True) and scoring start from."""
         ids, mask = left_pad(prompts, self.pad, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        step = StepState(valid=mask)
+        step = StepState(valid=mask, masked=masked)
         stats = RowWriteStats(len(prompts), self.device, step)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
@@ -413,11 +413,13 @@ class BatchedEngine:
         self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
         return self._generate_dynamic(items)
 
-    def _finish_rows(self, finite_and_next: list, live: list[int], where: Sequence[int], outputs: list[list[int]],
-                     finish: list, limits: list[int]) -> list[int]:
-        """One decode step's host bookkeeping: live[i]'s logits are at batch position where[i] of
-        finite_and_next ([finite flags, next ids]); a row ends on non-finite logits, EOS or its token limit.
-        Returns the i of the rows that go on."""
+    def _finish_rows(self, logits: torch.Tensor, live: list[int], where: Sequence[int], outputs: list[list[int]],
+                     finish: list, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """One decode step's host bookkeeping: live[i]'s logits are row where[i] of logits [batch, vocab]; a row
+        ends on non-finite logits, EOS or its token limit. Returns the next ids [batch] (kept on the device as the
+        next forward's input) and the i of the rows that go on. Its `.tolist()` is the step's one host sync."""
+        on_device = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
+        finite_and_next = on_device.tolist()
         keep = []
         for i, (row, at) in enumerate(zip(live, where)):
             if not finite_and_next[0][at]:
@@ -430,7 +432,18 @@ class BatchedEngine:
                     finish[row] = "length"
                 else:
                     keep.append(i)
-        return keep
+        return on_device[1], keep
+
+    def _row_results(self, outputs: list[list[int]], finish: list, stats: RowWriteStats,
+                     agreements: RowAgreements | None) -> list[RowResult]:
+        """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement."""
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        records = stats.row_records() if fp8_path else [None] * len(outputs)
+        if agreements is not None:
+            for record, agreement in zip(records, agreements.records()):
+                record.update(agreement)
+        self.on_batch("generate", len(outputs))
+        return [RowResult(tokens, reason or "length", record) for tokens, reason, record in zip(outputs, finish, records)]
 
     def _fall_back(self, why: str) -> None:
         if why not in self.decode_fallbacks:
@@ -449,11 +462,7 @@ class BatchedEngine:
         try:
             logits = self._prefill(ids, mask, positions, cache, step)
             for decode_step in range(max(limits, default=0)):
-                # the step's one host sync; the next ids also stay on the device as the next forward's input
-                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
-                step_ids = finite_and_next[1]
-                finite_and_next = finite_and_next.tolist()
-                keep = self._finish_rows(finite_and_next, live, range(len(live)), outputs, finish, limits)
+                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
                 if not keep:
                     break
                 if len(keep) < len(live):
@@ -469,12 +478,7 @@ class BatchedEngine:
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         finally:
             attention.active_cache.reset(token)
-        records = stats.row_records() if fp8_path else [None] * rows
-        if agreements is not None:
-            for record, agreement in zip(records, agreements.records()):
-                record.update(agreement)
-        self.on_batch("generate", rows)
-        return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+        return self._row_results(outputs, finish, stats, agreements)
 
     def _generate_static(self, items: list[tuple[list[int], int]], graph: bool) -> list[RowResult]:
         """`_generate_dynamic` over `StaticColumns` storage: left-padded rows write the same column each step, so
@@ -484,16 +488,9 @@ class BatchedEngine:
         tokens are dropped; the batch ends when every row has finished."""
         prompts, limits = [p for p, _ in items], [n for _, n in items]
         rows = len(prompts)
-        ids, mask = left_pad(prompts, self.pad, self.device)
+        ids, mask, positions, step, stats, cache = self._start_batch(prompts, masked=True)
         width = ids.shape[1]
         max_len = width + max(limits, default=0)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        step = StepState(valid=mask, masked=True)
-        stats = RowWriteStats(rows, self.device, step)
-        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
-        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
-        if fp8_path:
-            _route_stats(cache, stats, self.device)
         static = StaticColumns(max_len)
         try:
             make_static(cache, static)
@@ -510,10 +507,7 @@ class BatchedEngine:
             logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
             decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
             for decode_step in range(max(limits, default=0)):
-                finite_and_next = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)])
-                step_ids = finite_and_next[1]
-                finite_and_next = finite_and_next.tolist()
-                keep = self._finish_rows(finite_and_next, live, live, outputs, finish, limits)
+                step_ids, keep = self._finish_rows(logits, live, live, outputs, finish, limits)
                 if not keep:
                     break
                 kept = [live[i] for i in keep]
@@ -522,12 +516,7 @@ class BatchedEngine:
                 live = kept
         finally:
             attention.active_cache.reset(token)
-        records = stats.row_records() if fp8_path else [None] * rows
-        if agreements is not None:
-            for record, agreement in zip(records, agreements.records()):
-                record.update(agreement)
-        self.on_batch("generate", rows)
-        return [RowResult(outputs[r], finish[r] or "length", records[r]) for r in range(rows)]
+        return self._row_results(outputs, finish, stats, agreements)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
                         seen: torch.Tensor) -> torch.Tensor:
