@@ -1,12 +1,15 @@
 """The folders of `harness/` are stages of one flow; a module may import its own and earlier stages only.
 
 The order is the one `docs/ARCHITECTURE.md` draws. Imports under `if TYPE_CHECKING:` are annotations, not
-dependencies, and are skipped. `kernels/` must import without `harness`.
+dependencies, and are skipped; relative imports are resolved against the importing module's package.
+`reports/` renders stored runs: it may read `harness.analysis` (pure functions) and earlier stages, never
+replay, runs or an entry point. `kernels/` must import without `harness`.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,8 @@ STAGES = {
     "harness.judges": 6,
     "harness.runs": 7,
 }
+# reports/ sits beside harness/runs (stage 7) but only reads plain data: it may import up to stage 4.
+REPORTS_STAGE = 4
 ENTRY = 99
 ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
                  "harness.pytest_plugin", "harness.nightly", "harness.zoo", "harness.canary.train",
@@ -42,12 +47,23 @@ def stage_of(module: str) -> int | None:
     return STAGES[max(matches, key=len)] if matches else None
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+def absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str | None:
+    """The absolute module an `from ... import` names; `from .x import y` in harness.replay.a -> harness.replay.x."""
+    if node.level == 0:
+        return node.module
+    package = importer.split(".") if is_package else importer.split(".")[:-1]
+    if node.level - 1 > len(package) - 1:
+        return None  # beyond the top package: Python itself refuses it
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported_modules(tree: ast.AST, importer: str = "", is_package: bool = False) -> list[tuple[int, str]]:
     """(line, module) of every import, leaving out `if TYPE_CHECKING:` blocks."""
     skipped: set[int] = set()
     for node in ast.walk(tree):
@@ -59,8 +75,27 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
             continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute(node, importer, is_package)
+            if module:
+                found += [(node.lineno, module)] + [(node.lineno, f"{module}.{a.name}") for a in node.names]
+    return found
+
+
+def backward_imports(root: Path) -> list[str]:
+    """Every import under `root`'s harness/ and reports/ that points against the flow."""
+    found = []
+    for path in sorted([*(root / "harness").rglob("*.py"), *(root / "reports").rglob("*.py")]):
+        importer = module_name(path, root)
+        own = REPORTS_STAGE if importer.split(".")[0] == "reports" else stage_of(importer)
+        if own is None:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for line, imported in imported_modules(tree, importer, path.name == "__init__.py"):
+            theirs = stage_of(imported) if imported.startswith("harness.") else None
+            if theirs is not None and theirs > own:
+                found.append(f"{path.relative_to(root)}:{line}: {importer} (stage {own}) imports "
+                             f"{imported} (stage {theirs})")
     return found
 
 
@@ -71,28 +106,29 @@ def test_every_harness_module_has_a_stage():
 
 
 def test_imports_point_from_later_stages_to_earlier_ones():
-    backwards = []
-    for path in sorted((ROOT / "harness").rglob("*.py")):
-        importer = module_name(path)
-        own = stage_of(importer)
-        if own is None:
-            continue
-        for line, imported in imported_modules(ast.parse(path.read_text(), str(path))):
-            theirs = stage_of(imported) if imported.startswith("harness.") else None
-            if theirs is not None and theirs > own:
-                backwards.append(f"{path.relative_to(ROOT)}:{line}: {importer} (stage {own}) imports "
-                                 f"{imported} (stage {theirs})")
+    backwards = backward_imports(ROOT)
     assert not backwards, "imports against the flow:\n" + "\n".join(backwards)
 
 
-@pytest.mark.parametrize("source", [
-    "import harness.scenarios.load\nfrom harness.runs.store import RunStore\n",
+@pytest.mark.parametrize("planted, source, caught", [
+    # an absolute import of the store from a stage-1 module
+    ("harness/scenarios/planted.py", "from harness.runs.store import RunStore\n", True),
+    # the same through a relative import
+    ("harness/scenarios/planted.py", "from ..runs import store\n", True),
+    # a report importing replay
+    ("reports/planted.py", "from harness.replay.runner import replay\n", True),
+    # allowed: the same stage, an earlier stage, and an annotation-only import
+    ("harness/runs/planted.py", "from . import store\nfrom harness.analysis import verdicts\n", False),
+    ("harness/kv_paths/planted.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    from harness.replay.runner import replay\n", False),
 ])
-def test_the_checker_sees_a_backward_import(source):
-    """The rule above is not vacuous: a stage-1 module importing the store is caught."""
-    imports = imported_modules(ast.parse(source))
-    assert any(stage_of(m) == STAGES["harness.runs"] for _, m in imports)
-    assert stage_of("harness.scenarios.load") < stage_of("harness.runs.store")
+def test_the_checker_catches_a_planted_import(tmp_path, planted, source, caught):
+    """The rule is not vacuous: a file planted in a copy of the tree is scanned and judged."""
+    for folder in ("harness", "reports"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    (tmp_path / planted).write_text(source)
+    found = [line for line in backward_imports(tmp_path) if line.startswith(planted)]
+    assert bool(found) == caught, found
 
 
 def test_kernels_import_without_harness():

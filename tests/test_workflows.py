@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -20,8 +21,24 @@ def tool(name: str) -> str:
     return found
 
 
-def test_there_is_a_nightly_workflow():
-    assert (WORKFLOWS / "nightly.yml").is_file()
+def nightly_commands() -> list[str]:
+    """The shell of every step of the nightly workflow, one string per step."""
+    workflow = yaml.safe_load((WORKFLOWS / "nightly.yml").read_text())
+    return [step["run"] for job in workflow["jobs"].values() for step in job["steps"] if "run" in step]
+
+
+@pytest.mark.parametrize("tier, needles", [
+    # the GPU test tier: every gpu-marked test (kernels vs fp64, graph decode, fused writes), slow ones too
+    ("tests -m gpu", ("pytest tests", "-m gpu", "--gpu", "--slow")),
+    # the in-process gate: canaries x canary scenarios x default paths through our kernels, against last night
+    ("pytest harness --gpu", ("pytest harness", "--gpu", "--baseline")),
+    # the stress canaries through `harness nightly`
+    ("stress suite", ("harness.cli nightly", "--suite stress", "--device cuda")),
+])
+def test_the_nightly_runs_each_gpu_tier(tier, needles):
+    """Each tier is a command of the nightly job, not only a file that exists."""
+    assert any(all(needle in command for needle in needles) for command in nightly_commands()), \
+        f"no nightly step runs {tier} (looked for {needles})"
 
 
 def test_workflows_pass_actionlint():
