@@ -2,6 +2,7 @@
 which layers to keep in BF16, and scales to ship.
 
   harness attention [run options]         `harness run --attention isolated` plus an attention summary
+(subcommands of the one `harness` parser, harness/cli.py)
   harness sensitivity --model DIR         FP8 on one attention layer at a time; ranking + precision map
   harness calibrate --model DIR --out D   k_scale/v_scale (and q/prob) files engines load
 """
@@ -14,49 +15,36 @@ import math
 import sys
 from pathlib import Path
 
-COMMANDS = ("attention", "sensitivity", "calibrate")
 
-
-def main(argv: list[str]) -> int:
-    command, rest = argv[0], argv[1:]
-    try:
-        if command == "attention":
-            return attention(rest)
-        args = _parser(command).parse_args(rest)
-        return sensitivity(args) if command == "sensitivity" else calibrate(args)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
-def _parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"harness {command}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
+    """`harness calibrate`'s options (the CLI adds --device)."""
     parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="local transformers model directory")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
-    parser.add_argument("--out", type=Path, required=command == "calibrate", metavar="DIR",
-                        help="where the files go" + ("" if command == "calibrate" else " (default: runs/sensitivity-<model>)"))
-    if command == "calibrate":
-        parser.add_argument("--calibration", action="append", type=Path, metavar="PATH",
-                            help="scenario file(s) whose chats calibrate (default: the built-in set)")
-        parser.add_argument("--granularity", choices=["per_tensor", "per_head"], default="per_tensor")
-        parser.add_argument("--format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format the scales are for")
-        parser.add_argument("--shape", choices=["scalar", "one"], default="scalar",
-                            help="a per-tensor scale as shape [] (scalar) or [1] (one)")
-        parser.add_argument("--attention-scales", action="store_true",
-                            help="also q_scale and prob_scale (FP8 attention paths)")
-    else:
-        parser.add_argument("--path", default="fp8_e4m3", metavar="SPEC", help="the FP8 path to scan (default: fp8_e4m3)")
-        parser.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
-                            help="scenario file or directory (default: scenarios/canary/*.yaml)")
-        parser.add_argument("--max-turns", type=int, default=6, metavar="N", help="turns replayed per measurement")
-        parser.add_argument("--budget", type=float, metavar="KL",
-                            help="teacher-forced kl_mean the mixed path may reach (default: half the all-FP8 path's)")
-        parser.add_argument("--bisect-above", type=int, default=16, metavar="N",
-                            help="bisect over groups when the model has more attention layers than this")
-        parser.add_argument("--scales", type=Path, metavar="FILE", help="scales file for ':checkpoint' paths")
-        parser.add_argument("--no-progress", action="store_true")
-    return parser
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the files go")
+    parser.add_argument("--calibration", action="append", type=Path, metavar="PATH",
+                        help="scenario file(s) whose chats calibrate (default: the built-in set)")
+    parser.add_argument("--granularity", choices=["per_tensor", "per_head"], default="per_tensor",
+                        help="one scale per layer (per_tensor, default) or per KV head")
+    parser.add_argument("--format", choices=["e4m3", "e5m2"], default="e4m3", help="FP8 format the scales are for")
+    parser.add_argument("--shape", choices=["scalar", "one"], default="scalar",
+                        help="a per-tensor scale as shape [] (scalar) or [1] (one)")
+    parser.add_argument("--attention-scales", action="store_true",
+                        help="also q_scale and prob_scale (FP8 attention paths)")
+
+
+def add_sensitivity_options(parser: argparse.ArgumentParser) -> None:
+    """`harness sensitivity`'s options (the CLI adds --device)."""
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="local transformers model directory")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="where the files go (default: runs/sensitivity-<model>)")
+    parser.add_argument("--path", default="fp8_e4m3", metavar="SPEC", help="the FP8 path to scan (default: fp8_e4m3)")
+    parser.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
+                        help="scenario file or directory (default: scenarios/canary/*.yaml)")
+    parser.add_argument("--max-turns", type=int, default=6, metavar="N", help="turns replayed per measurement")
+    parser.add_argument("--budget", type=float, metavar="KL",
+                        help="teacher-forced kl_mean the mixed path may reach (default: half the all-FP8 path's)")
+    parser.add_argument("--bisect-above", type=int, default=16, metavar="N",
+                        help="bisect over groups when the model has more attention layers than this")
+    parser.add_argument("--scales", type=Path, metavar="FILE", help="scales file for ':checkpoint' paths")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # ---------------------------------------------------------------- calibrate
@@ -171,31 +159,15 @@ def _print_sensitivity(body: dict, turns: int) -> None:
 # ---------------------------------------------------------------- attention
 
 
-def attention(rest: list[str]) -> int:
-    """`harness run` with attention capture on (isolated unless --attention says otherwise), then a
-    one-screen attention summary and the views under RUN/attention/."""
-    from harness import cli, job
+def show_attention(run_dir: Path) -> None:
+    """After `harness attention`'s run: the one-screen attention summary and the views under RUN/attention/."""
+    if not (run_dir / "attention.jsonl").is_file():
+        return
+    print(format_attention_summary(run_dir))
+    from reports import attention_plots
 
-    if "-h" in rest or "--help" in rest:
-        print("usage: harness attention [harness run options]\n  runs `harness run --attention isolated ...` "
-              "(any run option, e.g. --model, --paths, --scales, --attention end-to-end, --attention-heads N) "
-              "and prints where each path's attention error is")
-        return 0
-    argv = list(rest)
-    if not any(a == "--attention" or a.startswith("--attention=") for a in argv):
-        argv = ["--attention", "isolated", *argv]
-    if not any(a == "--out" or a.startswith("--out=") for a in argv):
-        argv += ["--out", str(job.new_run_dir())]
-    out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else Path(
-        next(a for a in argv if a.startswith("--out=")).split("=", 1)[1])
-    code = cli.main(["run", *argv])
-    if (out / "attention.jsonl").is_file():
-        print(format_attention_summary(out))
-        from reports import attention_plots
-
-        for figure in attention_plots.run_figures(out, out / "attention"):
-            print(f"view: {out / 'attention' / figure['file']}")
-    return code
+    for figure in attention_plots.run_figures(run_dir, run_dir / "attention"):
+        print(f"view: {run_dir / 'attention' / figure['file']}")
 
 
 def format_attention_summary(run_dir: Path) -> str:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
-from harness import __version__
+from harness import __version__, attention_cli
 from harness.kv_paths.spec import DEFAULT_PATHS, PathSpecError
 from harness.records import scrub_credentials
 
@@ -32,6 +31,9 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
   kernel=NAME   decode through: triton (default on CUDA) | dequant (dequantise-everything workaround) |
                 reference | package.module:function (your own; contract in docs/CONTRACTS.md)
 """
+
+
+DEVICE_HELP = "cpu | cuda | cuda:N | auto (cuda when torch sees a GPU, else cpu); default: cpu"
 
 
 def _bounded_int(low: int, high: int | None):
@@ -56,63 +58,14 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="replay scenarios and store a run", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--model", action="append", type=Path, metavar="DIR",
-                     help="local transformers model directory (repeatable); default: the bundled canaries")
-    run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
-                     help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
-    run.add_argument("--select", action="append", metavar="TERMS",
-                     help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
-                          "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
-                          "matched against id, tags and kind; e.g. --select kind:recall,id:canary-arith-1")
-    run.add_argument("--models", action="append", metavar="LABELS",
-                     help="keep only the models with these labels (directory names, comma-separated), "
-                          "of --model or the bundled canaries; e.g. --models mla,hybrid")
-    run.add_argument("--paths", default=None, metavar="SPECS",
-                     help="comma-separated KV path specs (see below); bf16 is always added (noise floor). "
-                          "default: " + ", ".join(DEFAULT_PATHS.split(",")))
-    run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
-    run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
-    run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
-                     help="what earlier turns a path sees: the reference's replies or its own")
-    run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
-                     help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
-    run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
-    run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
-                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
-    run.add_argument("--scales", type=Path, metavar="FILE",
-                     help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
-                          "(default: the model directory's *.safetensors)")
-    _add_attention_options(run)
-    live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
-    live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
-    live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
-    live.add_argument("--judge", metavar="URL", help="OpenAI-compatible server whose model grades replies 1-5")
-    live.add_argument("--judge-turns", choices=["diverged", "all"], default="diverged",
-                      help="turns the LLM judge sees (default: only turns that diverged)")
-    live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
-    live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
-    _add_endpoint_options(live)
+    _add_run_options(run)
     serve = commands.add_parser("serve", help="serve a model with a KV path over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", type=Path, metavar="DIR", help="default: the bundled GQA canary")
     serve.add_argument("--path", default="bf16", metavar="SPEC", help="KV path spec, or 'reference' (default: bf16)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
-    serve.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
-    run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
-                     help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
-    run.add_argument("--batch-size", type=int, default=None, metavar="N",
-                     help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
-                          "GPU memory, halved on out-of-memory; one at a time on CPU)")
-    run.add_argument("--kernel-check-every", type=int, default=16, metavar="STEPS",
-                     help="batched replay: check the FP8 decode kernel against fp64 every STEPS decode steps (default: 16)")
-    run.add_argument("--decode", choices=("auto", "dynamic", "static", "graph"), default="auto",
-                     help="batched replay's decode: a growing cache (dynamic), a preallocated one written in place "
-                          "(static), or static with every decode step one CUDA graph replay (graph); default auto: "
-                          "graph on CUDA, dynamic elsewhere")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--no-fail-on-verdict", action="store_true",
-                     help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
+    _add_device(serve)
     report = commands.add_parser("report", help="(re-)render a stored run's HTML report")
     report.add_argument("run", type=Path, metavar="RUN", help="a stored run directory (holds manifest.json)")
     report.add_argument("--out", type=Path, metavar="DIR", help="default: RUN/report")
@@ -130,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("--model", action="append", type=Path, metavar="DIR", help="default: the bundled canaries")
     nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
     nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
-    nightly.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
+    _add_device(nightly)
     nightly.add_argument("--suite", choices=("default", "stress", "all"), default="default",
                          help="default: --model/--scenarios/--paths; stress: the stress canaries (their own models, "
                               "scenarios and paths; histories under DIR/stress/; on the CPU one 16k-token needle)")
@@ -139,7 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: runs/<time>-zoo)")
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
-    zoo.add_argument("--device", default="cpu", help="cpu | cuda (cuda adds class 4: our MLA kernel vs the workaround)")
+    _add_device(zoo, "; cuda adds class 4: our MLA kernel vs the workaround")
     zoo.add_argument("--stress", action="store_true",
                      help="also the other stress variants (measured, not asserted) and the long-context canary on its "
                           "16k-token needles (RUN_DIR/long-context; bf16 and calibrated e4m3 asserted healthy; the "
@@ -153,11 +106,78 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv",
                         help="csv (default) or parquet (needs pyarrow); one row per model, scenario, path, turn, metric")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
-    for name, text in (("attention", "harness run --attention isolated, plus where each path's attention broke"),
-                       ("sensitivity", "FP8 on one attention layer at a time: ranking and a per-layer precision map"),
-                       ("calibrate", "write k_scale/v_scale files vLLM and SGLang load (and :checkpoint reads)")):
-        commands.add_parser(name, help=text, add_help=False)  # parsed by harness.attention_cli
+    attention = commands.add_parser("attention", help="harness run --attention isolated, plus where each path's "
+                                    "attention broke (takes every run option)", epilog=EPILOG,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_options(attention, attention_default="isolated")
+    sensitivity = commands.add_parser("sensitivity", help="FP8 on one attention layer at a time: ranking and a "
+                                      "per-layer precision map")
+    attention_cli.add_sensitivity_options(sensitivity)
+    _add_device(sensitivity)
+    calibrate = commands.add_parser("calibrate", help="write k_scale/v_scale files vLLM and SGLang load (and "
+                                    ":checkpoint reads)")
+    attention_cli.add_calibrate_options(calibrate)
+    _add_device(calibrate)
     return parser
+
+
+def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None = None) -> None:
+    """`harness run`'s options; `harness attention` takes the same with capture on by default."""
+    run.add_argument("--model", action="append", type=Path, metavar="DIR",
+                     help="local transformers model directory (repeatable); default: the bundled canaries")
+    run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
+                     help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--select", action="append", metavar="TERMS",
+                     help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
+                          "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
+                          "matched against id, tags and kind; e.g. --select kind:recall,id:canary-arith-1")
+    run.add_argument("--models", action="append", metavar="LABELS",
+                     help="keep only the models with these labels (directory names, comma-separated), "
+                          "of --model or the bundled canaries; e.g. --models mla,hybrid")
+    run.add_argument("--paths", default=None, metavar="SPECS",
+                     help="comma-separated KV path specs (see below); bf16 is always added (noise floor). "
+                          "default: " + ", ".join(DEFAULT_PATHS.split(",")))
+    run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
+    _add_device(run)
+    run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
+                     help="what earlier turns a path sees: the reference's replies or its own")
+    run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
+                     help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
+    run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
+                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+    run.add_argument("--scales", type=Path, metavar="FILE",
+                     help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
+                          "(default: the model directory's *.safetensors)")
+    _add_attention_options(run, attention_default)
+    live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
+    live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
+    live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
+    live.add_argument("--judge", metavar="URL", help="OpenAI-compatible server whose model grades replies 1-5")
+    live.add_argument("--judge-turns", choices=["diverged", "all"], default="diverged",
+                      help="turns the LLM judge sees (default: only turns that diverged)")
+    live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
+    live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
+    _add_endpoint_options(live)
+    run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
+                     help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
+    run.add_argument("--batch-size", type=int, default=None, metavar="N",
+                     help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
+                          "GPU memory, halved on out-of-memory; one at a time on CPU)")
+    run.add_argument("--kernel-check-every", type=int, default=16, metavar="STEPS",
+                     help="batched replay: check the FP8 decode kernel against fp64 every STEPS decode steps (default: 16)")
+    run.add_argument("--decode", choices=("auto", "dynamic", "static", "graph"), default="auto",
+                     help="batched replay's decode: a growing cache (dynamic), a preallocated one written in place "
+                          "(static), or static with every decode step one CUDA graph replay (graph); default auto: "
+                          "graph on CUDA, dynamic elsewhere")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-fail-on-verdict", action="store_true",
+                     help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
+
+
+def _add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """--device, declared once for every command that loads a model."""
+    parser.add_argument("--device", default="cpu", metavar="DEVICE", help=DEVICE_HELP + note)
 
 
 def _add_endpoint_options(live) -> None:
@@ -226,13 +246,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _nightly(args: argparse.Namespace) -> int:
-    from harness import job
     from harness.nightly import run_nights
+    from harness.run_config import build_run_config
 
-    fields = dict(models=tuple(args.model or ()) or job.default_models()[0],
-                  scenario_paths=tuple(args.scenarios or job.default_scenarios()),
-                  paths=job.parse_kv_paths(args.paths or job.DEFAULT_PATHS), device=job.resolve_device(args.device),
-                  command=shlex.join(["harness", *sys.argv[1:]]))
+    night = build_run_config(command=["harness", *sys.argv[1:]], device=args.device, models=args.model,
+                             scenario_paths=args.scenarios, paths=args.paths)
+    fields = dict(models=night.models, scenario_paths=night.scenario_paths, paths=night.paths, device=night.device,
+                  command=night.command)
     nights = run_nights(args.history, fields, args.suite, args.night)
     for name, night in nights:
         prefix = "" if name == "default" else f"[{name}] "
@@ -251,9 +271,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from harness.run_config import resolve_device
     from harness.serve import serve
 
-    serve(args.model, args.path, args.host, args.port, args.device)
+    serve(args.model, args.path, args.host, args.port, resolve_device(args.device))
     return 0
 
 
@@ -282,6 +303,7 @@ def _say(message: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
+    from harness.run_config import build_run_config
     from harness.runs.status import run_exit_code
     from harness.runs.library_log import quiet_libraries
     from harness.runs.store import RunStoreError
@@ -309,18 +331,16 @@ def _run(args: argparse.Namespace) -> int:
     try:
         parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
         models = select_models(models, args.models or ())
-        config = job.RunConfig(
-            models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
-            paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
-            out=args.out or job.new_run_dir(),
-            device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
-            calibration_paths=tuple(args.calibration or ()), reference_url=args.reference,
-            candidate_urls=tuple(args.candidate or ()), judge_url=args.judge, judge_selection=args.judge_turns,
-            api_key_env=args.api_key_env, tokenizer=args.tokenizer,
+        config = build_run_config(
+            command=["harness", *sys.argv[1:]], out=args.out, device=args.device, models=models,
+            scenario_paths=args.scenarios, paths=args.paths, select=tuple(args.select or ()),
+            history_mode=args.history_mode, resume=args.resume, calibration_paths=tuple(args.calibration or ()),
+            reference_url=args.reference, candidate_urls=tuple(args.candidate or ()), judge_url=args.judge,
+            judge_selection=args.judge_turns, api_key_env=args.api_key_env, tokenizer=args.tokenizer,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
-            command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
+            **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
@@ -372,12 +392,13 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[t
 
 def _zoo(args: argparse.Namespace) -> int:
     from harness import job
+    from harness.run_config import resolve_device, stored_command
     from harness.zoo import run_zoo
 
     default = job.new_run_dir()
     out = args.out or default.with_name(default.name + "-zoo")
-    detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, job.resolve_device(args.device),
-                        args.jobs, shlex.join(["harness", *sys.argv[1:]]), stress=args.stress)
+    detection = run_zoo(out, tuple(args.scenarios) if args.scenarios else None, resolve_device(args.device),
+                        args.jobs, stored_command(["harness", *sys.argv[1:]]), stress=args.stress)
     print(detection["markdown"])
     for case in detection["spec_cases"]:
         print(f"class 5 {'ok ' if case['ok'] else 'BAD'} {case['spec']} ({case['model'] or 'any model'}): {case['got']}")
@@ -394,22 +415,29 @@ def _judge_scores(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attention(args: argparse.Namespace) -> int:
+    """`harness run` with capture on (isolated unless --attention says otherwise), then where the error is."""
+    from harness import job
+
+    args.out = args.out or job.new_run_dir()
+    code = _run(args)
+    attention_cli.show_attention(args.out)
+    return code
+
+
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
-            "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores}
+            "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores, "attention": _attention,
+            "sensitivity": attention_cli.sensitivity, "calibrate": attention_cli.calibrate}
+REPLAYS = ("run", "attention")  # commands whose interruption leaves a resumable run
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("attention", "sensitivity", "calibrate"):
-        from harness import attention_cli
-
-        return attention_cli.main(argv)
-    args = _build_parser().parse_args(argv)
-    if args.command == "run":
+    args = _build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command in REPLAYS:
         signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted
         # ...through SIGINT, which a shell's background job (a CI step, `cmd &`) starts with ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        return _run(args)
+        return COMMANDS[args.command](args)
     try:
         return COMMANDS[args.command](args)
     except (FileNotFoundError, ValueError, RuntimeError) as error:

@@ -53,8 +53,8 @@ def nights(history: Path) -> list[Path]:
 
 def run_night(history: Path, config_fields: dict, night: str | None = None) -> NightResult:
     """Run tonight (RunConfig fields other than `out`), compare with the last night, re-render the trend."""
-    from harness import job
     from harness.analysis.verdicts import failing_paths
+    from harness.run_config import build_run_config
     from harness.runs.compare import compare_runs
     from harness.runs.gate import run_matrix
 
@@ -63,7 +63,9 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
     out = history / "nights" / name
     if out.exists():
         raise ValueError(f"night {out} already exists; choose another --night")
-    job.run_job(job.RunConfig(out=out, **config_fields))
+    from harness import job
+
+    job.run_job(build_run_config(out=out, **config_fields))
     failing = failing_paths(run_matrix(out))
     compare_line, regressed = None, False
     if previous:

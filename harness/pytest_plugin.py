@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -185,18 +184,18 @@ class HarnessSession:
         """Replay `model` over the selected scenarios and paths once in this process; the part's directory."""
         if model not in self.parts:
             from harness import job
+            from harness.run_config import build_run_config
 
             chosen = self.selected[model]
             worker = getattr(self.config, "workerinput", {}).get("workerid", "main")
             out = self.run_dir.with_name(self.run_dir.name + ".parts") / f"{worker}-{model}"
             self.parts[model] = out
-            paths = () if self.reference else job.parse_kv_paths(",".join(chosen["paths"]))
-            config = job.RunConfig(
-                models=() if self.reference else (Path(chosen["dir"]),), scenario_paths=self.scenario_paths,
-                paths=paths, out=out, device=self.device(), reference_url=self.reference,
-                candidate_urls=self.candidates, judge_url=self.config.getoption("judge_endpoint"),
-                thresholds=self.thresholds, scenario_ids=tuple(chosen["scenarios"]),
-                attention=self._attention(), command=shlex.join(["pytest", *self.config.invocation_params.args]))
+            config = build_run_config(
+                models=(Path(chosen["dir"]),), scenario_paths=self.scenario_paths, paths=",".join(chosen["paths"]),
+                out=out, device=self.device(), reference_url=self.reference, candidate_urls=self.candidates,
+                judge_url=self.config.getoption("judge_endpoint"), thresholds=self.thresholds,
+                scenario_ids=tuple(chosen["scenarios"]), attention=self._attention(),
+                command=["pytest", *self.config.invocation_params.args])
             job.run_job(config, warn=lambda message: print(message, file=sys.stderr))
         return self.parts[model]
 
@@ -218,7 +217,9 @@ class HarnessSession:
         from harness.runs.gate import write_verdicts
         from harness.runs.merge import merge_runs
 
-        store = merge_runs(parts, self.run_dir, shlex.join(["pytest", *self.config.invocation_params.args]))
+        from harness.run_config import stored_command
+
+        store = merge_runs(parts, self.run_dir, stored_command(["pytest", *self.config.invocation_params.args]))
         write_verdicts(store, list(self.thresholds))
         self.lines += [f"stored run: {self.run_dir}", f"report: {job.write_report(self.run_dir)}"]
         baseline = self.config.getoption("baseline")

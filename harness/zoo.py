@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.analysis.detection import MatrixEntry, MatrixRow, detection_matrix, format_matrix
-from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, parse_kv_paths, run_job
+from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, run_job
+from harness.run_config import build_run_config
 from harness.kv_paths.spec import PathSpecError, parse_path
 
 DETECTION_FILE = "detection.json"
@@ -169,9 +170,9 @@ def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEnt
     paths = list(dict.fromkeys(["bf16", *(e.path for e in entries)]))
     by_model = tuple((str(CANARY_WEIGHTS / m), tuple(dict.fromkeys(["bf16", *(e.path for e in entries
                                                                          if e.model == m)]))) for m in models)
-    return RunConfig(models=tuple(CANARY_WEIGHTS / m for m in models), scenario_paths=scenario_paths,
-                     paths=parse_kv_paths(",".join(paths)), out=out, device=device, jobs=jobs, command=command,
-                     paths_by_model=by_model, select=select)
+    return build_run_config(models=tuple(CANARY_WEIGHTS / m for m in models), scenario_paths=scenario_paths,
+                            paths=",".join(paths), out=out, device=device, jobs=jobs, command=command,
+                            paths_by_model=by_model, select=select)
 
 
 def long_context_config(out: Path, device: str = "cpu", command: str = "harness zoo --stress") -> RunConfig:

@@ -37,7 +37,7 @@ ENTRY = 99
 ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
                  "harness.pytest_plugin", "harness.nightly", "harness.zoo", "harness.canary.train",
                  "harness.canary.retrain", "harness.canary.record_accuracy", "harness.canary.make_scenarios",
-                 "harness.canary.check_variant", "harness.attention_cli")
+                 "harness.canary.check_variant", "harness.attention_cli", "harness.run_config")
 
 
 def stage_of(module: str) -> int | None:

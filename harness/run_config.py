@@ -1,0 +1,46 @@
+"""The one place a run's configuration is built: defaults, device resolution, the stored command, the run directory.
+
+`harness run`, `harness attention`, `harness nightly`, `harness zoo` and `pytest harness` all build their
+`RunConfig` here, so a default (models, scenarios, KV paths), the device check and the credential scrub of the
+stored command are the same whichever front door a run came through.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scenarios, new_run_dir, parse_kv_paths,
+                         resolve_device)
+from harness.kv_paths.spec import KVPath
+from harness.records import scrub_credentials
+
+__all__ = ["build_run_config", "resolve_device", "stored_command"]
+
+
+def stored_command(command: str | Sequence[str]) -> str:
+    """The command line as the manifest keeps it: one shell string, API keys and tokens scrubbed."""
+    return scrub_credentials(command if isinstance(command, str) else shlex.join(command))
+
+
+def build_run_config(*, command: str | Sequence[str], out: Path | None = None, device: str = "cpu",
+                     models: Sequence[Path] | None = None, scenario_paths: Sequence[Path] | None = None,
+                     paths: str | Sequence[KVPath] | None = None, warn: Callable[[str], None] | None = None,
+                     **fields) -> RunConfig:
+    """A checked `RunConfig`. Left out: the bundled canaries (random-weight stand-ins with a warning when none
+    are trained), the canary scenarios, the default KV paths (`bf16` always added), a new `runs/<time>-<id>`.
+    An endpoint run (`reference_url`) has no in-process models or paths. Bad values raise ValueError naming
+    the flag."""
+    endpoint = bool(fields.get("reference_url"))
+    if endpoint:
+        models, kv_paths = (), ()
+    else:
+        if models is None:
+            models, warning = default_models()
+            if warning and warn:
+                warn(warning)
+        kv_paths = parse_kv_paths(paths or DEFAULT_PATHS) if paths is None or isinstance(paths, str) else tuple(paths)
+    return RunConfig(models=tuple(models), scenario_paths=tuple(scenario_paths or default_scenarios()),
+                     paths=kv_paths, out=out or new_run_dir(), device=resolve_device(device),
+                     command=stored_command(command), **fields)
