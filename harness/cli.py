@@ -274,7 +274,14 @@ def _serve(args: argparse.Namespace) -> int:
     from harness.run_config import resolve_device
     from harness.serve import serve
 
-    serve(args.model, args.path, args.host, args.port, resolve_device(args.device))
+    device = resolve_device(args.device)
+    if "," in device:
+        raise ValueError(f"--device {args.device}: harness serve runs one model on one device")
+    if device.startswith("cuda:"):  # the server's graphs, streams and kernel launches go to that GPU
+        import torch
+
+        torch.cuda.set_device(device)
+    serve(args.model, args.path, args.host, args.port, device)
     return 0
 
 

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -114,16 +114,32 @@ def parse_kv_paths(spec: str) -> tuple[KVPath, ...]:
 
 
 def resolve_device(device: str) -> str:
-    """`cpu`, `auto`, `cuda` or `cuda:N`; anything else is refused before a model loads."""
-    if device not in ("cpu", "auto", "cuda") and not re.fullmatch(r"cuda:\d+", device):
-        raise ValueError(f"--device {device}: unknown device; expected cpu, cuda, cuda:N or auto")
+    """`cpu`, `auto`, `cuda`, `cuda:N`, or several GPUs of this host for a data-parallel run: `cuda:0,1,3` or
+    `cuda:all` (returned as the list, e.g. `cuda:0,1`); anything else is refused before a model loads."""
+    if device not in ("cpu", "auto", "cuda", "cuda:all") and not re.fullmatch(r"cuda:\d+(,\d+)*", device):
+        raise ValueError(f"--device {device}: unknown device; expected cpu, cuda, cuda:N, cuda:N,M,..., cuda:all "
+                         f"or auto")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__})")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    count = torch.cuda.device_count()
+    if device == "cuda:all":
+        return "cuda" if count == 1 else "cuda:" + ",".join(map(str, range(count)))
+    if device.startswith("cuda:"):
+        indices = [int(i) for i in device[5:].split(",")]
+        if max(indices) >= count:
+            raise ValueError(f"--device {device}: torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"--device {device}: a GPU is named twice")
     return device
+
+
+def run_devices(device: str) -> list[str]:
+    """The devices of a resolved --device: one, or each GPU of a data-parallel run (`cuda:0,1` -> two)."""
+    if not re.fullmatch(r"cuda:\d+(,\d+)+", device):
+        return [device]
+    return [f"cuda:{i}" for i in device[5:].split(",")]
 
 
 def _git_commit() -> str | None:
@@ -163,7 +179,8 @@ def new_run_dir() -> Path:
 
 def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
     files = sorted({s.source for s in scenarios})
-    device = config.device if config.device == "cpu" else f"{config.device} ({torch.cuda.get_device_name()})"
+    device = config.device if config.device == "cpu" else \
+        f"{config.device} ({torch.cuda.get_device_name(run_devices(config.device)[0])})"
     return {
         "run_id": config.out.name, "status": "running", "command": config.command,
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "finished_at": None,
@@ -253,6 +270,10 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
 
 
 def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
+    devices = run_devices(config.device)
+    if len(devices) > 1:
+        _replay_data_parallel(config, devices, scenarios, calibration_chats, store, bar)
+        return
     jobs = min(config.jobs, len(config.models))
     if jobs <= 1 or config.device != "cpu":
         for directory in config.models:
@@ -265,6 +286,8 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
                   on_unit_done, warn) -> None:
     from harness.replay.inprocess import InProcessModel
 
+    if config.device.startswith("cuda:"):  # graphs, streams and kernel launches of this process go to that GPU
+        torch.cuda.set_device(config.device)
     loaded = InProcessModel.load(directory, device=config.device)
     loaded.calibration_chats = calibration_chats
     loaded.scales_file = config.scales_file
@@ -322,29 +345,86 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
     import concurrent.futures as futures
     import multiprocessing
 
-    done_before = len(store.read("done"))
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                      initializer=_worker_init, initargs=(config.out,)) as pool:
-        pending = {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
-                   for directory in config.models}
-        try:
-            while pending:
-                finished, pending = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
-                finished_units = len(store.read("done")) - done_before
-                if bar and finished_units != bar.n:
-                    bar.update(finished_units - bar.n)
-                for future in finished:
-                    future.result()  # a worker's exception stops the run here, its finished units kept
-        except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
-            for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
-                process.terminate()
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+        _wait_for_workers(pool, {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
+                                 for directory in config.models}, store, bar)
 
 
-def _worker_init(run_dir: Path | None = None) -> None:
-    """Model workers: one intra-op thread each, and they die with the parent (a killed run leaves no
-    orphan still writing into it). Library noise goes to the run's library.log, as in the parent."""
+def data_parallel_shards(models: tuple[Path, ...], scenarios: list[Scenario],
+                         devices: list[str]) -> list[list[tuple[Path, list[Scenario]]]]:
+    """Work for each GPU: (model, its scenarios) pairs. With at least as many models as GPUs each model stays
+    whole on one GPU (its batches, and so its records, are those of a one-GPU run); with fewer, a model's
+    scenarios are split in contiguous shards over the GPUs left, which changes batch composition (measured by
+    the run's batch-invariance floor). Largest first onto the least loaded GPU, by scenario count."""
+    per_model = max(1, len(devices) // max(len(models), 1))
+    pieces = []
+    for model in models:
+        shards = min(per_model, len(scenarios)) or 1
+        size = -(-len(scenarios) // shards)
+        pieces += [(model, scenarios[i:i + size]) for i in range(0, len(scenarios), size)] or [(model, [])]
+    load = [0] * len(devices)
+    plan: list[list[tuple[Path, list[Scenario]]]] = [[] for _ in devices]
+    for model, chunk in sorted(pieces, key=lambda piece: -len(piece[1])):
+        gpu = load.index(min(load))
+        plan[gpu].append((model, chunk))
+        load[gpu] += len(chunk)
+    return plan
+
+
+def _replay_data_parallel(config: RunConfig, devices: list[str], scenarios, calibration_chats, store: RunStore,
+                          bar) -> None:
+    """One worker process per GPU, each replaying its shards into the one run directory (the store's group
+    commit takes rows from several processes); the manifest records the layout."""
+    import concurrent.futures as futures
+    import multiprocessing
+
+    plan = data_parallel_shards(config.models, scenarios, devices)
+    whole = len(config.models) >= len(devices)
+    layout = {"kind": "data-parallel", "devices": devices,
+              "shards": {device: [{"model": model_label(m), "scenarios": [s.id for s in chunk]} for m, chunk in work]
+                         for device, work in zip(devices, plan)},
+              "batch_composition": "as on one GPU: every model whole on one GPU" if whole else
+              "differs from one GPU: a model's scenarios are split over GPUs (see noise_floor)"}
+    store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout))
+    with futures.ProcessPoolExecutor(len(devices), mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_worker_init, initargs=(config.out, 0)) as pool:
+        _wait_for_workers(pool, {pool.submit(_gpu_worker, replace(config, device=device), work, calibration_chats)
+                                 for device, work in zip(devices, plan) if work}, store, bar)
+
+
+def _gpu_worker(config: RunConfig, work: list[tuple[Path, list[Scenario]]], calibration_chats) -> None:
+    store = RunStore.attach(config.out)
+    for directory, chunk in work:
+        _replay_model(config, directory, chunk, calibration_chats, store, None,
+                      lambda message: print(message, file=sys.stderr))
+
+
+def _wait_for_workers(pool, pending: set, store: RunStore, bar) -> None:
+    """Progress from the store's done lines until every worker returns; a worker's error, Ctrl-C or SIGTERM
+    stops the others at once (their finished units are kept for --resume)."""
+    import concurrent.futures as futures
+
+    done_before = len(store.read("done"))
+    try:
+        while pending:
+            finished, pending = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
+            finished_units = len(store.read("done")) - done_before
+            if bar and finished_units != bar.n:
+                bar.update(finished_units - bar.n)
+            for future in finished:
+                future.result()  # a worker's exception stops the run here, its finished units kept
+    except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
+        for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def _worker_init(run_dir: Path | None = None, threads: int = 1) -> None:
+    """Model workers: one intra-op thread each on the CPU (GPU workers keep torch's default: 0), and they die
+    with the parent (a killed run leaves no orphan still writing into it). Library noise goes to the run's
+    library.log, as in the parent."""
     import ctypes
     import signal
 
@@ -353,7 +433,8 @@ def _worker_init(run_dir: Path | None = None) -> None:
 
         quiet_libraries(run_dir)
 
-    torch.set_num_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
