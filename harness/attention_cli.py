@@ -57,7 +57,9 @@ def calibrate(args: argparse.Namespace) -> int:
     from harness.replay.inprocess import InProcessModel
     from harness.scenarios.load import load_scenarios
 
-    loaded = InProcessModel.load(args.model, device=job.resolve_device(args.device))
+    from harness.run_config import single_device
+
+    loaded = InProcessModel.load(args.model, device=single_device(args.device, "calibrate"))
     if args.calibration:
         loaded.calibration_chats = job.calibration_chats_from(load_scenarios(list(args.calibration)))
     spec = f"fp8_{args.format}:{args.granularity}:calibrated" + (":fp8_q:fp8_p" if args.attention_scales else "")
@@ -105,7 +107,9 @@ def sensitivity(args: argparse.Namespace) -> int:
     if not kv_path.is_fp8 and not kv_path.quantizes_attention:
         raise ValueError(f"--path {args.path!r} quantises nothing; scan an FP8 path, e.g. fp8_e4m3")
     scenarios = load_scenarios(list(args.scenarios or job.default_scenarios()))
-    loaded = InProcessModel.load(args.model, device=job.resolve_device(args.device))
+    from harness.run_config import single_device
+
+    loaded = InProcessModel.load(args.model, device=single_device(args.device, "sensitivity"))
     loaded.scales_file = args.scales
     layers = attention_layer_indices(loaded.model.config)
     out = args.out or Path("runs") / f"sensitivity-{job.model_label(args.model)}"

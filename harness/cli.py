@@ -34,6 +34,7 @@ KV path specs:  format[:granularity][:scale source][:cast][:prefill]
 
 
 DEVICE_HELP = "cpu | cuda | cuda:N | auto (cuda when torch sees a GPU, else cpu); default: cpu"
+SEVERAL_DEVICES = ("; or several GPUs of this host, one worker each (data-parallel): cuda:N,M,... | cuda:all")
 
 
 def _bounded_int(low: int, high: int | None):
@@ -83,7 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
     nightly.add_argument("--model", action="append", type=Path, metavar="DIR", help="default: the bundled canaries")
     nightly.add_argument("--scenarios", action="append", type=Path, metavar="PATH", help="default: canary scenarios")
     nightly.add_argument("--paths", metavar="SPECS", help="KV path specs (default: the healthy defaults)")
-    _add_device(nightly)
+    _add_device(nightly, several=True)
     nightly.add_argument("--suite", choices=("default", "stress", "all"), default="default",
                          help="default: --model/--scenarios/--paths; stress: the stress canaries (their own models, "
                               "scenarios and paths; histories under DIR/stress/; on the CPU one 16k-token needle)")
@@ -92,7 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: runs/<time>-zoo)")
     zoo.add_argument("--scenarios", type=Path, nargs="+", help="scenario files (default: scenarios/canary/default.yaml)")
     zoo.add_argument("--jobs", type=_bounded_int(1, None), default=os.cpu_count() or 1, help="models replayed at once (CPU)")
-    _add_device(zoo, "; cuda adds class 4: our MLA kernel vs the workaround")
+    _add_device(zoo, "; cuda adds class 4: our MLA kernel vs the workaround", several=True)
     zoo.add_argument("--stress", action="store_true",
                      help="also the other stress variants (measured, not asserted) and the long-context canary on its "
                           "16k-token needles (RUN_DIR/long-context; bf16 and calibrated e4m3 asserted healthy; the "
@@ -138,7 +139,7 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="comma-separated KV path specs (see below); bf16 is always added (noise floor). "
                           "default: " + ", ".join(DEFAULT_PATHS.split(",")))
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
-    _add_device(run)
+    _add_device(run, several=True)
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
                      help="what earlier turns a path sees: the reference's replies or its own")
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
@@ -175,9 +176,10 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="exit 0, not 1, when a path's verdict failed (exit 3 for missing units still holds)")
 
 
-def _add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """--device, declared once for every command that loads a model."""
-    parser.add_argument("--device", default="cpu", metavar="DEVICE", help=DEVICE_HELP + note)
+def _add_device(parser: argparse.ArgumentParser, note: str = "", several: bool = False) -> None:
+    """--device, declared once for every command that loads a model (`several`: it takes a GPU list)."""
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help=DEVICE_HELP + (SEVERAL_DEVICES if several else "") + note)
 
 
 def _add_endpoint_options(live) -> None:
@@ -271,17 +273,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from harness.run_config import resolve_device
+    from harness.run_config import single_device
     from harness.serve import serve
 
-    device = resolve_device(args.device)
-    if "," in device:
-        raise ValueError(f"--device {args.device}: harness serve runs one model on one device")
-    if device.startswith("cuda:"):  # the server's graphs, streams and kernel launches go to that GPU
-        import torch
-
-        torch.cuda.set_device(device)
-    serve(args.model, args.path, args.host, args.port, device)
+    serve(args.model, args.path, args.host, args.port, single_device(args.device, "serve"))
     return 0
 
 

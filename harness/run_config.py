@@ -16,7 +16,7 @@ from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scena
 from harness.kv_paths.spec import KVPath
 from harness.records import scrub_credentials
 
-__all__ = ["build_run_config", "resolve_device", "stored_command"]
+__all__ = ["build_run_config", "resolve_device", "single_device", "stored_command"]
 
 
 def stored_command(command: str | Sequence[str]) -> str:
@@ -44,3 +44,16 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
     return RunConfig(models=tuple(models), scenario_paths=tuple(scenario_paths or default_scenarios()),
                      paths=kv_paths, out=out or new_run_dir(), device=resolve_device(device),
                      command=stored_command(command), **fields)
+
+
+def single_device(spec: str, command: str) -> str:
+    """A resolved --device for a command that loads one model on one device (serve, calibrate, sensitivity);
+    that device is made this process's current CUDA device, so graphs, streams and kernel launches go there."""
+    device = resolve_device(spec)
+    if "," in device:
+        raise ValueError(f"--device {spec}: harness {command} runs one model on one device; name one GPU (cuda:N)")
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)
+    return device
