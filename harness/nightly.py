@@ -16,7 +16,6 @@ paths on the shared 2-core machine, where the 10 needles in bf16 alone took 647 
 from __future__ import annotations
 
 import datetime as dt
-import html
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,51 +122,18 @@ def trend_table(history: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["night", "model", "path", "pass", "warn", "fail", *TREND_METRICS])
 
 
-def trend_figure(table: pd.DataFrame, model: str, target: Path) -> Path:
-    """One model's paths over nights: failing turns, then each trend metric."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("fail", "failing turns")] + list(TREND_METRICS.items())
-    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
-    mine = table[table["model"] == model]
-    nights_order = list(dict.fromkeys(table["night"]))
-    for axis, (column, title) in zip(axes, panels):
-        for path, rows in mine.groupby("path", sort=False):
-            series = rows.set_index("night")[column].reindex(nights_order)
-            axis.plot(range(len(nights_order)), series.to_numpy(float), marker="o", label=path)
-        axis.set_ylabel(title, fontsize=8)
-        if column == "kl_max" or column == "kl_mean":
-            axis.set_yscale("symlog", linthresh=1e-6)
-    axes[-1].set_xticks(range(len(nights_order)), nights_order, rotation=30, ha="right", fontsize=7)
-    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    axes[0].set_title(f"{model}: verdicts and key metrics per night")
-    figure.tight_layout()
-    figure.savefig(target, dpi=90)
-    plt.close(figure)
-    return target
-
-
 def render_trend(history: Path) -> Path:
     """HISTORY/trend/index.html: a plot per model and the verdict table of every night (self-contained dir)."""
+    from harness.runs.report import environment, write_page
+    from reports.plots import trend_figure
+
     out = history / "trend"
     out.mkdir(parents=True, exist_ok=True)
     table = trend_table(history)
-    images = [trend_figure(table, model, out / f"trend-{model}.png").name for model in dict.fromkeys(table["model"])]
-    cells = "".join(
-        f"<tr class='{'fail' if r.fail else 'warn' if r.warn else 'pass'}'><td>{html.escape(r.night)}</td>"
-        f"<td>{html.escape(r.model)}</td><td>{html.escape(r.path)}</td><td>{r.pass_}</td><td>{r.warn}</td>"
-        f"<td>{r.fail}</td><td>{r.kl_max:.3g}</td><td>{r.answer_correct:.3g}</td></tr>"
-        for r in table.rename(columns={"pass": "pass_"}).itertuples())
-    page = (
-        "<!doctype html><meta charset='utf-8'><title>fp8-harness nightly trend</title>"
-        "<style>body{font:14px system-ui;margin:2em}td,th{padding:2px 8px;text-align:left}"
-        "tr.fail{background:#fdd}tr.warn{background:#ffd}</style>"
-        f"<h1>Nightly trend ({len(set(table['night']))} nights)</h1>"
-        + "".join(f"<p><img src='{html.escape(name)}' alt='{html.escape(name)}'></p>" for name in images)
-        + "<table><tr><th>night</th><th>model</th><th>path</th><th>pass</th><th>warn</th><th>fail</th>"
-          "<th>KL max (mean)</th><th>answer acc</th></tr>" + cells + "</table>")
-    (out / "index.html").write_text(page, encoding="utf-8")
-    return out / "index.html"
+    panels = [("fail", "failing turns"), *TREND_METRICS.items()]
+    images = [trend_figure(table, model, out / f"trend-{model}.png", panels).name
+              for model in dict.fromkeys(table["model"])]
+    rows = [{"verdict": "bad" if r["fail"] else "warn" if r["warn"] else "good", **r}  # _style.css classes
+            for r in table.to_dict("records")]
+    return write_page(environment(), out, "index.html", "trend.html", nights=len(set(table["night"])),
+                      images=images, rows=rows)

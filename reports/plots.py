@@ -380,3 +380,25 @@ def compare_sensitivity(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, labels:
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.12 * 3 / (len(table) + 3), 1, 1))
     return save_figure(fig, out_dir, "compare_sensitivity.png", "Mean KL per model and path, A and B", "")
+
+
+def trend_figure(table: pd.DataFrame, model: str, target: Path, panels: list[tuple[str, str]]) -> Path:
+    """One model's paths over nights (the nightly trend page): one panel per (column, title), nights on x."""
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    mine = table[table["model"] == model]
+    nights_order = list(dict.fromkeys(table["night"]))
+    for axis, (column, title) in zip(axes, panels):
+        for path, rows in mine.groupby("path", sort=False):
+            series = rows.set_index("night")[column].reindex(nights_order)
+            axis.plot(range(len(nights_order)), series.to_numpy(float), marker="o", label=path)
+        axis.set_ylabel(title, fontsize=8)
+        if column in ("kl_max", "kl_mean"):
+            axis.set_yscale("symlog", linthresh=1e-6)
+    axes[-1].set_xticks(range(len(nights_order)), nights_order, rotation=30, ha="right", fontsize=7)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes[0].set_title(f"{model}: verdicts and key metrics per night")
+    figure.tight_layout()
+    figure.savefig(target, dpi=DPI)
+    plt.close(figure)
+    return target
