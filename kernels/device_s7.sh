@@ -1,0 +1,21 @@
+#!/bin/bash
+# Session 7 device run (H100): sweep the widened-fp8 variants with graph timing, then GPU tests and tables.
+# Usage: bash kernels/device_s7.sh STEP...   (steps: tune, tests, quick, full, gqa); logs go to $OUT.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-.}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+for step in "$@"; do
+  echo "=== $step $(date -u +%T)"
+  case $step in
+    tune) timeout 250 python -m kernels.tune_mla --kinds mla_fp8,mla_fp8_many_heads,mla_bf16,mla_bf16_many_heads \
+            --workers 14 --job-timeout 160 --out "$OUT" --write 2>&1 | tee "$OUT/tune_mla.log" | grep -v "^  \[" ;;
+    gqa) timeout 110 python -m kernels.tune --kinds gqa_fp8 --quick 2>&1 | tee "$OUT/tune_gqa.log" ;;
+    tests) timeout 300 python -m pytest tests/test_kernels_gpu.py --gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    quick) timeout 150 python -m kernels.bench --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
+    mla) timeout 400 python -m kernels.bench --no-gqa --batches 8,32 --contexts 8192,32768,131072 --mla-heads 16,128 2>&1 | tee "$OUT/bench_mla.log" ;;
+    full) timeout 500 python -m kernels.bench --batches 8,32 --contexts 8192,32768,131072 --mla-heads 16,128 2>&1 | tee "$OUT/bench_full.log" ;;
+  esac
+done
+cp kernels/configs.py "$OUT/configs.py" 2>/dev/null
