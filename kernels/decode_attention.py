@@ -393,14 +393,17 @@ def _check_attention_scales(q_scale, prob_scale, q_heads: int, device: torch.dev
 
 
 def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
-                device: torch.device, num_splits: int | None) -> tuple[int, int]:
+                device: torch.device, num_splits: int | None, whole_waves: bool = False) -> tuple[int, int]:
     """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
     for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
-    number of block_n tiles, and splits that no sequence reaches are dropped."""
+    number of block_n tiles, and splits that no sequence reaches are dropped. whole_waves (MLA): at most
+    programs_per_sm programs per SM (rounded down), so a grid never spills a few programs into a second wave
+    (session 7: 17 splits x 8 sequences = 136 programs on 132 SMs at one resident program per SM)."""
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits = max(1, min(triton.cdiv(programs_per_sm * sms, programs_per_split),
-                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+        slots = programs_per_sm * sms
+        wanted = max(1, slots // programs_per_split) if whole_waves else triton.cdiv(slots, programs_per_split)
+        num_splits = max(1, min(wanted, triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
     return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
 

@@ -12,9 +12,11 @@ for step in "$@"; do
     tune) timeout 250 python -m kernels.tune_mla --kinds mla_fp8,mla_fp8_many_heads,mla_bf16,mla_bf16_many_heads \
             --workers 14 --job-timeout 160 --out "$OUT" --write 2>&1 | tee "$OUT/tune_mla.log" | grep -v "^  \[" ;;
     gqa) timeout 110 python -m kernels.tune --kinds gqa_fp8 --quick 2>&1 | tee "$OUT/tune_gqa.log" ;;
-    tests) timeout 300 python -m pytest tests/test_kernels_gpu.py --gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+    mlatests) timeout 200 python -m pytest tests/test_kernels_gpu.py --gpu -q -p no:cacheprovider -k "mla" 2>&1 | tee "$OUT/mlatests.log" | tail -8 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python -m pytest tests/test_kernels_gpu.py tests/test_kernels_device_guard.py --gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     quick) timeout 150 python -m kernels.bench --quick 2>&1 | tee "$OUT/bench_quick.log" ;;
-    mla) timeout 400 python -m kernels.bench --no-gqa --batches 8,32 --contexts 8192,32768,131072 --mla-heads 16,128 2>&1 | tee "$OUT/bench_mla.log" ;;
+    host) timeout 120 python -m kernels.host_cost 2>&1 | tee "$OUT/host_cost.log" | grep -v "^ *$" | cut -c1-150 ;;
+    mla) timeout ${MLA_TIMEOUT:-400} python -m kernels.bench --no-gqa --batches 8,32 --contexts 8192,32768,131072 --mla-heads 16,128 2>&1 | tee "$OUT/bench_mla.log" ;;
     full) timeout 500 python -m kernels.bench --batches 8,32 --contexts 8192,32768,131072 --mla-heads 16,128 2>&1 | tee "$OUT/bench_full.log" ;;
   esac
 done

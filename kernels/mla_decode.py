@@ -534,7 +534,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     page_size = cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
-                                               cfg["programs_per_sm"], device, num_splits)
+                                               cfg["programs_per_sm"], device, num_splits,
+                                               whole_waves=True)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
