@@ -225,7 +225,8 @@ def _table(title: str, bench, copy_bw: float, batches, contexts, tuned: dict) ->
             gbs = nbytes / (ms * 1e-3) / 1e9
             host_text = "-" if host is None else f"{host:.0f}"
             err_text = "-" if err is None else f"{err:.2f}x"
-            lines.append(f"| {batch} | {ctx} | {method} | {ms:.4f} | {host_text} | {gbs:.0f} | {gbs * 1e9 / copy_bw:.0%} | "
+            lines.append(f"| {batch} | {ctx} | {method} | {ms:.4f} | {host_text} | {gbs:.0f} | "
+                         f"{gbs * 1e9 / copy_bw:.0%} | "
                          f"{base_ms / ms:.2f}x | {err_text} |")
         print("\n".join(lines[-len(rows):]), flush=True)
         torch.cuda.empty_cache()

@@ -288,7 +288,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      prefetch: bool | None = None, swap: bool | None = None,
                      programs_per_sm: int | None = None, q_scale: torch.Tensor | str | None = None,
-                     prob_scale: torch.Tensor | None = None, widen: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     prob_scale: torch.Tensor | None = None,
+                     widen: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).

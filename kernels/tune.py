@@ -3,7 +3,7 @@
 For each kind (kernels/configs.py KINDS) every candidate configuration is first checked against fp64 attention
 on fresh random inputs (ragged lengths, shuffled pages, poisoned output buffers): a configuration whose error
 exceeds 2x torch bf16 SDPA's own error on the same values is marked WRONG and never chosen. The rest are timed
-(median of triton.testing.do_bench, L2 flushed) at one shape, by default batch 8, context 32k; the fastest is
+(median of CUDA-graph replays under triton.testing.do_bench, L2 flushed: `_ms`) at one shape, by default batch 8, context 32k; the fastest is
 printed as a `kernels/configs.py` entry. GQA: 32 q / 8 kv heads, head_dim 128, page 16. MLA: latent 512 +
 rope 64, page 64, --mla-heads heads. gqa_fp8_pv (P in fp8) is checked against the fp64 emulation of its own
 definition (reference.decode_attention_fp8) instead. `--fp8-attention` sweeps the FP8 attention options (Q and/or

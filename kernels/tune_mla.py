@@ -4,8 +4,8 @@ Like kernels.tune (whose fp64 check it reuses), for the MLA kernels of kernels/m
 kernel (`tma`) and the fp8_mma option: worker processes compile each candidate (Triton's on-disk cache is shared),
 check it against fp64 attention on ragged lengths with shuffled pages (err ratio = kernel max error / torch bf16
 SDPA's max error on the same values; > 2 is WRONG for the exact variants, fp8_mma's ratio is its measured extra
-error) and run it once on the timing shape; the parent then times every correct candidate (median of
-triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
+error) and run it once on the timing shape; the parent then times every correct candidate (CUDA-graph replays,
+kernels.tune._ms: median of triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
 fastest per kind; --write puts them into kernels/configs.py (the H100 MLA block), --write-from JSON does the same
 from a run's tune_mla.json. Kinds `mla_fp8_mma*` are the fp8_mma option's entries.
 
