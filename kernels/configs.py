@@ -9,7 +9,9 @@ split-KV programs per SM the split plan aims for), block_h (MLA: heads per progr
 TMA copies of whole tiles). MLA with >= 64 heads uses the `*_many_heads` entries, the fp8_mma option the
 `mla_fp8_mma*` ones; the MLA entries are written by `python -m kernels.tune_mla --write`. swap with prefetch is
 refused by the launchers (NaN on Triton 3.6). gqa_fp8_pv: GQA with P in fp8
-(prob_scale) over an e4m3 cache.
+(prob_scale) over an e4m3 cache. widen (session 7): fp8 tiles widened to fp16 once by inline PTX instead of by the
+compiler in each MMA operand layout; split_latent (MLA, session 7): the latent dimension in 4 chunks
+(_mla_decode_split_kernel). Both measured in kernels/BENCHMARKS.md (session 7); the sweeps time with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ H100 = {
 # its sweep's fastest correct configurations (tma: the tile kernel; >= 64 heads use the *_many_heads entries).
 # BEGIN H100 MLA
 H100_MLA = {
-    "mla_fp8": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
-                    tma=True),
-    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
-                     tma=True),
-    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=2, prefetch=False, swap=False, programs_per_sm=4,
-                               block_h=64, tma=True),
-    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=4,
+    "mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
+                    tma=True, widen=True, split_latent=True),
+    "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
+                     tma=True, split_latent=True),
+    "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=1,
+                               block_h=64, tma=True, widen=True, split_latent=True),
+    "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=1,
                                 block_h=64, tma=True),
     "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
                         tma=True),
@@ -47,6 +49,9 @@ H100_MLA = {
                                    block_h=64, tma=True),
 }
 # END H100 MLA
+# mla_fp8_many_heads: the sweep (session 7) picked widen without split_latent (0.4606 ms), which a same-process A/B
+# with two round-robin rounds then measured at 0.6707 / 0.6724 ms against split_latent's 0.4594 / 0.4605 ms (batch 8,
+# 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry is set by hand from that A/B (kernels/BENCHMARKS.md).
 H100.update(H100_MLA)
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}

@@ -35,8 +35,25 @@ import torch
 import triton
 import triton.language as tl
 
+import functools
+
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
+
+def on_tensor_device(launcher):
+    """Run `launcher` with its first tensor argument's CUDA device current: Triton launches on the current
+    device's stream, so a kernel given cuda:1 tensors while cuda:0 is current would run on the wrong GPU
+    (issue 30). CPU tensors are passed through (the launchers refuse them with a clear message)."""
+    @functools.wraps(launcher)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+    guarded.on_tensor_device = True
+    return guarded
+
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 FP8_ACC_CHUNK = 32               # fp8 MMA products summed in fp32 per this many (Triton's max_num_imprecise_acc)
@@ -48,6 +65,35 @@ MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, parti
 def _decode_attention_pages(table_row, tok, t_mask, PAGE_SIZE: tl.constexpr):
     """Physical page of each token in `tok` ([BLOCK_N]), via the sequence's block-table row."""
     return tl.load(table_row + tok // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _widen_fp8(x, E5M2: tl.constexpr):
+    """fp8 codes -> fp16, exact (cvt.rn.f16x2.e4m3x2 / e5m2x2, two codes per instruction), as inline PTX: the
+    compiler cannot move it past the tile's layout conversions, so each code is widened once, in the tile's
+    load layout (16-byte shared loads), and both dots read the fp16 tile (ldmatrix / ldmatrix.trans). A plain
+    `.to(tl.float16)` is moved into each dot's operand layout instead: the tile is widened twice and the
+    transposed operand is gathered a byte at a time (kernels/BENCHMARKS.md, session 7)."""
+    codes = x.to(tl.uint8, bitcast=True)
+    if E5M2:
+        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
+                                      "cvt.rn.f16x2.e5m2x2 $1, hi; }", "=r,=r,r", [codes], dtype=tl.float16,
+                                      is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                                      "cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [codes], dtype=tl.float16,
+                                      is_pure=False, pack=4)
+    return y
+
+
+@triton.jit
+def _widen(x, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """A cache tile as a tensor-core operand: WIDEN 1 / 2: e4m3 / e5m2 codes widened by `_widen_fp8` (fp16);
+    0: `.to(COMPUTE_DTYPE)` (bf16/fp16 caches, and the widening the compiler places itself)."""
+    if WIDEN != 0:
+        return _widen_fp8(x, WIDEN == 2)
+    else:
+        return x.to(COMPUTE_DTYPE)
 
 
 @triton.jit
@@ -81,7 +127,7 @@ def _decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     PREFETCH: tl.constexpr, SWAP: tl.constexpr, Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
     K_AS_FP8: tl.constexpr, V_AS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, QK_ACC: tl.constexpr,
-    PV_ACC: tl.constexpr,
+    PV_ACC: tl.constexpr, WIDEN: tl.constexpr = 0,
 ):
     # Q_QUANT: 0 Q as is, 1 dynamic per-head e4m3, 2 e4m3 under Q_SCALE. P_FP8: P quantised to e4m3 under
     # PROB_SCALE. K_AS_FP8 / V_AS_FP8: the cache tile goes to the MMA as fp8 codes (e4m3 cache with Q / P in fp8).
@@ -162,7 +208,7 @@ def _decode_attention_kernel(
             k, v = _decode_attention_load_tile(K_CACHE, V_CACHE, _decode_attention_pages(table_row, n0 + offs_n, t_mask,
                                                PAGE_SIZE), n0 + offs_n, t_mask, d_mask, offs_d, head_off, stride_cb,
                                                stride_cs, PAGE_SIZE)
-        k_op = k if K_AS_FP8 else k.to(COMPUTE_DTYPE)
+        k_op = k if K_AS_FP8 else _widen(k, COMPUTE_DTYPE, WIDEN)
         if SWAP:
             # Tokens as the MMA's M dimension (128 rows: Hopper wgmma), the group's heads as N (padded to 16).
             s = tl.dot(k_op, q_t, max_num_imprecise_acc=QK_ACC) * s_scale[None, :]               # [BLOCK_N, BLOCK_G]
@@ -176,7 +222,7 @@ def _decode_attention_kernel(
                 p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
                 if not V_AS_FP8:
                     p_op = p_op.to(COMPUTE_DTYPE)
-            v_op = v if V_AS_FP8 else v.to(COMPUTE_DTYPE)
+            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN)
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v_op), p_op, max_num_imprecise_acc=PV_ACC)
         else:
             s = tl.dot(q, tl.trans(k_op), max_num_imprecise_acc=QK_ACC) * s_scale[:, None]       # [BLOCK_G, BLOCK_N]
@@ -190,7 +236,7 @@ def _decode_attention_kernel(
                 p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
                 if not V_AS_FP8:
                     p_op = p_op.to(COMPUTE_DTYPE)
-            v_op = v if V_AS_FP8 else v.to(COMPUTE_DTYPE)   # here, not before Q.K: 7% slower there (H100)
+            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN)   # here, not before Q.K: 7% slower there (H100)
             acc = acc * alpha[:, None] + tl.dot(p_op, v_op, max_num_imprecise_acc=PV_ACC)
         m_i = m_new
         if PREFETCH:
@@ -235,13 +281,15 @@ def _decode_attention_merge_kernel(
     tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
 
 
+@on_tensor_device
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                      sm_scale: float, num_splits: int | None = None, *, qk_fp8: bool = False,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      prefetch: bool | None = None, swap: bool | None = None,
                      programs_per_sm: int | None = None, q_scale: torch.Tensor | str | None = None,
-                     prob_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     prob_scale: torch.Tensor | None = None,
+                     widen: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
@@ -250,7 +298,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     amax / 448) or an fp32 tensor [] or [Hq] quantises Q; prob_scale (fp32 []) quantises the tile-relative
     probabilities for P.V. qk_fp8=True is the older spelling of q_scale="dynamic" (e4m3 cache only). Any cache
     takes them; an e4m3 cache gets the speed (fp8 MMAs, no tile converted). The launch keywords override this
-    GPU's entry in kernels/configs.py ("gqa_fp8_pv" when P is in fp8 over an e4m3 cache)."""
+    GPU's entry in kernels/configs.py ("gqa_fp8_pv" when P is in fp8 over an e4m3 cache). widen (fp8 caches):
+    each fp8 tile is widened to fp16 once, by inline PTX in its load layout (`_widen_fp8`), instead of where
+    the compiler puts the cast (in each MMA operand's layout, the V operand gathered a byte at a time)."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -284,7 +334,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kind = "gqa_fp8" if fp8 else "gqa_bf16"
     cfg = launch_config("gqa_fp8_pv" if e4m3 and prob_scale is not None else kind, device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
-                       ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm)):
+                       ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
+                       ("widen", widen)):
         if value is not None:
             cfg[key] = value
     if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
@@ -322,6 +373,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         K_AS_FP8=k_as_fp8, V_AS_FP8=e4m3 and prob_scale is not None, FP8_MAX=FP8_MAX["e4m3"],
         QK_ACC=min(FP8_ACC_CHUNK, triton.next_power_of_2(head_dim)) if k_as_fp8 else None,
         PV_ACC=min(FP8_ACC_CHUNK, block_n) if e4m3 and prob_scale is not None else None,
+        WIDEN=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
@@ -342,14 +394,17 @@ def _check_attention_scales(q_scale, prob_scale, q_heads: int, device: torch.dev
 
 
 def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
-                device: torch.device, num_splits: int | None) -> tuple[int, int]:
+                device: torch.device, num_splits: int | None, whole_waves: bool = False) -> tuple[int, int]:
     """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
     for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
-    number of block_n tiles, and splits that no sequence reaches are dropped."""
+    number of block_n tiles, and splits that no sequence reaches are dropped. whole_waves (MLA): at most
+    programs_per_sm programs per SM (rounded down), so a grid never spills a few programs into a second wave
+    (session 7: 17 splits x 8 sequences = 136 programs on 132 SMs at one resident program per SM)."""
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_splits = max(1, min(triton.cdiv(programs_per_sm * sms, programs_per_split),
-                                triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+        slots = programs_per_sm * sms
+        wanted = max(1, slots // programs_per_split) if whole_waves else triton.cdiv(slots, programs_per_split)
+        num_splits = max(1, min(wanted, triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
     return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
 
@@ -362,6 +417,7 @@ def partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Te
             torch.empty(batch, heads, num_splits, dtype=torch.float32, device=out.device))
 
 
+@on_tensor_device
 def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Combine the splits into `out` (written in place); returns the natural-log lse [B, H] fp32."""
     batch, heads, num_splits, dim = part_out.shape

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_attention_pages, merge_splits, partials,
-                                     plan_splits)
+from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_attention_pages, _widen, merge_splits,
+                                     on_tensor_device, partials, plan_splits)
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 
@@ -162,7 +162,7 @@ P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of t
 @triton.jit
 def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, MASKED: tl.constexpr, SWAP: tl.constexpr,
                  FP8_MMA: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, P_SCALE: tl.constexpr, P_FP8: tl.constexpr,
-                 FP8_MAX: tl.constexpr):
+                 FP8_MAX: tl.constexpr, CONVERT: tl.constexpr = 0):
     """One tile of the online softmax: (m_i, l_i, acc) updated with the cache rows c [BLOCK_N, Dc], pe [BLOCK_N, Dr].
     FP8_MMA: c, pe stay fp8 codes and q_c / q_r are fp8 (row_scale holds their per-head scales); P goes to fp8.
     P_FP8: P rounded to e4m3 as e4m3(p * p_inv) (RTNE, saturating at FP8_MAX), widened to COMPUTE_DTYPE (exact)."""
@@ -170,8 +170,8 @@ def _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, MASKE
         c_op = c
         pe_op = pe
     else:
-        c_op = c.to(COMPUTE_DTYPE)
-        pe_op = pe.to(COMPUTE_DTYPE)
+        c_op = _widen(c, COMPUTE_DTYPE, CONVERT)
+        pe_op = _widen(pe, COMPUTE_DTYPE, CONVERT)
     if SWAP:   # tokens as M: S^T = C Q^T [BLOCK_N, BLOCK_H]; O^T += C^T P^T [Dc, BLOCK_H]
         s = tl.dot(pe_op, q_r, acc=tl.dot(c_op, q_c)) * row_scale[None, :]
         if MASKED:
@@ -214,7 +214,7 @@ def _mla_decode_tc_kernel(
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, SWAP: tl.constexpr,
     TMA: tl.constexpr, FP8_MMA: tl.constexpr, FP8_MAX: tl.constexpr, P_SCALE: tl.constexpr,
-    Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
+    Q_QUANT: tl.constexpr, P_FP8: tl.constexpr, CONVERT: tl.constexpr = 0,
 ):
     """As _mla_decode_kernel (same partial layout), for power-of-two Dc and Dr. The split's whole tiles are
     read unmasked (TMA: one bulk copy per tile through C_DESC / PE_DESC, pipelined by Triton over num_stages;
@@ -291,7 +291,7 @@ def _mla_decode_tc_kernel(
             c = tl.load(rows[:, None] + offs_c[None, :])
             pe = tl.load(rows[:, None] + LATENT_DIM + offs_r[None, :])
         m_i, l_i, acc = _mla_tc_step(c, pe, all_tokens, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, False, SWAP,
-                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX)
+                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX, CONVERT)
     for n0 in range(full_end, start + n_tokens, BLOCK_N):   # the split's last, partial tile (a loop of at
         tok = n0 + offs_n                                     # most one trip, so Triton pipelines its copies)
         t_mask = tok < start + n_tokens
@@ -299,7 +299,7 @@ def _mla_decode_tc_kernel(
                                       offs_c, offs_r, offs_c < LATENT_DIM, offs_r < ROPE_DIM, stride_cb, stride_cs,
                                       LATENT_DIM, PAGE_SIZE)
         m_i, l_i, acc = _mla_tc_step(c, pe, t_mask, q_c, q_r, row_scale, m_i, l_i, acc, p_inv, True, SWAP,
-                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX)
+                                     FP8_MMA, COMPUTE_DTYPE, P_SCALE, P_FP8, FP8_MAX, CONVERT)
 
     if SWAP:
         acc = tl.trans(acc)                                                              # [BLOCK_H, Dc]
@@ -313,13 +313,153 @@ def _mla_decode_tc_kernel(
     tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The split-latent tile kernel (session 7): the latent dimension in 4 chunks, so Q.C^T is 4 independent MMA
+# chains (plus RoPE) instead of one chain over all 576 columns, and P.C 4 independent accumulators.
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end, stride_cb, stride_cs,
+                    LATENT_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr, TMA: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """The 4 latent chunks [BLOCK_N, CHUNK] and the RoPE part [BLOCK_N, Dr] of the tile at token n0 (one TMA
+    copy each where TMA; masked pointer loads of tokens < end where MASKED, so no slot past it is read)."""
+    if TMA:
+        row = tl.load(table_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+        c0 = C_DESC.load([row, 0])
+        c1 = C_DESC.load([row, CHUNK])
+        c2 = C_DESC.load([row, 2 * CHUNK])
+        c3 = C_DESC.load([row, 3 * CHUNK])
+        pe = PE_DESC.load([row, LATENT_DIM])
+    else:
+        tok = n0 + offs_n
+        t_mask = tok < end
+        pages = _decode_attention_pages(table_row, tok, t_mask, PAGE_SIZE)
+        rows = (CACHE + pages * stride_cb + (tok % PAGE_SIZE) * stride_cs)[:, None]
+        if MASKED:
+            m = t_mask[:, None]
+            c0 = tl.load(rows + offs_k[None, :], mask=m, other=0.0)
+            c1 = tl.load(rows + CHUNK + offs_k[None, :], mask=m, other=0.0)
+            c2 = tl.load(rows + 2 * CHUNK + offs_k[None, :], mask=m, other=0.0)
+            c3 = tl.load(rows + 3 * CHUNK + offs_k[None, :], mask=m, other=0.0)
+            pe = tl.load(rows + LATENT_DIM + offs_r[None, :], mask=m, other=0.0)
+        else:
+            c0 = tl.load(rows + offs_k[None, :])
+            c1 = tl.load(rows + CHUNK + offs_k[None, :])
+            c2 = tl.load(rows + 2 * CHUNK + offs_k[None, :])
+            c3 = tl.load(rows + 3 * CHUNK + offs_k[None, :])
+            pe = tl.load(rows + LATENT_DIM + offs_r[None, :])
+    return c0, c1, c2, c3, pe
+
+
+@triton.jit
+def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3,
+                    MASKED: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """One tile of the online softmax over the chunked latent (heads as M). The partial score products use
+    max_num_imprecise_acc=1, which fp16/bf16 MMAs ignore, only so that Triton does not fold their sum back into
+    one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0)."""
+    c0 = _widen(c0, COMPUTE_DTYPE, WIDEN)
+    c1 = _widen(c1, COMPUTE_DTYPE, WIDEN)
+    c2 = _widen(c2, COMPUTE_DTYPE, WIDEN)
+    c3 = _widen(c3, COMPUTE_DTYPE, WIDEN)
+    pe = _widen(pe, COMPUTE_DTYPE, WIDEN)
+    s01 = tl.dot(q0, tl.trans(c0), max_num_imprecise_acc=1) + tl.dot(q1, tl.trans(c1), max_num_imprecise_acc=1)
+    s23 = tl.dot(q2, tl.trans(c2), max_num_imprecise_acc=1) + tl.dot(q3, tl.trans(c3), max_num_imprecise_acc=1)
+    s = (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]   # [BLOCK_H, BLOCK_N]
+    if MASKED:
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_op = p.to(COMPUTE_DTYPE)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p_op, c0)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p_op, c1)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p_op, c2)
+    acc3 = acc3 * alpha[:, None] + tl.dot(p_op, c3)
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit(do_not_specialize=["stride_eb", "stride_eh"])
+def _mla_decode_split_kernel(
+    Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
+    sm_scale_log2, tokens_per_split, num_heads,
+    stride_lb, stride_lh, stride_pb, stride_ph, stride_cb, stride_cs, stride_tb,
+    stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
+    LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, TMA: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """As _mla_decode_tc_kernel without its options (no swap, fp8_mma, q_scale or prob_scale): same partial
+    layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK])."""
+    CHUNK: tl.constexpr = LATENT_DIM // 4
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    n_tokens = tl.maximum(end - start, 0)
+    full_end = start + (n_tokens // BLOCK_N) * BLOCK_N
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_k = tl.arange(0, CHUNK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = Q_LATENT + b * stride_lb + heads[:, None] * stride_lh + offs_k[None, :]
+    q0 = tl.load(q_rows, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)                # [BLOCK_H, CHUNK]
+    q1 = tl.load(q_rows + CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q2 = tl.load(q_rows + 2 * CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q3 = tl.load(q_rows + 3 * CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q_r = tl.load(Q_PE + b * stride_pb + heads[:, None] * stride_ph + offs_r[None, :],
+                  mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)                        # [BLOCK_H, Dr]
+    row_scale = tl.full([BLOCK_H], sm_scale_log2, tl.float32)
+    out_scale = 1.0
+    if CACHE_IS_FP8:
+        out_scale = tl.load(SCALE)
+        row_scale = row_scale * out_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    table_row = BLOCK_TABLE + b * stride_tb
+    all_tokens = offs_n >= 0
+    for n0 in range(start, full_end, BLOCK_N):
+        c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
+                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
+                                                           row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
+                                                           COMPUTE_DTYPE, WIDEN)
+    for n0 in range(full_end, end, BLOCK_N):   # the split's last, partial tile (at most one trip)
+        c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
+                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, n0 + offs_n < end, q0, q1, q2, q3,
+                                                           q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3, True,
+                                                           COMPUTE_DTYPE, WIDEN)
+
+    empty = l_i == 0.0
+    norm = (out_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
+    out_rows = PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_k[None, :]
+    tl.store(out_rows, acc0 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + CHUNK, acc1 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + 2 * CHUNK, acc2 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + 3 * CHUNK, acc3 * norm, mask=h_mask[:, None])
+    tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
+
+
+@on_tensor_device
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float, num_splits: int | None = None,
                *, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
-               q_scale: torch.Tensor | str | None = None,
-               prob_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
+               widen: bool | None = None, split_latent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -329,7 +469,11 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     q_scale = "dynamic" (per head, amax of [q_latent | q_pe] / 448) or an fp32 tensor [] or [H] quantises Q;
     prob_scale (fp32 []) quantises the tile-relative probabilities. Not with fp8_mma (its own fixed scales).
     The launch keywords override this GPU's entry in kernels/configs.py (tma: the tile kernel,
-    _mla_decode_tc_kernel, with TMA copies where page_size % block_n == 0; needs power-of-two Dc and Dr)."""
+    _mla_decode_tc_kernel, with TMA copies where page_size % block_n == 0; needs power-of-two Dc and Dr;
+    widen: the tile kernel over an fp8 cache widens each tile to fp16 once, by inline PTX, and both products
+    read that fp16 tile, instead of the compiler's cast in each MMA operand layout: kernels/BENCHMARKS.md;
+    split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
+    score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -366,7 +510,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("block_h", block_h), ("tma", tma)):
+                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent)):
         if value is not None:
             cfg[key] = value
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
@@ -390,7 +534,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     page_size = cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
-                                               cfg["programs_per_sm"], device, num_splits)
+                                               cfg["programs_per_sm"], device, num_splits,
+                                               whole_waves=True)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
@@ -398,6 +543,21 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
                part_lse.stride(0), part_lse.stride(1))
     q_scale_stride = q_scale.stride(0) if q_quant == 2 and q_scale.dim() == 1 else 0   # per head, or one scale
+    widen_code = (1 if cache.dtype == torch.float8_e4m3fn else 2) if fp8 and not fp8_mma and cfg.get("widen") else 0
+    if tile_kernel and cfg.get("split_latent") and latent_dim >= 64 and not (cfg["swap"] or fp8_mma or fp8_attention):
+        use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
+        c_desc = pe_desc = cache
+        if use_tma:
+            rows = cache.view(-1, latent_dim + rope_dim)
+            c_desc = TensorDescriptor.from_tensor(rows, [block_n, latent_dim // 4])
+            pe_desc = TensorDescriptor.from_tensor(rows, [block_n, rope_dim])
+        _mla_decode_split_kernel[(head_blocks, batch, num_splits)](
+            q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens, part_out,
+            part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
+            LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
+            CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma, WIDEN=widen_code,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out, merge_splits(part_out, part_lse, out)
     if tile_kernel:
         use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
         c_desc = pe_desc = cache
@@ -412,6 +572,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, SWAP=cfg["swap"], TMA=use_tma, FP8_MMA=fp8_mma,
             FP8_MAX=FP8_MAX["e4m3"], P_SCALE=P_SCALE, Q_QUANT=q_quant, P_FP8=prob_scale is not None,
+            CONVERT=widen_code,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     _mla_decode_kernel[(head_blocks, batch, num_splits)](

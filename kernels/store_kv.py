@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import on_tensor_device
 from kernels.reference import FP8_MAX, MIN_SCALE, fp8_format, is_fp8
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -126,6 +127,7 @@ def _check_cuda(*tensors: torch.Tensor) -> None:
     assert all(t.device == device for t in tensors), "all tensors must be on one device"
 
 
+@on_tensor_device
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
              saturate: bool = True) -> None:
@@ -164,6 +166,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     )
 
 
+@on_tensor_device
 def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                  scale: torch.Tensor | None, saturate: bool = True) -> None:
     """MLA variant, in place: cache.flatten(0, 1)[slot] = fp8([latent[n] | k_pe[n]] / scale), slot -1 skipped.
@@ -266,6 +269,7 @@ def _inverse_max(fmt: str) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX[fmt], dtype=torch.float32))
 
 
+@on_tensor_device
 def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, saturate: bool = True, *,
                    out: torch.Tensor | None = None, cache: torch.Tensor | None = None,
                    slots: torch.Tensor | None = None, cache_strides: tuple[int, int, int] = (0, 0, 0),

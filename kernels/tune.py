@@ -3,7 +3,7 @@
 For each kind (kernels/configs.py KINDS) every candidate configuration is first checked against fp64 attention
 on fresh random inputs (ragged lengths, shuffled pages, poisoned output buffers): a configuration whose error
 exceeds 2x torch bf16 SDPA's own error on the same values is marked WRONG and never chosen. The rest are timed
-(median of triton.testing.do_bench, L2 flushed) at one shape, by default batch 8, context 32k; the fastest is
+(median of CUDA-graph replays under triton.testing.do_bench, L2 flushed: `_ms`) at one shape, by default batch 8, context 32k; the fastest is
 printed as a `kernels/configs.py` entry. GQA: 32 q / 8 kv heads, head_dim 128, page 16. MLA: latent 512 +
 rope 64, page 64, --mla-heads heads. gqa_fp8_pv (P in fp8) is checked against the fp64 emulation of its own
 definition (reference.decode_attention_fp8) instead. `--fp8-attention` sweeps the FP8 attention options (Q and/or
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,10 @@ GQA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, s
 # Triton 3.6 SASS for sm_90 (1001 vs 1327), loads exposed unless other programs hide them (session 5).
 GQA_QUICK = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, swap=False)
              for bn, w, st in [(128, 4, 2), (128, 4, 1), (128, 8, 1), (64, 4, 1), (256, 8, 1)]]
+# Session 7: each fp8 tile widened once by inline PTX (`widen`); the V operand then comes by ldmatrix.trans from
+# an fp16 tile instead of single-byte shared loads (Triton 3.6 sm_90 SASS: 128 LDS.U8 + 128 STS.U8 -> none).
+GQA_QUICK += [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=False, swap=False, widen=True)
+              for bn, w, st in [(128, 4, 2), (128, 4, 3), (64, 4, 2), (128, 8, 2), (256, 8, 2)]]
 # Session 4's MLA kernel (tma=False); the tile kernel and the fp8_mma option are swept by kernels/tune_mla.py.
 MLA_CANDIDATES = [dict(block_n=bn, num_warps=w, num_stages=st, prefetch=pf, swap=sw, block_h=bh, tma=False)
                   for bn, w, st, pf, sw, bh in [(32, 8, 2, False, False, 16), (64, 8, 1, True, False, 16),
@@ -45,7 +50,37 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def _ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median GPU time of one call of `fn`, replayed from a CUDA graph with L2 flushed between replays
+    (triton.testing.do_bench): the per-call host cost (Python checks, Triton's launcher, its TMA descriptor
+    encoding, allocations) stays out, as in graph decode; `host_us` measures that cost on its own."""
+    fn()                                            # compile and warm up outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    finally:
+        del graph
+        torch.cuda.synchronize()
+
+
+def host_us(fn, calls: int = 30) -> float:
+    """Median host time of one eager call of `fn` (µs), the GPU idle before each: what a step pays on the CPU
+    to launch it (Python checks, allocations, Triton's launcher with its per-call TMA descriptor encoding)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e6
 
 
 def _pages(lengths: list[int], page: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -305,6 +340,7 @@ def main() -> None:
     parser.add_argument("--mla-heads", type=int, default=16)
     parser.add_argument("--qk-fp8", action="store_true", help="also measure the qk_fp8 option")
     parser.add_argument("--first", type=int, default=0, help="only the first N candidates of each kind")
+    parser.add_argument("--quick", action="store_true", help="GQA kinds: only GQA_QUICK")
     parser.add_argument("--fp8-attention", action="store_true",
                         help="sweep the FP8 attention options (q_scale / prob_scale) at batch 8 and 32")
     args = parser.parse_args()
@@ -313,8 +349,8 @@ def main() -> None:
     if args.fp8_attention:
         fp8_attention_sweep((args.batch, 32), args.ctx)
     for kind in (k for k in args.kinds.split(",") if k):
-        pool = GQA_CANDIDATES if kind.startswith("gqa") else MLA_CANDIDATES
-        lines, best = sweep(kind, args.batch, args.ctx, args.mla_heads, pool[:args.first] if args.first else None)
+        pool = (GQA_QUICK if args.quick else GQA_CANDIDATES) if kind.startswith("gqa") else MLA_CANDIDATES
+        lines, best = sweep(kind, args.batch, args.ctx, args.mla_heads, pool[:args.first] if args.first else pool)
         print("\n".join(lines), flush=True)
         torch.cuda.empty_cache()
     if args.qk_fp8:

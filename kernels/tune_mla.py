@@ -4,8 +4,8 @@ Like kernels.tune (whose fp64 check it reuses), for the MLA kernels of kernels/m
 kernel (`tma`) and the fp8_mma option: worker processes compile each candidate (Triton's on-disk cache is shared),
 check it against fp64 attention on ragged lengths with shuffled pages (err ratio = kernel max error / torch bf16
 SDPA's max error on the same values; > 2 is WRONG for the exact variants, fp8_mma's ratio is its measured extra
-error) and run it once on the timing shape; the parent then times every correct candidate (median of
-triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
+error) and run it once on the timing shape; the parent then times every correct candidate (CUDA-graph replays,
+kernels.tune._ms: median of triton.testing.do_bench, L2 flushed) at batch 8, context 32k, for 1, 2 and 4 programs per SM, and prints the
 fastest per kind; --write puts them into kernels/configs.py (the H100 MLA block), --write-from JSON does the same
 from a run's tune_mla.json. Kinds `mla_fp8_mma*` are the fp8_mma option's entries.
 
@@ -27,8 +27,11 @@ CONFIGS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs
 MLA_TC = dict(prefetch=False, tma=True)
 
 
-def _tc(block_n: int, num_warps: int, num_stages: int, swap: bool, block_h: int) -> dict:
-    return dict(MLA_TC, block_n=block_n, num_warps=num_warps, num_stages=num_stages, swap=swap, block_h=block_h)
+def _tc(block_n: int, num_warps: int, num_stages: int, swap: bool, block_h: int, widen: bool = False,
+        split: bool = False) -> dict:
+    cfg = dict(MLA_TC, block_n=block_n, num_warps=num_warps, num_stages=num_stages, swap=swap, block_h=block_h)
+    cfg = dict(cfg, widen=True) if widen else cfg
+    return dict(cfg, split_latent=True) if split else cfg
 
 
 def _v4(block_n: int, num_warps: int, num_stages: int, block_h: int, prefetch: bool = False) -> dict:
@@ -37,16 +40,37 @@ def _v4(block_n: int, num_warps: int, num_stages: int, block_h: int, prefetch: b
 
 
 CANDIDATES = {   # kind -> [(label, launch keywords)]; "v4" = session 4's kernel, "tma" = the tile kernel
-    "mla_bf16": [("v4 32/8/2", _v4(32, 8, 2, 16)), ("v4 32/8/5", _v4(32, 8, 5, 16)),
-                 ("tma 32/4/5", _tc(32, 4, 5, False, 16)), ("tma swap 32/4/5", _tc(32, 4, 5, True, 16)),
-                 ("tma swap 16/4/5", _tc(16, 4, 5, True, 16)), ("tma swap 32/4/7", _tc(32, 4, 7, True, 16)),
-                 ("tma swap 64/4/4", _tc(64, 4, 4, True, 16))],
-    "mla_fp8": [("v4 64/8/1 prefetch", _v4(64, 8, 1, 16, prefetch=True)), ("v4 32/8/5", _v4(32, 8, 5, 16)),
-                ("tma 32/8/5", _tc(32, 8, 5, False, 16)), ("tma 32/4/5", _tc(32, 4, 5, False, 16))],
+    "mla_bf16": [("tma 32/4/5", _tc(32, 4, 5, False, 16)), ("tma swap 64/4/4", _tc(64, 4, 4, True, 16)),
+                 # session 7: the latent in 4 chunks (split_latent; _mla_decode_split_kernel)
+                 ("split 32/4/5", _tc(32, 4, 5, False, 16, split=True)),
+                 ("split 32/4/4", _tc(32, 4, 4, False, 16, split=True)),
+                 ("split 64/4/4", _tc(64, 4, 4, False, 16, split=True)),
+                 ("split 32/8/5", _tc(32, 8, 5, False, 16, split=True)),
+                 ("split 64/8/4", _tc(64, 8, 4, False, 16, split=True))],
+    "mla_fp8": [("v4 64/8/1 prefetch", _v4(64, 8, 1, 16, prefetch=True)), ("tma 32/4/5", _tc(32, 4, 5, False, 16)),
+                # session 7: each fp8 tile widened once by inline PTX (widen), and the latent in 4 chunks
+                ("tma widen 32/4/5", _tc(32, 4, 5, False, 16, True)),
+                ("split widen 32/4/5", _tc(32, 4, 5, False, 16, True, True)),
+                ("split widen 32/4/4", _tc(32, 4, 4, False, 16, True, True)),
+                ("split widen 64/4/4", _tc(64, 4, 4, False, 16, True, True)),
+                ("split widen 64/4/5", _tc(64, 4, 5, False, 16, True, True)),
+                ("split widen 32/8/5", _tc(32, 8, 5, False, 16, True, True)),
+                ("split widen 64/8/4", _tc(64, 8, 4, False, 16, True, True)),
+                ("split 32/4/5", _tc(32, 4, 5, False, 16, False, True))],
     "mla_fp8_mma": [("tma swap 64/8/5", _tc(64, 8, 5, True, 16)), ("tma swap 64/4/5", _tc(64, 4, 5, True, 16))],
-    "mla_bf16_many_heads": [("tma h64 32/8/2", _tc(32, 8, 2, False, 64)), ("tma h64 32/8/4", _tc(32, 8, 4, False, 64)),
-                            ("tma h64 32/8/5", _tc(32, 8, 5, False, 64))],
-    "mla_fp8_many_heads": [("tma h64 32/8/2", _tc(32, 8, 2, False, 64)), ("v4 h64 32/8/2", _v4(32, 8, 2, 64))],
+    "mla_bf16_many_heads": [("tma h64 32/8/5", _tc(32, 8, 5, False, 64)),
+                            ("split h64 32/8/5", _tc(32, 8, 5, False, 64, split=True)),
+                            ("split h64 32/8/4", _tc(32, 8, 4, False, 64, split=True)),
+                            ("split h64 16/8/5", _tc(16, 8, 5, False, 64, split=True)),
+                            ("split h64 64/8/3", _tc(64, 8, 3, False, 64, split=True))],
+    "mla_fp8_many_heads": [("tma h64 32/8/2", _tc(32, 8, 2, False, 64)),
+                           ("tma widen h64 32/8/5", _tc(32, 8, 5, False, 64, True)),
+                           ("split widen h64 32/8/5", _tc(32, 8, 5, False, 64, True, True)),
+                           ("split widen h64 32/8/4", _tc(32, 8, 4, False, 64, True, True)),
+                           ("split widen h64 32/8/3", _tc(32, 8, 3, False, 64, True, True)),
+                           ("split widen h64 16/8/5", _tc(16, 8, 5, False, 64, True, True)),
+                           ("split widen h64 64/8/3", _tc(64, 8, 3, False, 64, True, True)),
+                           ("split widen h16 32/4/5", _tc(32, 4, 5, False, 16, True, True))],
     "mla_fp8_mma_many_heads": [("tma h64 32/8/5", _tc(32, 8, 5, False, 64)), ("tma h64 64/8/5", _tc(64, 8, 5, False, 64)),
                                ("tma h64 64/8/2", _tc(64, 8, 2, False, 64))],
 }
@@ -215,7 +239,7 @@ def _time_kind(kind: str, results: list[tuple[str, dict, dict]], batch: int, ctx
 
 def _entry(kind: str, cfg: dict) -> str:
     """One kernels/configs.py line (wrapped at 120 columns) for `kind`."""
-    keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma")
+    keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma", "widen", "split_latent")
     head, parts = f'    "{kind}": dict(', [f"{k}={cfg[k]!r}" for k in keys if k in cfg]
     lines, line = [], head
     for i, part in enumerate(parts):

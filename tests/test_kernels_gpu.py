@@ -179,8 +179,12 @@ def test_decode_attention_lengths_and_splits(kern, length, num_splits):
     dict(block_n=64, num_warps=8, num_stages=1, prefetch=True), dict(block_n=128, num_warps=4, num_stages=2, prefetch=False),
     dict(block_n=16, num_warps=2, num_stages=1, prefetch=True),
     dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True),
-    dict(block_n=64, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=16)], ids=str)
-@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+    dict(block_n=64, num_warps=4, num_stages=3, prefetch=False, swap=True, programs_per_sm=16),
+    # session 7: fp8 tiles widened once by inline PTX (a bf16 cache ignores widen)
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, widen=True),
+    dict(block_n=32, num_warps=4, num_stages=1, prefetch=True, widen=True),
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True, widen=True)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
 def test_decode_attention_launch_configs(kern, config, fmt):
     """Every tuning knob the benchmark may pick computes the same attention (prefetch covers ragged tails)."""
     case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, fmt, per_head=True)
@@ -369,6 +373,17 @@ def test_mla_decode_bf16_cache_ignores_scale(kern):
 MLA_TILE_CONFIGS = [
     pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=True, block_h=16), id="tma-swap-32-4-5-h16"),
     pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=4, swap=False, block_h=64), id="tma-32-8-4-h64"),
+    # session 7: fp8 tiles widened once by inline PTX (widen), the latent in 4 chunks (split_latent)
+    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=True),
+                 id="widen-32-4-5-h16"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=True,
+                      split_latent=True), id="split-widen-32-4-5-h16"),
+    pytest.param(dict(tma=True, block_n=64, num_warps=4, num_stages=4, swap=False, block_h=16, widen=True,
+                      split_latent=True), id="split-widen-64-4-4-h16"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=5, swap=False, block_h=64, widen=True,
+                      split_latent=True), id="split-widen-32-8-5-h64"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=False,
+                      split_latent=True), id="split-32-4-5-h16"),
 ]
 
 def _poison_unwritten(case, lengths: list[int]) -> None:
