@@ -37,7 +37,8 @@ def template(messages: list[dict]) -> list[int]:
 def fault_app(faults: set[str], log: list | None = None) -> Starlette:
     """Healthy unless `faults` (a set the test may change while the server runs) names a fault:
     drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble,
-    flaky (the third chat request answers 500), slow (0.4 s per chat)."""
+    flaky (the third chat request answers 500), slow (0.4 s per chat), no_token_info (no logprobs even when
+    asked), length (finish_reason "length"), garbled_text (the text's last character changed, ids right)."""
     log = log if log is not None else []
 
     def entry(token_id: int, logprob: float = -0.25) -> dict:
@@ -63,9 +64,11 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
         content = [entry(ord(c)) | {"top_logprobs": [entry(ord(c)), entry(ord(c) + 1, -1.75)]} for c in text]
         if "drop_logprob" in faults:
             content = content[:-1]
-        return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                          "logprobs": {"content": content} if body.get("logprobs") else None,
-                                          "finish_reason": "stop"}],
+        shown = text[:-1] + chr(ord(text[-1]) + 1) if "garbled_text" in faults and text else text
+        return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": shown},
+                                          "logprobs": {"content": content} if body.get("logprobs")
+                                          and "no_token_info" not in faults else None,
+                                          "finish_reason": "length" if "length" in faults else "stop"}],
                              "usage": {"prompt_tokens": len(template(body["messages"])),
                                        "completion_tokens": len(text)}})
 
