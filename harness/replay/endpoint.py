@@ -350,6 +350,8 @@ def _add_chunk(reply: dict, choice: dict, chunk: dict) -> None:
         delta = part.get("delta")
         if isinstance(delta, dict):
             message = choice.setdefault("message", {"role": "assistant", "content": ""})
+            if not isinstance(delta.get("content") or "", str):
+                raise ValueError(f"a chunk's delta content is not text: {_excerpt(json.dumps(delta['content']))}")
             message["content"] += delta.get("content") or ""
         if isinstance(part.get("text"), str):
             choice["text"] = choice.get("text", "") + part["text"]
@@ -500,12 +502,17 @@ class EndpointBackend:
                 "seed": self.config.seed, "n": 1}
         reply, problem = await self._chat_with_best_logprobs(body)
         choice = _first_choice(reply, "chat completion")
-        usage = reply.get("usage") or {}
+        usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
         self._note_prompt(_chat_key(chat), prompt_tokens, reply.get("prompt_token_ids", choice.get("prompt_token_ids")))
-        text = (choice.get("message") or {}).get("content") or ""
+        message = choice.get("message")
+        text = (message.get("content") if isinstance(message, dict) else None) or ""
+        if not isinstance(text, str):
+            raise EndpointError(f"POST {self.client.base_url}/v1/chat/completions",
+                                [f"reply's message content is not text: {_excerpt(json.dumps(text))}"])
         reason = choice.get("finish_reason")
-        finish = {"stop": "eos", "length": "length"}.get(reason, str(reason))
+        finish = {"stop": "eos", "length": "length"}.get(reason, str(reason)) if isinstance(reason, (str, type(None))) \
+            else _excerpt(json.dumps(reason), 40)
         ids, top, strings = (None, None, None) if problem else self._reply_tokens(choice)
         eos_listed = finish == "eos" and "stop_reason" in choice and choice["stop_reason"] is None
         if ids is None:  # no usable ids in the reply: re-tokenise its text
@@ -834,9 +841,12 @@ def _chat_reply_problem(reply: dict) -> str | None:
     """What makes a chat reply's token information unusable: logprobs or token ids that do not cover
     the reply as the server itself counted it (usage.completion_tokens)."""
     choices = reply.get("choices")
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return f"reply has no choices: {_excerpt(json.dumps(reply))}"
-    count = (reply.get("usage") or {}).get("completion_tokens")
+    if (shape := _token_info_shape_problem(choices[0])) is not None:
+        return shape
+    usage = reply.get("usage")
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if not isinstance(count, int):
         return None
     content = (choices[0].get("logprobs") or {}).get("content")
@@ -845,6 +855,38 @@ def _chat_reply_problem(reply: dict) -> str | None:
     ids = choices[0].get("token_ids")
     if isinstance(ids, list) and len(ids) != count:
         return f"token_ids lists {len(ids)} tokens where usage.completion_tokens is {count}"
+    return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token_entry(entry) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("token"), str) and _is_number(entry.get("logprob"))
+
+
+def _token_info_shape_problem(choice: dict) -> str | None:
+    """Token ids and logprobs in the shapes the OpenAI API and vLLM give them, or what is not: a
+    reply whose token information is malformed is re-tokenised from its text, never parsed."""
+    logprobs, ids = choice.get("logprobs"), choice.get("token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids)):
+        return "token_ids is not a list of integers"
+    if logprobs is None:
+        return None
+    content = logprobs.get("content") if isinstance(logprobs, dict) else "not an object"
+    if content is None:
+        return None
+    if not isinstance(content, list) or not all(
+            _is_token_entry(entry) and (entry.get("top_logprobs") is None or (
+                isinstance(entry["top_logprobs"], list) and all(map(_is_token_entry, entry["top_logprobs"]))))
+            for entry in content):
+        return "logprobs.content is not a list of {token, logprob, top_logprobs} entries"
+    if any(entry.get("bytes") is not None and not (isinstance(entry["bytes"], list) and all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in entry["bytes"]))
+            for entry in content):
+        return "a logprobs entry's bytes are not a list of byte values"
     return None
 
 
@@ -896,7 +938,7 @@ def _message_json(message: Message) -> dict:
 
 def _first_choice(reply: dict, what: str) -> dict:
     choices = reply.get("choices")
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise EndpointError(what, [f"reply has no choices: {_excerpt(json.dumps(reply))}"])
     return choices[0]
 
@@ -912,15 +954,26 @@ def _token_id(token: str, vocab: dict[str, int] | None) -> int | None:
 
 def _scoring_reply_problem(mode: str, reply: dict, num_ids: int) -> str | None:
     choices = reply.get("choices") or [{}]
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        return "reply has no choices"
     if mode == "prompt_logprobs":
         rows = choices[0].get("prompt_logprobs")
         if not isinstance(rows, list):
             return "reply has no prompt_logprobs"
+        if not all(row is None or isinstance(row, dict) and all(
+                key.isdigit() and (_is_number(v) or isinstance(v, dict) and _is_number(v.get("logprob")))
+                for key, v in row.items()) for row in rows):
+            return "prompt_logprobs rows are not {token id: {logprob}} objects"
         return None if len(rows) == num_ids else f"prompt_logprobs has {len(rows)} rows for {num_ids} prompt tokens"
     logprobs = choices[0].get("logprobs") or {}
-    rows, tokens = logprobs.get("top_logprobs"), logprobs.get("tokens")
-    if not isinstance(rows, list) or not isinstance(tokens, list) or not logprobs.get("token_logprobs"):
+    if not isinstance(logprobs, dict):
+        return "echo reply's logprobs is not an object"
+    rows, tokens, own = logprobs.get("top_logprobs"), logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(rows, list) or not isinstance(tokens, list) or not isinstance(own, list) or not own:
         return "echo reply has no per-prompt-token logprobs"
+    if not (all(isinstance(t, str) for t in tokens) and all(v is None or _is_number(v) for v in own)
+            and all(row is None or isinstance(row, dict) and all(map(_is_number, row.values())) for row in rows)):
+        return "echo reply's logprobs are not lists of tokens, numbers and {token: logprob} rows"
     if len(rows) < num_ids or len(tokens) < num_ids:
         return f"echo reply lists {min(len(rows), len(tokens))} tokens for {num_ids} prompt tokens"
     return None
