@@ -102,6 +102,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="turns the LLM judge sees (default: only turns that diverged)")
     live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
     live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
+    live.add_argument("--concurrency", type=_bounded_int(1, 1024), default=8, metavar="N",
+                      help="scenarios replayed at once against the servers (default: 8; each server also caps its "
+                           "requests in flight at 16)")
     live.add_argument("--request-timeout", type=_positive_seconds, default=120.0, metavar="SECONDS",
                       help="one HTTP attempt against a server, connect to last byte; a hanging server costs this "
                            "per attempt (default: 120; recorded in the manifest)")
@@ -334,7 +337,7 @@ def _run(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
-            request_timeout_s=args.request_timeout,
+            request_timeout_s=args.request_timeout, concurrency=args.concurrency,
             command=scrub_credentials(shlex.join(["harness", *sys.argv[1:]])), **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log

@@ -93,3 +93,34 @@ def test_d6_resume_keeps_what_the_first_session_found(tmp_path, capsys):
     capabilities = manifest["paths"][0]["description"]["capabilities"]
     assert "usage.completion_tokens" in capabilities["chat_reply_invalid"]
     assert any("re-tokenised from the text" in w for w in manifest["warnings"])
+
+
+def test_a_scoring_request_that_failed_for_now_is_redone_by_resume(tmp_path):
+    """Found by the endpoint soak (benchmarks/endpoint_soak.py): a scoring request whose retries ran out left
+    the unit done with its teacher-forced metrics null for good, so a --resume never asked again and the
+    run's records differed from a clean run's. Now the unit fails and the resume completes it."""
+    faults = {"score_500"}
+    scenarios = [scenario()]
+
+    async def run(reference_url, candidate_url, store):
+        reference, candidate = endpoint(reference_url, label="reference"), endpoint(candidate_url, label="candidate")
+        try:
+            await Replay("endpoint", reference, [candidate], store).run(scenarios)
+        finally:
+            await reference.aclose()
+            await candidate.aclose()
+
+    store = RunStore.create(tmp_path / "run", {"status": "running", "warnings": []})
+    clean = RunStore.create(tmp_path / "clean", {"status": "running", "warnings": []})
+    with running_server(fault_app(set()), log_level=QUIET) as healthy, \
+            running_server(fault_app(faults), log_level=QUIET) as flaky:
+        asyncio.run(run(healthy, flaky, store))
+        assert not store.is_done("endpoint", "s", "candidate")
+        assert "HTTP 500" in [e for e in store.read("errors") if e["path"] == "candidate"][0]["error"]
+        faults.clear()
+        asyncio.run(run(healthy, flaky, store))  # the resume
+        asyncio.run(run(healthy, healthy, clean))
+    kept = [{k: r[k] for k in ("scenario", "path", "turn", "metric", "value")} for r in store.read("records")]
+    expected = [{k: r[k] for k in ("scenario", "path", "turn", "metric", "value")} for r in clean.read("records")]
+    assert sorted(map(json.dumps, kept)) == sorted(map(json.dumps, expected))
+    assert not [r for r in store.read("records") if r.get("unavailable")]

@@ -38,7 +38,8 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
     """Healthy unless `faults` (a set the test may change while the server runs) names a fault:
     drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble,
     flaky (the third chat request answers 500), slow (0.4 s per chat), no_token_info (no logprobs even when
-    asked), length (finish_reason "length"), garbled_text (the text's last character changed, ids right)."""
+    asked), length (finish_reason "length"), garbled_text (the text's last character changed, ids right),
+    score_500 (every /v1/completions answers 500)."""
     log = log if log is not None else []
 
     def entry(token_id: int, logprob: float = -0.25) -> dict:
@@ -74,6 +75,8 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
 
     async def completions(request):
         body = await request.json()
+        if "score_500" in faults:
+            return JSONResponse({"error": {"message": "injected 500"}}, status_code=500)
         if "no_prompt_logprobs" in faults or "prompt_logprobs" not in body:
             return JSONResponse({"choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
         rows = [None] + [{str(t): {"logprob": -0.25}, str(t + 1): {"logprob": -1.75}} for t in body["prompt"][1:]]

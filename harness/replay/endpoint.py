@@ -44,7 +44,11 @@ STREAM_FIELDS = {"stream": True, "stream_options": {"include_usage": True}}  # u
 
 
 class EndpointError(RuntimeError):
-    """A request that failed for good. `attempts` lists every attempt's failure, in order."""
+    """A request that failed for good. `attempts` lists every attempt's failure, in order. `retry_later`:
+    the server may answer another time (retries exhausted, a refusal), so a unit that needed it is failed
+    and left to `--resume` rather than stored with holes (harness.replay.runner)."""
+
+    retry_later = True
 
     def __init__(self, url: str, attempts: list[str], status: int | None = None):
         self.url, self.attempts, self.status = url, attempts, status
@@ -62,6 +66,8 @@ def lacks_capability(error: EndpointError, fields: Sequence[str]) -> bool:
 class InvalidReply(EndpointError):
     """A reply that arrived but failed validation (too few logprobs, a short /tokenize): never cached,
     never retried (a server that drops a token does so every time); the caller degrades what needs it."""
+
+    retry_later = False  # a server that drops a token does so every time
 
     def __init__(self, url: str, problem: str, reply: dict):
         super().__init__(url, [f"invalid reply: {problem}"])
@@ -537,8 +543,10 @@ class EndpointBackend:
     async def _text_problem(self, ids: list[int], text: str) -> str | None:
         """Whether the reply's ids decode to its text (the local tokenizer, else the server's /detokenize
         of the whole list); None when they do or when nothing can decode them (recorded as unavailable)."""
-        if self._tokenizer is not None:
+        if self._tokenizer is not None:  # servers skip special tokens in the text (vLLM's default), or not
             decoded = self._tokenizer.decode(ids)
+            if _text_mismatch(decoded, text, len(ids)) is not None:
+                decoded = self._tokenizer.decode(ids, skip_special_tokens=True)
         elif self.capabilities.get("reply_text_check", "").startswith("unavailable"):
             return None
         else:
