@@ -51,6 +51,17 @@ def _bounded_int(low: int, high: int | None):
     return parse
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0; anything else is a usage error (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +170,12 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                       help="turns the LLM judge sees (default: only turns that diverged)")
     live.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key (never stored)")
     live.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="local tokenizer for servers without /tokenize")
+    live.add_argument("--concurrency", type=_bounded_int(1, 1024), default=8, metavar="N",
+                      help="scenarios replayed at once against the servers (default: 8; each server also caps its "
+                           "requests in flight at 16)")
+    live.add_argument("--request-timeout", type=_positive_seconds, default=120.0, metavar="SECONDS",
+                      help="one HTTP attempt against a server, connect to last byte; a hanging server costs this "
+                           "per attempt (default: 120; recorded in the manifest)")
     _add_endpoint_options(live)
     run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
                      help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
@@ -342,7 +359,7 @@ def _run(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
-            **_endpoint_config(args))
+            request_timeout_s=args.request_timeout, concurrency=args.concurrency, **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)

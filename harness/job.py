@@ -19,7 +19,7 @@ import harness
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import Replay
-from harness.run_inputs import check_run_inputs
+from harness.run_inputs import InputError, check_run_inputs, scenario_budget_problems
 from harness.runs.gate import write_verdicts
 from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
@@ -69,10 +69,13 @@ class RunConfig:
     batch_size: int | None = None  # batched in-process replay: None = auto on CUDA, off on CPU
     kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
     decode: str = "auto"  # batched replay's decode mode (harness.replay.batched.DECODE_MODES)
+    request_timeout_s: float = 120.0  # endpoints: one HTTP attempt, connect to last byte (--request-timeout)
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not self.request_timeout_s > 0:  # NaN too
+            raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")
         if self.kernel_check_every < 1:
             raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
         if self.decode == "graph" and not str(self.device).startswith("cuda"):
@@ -229,6 +232,8 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
     if config.scenario_ids:
         scenarios = [s for s in scenarios if s.id in set(config.scenario_ids)]
     scenarios = select_scenarios(scenarios, config.select)
+    if budget := scenario_budget_problems(scenarios, config.models):  # D1: a reply longer than the context
+        raise InputError(budget)
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
     if config.reference_url:
@@ -478,7 +483,7 @@ async def preflight_endpoints(config: RunConfig) -> None:
             await backend.aclose()
     if config.judge_url:
         key = live.api_key_env_for("judge", config.api_key_envs, config.api_key_env)
-        await live.judge_model(config.judge_url, config.judge_model, key, None)
+        await live.judge_model(config.judge_url, config.judge_model, key, None, config.request_timeout_s)
 
 
 def _open_endpoints(config: RunConfig, cache_dir: Path | None):
@@ -488,7 +493,8 @@ def _open_endpoints(config: RunConfig, cache_dir: Path | None):
 
     labelled = candidate_labels(config.candidate_urls)
     models = per_label(config.candidate_models, [label for label, _ in labelled], "--candidate-model")
-    common = dict(tokenizer=config.tokenizer, seed=config.seed, cache_dir=cache_dir)  # per run: --resume reuses it
+    common = dict(tokenizer=config.tokenizer, seed=config.seed, cache_dir=cache_dir,  # per run: --resume reuses it
+                  timeout_s=config.request_timeout_s)
     reference = open_endpoint(config.reference_url, label="reference", model=config.reference_model,
                               api_key_env=api_key_env_for("reference", config.api_key_envs, config.api_key_env),
                               **common)
@@ -500,14 +506,21 @@ def _open_endpoints(config: RunConfig, cache_dir: Path | None):
 
 def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, degraded: list[str]) -> None:
     """The servers as detected (model, capabilities, failed attempts) and what they could not measure."""
-    described = reference.describe()
+    from harness.replay.live import with_earlier_capabilities
 
-    def edit(manifest: dict) -> None:
+    def edit(manifest: dict) -> None:  # a --resume keeps what the earlier session found (issue 28, D6)
+        earlier = {p.get("name"): p.get("description") for p in manifest.get("paths") or []}
+        earlier["reference"] = next((m.get("reference") for m in manifest.get("models") or []
+                                     if m.get("label") == ENDPOINT_MODEL), None)
+        described = with_earlier_capabilities(earlier["reference"], reference.describe())
         manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
                                "arch": described.get("model") or "endpoint", "random_weights": False,
                                "reference": described}]
-        manifest["paths"] = [{"name": b.label, "canonical": b.label, "description": b.describe()} for b in candidates]
+        manifest["paths"] = [{"name": b.label, "canonical": b.label,
+                              "description": with_earlier_capabilities(earlier.get(b.label), b.describe())}
+                             for b in candidates]
         manifest["warnings"] = [w for w in manifest.get("warnings", []) if w not in degraded] + degraded
+        manifest["request_timeout_s"] = config.request_timeout_s
 
     store.edit_manifest(edit)
 
@@ -516,12 +529,15 @@ async def _judge(config: RunConfig, scenarios, store: RunStore) -> None:
     """Rule and reference-agreement judges on every reply; the LLM judge too when --judge is given."""
     from harness.judges import JudgeConfig, LLMJudge, judge_run
 
+    from harness.replay.endpoint import request_policy
     from harness.replay.live import api_key_env_for, judge_model
 
     key = api_key_env_for("judge", config.api_key_envs, config.api_key_env)
     cache_dir = store.directory / "http-cache"
-    llm = LLMJudge(config.judge_url, model=await judge_model(config.judge_url, config.judge_model, key, cache_dir),
-                   api_key_env=key, cache_dir=cache_dir, seed=config.seed) if config.judge_url else None
+    llm = LLMJudge(config.judge_url, model=await judge_model(config.judge_url, config.judge_model, key, cache_dir,
+                                                             config.request_timeout_s),
+                   api_key_env=key, cache_dir=cache_dir, seed=config.seed,
+                   policy=request_policy(config.request_timeout_s)) if config.judge_url else None
     if llm is not None:
         store.update_manifest(judge=llm.describe())
     try:

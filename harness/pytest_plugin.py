@@ -39,6 +39,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--reference-endpoint", metavar="URL", help="OpenAI-compatible server with the BF16 cache")
     group.addoption("--candidate-endpoint", action="append", metavar="[LABEL=]URL", help="server(s) to check")
     group.addoption("--judge-endpoint", metavar="URL", help="OpenAI-compatible server whose model grades replies")
+    from harness.cli import _positive_seconds  # the same check as harness run's flag: a usage error, exit 4
+
+    group.addoption("--request-timeout", type=_positive_seconds, default=120.0, metavar="SECONDS",
+                    help="endpoints: one HTTP attempt, connect to last byte (default: 120; in the run's manifest)")
     group.addoption("--report-dir", metavar="DIR", default="runs", help="where the stored run goes (default: runs)")
     group.addoption("--baseline", metavar="RUN", help="stored run to compare with; a regression fails the session")
     group.addoption("--threshold", action="append", metavar="METRIC:LIMIT", help="verdict limit override (repeatable)")
@@ -195,6 +199,7 @@ class HarnessSession:
                 out=out, device=self.device(), reference_url=self.reference, candidate_urls=self.candidates,
                 judge_url=self.config.getoption("judge_endpoint"), thresholds=self.thresholds,
                 scenario_ids=tuple(chosen["scenarios"]), attention=self._attention(),
+                request_timeout_s=self.config.getoption("request_timeout"),
                 command=["pytest", *self.config.invocation_params.args])
             job.run_job(config, warn=lambda message: print(message, file=sys.stderr))
         return self.parts[model]

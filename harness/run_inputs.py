@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,10 @@ def check_run_inputs(config: RunConfig) -> None:
         problems.append(f"--scales {config.scales_file}: no such file (k_scale/v_scale safetensors, or SGLang's "
                         f"quantization-param JSON, as harness calibrate writes)")
     problems += _endpoint_problems(config)
+    for path in config.calibration_paths:
+        if not Path(path).exists():
+            problems.append(f"--calibration {path}: no such file or directory (scenario files whose chats "
+                            f"calibrate 'calibrated' scales)")
     if config.jobs < 1:
         problems.append(f"--jobs {config.jobs}: must be at least 1")
     if problems:
@@ -51,9 +57,43 @@ def _out_problems(out: Path, resume: bool) -> list[str]:
     parent = next((p for p in out.parents if p.exists()), Path("."))
     if not out.exists() and not os.access(parent, os.W_OK):
         return [f"--out {out}: cannot create it ({parent} is not writable)"]
+    if not out.exists():
+        try:  # writable by mode bits is not enough (/proc, /sys, a read-only mount): make and remove a probe
+            os.rmdir(tempfile.mkdtemp(prefix=".harness-probe-", dir=parent))
+        except OSError as error:
+            return [f"--out {out}: cannot create a directory in {parent} ({error.strerror or error})"]
     if resume and not (out / "manifest.json").is_file():
         return [f"--out {out}: nothing to resume there (no manifest.json); drop --resume to start a new run"]
     return []
+
+
+def scenario_budget_problems(scenarios: Sequence, models: Sequence[Path]) -> list[str]:
+    """A scenario whose `generation.max_new_tokens` leaves no room in a model's context (its config.json's
+    max_position_embeddings): refused before the replay, as `harness serve` and vLLM refuse such a request
+    with a 400, rather than decoding until an end-of-sequence token that may never come."""
+    problems = []
+    for directory in models:
+        context = _context_length(Path(directory))
+        if context is None:
+            continue
+        for scenario in scenarios:
+            if scenario.max_new_tokens >= context:
+                problems.append(f"{scenario.source}: scenario {scenario.id!r}: field 'generation.max_new_tokens': "
+                                f"{scenario.max_new_tokens} leaves no room for the prompt in model {directory}'s "
+                                f"context of {context} tokens (max_position_embeddings)")
+    return problems
+
+
+def _context_length(directory: Path) -> int | None:
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a stress variant (derived at load time) or a model _model_problems already refused
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _model_problems(directory: Path) -> list[str]:

@@ -2,7 +2,10 @@
 
 Routes: /v1/chat/completions (with logprobs), /v1/completions (prompt as text or token ids; echo,
 logprobs, vLLM's prompt_logprobs and return_tokens_as_token_ids), /v1/models, /tokenize, /detokenize,
-/health. Decoding is greedy only (temperature 0); streaming and n > 1 are refused with a 400.
+/health. Decoding is greedy only (temperature 0); n > 1 is refused with a 400. `stream: true` answers
+with server-sent events in OpenAI's chunk format (`chat.completion.chunk` / `text_completion` chunks, one
+per token, logprobs per chunk where asked, a usage chunk with `stream_options.include_usage`, then
+`data: [DONE]`); the reply is decoded whole first, so its chunks carry exactly the non-streamed reply.
 
 Generation goes token by token through the path's cache exactly as `InProcessBackend.generate_sync`
 does, so a chat reply over HTTP has the same token ids as in-process. Teacher-forced scoring of a
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -27,7 +31,7 @@ import torch
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from harness.types import Message
@@ -120,8 +124,14 @@ def _messages(body: dict) -> list[Message]:
 
 
 def _check_common(body: dict) -> None:
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported by harness serve", "stream")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise BadRequest(f"stream must be true or false, got {body['stream']!r}", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest("stream_options must be an object with a boolean include_usage", "stream_options")
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
     if (body.get("temperature") or 0) != 0:
@@ -288,6 +298,8 @@ def build_app(served: ServedModel) -> Starlette:
         choice["stop_reason"] = stop_reason  # None: stopped on end-of-sequence (listed last) or on length
         if body.get("return_token_ids"):  # vLLM's and SGLang's extension: the exact ids, prompt and reply
             choice["token_ids"], reply["prompt_token_ids"] = ids, prompt
+        if body.get("stream"):
+            return _event_stream(_chat_chunks(served, body, reply, steps, text))
         return JSONResponse(reply)
 
     async def completions(request: Request) -> JSONResponse:
@@ -313,9 +325,11 @@ def build_app(served: ServedModel) -> Starlette:
             choice["logprobs"] = _legacy_logprobs(served, first, prompt_steps + steps, as_ids)
         if body.get("prompt_logprobs") is not None:
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(served, _trim(scored, prompt_top_k))
-        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                             "created": int(time.time()), "model": served.name, "choices": [choice],
-                             "usage": _usage(len(prompt), len(steps))})
+        reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                 "model": served.name, "choices": [choice], "usage": _usage(len(prompt), len(steps))}
+        if body.get("stream"):
+            return _event_stream(_completion_chunks(served, body, reply, steps, text, as_ids))
+        return JSONResponse(reply)
 
     async def models(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
@@ -348,6 +362,89 @@ def build_app(served: ServedModel) -> Starlette:
               Route("/detokenize", detokenize, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request, Exception: _server_error})
+
+
+# ---------------------------------------------------------------- streaming (server-sent events)
+
+
+def _text_deltas(served: ServedModel, steps: list[StepLogprobs], text: str) -> list[str]:
+    """One text piece per step, joining to exactly `text`: each step reveals what the decoded prefix adds,
+    held back while it ends inside a multi-byte character (U+FFFD) or runs past a stop string's cut."""
+    deltas, shown = [], 0
+    for n in range(1, len(steps) + 1):
+        prefix = served.tokenizer.decode([s.token_id for s in steps[:n]])
+        if n == len(steps):
+            upto = len(text)
+        elif prefix.endswith("\ufffd"):
+            upto = shown
+        else:
+            upto = max(shown, len(os.path.commonprefix([prefix, text])))
+        deltas.append(text[shown:upto])
+        shown = upto
+    return deltas
+
+
+def _chunk(reply: dict, choices: list[dict], usage: bool) -> dict:
+    chunk = {"id": reply["id"], "object": reply["object"] + (".chunk" if reply["object"] == "chat.completion" else ""),
+             "created": reply["created"], "model": reply["model"], "choices": choices}
+    return chunk | ({"usage": None} if usage else {})
+
+
+def _wants_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def _chat_chunks(served: ServedModel, body: dict, reply: dict, steps: list[StepLogprobs], text: str) -> Iterator[dict]:
+    """The chat reply as OpenAI streams it: a role chunk, one chunk per token (its text, its logprobs and,
+    with return_token_ids, its id), a finish chunk, and the usage chunk when asked."""
+    final, usage = reply["choices"][0], _wants_usage(body)
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    yield _chunk(reply, [first], usage) | ({"prompt_token_ids": reply["prompt_token_ids"]}
+                                          if "prompt_token_ids" in reply else {})
+    for step, delta in zip(steps, _text_deltas(served, steps, text)):
+        choice = {"index": 0, "delta": {"content": delta}, "finish_reason": None,
+                  "logprobs": _chat_logprobs(served, [step], as_ids) if body.get("logprobs") else None}
+        if "token_ids" in final:
+            choice["token_ids"] = [step.token_id]
+        yield _chunk(reply, [choice], usage)
+    yield _chunk(reply, [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": final["finish_reason"],
+                          "stop_reason": final["stop_reason"]}], usage)
+    if usage:
+        yield _chunk(reply, [], False) | {"usage": reply["usage"]}
+
+
+def _completion_chunks(served: ServedModel, body: dict, reply: dict, steps: list[StepLogprobs], text: str,
+                       as_ids: bool) -> Iterator[dict]:
+    """The completion as vLLM streams it: the echoed prompt (and its logprobs, prompt_logprobs) first when
+    asked, then one chunk per generated token, the finish, and the usage chunk when asked."""
+    final, usage = reply["choices"][0], _wants_usage(body)
+    legacy = final["logprobs"]
+    echoed = len(legacy["tokens"]) - len(steps) if legacy else 0
+    head = final["text"][: len(final["text"]) - len(text)]
+    if head or "prompt_logprobs" in final:
+        choice = {"index": 0, "text": head, "finish_reason": None,
+                  "logprobs": {name: values[:echoed] for name, values in legacy.items()} if legacy else None}
+        if "prompt_logprobs" in final:
+            choice["prompt_logprobs"] = final["prompt_logprobs"]
+        yield _chunk(reply, [choice], usage)
+    for i, delta in enumerate(_text_deltas(served, steps, text)):
+        at = echoed + i
+        yield _chunk(reply, [{"index": 0, "text": delta, "finish_reason": None,
+                              "logprobs": {name: values[at:at + 1] for name, values in legacy.items()}
+                              if legacy else None}], usage)
+    yield _chunk(reply, [{"index": 0, "text": "", "logprobs": None, "finish_reason": final["finish_reason"]}], usage)
+    if usage:
+        yield _chunk(reply, [], False) | {"usage": reply["usage"]}
+
+
+def _event_stream(chunks: Iterator[dict]) -> StreamingResponse:
+    async def events():
+        for chunk in chunks:
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _trim(steps: list[StepLogprobs], top_k: int) -> list[StepLogprobs]:

@@ -37,7 +37,9 @@ def template(messages: list[dict]) -> list[int]:
 def fault_app(faults: set[str], log: list | None = None) -> Starlette:
     """Healthy unless `faults` (a set the test may change while the server runs) names a fault:
     drop_logprob, short_tokenize, no_prompt_logprobs, detokenize_500, retry_after, hang, judge_babble,
-    flaky (the third chat request answers 500), slow (0.4 s per chat)."""
+    flaky (the third chat request answers 500), slow (0.4 s per chat), no_token_info (no logprobs even when
+    asked), length (finish_reason "length"), garbled_text (the text's last character changed, ids right),
+    score_500 (every /v1/completions answers 500)."""
     log = log if log is not None else []
 
     def entry(token_id: int, logprob: float = -0.25) -> dict:
@@ -63,14 +65,18 @@ def fault_app(faults: set[str], log: list | None = None) -> Starlette:
         content = [entry(ord(c)) | {"top_logprobs": [entry(ord(c)), entry(ord(c) + 1, -1.75)]} for c in text]
         if "drop_logprob" in faults:
             content = content[:-1]
-        return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                          "logprobs": {"content": content} if body.get("logprobs") else None,
-                                          "finish_reason": "stop"}],
+        shown = text[:-1] + chr(ord(text[-1]) + 1) if "garbled_text" in faults and text else text
+        return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": shown},
+                                          "logprobs": {"content": content} if body.get("logprobs")
+                                          and "no_token_info" not in faults else None,
+                                          "finish_reason": "length" if "length" in faults else "stop"}],
                              "usage": {"prompt_tokens": len(template(body["messages"])),
                                        "completion_tokens": len(text)}})
 
     async def completions(request):
         body = await request.json()
+        if "score_500" in faults:
+            return JSONResponse({"error": {"message": "injected 500"}}, status_code=500)
         if "no_prompt_logprobs" in faults or "prompt_logprobs" not in body:
             return JSONResponse({"choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
         rows = [None] + [{str(t): {"logprob": -0.25}, str(t + 1): {"logprob": -1.75}} for t in body["prompt"][1:]]

@@ -100,3 +100,21 @@ def test_a_bad_path_spec_is_a_usage_error(pytester, scenario_file):
     result = harness_session(pytester, scenario_file, "--paths", "fp8:per_chanel")
     assert result.ret == 2  # input refused before anything ran (docs/CONTRACTS.md exit codes)
     assert "fp8-harness: " in str(result.stdout) + str(result.stderr) and "per_chanel" in str(result.stdout)
+
+
+@pytest.mark.slow
+def test_endpoint_sessions_take_a_request_timeout_recorded_in_the_manifest(pytester, scenario_file):
+    """Issue 28: `--request-timeout` for endpoint sessions, as for `harness run`; a bad value is a usage error."""
+    from harness.serve import running_server
+    from test_endpoint_validation import QUIET, fault_app
+
+    with running_server(fault_app(set()), log_level=QUIET) as url:
+        endpoints = ("--reference-endpoint", url, "--candidate-endpoint", f"fake={url}")
+        result = harness_session(pytester, scenario_file, *endpoints, "--request-timeout", "7.5", models=())
+        refused = harness_session(pytester, scenario_file, *endpoints, "--request-timeout", "0", models=())
+    result.assert_outcomes(passed=1)
+    (run,) = stored_runs(pytester)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["request_timeout_s"] == 7.5
+    assert manifest["paths"][0]["description"]["policy"]["timeout_s"] == 7.5
+    assert refused.ret == 4 and "--request-timeout: must be a positive, finite number of seconds" in refused.stderr.str()

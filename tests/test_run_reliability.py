@@ -9,6 +9,7 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -286,3 +287,143 @@ def test_a_scales_file_stands_in_for_checkpoint_scales_in_the_model_directory(tm
     with pytest.raises(InputError, match="--scales .*missing.safetensors: no such file"):
         check_run_inputs(RunConfig(models=model, scenario_paths=(), paths=paths, out=tmp_path / "c",
                                    scales_file=tmp_path / "missing.safetensors"))
+
+
+# ---------------------------------------------------------------- issue 28: D1-D5 and the request timeout
+
+HUGE_BUDGET = """scenarios:
+  - id: endless
+    kind: chat
+    generation: {max_new_tokens: %d}
+    turns:
+      - user: "Count to ten."
+"""
+
+
+def test_d1_a_reply_budget_no_context_can_hold_is_refused_by_the_loader(tmp_path):
+    """Before: 1,000,000,000 was accepted and the in-process decode looped to it (only an EOS stopped it)."""
+    from harness.scenarios.load import ScenarioError, load_scenarios
+
+    file = tmp_path / "endless.yaml"
+    file.write_text(HUGE_BUDGET % 1_000_000_000)
+    with pytest.raises(ScenarioError, match=r"endless\.yaml: scenario 'endless': field 'generation\.max_new_tokens': "
+                                            r"1000000000 is above the limit of 1048576"):
+        load_scenarios([file])
+
+
+def test_d1_harness_run_refuses_a_budget_beyond_the_models_context_at_once(tiny_models, tmp_path, capsys):
+    """As `harness serve` (and vLLM) refuse max_tokens beyond the context with a 400, `harness run` refuses
+    before any model loads, naming the file, scenario, field and the model's context. Run in a subprocess
+    with a deadline: before the fix the replay decoded until the 4096-token context ran out."""
+    file = tmp_path / "endless.yaml"
+    file.write_text(HUGE_BUDGET % 4096)
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--model", str(tiny_models["gqa"]),
+                           "--scenarios", str(file), "--paths", "bf16", "--out", str(tmp_path / "out"),
+                           "--no-progress"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "field 'generation.max_new_tokens': 4096 leaves no room for the prompt" in done.stderr
+    assert "context of 4096 tokens (max_position_embeddings)" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_d2_a_fifo_named_as_a_scenario_file_is_not_called_missing(tmp_path, capsys):
+    fifo = tmp_path / "scenarios.yaml"
+    os.mkfifo(fifo)
+    assert main(["run", "--scenarios", str(fifo), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{fifo}: not a regular file or directory" in err and "no such file" not in err, err
+
+
+def test_d3_an_out_directory_that_cannot_be_made_names_the_flag(tmp_path, capsys):
+    """/proc is writable by its mode bits for root, yet nothing can be made there: before, a bare [Errno 2]."""
+    assert main(["run", "--scenarios", str(SMOKE), "--out", "/proc/harness-x", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out /proc/harness-x: cannot create a directory in /proc"), err
+
+
+def test_d4_a_missing_calibration_file_names_its_flag(tmp_path, capsys):
+    missing = tmp_path / "calibrate.yaml"
+    assert main(["run", "--scenarios", str(SMOKE), "--calibration", str(missing), "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--calibration {missing}: no such file or directory" in err and "problem in scenario files" not in err, err
+
+
+def test_d5_a_refused_connection_is_not_told_to_name_the_model(tmp_path, capsys):
+    """Nothing listens on the port: the hint asks whether the server runs, not for --reference-model."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    assert main(["run", "--scenarios", str(SMOKE), "--reference", url, "--candidate", url, "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "connection error" in err and "is the server running, and listening there?" in err, err
+    assert "--reference-model" not in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_bad_request_timeout_is_a_usage_error(value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--scenarios", str(SMOKE), "--request-timeout", value, "--out", str(tmp_path / "o")])
+    assert exited.value.code == 2
+    assert "--request-timeout" in capsys.readouterr().err
+
+
+def test_the_request_timeout_bounds_a_hanging_server_and_is_in_the_manifest(tmp_path, capsys):
+    """A server that passes the pre-flight, then hangs on every turn: each attempt ends at --request-timeout
+    (0.5 s here, not 120 s), the units fail and are named, and the manifest records the timeout."""
+    hang = threading.Event()
+    with refusing_server() as url, hanging_after_preflight(url, hang) as proxy:
+        started = time.monotonic()
+        code = main(["run", "--out", str(tmp_path / "out"), "--scenarios", str(SMOKE), "--no-progress",
+                     "--reference", proxy, "--candidate", proxy, "--request-timeout", "0.5"])
+        elapsed = time.monotonic() - started
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert code == 3 and manifest["request_timeout_s"] == 0.5
+    assert manifest["models"][0]["reference"]["policy"]["timeout_s"] == 0.5
+    errors = (tmp_path / "out" / "errors.jsonl").read_text()
+    assert "timed out after 0.5 s" in errors
+    assert elapsed < 60, elapsed  # 4 retries x 0.5 s plus backoff per request; at 120 s it would take minutes
+
+
+@contextlib.contextmanager
+def hanging_after_preflight(upstream: str, hang: threading.Event):
+    """A loopback proxy to `upstream` that passes the pre-flight's "Say OK." chats and holds every other
+    chat request open without answering."""
+    import urllib.request
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def _forward(self):
+            data = self.rfile.read(int(self.headers.get("Content-Length", 0))) if self.command == "POST" else None
+            if self.path == "/v1/chat/completions":
+                if b"Say OK." not in (data or b""):
+                    hang.wait(30)
+                    return
+            request = urllib.request.Request(upstream + self.path, data=data, method=self.command,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request) as reply:
+                    status, body = reply.status, reply.read()
+            except urllib.error.HTTPError as error:
+                status, body = error.code, error.read()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _forward
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        hang.set()
+        server.shutdown()
+        server.server_close()

@@ -74,7 +74,7 @@ def test_completion_text_prompt_and_vllm_extensions(client):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"stream": True}, "streaming is not supported"),
+    ({"stream": "yes"}, "stream must be true or false"),
     ({"temperature": 0.7}, "temperature must be 0"),
     ({"n": 2}, "only n=1"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs must be an integer in 0..20"),
@@ -159,3 +159,112 @@ def test_stop_strings_and_return_token_ids(served):
                                                           "return_token_ids": True}).json()["choices"][0]
             assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
             assert cut["message"]["content"] == text[:text.find(stop)]
+
+
+# ---------------------------------------------------------------- streaming (issue 28, item 5)
+
+
+def test_the_openai_client_streams_a_chat_completion_with_logprobs(served, client):
+    """What chat front-ends and serving benchmarks do by default: stream=True. The chunks join to exactly
+    the non-streamed reply: its text, its tokens and logprobs one per chunk, its finish, its usage."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="tiny-gqa", messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model="tiny-gqa", messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(choice.delta.content or "" for choice in streamed) == whole.choices[0].message.content
+    entries = [entry for choice in streamed if choice.logprobs for entry in choice.logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    assert streamed[-1].finish_reason == whole.choices[0].finish_reason
+    assert [c.finish_reason for c in streamed].count(None) == len(streamed) - 1
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # stream_options.include_usage
+
+
+def test_a_streamed_completion_joins_to_the_whole_one(served, client):
+    model, _ = served
+    prompt = model.encode_chat([Message("user", "Hello there")])
+    whole = client.completions.create(model="tiny-gqa", prompt=prompt, max_tokens=6, echo=True, logprobs=2)
+    chunks = list(client.completions.create(model="tiny-gqa", prompt=prompt, max_tokens=6, echo=True, logprobs=2,
+                                            stream=True))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == whole.choices[0].text
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens and chunks[-1].usage is None  # usage only when asked
+
+
+def test_stream_fields_are_checked(served):
+    _, url = served
+    chat = {"model": "tiny-gqa", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, field in (({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"stream": True, "stream_options": {"include_usage": "y"}}, "stream_options")):
+        reply = httpx.post(url + "/v1/chat/completions", json=chat | extra, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    streamed = httpx.post(url + "/v1/chat/completions", json=chat | {"stream": True}, timeout=30)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.endswith("data: [DONE]\n\n")
+
+
+def stream_only(app):
+    """An ASGI wrapper: completions that are not streamed are refused with a 400 naming streaming, as a
+    server that only streams answers them."""
+    import json as _json
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in ("/v1/chat/completions", "/v1/completions"):
+            return await app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if not _json.loads(body).get("stream"):
+            refusal = _json.dumps({"error": {"message": "this server only streams: set stream to true",
+                                             "param": "stream"}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            return await send({"type": "http.response.body", "body": refusal})
+        replayed = [False]
+
+        async def replay():
+            if replayed[0]:
+                return await receive()
+            replayed[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await app(scope, replay, send)
+
+    return wrapped
+
+
+def test_the_endpoint_client_consumes_a_server_that_only_streams(served):
+    """Generation and teacher-forced scoring through a stream-only server equal those of the same server
+    answering whole replies; the manifest's capabilities say streaming was required."""
+    import asyncio
+
+    from harness.replay.endpoint import open_endpoint
+
+    model, url = served
+    messages = [Message("system", "Be brief."), Message("user", "What is 7 * 8?")]
+
+    async def replay(base: str):
+        backend = open_endpoint(base, retries=0)
+        try:
+            generation = await backend.generate(messages, 8)
+            return generation, await backend.score(messages, generation.token_ids), backend.describe()
+        finally:
+            await backend.aclose()
+
+    with running_server(stream_only(build_app(model))) as streaming:
+        streamed, streamed_scores, described = asyncio.run(replay(streaming))
+    whole, whole_scores, plain = asyncio.run(replay(url))
+    assert streamed == whole and streamed.token_ids
+    assert streamed_scores == whole_scores and streamed_scores.unavailable is None
+    assert described["capabilities"]["stream"].startswith("required: the server refused a reply that is not streamed")
+    assert "stream" not in plain["capabilities"]
+    assert described["capabilities"]["chat_logprobs"] == plain["capabilities"]["chat_logprobs"] == "token ids"

@@ -118,7 +118,10 @@ def parse_threshold_overrides(specs: Iterable[str] | None) -> dict[str, Limit]:
             limit = math.nan
         if not sep or not metric or not math.isfinite(limit):
             raise ValueError(f"--threshold {spec!r}: expected METRIC:LIMIT with a finite number, e.g. kl_max:0.5")
-        limits[metric] = Limit(metric, limit, "--threshold")
+        try:
+            limits[metric] = Limit(metric, limit, "--threshold")
+        except ValueError as error:  # an unknown metric: name the flag too (found by fuzzing, issue 28)
+            raise ValueError(f"--threshold {spec!r}: {error}") from None
     return limits
 
 

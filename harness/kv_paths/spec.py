@@ -235,6 +235,8 @@ def read_layer_map(spec: str, file: str) -> list[int]:
         layers = [int(i) for i in body["bf16_layers"]]
     except FileNotFoundError:
         raise PathSpecError(f"KV path {spec!r}: layer map {file} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:  # a directory, a device, unreadable: found by fuzzing
+        raise PathSpecError(f"KV path {spec!r}: cannot read layer map {file} ({error})") from None
     except (ValueError, KeyError, TypeError) as error:
         raise PathSpecError(f"KV path {spec!r}: layer map {file} is not a precision map "
                             f"(JSON with \"bf16_layers\": [layer, ...]): {error}") from None

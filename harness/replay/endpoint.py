@@ -39,10 +39,16 @@ REFUSED_STATUS = frozenset({400, 422})  # the request was refused; a capability 
 DEFAULT_HEADERS = {"Accept": "*/*", "Accept-Encoding": "gzip, deflate",  # what httpx.AsyncClient sends
                    "User-Agent": f"python-httpx/{httpx.__version__}"}
 JSON_BODY = {"Content-Type": "application/json"}
+STREAMED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+STREAM_FIELDS = {"stream": True, "stream_options": {"include_usage": True}}  # usage: to check the ids against
 
 
 class EndpointError(RuntimeError):
-    """A request that failed for good. `attempts` lists every attempt's failure, in order."""
+    """A request that failed for good. `attempts` lists every attempt's failure, in order. `retry_later`:
+    the server may answer another time (retries exhausted, a refusal), so a unit that needed it is failed
+    and left to `--resume` rather than stored with holes (harness.replay.runner)."""
+
+    retry_later = True
 
     def __init__(self, url: str, attempts: list[str], status: int | None = None):
         self.url, self.attempts, self.status = url, attempts, status
@@ -60,6 +66,8 @@ def lacks_capability(error: EndpointError, fields: Sequence[str]) -> bool:
 class InvalidReply(EndpointError):
     """A reply that arrived but failed validation (too few logprobs, a short /tokenize): never cached,
     never retried (a server that drops a token does so every time); the caller degrades what needs it."""
+
+    retry_later = False  # a server that drops a token does so every time
 
     def __init__(self, url: str, problem: str, reply: dict):
         super().__init__(url, [f"invalid reply: {problem}"])
@@ -97,6 +105,12 @@ class RequestPolicy:
         for name in ("timeout_s", "deadline_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RequestPolicy.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def request_policy(timeout_s: float = 120.0, **fields) -> RequestPolicy:
+    """The policy for one attempt's timeout (`--request-timeout`): the overall deadline of a request (all
+    attempts and waits) stays 300 s, or grows to 2.5 attempts where one attempt may take longer."""
+    return RequestPolicy(timeout_s=timeout_s, deadline_s=max(300.0, 2.5 * timeout_s), **fields)
 
 
 def request_key(url: str, body: dict) -> str:
@@ -149,6 +163,7 @@ class RequestClient:
         self.cache = ResponseCache(cache_dir) if cache_dir is not None else None
         self.failures: list[dict] = []
         self.cache_hits = 0
+        self.stream_only: str | None = None  # why completions are asked for streamed (the server refused others)
         key = api_key_from_env(api_key_env)
         auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._headers = {"GET": DEFAULT_HEADERS | auth, "POST": DEFAULT_HEADERS | auth | JSON_BODY}
@@ -180,11 +195,19 @@ class RequestClient:
         raises `InvalidReply` and is never cached, so a later `--resume` asks the server again. A `probe`
         (capability detection) refused with 4xx is not a failed attempt: it is what detection asks."""
         url = self.base_url + path
+        if self.stream_only and path in STREAMED_ROUTES:
+            body = body | STREAM_FIELDS
         key = request_key(url, body) if cache and self.cache else None
         if key and (hit := self.cache.get(key)) is not None and (validate is None or validate(hit) is None):
             self.cache_hits += 1
             return hit
-        response = await self._with_retries("POST", path, body, probe)
+        try:
+            response = await self._with_retries("POST", path, body, probe)
+        except EndpointError as error:
+            if path not in STREAMED_ROUTES or body.get("stream") or not _asks_for_streaming(error):
+                raise
+            self.stream_only = f"required: the server refused a reply that is not streamed ({error.attempts[-1]})"
+            return await self.post(path, body, cache=cache, validate=validate, probe=probe)
         if validate is not None and (problem := validate(response)) is not None:
             raise InvalidReply(f"POST {url}", problem, response)
         if key:
@@ -269,12 +292,22 @@ def default_transport(base_url: str) -> httpx.AsyncBaseTransport:
     return httpx.AsyncHTTPTransport(verify=ssl_context or True, proxy=proxy)
 
 
+def _asks_for_streaming(error: EndpointError) -> bool:
+    """A refusal (400/422) of a request that was not streamed, whose message names streaming."""
+    return error.status in REFUSED_STATUS and "stream" in str(error).lower()
+
+
 def _decode(method: str, url: str, response: httpx.Response) -> dict:
     status = response.status_code
     if status in RETRY_STATUS:
         raise _RetryableError(f"HTTP {status}: {_excerpt(response.text)}", _retry_after_s(response))
     if status >= 400:
         raise EndpointError(f"{method} {url}", [f"HTTP {status}: {_excerpt(response.text)}"], status)
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            return assemble_event_stream(response.text)
+        except ValueError as error:  # cut short, or a chunk that is not JSON: ask again
+            raise _RetryableError(f"HTTP {status} with a broken event stream: {error}") from None
     try:
         decoded = response.json()
     except ValueError:
@@ -282,6 +315,72 @@ def _decode(method: str, url: str, response: httpx.Response) -> dict:
     if not isinstance(decoded, dict):
         raise _RetryableError(f"HTTP {status} with a JSON {type(decoded).__name__}, not an object")
     return decoded
+
+
+def assemble_event_stream(text: str) -> dict:
+    """A streamed completion (server-sent events of OpenAI chunks, `data: [DONE]` last) as the one reply a
+    non-streamed request gets: text and token lists joined in order, the last finish_reason, the usage
+    chunk's usage. Raises ValueError for a stream cut short (no [DONE]), a chunk that is not a JSON object,
+    or an error event."""
+    reply: dict = {}
+    choice: dict = {"index": 0}
+    done = False
+    for event in text.replace("\r\n", "\n").split("\n\n"):
+        data = "\n".join(line[5:].removeprefix(" ") for line in event.split("\n") if line.startswith("data:"))
+        if not data:
+            continue
+        if data == "[DONE]":
+            done = True
+            break
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a chunk is a JSON {type(chunk).__name__}, not an object")
+        if "error" in chunk:
+            raise ValueError(f"error event: {_excerpt(json.dumps(chunk['error']))}")
+        _add_chunk(reply, choice, chunk)
+    if not done:
+        raise ValueError("the stream ended without data: [DONE]")
+    return reply | {"choices": [choice] if len(choice) > 1 else []}
+
+
+def _add_chunk(reply: dict, choice: dict, chunk: dict) -> None:
+    for name in ("id", "created", "model", "prompt_token_ids"):
+        if chunk.get(name) is not None:
+            reply.setdefault(name, chunk[name])
+    reply.setdefault("object", str(chunk.get("object", "")).removesuffix(".chunk"))
+    if isinstance(chunk.get("usage"), dict):
+        reply["usage"] = chunk["usage"]
+    for part in chunk.get("choices") or []:
+        if not isinstance(part, dict) or part.get("index", 0) != 0:
+            continue
+        delta = part.get("delta")
+        if isinstance(delta, dict):
+            message = choice.setdefault("message", {"role": "assistant", "content": ""})
+            if not isinstance(delta.get("content") or "", str):
+                raise ValueError(f"a chunk's delta content is not text: {_excerpt(json.dumps(delta['content']))}")
+            message["content"] += delta.get("content") or ""
+        if isinstance(part.get("text"), str):
+            choice["text"] = choice.get("text", "") + part["text"]
+        _add_logprobs(choice, part.get("logprobs"))
+        if isinstance(part.get("token_ids"), list):
+            choice["token_ids"] = choice.get("token_ids", []) + part["token_ids"]
+        if part.get("prompt_logprobs") is not None:
+            choice.setdefault("prompt_logprobs", part["prompt_logprobs"])
+        for name in ("finish_reason", "stop_reason"):
+            if name in part and (part[name] is not None or name not in choice):
+                choice[name] = part[name]
+
+
+def _add_logprobs(choice: dict, logprobs) -> None:
+    """Chat logprobs (`content`: entries) or legacy completion logprobs (parallel lists), appended."""
+    if not isinstance(logprobs, dict):
+        choice.setdefault("logprobs", None)
+        return
+    joined = choice.get("logprobs") or {}
+    for name, values in logprobs.items():
+        if isinstance(values, list):
+            joined[name] = joined.get(name, []) + values
+    choice["logprobs"] = joined
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
@@ -371,7 +470,9 @@ class EndpointBackend:
         return {"kind": "endpoint", "label": self.label, "url": self.client.base_url, "model": self._model,
                 "api_key_env": self.config.api_key_env, "local_tokenizer": self.config.tokenizer,
                 "seed": self.config.seed, "top_logprobs": self.config.top_logprobs, "temperature": 0.0,
-                "capabilities": dict(self.capabilities), "attention_error": ATTENTION_ERROR_UNAVAILABLE,
+                "capabilities": dict(self.capabilities) | ({"stream": self.client.stream_only}
+                                                           if self.client.stream_only else {}),
+                "attention_error": ATTENTION_ERROR_UNAVAILABLE,
                 "policy": {"concurrency": policy.concurrency, "timeout_s": policy.timeout_s,
                            "retries": policy.retries, "deadline_s": policy.deadline_s},
                 "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
@@ -381,6 +482,9 @@ class EndpointBackend:
         lines = [f"teacher-forced metrics unavailable for {self.label}: {why.removeprefix('unavailable: ')}"
                  for why in (self.capabilities.get("scoring", ""), self.capabilities.get("prompt_ids", ""))
                  if why.startswith("unavailable")]
+        if "reply_ids_invalid" in self.capabilities:
+            lines.append(f"{self.label}: replies not scored, their token ids disagree with what the server said it "
+                         f"produced: {self.capabilities['reply_ids_invalid']}")
         if "chat_reply_invalid" in self.capabilities:
             lines.append(f"{self.label}: reply token ids re-tokenised from the text, the server's failed validation: "
                          f"{self.capabilities['chat_reply_invalid']}")
@@ -404,22 +508,64 @@ class EndpointBackend:
                 "seed": self.config.seed, "n": 1}
         reply, problem = await self._chat_with_best_logprobs(body)
         choice = _first_choice(reply, "chat completion")
-        usage = reply.get("usage") or {}
+        usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
         self._note_prompt(_chat_key(chat), prompt_tokens, reply.get("prompt_token_ids", choice.get("prompt_token_ids")))
-        text = (choice.get("message") or {}).get("content") or ""
+        message = choice.get("message")
+        text = (message.get("content") if isinstance(message, dict) else None) or ""
+        if not isinstance(text, str):
+            raise EndpointError(f"POST {self.client.base_url}/v1/chat/completions",
+                                [f"reply's message content is not text: {_excerpt(json.dumps(text))}"])
         reason = choice.get("finish_reason")
-        finish = {"stop": "eos", "length": "length"}.get(reason, str(reason))
+        finish = {"stop": "eos", "length": "length"}.get(reason, str(reason)) if isinstance(reason, (str, type(None))) \
+            else _excerpt(json.dumps(reason), 40)
         ids, top, strings = (None, None, None) if problem else self._reply_tokens(choice)
+        eos_listed = finish == "eos" and "stop_reason" in choice and choice["stop_reason"] is None
         if ids is None:  # no usable ids in the reply: re-tokenise its text
             ids, top, strings = await self._tokenize_text(text), None, None
-        elif finish == "eos" and "stop_reason" in choice and choice["stop_reason"] is None and ids:
+            self._check_reply_ids(reply, _retokenised_count_problem(len(ids), usage.get("completion_tokens"), finish))
+        elif eos_listed and ids:
             # vLLM lists the end-of-sequence token in a reply that stopped on it (stop_reason null);
             # the in-process backend and `harness serve` leave it out: drop it so identical texts match
             ids, top, strings = ids[:-1], top[:-1] if top else top, strings[:-1] if strings else strings
+        self._check_reply_ids(reply, await self._text_problem(ids, text))
         if strings is None:
             strings = await self._display_strings(ids)
         return Generation(ids, text, finish, strings, top, prompt_tokens)
+
+    def _check_reply_ids(self, reply: dict, problem: str | None) -> None:
+        """A reply whose ids disagree with what the server says it produced (its usage, its text) is
+        never scored: the unit fails naming the problem, and the capability is recorded for the run."""
+        if problem is not None:
+            self.capabilities["reply_ids_invalid"] = problem
+            raise InvalidReply(f"POST {self.client.base_url}/v1/chat/completions", problem, reply)
+
+    async def _text_problem(self, ids: list[int], text: str) -> str | None:
+        """Whether the reply's ids decode to its text (the local tokenizer, else the server's /detokenize
+        of the whole list); None when they do or when nothing can decode them (recorded as unavailable)."""
+        if self._tokenizer is not None:  # servers skip special tokens in the text (vLLM's default), or not
+            decoded = self._tokenizer.decode(ids)
+            if _text_mismatch(decoded, text, len(ids)) is not None:
+                decoded = self._tokenizer.decode(ids, skip_special_tokens=True)
+        elif self.capabilities.get("reply_text_check", "").startswith("unavailable"):
+            return None
+        else:
+            try:
+                reply = await self.client.post("/detokenize", {"model": await self.model(), "tokens": ids},
+                                               validate=_detokenize_problem,
+                                               probe="reply_text_check" not in self.capabilities)
+            except InvalidReply as error:
+                self.capabilities["reply_text_check"] = f"unavailable: {error.problem}"
+                return None
+            except EndpointError as error:
+                if not lacks_capability(error, ("tokens", "detokenize")):  # a failing server: this reply unchecked
+                    self.capabilities["reply_text_check"] = f"failed: {error.attempts[-1]} (a reply left unchecked)"
+                    return None
+                self.capabilities["reply_text_check"] = f"unavailable: /detokenize answered {error.attempts[-1]}"
+                return None
+            decoded = str(reply["prompt"] if "prompt" in reply else reply["text"])
+            self.capabilities["reply_text_check"] = "server /detokenize of the reply's ids"
+        return _text_mismatch(decoded, text, len(ids))
 
     async def score(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
         continuation = [int(t) for t in continuation_ids]
@@ -460,8 +606,10 @@ class EndpointBackend:
         try:
             listed = (await self.client.get("/v1/models")).get("data") or []
         except EndpointError as error:
-            raise EndpointError(where, error.attempts + [f"name the served model instead ({MODEL_HINT})"],
-                                error.status) from None
+            answered = error.status is not None or any(a.startswith("HTTP ") for a in error.attempts)
+            hint = (f"name the served model instead ({MODEL_HINT})" if answered else
+                    f"no HTTP answer from {self.client.base_url}: is the server running, and listening there?")
+            raise EndpointError(where, error.attempts + [hint], error.status) from None
         names = [str(m.get("id")) for m in listed if isinstance(m, dict) and m.get("id")]
         if len(names) != 1:
             raise EndpointError(where, [f"{len(names)} models listed ({', '.join(names[:5])}); name the served "
@@ -701,9 +849,12 @@ def _chat_reply_problem(reply: dict) -> str | None:
     """What makes a chat reply's token information unusable: logprobs or token ids that do not cover
     the reply as the server itself counted it (usage.completion_tokens)."""
     choices = reply.get("choices")
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return f"reply has no choices: {_excerpt(json.dumps(reply))}"
-    count = (reply.get("usage") or {}).get("completion_tokens")
+    if (shape := _token_info_shape_problem(choices[0])) is not None:
+        return shape
+    usage = reply.get("usage")
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if not isinstance(count, int):
         return None
     content = (choices[0].get("logprobs") or {}).get("content")
@@ -713,6 +864,61 @@ def _chat_reply_problem(reply: dict) -> str | None:
     if isinstance(ids, list) and len(ids) != count:
         return f"token_ids lists {len(ids)} tokens where usage.completion_tokens is {count}"
     return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token_entry(entry) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("token"), str) and _is_number(entry.get("logprob"))
+
+
+def _token_info_shape_problem(choice: dict) -> str | None:
+    """Token ids and logprobs in the shapes the OpenAI API and vLLM give them, or what is not: a
+    reply whose token information is malformed is re-tokenised from its text, never parsed."""
+    logprobs, ids = choice.get("logprobs"), choice.get("token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids)):
+        return "token_ids is not a list of integers"
+    if logprobs is None:
+        return None
+    content = logprobs.get("content") if isinstance(logprobs, dict) else "not an object"
+    if content is None:
+        return None
+    if not isinstance(content, list) or not all(
+            _is_token_entry(entry) and (entry.get("top_logprobs") is None or (
+                isinstance(entry["top_logprobs"], list) and all(map(_is_token_entry, entry["top_logprobs"]))))
+            for entry in content):
+        return "logprobs.content is not a list of {token, logprob, top_logprobs} entries"
+    if any(entry.get("bytes") is not None and not (isinstance(entry["bytes"], list) and all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in entry["bytes"]))
+            for entry in content):
+        return "a logprobs entry's bytes are not a list of byte values"
+    return None
+
+
+def _retokenised_count_problem(count: int, completion_tokens, finish: str) -> str | None:
+    """Re-tokenised reply text against the server's own count (usage.completion_tokens): equal, or one
+    fewer where the reply stopped on end-of-sequence, a token servers count and the text leaves out (vLLM,
+    `transformers serve` and `harness serve` all count it). A /tokenize one short on such a reply is
+    caught by decoding the ids back to the text (`_text_mismatch`) where the server has /detokenize."""
+    if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
+        return None
+    allowed = {completion_tokens, completion_tokens - 1} if finish == "eos" else {completion_tokens}
+    if count in allowed:
+        return None
+    return (f"the reply text re-tokenises to {count} tokens where usage.completion_tokens is {completion_tokens} "
+            f"(finish_reason {finish}): /tokenize disagrees with the server's own count")
+
+
+def _text_mismatch(decoded: str, text: str, count: int) -> str | None:
+    """The reply's ids decode to its text. Whitespace is not compared (a tokenizer's clean-up of spaces
+    before punctuation differs between batch and incremental detokenisation); anything else is."""
+    if decoded == text or "".join(decoded.split()) == "".join(text.split()):
+        return None
+    return (f"the reply's {count} token ids decode to {_excerpt(decoded, 80)!r} but its text is "
+            f"{_excerpt(text, 80)!r}: the server's detokenisation disagrees with its ids")
 
 
 def _tokenize_problem(reply: dict, expected: int | None) -> str | None:
@@ -740,7 +946,7 @@ def _message_json(message: Message) -> dict:
 
 def _first_choice(reply: dict, what: str) -> dict:
     choices = reply.get("choices")
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise EndpointError(what, [f"reply has no choices: {_excerpt(json.dumps(reply))}"])
     return choices[0]
 
@@ -756,15 +962,26 @@ def _token_id(token: str, vocab: dict[str, int] | None) -> int | None:
 
 def _scoring_reply_problem(mode: str, reply: dict, num_ids: int) -> str | None:
     choices = reply.get("choices") or [{}]
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        return "reply has no choices"
     if mode == "prompt_logprobs":
         rows = choices[0].get("prompt_logprobs")
         if not isinstance(rows, list):
             return "reply has no prompt_logprobs"
+        if not all(row is None or isinstance(row, dict) and all(
+                key.isdigit() and (_is_number(v) or isinstance(v, dict) and _is_number(v.get("logprob")))
+                for key, v in row.items()) for row in rows):
+            return "prompt_logprobs rows are not {token id: {logprob}} objects"
         return None if len(rows) == num_ids else f"prompt_logprobs has {len(rows)} rows for {num_ids} prompt tokens"
     logprobs = choices[0].get("logprobs") or {}
-    rows, tokens = logprobs.get("top_logprobs"), logprobs.get("tokens")
-    if not isinstance(rows, list) or not isinstance(tokens, list) or not logprobs.get("token_logprobs"):
+    if not isinstance(logprobs, dict):
+        return "echo reply's logprobs is not an object"
+    rows, tokens, own = logprobs.get("top_logprobs"), logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(rows, list) or not isinstance(tokens, list) or not isinstance(own, list) or not own:
         return "echo reply has no per-prompt-token logprobs"
+    if not (all(isinstance(t, str) for t in tokens) and all(v is None or _is_number(v) for v in own)
+            and all(row is None or isinstance(row, dict) and all(map(_is_number, row.values())) for row in rows)):
+        return "echo reply's logprobs are not lists of tokens, numbers and {token: logprob} rows"
     if len(rows) < num_ids or len(tokens) < num_ids:
         return f"echo reply lists {min(len(rows), len(tokens))} tokens for {num_ids} prompt tokens"
     return None
@@ -823,7 +1040,7 @@ def open_endpoint(url: str, *, label: str | None = None, model: str | None = Non
                   top_logprobs: int = 5, concurrency: int = 16, timeout_s: float = 120.0,
                   retries: int = 4) -> EndpointBackend:
     """The backend `harness run --reference URL --candidate URL` uses for each URL."""
-    policy = RequestPolicy(concurrency=concurrency, timeout_s=timeout_s, retries=retries)
+    policy = request_policy(timeout_s, concurrency=concurrency, retries=retries)
     config = EndpointConfig(url=url, model=model, label=label, api_key_env=api_key_env, tokenizer=tokenizer,
                             seed=seed, top_logprobs=top_logprobs, policy=policy,
                             cache_dir=None if cache_dir is None else str(cache_dir))

@@ -61,11 +61,13 @@ async def preflight(backends: Sequence[EndpointBackend]) -> None:
         raise PreflightError("endpoint pre-flight failed:\n  " + "\n  ".join(problems))
 
 
-async def judge_model(url: str, model: str | None, api_key_env: str | None, cache_dir: Path | None) -> str:
+async def judge_model(url: str, model: str | None, api_key_env: str | None, cache_dir: Path | None,
+                      timeout_s: float = 120.0) -> str:
     """The judge's model: the one named, else the only one /v1/models lists (`PreflightError` if not)."""
     if model is not None:
         return model
-    backend = open_endpoint(url, label="judge", api_key_env=api_key_env, cache_dir=cache_dir, retries=2)
+    backend = open_endpoint(url, label="judge", api_key_env=api_key_env, cache_dir=cache_dir, retries=2,
+                            timeout_s=timeout_s)
     try:
         return await backend.model()
     except EndpointError as error:
@@ -77,3 +79,13 @@ async def judge_model(url: str, model: str | None, api_key_env: str | None, cach
 def degraded(backends: Sequence[EndpointBackend]) -> list[str]:
     """One warning per metric a server could not give, with its reason."""
     return [line for b in backends for line in b.degraded()]
+
+
+def with_earlier_capabilities(earlier: dict | None, described: dict) -> dict:
+    """A backend's `describe()` keeping what an earlier session of the same run (`--resume`) found and
+    this one did not: a `chat_reply_invalid` seen before the interruption still explains how the units
+    scored then were scored. Where both sessions found something under one name, the newer stands."""
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("capabilities"), dict):
+        return described
+    merged = {**earlier["capabilities"], **described.get("capabilities", {})}
+    return {**described, "capabilities": merged}

@@ -154,7 +154,9 @@ class Replay:
         free-running metrics and records the teacher-forced ones as unavailable, with the reason."""
         try:
             scored = await self._scores(scenario, backend, reference, turn, reference_scores)
-        except Exception as error:  # noqa: BLE001 - a scoring failure never costs the free-running metrics
+        except Exception as error:  # noqa: BLE001 - a scoring failure never costs the free-running metrics...
+            if getattr(error, "retry_later", False):  # ...unless a server failed for now: the unit fails and
+                raise  # `--resume` redoes it whole, rather than keeping its teacher-forced metrics null for good
             return {}, {}, f"scoring failed: {type(error).__name__}: {error}", None
         ref_scores, path_scores = scored
         if ref_scores.logprobs is not None and path_scores.logprobs is not None:

@@ -27,6 +27,10 @@ from harness.scenarios.filler import filler_text, insert_needle
 
 KINDS = ("chat", "arithmetic", "recall", "long_context")
 DEFAULT_MAX_NEW_TOKENS = 64
+# A reply budget no model can use: 1,048,576 = 2^20 tokens, above the context of every model the harness
+# has replayed (the bundled canaries: 4,096; Llama 3.1 / Qwen2.5: 131,072). Each model's own context is
+# checked again before a run (harness.run_inputs.scenario_budget_problems), as `harness serve` checks it.
+MAX_NEW_TOKENS_LIMIT = 1 << 20
 DEFAULT_FILLER_SEED = 0
 
 FILE_KEYS = ("defaults", "scenarios")
@@ -112,6 +116,9 @@ def find_scenario_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[s
                 problems.append(f"{path}: no *.yaml or *.yml files in this directory")
         elif path.is_file():
             found = [path]
+        elif path.exists():  # a FIFO, socket or device: reading it could block for ever
+            problems.append(f"{path}: not a regular file or directory (a scenario file must be a regular file)")
+            found = []
         else:
             problems.append(f"{path}: no such file or directory")
             found = []
@@ -402,7 +409,12 @@ def _check_generation(value: Any, name: str, where: _Where) -> int:
                     f"only greedy decoding is supported (must be true), got {_show(value['greedy'])}")
     if "max_new_tokens" not in value:
         return DEFAULT_MAX_NEW_TOKENS
-    return _check_positive_int(value["max_new_tokens"], f"{name}.max_new_tokens", where) or DEFAULT_MAX_NEW_TOKENS
+    budget = _check_positive_int(value["max_new_tokens"], f"{name}.max_new_tokens", where)
+    if budget is not None and budget > MAX_NEW_TOKENS_LIMIT:
+        where.error(f"{name}.max_new_tokens", f"{budget} is above the limit of {MAX_NEW_TOKENS_LIMIT} tokens "
+                                              f"(longer than any model's context)")
+        return DEFAULT_MAX_NEW_TOKENS
+    return budget or DEFAULT_MAX_NEW_TOKENS
 
 
 def _check_thresholds(value: Any, name: str, where: _Where) -> dict[str, float]:
