@@ -191,7 +191,8 @@ def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
         "history_mode": config.history_mode, "seed": config.seed,
         "models": [], "scenario_files": [{"file": f, "sha256": _file_sha256(Path(f))} for f in files],
         "scenarios": [{"id": s.id, "kind": s.kind, "hash": s.content_hash, "source": s.source} for s in scenarios],
-        "paths": [{"name": p.name, "canonical": p.canonical, "description": p.describe()} for p in config.paths],
+        "paths": [{"name": p.name, "canonical": p.canonical, "kind": "kv_path", "description": p.describe()}
+                  for p in config.paths],
         "calibration_files": [str(p) for p in config.calibration_paths] or "built-in (harness/calibration.py)",
         "scales": {}, "noise_floor": {}, "warnings": [],
         "attention": config.attention.describe() if config.attention is not None else None,
@@ -504,20 +505,29 @@ def _open_endpoints(config: RunConfig, cache_dir: Path | None):
     return reference, candidates
 
 
+def endpoint_path_entry(label: str, described: dict) -> dict:
+    """A candidate server in `manifest.paths[]`, in the shape of an in-process path: name, canonical, kind, a
+    one-line description; what the server was found to do under `endpoint`."""
+    served = described.get("model") or "the served model"
+    return {"name": label, "canonical": label, "kind": "endpoint",
+            "description": f"endpoint {described.get('url')} serving {served} (KV cache as the server keeps it)",
+            "endpoint": described}
+
+
 def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, degraded: list[str]) -> None:
     """The servers as detected (model, capabilities, failed attempts) and what they could not measure."""
     from harness.replay.live import with_earlier_capabilities
 
     def edit(manifest: dict) -> None:  # a --resume keeps what the earlier session found (issue 28, D6)
-        earlier = {p.get("name"): p.get("description") for p in manifest.get("paths") or []}
+        earlier = {p.get("name"): p.get("endpoint") for p in manifest.get("paths") or []}
         earlier["reference"] = next((m.get("reference") for m in manifest.get("models") or []
                                      if m.get("label") == ENDPOINT_MODEL), None)
         described = with_earlier_capabilities(earlier["reference"], reference.describe())
         manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
                                "arch": described.get("model") or "endpoint", "random_weights": False,
                                "reference": described}]
-        manifest["paths"] = [{"name": b.label, "canonical": b.label,
-                              "description": with_earlier_capabilities(earlier.get(b.label), b.describe())}
+        manifest["paths"] = [endpoint_path_entry(b.label, with_earlier_capabilities(earlier.get(b.label),
+                                                                                     b.describe()))
                              for b in candidates]
         manifest["warnings"] = [w for w in manifest.get("warnings", []) if w not in degraded] + degraded
         manifest["request_timeout_s"] = config.request_timeout_s

@@ -90,7 +90,7 @@ def test_d6_resume_keeps_what_the_first_session_found(tmp_path, capsys):
         faults.clear()
         assert cli.main(["run", "--reference", healthy, "--candidate", f"fp8={faulty}", *args, "--resume"]) == 0
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    capabilities = manifest["paths"][0]["description"]["capabilities"]
+    capabilities = manifest["paths"][0]["endpoint"]["capabilities"]
     assert "usage.completion_tokens" in capabilities["chat_reply_invalid"]
     assert any("re-tokenised from the text" in w for w in manifest["warnings"])
 

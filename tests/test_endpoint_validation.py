@@ -192,7 +192,7 @@ def test_manifest_records_capabilities_and_failures_once_known(tmp_path, capsys)
         code = cli.main(["run", "--reference", healthy, "--candidate", f"fp8={faulty}", "--out",
                          str(tmp_path / "run"), "--scenarios", str(write_scenarios(tmp_path)), "--no-progress"])
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    described = manifest["paths"][0]["description"]
+    described = manifest["paths"][0]["endpoint"]
     assert code == 0
     assert described["capabilities"]["chat_logprobs"] == "token ids"
     assert described["capabilities"]["scoring"].startswith("unavailable")

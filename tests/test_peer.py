@@ -157,7 +157,7 @@ def test_vllm_float32_vs_bfloat16(vllm_float32, vllm_bfloat16, tmp_path, capsys)
     assert _units(out) == 2 * scenarios  # every unit stored: reference and candidate per scenario
     kl = [r for r in records if r["metric"] == "kl_max" and r["path"] == "bf16"]
     assert kl and all(r["value"] is not None and math.isfinite(r["value"]) for r in kl)  # no inf from rounding
-    capabilities = manifest["paths"][0]["description"]["capabilities"]
+    capabilities = manifest["paths"][0]["endpoint"]["capabilities"]
     assert capabilities["scoring"] == "prompt_logprobs" and capabilities["chat_logprobs"] == "token ids"
     assert (out / "report" / "index.html").exists()
     kl_mean = [r["value"] for r in records if r["metric"] == "kl_mean" and r["path"] == "bf16"]
@@ -198,6 +198,6 @@ def test_gateway_without_tokenize(vllm_float32, tmp_path, capsys):
     # the same server behind it: identical replies; KL not exactly 0, as vLLM batches the two scorings of the
     # same ids differently (float32 reduction order, measured 2.6e-13 at most), so 1e-9 is the bound
     assert exact and all(v == 1.0 for v in exact) and all(v is not None and v < 1e-9 for v in kl)
-    capabilities = manifest["paths"][0]["description"]["capabilities"]
+    capabilities = manifest["paths"][0]["endpoint"]["capabilities"]
     assert capabilities["scoring"] == "prompt_logprobs" and "tokenize_chat" not in capabilities  # never needed
     print(f"PEER gateway without /tokenize: {_units(out)} units, {seconds:.1f} s")

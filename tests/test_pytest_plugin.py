@@ -116,5 +116,5 @@ def test_endpoint_sessions_take_a_request_timeout_recorded_in_the_manifest(pytes
     (run,) = stored_runs(pytester)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["request_timeout_s"] == 7.5
-    assert manifest["paths"][0]["description"]["policy"]["timeout_s"] == 7.5
+    assert manifest["paths"][0]["endpoint"]["policy"]["timeout_s"] == 7.5
     assert refused.ret == 4 and "--request-timeout: must be a positive, finite number of seconds" in refused.stderr.str()
