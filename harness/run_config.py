@@ -40,7 +40,10 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
             models, warning = default_models()
             if warning and warn:
                 warn(warning)
-        kv_paths = parse_kv_paths(paths or DEFAULT_PATHS) if paths is None or isinstance(paths, str) else tuple(paths)
+        if paths is None or isinstance(paths, str):
+            kv_paths = parse_kv_paths(DEFAULT_PATHS if paths is None else paths)  # "" is refused, not defaulted
+        else:
+            kv_paths = tuple(paths)
     return RunConfig(models=tuple(models), scenario_paths=tuple(scenario_paths or default_scenarios()),
                      paths=kv_paths, out=out or new_run_dir(), device=resolve_device(device),
                      command=stored_command(command), **fields)
