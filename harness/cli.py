@@ -79,6 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
     run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
                      help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+    run.add_argument("--yardstick", default=None, metavar="SPEC",
+                     help="accepted KV path the verdicts measure divergence against, run beside the others in "
+                          "process (default: fp8_e4m3:calibrated; 'none': no yardstick, absolute limits only; "
+                          "docs/VERDICTS.md)")
     run.add_argument("--scales", type=Path, metavar="FILE",
                      help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
                           "(default: the model directory's *.safetensors)")
@@ -281,7 +285,8 @@ def _say(message: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from harness import job
-    from harness.analysis.verdicts import parse_threshold_overrides
+    from harness.analysis.verdicts import DEFAULT_YARDSTICK, parse_threshold_overrides
+    from harness.runs.gate import with_yardstick
     from harness.runs.status import run_exit_code
     from harness.runs.library_log import quiet_libraries
     from harness.runs.store import RunStoreError
@@ -311,7 +316,10 @@ def _run(args: argparse.Namespace) -> int:
         models = select_models(models, args.models or ())
         config = job.RunConfig(
             models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
-            paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
+            paths=() if args.reference else with_yardstick(
+                job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
+                DEFAULT_YARDSTICK if args.yardstick is None else args.yardstick),
+            yardstick=args.yardstick,
             out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
             calibration_paths=tuple(args.calibration or ()), reference_url=args.reference,

@@ -28,6 +28,7 @@ from harness.runs.report_views import (
     reason_text,
     sparkline,
     turn_verdicts,
+    path_checks,
     verdict_matrix_view,
     verdict_turns,
 )
@@ -658,10 +659,14 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
+    from harness.runs.gate import run_path_verdicts
+
+    whole = run_path_verdicts(run.run_dir) if run.verdicts else []
     detection = run.run_dir / "detection.json"  # written by `harness zoo`
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
-                      matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name),
+                      matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
+                      path_checks=path_checks(whole), yardstick=run.manifest.get("yardstick"),
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=json.loads(detection.read_text()) if detection.exists() else None)
