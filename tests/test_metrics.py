@@ -299,3 +299,19 @@ def test_flips_split_by_reference_margin_and_vllm_rule():
     later = teacher_forced(ref[2:], path[2:], [0])
     assert later.summary["first_flip_topk_ok"] == 0.0
     assert later.summary["kl_max_pos"] == 0.0 and later.summary["kl_max_ref_margin"] == pytest.approx(1.0)
+
+
+def test_stratified_divergence_bins_by_entropy_and_context_position():
+    from harness.analysis.metrics import stratified_divergence
+
+    key = {"model": "m", "scenario": "s", "path": "p", "turn": 0}
+    rows = [key | {"series": "kl", "values": [0.1, 0.3, None, 2.0], "values_text": {"2": "inf"}},
+            key | {"series": "ref_entropy", "values": [0.1, 1.0, 1.0, 3.0]},
+            key | {"series": "flip", "values": [0.0, 1.0, 1.0, 1.0]}]
+    out = stratified_divergence(rows, {("m", "s", "p", 0): 254})  # positions 254, 255, (256: inf), 257
+    got = {(r["by"], r["bin"]): (r["tokens"], r["kl_mean"], r["flips"]) for r in out}
+    assert got[("reference entropy", "[0, 0.5)")] == (1, 0.1, 0)
+    assert got[("reference entropy", "[0.5, 2)")] == (2, pytest.approx((0.3 + math.inf) / 2), 2)
+    assert got[("reference entropy", "[2, inf)")] == (1, 2.0, 1)
+    assert got[("context position", "[0, 256)")] == (2, pytest.approx(0.2), 1)
+    assert got[("context position", "[256, 1024)")][0] == 2  # the inf token is kept, never dropped

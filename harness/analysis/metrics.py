@@ -370,3 +370,53 @@ def _identical_run_value(metric: str) -> float | None:
     if metric in IDENTICAL_RUN_VALUES:
         return IDENTICAL_RUN_VALUES[metric]
     return 0.0 if metric.startswith(IDENTICAL_ZERO_PREFIXES) else None
+
+
+# ---------------------------------------------------------------- stratified divergence
+
+# Reference-entropy bins (nats): where the reference is sure, unsure, or spread over many tokens. A path whose
+# KL grows where the reference is sure changes decisions; KL where it is spread is mostly reshuffled tail mass.
+ENTROPY_BINS = (0.0, 0.5, 2.0, math.inf)
+# Context-position bins (tokens of prompt + reply before the position): FP8 cache error grows with the cache.
+POSITION_BINS = (0, 256, 1024, 4096, math.inf)
+
+
+def _bin_label(edges: Sequence[float], i: int) -> str:
+    high = edges[i + 1]
+    return f"[{edges[i]:g}, {'inf' if high == math.inf else f'{high:g}'})"
+
+
+def _bin_of(edges: Sequence[float], value: float) -> int:
+    return next(i for i in range(len(edges) - 1) if value < edges[i + 1])
+
+
+def stratified_divergence(series_rows: Iterable[Mapping], context_tokens: Mapping[tuple, float]) -> list[dict]:
+    """Teacher-forced KL and flips per (model, path) and bin, by the reference's entropy at the position and by
+    the position in the context. `series_rows`: series.jsonl rows (`kl`, `ref_entropy`, `flip`, values decoded
+    here); `context_tokens`: (model, scenario, path, turn) -> the turn's prompt length. Turns stored before the
+    scorer recorded entropies are counted in the position bins only. Rows: {model, path, by, bin, tokens,
+    kl_mean, flips}."""
+    from harness.records import decode_values
+
+    turns: dict[tuple, dict[str, list]] = {}
+    for row in series_rows:
+        key = (row["model"], row["scenario"], row["path"], row["turn"])
+        turns.setdefault(key, {})[row["series"]] = decode_values(dict(row))
+    sums: dict[tuple, list[float]] = {}
+    for key, series in turns.items():
+        kl, entropy, flip = series.get("kl") or [], series.get("ref_entropy"), series.get("flip")
+        start = context_tokens.get(key, 0.0) or 0.0
+        for i, value in enumerate(kl):
+            if value is None or math.isnan(value):
+                continue
+            flipped = float(bool(flip[i])) if flip and i < len(flip) and flip[i] is not None else 0.0
+            where = [("context position", _bin_label(POSITION_BINS, _bin_of(POSITION_BINS, start + i)))]
+            if entropy and i < len(entropy) and entropy[i] is not None:
+                where.append(("reference entropy", _bin_label(ENTROPY_BINS, _bin_of(ENTROPY_BINS, entropy[i]))))
+            for by, label in where:
+                entry = sums.setdefault((key[0], key[2], by, label), [0.0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += value
+                entry[2] += flipped
+    return [{"model": model, "path": path, "by": by, "bin": label, "tokens": int(n), "kl_mean": total / n,
+             "flips": int(flips)} for (model, path, by, label), (n, total, flips) in sorted(sums.items())]

@@ -198,14 +198,18 @@ def case_failures(values: dict[str, float], thresholds: list[Threshold], other: 
 
 
 def verdict_failures(run: StoredRun) -> dict[tuple, list[str]]:
-    """The run's failing verdict reasons per case, keyed like CASE (scenario names mapped to their hash)."""
+    """The run's failing verdict reasons per case, keyed like CASE (scenario names mapped to their hash). A task
+    the reference passed and the path lost counts here although the run's verdict only warns on it (the per-path
+    paired test decides there): compare pairs the same item across two runs, and an answer lost in B that A kept
+    is a change of output on that item, not sampling noise."""
     hashes = {(m, s): h for m, s, h in run.records[["model", "scenario", "scenario_hash"]].itertuples(index=False)}
     out: dict[tuple, list[str]] = {}
     for row in run_verdicts(run.run_dir):
-        if row["verdict"] != "fail":
+        failing = [r["message"] for r in row["reasons"] if r["severity"] == "fail" or r["check"] == "task"]
+        if not failing:
             continue
         key = (row["model"], hashes.get((row["model"], row["scenario"])), row["path"], row["turn"])
-        out[key] = [r["message"] for r in row["reasons"] if r["severity"] == "fail"]
+        out[key] = failing
     return out
 
 

@@ -627,6 +627,20 @@ def manifest_view(manifest: dict) -> dict:
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
 
 
+def strata_view(run: StoredRun) -> list[dict]:
+    """Divergence by the reference's entropy and by context position, per model and path (the series
+    decoded at load time, so NaN/inf are already numbers)."""
+    from harness.analysis.metrics import stratified_divergence
+
+    if run.series.empty:
+        return []
+    context = run.records[run.records.metric == "context_tokens"]
+    starts = {(m, s, p, int(t)): v for m, s, p, t, v in
+              context[["model", "scenario", "path", "turn", "value"]].itertuples(index=False)}
+    rows = stratified_divergence(run.series.to_dict("records"), starts)
+    return [r | {"kl_text": format_value(r["kl_mean"])} for r in rows if r["path"] != REFERENCE]
+
+
 def kl_mean_limit(verdicts) -> tuple[float, str] | None:
     """The kl_mean limit the verdicts applied (a default or a --threshold), to draw on the plots."""
     for row in verdicts:
@@ -667,6 +681,7 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
                       matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
                       path_checks=path_checks(whole), yardstick=run.manifest.get("yardstick"),
+                      strata=strata_view(run),
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=json.loads(detection.read_text()) if detection.exists() else None)
