@@ -315,3 +315,12 @@ def test_stratified_divergence_bins_by_entropy_and_context_position():
     assert got[("reference entropy", "[2, inf)")] == (1, 2.0, 1)
     assert got[("context position", "[0, 256)")] == (2, pytest.approx(0.2), 1)
     assert got[("context position", "[256, 1024)")][0] == 2  # the inf token is kept, never dropped
+
+
+def test_noise_floor_skips_where_kl_max_sits():
+    from harness.analysis.metrics import noise_floor
+
+    rows = [{"metric": "kl_max", "value": 0.0}, {"metric": "kl_max_pos", "value": 17.0},
+            {"metric": "kl_max_ref_entropy", "value": 2.3}, {"metric": "kl_max_ref_margin", "value": 0.4},
+            {"metric": "confident_flips", "value": 0.0}]
+    assert noise_floor(rows) == {"kl_max": 0.0, "confident_flips": 0.0}

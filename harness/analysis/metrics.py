@@ -25,8 +25,10 @@ VLLM_TOPK = 5
 # Value each metric takes when the path is identical to the reference; the noise floor is the
 # largest distance from it. Prefix rules cover kl_*, ref_logprob_delta_* and ref_rank_*.
 IDENTICAL_RUN_VALUES = {"exact_match": 1.0, "top1_agree": 1.0, "common_prefix_frac": 1.0,
-                        "token_edit_distance": 0.0}
+                        "token_edit_distance": 0.0, "confident_flips": 0.0, "near_tie_flips": 0.0}
 IDENTICAL_ZERO_PREFIXES = ("kl_", "ref_logprob_delta_", "ref_rank_")
+# Where kl_max sits and what the reference does there: descriptions of the reference, not distances from it.
+NOT_DISTANCES = ("kl_max_pos", "kl_max_ref_entropy", "kl_max_ref_margin")
 # Leftover probability within this of 0 is rounding in the listed logprobs, not mass. Servers compute
 # logprobs as log_softmax in float32: each listed value is off by up to ~|logit| float32 ulps, so the
 # listed mass is off by up to ~64 * 2**-24 for logits up to 64 in magnitude. Measured on real vLLM 0.32
@@ -367,6 +369,8 @@ def noise_floor(records: Iterable[Mapping[str, object]]) -> dict[str, float]:
 
 
 def _identical_run_value(metric: str) -> float | None:
+    if metric in NOT_DISTANCES:
+        return None
     if metric in IDENTICAL_RUN_VALUES:
         return IDENTICAL_RUN_VALUES[metric]
     return 0.0 if metric.startswith(IDENTICAL_ZERO_PREFIXES) else None

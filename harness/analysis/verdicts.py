@@ -659,7 +659,8 @@ def verdict_matrix(rows: Iterable[Mapping], path_rows: Iterable[Mapping] = ()) -
         for path, turns in paths.items():
             counts = {v: sum(r["verdict"] == v for r in turns) for v in VERDICTS}
             worst = max(turns, key=_badness)
-            first = worst["reasons"][0]["message"] if worst["reasons"] else ""
+            ordered = sorted(worst["reasons"], key=lambda r: -VERDICTS.index(r["severity"]))
+            first = ordered[0]["message"] if ordered else ""
             questions = {q: "pass" for q in QUESTIONS}
             for r in turns:
                 for q, v in (r.get("questions") or question_verdicts(r["reasons"])).items():

@@ -115,12 +115,13 @@ def format_verdicts(verdicts: pd.DataFrame, yardstick: str | None = None) -> str
 
 
 def unanswered_lines(matrix: dict) -> list[str]:
-    """One line per question a path's verdict could not answer in this run, and why."""
-    lines = []
+    """One line per reason a question went unanswered in this run, with the (model, path) pairs it applies to."""
+    grouped: dict[str, list[str]] = {}
     for model, paths in sorted(matrix.items()):
         for path, cell in sorted(paths.items()):
-            lines += [f"not answered: {model} {path}: {why}" for why in (cell.get("path") or {}).get("unanswered", [])]
-    return lines
+            for why in (cell.get("path") or {}).get("unanswered", []):
+                grouped.setdefault(why, []).append(f"{model} {path}")
+    return [f"not answered: {why} [{', '.join(pairs)}]" for why, pairs in grouped.items()]
 
 
 def format_summary(run_dir: Path) -> str:
