@@ -328,9 +328,14 @@ def test_harness_run_exit_code_names_the_failing_path(tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     cells = manifest["verdicts"]["hybrid"]
     assert cells["fp8_e4m3:warmup"]["fail"] > 0
-    assert all(cells[p]["fail"] == cells[p]["warn"] == 0 for p in ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated"))
+    assert all(cells[p]["fail"] == cells[p]["warn"] == 0 and cells[p]["path"]["verdict"] != "fail"
+               for p in ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:calibrated"))
+    assert cells["fp8_e4m3:warmup"]["questions"]["acceptable"] == "fail"
+    assert manifest["yardstick"] == "fp8_e4m3:calibrated"  # added to --paths: measured in the same run
     rows = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
-    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup"}
+    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup",
+                                         "fp8_e4m3:calibrated"}
+    assert (out / "path_verdicts.jsonl").exists()
     assert main(argv + ["--out", str(tmp_path / "again"), "--no-fail-on-verdict"]) == 0
 
 
