@@ -107,7 +107,7 @@ def test_divergence_is_judged_against_the_yardstick_measured_in_the_run():
         if verdict != "pass":
             reason = only(row["reasons"])
             assert (reason["metric"], reason["question"]) == ("kl_ratio_yardstick", "acceptable")
-            assert f"x the yardstick {YARD} (0.02 nats)" in reason["message"]
+            assert f"x the yardstick {YARD} (0.02 nats on this turn; divided by 0.02)" in reason["message"]
 
 
 def test_ratio_floor_keeps_rounding_noise_from_reading_as_a_large_multiple():

@@ -242,9 +242,10 @@ def limit_reasons(values: Mapping[str, float | None], limits: Mapping[str, Limit
         check = "divergence" if divergence else "threshold"
         question = IMPLEMENTATION if "BF16 cache" in limit.source else question_of(metric)
         if metric == "kl_ratio_yardstick":
+            divisor = values.get("kl_mean", math.nan) / value if value else math.nan
             message = (f"kl_mean {values.get('kl_mean', math.nan):.3g} nats = {value:.3g}x the yardstick "
-                       f"{yardstick} ({values.get('yardstick_kl_mean', math.nan):.3g} nats) > {bound:g}x "
-                       f"({severity} threshold from {limit.source})")
+                       f"{yardstick} ({values.get('yardstick_kl_mean', math.nan):.3g} nats on this turn; divided by "
+                       f"{divisor:.3g}) > {bound:g}x ({severity} threshold from {limit.source})")
         else:
             message = f"{metric} {value:.4g} {sign} {bound:g} ({severity} threshold from {limit.source})"
         reasons.append(_reason(check, metric, value, bound, limit.source, severity, message, question))
@@ -546,10 +547,11 @@ def _pooled_divergence_reasons(pooled: Mapping, model: str, path: str, yardstick
             continue
         bound = limit.fail if severity == "fail" else limit.warn
         stat = metric.removesuffix("_ratio")
+        floored = f", floored at {KL_RATIO_FLOOR:g}" if theirs is not None and theirs < KL_RATIO_FLOOR else ""
         reasons.append(_reason("divergence", metric, ratio, bound, limit.source, severity,
                                f"pooled {stat} {mine:.3g} nats over {own['tokens']:.0f} tokens = {ratio:.3g}x the "
-                               f"yardstick {yardstick} ({theirs:.3g}) > {bound:g}x ({severity} threshold from "
-                               f"{limit.source})", ACCEPTABLE))
+                               f"yardstick {yardstick} ({theirs:.3g}{floored}) > {bound:g}x ({severity} threshold "
+                               f"from {limit.source})", ACCEPTABLE))
     return reasons
 
 

@@ -60,14 +60,21 @@ def summary_table(run_dir: Path) -> pd.DataFrame:
     return summary.sort_values(["model", "path"]).set_index(["model", "path"])
 
 
-def _times(cell: dict) -> str:
+def _times(path: str, cell: dict) -> str:
     """The path's pooled kl_mean as a multiple of the yardstick's, with the yardstick's value beside it."""
-    numbers = (cell.get("path") or {}).get("numbers") or {}
+    whole = cell.get("path") or {}
+    if path == whole.get("yardstick"):
+        return "(yardstick)"
+    numbers = whole.get("numbers") or {}
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
-        return "yardstick" if (cell.get("path") or {}).get("yardstick") and "kl_mean" in numbers and \
-            "yardstick_kl_mean" not in numbers and not cell["path"].get("unanswered") else "-"
-    return f"{ratio:.3g}x of {stick:.2g}" if isinstance(ratio, float) else f"{ratio}x of {stick:.2g}"
+        return "-"
+    from harness.analysis.verdicts import KL_RATIO_FLOOR
+
+    shown = f"{ratio:.3g}" if isinstance(ratio, float) else str(ratio)
+    if stick < KL_RATIO_FLOOR:  # the yardstick reproduced the reference: the ratio divides by the floor
+        return f"{shown}x of the floor {KL_RATIO_FLOOR:g} (yardstick {stick:.2g})"
+    return f"{shown}x of {stick:.2g}"
 
 
 def _path_verdict(cell: dict) -> str:
@@ -95,7 +102,7 @@ def verdict_table(matrix: dict, order: list[str]) -> pd.DataFrame:
                          if verdict != "pass" and worst else "")
             rows.append({"model": model, "path": path, "verdict": verdict,
                          "implementation": questions.get("implementation", "-"),
-                         "acceptable": questions.get("acceptable", "-"), "KL vs yardstick": _times(cell),
+                         "acceptable": questions.get("acceptable", "-"), "KL vs yardstick": _times(path, cell),
                          "pass": cell["pass"], "warn": cell["warn"], "fail": cell["fail"], "worst": where})
     return pd.DataFrame(rows).set_index(["model", "path"]) if rows else pd.DataFrame()
 
