@@ -126,8 +126,11 @@ LENGTH_SEVERITY = "warn"  # healthy paths measured 1.11 (free text, gqa fp8_e5m2
 # largest spread over the three canaries (mla for every KL and log-prob metric). A change smaller than this is
 # within what healthy paths already differ by; a change that matters crosses a verdict threshold instead.
 # Metrics not listed measured a spread of 0 (task checks, exact match, ranks, reply lengths).
+# kl_p99 / kl_p999 / confident_flips: the same measurement on the canary run at commit ff2a5a0 (the older entries
+# reproduced there to 3 digits). On free text the spread is 10-100x larger (kl_mean 0.155, kl_p999 1.66): compare
+# keeps the canary spread, so a free-text comparison leans on its bootstrap interval.
 HEALTHY_SPREAD: dict[str, float] = {
-    "kl_max": 0.0143, "kl_mean": 0.0108,
+    "kl_max": 0.0143, "kl_mean": 0.0108, "kl_p99": 0.0142, "kl_p999": 0.0143, "confident_flips": 0.0,
     "ref_logprob_delta_mean": 0.0046, "ref_logprob_delta_min": 0.0024,
     "kv_clipped_frac": 0.000127, "kv_amax_over_max": 1.36,
 }
