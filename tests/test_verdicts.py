@@ -233,6 +233,16 @@ def test_scenario_threshold_replaces_the_default_and_cli_beats_both():
     assert only(of(compute_path_verdicts(healthy(kl_mean=0.02, yard_kl=0.02), overrides=strict)))["verdict"] == "fail"
 
 
+def test_a_task_threshold_the_reference_fails_too_only_warns():
+    check = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "answer_correct", "value": 0.0,
+             "limit": 1.0, "passed": False, "message": "turn 0: answer_correct 0 < 1 (threshold from g.yaml)"}
+    rows = [r for r in healthy(answer_correct=0.0) if not (r["path"] == "reference" and r["metric"] == "answer_correct")]
+    shared = only(of(compute_verdicts(rows + [rec("answer_correct", 0.0, "reference")], checks=[check])))
+    assert shared["verdict"] == "warn" and "the reference fails it too" in shared["reasons"][0]["message"]
+    alone = only(of(compute_verdicts(healthy(answer_correct=0.0), checks=[check])))
+    assert alone["verdict"] == "fail"  # the reference answered: the file's bar holds
+
+
 def test_override_on_a_higher_is_better_metric_adds_a_check():
     rows = healthy(top1_agree=0.9)
     assert only(of(compute_verdicts(rows)))["verdict"] == "pass"

@@ -72,32 +72,34 @@ class DefaultThreshold:
 # on CPU runs at commit ff2a5a0 (reference-history; paths bf16, fp8_e4m3, fp8_e4m3:calibrated,
 # fp8_e4m3:per_head:calibrated, fp8_e5m2 healthy; faults fp8_e4m3:warmup on the hybrid (class 2),
 # bf16:calibrated:k_scale_on_scores on every canary (class 3), fp8_e4m3 on the MLA latent variant (class 1)) over
-# gqa/mla/hybrid on three sets: the default canary scenarios (21 turns), scenarios/general (22 turns) and the
+# gqa/mla/hybrid on three sets: the default canary scenarios (21 turns), scenarios/general (22 turns; 241 of its 264
+# units stored when measured: the hybrid's and mla's long-context turns were still running on 2 contested cores) and the
 # free-text set scenarios/free (11 of its 21 scenarios, 28 turns: chat, code, lists, story, sales, mixed language
 # with CJK). docs/VERDICTS.md has the whole table. A limit sits above the largest healthy value with a margin.
 DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
     DefaultThreshold(
         "kl_ratio_yardstick", warn=40.0, fail=100.0,
         measured="per turn, kl_mean / the yardstick's: healthy max 17.1 (canary, mla fp8_e5m2), 7.7 (free text), "
-                 "@@GEN_TURN@@ (general); faults' min of their worst turn 3335 (canary), 139 (free text), "
-                 "@@GEN_TURN_F@@ (general); fail = 5.8x the healthy max, warn = 2.3x"),
+                 "45.6 (general, gqa fp8_e5m2) (general); faults' min of their worst turn 3335 (canary), 139 (free text), "
+                 "299 (general); fail = 2.2x the largest healthy value (general), warn = 0.9x of it: "
+                 "fp8_e5m2 warns there"),
     DefaultThreshold(
         "kl_mean_ratio", warn=10.0, fail=30.0,
         measured="per path, pooled kl_mean / the yardstick's: healthy max 0.55 (canary, below the floor), 4.2 "
-                 "(free text, mla fp8_e5m2), @@GEN_MEAN@@ (general); faults' min 798 (canary), 19.8 (free text: "
-                 "hybrid class 3, which fails the implementation question), 186 without it, @@GEN_MEAN_F@@ "
-                 "(general); fail = 7x the healthy max"),
+                 "(free text, mla fp8_e5m2), 3.7 (general); faults' min 798 (canary), 19.8 (free text: "
+                 "hybrid class 3, which fails the implementation question), 186 without it, 51 "
+                 "(general); fail = 7x the healthy max; class 1 (MLA latent, scale 1.0) 9185 on canary"),
     DefaultThreshold(
         "kl_p999_ratio", warn=25.0, fail=50.0,
         measured="per path, pooled 99.9th-percentile token KL / the yardstick's: healthy max 10.9 (canary, mla "
-                 "fp8_e5m2), 3.7 (free text), @@GEN_P999@@ (general); faults' min 2596 (canary), 14.3 (free "
+                 "fp8_e5m2), 3.7 (free text), 3.9 (general); faults' min 2596 (canary), 14.3 (free "
                  "text: the yardstick's own p99.9 is 1-2 nats there, the faults fail on kl_mean_ratio or the "
-                 "implementation question), @@GEN_P999_F@@ (general); fail = 4.6x the healthy max"),
+                 "implementation question), 19.3 (general); fail = 4.6x the healthy max"),
     DefaultThreshold(
         "kl_p99", warn=8.0, fail=12.0,
         measured="per turn, only where the run has no yardstick (endpoints): healthy max 0.24 nats (canary), 6.3 "
-                 "(free text, mla fp8_e5m2), @@GEN_P99@@ (general); faults' min of their worst turn 17.9 "
-                 "(canary, hybrid class 2), 19.4 (free text), @@GEN_P99_F@@ (general); fail = 1.9x the healthy max"),
+                 "(free text, mla fp8_e5m2), 5.3 (general); faults' min of their worst turn 17.9 "
+                 "(canary, hybrid class 2), 19.4 (free text), 14.3 (general); fail = 1.9x the healthy max"),
     DefaultThreshold(
         "attn_impl_err_ratio", warn=1.5, fail=2.0, question=IMPLEMENTATION,
         measured="per turn (harness/kv_paths/impl_check.py, branch s7-evidence): first measurement, CPU, 48 tokens "
@@ -343,6 +345,21 @@ def _scenario_checks(checks: Iterable[Mapping], sources: Mapping[str, str]) -> d
     return found
 
 
+def _shared_with_reference(reason: dict, reference: Mapping[str, float | None]) -> dict:
+    """A scenario file's task threshold (`answer_correct: 1`) the reference fails as well is the model's failure,
+    not the path's: it warns, saying so (scenarios/general asks the canaries for answers their BF16 reference does
+    not give; every path, bf16 included, failed there). Divergence thresholds stay failures."""
+    ref = reference.get(reason["metric"])
+    limit = reason.get("limit")
+    if reason["metric"] not in TASK_METRICS or ref is None or not isinstance(limit, (int, float)):
+        return reason
+    lower = METRIC_DIRECTIONS.get(reason["metric"]) == "lower"
+    if not (ref > limit if lower else ref < limit):
+        return reason
+    return reason | {"severity": "warn",
+                     "message": f"{reason['message']}; the reference fails it too ({_fmt(ref)}): the model, not this path"}
+
+
 def _limited_metrics(checks: Iterable[Mapping]) -> dict[tuple, set[str]]:
     limited: dict[tuple, set[str]] = defaultdict(set)
     for row in checks:
@@ -427,7 +444,8 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
         bf16_cache = kv_format(path) == "bf16"
         limits = {m: lim for m, lim in default_limits(has_yardstick, bf16_cache).items()
                   if m not in limited.get(key, ())} | overrides
-        scenario_reasons = [r for r in scenario.get(key, []) if r["metric"] not in overrides]
+        scenario_reasons = [_shared_with_reference(r, reference) for r in scenario.get(key, [])
+                            if r["metric"] not in overrides]
         text_reasons = [] if model in noise_models else (
             task_reasons(own, reference)
             + degeneration_reasons(findings.get(key, []), findings.get((model, name, REFERENCE, turn), [])))
