@@ -157,7 +157,11 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="scenario file(s) whose chats calibrate 'calibrated' scales (default: a built-in set)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished work")
     run.add_argument("--threshold", action="append", metavar="METRIC:LIMIT",
-                     help="verdict limit replacing the default or scenario one, e.g. kl_max:0.5 (repeatable)")
+                     help="verdict limit replacing the default or scenario one, e.g. kl_p999:0.5 (repeatable)")
+    run.add_argument("--yardstick", default=None, metavar="SPEC",
+                     help="accepted KV path the verdicts measure divergence against, run beside the others in "
+                          "process (default: fp8_e4m3:calibrated; 'none': no yardstick, absolute limits only; "
+                          "docs/VERDICTS.md)")
     run.add_argument("--scales", type=Path, metavar="FILE",
                      help="k_scale/v_scale safetensors (e.g. from harness calibrate) for ':checkpoint' paths "
                           "(default: the model directory's *.safetensors)")
@@ -352,7 +356,7 @@ def _run(args: argparse.Namespace) -> int:
         models = select_models(models, args.models or ())
         config = build_run_config(
             command=["harness", *sys.argv[1:]], out=args.out, device=args.device, models=models,
-            scenario_paths=args.scenarios, paths=args.paths, select=tuple(args.select or ()),
+            scenario_paths=args.scenarios, paths=args.paths, yardstick=args.yardstick, select=tuple(args.select or ()),
             history_mode=args.history_mode, resume=args.resume, calibration_paths=tuple(args.calibration or ()),
             reference_url=args.reference, candidate_urls=tuple(args.candidate or ()), judge_url=args.judge,
             judge_selection=args.judge_turns, api_key_env=args.api_key_env, tokenizer=args.tokenizer,

@@ -62,6 +62,7 @@ class RunConfig:
     # ((model dir, (path name, ...)), ...): models that run only some of `paths` (the zoo); others run all
     paths_by_model: tuple[tuple[str, tuple[str, ...]], ...] = ()
     thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
+    yardstick: str | None = None  # accepted path the verdicts divide by (None: the default, docs/VERDICTS.md)
     scenario_ids: tuple[str, ...] = ()  # replay only these scenarios of the files (empty: all); the pytest plugin
     select: tuple[str, ...] = ()  # --select terms (tag:X, kind:X, id:GLOB); empty: every scenario loaded
     attention: object | None = None  # harness.replay.attention.AttentionOptions: capture attention error
@@ -260,7 +261,7 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
         else:
             _replay_models(config, scenarios, calibration_chats, store, bar, warn)
         asyncio.run(_judge(config, scenarios, store))
-        write_verdicts(store, list(config.thresholds))
+        write_verdicts(store, list(config.thresholds), config.yardstick)
         unfinished = unfinished_units(store, _expected_units(config, scenarios))
         _finish(store, final_status(unfinished), unfinished_units=len(unfinished))
     except KeyboardInterrupt:

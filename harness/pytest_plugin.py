@@ -213,7 +213,8 @@ class HarnessSession:
         return AttentionOptions(mode=mode)  # harness run --attention's default sample: 8 heads x 16 rows
 
     def finish(self, session: pytest.Session) -> bool:
-        """Merge the parts into one run, write its report (and compare); True when compare found a regression."""
+        """Merge the parts into one run, write its report (and compare); True when compare found a regression or a
+        per-path check (harness.analysis.verdicts.compute_path_verdicts) failed."""
         parts = sorted(p for p in self.run_dir.with_name(self.run_dir.name + ".parts").glob("*")
                        if (p / "manifest.json").exists())
         if not parts:
@@ -225,16 +226,21 @@ class HarnessSession:
         from harness.run_config import stored_command
 
         store = merge_runs(parts, self.run_dir, stored_command(["pytest", *self.config.invocation_params.args]))
-        write_verdicts(store, list(self.thresholds))
+        matrix = write_verdicts(store, list(self.thresholds))
         self.lines += [f"stored run: {self.run_dir}", f"report: {job.write_report(self.run_dir)}"]
+        # per-path checks (pooled KL vs the yardstick, paired recovery, degeneration rate) belong to no item
+        whole = [(m, p) for m, paths in matrix.items() for p, cell in paths.items()
+                 if (cell.get("path") or {}).get("verdict") == "fail"]
+        self.lines += [f"VERDICT FAIL (per-path check): {m} {p}: " + "; ".join(
+            r["message"] for r in matrix[m][p]["path"]["reasons"] if r["severity"] == "fail") for m, p in whole]
         baseline = self.config.getoption("baseline")
         if not baseline:
-            return False
+            return bool(whole)
         from harness.runs.compare import compare_runs
 
         result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
         self.lines += [f"compare with {baseline}: {result.summary_line}", f"compare report: {result.report_path}"]
-        return result.regressed
+        return result.regressed or bool(whole)
 
 
 SESSION = pytest.StashKey[HarnessSession]()

@@ -25,6 +25,18 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "ref_logprob_delta_min": "higher",
     "ref_rank_mean": "lower",            # rank of the reference token under the path (0 = top)
     "ref_rank_max": "lower",
+    "kl_p99": "lower",                   # 99th / 99.9th percentile of the per-token KL (llama.cpp's stable figures;
+    "kl_p999": "lower",                  # the max grows with the number of tokens)
+    "kl_max_pos": "none",                # where kl_max sits in the reply (token index), and the reference there:
+    "kl_max_ref_entropy": "none",        # its entropy (nats)
+    "kl_max_ref_margin": "none",         # its top-1 minus top-2 log-prob (nats): near 0 means a near-tie
+    "confident_flips": "lower",          # path argmax != reference argmax where the reference's margin > 1 nat
+    "near_tie_flips": "none",            # the same where the margin <= 1 nat (coin tosses, not decisions)
+    "first_flip_topk_ok": "higher",      # vLLM check_logprobs_close at the first flip: each argmax in the other's top-5
+    "kl_ratio_yardstick": "lower",       # the turn's kl_mean / the yardstick path's (docs/VERDICTS.md), from verdicts
+    "kl_mean_ratio": "lower",            # per path: pooled kl_mean / the yardstick's on the same turns (verdicts)
+    "kl_p999_ratio": "lower",            # per path: pooled 99.9th percentile of per-token KL / the yardstick's
+    "length_ratio": "none",              # per path: generated tokens / the reference's (MLPerf band [0.9, 1.1])
     # task checks on the generated reply
     "answer_correct": "higher",          # expected answer present (arithmetic, recall, needle)
     "rules_followed": "higher",          # the scenario's rules (ending word, sentence count) kept
@@ -38,6 +50,12 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
     "kernel_steps": "none",              # decode attention calls that ran through the kernel
     "kernel_ms_per_step": "none",        # median wall time of one decode-kernel call (device synchronised)
+    # the implementation check (harness/kv_paths/impl_check.py), every in-process path turn: the path's attention
+    # output vs fp64 attention over the same K/V with its declared Q/P quantisation, / torch's own error (SDPA)
+    "attn_impl_err_ratio": "lower",      # worst layer's pooled ratio; ~1 for a correct implementation
+    "attn_impl_worst_layer": "none",     # that layer
+    "attn_impl_worst_head": "none",      # its head with the largest ratio
+    "attn_impl_rows": "none",            # (query row, head) pairs compared in the turn
     # attention-score error (harness/analysis/attention_error.py), in-process runs with --attention:
     # worst and mean over the sampled (layer, head, query position) rows of the turn
     "attn_max_abs_dp_max": "lower",      # max |p_path - p_ref| over an attention row

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scenarios, new_run_dir, parse_kv_paths,
                          resolve_device)
+from harness.analysis.verdicts import DEFAULT_YARDSTICK
 from harness.kv_paths.spec import KVPath
 from harness.records import scrub_credentials
+from harness.runs.gate import with_yardstick
 
 __all__ = ["build_run_config", "resolve_device", "single_device", "stored_command"]
 
@@ -26,10 +28,11 @@ def stored_command(command: str | Sequence[str]) -> str:
 
 def build_run_config(*, command: str | Sequence[str], out: Path | None = None, device: str = "cpu",
                      models: Sequence[Path] | None = None, scenario_paths: Sequence[Path] | None = None,
-                     paths: str | Sequence[KVPath] | None = None, warn: Callable[[str], None] | None = None,
-                     **fields) -> RunConfig:
+                     paths: str | Sequence[KVPath] | None = None, yardstick: str | None = None,
+                     warn: Callable[[str], None] | None = None, **fields) -> RunConfig:
     """A checked `RunConfig`. Left out: the bundled canaries (random-weight stand-ins with a warning when none
-    are trained), the canary scenarios, the default KV paths (`bf16` always added), a new `runs/<time>-<id>`.
+    are trained), the canary scenarios, the default KV paths (`bf16` always added, and the verdicts' yardstick
+    path: `DEFAULT_YARDSTICK` unless `yardstick` names another or "none"), a new `runs/<time>-<id>`.
     An endpoint run (`reference_url`) has no in-process models or paths. Bad values raise ValueError naming
     the flag."""
     endpoint = bool(fields.get("reference_url"))
@@ -44,9 +47,10 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
             kv_paths = parse_kv_paths(DEFAULT_PATHS if paths is None else paths)  # "" is refused, not defaulted
         else:
             kv_paths = tuple(paths)
+        kv_paths = with_yardstick(kv_paths, DEFAULT_YARDSTICK if yardstick is None else yardstick)
     return RunConfig(models=tuple(models), scenario_paths=tuple(scenario_paths or default_scenarios()),
                      paths=kv_paths, out=out or new_run_dir(), device=resolve_device(device),
-                     command=stored_command(command), **fields)
+                     command=stored_command(command), yardstick=yardstick, **fields)
 
 
 def single_device(spec: str, command: str) -> str:

@@ -200,11 +200,12 @@ def signals(records: list[dict], model: str, path: str) -> dict:
 
 def matrix_rows(run_dir: Path, entries: list[ZooEntry]) -> list[tuple[MatrixRow, dict]]:
     """The detection rows of one run, each with its stored form (the measured signals beside the checks)."""
-    from harness.runs.gate import run_verdicts
+    from harness.runs.gate import run_path_verdicts, run_verdicts
     from harness.runs.store import RunStore
 
     matrix = detection_matrix(run_verdicts(run_dir), [MatrixEntry(e.label, model_label(Path(e.model)), e.path,
-                                                                  e.expect) for e in entries])
+                                                                  e.expect) for e in entries],
+                              run_path_verdicts(run_dir))
     records = RunStore(run_dir).read("records")
     return [(row, row.as_dict() | {"note": e.note, "signals": signals(records, row.entry.model, row.entry.path)})
             for row, e in zip(matrix, entries)]

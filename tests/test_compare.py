@@ -212,3 +212,26 @@ def test_inf_and_torn_lines_load(tmp_path, make_runs):
     (run / "records.jsonl").write_text("\n".join(records + [json.dumps(row)]) + '\n{"model": "cut')
     result = compare_runs(RUNS / "baseline", run, n_boot=N_BOOT)
     assert math.isinf(result.run_b.records.value.max())
+
+
+def test_a_question_newly_failed_in_b_is_a_regression_named_by_question(tmp_path):
+    """B's verdict rows fail the implementation question on one turn of a path A passed: compare lists both
+    questions A -> B per path and counts the newly failed one as a regression, whatever the intervals say."""
+    import shutil
+
+    b = tmp_path / "b"
+    shutil.copytree(RUNS / "baseline", b)
+    rows = [json.loads(line) for line in (b / "verdicts.jsonl").read_text().splitlines()]
+    hit = next(r for r in rows if r["path"] == "fp8_e4m3:per_head:calibrated")
+    hit.update(verdict="fail", questions={"implementation": "fail", "acceptable": "pass"},
+               reasons=[{"check": "nonfinite", "metric": "kl_mean", "value": None, "limit": None, "source": "default",
+                         "severity": "fail", "message": "kl_mean is nan", "question": "implementation"}])
+    (b / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = compare_runs(RUNS / "baseline", b, out_dir=tmp_path / "out", n_boot=N_BOOT)
+    assert [(q["path"], q["new_failures"]) for q in result.new_question_failures] == \
+        [("fp8_e4m3:per_head:calibrated", ["implementation right?"])]
+    assert result.regressed and "newly fail a verdict question" in result.summary_line
+    table = (tmp_path / "out" / "compare.html").read_text()
+    assert 'id="question-table"' in table and "pass → <b>fail</b>" in table
+    unchanged = compare_runs(RUNS / "baseline", RUNS / "baseline", n_boot=N_BOOT)
+    assert not unchanged.new_question_failures

@@ -6,6 +6,7 @@ import torch
 from harness.analysis.metrics import (
     SERIES_KEYS,
     SUMMARY_KEYS,
+    percentile,
     free_running,
     noise_floor,
     teacher_forced,
@@ -68,8 +69,14 @@ def test_teacher_forced_identical_is_exactly_zero():
     out = teacher_forced(logits, logits.clone(), tokens)
     assert out.series["kl"] == [0.0] * 7
     assert out.series["ref_logprob_delta"] == [0.0] * 7
+    entropy = out.series["ref_entropy"][0]
+    margin = out.series["ref_margin"][0]
     assert out.summary == {"kl_mean": 0.0, "kl_max": 0.0, "top1_agree": 1.0, "ref_logprob_delta_mean": 0.0,
-                           "ref_logprob_delta_min": 0.0, "ref_rank_mean": 0.0, "ref_rank_max": 0.0}
+                           "ref_logprob_delta_min": 0.0, "ref_rank_mean": 0.0, "ref_rank_max": 0.0,
+                           "kl_p99": 0.0, "kl_p999": 0.0, "kl_max_pos": 0.0, "kl_max_ref_entropy": entropy,
+                           "kl_max_ref_margin": margin, "confident_flips": 0.0, "near_tie_flips": 0.0,
+                           "first_flip_topk_ok": None}
+    assert out.series["flip"] == [0.0] * 7
     assert set(out.summary) == set(SUMMARY_KEYS) <= set(METRIC_DIRECTIONS)
     assert set(out.series) == set(SERIES_KEYS)
 
@@ -156,9 +163,12 @@ def test_teacher_forced_rejects_bad_inputs(ref, path, tokens, message):
 def test_topk_identical_is_exactly_zero():
     top = [{5: math.log(0.6), 2: math.log(0.3)}, {1: math.log(0.9), 7: math.log(0.05)}]
     out = teacher_forced_topk(top, [dict(d) for d in top], [5, 1])
+    entropy = [-sum(p * math.log(p) for p in probs) for probs in ((0.6, 0.3, 0.1), (0.9, 0.05, 0.05))]
     assert out.series == {"kl": [0.0, 0.0], "top1_agree": [1.0, 1.0], "ref_logprob_delta": [0.0, 0.0],
-                          "ref_rank": [0.0, 0.0]}
+                          "ref_rank": [0.0, 0.0], "ref_entropy": pytest.approx(entropy, rel=1e-12),
+                          "ref_margin": pytest.approx([math.log(2), math.log(18)], rel=1e-12), "flip": [0.0, 0.0]}
     assert out.summary["kl_mean"] == 0.0 and out.summary["ref_logprob_delta_min"] == 0.0
+    assert out.summary["first_flip_topk_ok"] is None and out.summary["confident_flips"] == 0.0
 
 
 def test_topk_kl_by_hand_with_other_bucket():
@@ -257,3 +267,60 @@ def test_topk_kl_still_flags_mass_the_path_lost():
     expected = 0.6 * math.log(0.6 / 0.7) + 0.1 * math.log(0.1 / TOPK_MASS_TOL)
     assert teacher_forced_topk(ref, path, [1]).series["kl"] == [pytest.approx(expected, rel=1e-9)]
     assert expected > 0.9
+
+
+# ---------------------------------------------------------------- robust statistics and flips
+
+
+def test_percentile_matches_numpy_linear():
+    import numpy as np
+    values = [0.3, 0.0, 7.0, 1e-6, 2.5, 0.01, 0.4]  # awkward: 7 values, unsorted
+    for q in (0.0, 50.0, 99.0, 99.9, 100.0):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    assert percentile([1.0, math.inf], 99.9) == math.inf and percentile([1.0, 2.0, math.inf], 0) == 1.0
+    with pytest.raises(ValueError, match="NaN"):
+        percentile([1.0, math.nan], 50)
+
+
+def test_flips_split_by_reference_margin_and_vllm_rule():
+    # position 0: reference sure (token 0 leads by 3 nats), path prefers token 1: a confident flip, and each
+    # argmax is the other's runner-up, so check_logprobs_close holds. Position 1: a near-tie flip (margin 0.2).
+    # Position 2: the path's argmax (token 6) is last of 7 under the reference: outside its top 5.
+    ref = torch.tensor([[3.0, 0.0, -9, -9, -9, -9, -9], [0.2, 0.0, -9, -9, -9, -9, -9],
+                        [5.0, 4.0, 3.0, 2.0, 1.0, 0.5, -1.0]], dtype=torch.float64)
+    path = torch.tensor([[0.0, 3.0, -9, -9, -9, -9, -9], [0.0, 0.2, -9, -9, -9, -9, -9],
+                         [5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 9.0]], dtype=torch.float64)
+    out = teacher_forced(ref, path, [0, 0, 0])
+    assert out.series["flip"] == [1.0, 1.0, 1.0]
+    assert out.series["ref_margin"] == pytest.approx([3.0, 0.2, 1.0], abs=1e-12)
+    assert out.summary["confident_flips"] == 1.0  # margin 1.0 is not > CONFIDENT_MARGIN: near-tie
+    assert out.summary["near_tie_flips"] == 2.0
+    assert out.summary["first_flip_topk_ok"] == 1.0
+    later = teacher_forced(ref[2:], path[2:], [0])
+    assert later.summary["first_flip_topk_ok"] == 0.0
+    assert later.summary["kl_max_pos"] == 0.0 and later.summary["kl_max_ref_margin"] == pytest.approx(1.0)
+
+
+def test_stratified_divergence_bins_by_entropy_and_context_position():
+    from harness.analysis.metrics import stratified_divergence
+
+    key = {"model": "m", "scenario": "s", "path": "p", "turn": 0}
+    rows = [key | {"series": "kl", "values": [0.1, 0.3, None, 2.0], "values_text": {"2": "inf"}},
+            key | {"series": "ref_entropy", "values": [0.1, 1.0, 1.0, 3.0]},
+            key | {"series": "flip", "values": [0.0, 1.0, 1.0, 1.0]}]
+    out = stratified_divergence(rows, {("m", "s", "p", 0): 254})  # positions 254, 255, (256: inf), 257
+    got = {(r["by"], r["bin"]): (r["tokens"], r["kl_mean"], r["flips"]) for r in out}
+    assert got[("reference entropy", "[0, 0.5)")] == (1, 0.1, 0)
+    assert got[("reference entropy", "[0.5, 2)")] == (2, pytest.approx((0.3 + math.inf) / 2), 2)
+    assert got[("reference entropy", "[2, inf)")] == (1, 2.0, 1)
+    assert got[("context position", "[0, 256)")] == (2, pytest.approx(0.2), 1)
+    assert got[("context position", "[256, 1024)")][0] == 2  # the inf token is kept, never dropped
+
+
+def test_noise_floor_skips_where_kl_max_sits():
+    from harness.analysis.metrics import noise_floor
+
+    rows = [{"metric": "kl_max", "value": 0.0}, {"metric": "kl_max_pos", "value": 17.0},
+            {"metric": "kl_max_ref_entropy", "value": 2.3}, {"metric": "kl_max_ref_margin", "value": 0.4},
+            {"metric": "confident_flips", "value": 0.0}]
+    assert noise_floor(rows) == {"kl_max": 0.0, "confident_flips": 0.0}

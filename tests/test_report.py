@@ -270,3 +270,18 @@ def test_fp8_divergence_informs_and_only_bf16_divergence_is_red():
     rows = {(r["scenario"], r["path"]): r for r in summary_rows(load_run(RUNS / "baseline"))}
     assert rows[("recall-0001", "fp8_e4m3")]["divergence"]["state"] == "none"
     assert rows[("recall-0001", "fp8_e4m3")]["worst"] == "bad"  # the verdict colours the row
+
+
+def test_matrix_cells_answer_both_questions_and_name_what_was_not_answered(baseline_report):
+    """Each cell shows both questions; the baseline ran no yardstick path, so the per-path section says the
+    "acceptable" question was judged on absolute defaults only, naming the yardstick it lacked."""
+    index = pages(baseline_report)["index.html"]
+    matrix = section(index, 'id="verdict-matrix"', "</table>")
+    assert matrix.count("implementation right?") == 3 and matrix.count("precision acceptable?") == 3
+    checks = section(index, 'id="path-check-table"', "</table>")
+    assert "not answered" in checks and "no yardstick path fp8_e4m3:calibrated" in checks
+
+
+def test_strata_table_bins_divergence_by_context_position(baseline_report):
+    strata = section(pages(baseline_report)["index.html"], 'id="strata-table"', "</table>")
+    assert "context position" in strata and "fp8_e4m3" in strata

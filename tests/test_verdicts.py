@@ -12,9 +12,15 @@ import pytest
 
 from harness.analysis.verdicts import (
     DEFAULT_THRESHOLDS,
+    DEFAULT_YARDSTICK,
+    KL_RATIO_FLOOR,
+    binomial_tail,
+    compute_path_verdicts,
     compute_verdicts,
+    default_threshold,
     diagnosis,
     failing_paths,
+    min_discordant_to_tell,
     parse_threshold_overrides,
     verdict_matrix,
 )
@@ -32,9 +38,21 @@ def rec(metric, value, path="fp8_e4m3", turn=0, scenario="s1", model="m", text=N
     return row
 
 
-def healthy(path="fp8_e4m3", turn=0, **extra) -> list[dict]:
-    values = {"kl_max": 1e-4, "kl_mean": 1e-5, "answer_correct": 1.0} | extra
-    return [rec(m, v, path, turn) for m, v in values.items()] + [rec("answer_correct", 1.0, "reference", turn)]
+YARD = DEFAULT_YARDSTICK  # fp8_e4m3:calibrated
+
+
+def healthy(path="fp8_e4m3", turn=0, scenario="s1", yard_kl=1e-2, **extra) -> list[dict]:
+    """One turn of `path` and of the yardstick beside it (kl_mean `yard_kl`), and the reference's task row."""
+    values = {"kl_max": 1e-4, "kl_mean": 1e-5, "kl_p99": 1e-4, "answer_correct": 1.0} | extra
+    rows = [rec(m, v, path, turn, scenario) for m, v in values.items()]
+    rows += [rec("answer_correct", 1.0, "reference", turn, scenario), rec("reply_tokens", 20, "reference", turn, scenario)]
+    if path != YARD and yard_kl is not None:
+        rows += [rec("kl_mean", yard_kl, YARD, turn, scenario), rec("answer_correct", 1.0, YARD, turn, scenario)]
+    return rows
+
+
+def of(rows: list[dict], path="fp8_e4m3") -> list[dict]:
+    return [r for r in rows if r["path"] == path]
 
 
 def only(rows: list[dict]) -> dict:
@@ -42,63 +60,150 @@ def only(rows: list[dict]) -> dict:
     return rows[0]
 
 
-def test_healthy_turn_passes_with_no_reasons():
-    row = only(compute_verdicts(healthy()))
+def test_healthy_turn_passes_both_questions_with_no_reasons():
+    row = only(of(compute_verdicts(healthy())))
     assert (row["verdict"], row["reasons"]) == ("pass", [])
-    assert set(row) == {"model", "scenario", "path", "turn", "verdict", "reasons"}
+    assert row["questions"] == {"implementation": "pass", "acceptable": "pass"}
+    assert row["kl_ratio_yardstick"] == pytest.approx(1e-5 / 1e-2)
 
 
-def test_task_check_fails_only_when_the_reference_passed():
-    assert only(compute_verdicts(healthy(answer_correct=0.0)))["verdict"] == "fail"
-    both_wrong = [r for r in healthy(answer_correct=0.0) if r["path"] != "reference"] + \
-        [rec("answer_correct", 0.0, "reference")]
-    assert only(compute_verdicts(both_wrong))["verdict"] == "pass"
+def test_a_lost_answer_warns_per_turn_and_the_paired_test_decides_per_path():
+    row = only(of(compute_verdicts(healthy(answer_correct=0.0))))
+    assert row["verdict"] == "warn" and row["reasons"][0]["question"] == "acceptable"
+    both_wrong = [r for r in healthy(answer_correct=0.0) if not (r["path"] == "reference" and r["metric"] ==
+                                                                 "answer_correct")] + [rec("answer_correct", 0.0, "reference")]
+    assert only(of(compute_verdicts(both_wrong)))["verdict"] == "pass"
 
 
-@pytest.mark.parametrize("kl_max, verdict", [(0.2, "pass"), (0.5, "warn"), (1.5, "fail")])
-def test_divergence_thresholds_warn_then_fail(kl_max, verdict):
-    row = only(compute_verdicts(healthy(kl_max=kl_max)))
+@pytest.mark.parametrize("lost, verdict, words", [
+    (0, "pass", None),
+    (2, "warn", "not enough items to tell"),  # p = 0.25: two losses out of 20 could be chance
+    (5, "fail", "exact McNemar p = 0.031"),  # 5 of 5 discordant pairs one way: p = 1/32 < 0.05
+])
+def test_paired_recovery_says_not_enough_items_until_the_test_can_tell(lost, verdict, words):
+    rows = [r for t in range(20) for r in healthy(turn=t, answer_correct=0.0 if t < lost else 1.0)]
+    row = only(of(compute_path_verdicts(rows)))
     assert row["verdict"] == verdict
-    if verdict != "pass":
-        reason = only(row["reasons"])
-        assert (reason["check"], reason["metric"], reason["source"]) == ("divergence", "kl_max", "default")
-        assert "threshold from default" in reason["message"]
+    numbers = row["numbers"]["answer_correct_recovery"]
+    assert (numbers["lost"], numbers["items"], numbers["recovery"]) == (lost, 20, pytest.approx((20 - lost) / 20))
+    if words:
+        assert words in only(row["reasons"])["message"] and row["questions"]["acceptable"] == verdict
 
 
-def test_every_default_names_its_measurement_and_sits_above_the_healthy_max():
-    for threshold in DEFAULT_THRESHOLDS:
-        assert "max" in threshold.measured and "healthy" in threshold.measured
-    # the largest healthy values measured on the canaries (see the table): they must pass by default
-    assert only(compute_verdicts(healthy(kl_max=0.238, kl_mean=0.190)))["verdict"] == "pass"
+def test_exact_binomial_tail_and_the_smallest_set_that_can_fail():
+    assert binomial_tail(5, 5) == 1 / 32 and binomial_tail(4, 4) == 1 / 16
+    assert binomial_tail(0, 3) == 1.0 and binomial_tail(2, 3) == pytest.approx(4 / 8)
+    assert min_discordant_to_tell() == 5  # at RECOVERY_ALPHA = 0.05
 
 
-def test_non_finite_values_fail():
-    rows = healthy() + [rec("kl_mean", None, text="nan")]
-    rows = [r for r in rows if not (r["metric"] == "kl_mean" and r.get("value") == 1e-5)]
-    reason = only(only(compute_verdicts(rows))["reasons"])
-    assert (reason["check"], reason["metric"], reason["severity"]) == ("nonfinite", "kl_mean", "fail")
-    assert only(compute_verdicts(healthy(kv_nonfinite=3.0)))["verdict"] == "fail"
+def test_divergence_is_judged_against_the_yardstick_measured_in_the_run():
+    limit = default_threshold("kl_ratio_yardstick")
+    stick = 0.02  # above KL_RATIO_FLOOR, so the ratio divides by it
+    assert stick > KL_RATIO_FLOOR
+    for times, verdict in ((limit.warn * 0.9, "pass"), ((limit.warn + limit.fail) / 2, "warn"),
+                           (limit.fail * 1.1, "fail")):
+        row = only(of(compute_verdicts(healthy(kl_mean=stick * times, yard_kl=stick))))
+        assert row["verdict"] == verdict, (times, row)
+        if verdict != "pass":
+            reason = only(row["reasons"])
+            assert (reason["metric"], reason["question"]) == ("kl_ratio_yardstick", "acceptable")
+            assert f"x the yardstick {YARD} (0.02 nats on this turn; divided by 0.02)" in reason["message"]
 
 
-def judgement(findings, path="fp8_e4m3") -> dict:
-    return {"model": "m", "scenario": "s1", "path": path, "turn": 0, "metric": "judge_rule",
+def test_ratio_floor_keeps_rounding_noise_from_reading_as_a_large_multiple():
+    # the yardstick reproduced the reference (1e-9 nats): 1e-5 nats would be 10,000x it, but is below the floor
+    row = only(of(compute_verdicts(healthy(kl_mean=1e-5, yard_kl=1e-9))))
+    assert row["verdict"] == "pass" and row["kl_ratio_yardstick"] == pytest.approx(1e-5 / KL_RATIO_FLOOR)
+
+
+def test_without_a_yardstick_absolute_limits_apply_and_the_question_is_named_unanswered():
+    limit = default_threshold("kl_p99")
+    row = only(compute_verdicts(healthy(kl_p99=limit.fail * 2, yard_kl=None)))
+    assert row["verdict"] == "fail" and row["reasons"][0]["metric"] == "kl_p99"
+    whole = only(compute_path_verdicts(healthy(yard_kl=None)))
+    assert any(u.startswith("acceptable: no yardstick path") for u in whole["unanswered"])
+    endpoint = only(compute_path_verdicts(healthy(path="candidate", yard_kl=None)))
+    assert any(u.startswith("implementation:") and "endpoint" in u for u in endpoint["unanswered"])
+
+
+def test_a_bf16_cache_path_must_reproduce_the_reference_implementation_question():
+    row = only(of(compute_verdicts(healthy("bf16:calibrated:k_scale_on_scores", kl_mean=0.5)),
+                  "bf16:calibrated:k_scale_on_scores"))
+    assert row["questions"]["implementation"] == "fail"
+    assert any(r["source"] == "default (BF16 cache)" and r["question"] == "implementation" for r in row["reasons"])
+    assert only(of(compute_verdicts(healthy("bf16", kl_mean=0.0)), "bf16"))["verdict"] == "pass"
+
+
+def test_attention_implementation_error_answers_the_implementation_question():
+    limit = default_threshold("attn_impl_err_ratio")
+    assert limit.question == "implementation"
+    row = only(of(compute_verdicts(healthy(attn_impl_err_ratio=limit.fail * 2))))
+    assert row["questions"] == {"implementation": "fail", "acceptable": "pass"}
+    assert only(of(compute_verdicts(healthy(attn_impl_err_ratio=1.5))))["verdict"] == "pass"
+
+
+def test_pooled_divergence_uses_every_token_of_the_path_against_the_yardstick():
+    rows = [r for t in range(4) for r in healthy(turn=t, kl_mean=0.01, yard_kl=0.01)]
+    series = [{"model": "m", "scenario": "s1", "path": p, "turn": t, "series": "kl", "values": [kl] * 20}
+              for t in range(4) for p, kl in (("fp8_e4m3", 0.01), (YARD, 0.01))]
+    row = only(of(compute_path_verdicts(rows, kl_series=series)))
+    assert row["verdict"] == "pass"
+    assert row["numbers"]["kl_mean_ratio"] == pytest.approx(1.0) and row["numbers"]["kl_p999_ratio"] == pytest.approx(1.0)
+    fail = default_threshold("kl_p999_ratio").fail
+    series[0]["values"] = [0.01] * 19 + [0.01 * fail * 40]  # one token far out: the pooled p99.9 sees it
+    row = only(of(compute_path_verdicts(rows, kl_series=series)))
+    assert row["verdict"] == "fail" and row["reasons"][0]["metric"] == "kl_p999_ratio"
+    assert "x the yardstick" in row["reasons"][0]["message"]
+
+
+def test_non_finite_values_fail_the_implementation_question():
+    rows = [r for r in healthy() if not (r["metric"] == "kl_mean" and r["path"] == "fp8_e4m3")]
+    rows.append(rec("kl_mean", None, text="nan"))
+    reason = only(only(of(compute_verdicts(rows)))["reasons"])
+    assert (reason["check"], reason["metric"], reason["severity"], reason["question"]) == \
+        ("nonfinite", "kl_mean", "fail", "implementation")
+    assert only(of(compute_verdicts(healthy(kv_nonfinite=3.0))))["verdict"] == "fail"
+
+
+def judgement(findings, path="fp8_e4m3", turn=0) -> dict:
+    return {"model": "m", "scenario": "s1", "path": path, "turn": turn, "metric": "judge_rule",
             "detail": {"findings": findings}}
 
 
-def test_degenerate_output_against_the_reference():
-    loop = judgement(["repetition loop: 'ab' x9 (18 chars from 3)"])
-    assert only(compute_verdicts(healthy(), judgements=[loop]))["verdict"] == "fail"
-    eos = judgement(["early EOS: EOS after 5 token(s), the reference wrote 40"])
-    assert only(compute_verdicts(healthy(), judgements=[eos]))["verdict"] == "warn"
-    shared = [loop, judgement(["repetition loop: 'ab' x9 (18 chars from 3)"], "reference")]
-    assert only(compute_verdicts(healthy(), judgements=shared))["verdict"] == "pass"  # the reference loops too
+LOOP = "repetition loop: 'ab' x9 (18 chars from 3)"
+
+
+def test_degeneration_is_judged_against_the_reference_rate_on_the_same_prompts():
+    assert only(of(compute_verdicts(healthy(), judgements=[judgement([LOOP])])))["verdict"] == "warn"
+    shared = [judgement([LOOP]), judgement([LOOP], "reference")]
+    assert only(of(compute_verdicts(healthy(), judgements=shared)))["verdict"] == "pass"  # the reference loops too
+    rows = [r for t in range(8) for r in healthy(turn=t)]
+    few = [judgement([LOOP], turn=0), judgement([LOOP], turn=1)] + \
+          [judgement([], p, t) for t in range(8) for p in ("reference", "fp8_e4m3") if (p, t) not in
+           (("fp8_e4m3", 0), ("fp8_e4m3", 1))]
+    assert only(of(compute_path_verdicts(rows, few)))["verdict"] == "warn"  # 2 of 8: could be chance
+    many = [judgement([LOOP] if p == "fp8_e4m3" and t < 6 else [], p, t) for t in range(8)
+            for p in ("reference", "fp8_e4m3")]
+    row = only(of(compute_path_verdicts(rows, many)))
+    assert row["verdict"] == "fail" and "repetition loop on 6 of 8 replies vs the reference's 0" in \
+        row["reasons"][0]["message"]
+
+
+def test_length_band_is_a_per_path_aggregate():
+    rows = [r for t in range(4) for r in healthy(turn=t, reply_tokens=20)]
+    assert only(of(compute_path_verdicts(rows)))["numbers"]["length_ratio"] == 1.0
+    short = [r for t in range(4) for r in healthy(turn=t, reply_tokens=10)]
+    reason = only(only(of(compute_path_verdicts(short)))["reasons"])
+    assert reason["metric"] == "length_ratio" and "outside [0.9, 1.1]" in reason["message"]
 
 
 def test_random_weight_models_get_no_task_or_degeneration_verdicts():
-    loop = judgement(["repetition loop: 'ab' x9 (18 chars from 3)"])
     rows = healthy(answer_correct=0.0)
-    assert only(compute_verdicts(rows, judgements=[loop], random_weight_models=["m"]))["verdict"] == "pass"
-    assert only(compute_verdicts(healthy(kl_max=3.0), random_weight_models=["m"]))["verdict"] == "fail"
+    loop = judgement([LOOP])
+    assert only(of(compute_verdicts(rows, judgements=[loop], random_weight_models=["m"])))["verdict"] == "pass"
+    fail = default_threshold("kl_ratio_yardstick").fail
+    assert only(of(compute_verdicts(healthy(kl_mean=0.02 * fail * 2, yard_kl=0.02),
+                                    random_weight_models=["m"])))["verdict"] == "fail"
 
 
 def test_unmeasured_turn_warns_and_an_errored_unit_is_listed():
@@ -110,24 +215,38 @@ def test_unmeasured_turn_warns_and_an_errored_unit_is_listed():
 
 
 def test_scenario_threshold_replaces_the_default_and_cli_beats_both():
-    check = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "kl_max", "value": 1.5,
-             "limit": 2.0, "passed": True, "message": None}
-    assert only(compute_verdicts(healthy(kl_max=1.5), checks=[check]))["verdict"] == "pass"
-    failed = check | {"value": 0.1, "limit": 0.05, "passed": False,
-                      "message": "turn 0: kl_max 0.1 > 0.05 (threshold from s.yaml)"}
-    reason = only(only(compute_verdicts(healthy(kl_max=0.1), checks=[failed],
-                                        scenario_sources={"s1": "s.yaml"}))["reasons"])
+    fail = default_threshold("kl_ratio_yardstick").fail
+    high = 0.02 * fail * 2  # fails the default ratio limit
+    check = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "kl_ratio_yardstick",
+             "value": fail * 2, "limit": fail * 3, "passed": True, "message": None}
+    assert only(of(compute_verdicts(healthy(kl_mean=high, yard_kl=0.02), checks=[check])))["verdict"] == "pass"
+    failed = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "kl_max", "value": 0.1,
+              "limit": 0.05, "passed": False, "message": "turn 0: kl_max 0.1 > 0.05 (threshold from s.yaml)"}
+    reason = only(only(of(compute_verdicts(healthy(kl_max=0.1), checks=[failed],
+                                           scenario_sources={"s1": "s.yaml"})))["reasons"])
     assert (reason["check"], reason["source"]) == ("threshold", "s.yaml")
     cli = parse_threshold_overrides(["kl_max:0.2"])
-    assert only(compute_verdicts(healthy(kl_max=0.1), checks=[failed], overrides=cli))["verdict"] == "pass"
-    reason = only(only(compute_verdicts(healthy(kl_max=0.3), overrides=cli))["reasons"])
+    assert only(of(compute_verdicts(healthy(kl_max=0.1), checks=[failed], overrides=cli)))["verdict"] == "pass"
+    reason = only(only(of(compute_verdicts(healthy(kl_max=0.3), overrides=cli)))["reasons"])
     assert (reason["source"], reason["limit"], reason["severity"]) == ("--threshold", 0.2, "fail")
+    strict = parse_threshold_overrides(["kl_mean_ratio:0.5"])  # a per-path bar the user sets
+    assert only(of(compute_path_verdicts(healthy(kl_mean=0.02, yard_kl=0.02), overrides=strict)))["verdict"] == "fail"
+
+
+def test_a_task_threshold_the_reference_fails_too_only_warns():
+    check = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "answer_correct", "value": 0.0,
+             "limit": 1.0, "passed": False, "message": "turn 0: answer_correct 0 < 1 (threshold from g.yaml)"}
+    rows = [r for r in healthy(answer_correct=0.0) if not (r["path"] == "reference" and r["metric"] == "answer_correct")]
+    shared = only(of(compute_verdicts(rows + [rec("answer_correct", 0.0, "reference")], checks=[check])))
+    assert shared["verdict"] == "warn" and "the reference fails it too" in shared["reasons"][0]["message"]
+    alone = only(of(compute_verdicts(healthy(answer_correct=0.0), checks=[check])))
+    assert alone["verdict"] == "fail"  # the reference answered: the file's bar holds
 
 
 def test_override_on_a_higher_is_better_metric_adds_a_check():
     rows = healthy(top1_agree=0.9)
-    assert only(compute_verdicts(rows))["verdict"] == "pass"
-    assert only(compute_verdicts(rows, overrides=parse_threshold_overrides(["top1_agree:0.99"])))["verdict"] == "fail"
+    assert only(of(compute_verdicts(rows)))["verdict"] == "pass"
+    assert only(of(compute_verdicts(rows, overrides=parse_threshold_overrides(["top1_agree:0.99"]))))["verdict"] == "fail"
 
 
 @pytest.mark.parametrize("spec", ["kl_max", "kl_max:", "kl_max:abc", "kl_max:nan", "nope:1", "context_tokens:5"])
@@ -136,33 +255,48 @@ def test_bad_threshold_specs_are_refused(spec):
         parse_threshold_overrides([spec])
 
 
-def test_matrix_counts_and_worst_turn():
-    rows = compute_verdicts(healthy() + healthy(turn=1, kl_max=0.5) + healthy(turn=2, kl_max=3.0)
-                            + healthy("bf16", turn=0, kl_max=0.0))
-    matrix = verdict_matrix(rows)
+def test_matrix_joins_turns_and_per_path_checks_per_question():
+    fail = default_threshold("kl_ratio_yardstick").fail
+    rows = healthy() + healthy(turn=1, kl_mean=0.02 * fail * 2, yard_kl=0.02) + healthy("bf16", kl_mean=0.0)
+    verdicts = compute_verdicts(rows)
+    matrix = verdict_matrix(verdicts, compute_path_verdicts(rows))
     cell = matrix["m"]["fp8_e4m3"]
-    assert (cell["pass"], cell["warn"], cell["fail"]) == (1, 1, 1)
-    assert cell["worst_turn"]["turn"] == 2 and "kl_max 3" in cell["worst_turn"]["reason"]
+    assert (cell["pass"], cell["warn"], cell["fail"]) == (1, 0, 1)
+    assert cell["worst_turn"]["turn"] == 1 and "x the yardstick" in cell["worst_turn"]["reason"]
+    assert cell["questions"] == {"implementation": "pass", "acceptable": "fail"}
+    assert cell["path"]["numbers"]["kl_mean_ratio"] > 1 and cell["path"]["yardstick"] == YARD
     assert failing_paths(matrix) == [("m", "fp8_e4m3")]
+    lost = [r for t in range(6) for r in healthy(turn=t, answer_correct=0.0)]  # no turn fails; the path does
+    matrix = verdict_matrix(compute_verdicts(lost), compute_path_verdicts(lost))
+    assert matrix["m"]["fp8_e4m3"]["fail"] == 0 and failing_paths(matrix) == [("m", "fp8_e4m3")]
 
 
-def test_diagnosis_shows_the_first_divergent_token_in_both_texts():
-    rows = compute_verdicts(healthy(kl_max=3.0))
+def test_diagnosis_shows_the_first_divergent_token_and_where_kl_max_sits():
+    fail = default_threshold("kl_ratio_yardstick").fail
+    rows = of(compute_verdicts(healthy(kl_mean=0.02 * fail * 2, yard_kl=0.02)))
     texts = {("m", "s1", "reference", 0): {"tokens": ["The", " answer", " is", " 9", "6"], "token_ids": [1, 2, 3, 4, 5],
                                            "text": "The answer is 96"},
              ("m", "s1", "fp8_e4m3", 0): {"tokens": ["The", " answer", " is", " 4", "2"], "token_ids": [1, 2, 3, 6, 7],
                                           "text": "The answer is 42"}}
-    text = diagnosis(only(rows), texts)
-    assert "m::s1::fp8_e4m3 turn 0: FAIL" in text
-    assert "kl_max 3 > 1 (fail threshold from default)" in text
+    metrics = {("m", "s1", "fp8_e4m3", 0): {"kl_max": 3.0, "kl_max_pos": 3.0, "kl_max_ref_entropy": 0.2,
+                                             "kl_max_ref_margin": 4.0, "confident_flips": 1.0, "near_tie_flips": 0.0,
+                                             "first_flip_topk_ok": 0.0}}
+    text = diagnosis(only(rows), texts, metrics)
+    assert "m::s1::fp8_e4m3 turn 0: FAIL" in text and "x the yardstick" in text
+    assert "kl_max 3 nats at reply token 3: reference entropy 0.2 nats, top-1/top-2 margin 4 nats (the reference " \
+           "was sure); flips: 1 confident, 0 near-tie; first flip OUTSIDE each other's top-5" in text
     assert "first divergent token 3: reference 'The answer is[ 9]6' vs path 'The answer is[ 4]2'" in text
 
 
 def test_diagnosis_names_the_worst_attention_layer_and_head_when_captured():
-    row = only(compute_verdicts(healthy(kl_max=3.0)))
+    row = only(of(compute_verdicts(healthy())))
     captured = {("m", "s1", "fp8_e4m3", 0): {"attn_worst_layer": 3.0, "attn_worst_head": 6.0,
-                                              "attn_worst_head_layer": 3.0, "attn_out_rel_err_max": 0.591}}
-    assert "worst attention error: layer 3, head 6 of layer 3 (attn_out_rel_err_max 0.591)" in diagnosis(row, {}, captured)
+                                              "attn_worst_head_layer": 3.0, "attn_out_rel_err_max": 0.591,
+                                              "attn_impl_err_ratio": 7.5, "attn_impl_worst_layer": 2.0,
+                                              "attn_impl_worst_head": 1.0}}
+    text = diagnosis(row, {}, captured)
+    assert "worst attention error: layer 3, head 6 of layer 3 (attn_out_rel_err_max 0.591)" in text
+    assert "attention implementation error 7.5x torch's own at the attention dtype (worst: layer 2, head 1)" in text
     assert "worst attention" not in diagnosis(row, {})  # no capture, no claim
 
 
@@ -172,7 +306,9 @@ def test_stored_run_without_verdicts_gets_them_on_the_fly(tmp_path):
     (run / "verdicts.jsonl").unlink(missing_ok=True)
     rows = run_verdicts(run)
     assert rows and {r["verdict"] for r in rows} <= {"pass", "warn", "fail"}
-    assert set(run_matrix(run)) == {r["model"] for r in rows}
+    matrix = run_matrix(run)
+    assert set(matrix) == {r["model"] for r in rows}
+    assert all(set(cell["questions"]) == {"implementation", "acceptable"} for cell in matrix["canary-mla"].values())
 
 
 def _canary_scenarios(tmp_path: Path) -> Path:
@@ -202,9 +338,14 @@ def test_harness_run_exit_code_names_the_failing_path(tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     cells = manifest["verdicts"]["hybrid"]
     assert cells["fp8_e4m3:warmup"]["fail"] > 0
-    assert all(cells[p]["fail"] == cells[p]["warn"] == 0 for p in ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated"))
+    assert all(cells[p]["fail"] == cells[p]["warn"] == 0 and cells[p]["path"]["verdict"] != "fail"
+               for p in ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:calibrated"))
+    assert cells["fp8_e4m3:warmup"]["questions"]["acceptable"] == "fail"
+    assert manifest["yardstick"] == "fp8_e4m3:calibrated"  # added to --paths: measured in the same run
     rows = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
-    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup"}
+    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup",
+                                         "fp8_e4m3:calibrated"}
+    assert (out / "path_verdicts.jsonl").exists()
     assert main(argv + ["--out", str(tmp_path / "again"), "--no-fail-on-verdict"]) == 0
 
 
@@ -213,8 +354,10 @@ def test_bad_threshold_is_refused_before_any_work(tmp_path, capsys):
     assert "--threshold 'kl_max:lots'" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
-def test_threshold_values_are_finite():
-    assert all(math.isfinite(t.fail) for t in DEFAULT_THRESHOLDS)
+def test_every_default_is_finite_and_names_its_measurement():
+    for threshold in DEFAULT_THRESHOLDS:
+        assert math.isfinite(threshold.fail)
+        assert "healthy" in threshold.measured and "PROVISIONAL" not in threshold.measured, threshold
 
 
 def test_summary_leads_with_the_verdict_matrix():

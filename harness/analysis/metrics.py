@@ -9,13 +9,26 @@ from dataclasses import dataclass
 import torch
 
 SUMMARY_KEYS = ("kl_mean", "kl_max", "top1_agree", "ref_logprob_delta_mean", "ref_logprob_delta_min",
-                "ref_rank_mean", "ref_rank_max")
-SERIES_KEYS = ("kl", "top1_agree", "ref_logprob_delta", "ref_rank")
+                "ref_rank_mean", "ref_rank_max",
+                # robust divergence statistics (docs/VERDICTS.md): percentiles of the per-token KL, the max's
+                # place and what the reference was doing there, flips split by the reference's confidence
+                "kl_p99", "kl_p999", "kl_max_pos", "kl_max_ref_entropy", "kl_max_ref_margin",
+                "confident_flips", "near_tie_flips", "first_flip_topk_ok")
+SERIES_KEYS = ("kl", "top1_agree", "ref_logprob_delta", "ref_rank", "ref_entropy", "ref_margin", "flip")
+# A flip (the path's argmax is not the reference's) is confident where the reference's top-1 log-prob leads its
+# top-2 by more than this many nats (top-1 at least e = 2.7x as likely as the runner-up): a path that changes
+# such a token changed the decision, not a coin toss. Below it the flip is a near-tie.
+CONFIDENT_MARGIN = 1.0
+# vLLM's check_logprobs_close: at the first position where two outputs differ, each side's token must be in the
+# other side's top-k logprobs; vLLM's tests ask for k = 5 (NUM_LOG_PROBS in tests/models).
+VLLM_TOPK = 5
 # Value each metric takes when the path is identical to the reference; the noise floor is the
 # largest distance from it. Prefix rules cover kl_*, ref_logprob_delta_* and ref_rank_*.
 IDENTICAL_RUN_VALUES = {"exact_match": 1.0, "top1_agree": 1.0, "common_prefix_frac": 1.0,
-                        "token_edit_distance": 0.0}
+                        "token_edit_distance": 0.0, "confident_flips": 0.0, "near_tie_flips": 0.0}
 IDENTICAL_ZERO_PREFIXES = ("kl_", "ref_logprob_delta_", "ref_rank_")
+# Where kl_max sits and what the reference does there: descriptions of the reference, not distances from it.
+NOT_DISTANCES = ("kl_max_pos", "kl_max_ref_entropy", "kl_max_ref_margin")
 # Leftover probability within this of 0 is rounding in the listed logprobs, not mass. Servers compute
 # logprobs as log_softmax in float32: each listed value is off by up to ~|logit| float32 ulps, so the
 # listed mass is off by up to ~64 * 2**-24 for logits up to 64 in magnitude. Measured on real vLLM 0.32
@@ -102,6 +115,14 @@ def teacher_forced(reference_logprobs: torch.Tensor, path_logprobs: torch.Tensor
         top1_agree        = [argmax lp == t]   (ties go to the lowest id, as torch.argmax)
         ref_logprob_delta = lp[t] - lr[t]
         ref_rank          = #{v : lp[v] > lp[t]}   (strictly greater: ties do not push t down)
+        ref_entropy       = -sum_v p_ref[v] * lr[v]   (nats)
+        ref_margin        = lr[top-1] - lr[top-2]   (how sure the reference is, nats)
+        flip              = [argmax lp != argmax lr]
+    Summary (`_summarise`): means / extremes of these, kl_p99 / kl_p999 (linear-interpolated percentiles of
+    kl), kl_max_pos (first position of the max) with ref_entropy and ref_margin there, confident_flips /
+    near_tie_flips (flips where ref_margin > / <= CONFIDENT_MARGIN, counts), and first_flip_topk_ok: vLLM's
+    check_logprobs_close at the first flip (1.0 when the reference's argmax is in the path's top VLLM_TOPK and
+    the path's argmax in the reference's; 0.0 when not; None when nothing flipped).
     A position whose path logits hold NaN or +inf (or are all -inf) is total disagreement: kl = +inf,
     top1_agree = 0, ref_logprob_delta = -inf, ref_rank = V - 1; kl_mean then reads +inf too.
     -inf logits are masked tokens, not errors. A non-finite reference row raises ValueError.
@@ -122,9 +143,30 @@ def teacher_forced(reference_logprobs: torch.Tensor, path_logprobs: torch.Tensor
     top1 = (path.argmax(dim=-1) == idx.squeeze(1)).to(torch.float64)
     kl, top1 = kl.masked_fill(broken, math.inf), top1.masked_fill(broken, 0.0)
     delta, rank = delta.masked_fill(broken, -math.inf), rank.masked_fill(broken, path.shape[1] - 1)
+    entropy = torch.where(p_ref > 0, -p_ref * ref, 0.0).sum(dim=-1)
+    top2 = ref.topk(min(2, ref.shape[1]), dim=-1).values  # [T, 2]
+    margin = top2[:, 0] - top2[:, -1] if top2.shape[1] == 2 else torch.full_like(entropy, math.inf)
+    ref_top, path_top = ref.argmax(dim=-1), path.argmax(dim=-1)
+    flip = ((ref_top != path_top) | broken).to(torch.float64)
     series = {"kl": kl.tolist(), "top1_agree": top1.tolist(), "ref_logprob_delta": delta.tolist(),
-              "ref_rank": rank.tolist()}
-    return TeacherForced(summary=_summarise(**series), series=series)
+              "ref_rank": rank.tolist(), "ref_entropy": entropy.tolist(), "ref_margin": margin.tolist(),
+              "flip": flip.tolist()}
+    summary = _summarise(**series) | {"first_flip_topk_ok": _first_flip_topk_ok(ref, path, ref_top, path_top, flip)}
+    return TeacherForced(summary=summary, series=series)
+
+
+def _first_flip_topk_ok(ref: torch.Tensor, path: torch.Tensor, ref_top: torch.Tensor, path_top: torch.Tensor,
+                        flip: torch.Tensor) -> float | None:
+    """vLLM's check_logprobs_close at the first flip: each side's argmax inside the other's top VLLM_TOPK."""
+    flipped = flip.nonzero().flatten()
+    if not len(flipped):
+        return None
+    at = int(flipped[0])
+    if path[at].isnan().any():
+        return 0.0
+    ref_in_path = int((path[at] > path[at, ref_top[at]]).sum()) < VLLM_TOPK
+    path_in_ref = int((ref[at] > ref[at, path_top[at]]).sum()) < VLLM_TOPK
+    return float(ref_in_path and path_in_ref)
 
 
 def _check_teacher_forced_inputs(reference_logprobs: torch.Tensor, path_logprobs: torch.Tensor,
@@ -158,19 +200,41 @@ def _empty_teacher_forced() -> TeacherForced:
 
 
 def _summarise(kl: list[float], top1_agree: list[float], ref_logprob_delta: list[float],
-               ref_rank: list[float]) -> dict[str, float | None]:
+               ref_rank: list[float], ref_entropy: list[float], ref_margin: list[float],
+               flip: list[float]) -> dict[str, float | None]:
     if not kl:
         return dict.fromkeys(SUMMARY_KEYS)
+    at = kl.index(max(kl))
+    confident = sum(1 for f, m in zip(flip, ref_margin) if f and m > CONFIDENT_MARGIN)
     return {
         "kl_mean": _mean(kl), "kl_max": max(kl),
         "top1_agree": _mean(top1_agree),
         "ref_logprob_delta_mean": _mean(ref_logprob_delta), "ref_logprob_delta_min": min(ref_logprob_delta),
         "ref_rank_mean": _mean(ref_rank), "ref_rank_max": max(ref_rank),
+        "kl_p99": percentile(kl, 99.0), "kl_p999": percentile(kl, 99.9),
+        "kl_max_pos": float(at), "kl_max_ref_entropy": ref_entropy[at], "kl_max_ref_margin": ref_margin[at],
+        "confident_flips": float(confident), "near_tie_flips": float(sum(1 for f in flip if f) - confident),
+        "first_flip_topk_ok": None,
     }
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, linearly interpolated between order statistics (numpy's default
+    'linear' method): rank (n - 1) * q / 100. +inf entries sort last; NaN is refused. Empty input is an error."""
+    ordered = sorted(float(v) for v in values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    if any(math.isnan(v) for v in ordered):
+        raise ValueError("percentile: NaN among the values")
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    if ordered[high] == math.inf:
+        return math.inf if rank > low or ordered[low] == math.inf else ordered[low]
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # ---------------------------------------------------------------- teacher-forced, top-k only
@@ -205,24 +269,51 @@ def teacher_forced_topk(reference_top: list[dict[int, float]], path_top: list[di
     if not tokens:
         return _empty_teacher_forced()
     rows = [_topk_position(i, ref, path, t) for i, (ref, path, t) in enumerate(zip(reference_top, path_top, tokens))]
-    kl, top1, delta, delta_bound, rank = (list(column) for column in zip(*rows))
-    series = {"kl": kl, "top1_agree": top1, "ref_logprob_delta": delta, "ref_rank": rank}
-    return TeacherForced(summary=_summarise(kl, top1, delta_bound, rank), series=series)
+    kl, top1, delta, delta_bound, rank, entropy, margin, flip = (list(column) for column in zip(*rows))
+    series = {"kl": kl, "top1_agree": top1, "ref_logprob_delta": delta, "ref_rank": rank, "ref_entropy": entropy,
+              "ref_margin": margin, "flip": flip}
+    summary = _summarise(kl, top1, delta_bound, rank, entropy, margin, flip)
+    first = next((i for i, f in enumerate(flip) if f), None)
+    if first is not None:
+        summary["first_flip_topk_ok"] = _topk_flip_ok(reference_top[first], path_top[first])
+    return TeacherForced(summary=summary, series=series)
 
 
-def _topk_position(i: int, ref: dict[int, float], path: dict[int, float],
-                   token: int) -> tuple[float, float, float | None, float, float]:
-    """(kl, top1_agree, ref_logprob_delta or None, delta or its upper bound, ref_rank) at position i."""
+def _listed_top(top: dict[int, float]) -> int:
+    return max(top, key=lambda v: (top[v], -v))
+
+
+def _topk_flip_ok(ref: dict[int, float], path: dict[int, float]) -> float:
+    """check_logprobs_close on listed top-k: each side's argmax listed, within the first VLLM_TOPK, by the other."""
+    if any(math.isnan(lp) for lp in path.values()):
+        return 0.0
+    ref_top, path_top = _listed_top(ref), _listed_top(path)
+    ok = all(token in other and sum(lp > other[token] for lp in other.values()) < VLLM_TOPK
+             for token, other in ((ref_top, path), (path_top, ref)))
+    return float(ok)
+
+
+def _topk_position(i: int, ref: dict[int, float], path: dict[int, float], token: int) -> tuple:
+    """(kl, top1_agree, ref_logprob_delta or None, delta or its upper bound, ref_rank, ref_entropy, ref_margin,
+    flip) at position i. Entropy counts the unlisted mass as one outcome (a lower bound on the true entropy);
+    the margin is exact when the reference lists two tokens or more (else +inf)."""
     if not ref or not path:
         raise ValueError(f"position {i}: empty top-k ({len(ref)} reference, {len(path)} path entries)")
     if token not in ref:
         raise ValueError(f"position {i}: reference token {token} missing from the reference top-k {sorted(ref)}")
-    path_top1 = max(path, key=lambda v: (path[v], -v))
+    path_top1 = _listed_top(path)
     in_path = token in path
     path_lp = path[token] if in_path else min(path.values())
     rank = sum(lp > path_lp for lp in path.values()) if in_path else len(path)
     delta = path_lp - ref[token]
-    return _topk_kl(ref, path), float(path_top1 == token), delta if in_path else None, delta, float(rank)
+    probs = [math.exp(lp) for lp in ref.values()]
+    entropy = -sum(p * math.log(p) for p in [*probs, _leftover_mass(probs)] if p > 0)
+    ordered = sorted(ref.values(), reverse=True)
+    margin = ordered[0] - ordered[1] if len(ordered) > 1 else math.inf
+    broken = any(math.isnan(lp) for lp in path.values())
+    flip = float(broken or path_top1 != _listed_top(ref))
+    return (_topk_kl(ref, path), float(path_top1 == token), delta if in_path else None, delta, float(rank),
+            max(0.0, entropy), margin, flip)
 
 
 def _topk_kl(ref: dict[int, float], path: dict[int, float]) -> float:
@@ -278,6 +369,58 @@ def noise_floor(records: Iterable[Mapping[str, object]]) -> dict[str, float]:
 
 
 def _identical_run_value(metric: str) -> float | None:
+    if metric in NOT_DISTANCES:
+        return None
     if metric in IDENTICAL_RUN_VALUES:
         return IDENTICAL_RUN_VALUES[metric]
     return 0.0 if metric.startswith(IDENTICAL_ZERO_PREFIXES) else None
+
+
+# ---------------------------------------------------------------- stratified divergence
+
+# Reference-entropy bins (nats): where the reference is sure, unsure, or spread over many tokens. A path whose
+# KL grows where the reference is sure changes decisions; KL where it is spread is mostly reshuffled tail mass.
+ENTROPY_BINS = (0.0, 0.5, 2.0, math.inf)
+# Context-position bins (tokens of prompt + reply before the position): FP8 cache error grows with the cache.
+POSITION_BINS = (0, 256, 1024, 4096, math.inf)
+
+
+def _bin_label(edges: Sequence[float], i: int) -> str:
+    high = edges[i + 1]
+    return f"[{edges[i]:g}, {'inf' if high == math.inf else f'{high:g}'})"
+
+
+def _bin_of(edges: Sequence[float], value: float) -> int:
+    return next(i for i in range(len(edges) - 1) if value < edges[i + 1])
+
+
+def stratified_divergence(series_rows: Iterable[Mapping], context_tokens: Mapping[tuple, float]) -> list[dict]:
+    """Teacher-forced KL and flips per (model, path) and bin, by the reference's entropy at the position and by
+    the position in the context. `series_rows`: series.jsonl rows (`kl`, `ref_entropy`, `flip`, values decoded
+    here); `context_tokens`: (model, scenario, path, turn) -> the turn's prompt length. Turns stored before the
+    scorer recorded entropies are counted in the position bins only. Rows: {model, path, by, bin, tokens,
+    kl_mean, flips}."""
+    from harness.records import decode_values
+
+    turns: dict[tuple, dict[str, list]] = {}
+    for row in series_rows:
+        key = (row["model"], row["scenario"], row["path"], row["turn"])
+        turns.setdefault(key, {})[row["series"]] = decode_values(dict(row))
+    sums: dict[tuple, list[float]] = {}
+    for key, series in turns.items():
+        kl, entropy, flip = series.get("kl") or [], series.get("ref_entropy"), series.get("flip")
+        start = context_tokens.get(key, 0.0) or 0.0
+        for i, value in enumerate(kl):
+            if value is None or math.isnan(value):
+                continue
+            flipped = float(bool(flip[i])) if flip and i < len(flip) and flip[i] is not None else 0.0
+            where = [("context position", _bin_label(POSITION_BINS, _bin_of(POSITION_BINS, start + i)))]
+            if entropy and i < len(entropy) and entropy[i] is not None:
+                where.append(("reference entropy", _bin_label(ENTROPY_BINS, _bin_of(ENTROPY_BINS, entropy[i]))))
+            for by, label in where:
+                entry = sums.setdefault((key[0], key[2], by, label), [0.0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += value
+                entry[2] += flipped
+    return [{"model": model, "path": path, "by": by, "bin": label, "tokens": int(n), "kl_mean": total / n,
+             "flips": int(flips)} for (model, path, by, label), (n, total, flips) in sorted(sums.items())]

@@ -27,7 +27,7 @@ import pandas as pd
 
 from harness.analysis.verdicts import HEALTHY_SPREAD
 from harness.records import METRIC_DIRECTIONS
-from harness.runs.gate import run_verdicts
+from harness.runs.gate import run_matrix, run_verdicts
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -198,14 +198,18 @@ def case_failures(values: dict[str, float], thresholds: list[Threshold], other: 
 
 
 def verdict_failures(run: StoredRun) -> dict[tuple, list[str]]:
-    """The run's failing verdict reasons per case, keyed like CASE (scenario names mapped to their hash)."""
+    """The run's failing verdict reasons per case, keyed like CASE (scenario names mapped to their hash). A task
+    the reference passed and the path lost counts here although the run's verdict only warns on it (the per-path
+    paired test decides there): compare pairs the same item across two runs, and an answer lost in B that A kept
+    is a change of output on that item, not sampling noise."""
     hashes = {(m, s): h for m, s, h in run.records[["model", "scenario", "scenario_hash"]].itertuples(index=False)}
     out: dict[tuple, list[str]] = {}
     for row in run_verdicts(run.run_dir):
-        if row["verdict"] != "fail":
+        failing = [r["message"] for r in row["reasons"] if r["severity"] == "fail" or r["check"] == "task"]
+        if not failing:
             continue
         key = (row["model"], hashes.get((row["model"], row["scenario"])), row["path"], row["turn"])
-        out[key] = [r["message"] for r in row["reasons"] if r["severity"] == "fail"]
+        out[key] = failing
     return out
 
 
@@ -231,6 +235,38 @@ def case_table(pairs: pd.DataFrame, thresholds: list[Threshold], a_run: StoredRu
         rows.append(dict(zip(CASE, key)) | {"scenario": case["scenario"], "fail_a": "", "fail_b": "; ".join(fail_b),
                                             "status": "new failure" if fail_b else "pass"})
     return pd.DataFrame(rows, columns=CASE + ["scenario", "fail_a", "fail_b", "status"])
+
+
+QUESTION_NAMES = {"implementation": "implementation right?", "acceptable": "precision acceptable?"}
+
+
+def _times(cell: dict | None) -> str:
+    numbers = ((cell or {}).get("path") or {}).get("numbers") or {}
+    ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
+    if ratio is None or stick is None:
+        return "—"
+    return (f"{ratio:.3g}" if isinstance(ratio, (int, float)) else str(ratio)) + f"x ({format_value(stick)})"
+
+
+def question_table(a: StoredRun, b: StoredRun) -> list[dict]:
+    """Per (model, path) of either run: each verdict question's answer in A and in B (turns and per-path checks
+    together, harness.analysis.verdicts), the pooled KL against each run's yardstick, and the questions B newly
+    fails. A question B fails that A passed or only warned is a regression, whatever the metric intervals say."""
+    ma, mb = run_matrix(a.run_dir), run_matrix(b.run_dir)
+    keys = sorted({(m, p) for matrix in (ma, mb) for m, paths in matrix.items() for p in paths})
+    rows = []
+    for model, path in keys:
+        ca, cb = (ma.get(model) or {}).get(path), (mb.get(model) or {}).get(path)
+        qa, qb = (ca or {}).get("questions") or {}, (cb or {}).get("questions") or {}
+        new = [QUESTION_NAMES[q] for q in QUESTION_NAMES if qb.get(q) == "fail" and qa.get(q) != "fail" and cb]
+        rows.append({"model": model, "path": path, "new_failures": new,
+                     "questions": [{"title": title, "a": qa.get(q, "—"), "b": qb.get(q, "—"),
+                                    "state": "bad" if title in new else "good" if qb.get(q) == "pass" else
+                                    "warn" if qb.get(q) in ("warn", "fail") else "none"}
+                                   for q, title in QUESTION_NAMES.items()],
+                     "times_a": _times(ca), "times_b": _times(cb),
+                     "yardstick_a": a.manifest.get("yardstick"), "yardstick_b": b.manifest.get("yardstick")})
+    return rows
 
 
 def path_changes(a: StoredRun, b: StoredRun) -> tuple[list[str], list[str]]:
@@ -270,6 +306,11 @@ class CompareResult:
     report_path: Path | None = None
     new_paths: list[str] = field(default_factory=list)  # in B only: judged by B's own verdicts
     missing_paths: list[str] = field(default_factory=list)  # in A only: B cannot show they still pass
+    questions: list[dict] = field(default_factory=list)  # per (model, path): the two questions in A and B
+
+    @property
+    def new_question_failures(self) -> list[dict]:
+        return [q for q in self.questions if q["new_failures"]]
 
     @property
     def regressed_metrics(self) -> pd.DataFrame:
@@ -280,7 +321,8 @@ class CompareResult:
 
     @property
     def regressed(self) -> bool:
-        return bool(len(self.regressed_metrics) or len(self.with_status("new failure")) or self.missing_paths)
+        return bool(len(self.regressed_metrics) or len(self.with_status("new failure")) or self.missing_paths
+                    or self.new_question_failures)
 
     @property
     def summary_line(self) -> str:
@@ -299,6 +341,11 @@ class CompareResult:
                          f"{', ...' if len(worse) > 3 else ''})")
         if self.missing_paths:
             parts.append(f"path(s) of A not run in B: {', '.join(self.missing_paths)}")
+        failing = self.new_question_failures
+        if failing:
+            named = "; ".join(f"{q['model']} {q['path']}: {', '.join(q['new_failures'])}" for q in failing[:3])
+            parts.append(f"{len(failing)} path(s) newly fail a verdict question ({named}"
+                         f"{'; ...' if len(failing) > 3 else ''})")
         head = "REGRESSION: " + "; ".join(parts) if parts else "OK: no regression beyond noise"
         if self.new_paths:
             head += f"; new in B (judged by its own verdicts): {', '.join(self.new_paths)}"
@@ -413,7 +460,7 @@ def compare_runs(run_a: Path | str, run_b: Path | str, out_dir: Path | str | Non
     result = CompareResult(a, b, pairs, metric_table(pairs, a, b, parsed, n_boot, seed, alpha, rel_tol),
                            case_table(pairs, parsed, a, b, unpaired), unpaired, parsed,
                            {"n_boot": n_boot, "seed": seed, "alpha": alpha, "rel_tol": rel_tol},
-                           new_paths=new_paths, missing_paths=missing_paths)
+                           new_paths=new_paths, missing_paths=missing_paths, questions=question_table(a, b))
     if out_dir is not None:
         result.render(out_dir)
     return result

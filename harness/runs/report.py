@@ -28,6 +28,7 @@ from harness.runs.report_views import (
     reason_text,
     sparkline,
     turn_verdicts,
+    path_checks,
     verdict_matrix_view,
     verdict_turns,
 )
@@ -626,6 +627,20 @@ def manifest_view(manifest: dict) -> dict:
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
 
 
+def strata_view(run: StoredRun) -> list[dict]:
+    """Divergence by the reference's entropy and by context position, per model and path (the series
+    decoded at load time, so NaN/inf are already numbers)."""
+    from harness.analysis.metrics import stratified_divergence
+
+    if run.series.empty:
+        return []
+    context = run.records[run.records.metric == "context_tokens"]
+    starts = {(m, s, p, int(t)): v for m, s, p, t, v in
+              context[["model", "scenario", "path", "turn", "value"]].itertuples(index=False)}
+    rows = stratified_divergence(run.series.to_dict("records"), starts)
+    return [r | {"kl_text": format_value(r["kl_mean"])} for r in rows if r["path"] != REFERENCE]
+
+
 def kl_mean_limit(verdicts) -> tuple[float, str] | None:
     """The kl_mean limit the verdicts applied (a default or a --threshold), to draw on the plots."""
     for row in verdicts:
@@ -658,10 +673,15 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
+    from harness.runs.gate import run_path_verdicts
+
+    whole = run_path_verdicts(run.run_dir) if run.verdicts else []
     detection = run.run_dir / "detection.json"  # written by `harness zoo`
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
-                      matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name),
+                      matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
+                      path_checks=path_checks(whole), yardstick=run.manifest.get("yardstick"),
+                      strata=strata_view(run),
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=json.loads(detection.read_text()) if detection.exists() else None)

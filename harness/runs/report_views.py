@@ -27,11 +27,26 @@ def reason_text(row: Mapping) -> str:
     return "; ".join(str(r.get("message") or r.get("check")) for r in reasons)
 
 
-def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callable[[str, str], str]) -> dict:
-    """Rows per model, one cell per candidate path: the worst verdict, counts and the worst turn's reason."""
+QUESTION_TITLES = {"implementation": "implementation right?", "acceptable": "precision acceptable?"}
+
+
+def times_yardstick(numbers: Mapping, fmt: Callable = lambda v: f"{v:.2g}") -> str:
+    """`3.1x yardstick (0.0042 nats)`: a path's pooled kl_mean against the yardstick's, or "" without one."""
+    ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
+    if ratio is None or stick is None:
+        return ""
+    shown = f"{ratio:.3g}" if isinstance(ratio, (int, float)) else str(ratio)
+    return f"KL {shown}x yardstick ({fmt(stick)} nats)"
+
+
+def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callable[[str, str], str],
+                        path_verdicts: Iterable[Mapping] = ()) -> dict:
+    """Rows per model, one cell per candidate path: the worst verdict (turns and per-path checks), each question's
+    verdict, the pooled KL against the yardstick, counts and the worst finding."""
     grouped: dict[tuple, list[dict]] = defaultdict(list)
     for row in verdicts:
         grouped[(row["model"], row["path"])].append(row)
+    whole = {(r["model"], r["path"]): r for r in path_verdicts}
     models = sorted({model for model, _ in grouped})
     shown = [p for p in paths if any((m, p) in grouped for m in models)]
     shown += sorted({p for _, p in grouped} - set(shown))
@@ -39,12 +54,42 @@ def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callabl
     for (model, path), rows in grouped.items():
         worst = max(rows, key=lambda r: (VERDICTS.index(r["verdict"]), len(r.get("reasons") or [])))
         counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
-        cells[(model, path)] = {"verdict": worst["verdict"], "state": STATE[worst["verdict"]], **counts,
+        per_path = whole.get((model, path)) or {}
+        path_reasons = sorted((r for r in per_path.get("reasons", [])), key=lambda r: r["severity"] != "fail")
+        verdict = worst_verdict([worst["verdict"], per_path.get("verdict", "pass")])
+        questions = {}
+        for q in QUESTION_TITLES:
+            turn_q = [(r.get("questions") or {}).get(q, r["verdict"]) for r in rows]
+            questions[q] = worst_verdict(turn_q + [(per_path.get("questions") or {}).get(q, "pass")])
+        reason = reason_text(worst)
+        if path_reasons and (path_reasons[0]["severity"] == "fail" or worst["verdict"] == "pass"):
+            reason = "all turns: " + "; ".join(r["message"] for r in path_reasons)
+        cells[(model, path)] = {"verdict": verdict, "state": STATE[verdict], **counts,
                                 "turns": len(rows), "scenario": worst["scenario"], "turn": worst["turn"],
-                                "reason": reason_text(worst), "page": page_of(model, worst["scenario"])}
+                                "reason": reason, "page": page_of(model, worst["scenario"]),
+                                "questions": [{"title": QUESTION_TITLES[q], "verdict": v, "state": STATE[v]}
+                                              for q, v in questions.items()],
+                                "times": times_yardstick(per_path.get("numbers") or {}),
+                                "unanswered": per_path.get("unanswered") or []}
     return {"models": models, "paths": shown, "cells": cells,
             "failing": sum(c["verdict"] == "fail" for c in cells.values()),
             "warning": sum(c["verdict"] == "warn" for c in cells.values())}
+
+
+def path_checks(path_verdicts: Iterable[Mapping]) -> list[dict]:
+    """The per-path checks (pooled divergence, paired recovery, length, degeneration) of every path with a
+    finding or an unanswered question, fail first."""
+    out = []
+    for row in path_verdicts:
+        reasons = sorted(row.get("reasons") or [], key=lambda r: r["severity"] != "fail")
+        if not reasons and not row.get("unanswered"):
+            continue
+        out.append({"model": row["model"], "path": row["path"], "verdict": row["verdict"],
+                    "state": STATE[row["verdict"]], "times": times_yardstick(row.get("numbers") or {}),
+                    "reasons": [{"severity": r["severity"], "state": STATE[r["severity"]],
+                                 "question": r.get("question") or "both", "message": r["message"]} for r in reasons],
+                    "unanswered": row.get("unanswered") or []})
+    return sorted(out, key=lambda g: (-VERDICTS.index(g["verdict"]), g["model"], g["path"]))
 
 
 def verdict_turns(verdicts: list[dict], page_of: Callable[[str, str], str]) -> list[dict]:

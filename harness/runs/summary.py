@@ -15,7 +15,9 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "exact_match": ("turns identical", "mean"),
     "first_divergent_token": ("turns diverged", "count"),
     "kl_mean": ("KL mean", "mean"),
-    "kl_max": ("KL max", "max"),
+    "kl_p999": ("KL p99.9", "max"),  # gating percentile (the max grows with the tokens; docs/VERDICTS.md)
+    "kl_max": ("KL max", "max"),  # diagnostic only
+    "confident_flips": ("confident flips", "sum"),  # argmax changed where the reference was sure (> 1 nat)
     "top1_agree": ("top-1 agree", "mean"),
     "kv_clipped_frac": ("clipped", "mean"),
     "kv_nonfinite": ("KV non-finite", "max"),  # shown only when some path read a NaN/inf back from its cache
@@ -58,42 +60,89 @@ def summary_table(run_dir: Path) -> pd.DataFrame:
     return summary.sort_values(["model", "path"]).set_index(["model", "path"])
 
 
+def _times(path: str, cell: dict) -> str:
+    """The path's pooled kl_mean as a multiple of the yardstick's, with the yardstick's value beside it."""
+    whole = cell.get("path") or {}
+    if path == whole.get("yardstick"):
+        return "(yardstick)"
+    numbers = whole.get("numbers") or {}
+    ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
+    if ratio is None or stick is None:
+        return "-"
+    from harness.analysis.verdicts import KL_RATIO_FLOOR
+
+    shown = f"{ratio:.3g}" if isinstance(ratio, float) else str(ratio)
+    if stick < KL_RATIO_FLOOR:  # the yardstick reproduced the reference: the ratio divides by the floor
+        return f"{shown}x of the floor {KL_RATIO_FLOOR:g} (yardstick {stick:.2g})"
+    return f"{shown}x of {stick:.2g}"
+
+
+def _path_verdict(cell: dict) -> str:
+    path = (cell.get("path") or {}).get("verdict", "pass")
+    worst = "fail" if cell["fail"] or path == "fail" else "warn" if cell["warn"] or path == "warn" else "pass"
+    return {"fail": "FAIL", "warn": "warn", "pass": "pass"}[worst]
+
+
 def verdict_table(matrix: dict, order: list[str]) -> pd.DataFrame:
-    """Models x paths: pass/warn/fail turn counts, the path's verdict and its worst turn."""
+    """Models x paths: the path's verdict, each question's verdict, the pooled KL against the yardstick,
+    pass/warn/fail turn counts and the worst finding (a per-path check first, else the worst turn)."""
     rows = []
     for model, paths in sorted(matrix.items()):
         for path in sorted(paths, key=lambda p: (order.index(p) if p in order else len(order), p)):
             cell = paths[path]
-            verdict = "FAIL" if cell["fail"] else "warn" if cell["warn"] else "pass"
+            verdict = _path_verdict(cell)
+            questions = cell.get("questions") or {}
             worst = cell.get("worst_turn") or {}
-            where = (f"{worst['scenario']} turn {worst['turn']}: {worst.get('reason', '')}"
-                     if verdict != "pass" and worst else "")
-            rows.append({"model": model, "path": path, "verdict": verdict, "pass": cell["pass"],
-                         "warn": cell["warn"], "fail": cell["fail"], "worst turn": where})
+            whole = [r for r in (cell.get("path") or {}).get("reasons", []) if r["severity"] != "pass"]
+            whole.sort(key=lambda r: r["severity"] != "fail")
+            if whole and (whole[0]["severity"] == "fail" or not cell["fail"]):
+                where = f"all turns: {whole[0]['message']}"
+            else:
+                where = (f"{worst['scenario']} turn {worst['turn']}: {worst.get('reason', '')}"
+                         if verdict != "pass" and worst else "")
+            rows.append({"model": model, "path": path, "verdict": verdict,
+                         "implementation": questions.get("implementation", "-"),
+                         "acceptable": questions.get("acceptable", "-"), "KL vs yardstick": _times(path, cell),
+                         "pass": cell["pass"], "warn": cell["warn"], "fail": cell["fail"], "worst": where})
     return pd.DataFrame(rows).set_index(["model", "path"]) if rows else pd.DataFrame()
 
 
-def format_verdicts(verdicts: pd.DataFrame) -> str:
+def format_verdicts(verdicts: pd.DataFrame, yardstick: str | None = None) -> str:
     """The verdict matrix as left-aligned text: one line per model and path."""
     table = verdicts.reset_index()
-    widths = {c: max(len(c), *(len(str(v)) for v in table[c])) for c in ("model", "path", "verdict")}
-    head = (f"{'model':<{widths['model']}}  {'path':<{widths['path']}}  {'verdict':<{widths['verdict']}}  "
-            f"{'pass':>4} {'warn':>4} {'fail':>4}  worst turn")
-    lines = ["verdicts per path, in turns (checks and thresholds: harness/analysis/verdicts.py)", head]
-    for r in table.itertuples(index=False):
-        lines.append(f"{r.model:<{widths['model']}}  {r.path:<{widths['path']}}  {r.verdict:<{widths['verdict']}}  "
-                     f"{r[3]:>4} {r[4]:>4} {r[5]:>4}  {r[6]}".rstrip())
+    named = ("model", "path", "verdict", "implementation", "acceptable", "KL vs yardstick")
+    widths = {c: max(len(c), *(len(str(v)) for v in table[c])) for c in named}
+    head = "  ".join(f"{c:<{widths[c]}}" for c in named) + f"  {'pass':>4} {'warn':>4} {'fail':>4}  worst"
+    lines = ["verdicts per path: implementation right? / precision acceptable? (turn counts; docs/VERDICTS.md)"
+             + (f"; yardstick {yardstick}" if yardstick else ""), head]
+    for r in table.to_dict("records"):
+        lines.append("  ".join(f"{str(r[c]):<{widths[c]}}" for c in named)
+                     + f"  {r['pass']:>4} {r['warn']:>4} {r['fail']:>4}  {r['worst']}".rstrip())
     return "\n".join(lines)
+
+
+def unanswered_lines(matrix: dict) -> list[str]:
+    """One line per reason a question went unanswered in this run, with the (model, path) pairs it applies to."""
+    grouped: dict[str, list[str]] = {}
+    for model, paths in sorted(matrix.items()):
+        for path, cell in sorted(paths.items()):
+            for why in (cell.get("path") or {}).get("unanswered", []):
+                grouped.setdefault(why, []).append(f"{model} {path}")
+    return [f"not answered: {why} [{', '.join(pairs)}]" for why, pairs in grouped.items()]
 
 
 def format_summary(run_dir: Path) -> str:
     """The verdict matrix first (what may ship), then the numbers behind it."""
     manifest = RunStore(Path(run_dir)).read_manifest()
     order = [p["name"] for p in manifest.get("paths", [])]
-    verdicts = verdict_table(run_matrix(run_dir), order)
+    matrix = run_matrix(run_dir)
+    verdicts = verdict_table(matrix, order)
     summary = summary_table(run_dir)
     parts = []
     if not verdicts.empty:
-        parts.append(format_verdicts(verdicts))
+        unanswered = unanswered_lines(matrix)
+        parts.append(format_verdicts(verdicts, manifest.get("yardstick"))
+                     + ("\n" + "\n".join(unanswered[:12]) if unanswered else "")
+                     + (f"\n(and {len(unanswered) - 12} more: path_verdicts.jsonl)" if len(unanswered) > 12 else ""))
     parts.append("(no records)" if summary.empty else summary.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-"))
     return "\n\n".join(parts)

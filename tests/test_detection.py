@@ -1,0 +1,49 @@
+"""The detection test at the default verdicts, on the canaries' own prompts AND on free text: every zoo fault
+fails (naming the question it failed), every healthy path passes both questions, and fp8_e5m2 fails neither
+(it may warn on "acceptable"). Runs the real canaries on the CPU: slow (minutes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.analysis.detection import MatrixEntry, detection_matrix, format_matrix
+from harness.job import CANARY_WEIGHTS, model_label, run_job
+from harness.runs.gate import run_path_verdicts, run_verdicts
+from harness.zoo import FAULTS, LATENT_VARIANT, ZooEntry, zoo_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = {"canary": ROOT / "tests" / "data" / "zoo_scenarios.yaml",  # 3 of the default canary scenarios
+        "free text": ROOT / "tests" / "data" / "free_text.yaml"}  # open-ended chats: sales, code, story, mixed
+HEALTHY = ("bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibrated")
+MODELS = ("gqa", "mla", "hybrid")
+
+
+def entries() -> list[ZooEntry]:
+    healthy = [ZooEntry("healthy", m, p, "pass") for m in MODELS for p in HEALTHY]
+    e5m2 = [ZooEntry("e5m2 (may warn)", m, "fp8_e5m2", "measure") for m in MODELS]
+    # the latent variant's own yardstick: the ratio needs the accepted path on the same model
+    latent = [ZooEntry("healthy", LATENT_VARIANT, "fp8_e4m3:calibrated", "pass")]
+    return [*FAULTS, *healthy, *e5m2, *latent]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
+@pytest.mark.parametrize("name", list(SETS))
+def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
+    chosen = entries()
+    run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=2, command="test_detection"))
+    matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
+    rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
+    print(f"{name}:\n{format_matrix(rows)}")
+    for row in rows:
+        assert row.turns > 0, f"{name}: not run: {row.entry}"
+        if row.entry.expect == "fail":
+            assert row.caught and row.questions, f"{name}: missed: {row}"
+        elif row.entry.expect == "pass":
+            assert not row.caught, f"{name}: false alarm: {row}"
+        else:  # e5m2: no fail; a warn may only be on the acceptable question
+            assert not row.caught, f"{name}: e5m2 failed: {row}"
+    verdicts = [r for r in run_verdicts(run_dir) if r["path"] == "fp8_e5m2"]
+    assert all(r["questions"]["implementation"] == "pass" for r in verdicts)
