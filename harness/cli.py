@@ -100,7 +100,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
     serve.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
-                     help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
+                     help="worker processes of a CPU replay (default: one per core): one at a time, each model's reference "
+                          "and then each of its paths is a task; batched (--batch-size), one model per worker")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
                           "GPU memory, halved on out-of-memory; one at a time on CPU)")

@@ -8,7 +8,6 @@ path must match the reference bit for bit. Attention runs through a registered a
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from array import array
 from collections import OrderedDict
@@ -32,6 +31,7 @@ from harness.kv_paths.cache import (
     unit_scales,
 )
 from harness.kv_paths.spec import KVPath
+from harness.replay.route import Route, decide
 from harness.types import Generation, Message, Scores
 
 attention.register()
@@ -82,9 +82,7 @@ class InProcessModel:
         if variant is not None:
             apply_variant(model, variant)
         model.to(device).eval()
-        import os
-
-        wanted = os.environ.get("HARNESS_KERNELS", "auto")  # auto | off | reference (torch stand-ins, any device)
+        wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
                    arch=model.config.model_type, random_weights=(weights / RANDOM_WEIGHTS_MARKER).exists(),
@@ -272,8 +270,13 @@ class InProcessBackend:
             described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
         if self.scales is not None:
             described["scales"] = self.scales.summary()
-        described["decode_kernel"] = self._kernel_reason() or self._kernel_label()
+        described["decode_kernel"] = self.route.kernel_label
         return described
+
+    @property
+    def route(self) -> Route:
+        """This path's route on this model and device (`harness.replay.route`; decided once, then looked up)."""
+        return decide(self.kv_path, self.owner.model.config, self.owner.device.type, self.owner.use_kernels)
 
     def new_cache(self):
         """A fresh cache for this backend's path (the model's own cache for the reference)."""
@@ -298,7 +301,7 @@ class InProcessBackend:
 
         if self.kv_path is None:
             return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
-        kernel = self._kernel_name() if self._kernel_reason() is None else None  # its rows beside torch's
+        kernel = self.route.kernel  # its rows beside torch's
         return measure_turn(self.owner.model, self.owner.device, self.kv_path, self.scales,
                             self.owner.encode_chat(messages), list(continuation_ids), options, kernel=kernel)
 
@@ -331,40 +334,10 @@ class InProcessBackend:
             metrics.update(agreement.as_record())
         return token_ids, finish_reason, metrics
 
-    def _kernel_reason(self) -> str | None:
-        """Why decode does not run through our kernels for this path (None: it does)."""
-        named = self.kv_path is not None and self.kv_path.kernel and os.environ.get("HARNESS_KERNELS") != "off"
-        if not self.owner.use_kernels and not named:  # a path that names a plug-in runs it on any device
-            return "kernels off (CPU, or HARNESS_KERNELS=off)"
-        if self.kv_path is None or not self.kv_path.is_fp8:
-            return "not an FP8 path"
-        if self.kv_path.granularity == "per_token":
-            return "per-token scales: the kernels take per-tensor or per-head scales"
-        if self.kv_path.quantizes_attention and self._kernel_name() not in attention.FP8_ATTENTION_KERNELS:
-            return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
-                    "mla_decode) take q_scale / prob_scale")
-        if self.kv_path.quantizes_attention and self.owner.is_mla and self._kernel_name() == "triton":
-            dims = (self.owner.model.config.kv_lora_rank, self.owner.model.config.qk_rope_head_dim)
-            if any(d & (d - 1) for d in dims):
-                return (f"FP8 attention (fp8_q / fp8_p) runs in the torch reference: mla_decode takes q_scale / "
-                        f"prob_scale in its tile kernel, for power-of-two latent and RoPE dims (this model: {dims})")
-        return None
-
-    def _kernel_name(self) -> str:
-        """The path's plug-in, or ours: the Triton kernels (their torch mirror under HARNESS_KERNELS=reference)."""
-        if self.kv_path.kernel:
-            return self.kv_path.kernel
-        return "reference" if os.environ.get("HARNESS_KERNELS") == "reference" else decode_kernels.DEFAULT
-
-    def _kernel_label(self) -> str:
-        if not self.kv_path.kernel:
-            return "triton (kernels/)"
-        return f"plug-in {self.kv_path.kernel} (kernel= path option)"
-
     def _attach_kernels(self, cache) -> KernelAgreement | None:
-        if self._kernel_reason() is not None:
+        name = self.route.kernel
+        if name is None:
             return None
-        name = self._kernel_name()
         if name == "triton" and self.owner.device.type != "cuda":
             raise decode_kernels.KernelPluginError(f"KV path {self.kv_path.name!r}: kernel=triton needs a CUDA "
                                                    f"device (run with --device cuda)")
