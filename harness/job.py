@@ -389,11 +389,12 @@ def _replay_units_in_processes(config: RunConfig, scenarios, calibration_chats, 
     model's reference is stored, on `config.jobs` worker processes. A task per model left cores idle while the
     last model ran alone (3 canaries on 2 cores: 167 s of CPU in a 168 s run); every task computes what the
     model's own worker computed for that backend (same code, one intra-op thread), so the stored rows are the
-    same. A path task rescores the reference's turns it needs (a prompt and a continuation pass per turn)."""
+    same. The reference task also scores the reference's turns (teacher-forced log-probs, which every path
+    compares against) and hands them to its model's path tasks, as one process scored them once for all paths."""
     import concurrent.futures as futures
     import multiprocessing
 
-    references = {str(d): None for d in config.models}
+    references = {str(d) for d in config.models}
     jobs = min(config.jobs, sum(1 + len(_model_paths(config, d)) for d in config.models))
     done_before = len(store.read("done"))
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
@@ -407,13 +408,13 @@ def _replay_units_in_processes(config: RunConfig, scenarios, calibration_chats, 
                 if bar and finished_units != bar.n:
                     bar.update(finished_units - bar.n)
                 for future in finished:
-                    future.result()  # a worker's exception stops the run here, its finished units kept
+                    reference_scores = future.result()  # a worker's exception stops the run, finished units kept
                     directory = pending.pop(future)
                     if directory in references:  # its reference is stored: its paths may start
-                        del references[directory]
+                        references.discard(directory)
                         for path in _model_paths(config, Path(directory)):
                             pending[pool.submit(_unit_worker, config, Path(directory), path.name, scenarios,
-                                                calibration_chats)] = "path"
+                                                calibration_chats, reference_scores)] = "path"
             if bar:
                 bar.update(len(store.read("done")) - done_before - bar.n)
             store.edit_manifest(lambda m: _in_config_order(m, config))
@@ -437,9 +438,12 @@ def _in_config_order(manifest: dict, config: RunConfig) -> None:
 _WORKER_MODELS: dict = {}  # a unit worker's loaded models, by directory (each is loaded once per process)
 
 
-def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scenarios, calibration_chats) -> None:
-    """One task of `_replay_units_in_processes`: the model's reference (path_name None), or one path of it on
-    the stored reference (scenarios whose reference failed stay unfinished, as `Replay` leaves them)."""
+def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scenarios, calibration_chats,
+                 reference_scores: dict | None = None) -> dict | None:
+    """One task of `_replay_units_in_processes`: the model's reference (path_name None; returns its teacher-forced
+    scores), or one path of it on the stored reference and those scores (scenarios whose reference failed stay
+    unfinished, as `Replay` leaves them)."""
+    from harness.replay.batched_runner import PrecomputedBackend
     from harness.replay.inprocess import InProcessModel
 
     store = RunStore.attach(config.out)
@@ -451,15 +455,45 @@ def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scen
     if path_name is None:
         _note_model(store, label, loaded, lambda message: print(message, file=sys.stderr))
         asyncio.run(Replay(label, loaded.backend(None), [], store, config.history_mode).run(scenarios))
-        return
+        return _reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios)
     path = next(p for p in config.paths if p.name == path_name)
     backend = loaded.backend(path)
     _note_routes(store, config, label, loaded, [path])
     store.edit_manifest(lambda m: m["scales"].setdefault(label, {}).__setitem__(backend.label,
                                                                                backend.describe().get("scales")))
     ready = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
-    asyncio.run(Replay(label, loaded.backend(None), [backend], store, config.history_mode,
+    reference = PrecomputedBackend(loaded.backend(None), REFERENCE)
+    reference.scores = dict(reference_scores or {})
+    asyncio.run(Replay(label, reference, [backend], store, config.history_mode,
                        attention=config.attention).run(ready))
+    return None
+
+
+# Reference log-probs a reference task hands its path tasks (float32 [T, V] per turn): a memory bound, not a tuning
+# knob (the canaries' whole default run holds ~1 MB; past the bound a path task scores the rest itself, as before)
+SHARED_SCORE_BYTES = 1 << 30
+
+
+def _reference_scores(store: RunStore, label: str, reference, scenarios) -> dict:
+    """{(prompt ids, reply ids): Scores} of every generated reference turn, keyed as `PrecomputedBackend` asks:
+    what `Replay` computes once per turn for all of a model's paths (`reference.score_sync`, same inputs)."""
+    from harness.replay.runner import TurnReply, _messages
+
+    texts = [r for r in store.read("texts") if r["model"] == label and r["path"] == REFERENCE]
+    scores, held = {}, 0
+    for scenario in scenarios:
+        if not store.is_done(label, scenario.id, REFERENCE):
+            continue
+        rows = sorted((r for r in texts if r["scenario"] == scenario.id), key=lambda r: r["turn"])
+        replies = [TurnReply(r["turn"], r["user"], r["token_ids"], r["text"], r.get("fixed", False)) for r in rows]
+        for turn, reply in enumerate(replies):
+            if reply.fixed or held >= SHARED_SCORE_BYTES:
+                continue
+            messages = _messages(scenario, replies, turn)
+            scored = reference.score_sync(messages, reply.token_ids)
+            scores[(tuple(reference.owner.encode_chat(messages)), tuple(reply.token_ids))] = scored
+            held += scored.logprobs.numel() * 4
+    return scores
 
 
 ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
