@@ -253,13 +253,14 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
 
 
 def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
-    if config.jobs <= 1 or config.device != "cpu":
+    # the batched replay is one model's waves: at most one worker per model
+    jobs = min(config.jobs, len(config.models)) if config.batched else config.jobs
+    if jobs <= 1 or config.device != "cpu":
         for directory in config.models:
             _replay_model(config, directory, scenarios, calibration_chats, store, bar.update if bar else None, warn)
         return
-    if config.batched:  # the batched replay is one model's waves: one worker per model
-        _replay_models_in_processes(config, scenarios, calibration_chats, store, bar,
-                                    min(config.jobs, len(config.models)))
+    if config.batched:
+        _replay_models_in_processes(config, scenarios, calibration_chats, store, bar, jobs)
         return
     _replay_units_in_processes(config, scenarios, calibration_chats, store, bar)
 
