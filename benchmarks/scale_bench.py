@@ -175,7 +175,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "decode_tok_s": batch / step,
                      "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
-                     "kernel": backend._kernel_reason() or "triton", "batches": engine.batch_sizes_used[-1:],
+                     "kernel": backend.route.kernel_refusal or "triton", "batches": engine.batch_sizes_used[-1:],
                      "live_before": live_before, "launches_per_step": launches,
                      "decode_mode": "+".join(sorted(engine.decode_batches)), "decode_fallbacks": engine.decode_fallbacks})
         log(rows[-1])

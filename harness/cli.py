@@ -182,7 +182,8 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                            "per attempt (default: 120; recorded in the manifest)")
     _add_endpoint_options(live)
     run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
-                     help="models replayed at once, one process each (CPU; default: one per core, at most one per model)")
+                     help="worker processes of a CPU replay (default: one per core): one at a time, each model's "
+                          "reference and then each of its paths is a task; batched (--batch-size), one model per worker")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
                           "GPU memory, halved on out-of-memory; one at a time on CPU)")

@@ -18,7 +18,7 @@ import torch
 import harness
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
-from harness.replay.runner import Replay
+from harness.replay.runner import REFERENCE, Replay
 from harness.run_inputs import InputError, check_run_inputs, scenario_budget_problems
 from harness.runs.gate import write_verdicts
 from harness.runs.status import expected_units, final_status, unfinished_units
@@ -58,7 +58,7 @@ class RunConfig:
     candidate_models: tuple[str, ...] = ()  # "NAME" (every candidate) or "LABEL=NAME"
     judge_model: str | None = None
     api_key_envs: tuple[tuple[str, str], ...] = ()  # (reference|candidate|judge, VAR): overrides api_key_env
-    jobs: int = 1  # in-process models replayed at once, each in its own process (CPU)
+    jobs: int = 1  # worker processes of a CPU in-process replay (1: everything in this process)
     # ((model dir, (path name, ...)), ...): models that run only some of `paths` (the zoo); others run all
     paths_by_model: tuple[tuple[str, tuple[str, ...]], ...] = ()
     thresholds: tuple[str, ...] = ()  # verdict overrides, "METRIC:LIMIT" (harness.analysis.verdicts)
@@ -281,12 +281,16 @@ def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunSt
     if len(devices) > 1:
         _replay_data_parallel(config, devices, scenarios, calibration_chats, store, bar)
         return
-    jobs = min(config.jobs, len(config.models))
+    # the batched replay is one model's waves: at most one worker per model
+    jobs = min(config.jobs, len(config.models)) if config.batched else config.jobs
     if jobs <= 1 or config.device != "cpu":
         for directory in config.models:
             _replay_model(config, directory, scenarios, calibration_chats, store, bar.update if bar else None, warn)
         return
-    _replay_models_in_processes(config, scenarios, calibration_chats, store, bar, jobs)
+    if config.batched:
+        _replay_models_in_processes(config, scenarios, calibration_chats, store, bar, jobs)
+        return
+    _replay_units_in_processes(config, scenarios, calibration_chats, store, bar)
 
 
 def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_chats, store: RunStore,
@@ -300,11 +304,11 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     loaded.scales_file = config.scales_file
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
-    wanted = dict(config.paths_by_model).get(str(directory))
-    paths = [path for path in config.paths if wanted is None or path.name in wanted]
+    paths = _model_paths(config, directory)
     backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
-    unbatchable = _unbatchable_reason(config, paths) if config.batched else None
+    routes = _note_routes(store, config, label, loaded, paths)
+    unbatchable = next((r.batch_refusal for r in routes if r.batch_refusal), None) if config.batched else None
     if unbatchable:  # said, and recorded beside the batch settings, never silently changed
         warn(f"{label}: replayed one sequence at a time: {unbatchable}")
         store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, {"off": unbatchable}))
@@ -316,17 +320,27 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     asyncio.run(replay.run(scenarios))
 
 
-def _unbatchable_reason(config: RunConfig, paths: list[KVPath]) -> str | None:
-    """Why this model's paths cannot run in the batched replay (harness/replay/batched.py), or None: attention
-    capture, decode-kernel plug-ins and FP8 attention (q/prob scales) run through the one-sequence path only."""
-    if config.attention is not None:
-        return "attention capture (--attention) observes one sequence at a time"
-    for path in paths:
-        if path.kernel:
-            return f"path {path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
-        if path.quantizes_attention:
-            return f"path {path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
-    return None
+def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: list[KVPath]) -> list:
+    """Each path's route on this model (`harness.replay.route`), stored in the manifest's `paths[].routes`."""
+    from harness.replay.route import decide
+
+    def routes_for(batched: bool) -> list:
+        return [decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, batched=batched,
+                       decode=config.decode, capture=config.attention is not None) for path in paths]
+
+    routes = routes_for(config.batched)
+    refusal = next((r.batch_refusal for r in routes if r.batch_refusal), None)
+    # one path that cannot be batched keeps the whole model one sequence at a time (`_replay_model`)
+    described = {path.name: {**route.describe(), "batch_refusal": route.batch_refusal or refusal}
+                 for path, route in zip(paths, routes_for(config.batched and refusal is None))}
+
+    def edit(manifest: dict) -> None:
+        for entry in manifest["paths"]:
+            if entry["name"] in described:
+                entry.setdefault("routes", {})[label] = described[entry["name"]]
+
+    store.edit_manifest(edit)
+    return routes
 
 
 def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, store: RunStore, on_unit_done) -> None:
@@ -454,7 +468,127 @@ def _model_worker(config: RunConfig, directory: Path, scenarios, calibration_cha
                   lambda message: print(message, file=sys.stderr))
 
 
+def _model_paths(config: RunConfig, directory: Path) -> list[KVPath]:
+    wanted = dict(config.paths_by_model).get(str(directory))
+    return [path for path in config.paths if wanted is None or path.name in wanted]
+
+
+def _replay_units_in_processes(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar) -> None:
+    """One-at-a-time CPU replay as tasks of one model's reference, then one task per (model, path) once that
+    model's reference is stored, on `config.jobs` worker processes. A task per model left cores idle while the
+    last model ran alone (3 canaries on 2 cores: 167 s of CPU in a 168 s run); every task computes what the
+    model's own worker computed for that backend (same code, one intra-op thread), so the stored rows are the
+    same. The reference task also scores the reference's turns (teacher-forced log-probs, which every path
+    compares against) and hands them to its model's path tasks, as one process scored them once for all paths."""
+    import concurrent.futures as futures
+    import multiprocessing
+
+    references = {str(d) for d in config.models}
+    jobs = min(config.jobs, sum(1 + len(_model_paths(config, d)) for d in config.models))
+    done_before = len(store.read("done"))
+    with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_worker_init, initargs=(config.out,)) as pool:
+        pending = {pool.submit(_unit_worker, config, directory, None, scenarios, calibration_chats): str(directory)
+                   for directory in config.models}
+        try:
+            while pending:
+                finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_COMPLETED)
+                finished_units = len(store.read("done")) - done_before
+                if bar and finished_units != bar.n:
+                    bar.update(finished_units - bar.n)
+                for future in finished:
+                    reference_scores = future.result()  # a worker's exception stops the run, finished units kept
+                    directory = pending.pop(future)
+                    if directory in references:  # its reference is stored: its paths may start
+                        references.discard(directory)
+                        for path in _model_paths(config, Path(directory)):
+                            pending[pool.submit(_unit_worker, config, Path(directory), path.name, scenarios,
+                                                calibration_chats, reference_scores)] = "path"
+            if bar:
+                bar.update(len(store.read("done")) - done_before - bar.n)
+            store.edit_manifest(lambda m: _in_config_order(m, config))
+        except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
+            for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _in_config_order(manifest: dict, config: RunConfig) -> None:
+    """Models and each model's scales in the order the run names them (tasks note them as they finish)."""
+    labels = [model_label(d) for d in config.models]
+    manifest["models"].sort(key=lambda m: labels.index(m["label"]) if m["label"] in labels else len(labels))
+    names = [p.name for p in config.paths]
+    for label, scales in manifest["scales"].items():
+        manifest["scales"][label] = dict(sorted(scales.items(), key=lambda kv: names.index(kv[0])
+                                                if kv[0] in names else len(names)))
+
+
+_WORKER_MODELS: dict = {}  # a unit worker's loaded models, by directory (each is loaded once per process)
+
+
+def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scenarios, calibration_chats,
+                 reference_scores: dict | None = None) -> dict | None:
+    """One task of `_replay_units_in_processes`: the model's reference (path_name None; returns its teacher-forced
+    scores), or one path of it on the stored reference and those scores (scenarios whose reference failed stay
+    unfinished, as `Replay` leaves them)."""
+    from harness.replay.batched_runner import PrecomputedBackend
+    from harness.replay.inprocess import InProcessModel
+
+    store = RunStore.attach(config.out)
+    label = model_label(directory)
+    loaded = _WORKER_MODELS.get(str(directory))
+    if loaded is None:
+        loaded = _WORKER_MODELS[str(directory)] = InProcessModel.load(directory, device=config.device)
+        loaded.calibration_chats, loaded.scales_file = calibration_chats, config.scales_file
+    if path_name is None:
+        _note_model(store, label, loaded, lambda message: print(message, file=sys.stderr))
+        asyncio.run(Replay(label, loaded.backend(None), [], store, config.history_mode).run(scenarios))
+        return _reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios)
+    path = next(p for p in config.paths if p.name == path_name)
+    backend = loaded.backend(path)
+    _note_routes(store, config, label, loaded, [path])
+    store.edit_manifest(lambda m: m["scales"].setdefault(label, {}).__setitem__(backend.label,
+                                                                               backend.describe().get("scales")))
+    ready = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
+    reference = PrecomputedBackend(loaded.backend(None), REFERENCE)
+    reference.scores = dict(reference_scores or {})
+    asyncio.run(Replay(label, reference, [backend], store, config.history_mode,
+                       attention=config.attention).run(ready))
+    return None
+
+
+# Reference log-probs a reference task hands its path tasks (float32 [T, V] per turn): a memory bound, not a tuning
+# knob (the canaries' whole default run holds ~1 MB; past the bound a path task scores the rest itself, as before)
+SHARED_SCORE_BYTES = 1 << 30
+
+
+def _reference_scores(store: RunStore, label: str, reference, scenarios) -> dict:
+    """{(prompt ids, reply ids): Scores} of every generated reference turn, keyed as `PrecomputedBackend` asks:
+    what `Replay` computes once per turn for all of a model's paths (`reference.score_sync`, same inputs)."""
+    from harness.replay.runner import TurnReply, _messages
+
+    texts = [r for r in store.read("texts") if r["model"] == label and r["path"] == REFERENCE]
+    scores, held = {}, 0
+    for scenario in scenarios:
+        if not store.is_done(label, scenario.id, REFERENCE):
+            continue
+        rows = sorted((r for r in texts if r["scenario"] == scenario.id), key=lambda r: r["turn"])
+        replies = [TurnReply(r["turn"], r["user"], r["token_ids"], r["text"], r.get("fixed", False)) for r in rows]
+        for turn, reply in enumerate(replies):
+            if reply.fixed or held >= SHARED_SCORE_BYTES:
+                continue
+            messages = _messages(scenario, replies, turn)
+            scored = reference.score_sync(messages, reply.token_ids)
+            scores[(tuple(reference.owner.encode_chat(messages)), tuple(reply.token_ids))] = scored
+            held += scored.logprobs.numel() * 4
+    return scores
+
+
 ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
+# What the client knows of an endpoint's route: the server decides kernels and batching, and does not say
+ENDPOINT_ROUTE = {"decode_kernel": "the server's (not observable from the client)", "batched": None,
+                  "batch_refusal": None, "decode": "the server's", "capture": None}
 
 
 async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:
@@ -527,9 +661,9 @@ def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, d
         manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
                                "arch": described.get("model") or "endpoint", "random_weights": False,
                                "reference": described}]
-        manifest["paths"] = [endpoint_path_entry(b.label, with_earlier_capabilities(earlier.get(b.label),
-                                                                                     b.describe()))
-                             for b in candidates]
+        manifest["paths"] = [{**endpoint_path_entry(b.label, with_earlier_capabilities(earlier.get(b.label),
+                                                                                        b.describe())),
+                              "routes": {ENDPOINT_MODEL: ENDPOINT_ROUTE}} for b in candidates]
         manifest["warnings"] = [w for w in manifest.get("warnings", []) if w not in degraded] + degraded
         manifest["request_timeout_s"] = config.request_timeout_s
 

@@ -157,7 +157,7 @@ def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkey
         monkeypatch.setattr(batched, "CHECK_ELEMENTS", check_elements)
     model = InProcessModel.load(tiny_models[arch])
     backend = model.backend(parse_path("fp8_e4m3"))
-    assert backend._kernel_reason() is None
+    assert backend.route.kernel is not None
     layers, every, limits = len(attention_layer_indices(model.model.config)), 2, [2, 5, 9, 14]
     rows = BatchedEngine(backend, BatchSettings(kernel_check_every=every)).generate(_prompts(model), limits)
     for row in rows:
@@ -289,7 +289,7 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
     for limit, prompt, row in zip(limits, prompts, rows):
         assert row.finish_reason in ("eos", "length") and len(row.token_ids) <= limit
         _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
-        if backend._kernel_reason() is None:
+        if backend.route.kernel is not None:
             # kernel vs fp64 relative to SDPA bf16's own error, as in test_harness_gpu
             assert row.metrics["kernel_steps"] > 0 and row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
 
@@ -321,7 +321,7 @@ def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, m
     for prompt, limit, row, other in zip(prompts, limits, dynamic, graph):
         if row.token_ids != other.token_ids:
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
-        elif backend._kernel_reason() is None:
+        elif backend.route.kernel is not None:
             assert other.metrics["kernel_steps"] == row.metrics["kernel_steps"]
             assert other.metrics["kernel_err_ratio"] <= 4.0, other.metrics
 

@@ -47,6 +47,11 @@ def test_every_model_path_and_turn_has_records(full_run):
     assert {m["label"] for m in manifest["models"]} == {"gqa", "mla", "hybrid"}
     assert all(m["random_weights"] for m in manifest["models"])
     assert manifest["versions"]["torch"] and manifest["scenario_files"][0]["sha256"]
+    for entry in manifest["paths"]:  # each path's route, per model (harness.replay.route)
+        assert set(entry["routes"]) == {"gqa", "mla", "hybrid"}, entry
+        for route in entry["routes"].values():
+            assert route["decode_kernel"] == "kernels off (CPU, or HARNESS_KERNELS=off)"
+            assert route["decode"] == "one sequence at a time (growing cache)" and route["batched"] is False
 
 
 def test_bf16_noise_floor_is_exactly_zero(full_run):

@@ -128,3 +128,34 @@ def test_encoding_cache_from_threads_keeps_its_bound_and_answers():
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(ask, range(2000)))
     assert cache.held == sum(len(ids) for ids in cache.chats.values()) <= 20
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "bf16", "fp8_e4m3:per_head:calibrated", "fp8_e5m2:raw_prefill",
+                                  "fp8_e4m3:per_token"])
+def test_scoring_after_generation_reuses_the_prefill_bit_for_bit(loaded, arch, spec):
+    """`score_sync` on the prompt `generate_sync` just decoded from starts from the kept post-prefill cache and
+    logits: the log-probs must equal a scoring from scratch exactly (the same forward pass on the same input),
+    on every cache kind (GQA, MLA latent, the hybrid's linear-attention state) and FP8 write mode."""
+    model = loaded[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    messages, continuation = CHATS[2], [5, 6, 7, 8]
+    fresh = backend.score_sync(messages, continuation)
+    backend.generate_sync(messages, 6)
+    assert list(backend.prefills.entries) == [tuple(model.encode_chat(messages))]
+    kept = backend.score_sync(messages, continuation)
+    assert not backend.prefills.entries and backend.prefills.held == 0  # used once, then dropped
+    assert torch.equal(fresh.logprobs, kept.logprobs)
+
+
+def test_prefill_memo_keeps_its_byte_bound():
+    from harness.replay.inprocess import PrefillMemo
+
+    memo = PrefillMemo(max_bytes=10)
+    for i in range(4):
+        memo.put((i,), [torch.zeros(1)], torch.zeros(1, 3), size=4)
+    assert list(memo.entries) == [(2,), (3,)] and memo.held == 8  # oldest dropped first
+    memo.put((9,), [torch.zeros(1)], torch.zeros(1, 3), size=11)  # larger than the bound: not kept
+    assert (9,) not in memo.entries and memo.take((9,)) == (None, None)
+    cache, last = memo.take((3,))
+    assert cache == [torch.zeros(1)] and last.shape == (1, 3) and memo.held == 4

@@ -100,11 +100,14 @@ def test_mla_fp8_attention_kernel_route_keeps_the_torch_routes_tokens(tiny_model
 def test_mla_fp8_attention_with_odd_dims_says_why_no_kernel(tiny_models, monkeypatch):
     """mla_decode refuses q_scale / prob_scale for non-power-of-two latent / RoPE dims (its tile kernel only):
     on such a model the path decodes in the torch reference and says so, rather than failing at the first step."""
-    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    from harness.replay.route import decide
+
+    monkeypatch.delenv("HARNESS_KERNELS", raising=False)  # auto: our Triton kernels, as on CUDA
     model = InProcessModel.load(tiny_models["mla"])
+    path = parse_path("fp8_e4m3:fp8_q:fp8_p")
     monkeypatch.setattr(model.model.config, "kv_lora_rank", 24)
-    backend = model.backend(parse_path("fp8_e4m3:fp8_q:fp8_p"))
-    monkeypatch.setattr(type(backend), "_kernel_name", lambda self: "triton")
-    assert "power-of-two latent and RoPE dims (this model: (24, 16))" in backend.describe()["decode_kernel"]
+    route = decide(path, model.model.config, "cuda", use_kernels=True)
+    assert route.kernel is None and "power-of-two latent and RoPE dims (this model: (24, 16))" in route.kernel_label
     monkeypatch.setattr(model.model.config, "kv_lora_rank", 32)
-    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    route = decide(path, model.model.config, "cuda", use_kernels=True)
+    assert route.kernel == "triton" and route.kernel_label == "triton (kernels/)"

@@ -17,16 +17,14 @@ from typing import Callable
 
 import torch
 
-from harness.kv_paths.decode_kernels import DecodeKernel, run_gqa, run_mla
+from harness.kv_paths import mla
+from harness.kv_paths.decode_kernels import DecodeKernel, kernels_setting, run_gqa, run_mla
 
 ATTENTION_NAME = "harness"
 # Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
 # each call and may return a tensor to use as the output instead (attention capture, isolated mode).
 ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
-# Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords), for GQA and MLA layers: ours and its
-# torch mirror. Other plug-ins (the contract has no such keywords) run FP8 attention in the torch reference.
-FP8_ATTENTION_KERNELS = ("triton", "reference")
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
 
@@ -59,9 +57,7 @@ class KernelAgreement:
 def kernel_ops(device: torch.device | None = None):
     """Triton launchers on CUDA; the torch reference (same names) when asked, e.g. to test the glue on CPU,
     or on a CPU device (a path that names a plug-in kernel stores through the reference there)."""
-    import os
-
-    if os.environ.get("HARNESS_KERNELS") == "reference" or (device is not None and device.type != "cuda"):
+    if kernels_setting() == "reference" or (device is not None and device.type != "cuda"):
         from kernels import reference as ops
         return ops
     import kernels.decode_attention
@@ -143,7 +139,7 @@ def _timed_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> to
 
 def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
     """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache. `quant`
-    (an AttentionQuant: FP8 attention) goes to our kernels as q_scale / prob_scale (FP8_ATTENTION_KERNELS); on an
+    (an AttentionQuant: FP8 attention) goes to our kernels as q_scale / prob_scale (route.FP8_ATTENTION_KERNELS); on an
     MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel multiplies, as engines' MLA kernels do
     (the torch reference quantises the model's own query [q_nope | q_pe])."""
     table, lens = paged.block_table(query.device)
@@ -151,15 +147,15 @@ def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> t
         out = run_gqa(paged.kernel, query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
                       paged.k_scale, paged.v_scale, module.scaling, **_attention_scales(quant, query.device))
         return out.unsqueeze(1)
-    # Absorbed MLA: q_latent = q_nope W_UK, out = (softmax . c) W_UV, with W from kv_b_proj.
+    # Absorbed MLA (harness/kv_paths/mla.py): q_latent = q_nope W_UK, out = (softmax . c) W_UV
     nope, heads = module.qk_nope_head_dim, query.shape[1]
-    weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # [H, nope + v, Dc]
+    w_uk, w_uv = mla.absorbed_weights(module, torch.float32)
     q_nope, q_pe = query[0, :, 0, :nope], query[0, :, 0, nope:]
-    q_latent = torch.einsum("hn,hnc->hc", q_nope.float(), weight[:, :nope].float()).to(query.dtype)
+    q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
     out_latent = run_mla(paged.kernel, q_latent.unsqueeze(0).contiguous(), q_pe.unsqueeze(0).contiguous(),
                          paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling,
                          **_attention_scales(quant, query.device))
-    out = torch.einsum("hc,hvc->hv", out_latent[0].float(), weight[:, nope:].float()).to(query.dtype)
+    out = mla.expand_latent(out_latent[0].float(), w_uv).to(query.dtype)
     return out.view(1, 1, heads, -1)
 
 
@@ -191,13 +187,13 @@ def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tenso
         return (weights @ v).transpose(0, 1).unsqueeze(0)  # [1, 1, Hq, D]
     rows = paged.pages[0].flatten(0, 1)[:length].double() * paged.k_scale.double()  # [L, Dc + Dr]
     nope, heads = module.qk_nope_head_dim, query.shape[1]
-    weight = module.kv_b_proj.weight.double().view(heads, nope + module.v_head_dim, -1)
-    latent_dim = weight.shape[-1]
+    w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
+    latent_dim = w_uk.shape[-1]
     c, pe = rows[:, :latent_dim], rows[:, latent_dim:]
     q = query[0, :, 0].double()
-    q_latent = torch.einsum("hn,hnc->hc", q[:, :nope], weight[:, :nope])
+    q_latent = mla.absorb_query(q[:, :nope], w_uk)
     scores = (q_latent @ c.T + q[:, nope:] @ pe.T) * module.scaling  # [H, L]
-    out = torch.einsum("hc,hvc->hv", torch.softmax(scores, dim=-1) @ c, weight[:, nope:])
+    out = mla.expand_latent(torch.softmax(scores, dim=-1) @ c, w_uv)
     return out.view(1, 1, heads, -1)
 
 

@@ -13,12 +13,12 @@ prefill chunk (more than one token) attends to its raw K/V and only earlier toke
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.spec import KVPath
 from kernels import reference as fp8
 
@@ -63,7 +63,7 @@ class KVWriteStats:
 def fused_write_on(x: torch.Tensor) -> bool:
     """Whether a cache write of x runs the fused Triton round trip (CUDA, kernels not switched off or to the
     torch reference by HARNESS_KERNELS); otherwise the torch ops below, the CPU truth it is tested against."""
-    return x.is_cuda and os.environ.get("HARNESS_KERNELS") not in ("off", "reference")
+    return x.is_cuda and kernels_setting() == "auto"
 
 
 @dataclass(frozen=True, slots=True)

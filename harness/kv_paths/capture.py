@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from harness.kv_paths import mla
 from harness.kv_paths.attention import ATTENTION_OBSERVER
 
 
@@ -131,14 +132,14 @@ class KernelRows:
                                                   paged.k_scale, paged.v_scale, float(module.scaling))
             out, lse = kernel_result(self.kernel, "decode_attention", result, q, tuple(q.shape))
         else:  # absorbed MLA, as the model's decode steps run it (harness.kv_paths.attention._kernel_decode)
-            nope, heads = module.qk_nope_head_dim, q.shape[1]
-            weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # [H, nope + v, Dc]
-            q_latent = torch.einsum("rhn,hnc->rhc", q[..., :nope].float(), weight[:, :nope].float()).to(q.dtype)
+            nope = module.qk_nope_head_dim
+            w_uk, w_uv = mla.absorbed_weights(module, torch.float32)
+            q_latent = mla.absorb_query(q[..., :nope].float(), w_uk).to(q.dtype)
             q_pe = q[..., nope:].contiguous()
             result = self.kernel.mla_decode(q_latent.contiguous(), q_pe, paged.pages[0], table, seq_lens,
                                             paged.k_scale.reshape(()), float(module.scaling))
             latent, lse = kernel_result(self.kernel, "mla_decode", result, q_latent, tuple(q_latent.shape))
-            out = torch.einsum("rhc,hvc->rhv", latent.float(), weight[:, nope:].float())
+            out = mla.expand_latent(latent.float(), w_uv)
         out = out.index_select(1, head_idx).transpose(0, 1).float()  # [Hs, R, Dv]
         if lse is not None:
             lse = lse.index_select(1, head_idx).transpose(0, 1).float()  # [Hs, R]

@@ -14,6 +14,7 @@ layer, checks what it returns, and judges it against fp64 attention over the sam
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +27,18 @@ BUILTIN = {
     "reference": "kernels.reference:decode_attention|kernels.reference:mla_decode",
 }
 DEFAULT = "triton"
+KERNELS_ENV = "HARNESS_KERNELS"
+# auto: our Triton kernels on CUDA; off: torch attention and torch cache writes everywhere; reference: the kernels'
+# torch mirror (kernels/reference.py) on any device, to test the glue on a CPU
+KERNEL_SETTINGS = ("auto", "off", "reference")
+
+
+def kernels_setting() -> str:
+    """HARNESS_KERNELS (default auto); the one place it is read. Another value is refused, naming the variable."""
+    value = os.environ.get(KERNELS_ENV, "auto")
+    if value not in KERNEL_SETTINGS:
+        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(KERNEL_SETTINGS)}")
+    return value
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 

@@ -152,16 +152,10 @@ def _summary(rows: list[dict], kernel_table: list[dict], channels: list[dict], h
 
 
 def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
-    """Why the kernel's rows are not measured for this path (None: they are)."""
-    if kernel is None:
-        return "no decode kernel"
-    if not kv_path.is_fp8 or kv_path.granularity == "per_token":
-        return "the path's decode does not run through a kernel"
-    if kv_path.quantizes_attention:
-        # decode runs these through our kernels (with q_scale / prob_scale), but capture's kernel rows call the
-        # kernel without them: rows of a different computation would be mislabelled as this path's
-        return "capture runs the kernel without the path's q/prob scales: torch's rows only"
-    return None
+    """Why the kernel's rows are not measured for this path (None: they are): `route.capture_kernel_refusal`."""
+    from harness.replay.route import capture_kernel_refusal
+
+    return capture_kernel_refusal(kv_path, kernel)
 
 
 def attach_kernel(cache, kv_path: KVPath, name: str, device: torch.device, mla: bool) -> KernelRows:

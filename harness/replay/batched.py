@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.kv_paths import attention
+from harness.kv_paths import attention, mla
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, kernel_ops
 from harness.kv_paths.cache import StaticColumns, build_cache, make_static
+from harness.replay.route import DECODE_MODES, static_decode_refusal  # noqa: F401 - re-exported
 from kernels import reference as fp8
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -35,7 +36,6 @@ PREFILL_TOKENS = 32768
 CHECK_ELEMENTS = 1 << 26
 
 
-DECODE_MODES = ("auto", "dynamic", "static", "graph")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,14 +217,13 @@ class BatchedPagedKV:
             return out.unsqueeze(1)
         nope, heads = module.qk_nope_head_dim, query.shape[1]
         if self.absorbed is None:  # the weights are fixed while a batch decodes: no cast per layer and step
-            weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)
-            self.absorbed = (weight[:, :nope].float(), weight[:, nope:].float())
+            self.absorbed = mla.absorbed_weights(module, torch.float32)
         w_uk, w_uv = self.absorbed
         q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
-        q_latent = torch.einsum("bhn,hnc->bhc", q_nope.float(), w_uk).to(query.dtype)
+        q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
         out_latent, _ = self.ops.mla_decode(q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
                                             self.k_scale.reshape(()), module.scaling)
-        out = torch.einsum("bhc,hvc->bhv", out_latent.float(), w_uv).to(query.dtype)
+        out = mla.expand_latent(out_latent.float(), w_uv).to(query.dtype)
         return out.view(query.shape[0], 1, heads, -1)
 
     def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
@@ -249,13 +248,13 @@ class BatchedPagedKV:
             weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
             return torch.einsum("nhs,nshd->nhd", weights, v).unsqueeze(1)
         cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
-        nope, heads = module.qk_nope_head_dim, q.shape[1]
-        weight = module.kv_b_proj.weight.double().view(heads, nope + module.v_head_dim, -1)
-        c, pe = cached[..., :weight.shape[-1]], cached[..., weight.shape[-1]:]
-        q_latent = torch.einsum("nhk,hkc->nhc", q[..., :nope], weight[:, :nope])
+        nope = module.qk_nope_head_dim
+        w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
+        c, pe = cached[..., :w_uk.shape[-1]], cached[..., w_uk.shape[-1]:]
+        q_latent = mla.absorb_query(q[..., :nope], w_uk)
         scores = (torch.einsum("nhc,nsc->nhs", q_latent, c) + torch.einsum("nhr,nsr->nhs", q[..., nope:], pe))
         latent = torch.einsum("nhs,nsc->nhc", attend(scores * module.scaling), c)
-        return torch.einsum("nhc,hvc->nhv", latent, weight[:, nope:]).unsqueeze(1)
+        return mla.expand_latent(latent, w_uv).unsqueeze(1)
 
 
 @dataclass
@@ -557,7 +556,7 @@ class BatchedEngine:
         return out.logits[:, -1].float()
 
     def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> RowAgreements | None:
-        if self.backend._kernel_reason() is not None:  # noqa: SLF001 - the backend's own rule
+        if self.backend.route.kernel is None:
             return None
         kv_path, owner = self.backend.kv_path, self.backend.owner
         agreements = RowAgreements(rows, self.device)
@@ -706,18 +705,6 @@ def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None):
     if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
         return attend
     return {"full_attention": attend, "linear_attention": linear_mask}
-
-
-def static_decode_refusal(config) -> str | None:
-    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
-    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    other = kinds - {"full_attention", "linear_attention"}
-    if other:
-        return f"layer types {sorted(other)}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"sliding window {config.sliding_window}"
-    return None
 
 
 # -- helpers ------------------------------------------------------------------------------------------

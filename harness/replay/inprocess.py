@@ -7,8 +7,8 @@ path must match the reference bit for bit. Attention runs through a registered a
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import os
 import threading
 from array import array
 from collections import OrderedDict
@@ -32,6 +32,7 @@ from harness.kv_paths.cache import (
     unit_scales,
 )
 from harness.kv_paths.spec import KVPath
+from harness.replay.route import Route, decide
 from harness.types import Generation, Message, Scores
 
 attention.register()
@@ -40,6 +41,9 @@ attention.register()
 # encodes each chat once per path and per lookup (the batched replay about 8 times per turn); an 8B model's
 # 16k-token needle prompt takes 128 KiB here.
 CHAT_CACHE_TOKENS = 1 << 23
+# KV bytes of post-prefill caches a backend keeps for scoring the same prompt (`PrefillMemo`, CPU): a memory bound,
+# not a tuning knob (a canary turn's cache is ~1 MB; an 8B model's 2k-token prompt, 256 MiB, still fits one)
+PREFILL_MEMO_BYTES = 1 << 28
 
 
 def sha256_of_dir(directory: Path) -> str:
@@ -82,9 +86,7 @@ class InProcessModel:
         if variant is not None:
             apply_variant(model, variant)
         model.to(device).eval()
-        import os
-
-        wanted = os.environ.get("HARNESS_KERNELS", "auto")  # auto | off | reference (torch stand-ins, any device)
+        wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
                    arch=model.config.model_type, random_weights=(weights / RANDOM_WEIGHTS_MARKER).exists(),
@@ -265,6 +267,7 @@ class InProcessBackend:
 
     def __init__(self, owner: InProcessModel, kv_path: KVPath | None, scales: LayerScales | None, label: str):
         self.owner, self.kv_path, self.scales, self.label = owner, kv_path, scales, label
+        self.prefills = PrefillMemo(PREFILL_MEMO_BYTES)
 
     def describe(self) -> dict:
         described = {"label": self.label, "kind": "in-process", "model": str(self.owner.directory)}
@@ -272,8 +275,13 @@ class InProcessBackend:
             described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
         if self.scales is not None:
             described["scales"] = self.scales.summary()
-        described["decode_kernel"] = self._kernel_reason() or self._kernel_label()
+        described["decode_kernel"] = self.route.kernel_label
         return described
+
+    @property
+    def route(self) -> Route:
+        """This path's route on this model and device (`harness.replay.route`; decided once, then looked up)."""
+        return decide(self.kv_path, self.owner.model.config, self.owner.device.type, self.owner.use_kernels)
 
     def new_cache(self):
         """A fresh cache for this backend's path (the model's own cache for the reference)."""
@@ -298,7 +306,7 @@ class InProcessBackend:
 
         if self.kv_path is None:
             return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
-        kernel = self._kernel_name() if self._kernel_reason() is None else None  # its rows beside torch's
+        kernel = self.route.kernel  # its rows beside torch's
         return measure_turn(self.owner.model, self.owner.device, self.kv_path, self.scales,
                             self.owner.encode_chat(messages), list(continuation_ids), options, kernel=kernel)
 
@@ -306,7 +314,7 @@ class InProcessBackend:
     def generate_sync(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
         """Greedy decoding: prefill the prompt, then one token per step through the same cache."""
         prompt = self.owner.encode_chat(messages)
-        token_ids, finish_reason, metrics = self.greedy_ids(prompt, max_new_tokens)
+        token_ids, finish_reason, metrics = self.greedy_ids(prompt, max_new_tokens, remember_prefill=True)
         tokenizer = self.owner.tokenizer
         return Generation(token_ids=token_ids, text=tokenizer.decode(token_ids), finish_reason=finish_reason,
                           tokens=self.owner.token_texts(token_ids), prompt_tokens=len(prompt),
@@ -314,16 +322,22 @@ class InProcessBackend:
 
     @torch.inference_mode()
     def greedy_ids(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                   on_step: Callable[[torch.Tensor, int], None] | None = None) -> tuple[list[int], str, dict | None]:
+                   on_step: Callable[[torch.Tensor, int], None] | None = None,
+                   remember_prefill: bool = False) -> tuple[list[int], str, dict | None]:
         """Token-level greedy decoding (also `harness serve`'s): returns (token ids, finish reason
         "eos" | "length" | "nonfinite_logits", cast and kernel metrics). `on_step(logits, next_id)` sees
-        each step's logits before the token is taken."""
+        each step's logits before the token is taken. remember_prefill: keep a copy of the cache and the last
+        logits after the prompt's prefill, for `score_sync` of the same prompt (the replay scores each turn's
+        reference reply on the prompt it generated from, in reference-history mode)."""
         stats = KVWriteStats()
         cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
         agreement = self._attach_kernels(cache)
         token = attention.active_cache.set(cache)
         try:
-            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step)
+            # on the CPU only: a kept CUDA cache would hold GPU memory the batched replay sizes its batches from
+            keep = remember_prefill and agreement is None and self.owner.device.type == "cpu"
+            remember = self._remember_prefill if keep else None
+            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step, remember)
         finally:
             attention.active_cache.reset(token)
         metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
@@ -331,40 +345,10 @@ class InProcessBackend:
             metrics.update(agreement.as_record())
         return token_ids, finish_reason, metrics
 
-    def _kernel_reason(self) -> str | None:
-        """Why decode does not run through our kernels for this path (None: it does)."""
-        named = self.kv_path is not None and self.kv_path.kernel and os.environ.get("HARNESS_KERNELS") != "off"
-        if not self.owner.use_kernels and not named:  # a path that names a plug-in runs it on any device
-            return "kernels off (CPU, or HARNESS_KERNELS=off)"
-        if self.kv_path is None or not self.kv_path.is_fp8:
-            return "not an FP8 path"
-        if self.kv_path.granularity == "per_token":
-            return "per-token scales: the kernels take per-tensor or per-head scales"
-        if self.kv_path.quantizes_attention and self._kernel_name() not in attention.FP8_ATTENTION_KERNELS:
-            return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
-                    "mla_decode) take q_scale / prob_scale")
-        if self.kv_path.quantizes_attention and self.owner.is_mla and self._kernel_name() == "triton":
-            dims = (self.owner.model.config.kv_lora_rank, self.owner.model.config.qk_rope_head_dim)
-            if any(d & (d - 1) for d in dims):
-                return (f"FP8 attention (fp8_q / fp8_p) runs in the torch reference: mla_decode takes q_scale / "
-                        f"prob_scale in its tile kernel, for power-of-two latent and RoPE dims (this model: {dims})")
-        return None
-
-    def _kernel_name(self) -> str:
-        """The path's plug-in, or ours: the Triton kernels (their torch mirror under HARNESS_KERNELS=reference)."""
-        if self.kv_path.kernel:
-            return self.kv_path.kernel
-        return "reference" if os.environ.get("HARNESS_KERNELS") == "reference" else decode_kernels.DEFAULT
-
-    def _kernel_label(self) -> str:
-        if not self.kv_path.kernel:
-            return "triton (kernels/)"
-        return f"plug-in {self.kv_path.kernel} (kernel= path option)"
-
     def _attach_kernels(self, cache) -> KernelAgreement | None:
-        if self._kernel_reason() is not None:
+        name = self.route.kernel
+        if name is None:
             return None
-        name = self._kernel_name()
         if name == "triton" and self.owner.device.type != "cuda":
             raise decode_kernels.KernelPluginError(f"KV path {self.kv_path.name!r}: kernel=triton needs a CUDA "
                                                    f"device (run with --device cuda)")
@@ -378,12 +362,20 @@ class InProcessBackend:
                                       self.owner.is_mla, ops, agreement, kernel)
         return agreement
 
-    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step) -> tuple[list[int], str]:
+    def _remember_prefill(self, prompt: list[int], cache, last_logits: torch.Tensor) -> None:
+        from harness.replay.batched import kv_bytes_per_token
+
+        self.prefills.put(tuple(prompt), cache, last_logits, len(prompt) * kv_bytes_per_token(self.owner.model.config))
+
+    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step,
+                remember=None) -> tuple[list[int], str]:
         model, device, eos = self.owner.model, self.owner.device, self.owner.tokenizer.eos_token_id
         step_ids = torch.tensor([prompt], device=device)
         token_ids: list[int] = []
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            if step == 0 and remember is not None:
+                remember(prompt, cache, logits[None])
             if not torch.isfinite(logits).all():
                 return token_ids, "nonfinite_logits"
             next_id = int(logits.argmax())
@@ -403,20 +395,22 @@ class InProcessBackend:
         quantised cache as in decoding. A `raw_prefill` path feeds the continuation one token at a time,
         since there a multi-token chunk would attend to its own raw K/V, which decoding never does.
         """
-        cache = self.new_cache()
+        prompt = self.owner.encode_chat(messages)
+        cache, last = self.prefills.take(tuple(prompt))  # this prompt's prefill, kept by generate_sync
+        cache = cache if cache is not None else self.new_cache()
         token = attention.active_cache.set(cache)  # the attention function reads the path's layers
         try:
-            return self._score(cache, messages, continuation_ids)
+            return self._score(cache, prompt, continuation_ids, last)
         finally:
             attention.active_cache.reset(token)
 
-    def _score(self, cache, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
+    def _score(self, cache, prompt: list[int], continuation_ids: Sequence[int], last=None) -> Scores:
         model, device = self.owner.model, self.owner.device
-        prompt = self.owner.encode_chat(messages)
         continuation = list(continuation_ids)
         if not continuation:
             return Scores(logprobs=torch.zeros(0, model.config.vocab_size))
-        last = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache).logits[0, -1:]
+        if last is None:
+            last = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache).logits[0, -1:]
         chunks = ([continuation[:-1]] if self.kv_path is None or self.kv_path.quantize_current_chunk
                   else [[t] for t in continuation[:-1]])
         rows = [last]
@@ -425,3 +419,38 @@ class InProcessBackend:
                 rows.append(model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache).logits[0])
         logits = torch.cat(rows).float()
         return Scores(logprobs=torch.log_softmax(logits, dim=-1).cpu())
+
+
+class PrefillMemo:
+    """Copies of a backend's cache and last-position logits right after a prompt's prefill, kept for scoring the
+    same prompt: the score's own prefill would be the same forward pass on the same input over a fresh cache of
+    the same path, so its results are bit for bit these. At most `max_bytes` of KV (estimated), oldest dropped;
+    a cache that cannot be copied is not kept (scoring then prefills itself)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.held = max_bytes, 0
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self.lock = threading.Lock()  # `harness serve` may generate from its thread pool
+
+    def put(self, prompt: tuple, cache, last_logits: torch.Tensor, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        try:
+            kept = (copy.deepcopy(cache), last_logits.clone(), size)
+        except Exception:  # noqa: BLE001 - e.g. a layer holding a module; scoring prefills itself
+            return
+        with self.lock:
+            old = self.entries.pop(prompt, None)
+            self.held += size - (old[2] if old else 0)
+            self.entries[prompt] = kept
+            while self.held > self.max_bytes and self.entries:
+                self.held -= self.entries.popitem(last=False)[1][2]
+
+    def take(self, prompt: tuple) -> tuple:
+        """(cache, last logits [1, V]) of this prompt's prefill, once; (None, None) when none is kept."""
+        with self.lock:
+            found = self.entries.pop(prompt, None)
+            if found is None:
+                return None, None
+            self.held -= found[2]
+            return found[0], found[1]

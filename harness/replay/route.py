@@ -1,0 +1,158 @@
+"""The route one KV path takes through the in-process engine, decided once per (path, model, device, environment).
+
+A route says which decode kernel FP8 decode steps run through (or why none), whether the path can be replayed
+in batches (or why one sequence at a time), which decode mode a batch uses, and what attention capture measures
+(torch's rows only, or the kernel's beside them). Every "why not" of the engine is decided here, from plain
+facts: the path spec, the model's config, the device type, `HARNESS_KERNELS` (read by
+`decode_kernels.kernels_setting`, its one reader) and the run's options. The run stores each route in its
+manifest (`paths[].routes`), so a reader sees what ran without re-deriving it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from harness.kv_paths import decode_kernels
+from harness.kv_paths.spec import KVPath
+
+DECODE_MODES = ("auto", "dynamic", "static", "graph")
+# Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords), for GQA and MLA layers: ours and its
+# torch mirror. Other plug-ins (the contract has no such keywords) run FP8 attention in the torch reference.
+FP8_ATTENTION_KERNELS = ("triton", "reference")
+ONE_AT_A_TIME = "one sequence at a time (growing cache)"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What of a model's config a route depends on."""
+
+    mla_dims: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of an MLA model, else None
+    static_refusal: str | None  # why the model cannot decode on static storage (None: it can)
+
+    @classmethod
+    def of(cls, config) -> "ModelFacts":
+        rank = getattr(config, "kv_lora_rank", None)
+        dims = (int(rank), int(config.qk_rope_head_dim)) if rank is not None else None
+        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config))
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    kernel: str | None  # the decode plug-in FP8 decode steps run through; None: torch attention
+    kernel_refusal: str | None  # why decode does not run through a kernel (None when `kernel` is set)
+    kernel_label: str  # the kernel as the run names it, or the refusal
+    batch_refusal: str | None  # why the path replays one sequence at a time in a batched run (None: batchable)
+    decode: str  # what a generation of this path runs: one at a time, or the batched decode mode
+    capture: str | None  # what attention capture measures (None: no capture asked)
+    capture_kernel: str | None  # the kernel whose rows capture measures beside torch's (None: torch's only)
+
+    def describe(self) -> dict:
+        return {"decode_kernel": self.kernel_label, "batched": self.decode != ONE_AT_A_TIME,
+                "batch_refusal": self.batch_refusal, "decode": self.decode, "capture": self.capture}
+
+
+def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
+           decode: str = "auto", capture: bool = False) -> Route:
+    """The route of `kv_path` (None: the reference) on a model with `config` on a `device_type` device;
+    use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference)."""
+    return _decide(kv_path, ModelFacts.of(config), device_type, use_kernels, decode_kernels.kernels_setting(),
+                   batched, decode, capture)
+
+
+@functools.lru_cache(maxsize=256)
+def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_kernels: bool, setting: str,
+            batched: bool, decode: str, capture: bool) -> Route:
+    name = kernel_name(kv_path, setting) if kv_path is not None else None
+    refusal = _kernel_refusal(kv_path, facts, use_kernels, setting, name)
+    batch_refusal = _batch_refusal(kv_path, capture)
+    kernel = name if refusal is None else None
+    capture_kernel, measured = None, None
+    if capture and kv_path is not None:
+        capture_refusal = capture_kernel_refusal(kv_path, kernel)
+        capture_kernel = kernel if capture_refusal is None else None
+        measured = f"torch rows and kernel:{kernel} rows" if capture_kernel else f"torch rows ({capture_refusal})"
+    return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
+                 batch_refusal=batch_refusal,
+                 decode=_decode(facts, device_type, batched and batch_refusal is None, decode),
+                 capture=measured, capture_kernel=capture_kernel)
+
+
+def kernel_name(kv_path: KVPath, setting: str) -> str:
+    """The path's plug-in, or ours: the Triton kernels (their torch mirror under HARNESS_KERNELS=reference)."""
+    if kv_path.kernel:
+        return kv_path.kernel
+    return "reference" if setting == "reference" else decode_kernels.DEFAULT
+
+
+def _kernel_label(kv_path: KVPath | None) -> str:
+    if kv_path is None or not kv_path.kernel:
+        return "triton (kernels/)"
+    return f"plug-in {kv_path.kernel} (kernel= path option)"
+
+
+def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool, setting: str,
+                    name: str | None) -> str | None:
+    """Why decode does not run through a kernel for this path (None: it does)."""
+    named = kv_path is not None and kv_path.kernel and setting != "off"
+    if not use_kernels and not named:  # a path that names a plug-in runs it on any device
+        return "kernels off (CPU, or HARNESS_KERNELS=off)"
+    if kv_path is None or not kv_path.is_fp8:
+        return "not an FP8 path"
+    if kv_path.granularity == "per_token":
+        return "per-token scales: the kernels take per-tensor or per-head scales"
+    if kv_path.quantizes_attention and name not in FP8_ATTENTION_KERNELS:
+        return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
+                "mla_decode) take q_scale / prob_scale")
+    if kv_path.quantizes_attention and facts.mla_dims is not None and name == "triton":
+        if any(d & (d - 1) for d in facts.mla_dims):
+            return (f"FP8 attention (fp8_q / fp8_p) runs in the torch reference: mla_decode takes q_scale / "
+                    f"prob_scale in its tile kernel, for power-of-two latent and RoPE dims (this model: "
+                    f"{facts.mla_dims})")
+    return None
+
+
+def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
+    """Why this path cannot run in the batched replay (harness/replay/batched.py), or None: attention capture,
+    decode-kernel plug-ins and FP8 attention (q/prob scales) run through the one-sequence path only."""
+    if capture:
+        return "attention capture (--attention) observes one sequence at a time"
+    if kv_path is not None and kv_path.kernel:
+        return f"path {kv_path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
+    if kv_path is not None and kv_path.quantizes_attention:
+        return f"path {kv_path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
+    return None
+
+
+def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str) -> str:
+    if not batched:
+        return ONE_AT_A_TIME
+    mode = ("graph" if device_type == "cuda" else "dynamic") if asked == "auto" else asked
+    if mode != "dynamic" and facts.static_refusal is not None:
+        return f"dynamic ({mode} decode refused for this model: {facts.static_refusal})"
+    return mode
+
+
+def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
+    """Why attention capture does not measure the kernel's rows for this path (None: it does)."""
+    if kernel is None:
+        return "no decode kernel"
+    if not kv_path.is_fp8 or kv_path.granularity == "per_token":
+        return "the path's decode does not run through a kernel"
+    if kv_path.quantizes_attention:
+        # decode runs these through our kernels (with q_scale / prob_scale), but capture's kernel rows call the
+        # kernel without them: rows of a different computation would be mislabelled as this path's
+        return "capture runs the kernel without the path's q/prob scales: torch's rows only"
+    return None
+
+
+def static_decode_refusal(config) -> str | None:
+    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
+    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    other = kinds - {"full_attention", "linear_attention"}
+    if other:
+        return f"layer types {sorted(other)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding window {config.sliding_window}"
+    return None
