@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from harness.kv_paths.spec import KVPath
 from kernels import reference as fp8
@@ -92,6 +92,10 @@ class LayerScales:
                 "v_scale": stats(self.v), "layers": sorted(self.k), "k_scale_per_layer": per_layer(self.k),
                 "v_scale_per_layer": per_layer(self.v),
                 **({"q_scale": stats(self.q)} if self.q else {}), **({"prob_scale": stats(self.prob)} if self.prob else {})}
+
+
+# transformers' cache layers a KV path stores FP8: full attention, and sliding-window / chunked attention
+KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -184,6 +188,21 @@ class QuantizedKVLayer(DynamicLayer):
             self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
 
 
+class QuantizedSlidingKVLayer(QuantizedKVLayer, DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) attention layer stored FP8: the window is kept as transformers'
+    `DynamicSlidingWindowLayer` keeps it (the last window - 1 tokens), each token written through the path's
+    round trip. Decode reads it through torch attention (our paged kernels read every stored token: no window)."""
+
+    def __init__(self, sliding_window: int, kv_path: KVPath, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, stats: KVWriteStats):
+        DynamicSlidingWindowLayer.__init__(self, sliding_window)
+        self.kv_path, self.k_scale, self.v_scale, self.stats = kv_path, k_scale, v_scale, stats
+        self.paged = self.attn_quant = self.static = None
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return DynamicSlidingWindowLayer.update(self, keys, values)  # the window + this chunk, as the model reads
+
+
 class StaticColumns:
     """Preallocated cache storage for a batch of left-padded rows, written in place: every row writes the same
     columns in a forward pass (`columns`, a device tensor the caller sets before each pass), and attention
@@ -236,7 +255,7 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = StaticKVLayer(static)
-        elif isinstance(layer, QuantizedKVLayer):
+        elif isinstance(layer, QuantizedKVLayer) and not isinstance(layer, DynamicSlidingWindowLayer):
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
@@ -245,8 +264,8 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
 class AmaxObserverLayer(DynamicLayer):
     """A plain `DynamicLayer` that records the running per-head amax of what it stores (calibration)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, *args):
+        super().__init__(*args)
         self.k_amax: torch.Tensor | None = None  # [heads] fp32
         self.v_amax: torch.Tensor | None = None
 
@@ -254,6 +273,10 @@ class AmaxObserverLayer(DynamicLayer):
         self.k_amax = _running_amax(self.k_amax, key_states)
         self.v_amax = _running_amax(self.v_amax, value_states)
         return super().update(key_states, value_states, *args, **kwargs)
+
+
+class AmaxObserverSlidingLayer(AmaxObserverLayer, DynamicSlidingWindowLayer):
+    """The observer of a sliding-window layer: keeps the window as the model does (args: sliding_window)."""
 
 
 def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +288,7 @@ def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor
 def attention_layer_indices(config) -> list[int]:
     """Indices of the layers whose cache is a full-attention KV cache (the ones a path quantises)."""
     cache = DynamicCache(config=config)
-    return [i for i, layer in enumerate(cache.layers) if type(layer) is DynamicLayer]
+    return [i for i, layer in enumerate(cache.layers) if type(layer) in KV_LAYERS]
 
 
 def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
@@ -279,14 +302,15 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer or i in kv_path.bf16_layers:
+        if type(layer) not in KV_LAYERS or i in kv_path.bf16_layers:
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
         needs_scales = kv_path.is_fp8 or kv_path.k_scale_on_scores
         if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
-        cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats)
+        cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats) if type(layer) is DynamicLayer else \
+            QuantizedSlidingKVLayer(layer.sliding_window, kv_path, k_scale, v_scale, stats)
         if kv_path.quantizes_attention:
             cache.layers[i].attn_quant = attention_quant(kv_path, scales, i)
     return cache
@@ -325,6 +349,8 @@ def observer_cache(config) -> DynamicCache:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = AmaxObserverLayer()
+        elif type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = AmaxObserverSlidingLayer(layer.sliding_window)
     return cache
 
 
