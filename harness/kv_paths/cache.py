@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from harness.kv_paths.spec import KVPath
 from kernels import reference as fp8
@@ -92,10 +92,6 @@ class LayerScales:
                 "v_scale": stats(self.v), "layers": sorted(self.k), "k_scale_per_layer": per_layer(self.k),
                 "v_scale_per_layer": per_layer(self.v),
                 **({"q_scale": stats(self.q)} if self.q else {}), **({"prob_scale": stats(self.prob)} if self.prob else {})}
-
-
-# transformers' cache layers a KV path stores FP8: full attention, and sliding-window / chunked attention
-KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -188,19 +184,35 @@ class QuantizedKVLayer(DynamicLayer):
             self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
 
 
-class QuantizedSlidingKVLayer(QuantizedKVLayer, DynamicSlidingWindowLayer):
-    """A sliding-window (or chunked) attention layer stored FP8: the window is kept as transformers'
-    `DynamicSlidingWindowLayer` keeps it (the last window - 1 tokens), each token written through the path's
-    round trip. Decode reads it through torch attention (our paged kernels read every stored token: no window)."""
+def holds_kv(layer) -> bool:
+    """A cache layer a KV path stores FP8: transformers' full-attention `DynamicLayer`, and the layer kinds built
+    on it (sliding-window / chunked attention; Falcon-H1's attention + SSM-state layer)."""
+    return isinstance(layer, DynamicLayer) and not isinstance(layer, (QuantizedKVLayer, AmaxObserverLayer,
+                                                                        StaticKVLayer))
 
-    def __init__(self, sliding_window: int, kv_path: KVPath, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None, stats: KVWriteStats):
-        DynamicSlidingWindowLayer.__init__(self, sliding_window)
-        self.kv_path, self.k_scale, self.v_scale, self.stats = kv_path, k_scale, v_scale, stats
-        self.paged = self.attn_quant = self.static = None
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return DynamicSlidingWindowLayer.update(self, keys, values)  # the window + this chunk, as the model reads
+def _of_kind(mixin: type, layer: DynamicLayer, *args):
+    """`mixin(*args)` for a plain `DynamicLayer`; for another kind of a fresh `layer` (no tokens yet), an instance of
+    `mixin` over that kind with both one's fields: a sliding-window layer keeps its window as transformers keeps it
+    (the last window - 1 tokens), a combined layer its SSM state, while `mixin` sees every K/V write."""
+    made = mixin(*args)
+    kind = type(layer)
+    if kind is DynamicLayer:
+        return made
+    name = f"{mixin.__name__}Over{kind.__name__}"
+    made_kind = _KINDS.setdefault(name, type(name, (mixin, kind), {"_store": _kind_store(kind)}))
+    over = made_kind.__new__(made_kind)
+    over.__dict__.update({**made.__dict__, **layer.__dict__})  # the kind's own fields over DynamicLayer's
+    return over
+
+
+def _kind_store(kind: type):
+    def _store(self, keys: torch.Tensor, values: torch.Tensor):  # the layer kind's own update: its window, ...
+        return kind.update(self, keys, values)
+    return _store
+
+
+_KINDS: dict[str, type] = {}
 
 
 class StaticColumns:
@@ -255,7 +267,7 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = StaticKVLayer(static)
-        elif isinstance(layer, QuantizedKVLayer) and not isinstance(layer, DynamicSlidingWindowLayer):
+        elif type(layer) is QuantizedKVLayer:  # windowed / combined kinds grow their own way: refused below
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
@@ -264,8 +276,8 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
 class AmaxObserverLayer(DynamicLayer):
     """A plain `DynamicLayer` that records the running per-head amax of what it stores (calibration)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self):
+        super().__init__()
         self.k_amax: torch.Tensor | None = None  # [heads] fp32
         self.v_amax: torch.Tensor | None = None
 
@@ -275,8 +287,6 @@ class AmaxObserverLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-class AmaxObserverSlidingLayer(AmaxObserverLayer, DynamicSlidingWindowLayer):
-    """The observer of a sliding-window layer: keeps the window as the model does (args: sliding_window)."""
 
 
 def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +298,7 @@ def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor
 def attention_layer_indices(config) -> list[int]:
     """Indices of the layers whose cache is a full-attention KV cache (the ones a path quantises)."""
     cache = DynamicCache(config=config)
-    return [i for i, layer in enumerate(cache.layers) if type(layer) in KV_LAYERS]
+    return [i for i, layer in enumerate(cache.layers) if holds_kv(layer)]
 
 
 def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
@@ -302,15 +312,14 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):
-        if type(layer) not in KV_LAYERS or i in kv_path.bf16_layers:
+        if not holds_kv(layer) or i in kv_path.bf16_layers:
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
         needs_scales = kv_path.is_fp8 or kv_path.k_scale_on_scores
         if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
-        cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats) if type(layer) is DynamicLayer else \
-            QuantizedSlidingKVLayer(layer.sliding_window, kv_path, k_scale, v_scale, stats)
+        cache.layers[i] = _of_kind(QuantizedKVLayer, layer, kv_path, k_scale, v_scale, stats)
         if kv_path.quantizes_attention:
             cache.layers[i].attn_quant = attention_quant(kv_path, scales, i)
     return cache
@@ -347,10 +356,8 @@ def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> 
 def observer_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
-            cache.layers[i] = AmaxObserverLayer()
-        elif type(layer) is DynamicSlidingWindowLayer:
-            cache.layers[i] = AmaxObserverSlidingLayer(layer.sliding_window)
+        if holds_kv(layer):
+            cache.layers[i] = _of_kind(AmaxObserverLayer, layer)
     return cache
 
 

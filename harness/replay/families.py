@@ -48,14 +48,15 @@ def layer_routes(config) -> list[dict]:
 def _route_of(kind: str, layer) -> dict:
     if kind == "DynamicLayer":
         return {"kv": "fp8", "why": "full-attention KV cache: the path's FP8 cache layer"}
-    if kind == "DynamicSlidingWindowLayer":
-        return {"kv": "fp8", "why": "sliding-window / chunked attention KV cache: the path's FP8 sliding layer; "
-                                    "decode through torch attention (our paged kernels read no window)"}
-    if "Sliding" in kind or getattr(layer, "is_sliding", False):
-        return {"kv": "bf16", "why": f"{kind}: a windowed layer kind the FP8 cache layers do not replace"}
-    if "FullAttention" in kind:
-        return {"kv": "bf16", "why": f"{kind}: the layer's attention K/V share one cache layer with its SSM state; "
-                                     "the FP8 cache layers replace plain attention layers only"}
+    from harness.kv_paths.cache import holds_kv
+
+    if holds_kv(layer) and getattr(layer, "is_sliding", False):
+        return {"kv": "fp8", "why": f"sliding-window / chunked attention KV cache ({kind}) stored FP8, its window "
+                                    f"kept as transformers keeps it; decode through torch attention (our paged "
+                                    f"kernels read no window)"}
+    if holds_kv(layer):
+        return {"kv": "fp8", "why": f"attention K/V of {kind} stored FP8; its SSM / linear state kept as the model "
+                                    f"keeps it"}
     if kind.startswith("LinearAttention"):
         return {"kv": "state", "why": "linear-attention / SSM state, kept as the model keeps it"}
     if kind == "DummyLayer":
