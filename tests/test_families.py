@@ -240,3 +240,58 @@ def test_every_family_replays_or_is_refused_on_cpu(group, family_models, tmp_pat
 @pytest.mark.parametrize("group", ["fast", *GROUPS])
 def test_every_family_replays_batched_with_graph_and_kernels_on_cuda(group, family_models, tmp_path):
     _replay(FAST if group == "fast" else GROUPS[group], family_models, tmp_path, "cuda")
+
+
+def test_matrix_page_is_what_the_stored_results_give():
+    """docs/FAMILIES.md is rendered from docs/families/*.json (the CPU tier's results, and the H100's once run):
+    every family has a CPU result, and the page is exactly what the generator makes of them."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import make_families_doc
+
+    results = Path(__file__).parent.parent / "docs" / "families"
+    found = make_families_doc.load_results(results)
+    assert set(found["cpu"]) == set(FAMILIES), "rerun the CPU tier with FAMILIES_RESULTS=docs/families"
+    assert make_families_doc.main(["--results", str(results), "--check"]) == 0
+
+
+@pytest.mark.parametrize("family, feature", [("gpt_oss", "attention sinks"), ("gemma2", "soft-capping")])
+def test_decode_kernels_stay_off_for_attention_they_do_not_compute(family, feature, family_models, monkeypatch):
+    """Our decode kernels compute plain softmax attention: a family with sinks or soft-capping keeps torch's (the
+    model's eager) attention, and each FP8 path's route says why; FP8-attention paths are refused by name."""
+    from harness.replay.inprocess import InProcessModel
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")  # kernels on for any device, as on CUDA
+    loaded = InProcessModel.load(family_models(family))
+    assert feature in loaded.backend(parse_path("fp8_e4m3")).describe()["decode_kernel"]
+    assert loaded.backend(parse_path("bf16")).describe()["decode_kernel"] == "not an FP8 path"
+    refused = families.refusals(loaded.model.config, [parse_path("fp8_e4m3:fp8_q")])
+    assert len(refused) == 1 and feature in refused[0] and "fp8_q" in refused[0]
+
+
+@pytest.mark.gpu
+def test_granite_hybrid_with_mamba2_default_dims_replays_within_memory(tmp_path):
+    """The H100 case of issue 26: hidden 64 but Mamba-2's default dims (128 heads, d_state 256, chunk 256), where
+    transformers' torch scan forms 8 GiB per 256-token chunk and sequence. With the scan in the auto batch size,
+    every path replays batched (no OOM fallback), and the batches used fit half of the card's memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.canary.tokenizer import VOCAB_SIZE, save_tokenizer
+    from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+
+    config = AutoConfig.for_model("granitemoehybrid", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  num_local_experts=4, num_experts_per_tok=2, eos_token_id=2, pad_token_id=0,
+                                  bos_token_id=None, layer_types=["mamba", "attention"] * 2)
+    model_dir = tmp_path / "granitemoehybrid"
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(model_dir))
+    save_tokenizer(model_dir)
+    (model_dir / RANDOM_WEIGHTS_MARKER).write_text("random weights\n")
+    out = tmp_path / "run"
+    smoke = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+    assert main(["run", "--out", str(out), "--model", str(model_dir), "--scenarios", str(smoke), "--paths", PATHS,
+                 "--no-progress", "--device", "cuda"]) in (0, 1)  # 1: a verdict failed (random weights)
+    manifest = json.loads((out / "manifest.json").read_text())
+    batching = manifest["batching"]["granitemoehybrid"]
+    assert manifest["status"] == "complete" and not batching["one_at_a_time_fallbacks"], batching
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert batching["largest_batch"] * families.ssm_scan_bytes(config, 512) <= total, batching

@@ -123,6 +123,11 @@ def route_facts(config, paths) -> dict:
     block = kernel_block(config)
     if block:
         facts["decode_kernels"] = f"off: {block}"
+    from harness.replay.batched import static_decode_refusal  # batched.py imports this module
+
+    static = static_decode_refusal(config)
+    if static:  # CUDA graph decode needs static storage; these decode batched on the growing cache
+        facts["graph_decode"] = f"off: no static storage for {static} (batched dynamic decode instead)"
     for path in paths:
         if path.bf16_layers:
             facts["kept_bf16"].update({f"{i} ({path.name})": "the path's layers= option" for i in path.bf16_layers})
@@ -143,11 +148,12 @@ def config_of(directory: Path):
 # -- memory a batch's prefill asks for beyond the KV cache ---------------------------------------------------
 def ssm_scan_bytes(config, max_len: int) -> int:
     """Peak bytes one sequence's prefill takes in a Mamba-2 layer's chunked scan when transformers runs its torch
-    fallback (no mamba_ssm kernels): transformers up to at least 5.14 forms G = C[..., None, :, :] * B[..., None,
-    :, :, :] of shape (chunks, chunk, chunk, heads, d_state) in fp32 before summing d_state away. With the
-    Mamba-2 defaults (chunk 256, 128 heads, d_state 256) that is 8 GiB per 256-token chunk, whatever the hidden
-    size: the 24 GiB allocation a hidden-64 Granite-MoE-hybrid asked for on an H100 (3 chunks of one batch).
-    Zero for a model without Mamba-2 layers."""
+    fallback (no mamba_ssm kernels): transformers' Mamba-2 `torch_forward` (seen in 5.14.1; 5.24 contracts it
+    with einsum instead) forms G = C[..., None, :, :] * B[..., None, :, :, :] of shape (chunks, chunk, chunk,
+    heads, d_state) in fp32 before summing d_state away. With the Mamba-2 defaults (chunk 256, 128 heads,
+    d_state 256) that is 8 GiB per 256-token chunk and sequence, whatever the hidden size: 24 GiB is 3 of them,
+    the allocation a hidden-64 Granite-MoE-hybrid asked for on an H100 with transformers 5.17 (not re-measured
+    here: no GPU). Counted as a worst case whatever the version. Zero for a model without Mamba-2 layers."""
     heads = getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
     state = getattr(config, "mamba_d_state", None) or getattr(config, "ssm_state_size", None)
     chunk = getattr(config, "mamba_chunk_size", None) or getattr(config, "chunk_size", None)
