@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from harness.canary.tiny_models import FAMILIES  # noqa: E402
 
 COLUMNS = ("family", "model type", "attention", "CPU", "capture", "CUDA batched", "CUDA graph", "kernels",
-           "kept in BF16")
+           "kept in BF16", "route notes")
 
 
 def load_results(results: Path) -> dict[str, dict[str, dict]]:
@@ -70,10 +70,17 @@ def render(found: dict[str, dict[str, dict]]) -> str:
         kept = (cpu or {}).get("kept_bf16") or {}
         cells = [family, model_type, attention, _outcome(cpu), (cpu or {}).get("capture", "") if cpu else "",
                  _cuda(cuda, "batched"), _cuda(cuda, "graph"), _cuda(cuda, "kernels"),
-                 "; ".join(f"layer {k}: {v}" for k, v in kept.items()) or "none"]
+                 "; ".join(f"layer {k}: {v}" for k, v in kept.items()) or "none", _notes(cuda or cpu)]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _notes(row: dict | None) -> str:
+    """The route's own words on kernels and graph decode (manifest.families), where the run recorded them."""
+    row = row or {}
+    return "; ".join(f"{name}: {row[key]}" for name, key in (("decode kernels", "decode_kernels"),
+                                                              ("graph decode", "graph_decode")) if row.get(key))
 
 
 def _cuda(row: dict | None, key: str) -> str:

@@ -287,8 +287,6 @@ class AmaxObserverLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-
-
 def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     # x: [batch, heads, chunk, head_dim] -> [heads]
     amax = x.detach().float().abs().amax(dim=(0, 2, 3)).cpu()
@@ -296,7 +294,7 @@ def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor
 
 
 def attention_layer_indices(config) -> list[int]:
-    """Indices of the layers whose cache is a full-attention KV cache (the ones a path quantises)."""
+    """Indices of the layers whose cache holds attention K/V (`holds_kv`: the ones a path quantises)."""
     cache = DynamicCache(config=config)
     return [i for i, layer in enumerate(cache.layers) if holds_kv(layer)]
 
