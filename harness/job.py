@@ -307,6 +307,7 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     paths = _model_paths(config, directory)
     backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
+    _note_family(store, label, loaded, paths)
     routes = _note_routes(store, config, label, loaded, paths)
     unbatchable = next((r.batch_refusal for r in routes if r.batch_refusal), None) if config.batched else None
     if unbatchable:  # said, and recorded beside the batch settings, never silently changed
@@ -719,6 +720,14 @@ def _note_model(store: RunStore, label: str, loaded, warn) -> None:
     store.edit_manifest(edit)
     if loaded.random_weights:
         warn(f"warning: {message}")
+
+
+def _note_family(store: RunStore, label: str, loaded, paths: list[KVPath]) -> None:
+    """Per layer: FP8, kept in BF16 (and why) or a linear/SSM state; attention kinds; kernels (replay/families.py)."""
+    from harness.replay.families import route_facts
+
+    facts = route_facts(loaded.model.config, paths)
+    store.edit_manifest(lambda m: m.setdefault("families", {}).__setitem__(label, facts))
 
 
 def _note_scales(store: RunStore, label: str, backends) -> None:

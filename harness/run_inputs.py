@@ -35,7 +35,8 @@ def check_run_inputs(config: RunConfig) -> None:
     problems = [*_out_problems(config.out, config.resume)]
     for directory in config.models:  # with --scales, :checkpoint paths read that file instead of the model's
         problems += _model_problems(Path(directory)) or (
-            [] if config.scales_file else _checkpoint_scale_problems(Path(directory), config.paths))
+            [] if config.scales_file else _checkpoint_scale_problems(Path(directory), config.paths)) or (
+            _family_problems(Path(directory), config.paths))
     if config.scales_file is not None and not Path(config.scales_file).is_file():
         problems.append(f"--scales {config.scales_file}: no such file (k_scale/v_scale safetensors, or SGLang's "
                         f"quantization-param JSON, as harness calibrate writes)")
@@ -113,6 +114,14 @@ def _model_problems(directory: Path) -> list[str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return [f"--model {directory}: config.json is not valid JSON ({error})"]
     return []
+
+
+def _family_problems(directory: Path, paths) -> list[str]:
+    """A model family or layer kind the KV paths cannot replay (harness/replay/families.py), from its config."""
+    from harness.replay.families import config_of, refusals
+
+    config = config_of(directory)
+    return [f"--model {directory}: {problem}" for problem in refusals(config, paths)] if config is not None else []
 
 
 def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:

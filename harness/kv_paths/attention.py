@@ -213,11 +213,35 @@ def _packs_gqa(query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> bo
     and step. `_decode_sdpa_packed` runs it on the KV heads instead (what transformers 5.23 does too). A call
     with anything plain SDPA does not compute (logit soft-capping, attention sinks, a position bias, dropout)
     is left to transformers."""
-    if any(kwargs.get(name) for name in ("softcap", "s_aux", "position_bias", "dropout")):
-        return False
+    if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias")) or kwargs.get("dropout"):
+        return False  # (s_aux and position_bias are tensors: asked whether present, not whether true)
     return (query.is_cuda and query.shape[2] == 1 and key.shape[1] < query.shape[1]
             and query.shape[1] % key.shape[1] == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 4
             and mask.shape[1] == 1 and mask.shape[2] == 1)
+
+
+def _beyond_sdpa(kwargs: dict) -> bool:
+    """A call SDPA does not compute: attention sinks (gpt-oss `s_aux`) or logit soft-capping (Gemma 2)."""
+    return kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
+
+
+def _model_eager_attention(module, query, key, value, mask, kwargs: dict):
+    """The model's own eager attention (its modeling file's `eager_attention_forward`, which computes sinks and
+    soft-capping as the model defines them) under our mask: SDPA's boolean mask (True = attend) becomes the
+    additive one eager attention adds; no mask (SDPA's causal shortcut) becomes the bottom-right causal mask."""
+    import sys
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mask is None and q_len > 1:
+        positions = torch.arange(kv_len, device=query.device)
+        mask = positions[None, :] <= positions[kv_len - q_len:, None]  # [q, kv]
+        mask = mask[None, None]
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal",)}
+    return eager(module, query, key, value, mask, **kwargs)
 
 
 def _decode_sdpa_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -267,7 +291,9 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             return paged.decode(module, raw_query, None), None
         if quant is None:
             with sdpa_backends(query):
-                if _packs_gqa(query, key, attention_mask, kwargs):
+                if _beyond_sdpa(kwargs):
+                    output, weights = _model_eager_attention(module, query, key, value, attention_mask, kwargs)
+                elif _packs_gqa(query, key, attention_mask, kwargs):
                     output, weights = _decode_sdpa_packed(query, key, value, attention_mask,
                                                           kwargs.get("scaling") or module.scaling), None
                 else:

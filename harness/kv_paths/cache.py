@@ -184,6 +184,37 @@ class QuantizedKVLayer(DynamicLayer):
             self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
 
 
+def holds_kv(layer) -> bool:
+    """A cache layer a KV path stores FP8: transformers' full-attention `DynamicLayer`, and the layer kinds built
+    on it (sliding-window / chunked attention; Falcon-H1's attention + SSM-state layer)."""
+    return isinstance(layer, DynamicLayer) and not isinstance(layer, (QuantizedKVLayer, AmaxObserverLayer,
+                                                                        StaticKVLayer))
+
+
+def _of_kind(mixin: type, layer: DynamicLayer, *args):
+    """`mixin(*args)` for a plain `DynamicLayer`; for another kind of a fresh `layer` (no tokens yet), an instance of
+    `mixin` over that kind with both one's fields: a sliding-window layer keeps its window as transformers keeps it
+    (the last window - 1 tokens), a combined layer its SSM state, while `mixin` sees every K/V write."""
+    made = mixin(*args)
+    kind = type(layer)
+    if kind is DynamicLayer:
+        return made
+    name = f"{mixin.__name__}Over{kind.__name__}"
+    made_kind = _KINDS.setdefault(name, type(name, (mixin, kind), {"_store": _kind_store(kind)}))
+    over = made_kind.__new__(made_kind)
+    over.__dict__.update({**made.__dict__, **layer.__dict__})  # the kind's own fields over DynamicLayer's
+    return over
+
+
+def _kind_store(kind: type):
+    def _store(self, keys: torch.Tensor, values: torch.Tensor):  # the layer kind's own update: its window, ...
+        return kind.update(self, keys, values)
+    return _store
+
+
+_KINDS: dict[str, type] = {}
+
+
 class StaticColumns:
     """Preallocated cache storage for a batch of left-padded rows, written in place: every row writes the same
     columns in a forward pass (`columns`, a device tensor the caller sets before each pass), and attention
@@ -236,7 +267,7 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = StaticKVLayer(static)
-        elif isinstance(layer, QuantizedKVLayer):
+        elif type(layer) is QuantizedKVLayer:  # windowed / combined kinds grow their own way: refused below
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
@@ -263,9 +294,9 @@ def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor
 
 
 def attention_layer_indices(config) -> list[int]:
-    """Indices of the layers whose cache is a full-attention KV cache (the ones a path quantises)."""
+    """Indices of the layers whose cache holds attention K/V (`holds_kv`: the ones a path quantises)."""
     cache = DynamicCache(config=config)
-    return [i for i, layer in enumerate(cache.layers) if type(layer) is DynamicLayer]
+    return [i for i, layer in enumerate(cache.layers) if holds_kv(layer)]
 
 
 def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
@@ -279,14 +310,14 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer or i in kv_path.bf16_layers:
+        if not holds_kv(layer) or i in kv_path.bf16_layers:
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
         needs_scales = kv_path.is_fp8 or kv_path.k_scale_on_scores
         if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
-        cache.layers[i] = QuantizedKVLayer(kv_path, k_scale, v_scale, stats)
+        cache.layers[i] = _of_kind(QuantizedKVLayer, layer, kv_path, k_scale, v_scale, stats)
         if kv_path.quantizes_attention:
             cache.layers[i].attn_quant = attention_quant(kv_path, scales, i)
     return cache
@@ -323,8 +354,8 @@ def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> 
 def observer_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
-            cache.layers[i] = AmaxObserverLayer()
+        if holds_kv(layer):
+            cache.layers[i] = _of_kind(AmaxObserverLayer, layer)
     return cache
 
 

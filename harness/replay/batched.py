@@ -25,6 +25,7 @@ from harness.kv_paths import attention, mla
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, kernel_ops
 from harness.kv_paths.cache import StaticColumns, build_cache, make_static
 from harness.replay.route import DECODE_MODES, static_decode_refusal  # noqa: F401 - re-exported
+from harness.replay.families import ssm_scan_bytes
 from kernels import reference as fp8
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -564,7 +565,7 @@ class BatchedEngine:
         ops = kernel_ops()
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
         for layer in cache.layers:
-            if hasattr(layer, "paged"):
+            if hasattr(layer, "paged") and not getattr(layer, "is_sliding", False):  # kernels read no window
                 k_scale, v_scale = layer.k_scale.float().to(self.device), layer.v_scale.float().to(self.device)
                 # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
                 fusable = not owner.is_mla or bool(torch.equal(k_scale, v_scale))
@@ -778,5 +779,5 @@ def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> in
     free, _ = torch.cuda.mem_get_info(device)
     config = model.config
     per_token = kv_bytes_per_token(config) * 2 + config.hidden_size * 2 * 12 + config.vocab_size * 4 // 64
-    per_sequence = max(1, max_len) * per_token + config.vocab_size * 8
+    per_sequence = max(1, max_len) * per_token + config.vocab_size * 8 + ssm_scan_bytes(config, max_len)
     return max(1, min(items, MAX_AUTO_BATCH, int(free * 0.5 // per_sequence)))

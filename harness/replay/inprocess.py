@@ -69,6 +69,7 @@ class InProcessModel:
     use_kernels: bool = False  # decode of FP8 paths through our Triton kernels (CUDA)
     variant: object = None  # harness.canary.variants.Variant when loaded from a stress variant's folder
     scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
+    kernel_block: str | None = None  # why our decode kernels must not run for this family (replay/families.py)
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
 
@@ -76,11 +77,14 @@ class InProcessModel:
     def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> "InProcessModel":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from harness.replay import families
+
         directory = Path(directory)
         variant = read_variant(directory)  # a stress variant: its base's weights, reparametrised
         weights = variant.base if variant is not None else directory
         if not (weights / "config.json").is_file():
             raise FileNotFoundError(f"model directory {directory} has no config.json")
+        kernel_block = families.check_loadable(weights)  # refuses a family it cannot replay (ValueError)
         tokenizer = AutoTokenizer.from_pretrained(str(weights))
         model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
         if variant is not None:
@@ -90,7 +94,7 @@ class InProcessModel:
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
                    arch=model.config.model_type, random_weights=(weights / RANDOM_WEIGHTS_MARKER).exists(),
-                   use_kernels=use_kernels, variant=variant)
+                   use_kernels=use_kernels, variant=variant, kernel_block=kernel_block)
 
     def describe(self) -> dict:
         described = {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
@@ -356,7 +360,7 @@ class InProcessBackend:
         agreement, ops = KernelAgreement(), attention.kernel_ops(self.owner.device)
         fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[self.kv_path.fmt]
         for layer in cache.layers:
-            if hasattr(layer, "paged"):
+            if hasattr(layer, "paged") and not getattr(layer, "is_sliding", False):  # kernels read no window
                 layer.paged = PagedKV(fmt_dtype, layer.k_scale.float().to(self.owner.device),
                                       layer.v_scale.float().to(self.owner.device), self.kv_path.saturate,
                                       self.owner.is_mla, ops, agreement, kernel)

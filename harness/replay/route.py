@@ -29,12 +29,15 @@ class ModelFacts:
 
     mla_dims: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of an MLA model, else None
     static_refusal: str | None  # why the model cannot decode on static storage (None: it can)
+    kernel_block: str | None  # why our decode kernels must not run for this family (sinks, soft-capping)
 
     @classmethod
     def of(cls, config) -> "ModelFacts":
+        from harness.replay.families import kernel_block
+
         rank = getattr(config, "kv_lora_rank", None)
         dims = (int(rank), int(config.qk_rope_head_dim)) if rank is not None else None
-        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config))
+        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), kernel_block=kernel_block(config))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ def _kernel_label(kv_path: KVPath | None) -> str:
 def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool, setting: str,
                     name: str | None) -> str | None:
     """Why decode does not run through a kernel for this path (None: it does)."""
+    if facts.kernel_block and kv_path is not None and kv_path.is_fp8:
+        return facts.kernel_block
     named = kv_path is not None and kv_path.kernel and setting != "off"
     if not use_kernels and not named:  # a path that names a plug-in runs it on any device
         return "kernels off (CPU, or HARNESS_KERNELS=off)"
