@@ -27,7 +27,7 @@ OWN_CACHE = {
 # reference (fp8_q / fp8_p) compute them.
 def beyond_sdpa_features(config) -> list[str]:
     features = []
-    if config.model_type == "gpt_oss":
+    if getattr(config, "model_type", None) == "gpt_oss":
         features.append("attention sinks")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         features.append(f"logit soft-capping ({config.attn_logit_softcapping})")
@@ -123,7 +123,7 @@ def route_facts(config, paths) -> dict:
     block = kernel_block(config)
     if block:
         facts["decode_kernels"] = f"off: {block}"
-    from harness.replay.batched import static_decode_refusal  # batched.py imports this module
+    from harness.replay.route import static_decode_refusal  # route.py imports this module lazily
 
     static = static_decode_refusal(config)
     if static:  # CUDA graph decode needs static storage; these decode batched on the growing cache
