@@ -38,6 +38,12 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs
     "kernel_steps": "none",              # decode attention calls that ran through the kernel
     "kernel_ms_per_step": "none",        # median wall time of one decode-kernel call (device synchronised)
+    # the implementation check (harness/kv_paths/impl_check.py), every in-process path turn: the path's attention
+    # output vs fp64 attention over the same K/V with its declared Q/P quantisation, / torch's own error (SDPA)
+    "attn_impl_err_ratio": "lower",      # worst layer's pooled ratio; ~1 for a correct implementation
+    "attn_impl_worst_layer": "none",     # that layer
+    "attn_impl_worst_head": "none",      # its head with the largest ratio
+    "attn_impl_rows": "none",            # (query row, head) pairs compared in the turn
     # attention-score error (harness/analysis/attention_error.py), in-process runs with --attention:
     # worst and mean over the sampled (layer, head, query position) rows of the turn
     "attn_max_abs_dp_max": "lower",      # max |p_path - p_ref| over an attention row

@@ -22,7 +22,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "agreement judge": ("judge_agreement",),
     "LLM judge": ("judge_llm", "judge_llm_reference", "judge_pairwise"),
     "cache cast": ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max"),
-    "attention error": ("kernel_err_ratio", "kernel_max_abs_err", "attention_err", "attention_err_ratio"),
+    "attention error": ("kernel_err_ratio", "kernel_max_abs_err", "attention_err", "attention_err_ratio",
+                        "attn_impl_err_ratio"),
 }
 FAMILY_OF = {metric: family for family, metrics in FAMILIES.items() for metric in metrics}
 # Verdict checks (harness/analysis/verdicts.py) whose reasons name no metric.
