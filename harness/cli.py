@@ -60,6 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="local transformers model directory (repeatable); default: the bundled canaries")
     run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--tasks", action="append", type=Path, metavar="FILE.jsonl",
+                     help="your own task items, one JSON object per line (GSM8K-style question/answer, or needle/"
+                          "question/answer), replayed as scenarios (repeatable; harness/scenarios/tasks.py); "
+                          "without --scenarios only these run")
     run.add_argument("--select", action="append", metavar="TERMS",
                      help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
                           "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
@@ -153,6 +157,12 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "parquet"], default="csv",
                         help="csv (default) or parquet (needs pyarrow); one row per model, scenario, path, turn, metric")
     export.add_argument("--out", type=Path, metavar="PATH", help="file or directory (default: RUN/records.FORMAT)")
+    scenarios = commands.add_parser("scenarios", help="scenario tools: turn a JSONL task file into a scenario file")
+    scenario_tools = scenarios.add_subparsers(dest="scenarios_command", required=True)
+    from_jsonl = scenario_tools.add_parser("from-jsonl", help="JSONL task items (GSM8K question/answer, needles) -> "
+                                                              "a YAML scenario file")
+    from_jsonl.add_argument("file", type=Path, metavar="FILE.jsonl")
+    from_jsonl.add_argument("--out", type=Path, required=True, metavar="DIR", help="writes DIR/<FILE stem>.yaml")
     for name, text in (("attention", "harness run --attention isolated, plus where each path's attention broke"),
                        ("sensitivity", "FP8 on one attention layer at a time: ranking and a per-layer precision map"),
                        ("calibrate", "write k_scale/v_scale files vLLM and SGLang load (and :checkpoint reads)")):
@@ -279,6 +289,23 @@ def _say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
+def _scenario_paths(args: argparse.Namespace, job) -> tuple[Path, ...]:
+    """--scenarios and --tasks files (the loader reads *.jsonl as task files); the default set without either."""
+    for file in args.tasks or ():
+        if file.suffix != ".jsonl":
+            raise ValueError(f"--tasks {file}: a task file is JSON lines named *.jsonl (harness/scenarios/tasks.py)")
+    named = tuple(args.scenarios or ()) + tuple(args.tasks or ())
+    return named or tuple(job.default_scenarios())
+
+
+def _scenarios(args: argparse.Namespace) -> int:
+    from harness.scenarios.tasks import write_yaml
+
+    target, count = write_yaml(args.file, args.out)
+    print(f"wrote {count} scenarios to {target}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
@@ -310,7 +337,7 @@ def _run(args: argparse.Namespace) -> int:
         parse_threshold_overrides(args.threshold)  # refuse a bad --threshold before any work
         models = select_models(models, args.models or ())
         config = job.RunConfig(
-            models=models, select=tuple(args.select or ()), scenario_paths=tuple(args.scenarios or job.default_scenarios()),
+            models=models, select=tuple(args.select or ()), scenario_paths=_scenario_paths(args, job),
             paths=() if args.reference else job.parse_kv_paths(job.DEFAULT_PATHS if args.paths is None else args.paths),
             out=args.out or job.new_run_dir(),
             device=job.resolve_device(args.device), history_mode=args.history_mode, resume=args.resume,
@@ -395,7 +422,7 @@ def _judge_scores(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
-            "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores}
+            "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores, "scenarios": _scenarios}
 
 
 def main(argv: list[str] | None = None) -> int:
