@@ -296,6 +296,8 @@ def _unbatchable_reason(config: RunConfig, paths: list[KVPath]) -> str | None:
             return f"path {path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
         if path.quantizes_attention:
             return f"path {path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
+        if path.fault:  # the implementation check that catches it probes one sequence at a time
+            return f"path {path.name}: fault injectors (fault=) are replayed one sequence at a time"
     return None
 
 

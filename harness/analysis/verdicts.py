@@ -62,6 +62,9 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
         "kl_mean", warn=0.25, fail=0.5,
         measured="healthy FP8 paths on the canaries: median 2.0e-7, p99 0.019, max 0.190 nats (mla fp8_e5m2, "
                  "canary-arith-2); warn = max + 30%, fail = 2.6x max rounded to 0.5 nats"),
+    DefaultThreshold(
+        "attn_impl_err_ratio", warn=1.5, fail=2.0,
+        measured="PROVISIONAL"),
 )
 # Compare's tolerance floor per metric (harness/runs/compare.py): how far apart equally healthy paths sit.
 # Measured on that same run: for each canary, the mean of each metric over its 21 turns on each of

@@ -18,7 +18,8 @@ fp32 arithmetic, over the very same inputs); a fault in the arithmetic sits far 
 
 Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
 `decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
-Batched calls (more than one sequence) are not probed (the batched replay runs without capture).
+Batched calls (more than one sequence; the batched replay on CUDA) are not probed: there the check does not run,
+and fault-injector paths are replayed one sequence at a time (harness/job.py) so the check sees them.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class ImplProbe:
                 output: torch.Tensor) -> None:
         """query [B, Hq, T, D] (before the path quantises it), key/value [B, Hkv, L, D] as the attention function
         got them, output [B, T, Hq, Dv] (the path's actual output)."""
-        if query.shape[0] != 1:
-            self.skipped_batched += 1
+        if query.shape[0] != 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.skipped_batched += 1  # a batch of sequences, or a CUDA graph being captured: not probed
             return
         layer = int(module.layer_idx)
         chunk = query.shape[2]
