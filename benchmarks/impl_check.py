@@ -8,7 +8,7 @@ each healthy path's turns are generated a second time with the check off (HARNES
 the summed generation times compared.
 
     python benchmarks/impl_check.py [--models gqa,mla,hybrid] [--scenarios scenarios/canary/default.yaml]
-        [--tokens 24] [--select TERMS] [--cost] [--json OUT]
+        [--tokens 24] [--select TERMS] [--cost] [--json OUT] [--device cuda]
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def turns(scenarios, tokens: int):
             history = messages + [Message("assistant", turn.assistant if turn.assistant is not None else "Okay.")]
 
 
-def measure(model_name: str, scenarios, paths, tokens: int, cost: bool) -> dict:
-    model = InProcessModel.load(CANARY_WEIGHTS / model_name)
+def measure(model_name: str, scenarios, paths, tokens: int, cost: bool, device: str = "cpu") -> dict:
+    model = InProcessModel.load(CANARY_WEIGHTS / model_name, device=device)
     found: dict[str, list[float]] = {}
     seconds = {"on": 0.0, "off": 0.0}
     for path in paths:
@@ -60,6 +60,7 @@ def measure(model_name: str, scenarios, paths, tokens: int, cost: bool) -> dict:
                 seconds[state] += time.perf_counter() - start
                 if state == "on":
                     found.setdefault(path, []).append((metrics or {}).get("attn_impl_err_ratio", float("nan")))
+        print(f"[{model_name}] {path}: max {max(found[path]):.3f} over {len(found[path])} turns", flush=True)
     os.environ.pop("HARNESS_IMPL_CHECK", None)
     return {"ratios": found, "seconds": seconds}
 
@@ -87,13 +88,14 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(HEALTHY + FAULTS))
     parser.add_argument("--cost", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (FP8 decode steps then run our Triton kernels)")
     args = parser.parse_args()
     scenarios = load_scenarios(args.scenarios or ["scenarios/canary/default.yaml"])
     if args.select:
         scenarios = select_scenarios(scenarios, args.select)
     out = {}
     for name in args.models.split(","):
-        out[name] = measure(name, scenarios, args.paths.split(","), args.tokens, args.cost)
+        out[name] = measure(name, scenarios, args.paths.split(","), args.tokens, args.cost, args.device)
         report(name, out[name])
     if args.json:
         with open(args.json, "w") as handle:
