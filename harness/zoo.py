@@ -58,7 +58,7 @@ ARITHMETIC_FAULTS: tuple[ZooEntry, ...] = (
     ZooEntry("attention arithmetic: polynomial exp", "hybrid", "fp8_e4m3:calibrated:fault=exp_poly", "fail",
              "degree-2 exp after range reduction, up to 3.3% low"),
     ZooEntry("attention arithmetic: bf16 PV accumulator", "gqa", "fp8_e4m3:calibrated:fault=pv_bf16", "fail",
-             "P.V summed in bf16 across tiles of 4 keys"),
+             "P.V summed in bf16, key by key"),
     ZooEntry("attention arithmetic: k_scale of the wrong head", "gqa",
              "fp8_e4m3:per_head:calibrated:fault=k_scale_swap", "fail", "KV head 0 dequantised with head 1's k_scale"),
     ZooEntry("attention arithmetic: P in e5m2, e4m3 declared", "mla", "fp8_e4m3:calibrated:fp8_p:fault=p_e5m2",

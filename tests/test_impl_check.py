@@ -67,12 +67,12 @@ def test_no_fault_is_the_declared_computation_bit_for_bit():
 
 
 # Each fault's error / torch's (SDPA bf16) error on the same inputs, and its relative output error. Measured on
-# these inputs (seeds 0-2, 37 keys): scores_bf16 2.3-2.6x, scale_off 2.5-2.8x, exp_poly 2.8-2.9x, pv_bf16 1.5-1.6x
-# (only 10 bf16 additions at 37 keys), k_scale_swap 19-22x, p_e5m2 34-37x; relative errors 0.26%-6.2%. The lower
+# these inputs (seeds 0-2, 37 keys): scores_bf16 2.3-2.6x, scale_off 2.5-2.8x, exp_poly 2.8-2.9x, pv_bf16 1.9-2.2x
+# (grows with the keys summed), k_scale_swap 19-22x, p_e5m2 34-37x; relative errors 0.33%-6.2%. The lower
 # bound (about 80% of the smallest measured) says torch's own rounding cannot explain it; the cap (10% relative)
 # says it is a small fault, not a broken path.
 @pytest.mark.parametrize("fault, min_ratio", [("scores_bf16", 1.8), ("scale_off", 2.0), ("exp_poly", 2.2),
-                                              ("pv_bf16", 1.2), ("k_scale_swap", 15.0), ("p_e5m2", 25.0)])
+                                              ("pv_bf16", 1.5), ("k_scale_swap", 15.0), ("p_e5m2", 25.0)])
 def test_each_fault_is_real_and_small(fault, min_ratio):
     q, k, v = _inputs(seed=1)
     scaling = q.shape[-1] ** -0.5
@@ -102,7 +102,8 @@ def test_poly_exp_and_bf16_accumulator():
     v = torch.randn(3, 50, 8)
     exact = p.double() @ v.double()
     acc = bf16_accumulated(p, v).double()
-    assert (acc - exact).abs().max() < 4 * 2 ** -8 * exact.abs().max() + 1e-6  # 13 bf16 roundings, each <= 2^-9
+    # 50 bf16 roundings of the running sum, each <= 2^-9 relative: a random walk of ~sqrt(50) x 2^-9 / sqrt(3)
+    assert (acc - exact).abs().max() < 8 * 2 ** -9 * exact.abs().max() + 1e-6
     assert not torch.equal(acc, (p @ v).double())
 
 

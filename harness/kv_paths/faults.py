@@ -26,12 +26,12 @@ FAULTS: dict[str, str] = {
     "scale_off": "softmax scale 1/sqrt(d) off by 1% (a head dim or a folded constant slightly wrong)",
     "exp_poly": "exp in the softmax from a degree-2 polynomial after range reduction to [0, ln 2) (a fast-exp "
                 "shortcut, up to 3.3% low)",
-    "pv_bf16": "P.V accumulated in bf16 across key tiles of 4 (fp32 within a tile): a bf16 accumulator",
+    "pv_bf16": "P.V accumulated in bf16, key by key: a bf16 accumulator",
     "k_scale_swap": "KV head 0's keys dequantised with KV head 1's k_scale (per-head scales indexed wrong)",
     "p_e5m2": "the probabilities cast to e5m2 where the path declares e4m3 (fp8_p)",
 }
 SCALE_ERROR = 2.0 ** -7  # scale_off: the softmax scale times (1 + 2^-7), 0.8%
-PV_TILE = 4  # pv_bf16: keys per fp32 partial sum
+PV_TILE = 1  # pv_bf16: keys per fp32 partial sum (1: the running sum is rounded to bf16 after every key)
 
 
 def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool) -> str | None:

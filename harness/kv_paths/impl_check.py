@@ -16,6 +16,11 @@ be 0 from dividing by 0). The KV quantisation error both the path and its exact 
 what is left is the arithmetic. A healthy path sits near 1 (on the CPU its output is SDPA's, or attention_fp8's
 fp32 arithmetic, over the very same inputs); a fault in the arithmetic sits far above.
 
+Threshold (the verdicts' DEFAULT_THRESHOLDS, harness/analysis/verdicts.py): warn 1.4, fail 1.8. Measured on the
+CPU with `python benchmarks/impl_check.py` on the canaries: healthy paths (FP8 KV of every format and scale
+source, FP8 attention with calibrated q/prob scales) sit at 1.00-1.12, the attention-arithmetic fault injectors
+(harness/kv_paths/faults.py) at 2.1 (pv_bf16, 4-key tiles) to 540 (k_scale_swap).
+
 Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
 `decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
 Batched calls (more than one sequence; the batched replay on CUDA) are not probed: there the check does not run,
