@@ -39,8 +39,9 @@ from kernels import reference as fp8
 
 @dataclass(frozen=True, slots=True)
 class ProbeOptions:
-    """How much each turn samples. Defaults measured on the CPU default run (see `harness.job` and the
-    evidence report in BENCHMARKS.md): rows=4, heads=all, decode_every=8."""
+    """How much each turn samples: 4 query rows of every prefill chunk and of every 8th decode step, all heads
+    (up to 32), every attention layer. Its cost: `python benchmarks/impl_check.py --cost` (generation time with the
+    check on and off, interleaved)."""
 
     rows: int = 4  # query rows per prefill chunk (evenly spread, last included)
     max_heads: int = 32  # query heads per layer (evenly spread)
