@@ -64,14 +64,15 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "canary-arith-2); warn = max + 30%, fail = 2.6x max rounded to 0.5 nats"),
     DefaultThreshold(
         "attn_impl_err_ratio", warn=1.4, fail=1.8,
-        measured="the implementation check (harness/kv_paths/impl_check.py), CPU, one sequence at a time. Healthy "
-                 "(benchmarks/impl_check.py --tokens 16 on canary-arith-1, recall-1, chat-1, needle-1: 7 turns gqa, "
-                 "5 mla): bf16 / fp8_e4m3 / per-head calibrated / e5m2 / fp8_q:fp8_p calibrated max 1.09-1.13 "
-                 "(gqa; the largest fp8_q:fp8_p 1.131), 1.00-1.08 (mla); random-weight llama free text 1.04-1.07. "
-                 "Fault injectors (one sales chat, 48 tokens, gqa / mla): pv_bf16 (4-key tiles; now 1-key, "
-                 "stronger) 2.1 / 2.5, exp_poly 4.0 / 4.2, scale_off 5.3 / 3.5, scores_bf16 5.4 / 6.7, p_e5m2 "
-                 "39 / 34, k_scale_swap 201 (gqa). warn = healthy max + 24%; fail = 1.6x healthy max, 15% below "
-                 "the weakest fault. Not yet measured: CUDA with our decode kernels (tests/test_impl_check.py --gpu)"),
+        measured="the implementation check (harness/kv_paths/impl_check.py), CPU, one sequence at a time, "
+                 "benchmarks/impl_check.py --tokens 16 on canary-arith-1, recall-1, chat-1, needle-1 (7 turns gqa, "
+                 "5 mla). Healthy per-turn max: gqa 1.09-1.13 (bf16, fp8_e4m3, per-head calibrated, e5m2, "
+                 "fp8_q:fp8_p calibrated 1.131), mla 1.00-1.08; random-weight llama on free text 1.04-1.07. Fault "
+                 "injectors, per-turn min gqa / mla: scores_bf16 3.27 / 3.07, scale_off 3.88 / 4.11, exp_poly "
+                 "2.93 / 3.14, pv_bf16 1.71 (4-key tiles, since made 1-key) / 4.90, p_e5m2 35.0 / 32.7, "
+                 "k_scale_swap 108 (gqa; MLA keeps one latent scale: nothing to swap). warn = healthy max + 24%; "
+                 "fail = 1.6x healthy max. Not yet measured: CUDA with our decode kernels (tests/test_impl_check.py "
+                 "--gpu)"),
 )
 # Compare's tolerance floor per metric (harness/runs/compare.py): how far apart equally healthy paths sit.
 # Measured on that same run: for each canary, the mean of each metric over its 21 turns on each of
