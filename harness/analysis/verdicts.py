@@ -65,8 +65,8 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
     DefaultThreshold(
         "attn_impl_err_ratio", warn=1.4, fail=1.8,
         measured="the implementation check (harness/kv_paths/impl_check.py), CPU, one sequence at a time, "
-                 "benchmarks/impl_check.py --tokens 16 on canary-arith-1, recall-1, chat-1, needle-1 (7 turns gqa, "
-                 "5 mla). Healthy per-turn max: gqa 1.09-1.13 (bf16, fp8_e4m3, per-head calibrated, e5m2, "
+                 "benchmarks/impl_check.py: gqa --tokens 16 on canary-arith-1, recall-1, chat-1, needle-1 (7 "
+                 "turns), mla --tokens 12 on recall-1, chat-1 (5 turns). Healthy per-turn max: gqa 1.09-1.13 (bf16, fp8_e4m3, per-head calibrated, e5m2, "
                  "fp8_q:fp8_p calibrated 1.131), mla 1.00-1.08; random-weight llama on free text 1.04-1.07. Fault "
                  "injectors, per-turn min gqa / mla: scores_bf16 3.27 / 3.07, scale_off 3.88 / 4.11, exp_poly "
                  "2.93 / 3.14, pv_bf16 1.71 (4-key tiles, since made 1-key) / 4.90, p_e5m2 35.0 / 32.7, "

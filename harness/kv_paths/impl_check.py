@@ -17,7 +17,7 @@ what is left is the arithmetic. A healthy path sits near 1 (on the CPU its outpu
 fp32 arithmetic, over the very same inputs); a fault in the arithmetic sits far above.
 
 Threshold (the verdicts' DEFAULT_THRESHOLDS, harness/analysis/verdicts.py): warn 1.4, fail 1.8. Measured on the
-CPU with `python benchmarks/impl_check.py --tokens 16` on four default canary scenarios: healthy paths (FP8 KV of
+CPU with `python benchmarks/impl_check.py` on 4 default canary scenarios (gqa, 16 tokens) and 2 (mla, 12): healthy paths (FP8 KV of
 every format and scale source, FP8 attention with calibrated q/prob scales) per-turn max 1.13 (gqa) / 1.08 (mla);
 the attention-arithmetic fault injectors (harness/kv_paths/faults.py) per-turn min 2.9-108 (gqa) and 3.1-33 (mla),
 except pv_bf16 with the earlier 4-key tiles at 1.71 on one gqa turn (now 1-key tiles: 4.9 min on mla).
