@@ -130,6 +130,12 @@ def _build_parser() -> argparse.ArgumentParser:
                                     ":checkpoint reads)")
     attention_cli.add_calibrate_options(calibrate)
     _add_device(calibrate)
+    scenarios = commands.add_parser("scenarios", help="scenario tools: turn a JSONL task file into a scenario file")
+    scenario_tools = scenarios.add_subparsers(dest="scenarios_command", required=True)
+    from_jsonl = scenario_tools.add_parser("from-jsonl", help="JSONL task items (GSM8K question/answer, needles) -> "
+                                                              "a YAML scenario file")
+    from_jsonl.add_argument("file", type=Path, metavar="FILE.jsonl", help="the task file")
+    from_jsonl.add_argument("--out", type=Path, required=True, metavar="DIR", help="writes DIR/<FILE stem>.yaml")
     return parser
 
 
@@ -139,6 +145,10 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="local transformers model directory (repeatable); default: the bundled canaries")
     run.add_argument("--scenarios", action="append", type=Path, metavar="PATH",
                      help="scenario file or directory (repeatable); default: scenarios/canary/*.yaml")
+    run.add_argument("--tasks", action="append", type=Path, metavar="FILE.jsonl",
+                     help="your own task items, one JSON object per line (GSM8K-style question/answer, or needle/"
+                          "question/answer), replayed as scenarios (repeatable; harness/scenarios/tasks.py); "
+                          "without --scenarios only these run")
     run.add_argument("--select", action="append", metavar="TERMS",
                      help="keep only scenarios matching any term (comma-separated, repeatable): tag:NAME, "
                           "kind:NAME (chat, arithmetic, recall, long_context), id:GLOB, or a bare GLOB "
@@ -324,6 +334,22 @@ def _say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
+def _scenario_paths(args: argparse.Namespace) -> tuple[Path, ...] | None:
+    """--scenarios and --tasks files (the loader reads *.jsonl as task files); None (the default set) without either."""
+    for file in args.tasks or ():
+        if file.suffix != ".jsonl":
+            raise ValueError(f"--tasks {file}: a task file is JSON lines named *.jsonl (harness/scenarios/tasks.py)")
+    return (tuple(args.scenarios or ()) + tuple(args.tasks or ())) or None
+
+
+def _scenarios(args: argparse.Namespace) -> int:
+    from harness.scenarios.tasks import write_yaml
+
+    target, count = write_yaml(args.file, args.out)
+    print(f"wrote {count} scenarios to {target}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
@@ -357,7 +383,7 @@ def _run(args: argparse.Namespace) -> int:
         models = select_models(models, args.models or ())
         config = build_run_config(
             command=["harness", *sys.argv[1:]], out=args.out, device=args.device, models=models,
-            scenario_paths=args.scenarios, paths=args.paths, yardstick=args.yardstick, select=tuple(args.select or ()),
+            scenario_paths=_scenario_paths(args), paths=args.paths, yardstick=args.yardstick, select=tuple(args.select or ()),
             history_mode=args.history_mode, resume=args.resume, calibration_paths=tuple(args.calibration or ()),
             reference_url=args.reference, candidate_urls=tuple(args.candidate or ()), judge_url=args.judge,
             judge_selection=args.judge_turns, api_key_env=args.api_key_env, tokenizer=args.tokenizer,
@@ -451,7 +477,8 @@ def _attention(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": _run, "report": _report, "compare": _compare, "export": _export, "serve": _serve,
             "nightly": _nightly, "zoo": _zoo, "judge-scores": _judge_scores, "attention": _attention,
-            "sensitivity": attention_cli.sensitivity, "calibrate": attention_cli.calibrate}
+            "sensitivity": attention_cli.sensitivity, "calibrate": attention_cli.calibrate,
+            "scenarios": _scenarios}
 REPLAYS = ("run", "attention")  # commands whose interruption leaves a resumable run
 
 

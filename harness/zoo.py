@@ -48,6 +48,23 @@ FAULTS: tuple[ZooEntry, ...] = (
     ZooEntry("class 3: checkpoint k_scale on BF16 scores", "mla", "bf16:calibrated:k_scale_on_scores", "fail",
              "BF16 cache, attention scores multiplied by the calibrated k_scale (~0.03), as the SGLang MLA bug"),
 )
+# Attention-arithmetic faults (harness/kv_paths/faults.py): each stays below token-level noise on short text, so
+# only the implementation check (attn_impl_err_ratio: the path's attention against fp64 attention over the same
+# K/V and its declared Q/P quantisation, relative to torch's own error) catches it. Spread over the canaries.
+ARITHMETIC_FAULTS: tuple[ZooEntry, ...] = (
+    ZooEntry("attention arithmetic: scores rounded to bf16", "gqa", "fp8_e4m3:calibrated:fault=scores_bf16", "fail",
+             "S rounded to bf16 before the softmax's max subtraction"),
+    ZooEntry("attention arithmetic: softmax scale 0.8% off", "mla", "fp8_e4m3:calibrated:fault=scale_off", "fail",
+             "1/sqrt(d) times (1 + 2^-7)"),
+    ZooEntry("attention arithmetic: polynomial exp", "hybrid", "fp8_e4m3:calibrated:fault=exp_poly", "fail",
+             "degree-2 exp after range reduction, up to 3.3% low"),
+    ZooEntry("attention arithmetic: bf16 PV accumulator", "gqa", "fp8_e4m3:calibrated:fault=pv_bf16", "fail",
+             "P.V summed in bf16, key by key"),
+    ZooEntry("attention arithmetic: k_scale of the wrong head", "gqa",
+             "fp8_e4m3:per_head:calibrated:fault=k_scale_swap", "fail", "KV head 0 dequantised with head 1's k_scale"),
+    ZooEntry("attention arithmetic: P in e5m2, e4m3 declared", "mla", "fp8_e4m3:calibrated:fp8_p:fault=p_e5m2",
+             "fail", "FP8 probabilities cast to the wrong format"),
+)
 # Class 4 is a cost difference with the same replies: both decode kernels must pass; kernel_ms_per_step differs.
 GPU_ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry("class 4: our Triton MLA FP8 kernel", "mla", "fp8_e4m3:calibrated:kernel=triton", "pass", gpu_only=True),
@@ -67,6 +84,8 @@ STRESS_ENTRIES: tuple[ZooEntry, ...] = (
              "fp8_e4m3:per_head:calibrated", "measure"),
 )
 HEALTHY_PATHS = ("bf16", "fp8_e4m3:calibrated")
+# FP8 attention with its calibrated q/prob scales: healthy, and the implementation check must leave it alone.
+HEALTHY_FP8_ATTENTION = "fp8_e4m3:calibrated:fp8_q:fp8_p"
 HEALTHY_MODELS = ("gqa", "mla", "hybrid", LATENT_VARIANT)
 LONG_CONTEXT_MODEL = "stress/gqa-long16k"  # recalls needles at 16000 filler characters (16k tokens)
 LONG_CONTEXT_DIR = "long-context"  # the zoo's second run, inside its run directory
@@ -160,7 +179,9 @@ def _load(model: str):
 
 def zoo_entries(device: str, stress: bool = False) -> list[ZooEntry]:
     healthy = [ZooEntry("healthy", model, path, "pass") for model in HEALTHY_MODELS for path in HEALTHY_PATHS]
-    return (list(FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
+    healthy += [ZooEntry("healthy FP8 attention", model, HEALTHY_FP8_ATTENTION, "pass")
+                for model in ("gqa", "mla", "hybrid")]
+    return (list(FAULTS) + list(ARITHMETIC_FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
             + (list(STRESS_ENTRIES) if stress else []))
 
 

@@ -76,13 +76,20 @@ def test_zoo_detection_matrix_on_cpu(tmp_path):
     print(detection["markdown"])
     faults = [r for r in detection["rows"] if r["expect"] == "fail"]
     healthy = [r for r in detection["rows"] if r["expect"] == "pass"]
-    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3"}
+    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3", "attenti"}
     for row in faults:
         assert (row["failed_turns"] > 0 or row["path_failed"]) and row["families"] and row["questions"], \
             f"missed: {row}"
+    # the attention-arithmetic faults are caught by the implementation check (the "attention error" family)
+    arithmetic = [r for r in faults if r["label"].startswith("attention arithmetic")]
+    assert len(arithmetic) == 6
+    for row in arithmetic:
+        assert row["families"].get("attention error", 0) > 0, f"not through the attention error: {row}"
     for row in healthy:
         assert row["turns"] > 0 and row["failed_turns"] == 0 and not row["path_failed"], f"false alarm: {row}"
-    assert len(healthy) == 8  # bf16 and calibrated fp8_e4m3 on gqa, mla, hybrid and the latent variant
+    # bf16 and calibrated fp8_e4m3 on gqa, mla, hybrid and the latent variant; FP8 attention (q/prob scales) on
+    # gqa, mla and hybrid
+    assert len(healthy) == 11
     assert all(case["ok"] for case in detection["spec_cases"]), detection["spec_cases"]
     assert detection["ok"]
     stored = json.loads((tmp_path / "zoo" / "detection.json").read_text())
@@ -130,14 +137,21 @@ def test_zoo_entries_and_config():
     """Every preset names a valid spec and an existing canary; the run gives each model only its own paths."""
     from harness.zoo import STRESS_ENTRIES, zoo_config, zoo_entries
 
+    from harness.zoo import ARITHMETIC_FAULTS
+
     cpu, gpu, stress = zoo_entries("cpu"), zoo_entries("cuda"), zoo_entries("cpu", stress=True)
+    assert all(e.expect == "fail" and parse_path(e.path).fault for e in ARITHMETIC_FAULTS)
+    assert {parse_path(e.path).fault for e in ARITHMETIC_FAULTS} == {"scores_bf16", "scale_off", "exp_poly",
+                                                                    "pv_bf16", "k_scale_swap", "p_e5m2"}
     assert len(gpu) == len(cpu) + 2 and len(stress) == len(cpu) + len(STRESS_ENTRIES)
     for entry in stress + gpu:
         assert (CANARY_WEIGHTS / entry.model / "config.json").exists() or \
             (CANARY_WEIGHTS / entry.model / "variant.json").exists()
     config = zoo_config(Path("/tmp/unused"), (ZOO_SCENARIOS,), stress)
     by_model = dict(config.paths_by_model)
-    assert by_model[str(CANARY_WEIGHTS / "gqa")] == ("bf16", "fp8_e4m3:calibrated")
+    assert set(by_model[str(CANARY_WEIGHTS / "gqa")]) == {
+        "bf16", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:fp8_q:fp8_p", "fp8_e4m3:calibrated:fault=scores_bf16",
+        "fp8_e4m3:calibrated:fault=pv_bf16", "fp8_e4m3:per_head:calibrated:fault=k_scale_swap"}
     assert "fp8_e4m3:warmup" in by_model[str(CANARY_WEIGHTS / "hybrid")]
     assert "fp8_e4m3:warmup" not in by_model[str(CANARY_WEIGHTS / "mla")]
     assert {p.name for p in config.paths} == {"bf16", *(e.path for e in stress)}

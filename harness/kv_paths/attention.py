@@ -279,17 +279,24 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
         cache = active_cache.get()
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        model_query, scaling = query, kwargs.get("scaling") or module.scaling  # before any path changes them
+        fault = getattr(getattr(layer, "kv_path", None), "fault", "")  # a fault injector (kv_paths/faults.py)
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
         quant = getattr(layer, "attn_quant", None)
         raw_query = query
-        paged = getattr(layer, "paged", None)
+        paged = getattr(layer, "paged", None) if not fault else None
         batched_kernel = paged is not None and query.shape[2] == 1 and hasattr(paged, "decode")
         if batched_kernel and not paged.step.check and getattr(module, observer_attr, None) is None:
             # batched replay, unchecked step: the kernel's output is the output; torch's attention is only the
             # yardstick of a checked step, so it is not computed here
             return paged.decode(module, raw_query, None), None
-        if quant is None:
+        if fault:  # the path's attention is the faulty arithmetic, kernels included
+            from harness.kv_paths.faults import faulty_attention
+
+            output, weights = faulty_attention(fault, query, key, value, scaling, attention_mask, quant,
+                                               getattr(layer, "k_scale", None)), None
+        elif quant is None:
             with sdpa_backends(query):
                 if _beyond_sdpa(kwargs):
                     output, weights = _model_eager_attention(module, query, key, value, attention_mask, kwargs)
@@ -312,6 +319,9 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             kernel_out = _timed_decode(module, raw_query, paged, quant)
             paged.agreement.add(kernel_out, output, _exact_attention(module, raw_query, paged))
             output = kernel_out
+        probe = getattr(layer, "impl_probe", None)  # the implementation check (harness/kv_paths/impl_check.py)
+        if probe is not None:
+            probe.observe(module, model_query, key, value, attention_mask, scaling, output)
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:
             replaced = observer(module, query, key, value, output)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.kv_paths.faults import FAULTS
+
 # `harness run` without --paths: healthy paths only, so a default run exits 0 on a sound install. The known-bad
 # fp8_e4m3:warmup (scales from one dummy pass) is the README's demonstration of a failing path.
 DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2"
@@ -32,6 +34,9 @@ DIMENSIONS = {
     "scores": ("k_scale_on_scores",),
     "query": ("bf16_q", "fp8_q"),
     "probs": ("bf16_p", "fp8_p"),
+    # Fault injectors, not choices: attention arithmetic broken on purpose, small enough to stay below token-level
+    # noise on short text (harness/kv_paths/faults.py); the zoo's presets, caught by the implementation check.
+    "fault": tuple(f"fault={name}" for name in FAULTS),
 }
 KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
 SCALE_SOURCE_HELP = {
@@ -63,6 +68,7 @@ class KVPath:
     fp8_q: bool = False  # the query quantised to e4m3 with a q_scale before QK^T
     fp8_prob: bool = False  # the softmax probabilities quantised to e4m3 with a prob_scale before PV
     bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
+    fault: str = ""  # an attention-arithmetic fault injector (`fault=NAME`, harness/kv_paths/faults.py); "" none
 
     @property
     def quantizes_attention(self) -> bool:
@@ -81,6 +87,8 @@ class KVPath:
         extra += [":fp8_p"] if self.fp8_prob else []
         if self.bf16_layers:
             extra.append(":keep_bf16=" + "+".join(str(i) for i in self.bf16_layers))
+        if self.fault:
+            extra.append(f":fault={self.fault}")
         return extra
 
     def _canonical_kv(self) -> str:
@@ -104,6 +112,8 @@ class KVPath:
             extra.append(f"fp8 e4m3 attention {' and '.join(parts)}, scales from {self.scale_source}")
         if self.bf16_layers:
             extra.append(f"attention layers {', '.join(map(str, self.bf16_layers))} kept in bf16")
+        if self.fault:
+            extra.append(f"fault injector: {FAULTS[self.fault]}")
         return "; ".join([self._describe_kv(), *extra])
 
     def _describe_kv(self) -> str:
@@ -132,7 +142,10 @@ def parse_path(spec: str) -> KVPath:
     chosen: dict[str, str] = {}
     bf16_layers: tuple[int, ...] = ()
     for option in options:
-        if "=" in option:
+        if option.startswith("fault=") and option not in DIMENSIONS["fault"]:
+            raise PathSpecError(f"KV path {spec!r}: unknown fault {option.removeprefix('fault=')!r}; fault "
+                                f"injectors are {', '.join(FAULTS)} (harness/kv_paths/faults.py)")
+        if "=" in option and not option.startswith("fault="):
             if bf16_layers:
                 raise PathSpecError(f"KV path {spec!r} sets the per-layer precision map twice")
             bf16_layers = _keyed_option(spec, option)
@@ -152,6 +165,13 @@ def parse_path(spec: str) -> KVPath:
             f"cannot also come from {source!r}; use per_tensor or per_head for {source!r} scales")
     if "scores" in chosen:
         _check_k_scale_on_scores(spec, FORMATS[head], source)
+    fault = chosen.get("fault", "").removeprefix("fault=")
+    if fault:
+        from harness.kv_paths.faults import check
+
+        problem = check(text, fault, FORMATS[head], granularity, chosen.get("probs") == "fp8_p")
+        if problem:
+            raise PathSpecError(f"KV path {spec!r}: {problem}")
     return KVPath(
         name=text,
         fmt=FORMATS[head],
@@ -164,6 +184,7 @@ def parse_path(spec: str) -> KVPath:
         fp8_q=chosen.get("query") == "fp8_q",
         fp8_prob=chosen.get("probs") == "fp8_p",
         bf16_layers=bf16_layers,
+        fault=fault,
     )
 
 

@@ -20,7 +20,7 @@ import torch
 
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
-from harness.kv_paths import attention, decode_kernels
+from harness.kv_paths import attention, decode_kernels, impl_check
 from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
 from harness.kv_paths.cache import (
     KVWriteStats,
@@ -336,6 +336,7 @@ class InProcessBackend:
         stats = KVWriteStats()
         cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
         agreement = self._attach_kernels(cache)
+        probe = impl_check.attach(cache) if self.kv_path is not None and impl_check.enabled() else None
         token = attention.active_cache.set(cache)
         try:
             # on the CPU only: a kept CUDA cache would hold GPU memory the batched replay sizes its batches from
@@ -347,6 +348,8 @@ class InProcessBackend:
         metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
         if agreement is not None:
             metrics.update(agreement.as_record())
+        if probe is not None:  # the implementation check (harness/kv_paths/impl_check.py)
+            metrics = {**(metrics or {}), **probe.as_record()}
         return token_ids, finish_reason, metrics
 
     def _attach_kernels(self, cache) -> KernelAgreement | None:

@@ -119,13 +119,16 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 
 def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
     """Why this path cannot run in the batched replay (harness/replay/batched.py), or None: attention capture,
-    decode-kernel plug-ins and FP8 attention (q/prob scales) run through the one-sequence path only."""
+    decode-kernel plug-ins, FP8 attention (q/prob scales) and fault injectors run through the one-sequence path
+    only."""
     if capture:
         return "attention capture (--attention) observes one sequence at a time"
     if kv_path is not None and kv_path.kernel:
         return f"path {kv_path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
     if kv_path is not None and kv_path.quantizes_attention:
         return f"path {kv_path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
+    if kv_path is not None and kv_path.fault:  # the implementation check that catches it probes one sequence
+        return f"path {kv_path.name}: fault injectors (fault=) are replayed one sequence at a time"
     return None
 
 

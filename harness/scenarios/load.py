@@ -135,7 +135,7 @@ def load_scenarios(paths: Sequence[str | Path]) -> list[Scenario]:
     scenarios: list[Scenario] = []
     first_seen: dict[str, str] = {}  # id -> file that defined it first
     for file in files:
-        for scenario_id, scenario in _load_file(file, problems):
+        for scenario_id, scenario in _load_any(file, problems):
             where = f"{file}: scenario {scenario_id!r}"
             if scenario_id in first_seen:
                 problems.append(f"{where}: field 'id': duplicate id {scenario_id!r}, "
@@ -147,6 +147,15 @@ def load_scenarios(paths: Sequence[str | Path]) -> list[Scenario]:
     if problems:
         raise ScenarioError(problems)
     return scenarios
+
+
+def _load_any(file: Path, problems: list[str]) -> list[tuple[str, Scenario | None]]:
+    """A YAML scenario file, or a JSONL task file (harness/scenarios/tasks.py) named directly."""
+    from harness.scenarios import tasks
+
+    if tasks.is_task_file(file):
+        return [(scenario.id, scenario) for scenario in tasks.load_task_file(file, problems)]
+    return _load_file(file, problems)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""The implementation check: is a path's attention what its declared numerics say it should be?
+
+A probe on each attention cache layer of a path's cache (`attach`) sees every call of the registered attention
+function (`harness.kv_paths.attention`) and, for a sample of query rows, compares
+  - the path's actual attention output (what the model goes on with: SDPA, the torch FP8-attention reference,
+    a decode kernel's output, or a fault injector's), against
+  - exact attention in fp64 over the same K/V the attention function got (an FP8 cache's codes x its declared
+    scale, as the cache read them back into the model dtype) with the path's declared Q and P quantisation
+    (`kernels.reference.attention_fp8`'s definition),
+relative to torch's own error at the attention dtype: SDPA in that dtype on the same rows against fp64
+attention over the same inputs. Both errors are pooled per layer as root-sum-square over the sampled rows
+and heads (per head as well, to name the worst head), and
+    attn_impl_err_ratio = max over layers of  ||o_path - o_exact|| / max(||o_sdpa - o_plain||, floor)
+with floor = eps(dtype)/8 x ||o_plain|| (the output's own rounding; keeps a row whose SDPA error happens to
+be 0 from dividing by 0). The KV quantisation error both the path and its exact attention share cancels:
+what is left is the arithmetic. A healthy path sits near 1 (on the CPU its output is SDPA's, or attention_fp8's
+fp32 arithmetic, over the very same inputs); a fault in the arithmetic sits far above.
+
+Threshold (the verdicts' DEFAULT_THRESHOLDS, harness/analysis/verdicts.py): warn 1.4, fail 1.8. Measured on the
+CPU with `python benchmarks/impl_check.py` on 4 default canary scenarios (gqa, 16 tokens) and 2 (mla, 12): healthy paths (FP8 KV of
+every format and scale source, FP8 attention with calibrated q/prob scales) per-turn max 1.13 (gqa) / 1.08 (mla);
+the attention-arithmetic fault injectors (harness/kv_paths/faults.py) per-turn min 2.9-108 (gqa) and 3.1-33 (mla),
+except pv_bf16 with the earlier 4-key tiles at 1.71 on one gqa turn (now 1-key tiles: 4.9 min on mla).
+
+Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
+`decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
+Batched calls (more than one sequence; the batched replay on CUDA) are not probed: there the check does not run,
+and fault-injector paths are replayed one sequence at a time (harness/job.py) so the check sees them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import reference as fp8
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOptions:
+    """How much each turn samples: 4 query rows of every prefill chunk and of every 8th decode step, all heads
+    (up to 32), every attention layer. Its cost: `python benchmarks/impl_check.py --cost` (generation time with the
+    check on and off, interleaved)."""
+
+    rows: int = 4  # query rows per prefill chunk (evenly spread, last included)
+    max_heads: int = 32  # query heads per layer (evenly spread)
+    decode_every: int = 8  # probe decode steps 0, 8, 16, ... of a turn
+
+    def __post_init__(self):
+        if self.rows < 1 or self.max_heads < 1 or self.decode_every < 1:
+            raise ValueError(f"implementation check needs rows, heads and decode_every >= 1, got {self}")
+
+
+@dataclass
+class ImplProbe:
+    """Pooled squared errors per (layer, head): [path error^2, torch error^2, floor^2, rows]."""
+
+    options: ProbeOptions = ProbeOptions()
+    sums: dict = field(default_factory=dict)
+    decode_calls: dict = field(default_factory=dict)
+    skipped_batched: int = 0
+
+    def observe(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scaling: float,
+                output: torch.Tensor) -> None:
+        """query [B, Hq, T, D] (before the path quantises it), key/value [B, Hkv, L, D] as the attention function
+        got them, output [B, T, Hq, Dv] (the path's actual output)."""
+        if query.shape[0] != 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.skipped_batched += 1  # a batch of sequences, or a CUDA graph being captured: not probed
+            return
+        layer = int(module.layer_idx)
+        chunk = query.shape[2]
+        if chunk == 1:
+            calls = self.decode_calls.get(layer, 0)
+            self.decode_calls[layer] = calls + 1
+            if calls % self.options.decode_every:
+                return
+        self._measure(module, layer, query, key, value, mask, scaling, output)
+
+    @torch.inference_mode()
+    def _measure(self, module, layer: int, query, key, value, mask, scaling, output) -> None:
+        from harness.kv_paths.capture import spread
+
+        chunk, length, heads = query.shape[2], key.shape[2], query.shape[1]
+        rows = torch.tensor(spread(chunk, self.options.rows), device=query.device)
+        head_idx = torch.tensor(spread(heads, self.options.max_heads), device=query.device)
+        valid = _valid(mask, rows, length, chunk, query.device)  # [R, L]
+        group = heads // key.shape[1]
+        kv_idx = head_idx // group
+        q = query[0].index_select(0, head_idx).index_select(1, rows)  # [Hs, R, D] model dtype
+        k = key[0].index_select(0, kv_idx)  # [Hs, L, D]
+        v = value[0].index_select(0, kv_idx)
+        k64, v64 = k.double(), v.double()
+        declared = self.declared_output(module, layer, q, k64, v64, valid, scaling)  # [Hs, R, Dv] fp64
+        plain = _attention64(q.double(), k64, v64, valid, scaling)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
+        actual = output[0].index_select(0, rows).index_select(1, head_idx).transpose(0, 1).double()
+        path_err = (actual - declared).square().sum(dim=(-1, -2))  # [Hs]
+        torch_err = (sdpa - plain).square().sum(dim=(-1, -2))
+        floor = plain.square().sum(dim=(-1, -2)) * (torch.finfo(query.dtype).eps / 8) ** 2
+        stacked = torch.stack([path_err, torch_err, floor]).cpu().tolist()
+        for i, head in enumerate(head_idx.tolist()):
+            entry = self.sums.setdefault((layer, head), [0.0, 0.0, 0.0, 0])
+            entry[0] += stacked[0][i]
+            entry[1] += stacked[1][i]
+            entry[2] += stacked[2][i]
+            entry[3] += rows.numel()
+
+    def declared_output(self, module, layer, q, k, v, valid, scaling) -> torch.Tensor:
+        return _attention64(q.double(), k, v, valid, scaling)
+
+    def as_record(self) -> dict[str, float]:
+        """attn_impl_err_ratio (the worst layer's, its heads pooled), that layer, its worst head (by the head's own
+        pooled ratio) and how many (row, head) pairs were compared."""
+        if not self.sums:
+            return {}
+        by_layer: dict[int, list[float]] = {}
+        for (layer, _), e in self.sums.items():
+            pooled = by_layer.setdefault(layer, [0.0, 0.0, 0.0])
+            for i in range(3):
+                pooled[i] += e[i]
+        layer_ratio = {layer: _ratio(e) for layer, e in by_layer.items()}
+        worst = max(layer_ratio, key=lambda layer: (layer_ratio[layer], -layer))
+        heads = {head: _ratio(e) for (layer, head), e in self.sums.items() if layer == worst}
+        head = max(heads, key=lambda h: (heads[h], -h))
+        return {"attn_impl_err_ratio": layer_ratio[worst], "attn_impl_worst_layer": float(worst),
+                "attn_impl_worst_head": float(head), "attn_impl_rows": float(sum(e[3] for e in self.sums.values()))}
+
+
+def _ratio(pooled: list[float]) -> float:
+    """sqrt(path error^2) / max(sqrt(torch error^2), sqrt(floor^2)); NaN in the path's output counts as inf."""
+    value = math.sqrt(pooled[0]) / max(math.sqrt(pooled[1]), math.sqrt(pooled[2]), 1e-300)
+    return value if math.isfinite(value) else math.inf
+
+
+@dataclass
+class DeclaredProbe(ImplProbe):
+    """The probe of one path's cache: the Q/P quantisation its FP8-attention layers declare."""
+
+    layers: dict = field(default_factory=dict)  # {layer index: the cache layer (QuantizedKVLayer)}
+
+    def observe(self, module, query, key, value, mask, scaling, output) -> None:
+        cache_layer = self.layers.get(int(module.layer_idx))
+        if (query.shape[2] == 1 and getattr(cache_layer, "paged", None) is not None
+                and getattr(cache_layer, "attn_quant", None) is not None):
+            # a decode step of our kernel's FP8 attention: its P is rounded tile-relative (kernels/decode_attention.py),
+            # another definition than attention_fp8's; those steps are judged by kernel_err_ratio instead
+            return
+        super().observe(module, query, key, value, mask, scaling, output)
+
+    def declared_output(self, module, layer, q, k, v, valid, scaling):
+        quant = getattr(self.layers.get(layer), "attn_quant", None)
+        if quant is None:
+            return _attention64(q.double(), k, v, valid, scaling)
+        return _attention_fp8_64(q, k, v, valid, scaling, quant)
+
+
+def attach(cache, options: ProbeOptions = ProbeOptions()) -> DeclaredProbe:
+    """One probe for all attention cache layers of `cache` (a path's, from `build_cache`); the attention function
+    finds it as the layer's `impl_probe`."""
+    probe = DeclaredProbe(options=options)
+    for index, layer in enumerate(cache.layers):
+        if hasattr(layer, "kv_path"):
+            probe.layers[index] = layer
+            layer.impl_probe = probe
+    return probe
+
+
+def _valid(mask, rows: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
+    """[R, L] bool: the keys each sampled query row attends (the mask's, else causal)."""
+    if isinstance(mask, torch.Tensor):
+        picked = mask[0, 0].index_select(0, rows)[..., :length]
+        return picked if picked.dtype == torch.bool else picked > -math.inf
+    positions = rows + (length - chunk)
+    return torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)
+
+
+def _attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """fp64 softmax(q k^T * scaling) v for q [Hs, R, D], k/v [Hs, L, D] fp64, valid [R, L]."""
+    logits = (q @ k.transpose(-1, -2)) * scaling
+    return torch.softmax(logits.masked_fill(~valid, -math.inf), dim=-1) @ v
+
+
+def _attention_fp8_64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
+                      quant) -> torch.Tensor:
+    """`attention_fp8`'s definition in fp64: Q quantised as the path declares (the same fp32 cast, so the same
+    codes), softmax in fp64, P rounded to the declared format under prob_scale, then P V."""
+    qf = q.float()
+    if isinstance(quant.q_scale, str):
+        qs = fp8.per_token_scale(qf, quant.fmt)
+        qf = fp8.dequantize(fp8.quantize(qf, qs, quant.fmt), qs)
+    elif quant.q_scale is not None:
+        qf = fp8.dequantize(fp8.quantize(qf, quant.q_scale, quant.fmt), quant.q_scale)
+    logits = (qf.double() @ k.transpose(-1, -2)) * scaling
+    probs = torch.softmax(logits.masked_fill(~valid, -math.inf), dim=-1)
+    if quant.prob_scale is not None:
+        scale = torch.as_tensor(quant.prob_scale, dtype=torch.float32, device=probs.device)
+        probs = (probs / scale.double()).to(fp8.fp8_dtype(quant.fmt)).double() * scale.double()
+    return probs @ v
+
+
+def enabled() -> bool:
+    """On unless HARNESS_IMPL_CHECK=0 (to time a run without it)."""
+    import os
+
+    return os.environ.get("HARNESS_IMPL_CHECK", "1") != "0"
