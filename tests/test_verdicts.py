@@ -139,7 +139,8 @@ def test_attention_implementation_error_answers_the_implementation_question():
     assert limit.question == "implementation"
     row = only(of(compute_verdicts(healthy(attn_impl_err_ratio=limit.fail * 2))))
     assert row["questions"] == {"implementation": "fail", "acceptable": "pass"}
-    assert only(of(compute_verdicts(healthy(attn_impl_err_ratio=1.5))))["verdict"] == "pass"
+    # 1.13: the largest healthy value measured (gqa, fp8_q:fp8_p calibrated; the threshold's measured text)
+    assert only(of(compute_verdicts(healthy(attn_impl_err_ratio=1.13))))["verdict"] == "pass"
 
 
 def test_pooled_divergence_uses_every_token_of_the_path_against_the_yardstick():
