@@ -170,8 +170,9 @@ def test_canary_healthy_paths_pass_and_faults_fail_the_default(canaries, arch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
 def test_canary_check_on_gpu_with_our_decode_kernels(arch):
-    """On CUDA the FP8 paths decode through our Triton kernels (one sequence at a time, as greedy_ids runs): the
-    kernels' outputs are what the check compares, so a healthy kernel path must also sit below the warn limit."""
+    """On CUDA the FP8 paths decode through our Triton kernels (one sequence at a time, as greedy_ids runs); those
+    decode steps are judged by kernel_err_ratio, so the check sees prefill and torch-served steps: a healthy path
+    must sit below the warn limit there too, and the faults (torch attention, no kernel) above the fail limit."""
     from harness.replay.inprocess import InProcessModel
 
     _healthy_pass_faults_fail(InProcessModel.load(CANARY_WEIGHTS / arch, device="cuda"), arch)

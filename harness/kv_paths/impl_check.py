@@ -25,7 +25,9 @@ except pv_bf16 with the earlier 4-key tiles at 1.71 on one gqa turn (now 1-key t
 Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
 `decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
 Batched calls (more than one sequence; the batched replay on CUDA) are not probed: there the check does not run,
-and fault-injector paths are replayed one sequence at a time (harness/job.py) so the check sees them.
+and fault-injector paths are replayed one sequence at a time (harness/job.py) so the check sees them. Decode steps
+served by a decode kernel are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`);
+on CUDA the check covers prefill and the torch-served steps.
 """
 
 from __future__ import annotations
@@ -142,10 +144,12 @@ class DeclaredProbe(ImplProbe):
 
     def observe(self, module, query, key, value, mask, scaling, output) -> None:
         cache_layer = self.layers.get(int(module.layer_idx))
-        if (query.shape[2] == 1 and getattr(cache_layer, "paged", None) is not None
-                and getattr(cache_layer, "attn_quant", None) is not None):
-            # a decode step of our kernel's FP8 attention: its P is rounded tile-relative (kernels/decode_attention.py),
-            # another definition than attention_fp8's; those steps are judged by kernel_err_ratio instead
+        if query.shape[2] == 1 and getattr(cache_layer, "paged", None) is not None:
+            # a decode step served by a decode kernel over the paged FP8 copy: the kernel's arithmetic (fp32 online
+            # softmax over tiles, bf16 P.V, tile-relative P for FP8 attention) is another declared computation than
+            # SDPA's, and its error against fp64 over the same codes is what kernel_err_ratio measures on these
+            # steps. Probed here, healthy kernel paths read 1.5-2.4x SDPA's error on an H100 (gqa, mla, hybrid
+            # canaries, tests/test_impl_check.py --gpu at 3ff5995+merges): above this check's CPU-measured limits.
             return
         super().observe(module, query, key, value, mask, scaling, output)
 
