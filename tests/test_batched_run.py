@@ -98,3 +98,21 @@ def test_graph_decode_on_the_cpu_is_refused_before_any_work(tiny_models, tmp_pat
                  "--model", str(tiny_models["gqa"]), "--decode", "graph"]) == 2
     assert "--decode graph" in capsys.readouterr().err
     assert not (out / "records.jsonl").exists()
+
+
+def test_batched_scoring_applies_the_path_s_attention_options(tmp_path):
+    """Class 3 (a BF16 cache with k_scale multiplied into the scores) lives in the attention function, which reads
+    it from the active cache: batched teacher-forced scoring must set that cache as generation does. Before, the
+    batched scorer left it unset and scored the fault as the reference (kl_mean exactly 0 on every turn, CPU and
+    H100), so `harness run --device cuda` could not see class 3; one at a time it reads 6.08 nats here (the
+    trained GQA canary: a random tiny model attends almost uniformly, and scaled scores barely move it)."""
+    common = ["--select", "id:canary-arith-1", "--no-progress", "--yardstick", "none", "--models", "gqa",
+              "--paths", "bf16:calibrated:k_scale_on_scores", "--no-fail-on-verdict"]
+    assert main(["run", "--out", str(tmp_path / "one"), *common]) == 0
+    assert main(["run", "--out", str(tmp_path / "batched"), "--batch-size", "2", *common]) == 0
+    kl = {run: [r["value"] for r in _rows(tmp_path / run, "records")
+                if r["path"] == "bf16:calibrated:k_scale_on_scores" and r["metric"] == "kl_mean"]
+          for run in ("one", "batched")}
+    assert kl["one"] and all(v > 1.0 for v in kl["one"]), kl  # the fault moves the scores: nats, not noise
+    # the same forward passes over the same tokens; batched products move values by the batch-invariance floor
+    assert kl["batched"] == pytest.approx(kl["one"], rel=0.05), kl

@@ -586,8 +586,17 @@ class BatchedEngine:
 
     def _score_batch(self, items: list) -> list[torch.Tensor]:
         prompts, continuations = [p for _, p, _ in items], [c[:-1] for _, _, c in items]
-        rows = len(prompts)
         ids, mask, positions, step, _, cache = self._start_batch(prompts)
+        # the attention function reads the path's attention-side options (k_scale_on_scores, FP8 q/P, faults)
+        # from the active cache: without it, teacher-forced scoring of such a path was the reference's
+        token = attention.active_cache.set(cache)
+        try:
+            return self._score_rows(ids, mask, positions, step, cache, continuations)
+        finally:
+            attention.active_cache.reset(token)
+
+    def _score_rows(self, ids, mask, positions, step, cache, continuations) -> list[torch.Tensor]:
+        rows = len(continuations)
         kv_path = self.backend.kv_path
         last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, logits_to_keep=1).logits[:, -1:].float()
