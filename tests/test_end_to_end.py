@@ -38,10 +38,11 @@ def full_run(tiny_models, tmp_path_factory) -> Path:
 def test_every_model_path_and_turn_has_records(full_run):
     frame = _table(full_run)
     assert set(frame["model"]) == {"gqa", "mla", "hybrid"}
-    assert set(frame["path"]) == {"reference", *PATHS.split(",")}
+    # the verdicts' yardstick path (fp8_e4m3:calibrated, docs/VERDICTS.md) joins the named paths
+    assert set(frame["path"]) == {"reference", *PATHS.split(","), "fp8_e4m3:calibrated"}
     kl = frame[frame["metric"] == "kl_max"]
-    # 4 scenarios; the chat's fixed middle turn generates nothing: 2 + 1 + 2 + 1 generated turns.
-    assert len(kl) == 3 * 4 * 6
+    # 4 scenarios; the chat's fixed middle turn generates nothing: 2 + 1 + 2 + 1 generated turns; 5 paths.
+    assert len(kl) == 3 * 5 * 6
     manifest = json.loads((full_run / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert {m["label"] for m in manifest["models"]} == {"gqa", "mla", "hybrid"}
@@ -74,7 +75,9 @@ def test_texts_series_and_checks_are_stored(full_run):
     fixed = [t for t in texts if t["scenario"] == "smoke-chat" and t["turn"] == 1]
     assert fixed and all(t["text"] == "Ten dollars. Thanks" and t["fixed"] for t in fixed)
     series = [json.loads(line) for line in (full_run / "series.jsonl").read_text().splitlines()]
-    assert {s["series"] for s in series} == {"kl", "top1_agree", "ref_logprob_delta", "ref_rank"}
+    # per token: divergence, and the reference's entropy, top-1 margin and flips the verdict statistics stratify by
+    assert {s["series"] for s in series} == {"kl", "top1_agree", "ref_logprob_delta", "ref_rank", "ref_entropy",
+                                             "ref_margin", "flip"}
     checks = [json.loads(line) for line in (full_run / "checks.jsonl").read_text().splitlines()]
     assert checks and all(c["metric"] == "kl_max" and c["scenario"] == "smoke-arith" for c in checks)
     assert (full_run / "report" / "index.html").is_file()
