@@ -96,7 +96,8 @@ def test_endpoint_metrics_agree_with_in_process(model, servers, tmp_path):
             await asyncio.gather(*(b.aclose() for b in backends))
 
     http, described = asyncio.run(over_http())
-    expected_keys = {k for k in in_process if not k[3].startswith("kv_")}  # cast statistics: in-process only
+    # cast statistics and the implementation check (a probe on the attention function) are in-process only
+    expected_keys = {k for k in in_process if not k[3].startswith(("kv_", "attn_impl_"))}
     assert set(http) == expected_keys
     assert {k[3] for k in http} >= {"first_divergent_token", "exact_match", "kl_mean", "top1_agree",
                                     "ref_logprob_delta_mean", "ref_rank_max", "answer_correct"}
