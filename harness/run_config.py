@@ -11,9 +11,9 @@ import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness.analysis.verdicts import DEFAULT_YARDSTICK
 from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scenarios, new_run_dir, parse_kv_paths,
                          resolve_device)
-from harness.analysis.verdicts import DEFAULT_YARDSTICK
 from harness.kv_paths.spec import KVPath
 from harness.records import scrub_credentials
 from harness.runs.gate import with_yardstick

@@ -285,3 +285,15 @@ def test_matrix_cells_answer_both_questions_and_name_what_was_not_answered(basel
 def test_strata_table_bins_divergence_by_context_position(baseline_report):
     strata = section(pages(baseline_report)["index.html"], 'id="strata-table"', "</table>")
     assert "context position" in strata and "fp8_e4m3" in strata
+
+
+def test_the_report_names_layers_kept_in_bf16_and_what_a_family_turns_off():
+    """manifest.families (replay/families.py) becomes one row per model in the report's manifest section."""
+    from harness.runs.report import families_view
+
+    rows = families_view({"gemma": {"family": "gemma2", "attention": ["GQA", "SWA", "softcap"], "fp8_layers": [0, 1],
+                                    "kept_bf16": {"2": "listed in the path's :layers= map"},
+                                    "decode_kernels": "off: logit soft-capping (50.0)"}})
+    assert rows == [{"model": "gemma", "family": "gemma2", "attention": "GQA, SWA, softcap", "fp8_layers": "0, 1",
+                     "kept_bf16": "layer 2: listed in the path's :layers= map",
+                     "off": "decode kernels: off: logit soft-capping (50.0)"}]

@@ -619,12 +619,28 @@ def manifest_view(manifest: dict) -> dict:
     noise = [{"model": m, "metric": k, "value": format_value(v), "zero": not v}
              for m, metrics in (manifest.get("noise_floor") or {}).items() for k, v in (metrics or {}).items()]
     shown = {"paths", "scales", "noise_floor", "models", "scenario_files", "versions", "scenarios", "warnings",
-             "verdicts"}  # verdicts: the headline matrix
+             "verdicts", "families"}  # verdicts: the headline matrix; families: its own table
     fields = [(k, readable(v)) for k, v in manifest.items() if k not in shown]
     return {"scales": scales, "noise": noise, "noise_zero": all(n["zero"] for n in noise), "fields": fields,
             "paths": manifest.get("paths", []), "models": manifest.get("models", []),
+            "families": families_view(manifest.get("families") or {}),
             "scenario_files": manifest.get("scenario_files", []), "scenarios": manifest.get("scenarios", []),
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
+
+
+def families_view(families: dict) -> list[dict]:
+    """Per model: its family, attention kinds, the layers stored in FP8, those kept in BF16 and why, and what the
+    family turns off (decode kernels, graph decode), as `manifest.families` holds them (replay/families.py)."""
+    rows = []
+    for label, facts in families.items():
+        kept = facts.get("kept_bf16") or {}
+        off = [f"{what}: {facts[key]}" for what, key in (("decode kernels", "decode_kernels"),
+                                                         ("graph decode", "graph_decode")) if facts.get(key)]
+        rows.append({"model": label, "family": facts.get("family"), "attention": ", ".join(facts.get("attention") or []),
+                     "fp8_layers": ", ".join(map(str, facts.get("fp8_layers") or [])) or "none",
+                     "kept_bf16": "; ".join(f"layer {layer}: {why}" for layer, why in kept.items()) or "none",
+                     "off": "; ".join(off)})
+    return rows
 
 
 def strata_view(run: StoredRun) -> list[dict]:
