@@ -544,6 +544,7 @@ def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scen
         loaded.calibration_chats, loaded.scales_file = calibration_chats, config.scales_file
     if path_name is None:
         _note_model(store, label, loaded, lambda message: print(message, file=sys.stderr))
+        _note_family(store, label, loaded, _model_paths(config, directory))
         asyncio.run(Replay(label, loaded.backend(None), [], store, config.history_mode).run(scenarios))
         return _reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios)
     path = next(p for p in config.paths if p.name == path_name)

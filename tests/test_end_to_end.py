@@ -46,6 +46,7 @@ def test_every_model_path_and_turn_has_records(full_run):
     manifest = json.loads((full_run / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert {m["label"] for m in manifest["models"]} == {"gqa", "mla", "hybrid"}
+    assert set(manifest["families"]) == {"gqa", "mla", "hybrid"}  # noted by the CPU tasks too (the report shows it)
     assert all(m["random_weights"] for m in manifest["models"])
     assert manifest["versions"]["torch"] and manifest["scenario_files"][0]["sha256"]
     for entry in manifest["paths"]:  # each path's route, per model (harness.replay.route)
