@@ -195,7 +195,7 @@ class HarnessSession:
             out = self.run_dir.with_name(self.run_dir.name + ".parts") / f"{worker}-{model}"
             self.parts[model] = out
             config = build_run_config(
-                models=(Path(chosen["dir"]),), scenario_paths=self.scenario_paths, paths=",".join(chosen["paths"]),
+                models=() if self.reference else (Path(chosen["dir"]),), scenario_paths=self.scenario_paths, paths=",".join(chosen["paths"]),
                 out=out, device=self.device(), reference_url=self.reference, candidate_urls=self.candidates,
                 judge_url=self.config.getoption("judge_endpoint"), thresholds=self.thresholds,
                 scenario_ids=tuple(chosen["scenarios"]), attention=self._attention(),

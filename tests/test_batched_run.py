@@ -38,13 +38,19 @@ def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     for key, ids in batched_texts.items():  # the bf16 path replies exactly as the reference in the batched run
         if key[2] == "bf16":
             assert ids == batched_texts[key[:2] + ("reference",) + key[3:]]
+    # the batched replay does not run the implementation check (attn_impl_*; harness/kv_paths/impl_check.py)
+    def rows_of(run: Path, table: str) -> list[dict]:
+        return [r for r in _rows(run, table) if not str(r.get("metric", "")).startswith("attn_impl_")]
+
     for table in ("records", "series", "checks"):
         if (one / f"{table}.jsonl").exists():
-            assert sorted(map(_key, _rows(one, table))) == sorted(map(_key, _rows(batched, table)))
+            assert sorted(map(_key, rows_of(one, table))) == sorted(map(_key, rows_of(batched, table)))
     records = {_key(r): r["value"] for r in _rows(batched, "records")}
-    for key, value in {_key(r): r["value"] for r in _rows(one, "records")}.items():
+    for key, value in {_key(r): r["value"] for r in rows_of(one, "records")}.items():
         if key[1] in {f[1] for f in flipped} or value is None:  # a flip changes the scenario's later turns too
             continue
+        if key[4].startswith("kl_max_"):  # where the largest KL sits, and the reference there: an argmax over
+            continue                      # tokens whose KLs differ by the floor may land on another token
         # teacher-forced metrics move by the batch-invariance floor (bf16 rounding in batched products)
         assert value == pytest.approx(records[key], rel=0.05, abs=0.02), key
     # the bf16 path ran in the reference's batch composition: its noise floor is exactly zero
@@ -80,7 +86,7 @@ def test_a_failing_batched_phase_falls_back_and_is_named(tiny_models, tmp_path, 
     assert any("simulated kernel failure" in f for f in manifest["batching"]["gqa"]["one_at_a_time_fallbacks"])
     assert any("ran one at a time" in w for w in manifest["warnings"])
     paths = {r["path"] for r in _rows(out, "texts")}
-    assert paths == {"reference", "bf16", "fp8_e4m3"}  # nothing lost: the path ran one sequence at a time
+    assert paths == {"reference", "bf16", "fp8_e4m3", "fp8_e4m3:calibrated"}  # with the yardstick; nothing lost: the path ran one sequence at a time
 
 
 def test_scale_bench_canary_snippet_is_valid_python():

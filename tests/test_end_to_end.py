@@ -139,7 +139,7 @@ def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path,
     os.kill(process.pid, how)
     _, stderr = process.communicate(timeout=60)
     finished_before = len(done.read_text().splitlines())
-    assert 12 <= finished_before < 2 * 4 * 5, "the kill must land mid-run"
+    assert 12 <= finished_before < 2 * 4 * 6, "the kill must land mid-run"
     if how != signal.SIGKILL:
         assert process.returncode == 130 and "interrupted: finished work is stored" in stderr
         assert "Traceback" not in stderr and "Task was destroyed" not in stderr, stderr
@@ -148,7 +148,7 @@ def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path,
     stdout, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr
     done_rows = [json.loads(line) for line in done.read_text().splitlines()]
-    assert len(done_rows) == len({tuple(r.values()) for r in done_rows}) == 2 * 4 * 5  # nothing done twice
+    assert len(done_rows) == len({tuple(r.values()) for r in done_rows}) == 2 * 4 * 6  # nothing done twice (5 paths + the yardstick)
     expected = _table(full_run)
     expected = expected[expected["model"].isin(["gqa", "mla"])].reset_index(drop=True)
     pd.testing.assert_frame_equal(_table(out), expected)

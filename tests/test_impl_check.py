@@ -148,6 +148,11 @@ def canaries():
     return {name: InProcessModel.load(CANARY_WEIGHTS / name) for name in ("gqa", "mla", "hybrid")}
 
 
+# On the hybrid canary the check does not separate: its healthy FP8-attention path reads 1.69 (CPU) / 1.51 (H100)
+# and the scores_bf16 fault 1.45 (CPU) / 1.72 (H100), both in the warn band (docs/VERDICTS.md). Strict: when it
+# starts to separate, this test says so.
+HYBRID = pytest.param("hybrid", marks=pytest.mark.xfail(strict=True, reason="the implementation check does not "
+                      "separate scores_bf16 from the healthy FP8-attention path on the hybrid canary (measured)"))
 HEALTHY = ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e5m2", "fp8_e4m3:calibrated:fp8_q:fp8_p")
 FAULT_PATHS = {"scores_bf16": "fp8_e4m3:calibrated:fault=scores_bf16", "scale_off": "fp8_e4m3:calibrated:fault=scale_off",
                "exp_poly": "fp8_e4m3:calibrated:fault=exp_poly", "pv_bf16": "fp8_e4m3:calibrated:fault=pv_bf16",
@@ -162,13 +167,15 @@ def _ratio(model, spec: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("arch", ["gqa", "mla", HYBRID])
 def test_canary_healthy_paths_pass_and_faults_fail_the_default(canaries, arch):
-    _healthy_pass_faults_fail(canaries[arch], arch)
+    # the healthy FP8-attention path on the hybrid canary reads 1.69 on the CPU (CI, 2026-11-26), in the warn band
+    # (the threshold's measured text): it must stay below fail
+    _healthy_pass_faults_fail(canaries[arch], arch, fp8_attention_limit=IMPL.fail)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("arch", ["gqa", "mla", HYBRID])
 def test_canary_check_on_gpu_with_our_decode_kernels(arch):
     """On CUDA the FP8 paths decode through our Triton kernels (one sequence at a time, as greedy_ids runs); those
     decode steps are judged by kernel_err_ratio, so the check sees prefill and torch-served steps: a healthy path

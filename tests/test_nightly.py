@@ -32,7 +32,7 @@ def test_two_nights_compare_and_render_the_trend(tmp_path, capsys):
     assert (history / "nights" / "2026-01-02" / "compare" / "compare.html").is_file()
     table = trend_table(history)
     assert list(dict.fromkeys(table["night"])) == ["2026-01-01", "2026-01-02"]
-    assert set(table["path"]) == {"bf16", "fp8_e4m3"} and (table["fail"] == 0).all()
+    assert set(table["path"]) == {"bf16", "fp8_e4m3", "fp8_e4m3:calibrated"} and (table["fail"] == 0).all()
     page = (history / "trend" / "index.html").read_text()
     assert "Nightly trend (2 nights)" in page and "trend-gqa.png" in page
     assert (history / "trend" / "trend-gqa.png").stat().st_size > 5000

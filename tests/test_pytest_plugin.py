@@ -54,7 +54,8 @@ def test_a_broken_path_fails_with_a_diagnosis(pytester, scenario_file):
     assert result.ret == 1
     result.stdout.fnmatch_lines([
         "*gqa::canary-arith-3::fp8_e4m3:warmup turn 0: FAIL",
-        "*[[]fail] task: answer_correct 0: the reference got the answer right, this path did not",
+        "*[[]warn] task: answer_correct 0: the reference got the answer right, this path did not",
+        "*[[]fail] divergence: kl_mean * the yardstick fp8_e4m3:calibrated*",
         "*first divergent token 0: reference * vs path *",
         "*reference reply: '96'*",
     ])
@@ -77,7 +78,8 @@ def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenar
     assert parts == ["gqa", "mla"]  # the plugin's scheduler: each model on one worker, replayed once
     texts = [json.loads(line) for line in (merged[0] / "texts.jsonl").read_text().splitlines()]
     keys = [(t["model"], t["scenario"], t["path"], t["turn"]) for t in texts]
-    assert len(keys) == len(set(keys)) == 6  # 2 models x (reference, bf16, fp8_e4m3): merged without duplicates
+    # 2 models x (reference, bf16, fp8_e4m3, the verdicts' yardstick fp8_e4m3:calibrated): merged without duplicates
+    assert len(keys) == len(set(keys)) == 8
 
 
 def test_gpu_without_cuda_is_an_error_not_skips(pytester):
