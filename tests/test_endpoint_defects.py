@@ -17,7 +17,7 @@ from harness.replay.endpoint import InvalidReply
 from harness.replay.runner import Replay
 from harness.runs.store import RunStore
 from harness.serve import running_server
-from test_endpoint_validation import MESSAGES, QUIET, endpoint, fault_app, generate_and_score, scenario, write_scenarios
+from test_endpoint_validation import QUIET, endpoint, fault_app, generate_and_score, scenario, write_scenarios
 
 
 def test_d8_retokenised_ids_short_of_the_servers_count_are_refused():
