@@ -148,11 +148,13 @@ def canaries():
     return {name: InProcessModel.load(CANARY_WEIGHTS / name) for name in ("gqa", "mla", "hybrid")}
 
 
-# On the hybrid canary the check does not separate: its healthy FP8-attention path reads 1.69 (CPU) / 1.51 (H100)
-# and the scores_bf16 fault 1.45 (CPU) / 1.72 (H100), both in the warn band (docs/VERDICTS.md). Strict: when it
-# starts to separate, this test says so.
-HYBRID = pytest.param("hybrid", marks=pytest.mark.xfail(strict=True, reason="the implementation check does not "
-                      "separate scores_bf16 from the healthy FP8-attention path on the hybrid canary (measured)"))
+# On the hybrid canary's short chat (140 tokens) the faults that perturb the probabilities slightly read 1.45
+# (scores_bf16) and 1.44 (exp_poly) on the CPU, 1.72 (scores_bf16) on an H100, in the warn band: its two attention
+# layers attend broadly there, and a small error per probability averages out over the keys. They fail at 684
+# tokens on the CPU (2.31, 2.08; a README excerpt as the user turn) and exp_poly fails in the zoo's canary run.
+# Strict: when the check starts to separate them on the short chat, this test says so.
+HYBRID = pytest.param("hybrid", marks=pytest.mark.xfail(strict=True, reason="scores_bf16 and exp_poly read "
+                      "1.44-1.45 on the hybrid canary's short chat, below the fail limit (measured)"))
 HEALTHY = ("bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e5m2", "fp8_e4m3:calibrated:fp8_q:fp8_p")
 FAULT_PATHS = {"scores_bf16": "fp8_e4m3:calibrated:fault=scores_bf16", "scale_off": "fp8_e4m3:calibrated:fault=scale_off",
                "exp_poly": "fp8_e4m3:calibrated:fault=exp_poly", "pv_bf16": "fp8_e4m3:calibrated:fault=pv_bf16",
@@ -167,31 +169,45 @@ def _ratio(model, spec: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_canary_healthy_paths_pass_the_default(canaries, arch):
+    # every healthy path, the FP8-attention one included, below the warn limit: the check's yardstick is the larger
+    # of SDPA's error and the rounding of the declared output to bf16 (healthy 0.95-1.10 on the three canaries)
+    _healthy_pass(canaries[arch], arch)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gqa", "mla", HYBRID])
-def test_canary_healthy_paths_pass_and_faults_fail_the_default(canaries, arch):
-    # the healthy FP8-attention path on the hybrid canary reads 1.69 on the CPU (CI, 2026-11-26), in the warn band
-    # (the threshold's measured text): it must stay below fail
-    _healthy_pass_faults_fail(canaries[arch], arch, fp8_attention_limit=IMPL.fail)
+def test_canary_faults_fail_the_default(canaries, arch):
+    _faults_fail(canaries[arch], arch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_canary_check_on_gpu_with_our_decode_kernels(arch):
+    """On CUDA the FP8 paths decode through our Triton kernels (one sequence at a time, as greedy_ids runs); those
+    decode steps are judged by kernel_err_ratio, so the check sees prefill and torch-served steps: a healthy path
+    must sit below the warn limit there too."""
+    from harness.replay.inprocess import InProcessModel
+
+    _healthy_pass(InProcessModel.load(CANARY_WEIGHTS / arch, device="cuda"), arch)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gqa", "mla", HYBRID])
-def test_canary_check_on_gpu_with_our_decode_kernels(arch):
-    """On CUDA the FP8 paths decode through our Triton kernels (one sequence at a time, as greedy_ids runs); those
-    decode steps are judged by kernel_err_ratio, so the check sees prefill and torch-served steps: a healthy path
-    must sit below the warn limit there too, and the faults (torch attention, no kernel) above the fail limit."""
+def test_canary_faults_fail_on_gpu(arch):
+    """The fault injectors run torch attention (no kernel) on CUDA: above the fail limit there too."""
     from harness.replay.inprocess import InProcessModel
 
-    # the healthy FP8-attention path's prefill (the torch FP8-attention reference on CUDA) read 1.51 on the hybrid
-    # canary on an H100, in the warn band (the threshold's measured text): on CUDA it must stay below fail
-    _healthy_pass_faults_fail(InProcessModel.load(CANARY_WEIGHTS / arch, device="cuda"), arch,
-                              fp8_attention_limit=IMPL.fail)
+    _faults_fail(InProcessModel.load(CANARY_WEIGHTS / arch, device="cuda"), arch)
 
 
-def _healthy_pass_faults_fail(model, arch: str, fp8_attention_limit: float | None = None) -> None:
+def _healthy_pass(model, arch: str) -> None:
     for spec in HEALTHY:
-        limit = fp8_attention_limit if fp8_attention_limit and "fp8_q" in spec else IMPL.warn
-        assert _ratio(model, spec) <= limit, f"{arch} {spec}: healthy path above the limit {limit}"
+        assert _ratio(model, spec) <= IMPL.warn, f"{arch} {spec}: healthy path above the warn limit {IMPL.warn}"
+
+
+def _faults_fail(model, arch: str) -> None:
     for fault, spec in FAULT_PATHS.items():
         if fault == "k_scale_swap" and arch == "mla":
             continue  # one latent scale per MLA cache: no other head's scale to take
