@@ -133,7 +133,7 @@ def sensitivity(args: argparse.Namespace) -> int:
     map_file.write_text(json.dumps(body, indent=1) + "\n")
     from reports import attention_plots
 
-    attention_plots.run_figures(out, out)
+    attention_plots.sensitivity_ranking(body, out)
     _print_sensitivity(body, len(turns))
     print(f"wrote {map_file} (and sensitivity_layers.png)")
     print(f"use: harness run --model {args.model} --paths {kv_path.name},{kv_path.name}:layers={map_file}")
@@ -164,19 +164,28 @@ def _print_sensitivity(body: dict, turns: int) -> None:
 
 
 def show_attention(run_dir: Path) -> None:
-    """After `harness attention`'s run: the one-screen attention summary and the views under RUN/attention/."""
-    if not (run_dir / "attention.jsonl").is_file():
+    """After `harness attention`'s run: the one-screen attention summary and the views under RUN/attention/. The
+    run is stored whatever happens here: a file that cannot be read is named, and the views are skipped."""
+    from harness.runs.read import RunReadError, RunView
+
+    run = RunView(run_dir)
+    if not run.has("attention"):  # the run captured none (or stopped before writing any)
         return
-    print(format_attention_summary(run_dir))
+    try:
+        print(format_attention_summary(run.records))
+        parts = run.attention_frame, run.attention_channels_frame, run.sensitivity
+    except RunReadError as error:
+        print(f"attention summary skipped: {error}", file=sys.stderr)
+        return
     from reports import attention_plots
 
-    for figure in attention_plots.run_figures(run_dir, run_dir / "attention"):
+    for figure in attention_plots.run_figures(*parts, run_dir / "attention"):
         print(f"view: {run_dir / 'attention' / figure['file']}")
 
 
-def format_attention_summary(run_dir: Path) -> str:
-    """Per model and path: worst layer and head, max/mean output error, KL, growth with context."""
-    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+def format_attention_summary(records: list[dict]) -> str:
+    """Per model and path (a run's records.jsonl rows): worst layer and head, max/mean output error, KL, growth
+    with context."""
     wanted = ("attn_out_rel_err_max", "attn_out_rel_err_mean", "attn_kl_max", "attn_topk_overlap_min",
               "attn_growth_per_1k", "attn_worst_layer", "attn_worst_head", "attn_worst_head_layer",
               "attn_worst_layer_err", "attn_kernel_out_rel_err_max", "attn_kernel_out_rel_err_mean",

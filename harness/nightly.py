@@ -46,8 +46,10 @@ def night_name() -> str:
 
 def nights(history: Path) -> list[Path]:
     """Stored nights, oldest first (night names sort by time)."""
+    from harness.runs.read import MANIFEST
+
     root = history / "nights"
-    return sorted(p for p in root.iterdir() if (p / "manifest.json").exists()) if root.exists() else []
+    return sorted(p for p in root.iterdir() if (p / MANIFEST).exists()) if root.exists() else []
 
 
 def run_night(history: Path, config_fields: dict, night: str | None = None) -> NightResult:
@@ -56,6 +58,7 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
     from harness.run_config import build_run_config
     from harness.runs.compare import compare_runs
     from harness.runs.gate import run_matrix
+    from harness.runs.read import RunReadError
 
     previous = nights(history)
     name = night or night_name()
@@ -68,8 +71,11 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
     failing = failing_paths(run_matrix(out))
     compare_line, regressed = None, False
     if previous:
-        result = compare_runs(previous[-1], out, out_dir=out / "compare")
-        compare_line, regressed = result.summary_line, result.regressed
+        try:
+            result = compare_runs(previous[-1], out, out_dir=out / "compare")
+            compare_line, regressed = result.summary_line, result.regressed
+        except RunReadError as error:  # tonight's run stays stored and judged; the comparison is named as not made
+            compare_line = f"NOT COMPARED with {previous[-1].name}: {error}"
     return NightResult(out, failing, compare_line, regressed, render_trend(history))
 
 
@@ -106,20 +112,29 @@ def run_nights(history: Path, default_fields: dict, suite: str = "default",
 
 def trend_table(history: Path) -> pd.DataFrame:
     """One row per (night, model, path): verdict counts and the mean of each trend metric."""
-    from harness.runs.gate import run_matrix
-    from harness.runs.summary import records_frame
+    return trend_nights(history)[0]
 
-    rows = []
+
+def trend_nights(history: Path) -> tuple[pd.DataFrame, list[str]]:
+    """The trend table of every readable night, and one line per night that could not be read (named with the
+    file and line): a broken night is left off the plot, never drawn as zeros."""
+    from harness.runs.read import RunReadError, read_run
+
+    rows, unreadable = [], []
     for night in nights(history):
-        matrix = run_matrix(night)
-        frame = records_frame(night)
+        try:
+            run = read_run(night)
+            matrix, frame = run.matrix, run.records_frame
+        except RunReadError as error:
+            unreadable.append(f"{night.name}: {error}")
+            continue
         means = frame[frame["metric"].isin(list(TREND_METRICS))].groupby(["model", "path", "metric"])["value"].mean()
         for model, paths in matrix.items():
             for path, cell in paths.items():
                 metrics = {m: means.get((model, path, m), float("nan")) for m in TREND_METRICS}
                 rows.append({"night": night.name, "model": model, "path": path, "pass": cell["pass"],
                              "warn": cell["warn"], "fail": cell["fail"]} | metrics)
-    return pd.DataFrame(rows, columns=["night", "model", "path", "pass", "warn", "fail", *TREND_METRICS])
+    return pd.DataFrame(rows, columns=["night", "model", "path", "pass", "warn", "fail", *TREND_METRICS]), unreadable
 
 
 def render_trend(history: Path) -> Path:
@@ -129,11 +144,11 @@ def render_trend(history: Path) -> Path:
 
     out = history / "trend"
     out.mkdir(parents=True, exist_ok=True)
-    table = trend_table(history)
+    table, unreadable = trend_nights(history)
     panels = [("fail", "failing turns"), *TREND_METRICS.items()]
     images = [trend_figure(table, model, out / f"trend-{model}.png", panels).name
               for model in dict.fromkeys(table["model"])]
     rows = [{"verdict": "bad" if r["fail"] else "warn" if r["warn"] else "good", **r}  # _style.css classes
             for r in table.to_dict("records")]
     return write_page(environment(), out, "index.html", "trend.html", nights=len(set(table["night"])),
-                      images=images, rows=rows)
+                      images=images, rows=rows, unreadable=unreadable)

@@ -6,7 +6,6 @@ error against query position and against key position, per-channel amax of the w
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,13 +20,6 @@ from harness.analysis.attention_error import key_bucket_labels  # noqa: E402
 from reports.plots import save_figure  # noqa: E402
 
 METRIC = "attn_out_rel_err"
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        return pd.DataFrame()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return pd.DataFrame(rows)
 
 
 def _finite(frame: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -182,22 +174,20 @@ def sensitivity_ranking(sensitivity: dict, out_dir: Path) -> dict | None:
                  "Most sensitive layer at the top; red: kept in BF16 by the recommended map.")
 
 
-def run_figures(run_dir: Path, out_dir: Path) -> list[dict]:
-    """Every attention view a run directory supports, written into out_dir (nothing when the run did not
-    capture attention)."""
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    rows = _read_jsonl(run_dir / "attention.jsonl")
+def run_figures(rows: pd.DataFrame, channels: pd.DataFrame, sensitivity: dict | None, out_dir: Path) -> list[dict]:
+    """Every attention view a run supports, written into out_dir: `rows` and `channels` are its attention.jsonl
+    and attention_channels.jsonl rows, `sensitivity` its sensitivity.json (the run reader, harness/runs/read.py,
+    reads them); nothing when the run captured no attention and wrote no map."""
+    out_dir = Path(out_dir)
     figures = []
     if not rows.empty:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = worst_path(rows)
-        channels = _read_jsonl(run_dir / "attention_channels.jsonl")
         figures += [error_by_layer(series(rows), out_dir)]
         if path is not None:
             figures += [layer_head_heatmap(rows, out_dir, path), error_vs_position(rows, out_dir, path),
                         error_vs_key_position(rows, out_dir, path), channel_amax(channels, rows, out_dir, path)]
-    sensitivity = run_dir / "sensitivity.json"
-    if sensitivity.is_file():
+    if sensitivity is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        figures.append(sensitivity_ranking(json.loads(sensitivity.read_text()), out_dir))
+        figures.append(sensitivity_ranking(sensitivity, out_dir))
     return [f for f in figures if f is not None]

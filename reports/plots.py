@@ -270,7 +270,11 @@ def sensitivity_ranking(records: pd.DataFrame, out_dir: Path, verdicts: list[dic
     _bars(axes[0], y, table["kl_mean"], colours)
     axes[0].set_yticks(y, labels, fontsize=8)
     axes[0].set_xlabel("mean kl_mean over turns (nats, log scale; value at each bar)")
-    axes[1].barh(y, table["failure_rate"].fillna(0), color=colours, height=0.7)
+    rates = table["failure_rate"]
+    axes[1].barh(y, rates.fillna(0), color=colours, height=0.7)  # no bar where nothing was checked...
+    for yi in [yi for yi, rate in zip(y, rates) if pd.isna(rate)]:  # ...and the row says so, never a 0
+        axes[1].annotate("not checked", (0, yi), xytext=(3, 0), textcoords="offset points", va="center",
+                         fontsize=7, color=NONFINITE_COLOUR)
     axes[1].set_xlim(0, 1)
     axes[1].set_xlabel("fraction of turns failed" + (" (verdicts)" if table["verdict"].notna().any() else
                                                      " (task checks)"))

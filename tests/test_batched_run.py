@@ -46,13 +46,18 @@ def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
         if (one / f"{table}.jsonl").exists():
             assert sorted(map(_key, rows_of(one, table))) == sorted(map(_key, rows_of(batched, table)))
     records = {_key(r): r["value"] for r in _rows(batched, "records")}
+    # the batch-invariance floor this run measured: reference log-probs of first-turn replies, batch vs one at a time
+    floor = json.loads((batched / "manifest.json").read_text())["batching"]["gqa"]["batch_invariance_floor"]
     for key, value in {_key(r): r["value"] for r in rows_of(one, "records")}.items():
         if key[1] in {f[1] for f in flipped} or value is None:  # a flip changes the scenario's later turns too
             continue
         if key[4].startswith("kl_max_"):  # where the largest KL sits, and the reference there: an argmax over
             continue                      # tokens whose KLs differ by the floor may land on another token
-        # teacher-forced metrics move by the batch-invariance floor (bf16 rounding in batched products)
-        assert value == pytest.approx(records[key], rel=0.05, abs=0.02), key
+        # teacher-forced metrics are log-prob differences (ref_logprob_delta_*) or p-weighted sums of them (kl_*):
+        # each side's log-probs move by the batch-invariance floor (bf16 rounding in batched products), so a metric
+        # by about twice it; every other metric is the same number. Measured on the 2-core CPU, both history modes:
+        # largest move 2.0e-5 (ref_logprob_delta_min) and 1.1e-7 on KL ~2e-6, against a floor of 2.0e-3.
+        assert value == pytest.approx(records[key], rel=0, abs=2 * floor["max_abs_logprob_diff"]), key
     # the bf16 path ran in the reference's batch composition: its noise floor is exactly zero
     bf16 = [r for r in _rows(batched, "records") if r["path"] == "bf16" and r["metric"] in ("kl_mean", "kl_max")]
     assert bf16 and all(r["value"] == 0 for r in bf16)

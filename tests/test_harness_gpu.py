@@ -7,6 +7,15 @@ from harness.replay.inprocess import InProcessModel
 from harness.types import Message
 
 CHAT = [Message("system", "Answer briefly."), Message("user", "What is 7 * 8 + 3 * 4? Then tell me more.")]
+# `kernel_err_ratio` is the kernel's error against fp64 attention over the stored codes over SDPA bf16's own error
+# on the same step (the torch reference's FP8 attention error for fp8_q / fp8_p paths), the max over every checked
+# decode step and layer of a generation. Measured on an H100 (kernels/BENCHMARKS.md, harness run on the canaries,
+# every decode step checked): 1.01-1.07 on GQA paths, 1.53-1.88 on MLA (its kernel sums q.W_uk over the 512
+# latent columns, which SDPA over expanded keys does not); FP8 attention kernels (fp8 MMA) 1.86-2.01 in
+# `python -m kernels.tune_mla`. The bound is 2x the worst measured, the rule of tests/test_kernels_gpu.py's
+# FP8_MMA_K (4.0) for the same fp8-MMA kernels. The kernel tests' 2.0 judges one launch of a kernel without fp8
+# MMA on a synthetic case; here the max over every step of a generation on every route, fp8 MMA included.
+KERNEL_ERR_RATIO_BOUND = 4.0
 
 
 @pytest.mark.gpu
@@ -18,8 +27,8 @@ def test_triton_decode_in_the_loop(tiny_models, arch, spec):
     generation = model.backend(parse_path(spec)).generate_sync(CHAT, 16)
     assert generation.metrics["kernel_steps"] > 0
     # Kernel vs fp64 over the same cache, relative to SDPA bf16's own error on the same inputs: both
-    # accumulate in fp32 and round the output to bf16 once, so a correct kernel stays within a few x.
-    assert generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+    # accumulate in fp32 and round the output to bf16 once (KERNEL_ERR_RATIO_BOUND says where 4.0 comes from).
+    assert generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics
 
 
 @pytest.mark.gpu
@@ -41,7 +50,7 @@ def test_plugins_on_cuda_give_the_same_replies(tiny_models, arch):
     for kernel in ("", ":kernel=dequant", ":kernel=test_decode_plugins:UserKernel"):
         generation = model.backend(parse_path("fp8_e4m3:per_head:calibrated" + kernel)).generate_sync(CHAT, 16)
         assert generation.metrics["kernel_steps"] > 0 and generation.metrics["kernel_ms_per_step"] > 0
-        assert generation.metrics["kernel_err_ratio"] <= 4.0, (kernel, generation.metrics)
+        assert generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, (kernel, generation.metrics)
         replies[kernel] = generation.token_ids
     assert len({tuple(ids) for ids in replies.values()}) == 1, replies
 
@@ -57,7 +66,7 @@ def test_fp8_attention_decodes_through_triton(tiny_models, spec):
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 16)
     assert generation.metrics["kernel_steps"] > 0
-    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics
 
 
 @pytest.mark.gpu
@@ -78,7 +87,7 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
     kernel_logits = []
     ids, _, metrics = backend.greedy_ids(prompt, 12, on_step=lambda logits, _: kernel_logits.append(logits.float()))
     assert metrics["kernel_steps"] > 0
-    assert 0.0 < metrics["kernel_err_ratio"] <= 4.0, metrics
+    assert 0.0 < metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, metrics
     monkeypatch.setenv("HARNESS_KERNELS", "off")
     torch_route = InProcessModel.load(tiny_models["mla"], device="cuda").backend(parse_path(spec))
     assert "kernels off" in torch_route.describe()["decode_kernel"]

@@ -130,7 +130,7 @@ def test_judge_score_table_means_over_multi_turn_scenarios(tmp_path):
     assert rows["fp8"]["judge_rule"] == 2.5 and rows["fp8"]["turns"] == 2  # the one-turn "sum" is left out
     assert rows["reference"]["judge_agreement"] is None and rows["bf16"]["judge_agreement"] == 4.5
     assert judge_score_rows(tmp_path, multi_turn_only=False)[2]["turns"] == 3
-    assert "| m | `fp8` | 1 | 2 | 2.50 | 2.50 |  |" in format_judge_scores(list(rows.values()))
+    assert "| m | `fp8` | 1 | 2 | 2.50 | 2.50 | — |" in format_judge_scores(list(rows.values()))  # no LLM judge ran
 
 
 def test_zoo_entries_and_config():

@@ -781,12 +781,35 @@ def kv_bytes_per_token(config) -> int:
 
 
 def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> int:
-    """Sequences per batch from free GPU memory: half of it over one sequence's footprint (bf16 KV, the
-    FP8 paths' dequantised + paged copies, prefill activations, one row of logits); everything on CPU."""
+    """Sequences per batch from free GPU memory: half of it over one sequence's footprint at `max_len` tokens
+    (its cache, one forward pass's activations over all its tokens, its logits); everything on CPU.
+
+    Where each term comes from (bytes; per token unless said):
+    - cache, 2 x `kv_bytes_per_token` (the bf16 K/V of all layers): an FP8 layer keeps its bf16 round trip (1x),
+      the decode kernel's paged FP8 copy (1 byte an element: 0.5x), and while a `DynamicCache` layer grows,
+      torch.cat holds its old and new copy (one layer at a time: 1/layers x) plus the copy's page rounding; the
+      0.5x left covers these two. Derived from the storage, not measured.
+    - activations, 2 bytes (bf16) x the widths alive at once in one decoder layer when all of a sequence's tokens
+      go through in one pass (scoring passes a whole prompt at once): residual and normed input (2 x hidden), q,
+      k, v and the attention output (<= 4 x hidden), the MLP's gate, up and their product (3 x its width: the
+      dense `intermediate_size`, or top-k x `moe_intermediate_size` where that is wider). Read from the config.
+    - logits, vocab x 4 / 64: an fp32 row for 1 token in 64 of the sequence, scoring's [rows, reply, vocab]
+      float32 copies amortised over the whole length. A guess: scoring holds about 14 bytes x vocab per scored
+      token (bf16 logits, their float32 copy, the concatenation, log_softmax), and the scored reply's length is
+      not passed here; the out-of-memory halving of `_in_batches` catches an underestimate.
+    - per sequence, vocab x 8: the last position's logits, the model's bf16 row (2) and its float32 copy (4).
+    - the Mamba-2 scan's working set (`ssm_scan_bytes`, measured: tests/test_families.py).
+    - 0.5 of free memory: headroom for what the terms leave out (allocator fragmentation, CUDA-graph pools,
+      kernel workspaces). A margin, not a measurement; an over-large batch costs one failed attempt and a
+      halving (`_in_batches`), never a result."""
     if device.type != "cuda" or items == 0:
         return max(1, items)
     free, _ = torch.cuda.mem_get_info(device)
     config = model.config
-    per_token = kv_bytes_per_token(config) * 2 + config.hidden_size * 2 * 12 + config.vocab_size * 4 // 64
+    hidden = config.hidden_size
+    mlp = max(getattr(config, "intermediate_size", None) or 4 * hidden,
+              (getattr(config, "num_experts_per_tok", None) or 0) * (getattr(config, "moe_intermediate_size", None) or 0))
+    activations = 2 * (2 * hidden + 4 * hidden + 3 * mlp)
+    per_token = kv_bytes_per_token(config) * 2 + activations + config.vocab_size * 4 // 64
     per_sequence = max(1, max_len) * per_token + config.vocab_size * 8 + ssm_scan_bytes(config, max_len)
     return max(1, min(items, MAX_AUTO_BATCH, int(free * 0.5 // per_sequence)))

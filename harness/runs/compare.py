@@ -1,6 +1,8 @@
 """Compare two stored runs: pair their records, flag regressions beyond noise, render the evidence.
 
-Records pair by (model, scenario_hash, path, turn, metric), so a renamed scenario file still pairs.
+Records pair by (model, scenario_hash, path, turn, metric), so a renamed scenario file still pairs, and paths
+pair by canonical spec: B's `fp8:calibrated` is A's `fp8_e4m3:calibrated` (B's label is read as A's, and the
+summary line says so).
 A metric regresses for a (model, path) when the paired bootstrap confidence interval of its mean
 per-scenario delta lies wholly on the metric's bad side of a tolerance, or when a threshold is crossed.
 The tolerance is the largest of the noise floor (either manifest's `noise_floor` for that model and
@@ -27,7 +29,7 @@ import pandas as pd
 
 from harness.analysis.verdicts import HEALTHY_SPREAD
 from harness.records import METRIC_DIRECTIONS
-from harness.runs.gate import run_matrix, run_verdicts
+from harness.runs.read import RunView, read_run
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -204,7 +206,7 @@ def verdict_failures(run: StoredRun) -> dict[tuple, list[str]]:
     is a change of output on that item, not sampling noise."""
     hashes = {(m, s): h for m, s, h in run.records[["model", "scenario", "scenario_hash"]].itertuples(index=False)}
     out: dict[tuple, list[str]] = {}
-    for row in run_verdicts(run.run_dir):
+    for row in run.view.verdicts:
         failing = [r["message"] for r in row["reasons"] if r["severity"] == "fail" or r["check"] == "task"]
         if not failing:
             continue
@@ -252,7 +254,7 @@ def question_table(a: StoredRun, b: StoredRun) -> list[dict]:
     """Per (model, path) of either run: each verdict question's answer in A and in B (turns and per-path checks
     together, harness.analysis.verdicts), the pooled KL against each run's yardstick, and the questions B newly
     fails. A question B fails that A passed or only warned is a regression, whatever the metric intervals say."""
-    ma, mb = run_matrix(a.run_dir), run_matrix(b.run_dir)
+    ma, mb = a.view.matrix, b.view.matrix
     keys = sorted({(m, p) for matrix in (ma, mb) for m, paths in matrix.items() for p in paths})
     rows = []
     for model, path in keys:
@@ -267,6 +269,15 @@ def question_table(a: StoredRun, b: StoredRun) -> list[dict]:
                      "times_a": _times(ca), "times_b": _times(cb),
                      "yardstick_a": a.manifest.get("yardstick"), "yardstick_b": b.manifest.get("yardstick")})
     return rows
+
+
+def same_path_labels(a: RunView, b: RunView) -> dict[str, str]:
+    """B's path labels that name one of A's paths by another spelling (same canonical spec): B label -> A label."""
+    by_canonical: dict[str, str] = {}
+    for path in a.manifest["paths"]:
+        by_canonical.setdefault(path["canonical"], path["name"])
+    pairs = {p["name"]: by_canonical.get(p["canonical"]) for p in b.manifest["paths"]}
+    return {b_label: a_label for b_label, a_label in pairs.items() if a_label and a_label != b_label}
 
 
 def path_changes(a: StoredRun, b: StoredRun) -> tuple[list[str], list[str]]:
@@ -307,6 +318,7 @@ class CompareResult:
     new_paths: list[str] = field(default_factory=list)  # in B only: judged by B's own verdicts
     missing_paths: list[str] = field(default_factory=list)  # in A only: B cannot show they still pass
     questions: list[dict] = field(default_factory=list)  # per (model, path): the two questions in A and B
+    renamed: dict[str, str] = field(default_factory=dict)  # B's label -> A's, same canonical spec
 
     @property
     def new_question_failures(self) -> list[dict]:
@@ -349,6 +361,8 @@ class CompareResult:
         head = "REGRESSION: " + "; ".join(parts) if parts else "OK: no regression beyond noise"
         if self.new_paths:
             head += f"; new in B (judged by its own verdicts): {', '.join(self.new_paths)}"
+        if self.renamed:
+            head += "; paired by canonical spec: " + ", ".join(f"B {b} = A {a}" for b, a in self.renamed.items())
         return (f"{head}; {len(new)} new, {len(self.with_status('fixed'))} fixed, "
                 f"{len(self.with_status('unchanged failure'))} unchanged failure(s); {len(self.pairs)} paired records, "
                 f"{len(self.unpaired)} unpaired case(s) [A {self.run_a.run_id} -> B {self.run_b.run_id}]")
@@ -453,14 +467,17 @@ def compare_runs(run_a: Path | str, run_b: Path | str, out_dir: Path | str | Non
     thresholds: `["kl_max:+0.02", "kl_mean:0.05"]` or `{"kl_max": "+0.02"}` (see `Threshold`).
     alpha: family-wise error rate of the interval flags; rel_tol: smallest relative change that counts.
     """
-    a, b = load_run(run_a), load_run(run_b)
+    a = load_run(run_a)
+    renamed = same_path_labels(a.view, read_run(run_b))
+    b = load_run(run_b, renamed)
     parsed = parse_thresholds(thresholds)
     pairs, unpaired = pair_records(a, b)
     new_paths, missing_paths = path_changes(a, b)
     result = CompareResult(a, b, pairs, metric_table(pairs, a, b, parsed, n_boot, seed, alpha, rel_tol),
                            case_table(pairs, parsed, a, b, unpaired), unpaired, parsed,
                            {"n_boot": n_boot, "seed": seed, "alpha": alpha, "rel_tol": rel_tol},
-                           new_paths=new_paths, missing_paths=missing_paths, questions=question_table(a, b))
+                           new_paths=new_paths, missing_paths=missing_paths, questions=question_table(a, b),
+                           renamed=renamed)
     if out_dir is not None:
         result.render(out_dir)
     return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from harness.runs.store import RunStore
+from harness.runs.read import RunView
 
 JUDGE_METRICS = {"judge_rule": "rule judge", "judge_agreement": "agreement judge", "judge_llm": "LLM judge"}
 
@@ -25,11 +25,11 @@ def multi_turn_scenarios(texts: list[dict]) -> set[tuple[str, str]]:
 
 def judge_score_rows(run_dir: Path | str, multi_turn_only: bool = True) -> list[dict]:
     """[{model, path, scenarios, turns, judge_rule, judge_agreement, judge_llm}] with means (None: not judged)."""
-    store = RunStore(Path(run_dir))
-    keep = multi_turn_scenarios(store.read("texts")) if multi_turn_only else None
+    run = RunView(run_dir)
+    keep = multi_turn_scenarios(run.texts) if multi_turn_only else None
     scores: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     scenarios: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for row in store.read("records"):
+    for row in run.records:
         if row["metric"] not in JUDGE_METRICS or row.get("value") is None:
             continue
         if keep is not None and (row["model"], row["scenario"]) not in keep:
@@ -45,8 +45,8 @@ def judge_score_rows(run_dir: Path | str, multi_turn_only: bool = True) -> list[
 
 
 def format_judge_scores(rows: list[dict]) -> str:
-    def cell(value) -> str:
-        return "" if value is None else f"{value:.2f}"
+    def cell(value) -> str:  # a judge that did not run (or gave no score) is not a 0
+        return "—" if value is None else f"{value:.2f}"
 
     lines = ["| model | path | scenarios | turns | " + " | ".join(JUDGE_METRICS.values()) + " |",
              "|---|---|---:|---:|" + "---:|" * len(JUDGE_METRICS)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.resources
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.records import METRIC_DIRECTIONS, decode_values
+from harness.records import METRIC_DIRECTIONS
+from harness.runs.read import RunView, read_run
 from harness.runs.report_views import (
     STATE,
     case_verdicts,
@@ -76,23 +76,6 @@ def is_worse(metric: str, delta: float) -> bool:
 # ---------------------------------------------------------------- loading a stored run
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a missing file is empty, a torn last line (interrupted run) is skipped."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if number < len(lines):
-                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
-    return rows
-
-
 @dataclass(frozen=True)
 class StoredRun:
     run_dir: Path
@@ -104,6 +87,7 @@ class StoredRun:
     errors: list[dict]
     checks: list[dict]  # scenario threshold checks: key + metric, value, limit, passed, message
     verdicts: list[dict] = ()  # verdicts.jsonl rows (key + verdict, reasons), or computed for an older run
+    view: RunView | None = None  # the reader these parts came from: path verdicts, matrix, attention rows
 
     @property
     def run_id(self) -> str:
@@ -198,42 +182,13 @@ class StoredRun:
         return self._limits.get(scenario, {})
 
 
-def load_run(run_dir: Path | str) -> StoredRun:
-    run_dir = Path(run_dir)
-    manifest_path = run_dir / "manifest.json"
-    if not manifest_path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a stored run: no manifest.json")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    records = pd.DataFrame(read_jsonl(run_dir / "records.jsonl"))
-    for column in ["model", "scenario", "scenario_hash", "kind", "tags", "path", "turn", "metric", "value"]:
-        if column not in records:
-            records[column] = None
-    records["value"] = pd.to_numeric(records["value"], errors="coerce").astype(float)
-    if "value_text" in records:  # the store writes inf / nan as null plus value_text
-        special = records["value_text"].map({"inf": math.inf, "-inf": -math.inf, "nan": math.nan})
-        records["value"] = records["value"].where(records["value_text"].isna(), special)
-    records["turn"] = records["turn"].astype(int)
-    records["kind"] = records["kind"].fillna("")
-    series = pd.DataFrame([{**row, "values": decode_values(row)} for row in read_jsonl(run_dir / "series.jsonl")],
-                          columns=["model", "scenario", "path", "turn", "series", "values"])  # inf/nan restored
-    texts = {(r["model"], r["scenario"], r["path"], int(r["turn"])): r for r in read_jsonl(run_dir / "texts.jsonl")}
-    # runs write judgements.jsonl (docs/CONTRACTS.md); judges.jsonl is the name reports once read
-    judges = read_jsonl(run_dir / "judgements.jsonl") or read_jsonl(run_dir / "judges.jsonl")
-    return StoredRun(run_dir, manifest, records, series, texts, judges, read_jsonl(run_dir / "errors.jsonl"),
-                     read_jsonl(run_dir / "checks.jsonl"), load_verdicts(run_dir))
-
-
-def load_verdicts(run_dir: Path) -> list[dict]:
-    """The run's verdict rows: verdicts.jsonl, or for a run made before verdicts existed, computed now by
-    the same function that writes them (harness.runs.gate); [] where that is not available."""
-    rows = read_jsonl(run_dir / "verdicts.jsonl")
-    if rows or (run_dir / "verdicts.jsonl").exists():
-        return rows
-    try:
-        from harness.runs.gate import run_verdicts
-    except ImportError:
-        return []
-    return run_verdicts(run_dir)
+def load_run(run_dir: Path | str, renamed: dict[str, str] | None = None) -> StoredRun:
+    """The stored run as the report and compare index it, read by the one reader (`harness.runs.read`);
+    `renamed` reads path labels under other labels (compare pairs paths by canonical spec)."""
+    view = read_run(run_dir, renamed)
+    texts = {(r["model"], r["scenario"], r["path"], int(r["turn"])): r for r in view.texts}
+    return StoredRun(view.directory, view.manifest, view.records_frame, view.series_frame, texts, view.judgements,
+                     view.errors, view.checks, view.verdicts, view)
 
 
 # ---------------------------------------------------------------- values, levels, colours
@@ -679,7 +634,8 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                               limit=kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
     from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
 
-    figures += attention_plots.run_figures(run.run_dir, out)
+    figures += attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
+                                           run.view.sensitivity, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
@@ -689,10 +645,7 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
-    from harness.runs.gate import run_path_verdicts
-
-    whole = run_path_verdicts(run.run_dir) if run.verdicts else []
-    detection = run.run_dir / "detection.json"  # written by `harness zoo`
+    whole = run.view.path_verdicts if run.verdicts else []
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
                       matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
@@ -700,7 +653,7 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                       strata=strata_view(run),
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
-                      detection=json.loads(detection.read_text()) if detection.exists() else None)
+                      detection=run.view.detection)  # written by `harness zoo`
 
 
 # ---------------------------------------------------------------- export

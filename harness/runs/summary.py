@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.runs.gate import run_matrix
-from harness.runs.store import RunStore
+from harness.runs.read import RunView, read_run
 
 COLUMNS = {  # metric -> (column title, aggregate over turns)
     "answer_correct": ("answer acc", "mean"),
@@ -26,25 +25,21 @@ COLUMNS = {  # metric -> (column title, aggregate over turns)
     "attn_out_rel_err_max": ("attn out err max", "max"),  # runs with --attention: worst attention-output error
     "attn_kernel_vs_torch_max": ("kernel attn vs torch", "max"),  # its decode kernel vs torch on the same codes
 }
+UNMEASURED = "—"  # a cell no record measured, e.g. kernel ms/step when CUDA graphs replay the kernel
 SHOWN_WHEN_NONZERO = {"kv_nonfinite"}  # healthy runs are all zero there: no column to read past
 
 
 def records_frame(run_dir: Path) -> pd.DataFrame:
-    rows = RunStore(Path(run_dir)).read("records")
-    frame = pd.DataFrame(rows)
-    if frame.empty:
-        return pd.DataFrame(columns=["model", "scenario", "path", "turn", "metric", "value"])
-    frame["value"] = pd.to_numeric(frame["value"], errors="coerce")
-    if "value_text" in frame:  # inf/-inf/nan were stored as text beside a null value
-        text = frame["value_text"].map({"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")})
-        frame["value"] = frame["value"].where(frame["value_text"].isna(), text)
-    return frame
+    """The run's records, one row per (model, scenario, path, turn, metric), NaN/inf restored."""
+    return read_run(run_dir).records_frame
 
 
-def summary_table(run_dir: Path) -> pd.DataFrame:
-    frame = records_frame(run_dir)
-    manifest = RunStore(Path(run_dir)).read_manifest()
-    order = ["reference"] + [p["name"] for p in manifest.get("paths", [])]
+def summary_table(run_dir: Path | RunView) -> pd.DataFrame:
+    """One row per (model, path), the reference first: each COLUMNS metric aggregated over turns. A metric a
+    path has no measurement of is NaN (shown "unmeasured"), never 0."""
+    run = run_dir if isinstance(run_dir, RunView) else read_run(run_dir)
+    frame = run.records_frame
+    order = ["reference"] + [p["name"] for p in run.manifest.get("paths", [])]
     table = {}
     for metric, (title, how) in COLUMNS.items():
         picked = frame[frame["metric"] == metric]
@@ -138,16 +133,22 @@ def unanswered_lines(matrix: dict) -> list[str]:
 
 def format_summary(run_dir: Path) -> str:
     """The verdict matrix first (what may ship), then the numbers behind it."""
-    manifest = RunStore(Path(run_dir)).read_manifest()
+    run = read_run(run_dir)
+    manifest = run.manifest
     order = [p["name"] for p in manifest.get("paths", [])]
-    matrix = run_matrix(run_dir)
+    matrix = run.matrix
     verdicts = verdict_table(matrix, order)
-    summary = summary_table(run_dir)
+    summary = summary_table(run)
     parts = []
     if not verdicts.empty:
         unanswered = unanswered_lines(matrix)
         parts.append(format_verdicts(verdicts, manifest.get("yardstick"))
                      + ("\n" + "\n".join(unanswered[:12]) if unanswered else "")
                      + (f"\n(and {len(unanswered) - 12} more: path_verdicts.jsonl)" if len(unanswered) > 12 else ""))
-    parts.append("(no records)" if summary.empty else summary.to_string(float_format=lambda v: f"{v:.3g}", na_rep="-"))
+    if summary.empty:
+        parts.append("(no records)")
+    else:
+        unmeasured = summary.isna().any().any()
+        parts.append(summary.to_string(float_format=lambda v: f"{v:.3g}", na_rep=UNMEASURED)
+                     + (f"\n{UNMEASURED} = not measured for that model and path (never shown as 0)" if unmeasured else ""))
     return "\n\n".join(parts)

@@ -1,0 +1,326 @@
+"""The one reader of a stored run directory (docs/CONTRACTS.md): report, compare, summary, gate, the attention
+views and the nightly trend read a run through `read_run(dir)` and nothing else.
+
+A `RunView` loads each part when first asked for it (a summary never parses texts.jsonl) and keeps it:
+the manifest (paths[] in the one shape, older runs normalised), the JSONL tables, records as a tidy frame
+with NaN/inf restored, the verdicts (stored, or computed now by the functions that write them for a run
+made before verdicts existed), the attention rows, the sensitivity map and the zoo's detection matrix.
+
+A file that cannot be read raises `RunReadError`, whose message names the file and the line: a missing
+manifest, a line that is not a JSON object. The last line of a table may be torn by a killed run; it
+belongs to an unfinished unit and is skipped, as `--resume` drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cached_property
+from pathlib import Path
+
+import pandas as pd
+
+from harness.analysis.verdicts import (
+    DEFAULT_YARDSTICK,
+    Limit,
+    compute_path_verdicts,
+    compute_verdicts,
+    parse_threshold_overrides,
+    verdict_matrix,
+)
+from harness.kv_paths.spec import PathSpecError, parse_path
+from harness.records import decode_values
+
+MANIFEST = "manifest.json"
+RECORD_COLUMNS = ["model", "scenario", "scenario_hash", "kind", "tags", "path", "turn", "metric", "value"]
+SERIES_COLUMNS = ["model", "scenario", "path", "turn", "series", "values"]
+NONFINITE_TEXT = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+# Wall times a writer stores as 0.0 when it timed nothing (kv_paths/attention.KernelAgreement: a decode kernel
+# replayed inside a CUDA graph is never timed alone). No measured call takes 0 ms, so 0 reads as unmeasured (NaN).
+ZERO_IS_UNMEASURED = ("kernel_ms_per_step",)
+
+
+class RunReadError(ValueError):
+    """A run directory's file that cannot be read; the message names the file (and the line)."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file: a missing file is empty, a torn last line (a killed run) is skipped, any other
+    line that is not a JSON object is an error naming `file:line`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = _text(path).splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                continue  # torn by a kill mid-write: its unit has no done line
+            raise RunReadError(f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise RunReadError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON object file (manifest.json, sensitivity.json, detection.json); None when it is not there."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(_text(path))
+    except json.JSONDecodeError as exc:
+        raise RunReadError(f"{path}:{exc.lineno}: not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise RunReadError(f"{path}: a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise RunReadError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise RunReadError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def path_entry(entry: dict) -> dict:
+    """One `manifest.paths[]` entry in the one shape: name, canonical, kind (`kv_path` | `endpoint`), a one-line
+    description, and for a server what it was found to do under `endpoint`. Runs stored before that shape kept
+    the server's detection as a dict under `description` and had no `kind`."""
+    entry = dict(entry)
+    described = entry.get("description")
+    if isinstance(described, dict):
+        served = described.get("model") or "the served model"
+        entry["endpoint"] = entry.get("endpoint") or described
+        entry["description"] = (f"endpoint {described.get('url')} serving {served} "
+                                f"(KV cache as the server keeps it)")
+        entry.setdefault("kind", "endpoint")
+    entry.setdefault("kind", "kv_path")
+    entry.setdefault("canonical", canonical_spec(entry.get("name", "")))
+    entry["description"] = "" if entry.get("description") is None else str(entry["description"])
+    return entry
+
+
+def canonical_spec(name: str) -> str:
+    """A path label's canonical spec (`fp8:calibrated` -> `fp8_e4m3:per_tensor:calibrated:sat`); an endpoint
+    label or the reference is its own."""
+    try:
+        return parse_path(name).canonical
+    except (PathSpecError, ValueError):
+        return name
+
+
+def finite_text(value):
+    """NaN/inf inside verdict rows as the strings "nan" / "inf" / "-inf": JSON has no such numbers, and the
+    reason's message already says what happened."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: finite_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_text(v) for v in value]
+    return value
+
+
+def yardstick_label(manifest: dict, spec: str | None = None) -> str:
+    """The run's label for the yardstick path: the manifest's `yardstick`, else the default; matched to the
+    run's paths by canonical spec (`fp8:calibrated` is `fp8_e4m3:calibrated`)."""
+    wanted = spec or manifest.get("yardstick") or DEFAULT_YARDSTICK
+    canonical = canonical_spec(wanted)
+    return next((p["name"] for p in manifest.get("paths", []) if p.get("canonical") == canonical), wanted)
+
+
+def threshold_overrides(manifest: dict) -> dict[str, Limit]:
+    return parse_threshold_overrides(manifest.get("verdict_thresholds") or [])
+
+
+def noise_models(manifest: dict) -> list[str]:
+    """Random-weight models: their divergence is the noise the verdicts measure, not a finding."""
+    return [m["label"] for m in manifest.get("models", []) if m.get("random_weights")]
+
+
+class RunView:
+    """A stored run, read lazily: each property reads its file(s) once. `renamed` maps path labels to the labels
+    to read them as (compare pairs B's `fp8:` with A's `fp8_e4m3:`); every table, the manifest and the verdicts
+    come back under the new labels."""
+
+    def __init__(self, directory: Path | str, renamed: dict[str, str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.renamed = dict(renamed or {})
+        self._tables: dict[str, list[dict]] = {}
+
+    def __repr__(self) -> str:
+        return f"RunView({str(self.directory)!r})"
+
+    # -- files ----------------------------------------------------------------------------------------------
+    @cached_property
+    def manifest(self) -> dict:
+        if not self.directory.is_dir():
+            raise RunReadError(f"{self.directory}: no such run directory")
+        manifest = read_json(self.directory / MANIFEST)
+        if manifest is None:
+            raise RunReadError(f"{self.directory} is not a stored run: no {MANIFEST}")
+        manifest["paths"] = [self._entry(path_entry(p)) for p in manifest.get("paths") or []]
+        if self.renamed and isinstance(manifest.get("verdicts"), dict):
+            manifest["verdicts"] = {model: {self.label(p): cell for p, cell in (cells or {}).items()}
+                                    for model, cells in manifest["verdicts"].items()}
+        if manifest.get("yardstick"):
+            manifest["yardstick"] = self.label(manifest["yardstick"])
+        return manifest
+
+    def _entry(self, entry: dict) -> dict:
+        return entry | {"name": self.label(entry.get("name"))} if entry.get("name") in self.renamed else entry
+
+    def label(self, path: str) -> str:
+        return self.renamed.get(path, path)
+
+    def has(self, name: str) -> bool:
+        """Whether the run wrote `<name>.jsonl` at all."""
+        return (self.directory / f"{name}.jsonl").exists()
+
+    def table(self, name: str) -> list[dict]:
+        """The rows of `<name>.jsonl` ([] when the run has none), path labels renamed."""
+        if name not in self._tables:
+            rows = read_jsonl(self.directory / f"{name}.jsonl")
+            if self.renamed:
+                rows = [r | {"path": self.label(r["path"])} if r.get("path") in self.renamed else r for r in rows]
+            self._tables[name] = rows
+        return self._tables[name]
+
+    @property
+    def run_id(self) -> str:
+        return str(self.manifest.get("run_id") or self.directory.name)
+
+    @property
+    def records(self) -> list[dict]:
+        return self.table("records")
+
+    @property
+    def series(self) -> list[dict]:
+        return self.table("series")
+
+    @property
+    def texts(self) -> list[dict]:
+        return self.table("texts")
+
+    @property
+    def checks(self) -> list[dict]:
+        return self.table("checks")
+
+    @property
+    def errors(self) -> list[dict]:
+        return self.table("errors")
+
+    @property
+    def done(self) -> list[dict]:
+        return self.table("done")
+
+    @property
+    def judgements(self) -> list[dict]:
+        """judgements.jsonl (docs/CONTRACTS.md); judges.jsonl is the name runs of the first sessions wrote."""
+        return self.table("judgements") or self.table("judges")
+
+    @property
+    def attention(self) -> list[dict]:
+        """Sampled attention rows (`harness attention`, `--attention`)."""
+        return self.table("attention")
+
+    @property
+    def attention_channels(self) -> list[dict]:
+        return self.table("attention_channels")
+
+    @cached_property
+    def sensitivity(self) -> dict | None:
+        """`harness sensitivity`'s per-layer map, when this run wrote one."""
+        return read_json(self.directory / "sensitivity.json")
+
+    @cached_property
+    def detection(self) -> dict | None:
+        """`harness zoo`'s detection matrix, when this run is a zoo run."""
+        return read_json(self.directory / "detection.json")
+
+    # -- frames ---------------------------------------------------------------------------------------------
+    @cached_property
+    def records_frame(self) -> pd.DataFrame:
+        """One row per (model, scenario, path, turn, metric); `value` a float with inf / -inf / NaN restored from
+        the store's null + `value_text`, and NaN where nothing was measured (`ZERO_IS_UNMEASURED`)."""
+        frame = pd.DataFrame(self.records)
+        for column in RECORD_COLUMNS:
+            if column not in frame:
+                frame[column] = None
+        frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype(float)
+        if "value_text" in frame:
+            special = frame["value_text"].map(NONFINITE_TEXT)
+            frame["value"] = frame["value"].where(frame["value_text"].isna(), special)
+        untimed = frame["metric"].isin(ZERO_IS_UNMEASURED) & (frame["value"] == 0)
+        frame.loc[untimed, "value"] = math.nan
+        frame["turn"] = frame["turn"].astype(int)
+        frame["kind"] = frame["kind"].fillna("")
+        return frame
+
+    @cached_property
+    def series_frame(self) -> pd.DataFrame:
+        """Per-token series, one row per (model, scenario, path, turn, series); values with NaN/inf restored."""
+        return pd.DataFrame([{**row, "values": decode_values(row)} for row in self.series], columns=SERIES_COLUMNS)
+
+    @cached_property
+    def attention_frame(self) -> pd.DataFrame:
+        """Sampled attention rows as a frame (empty when the run captured no attention)."""
+        return pd.DataFrame(self.attention)
+
+    @cached_property
+    def attention_channels_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.attention_channels)
+
+    # -- verdicts -------------------------------------------------------------------------------------------
+    def computed_verdicts(self, overrides: dict[str, Limit] | None = None) -> list[dict]:
+        """Per-turn verdict rows computed now from the stored rows (what `gate.write_verdicts` stores)."""
+        manifest = self.manifest
+        sources = {s["id"]: s.get("source", "scenario file") for s in manifest.get("scenarios", [])}
+        return compute_verdicts(self.records, self.checks, self.judgements, self.errors,
+                                threshold_overrides(manifest) if overrides is None else overrides, sources,
+                                noise_models(manifest), yardstick_label(manifest))
+
+    def computed_path_verdicts(self, overrides: dict[str, Limit] | None = None) -> list[dict]:
+        manifest = self.manifest
+        kl_series = [row for row in self.series if row.get("series") == "kl"]
+        return compute_path_verdicts(self.records, self.judgements, kl_series,
+                                     threshold_overrides(manifest) if overrides is None else overrides,
+                                     noise_models(manifest), yardstick_label(manifest))
+
+    @cached_property
+    def verdicts(self) -> list[dict]:
+        """verdicts.jsonl, or for a run made before verdicts existed, computed now."""
+        if self.has("verdicts"):
+            return self.table("verdicts")
+        return finite_text(self.computed_verdicts())
+
+    @cached_property
+    def path_verdicts(self) -> list[dict]:
+        if self.has("path_verdicts"):
+            return self.table("path_verdicts")
+        return finite_text(self.computed_path_verdicts())
+
+    @cached_property
+    def matrix(self) -> dict:
+        """Models x paths: the manifest's `verdicts` when it holds both questions, else computed from the rows."""
+        stored = self.manifest.get("verdicts")
+        if isinstance(stored, dict) and all("questions" in cell for cells in stored.values()
+                                            for cell in cells.values()):
+            return stored
+        return finite_text(verdict_matrix(self.verdicts, self.path_verdicts))
+
+
+def read_run(directory: Path | str, renamed: dict[str, str] | None = None) -> RunView:
+    """The run at `directory`, read lazily; the manifest is read now, so a directory that is not a run fails here."""
+    view = RunView(directory, renamed)
+    view.manifest  # noqa: B018 - fail on a missing or broken manifest before anything else is computed
+    return view
