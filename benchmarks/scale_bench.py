@@ -232,7 +232,11 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
                        log, gpus: int) -> list[dict]:
     """The harness's one-sequence-at-a-time greedy decode (what a layer-sharded run replays), per KV path,
     and plain `generate` at batch 8: decode tokens/s from (t(new) - t(2)) / (new - 2)."""
+    import types
+
     model, config = loaded.model, loaded.model.config
+    if loaded.tokenizer is None:  # random token ids: no EOS, decoding runs to its limit
+        loaded.tokenizer = types.SimpleNamespace(eos_token_id=None, pad_token_id=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     prompt = prompts(1, length, config.vocab_size, seed=1)[0]
