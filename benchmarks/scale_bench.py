@@ -17,7 +17,8 @@ Across GPUs (`--gpus N`, `--sharded`):
   workers released together by a barrier after warm-up) for 1 and N GPUs, the ratio, and each row's wall clock
   from process start to the last result (cold start included: imports, CUDA, model build, Triton compile);
 - layer-sharded (`--sharded 70b`: a Llama-3-70B-shaped model, 80 layers over the GPUs, random weights made on the
-  GPUs, never on the CPU; `8b`: the 8B model sharded against the same model on one GPU, the ratio): plain
+  GPUs, never on the CPU; `8b`, `mla`: the 8B model or the DeepSeek-V2-Lite-shaped MLA model sharded against the same model on one GPU,
+  the ratio): plain
   `generate` at batch 8 and the harness's one-sequence-at-a-time replay (bf16 and FP8 through our kernels),
   decode tokens/s and % of the bandwidth roof (layers run one GPU after another, so the roof is every weight byte
   at one GPU's copy bandwidth).
@@ -294,36 +295,49 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
     return rows
 
 
+def free_models() -> None:
+    """Drop models no longer referenced (accelerate's hooks make reference cycles: only the collector frees them)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -> list[dict]:
     devices = [f"cuda:{i}" for i in range(gpus)]
     rows = []
     paths = ["bf16", "fp8_e4m3"]
-    if "8b" in which:  # the same model on one GPU, then sharded: what sharding itself costs
+    # models that fit one GPU: on one GPU, then sharded over `gpus`: what sharding itself costs
+    for key, name, make in (("8b", "8b 1k", llama_8b), ("mla", "v2-lite 1k", deepseek_v2_lite)):
+        if key not in which:
+            continue
         torch.manual_seed(0)
-        one = build(llama_8b())
-        rows += one_at_a_time_rows("8b 1k", one, 1024, new, paths, bandwidth, log, 1)
+        one = build(make())
+        start = len(rows)
+        rows += one_at_a_time_rows(name, one, 1024, new, paths, bandwidth, log, 1)
+        alone = {r["path"]: r["decode_tok_s"] for r in rows[start:] if "decode_tok_s" in r}
         del one
-        torch.cuda.empty_cache()
-        sharded = build_sharded(llama_8b(), devices)
-        alone = {r["path"]: r["decode_tok_s"] for r in rows if "decode_tok_s" in r}
-        rows += one_at_a_time_rows("8b 1k", sharded, 1024, new, paths, bandwidth, log, gpus)
-        for r in rows[len(alone):]:
+        free_models()
+        sharded = build_sharded(make(), devices)
+        start = len(rows)
+        rows += one_at_a_time_rows(name, sharded, 1024, new, paths, bandwidth, log, gpus)
+        for r in rows[start:]:
             if r.get("path") in alone:
                 r["x_1gpu"] = r["decode_tok_s"] / alone[r["path"]]
         del sharded
-        torch.cuda.empty_cache()
+        free_models()
     if "70b" in which:
         start = time.perf_counter()
         loaded = build_sharded(llama_70b(), devices)
         built = time.perf_counter() - start
         per_gpu = [torch.cuda.memory_allocated(d) / 2**30 for d in devices]
-        log({"config": "70b", "built_s": built, "weights_gib_per_gpu": per_gpu,
+        log({"config": "70b", "built_s": built, "allocated_gib_per_gpu": per_gpu,
              "layers": loaded.shard_plan.describe()["layers"]})
         rows += one_at_a_time_rows("70b 512", loaded, 512, new, paths, bandwidth, log, gpus)
         for r in rows[-3:]:
-            r["note"] = f"built on the GPUs in {built:.1f} s; weights GiB per GPU {[round(g, 1) for g in per_gpu]}"
+            r["note"] = f"built on the GPUs in {built:.1f} s; GiB allocated per GPU {[round(g, 1) for g in per_gpu]}"
         del loaded
-        torch.cuda.empty_cache()
+        free_models()
     return rows
 
 
