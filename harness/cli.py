@@ -287,8 +287,12 @@ def _nightly(args: argparse.Namespace) -> int:
     from harness.nightly import run_nights
     from harness.run_config import build_run_config
 
+    from harness.kv_paths.spec import DEFAULT_PATHS
+
+    # a night measures the reference's own precision noise beside the yardstick (the fp32 path, docs/VERDICTS.md)
     night = build_run_config(command=["harness", *sys.argv[1:]], device=args.device, models=args.model,
-                             scenario_paths=args.scenarios, paths=args.paths)
+                             scenario_paths=args.scenarios,
+                             paths=args.paths if args.paths is not None else f"{DEFAULT_PATHS},fp32")
     fields = dict(models=night.models, scenario_paths=night.scenario_paths, paths=night.paths, device=night.device,
                   command=night.command)
     nights = run_nights(args.history, fields, args.suite, args.night)

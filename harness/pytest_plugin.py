@@ -36,6 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--model", action="append", metavar="DIR", help="model directory (repeatable; default: canaries)")
     group.addoption("--scenarios", action="append", metavar="PATH", help="scenario file or directory (repeatable)")
     group.addoption("--paths", metavar="SPECS", help="comma-separated KV path specs (default: the healthy defaults)")
+    group.addoption("--yardstick", metavar="SPEC",
+                    help="the accepted path the verdicts' divergence ratios divide by, replayed in the same run "
+                         "(default: fp8_e4m3:calibrated; 'none': absolute limits only), as harness run's flag")
     group.addoption("--reference-endpoint", metavar="URL", help="OpenAI-compatible server with the BF16 cache")
     group.addoption("--candidate-endpoint", action="append", metavar="[LABEL=]URL", help="server(s) to check")
     group.addoption("--judge-endpoint", metavar="URL", help="OpenAI-compatible server whose model grades replies")
@@ -154,6 +157,8 @@ class HarnessSession:
 
         try:
             parse_threshold_overrides(self.thresholds)
+            if self.config.getoption("yardstick") not in (None, "none"):
+                job.parse_kv_paths(self.config.getoption("yardstick"))  # a bad spec: the same one line as --paths
             scenarios = load_scenarios(list(self.scenario_paths))
             if self.reference:
                 targets = [(ENDPOINT_MODEL, None, [label for label, _ in job.candidate_labels(self.candidates)])]
@@ -198,6 +203,7 @@ class HarnessSession:
                 models=() if self.reference else (Path(chosen["dir"]),), scenario_paths=self.scenario_paths, paths=",".join(chosen["paths"]),
                 out=out, device=self.device(), reference_url=self.reference, candidate_urls=self.candidates,
                 judge_url=self.config.getoption("judge_endpoint"), thresholds=self.thresholds,
+                yardstick=self.config.getoption("yardstick"),
                 scenario_ids=tuple(chosen["scenarios"]), attention=self._attention(),
                 request_timeout_s=self.config.getoption("request_timeout"),
                 command=["pytest", *self.config.invocation_params.args])

@@ -66,16 +66,32 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
     """FP8 attention on the MLA canary: decode runs kernels/mla_decode.py with the path's scales (the absorbed
     query quantised, as engines' MLA kernels do), within the agreement bound relative to the torch reference's
     FP8 attention error, and gives the torch-reference route's tokens (HARNESS_KERNELS=off: attention_fp8 on the
-    model's own query; the CPU run of the same comparison, through the kernel's torch mirror, matched 16/16)."""
+    model's own query) but where the two part at a near tie. The two routes round P at other places (the kernel
+    tile-relative, the reference after normalising), so their logits differ by more than bf16 noise: a parting is
+    a near tie when the torch route's top-2 gap there is within twice the largest logit difference the two routes
+    showed on the kernel steps before it (each top-2 logit may move by that much, in opposite directions). The CPU run
+    of the same comparison, through the kernel's torch mirror, matched 16/16; an H100 parted at token 6."""
     model = InProcessModel.load(tiny_models["mla"], device="cuda")
     backend = model.backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
-    generation = backend.generate_sync(CHAT, 12)
-    assert generation.metrics["kernel_steps"] > 0
-    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+    prompt = model.encode_chat(CHAT)
+    kernel_logits = []
+    ids, _, metrics = backend.greedy_ids(prompt, 12, on_step=lambda logits, _: kernel_logits.append(logits.float()))
+    assert metrics["kernel_steps"] > 0
+    assert 0.0 < metrics["kernel_err_ratio"] <= 4.0, metrics
     monkeypatch.setenv("HARNESS_KERNELS", "off")
     torch_route = InProcessModel.load(tiny_models["mla"], device="cuda").backend(parse_path(spec))
     assert "kernels off" in torch_route.describe()["decode_kernel"]
-    reference = torch_route.generate_sync(CHAT, 12)
-    assert "kernel_steps" not in (reference.metrics or {})
-    assert generation.token_ids == reference.token_ids
+    torch_logits = []
+    reference, _, ref_metrics = torch_route.greedy_ids(prompt, 12,
+                                                       on_step=lambda logits, _: torch_logits.append(logits.float()))
+    assert "kernel_steps" not in ref_metrics
+    if ids == reference:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(ids, reference)) if a != b)
+    # step 0 is the prefill (torch attention_fp8 on both routes: the same logits); the kernel serves steps 1 on
+    assert first > 1, "the routes part at the first kernel step (no shared kernel step to measure their difference)"
+    spread = max(float((k - t).abs().max()) for k, t in zip(kernel_logits[1:first], torch_logits[1:first]))
+    top = torch_logits[first].topk(2).values
+    gap = float(top[0] - top[1])
+    assert gap <= 2 * spread, (first, gap, spread, ids, reference)

@@ -29,6 +29,7 @@ def test_parse_valid(spec, fmt, granularity, source, saturate, current_chunk):
     ("fp8:calibrated:checkpoint", "sets scale_source twice"),
     ("fp8:per_token:calibrated", "per_token scales are computed from each token"),
     ("fp8_e5m2:sat:nosat", "sets cast twice"),
+    ("fp32:calibrated", "fp32 is the reference in float32"),
 ])
 def test_parse_errors_name_the_reason(spec, reason):
     with pytest.raises(PathSpecError, match=reason):
@@ -47,3 +48,9 @@ def test_parse_paths_lists_and_duplicates():
 def test_describe_says_scales_are_ignored_on_bf16():
     assert "ignored" in parse_path("bf16:checkpoint").describe()
     assert "1.0" in parse_path("fp8").describe()
+
+
+def test_fp32_is_the_reference_in_float32():
+    path = parse_path("fp32")
+    assert path.is_reference_noise and not path.is_fp8 and path.canonical == "fp32"
+    assert "precision noise" in path.describe()

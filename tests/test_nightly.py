@@ -68,3 +68,19 @@ def test_stress_suite_nights_get_their_own_histories(tmp_path, monkeypatch):
     assert calls[2][1]["select"] == ()  # every needle on CUDA
     with pytest.raises(ValueError, match="--suite 'nightly'"):
         nightly.run_nights(tmp_path, default, "nightly")
+
+
+def test_the_default_night_measures_the_reference_noise(tmp_path, monkeypatch):
+    """Without --paths a night replays the default paths, the yardstick and the fp32 reference (its precision
+    noise, shown beside the yardstick); --paths replaces the defaults (the yardstick is still added)."""
+    from harness import nightly
+
+    seen = []
+    done = nightly.NightResult(tmp_path / "n", [], None, False, tmp_path / "trend")
+    monkeypatch.setattr(nightly, "run_nights",
+                        lambda history, fields, suite, night: seen.append(fields) or [("default", done)])
+    assert main(["nightly", "--history", str(tmp_path)]) == 0
+    assert main(["nightly", "--history", str(tmp_path), "--paths", "fp8_e4m3"]) == 0
+    default, chosen = ([p.canonical for p in fields["paths"]] for fields in seen)
+    assert "fp32" in default and "fp8_e4m3:per_tensor:calibrated:sat" in default
+    assert "fp32" not in chosen

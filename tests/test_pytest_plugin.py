@@ -82,6 +82,18 @@ def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenar
     assert len(keys) == len(set(keys)) == 8
 
 
+def test_yardstick_is_chosen_like_harness_runs(pytester, scenario_file):
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", "--yardstick", "fp8_e4m3:per_head:calibrated")
+    result.assert_outcomes(passed=2)
+    (run,) = stored_runs(pytester)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["yardstick"] == "fp8_e4m3:per_head:calibrated"
+    texts = {json.loads(line)["path"] for line in (run / "texts.jsonl").read_text().splitlines()}
+    assert "fp8_e4m3:per_head:calibrated" in texts and "fp8_e4m3:calibrated" not in texts
+    bad = harness_session(pytester, scenario_file, "--yardstick", "fp9_nope")
+    assert bad.ret == 2 and "fp8-harness:" in str(bad.stdout) + str(bad.stderr)
+
+
 def test_gpu_without_cuda_is_an_error_not_skips(pytester):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

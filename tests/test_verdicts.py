@@ -157,6 +157,25 @@ def test_pooled_divergence_uses_every_token_of_the_path_against_the_yardstick():
     assert "x the yardstick" in row["reasons"][0]["message"]
 
 
+def test_the_float32_reference_is_measured_beside_the_yardstick_and_never_judged():
+    rows = healthy(kl_mean=4e-3, yard_kl=1e-2)
+    # fp32 diverging far beyond every limit: a measurement of the reference's own noise, not a path under test
+    rows += [rec("kl_mean", 2e-3, "fp32"), rec("kl_p99", 50.0, "fp32"), rec("answer_correct", 0.0, "fp32")]
+    turn = only(of(compute_verdicts(rows), "fp32"))
+    assert turn["verdict"] == "pass" and turn["reasons"] == []
+    whole = {r["path"]: r for r in compute_path_verdicts(rows)}
+    assert whole["fp32"]["role"].startswith("reference noise") and whole["fp32"]["numbers"]["kl_mean"] == 2e-3
+    assert whole["fp8_e4m3"]["numbers"]["noise_kl_mean"] == 2e-3
+    assert whole["fp8_e4m3"]["numbers"]["kl_mean_over_noise"] == pytest.approx(2.0)
+    assert whole[YARD]["numbers"]["kl_mean_over_noise"] == pytest.approx(5.0)
+    rows += [rec("kl_mean", math.nan, "fp32", turn=1), rec("reply_tokens", 20, "reference", turn=1)]
+    assert only([r for r in compute_verdicts(rows) if r["path"] == "fp32" and r["turn"] == 1])["verdict"] == "fail"
+    from harness.runs.report_views import times_yardstick
+
+    assert "2x the fp32 reference noise" in times_yardstick(whole["fp8_e4m3"]["numbers"])
+    assert "noise_kl_mean" not in only(of(compute_path_verdicts(healthy(kl_mean=4e-3))))["numbers"]
+
+
 def test_non_finite_values_fail_the_implementation_question():
     rows = [r for r in healthy() if not (r["metric"] == "kl_mean" and r["path"] == "fp8_e4m3")]
     rows.append(rec("kl_mean", None, text="nan"))
@@ -368,3 +387,19 @@ def test_summary_leads_with_the_verdict_matrix():
     assert text.startswith("verdicts per path")
     assert text.index("fp8_e4m3  ") < text.index("answer acc")
     assert "FAIL" in text  # the stored baseline's default-scale path breaks in later turns
+
+
+@pytest.mark.slow
+def test_fp32_path_measures_the_reference_noise_end_to_end(tmp_path, capsys):
+    """The `fp32` path on a trained canary: the model in float32 beside the BF16 reference, its KL is the
+    reference's own precision noise (nonzero: BF16 and FP32 arithmetic part), shown per path, never judged."""
+    out = tmp_path / "run"
+    code = main(["run", "--models", "gqa", "--paths", "fp8_e4m3,fp32", "--select", "id:canary-arith-1",
+                 "--out", str(out), "--jobs", "1"])
+    assert code == 0
+    whole = {r["path"]: r for r in (json.loads(line) for line in (out / "path_verdicts.jsonl").read_text().splitlines())}
+    assert 0 < whole["fp32"]["numbers"]["kl_mean"] < whole[YARD]["numbers"]["kl_mean"]
+    assert whole["fp8_e4m3"]["numbers"]["kl_mean_over_noise"] > 0
+    assert "(reference noise: KL mean" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert any(p["name"] == "fp32" and "float32" in p["description"] for p in manifest["paths"])

@@ -390,8 +390,15 @@ def question_verdicts(reasons: list[dict]) -> dict[str, str]:
     return {q: verdict_of([r for r in reasons if r.get("question") in (q, None)]) for q in QUESTIONS}
 
 
+def is_reference_noise(path: str) -> bool:
+    """The `fp32` path: the reference in float32, whose divergence is the BF16 reference's own precision noise."""
+    from harness.kv_paths.spec import NOISE_FORMAT
+
+    return kv_format(path) == NOISE_FORMAT
+
+
 def kv_format(path: str) -> str | None:
-    """The cache format a path label declares (`bf16`, `e4m3`, `e5m2`), or None for a label that is not a KV
+    """The cache format a path label declares (`bf16`, `e4m3`, `e5m2`; `fp32` the float32 reference), or None for a label that is not a KV
     path spec (an endpoint's)."""
     from harness.kv_paths.spec import PathSpecError, parse_path
 
@@ -449,6 +456,9 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
     for key in sorted((k for k in values if k[2] != REFERENCE), key=_sort_key):
         model, name, path, turn = key
         own, reference = dict(values[key]), values.get((model, name, REFERENCE, turn), {})
+        if is_reference_noise(path):  # the float32 reference: a yardstick, measured and not judged
+            rows.append(_row(key, nonfinite_reasons(own) + unmeasured_reasons(own)))
+            continue
         stick = sticks.get(model) if path != yardstick else None
         if stick is not None and own.get("kl_mean") is not None and math.isfinite(own["kl_mean"]):
             own["yardstick_kl_mean"] = stick.turns.get((name, turn), math.nan)
@@ -513,7 +523,15 @@ def compute_path_verdicts(records: Iterable[Mapping], judgements: Iterable[Mappi
     for model, path in units:
         turns = [k for k in values if k[0] == model and k[2] == path]
         reasons, numbers = [], {}
+        if is_reference_noise(path):  # the float32 reference: a yardstick, measured and not judged
+            own = pooled.get((model, path)) or {}
+            numbers.update({k: own[k] for k in ("kl_mean", "kl_p999", "tokens") if k in own})
+            rows.append({"model": model, "path": path, "verdict": "pass", "questions": question_verdicts([]),
+                         "reasons": [], "numbers": numbers, "yardstick": yardstick, "unanswered": [],
+                         "role": "reference noise (measured, not judged)"})
+            continue
         reasons += _pooled_divergence_reasons(pooled, model, path, yardstick, overrides, numbers)
+        _reference_noise(pooled, model, path, numbers)
         if model not in noise_models:
             reasons += recovery_reasons(values, turns, numbers)
             reasons += length_reasons(values, turns, overrides, numbers)
@@ -550,6 +568,18 @@ def _pooled_kl(values: Mapping[tuple, Mapping], kl_series: Iterable[Mapping]) ->
         pooled[key] = {"kl_mean": total / tokens if tokens else None, "tokens": tokens, "turns": turns,
                        "kl_p999": percentile(kl, 99.9) if kl and not any(math.isnan(v) for v in kl) else None}
     return pooled
+
+
+def _reference_noise(pooled: Mapping, model: str, path: str, numbers: dict) -> None:
+    """Where the run replayed the float32 reference (`fp32`): its pooled kl_mean (the BF16 reference's own precision
+    noise) and the path's pooled kl_mean as a multiple of it. Shown beside the yardstick, never gating: the noise
+    of the reference's arithmetic says how much of a path's divergence BF16 inference alone would show."""
+    noise = next((v for (m, p), v in pooled.items() if m == model and is_reference_noise(p)), None)
+    own = pooled.get((model, path))
+    if noise is None or own is None or noise.get("kl_mean") is None or own.get("kl_mean") is None:
+        return
+    numbers["noise_kl_mean"] = noise["kl_mean"]
+    numbers["kl_mean_over_noise"] = own["kl_mean"] / noise["kl_mean"] if noise["kl_mean"] > 0 else math.inf
 
 
 def _ratio(own: float | None, stick: float | None) -> float | None:
@@ -726,7 +756,8 @@ def verdict_matrix(rows: Iterable[Mapping], path_rows: Iterable[Mapping] = ()) -
             if whole is not None:
                 for q, v in whole["questions"].items():
                     questions[q] = _worse(questions[q], v)
-                cell["path"] = {k: whole[k] for k in ("verdict", "reasons", "numbers", "unanswered", "yardstick")}
+                cell["path"] = {k: whole[k] for k in ("verdict", "reasons", "numbers", "unanswered", "yardstick", "role")
+                                if k in whole}
             matrix.setdefault(model, {})[path] = cell | {"questions": questions}
     return matrix
 

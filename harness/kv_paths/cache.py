@@ -306,7 +306,7 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
     `kv_path=None` is the reference: the model's cache untouched.
     """
     cache = DynamicCache(config=config)
-    if kv_path is None:
+    if kv_path is None or kv_path.is_reference_noise:  # the float32 reference keeps the model's own cache
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):

@@ -23,7 +23,11 @@ from harness.kv_paths.faults import FAULTS
 # fp8_e4m3:warmup (scales from one dummy pass) is the README's demonstration of a failing path.
 DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2"
 
-FORMATS = {"bf16": "bf16", "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+FORMATS = {"bf16": "bf16", "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "fp32": "fp32"}
+# `fp32`: not a cache format but the reference itself in float32 (weights, activations, cache), replayed as a path:
+# its divergence from the BF16 reference is the reference's own precision noise, a yardstick measured in the same
+# run (docs/VERDICTS.md). It takes no options.
+NOISE_FORMAT = "fp32"
 DIMENSIONS = {
     "granularity": ("per_tensor", "per_head", "per_token"),
     "scale_source": ("default", "calibrated", "checkpoint", "warmup"),
@@ -76,7 +80,12 @@ class KVPath:
 
     @property
     def is_fp8(self) -> bool:
-        return self.fmt != "bf16"
+        return self.fmt in ("e4m3", "e5m2")
+
+    @property
+    def is_reference_noise(self) -> bool:
+        """The float32 reference (`fp32`): measures the BF16 reference's own precision noise."""
+        return self.fmt == NOISE_FORMAT
 
     @property
     def canonical(self) -> str:
@@ -92,6 +101,8 @@ class KVPath:
         return extra
 
     def _canonical_kv(self) -> str:
+        if self.is_reference_noise:
+            return NOISE_FORMAT
         if not self.is_fp8:
             base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
             return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
@@ -117,6 +128,9 @@ class KVPath:
         return "; ".join([self._describe_kv(), *extra])
 
     def _describe_kv(self) -> str:
+        if self.is_reference_noise:
+            return ("the reference in float32 (weights, activations and cache): the BF16 reference's own precision "
+                    "noise, a yardstick")
         if self.k_scale_on_scores:
             return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
                     f"(fault preset: failure class 3)")
@@ -135,6 +149,9 @@ def parse_path(spec: str) -> KVPath:
     head, *options = [part.strip() for part in text.split(":")]
     if head not in FORMATS:
         raise PathSpecError(f"KV path {spec!r}: unknown cache format {head!r}; expected one of {', '.join(FORMATS)}")
+    if FORMATS[head] == NOISE_FORMAT and options:
+        raise PathSpecError(f"KV path {spec!r}: fp32 is the reference in float32 (its precision noise) and takes no "
+                            f"options")
     options, kernel = _kernel_option(spec, options)
     if kernel and (FORMATS[head] == "bf16" or "per_token" in options):
         raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "

@@ -73,6 +73,7 @@ class InProcessModel:
     shard_plan: object = None  # harness.replay.sharding.ShardPlan: the layers split over several GPUs
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
+    _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -122,8 +123,23 @@ class InProcessModel:
         return described
 
     def backend(self, kv_path: KVPath | None, label: str | None = None) -> "InProcessBackend":
+        if kv_path is not None and kv_path.is_reference_noise:
+            return InProcessBackend(self.in_float32(), kv_path, None, label or kv_path.name)
         scales = self.scales_for(kv_path) if kv_path is not None else None
         return InProcessBackend(self, kv_path, scales, label or (kv_path.name if kv_path else "reference"))
+
+    def in_float32(self) -> "InProcessModel":
+        """This model with its weights in float32 (a copy, made once: twice the weights' memory in bf16 terms),
+        the `fp32` path's model: the BF16 reference's own precision noise."""
+        import copy
+        import dataclasses
+
+        if self.model.dtype == torch.float32:
+            return self
+        if self._float32 is None:
+            twin = copy.deepcopy(self.model).float()
+            self._float32 = dataclasses.replace(self, model=twin, _scales={}, _float32=None)
+        return self._float32
 
     # -- tokens ---------------------------------------------------------------------------------------
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:

@@ -32,11 +32,13 @@ QUESTION_TITLES = {"implementation": "implementation right?", "acceptable": "pre
 
 def times_yardstick(numbers: Mapping, fmt: Callable = lambda v: f"{v:.2g}") -> str:
     """`3.1x yardstick (0.0042 nats)`: a path's pooled kl_mean against the yardstick's, or "" without one."""
+    noise = numbers.get("kl_mean_over_noise")
+    beside = f", {noise:.3g}x the fp32 reference noise ({fmt(numbers['noise_kl_mean'])} nats)" if noise is not None else ""
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
-        return ""
+        return beside.removeprefix(", ")
     shown = f"{ratio:.3g}" if isinstance(ratio, (int, float)) else str(ratio)
-    return f"KL {shown}x yardstick ({fmt(stick)} nats)"
+    return f"KL {shown}x yardstick ({fmt(stick)} nats){beside}"
 
 
 def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callable[[str, str], str],

@@ -63,18 +63,23 @@ def summary_table(run_dir: Path) -> pd.DataFrame:
 def _times(path: str, cell: dict) -> str:
     """The path's pooled kl_mean as a multiple of the yardstick's, with the yardstick's value beside it."""
     whole = cell.get("path") or {}
-    if path == whole.get("yardstick"):
-        return "(yardstick)"
     numbers = whole.get("numbers") or {}
+    if whole.get("role"):  # the float32 reference: its own kl_mean is the reference's precision noise
+        return f"(reference noise: KL mean {numbers['kl_mean']:.2g})" if numbers.get("kl_mean") is not None else \
+            "(reference noise)"
+    noise = numbers.get("kl_mean_over_noise")
+    beside = f"; {noise:.3g}x the fp32 noise" if noise is not None else ""
+    if path == whole.get("yardstick"):
+        return "(yardstick" + beside + ")"
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
-        return "-"
+        return "-" + beside
     from harness.analysis.verdicts import KL_RATIO_FLOOR
 
     shown = f"{ratio:.3g}" if isinstance(ratio, float) else str(ratio)
     if stick < KL_RATIO_FLOOR:  # the yardstick reproduced the reference: the ratio divides by the floor
-        return f"{shown}x of the floor {KL_RATIO_FLOOR:g} (yardstick {stick:.2g})"
-    return f"{shown}x of {stick:.2g}"
+        return f"{shown}x of the floor {KL_RATIO_FLOOR:g} (yardstick {stick:.2g}){beside}"
+    return f"{shown}x of {stick:.2g}{beside}"
 
 
 def _path_verdict(cell: dict) -> str:
