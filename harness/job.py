@@ -98,6 +98,10 @@ class RunConfig:
         if self.attention is not None:
             raise ValueError(f"--shard {self.shard}: attention capture (--attention) is not built for a "
                              f"layer-sharded model; run it on a model that fits one GPU")
+        if any(p.is_reference_noise for p in self.paths):
+            raise ValueError(f"--shard {self.shard}: the fp32 path replays a float32 copy of the whole model (twice "
+                             f"its bf16 weights again on the same GPUs); it is not built for a layer-sharded model: "
+                             f"leave fp32 out of --paths")
 
     @property
     def batched(self) -> bool:

@@ -87,6 +87,14 @@ def test_run_configs_that_cannot_shard_are_refused(tmp_path, fields, message):
         job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, shard="layers", **fields)
 
 
+def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
+    from harness.kv_paths.spec import parse_paths
+
+    with pytest.raises(ValueError, match="fp32 path replays a float32 copy"):
+        job.RunConfig(models=(), scenario_paths=(), paths=tuple(parse_paths("bf16,fp32")), out=tmp_path,
+                      device="cuda:0,1", shard="layers")
+
+
 def test_a_sharded_run_config_is_not_batched(tmp_path):
     config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers")
     assert not config.batched
