@@ -152,6 +152,71 @@ def test_without_accelerate_the_refusal_says_what_to_install(monkeypatch):
         sharding._need_accelerate()
 
 
+# ---------------------------------------------------------------- the route on the CPU (accelerate's hooks, 2 "cpu" devices)
+
+
+@pytest.fixture
+def cpu_stand_in_gpus(monkeypatch):
+    """--shard layers over two "cpu" devices: the same accelerate dispatch and harness route as on GPUs, minus the
+    device hop (the GPU tests below check that part)."""
+    pytest.importorskip("accelerate", reason="the test extras install accelerate (pip install -e '.[test]')")
+    monkeypatch.setattr(sharding, "split_devices", lambda device: ["cpu", "cpu"])
+    monkeypatch.setattr(sharding, "check_shard", lambda shard, devices: None)
+
+
+def test_a_sharded_model_on_stand_in_devices_replays_what_the_plain_model_replays(cpu_stand_in_gpus):
+    from harness.kv_paths.spec import parse_path
+    from harness.replay.inprocess import InProcessModel
+    from harness.types import Message
+
+    plain = InProcessModel.load(CANARIES / "gqa")
+    sharded = InProcessModel.load(CANARIES / "gqa", device="cpu", shard="layers")
+    assert sharded.shard_plan is not None and sharded.shard_plan.describe()["num_layers"] == 6
+    messages = [Message("user", "What is 2 + 3?")]
+    for spec in (None, "fp8_e4m3:calibrated"):
+        path = parse_path(spec) if spec else None
+        ids, metrics, logprobs = _generate_and_score(plain, path, messages)
+        ids_s, metrics_s, logprobs_s = _generate_and_score(sharded, path, messages)
+        assert ids_s == ids and metrics_s == metrics and torch.equal(logprobs_s, logprobs), spec
+
+
+def test_random_weights_without_files_are_made_on_their_devices_seeded(tmp_path, cpu_stand_in_gpus):
+    """A config + tokenizer + marker directory (no weight files) builds seeded random weights straight on each
+    module's device: matrices normal(0, initializer_range), norms ones; the same seed, the same weights."""
+    import shutil
+
+    from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+    from harness.replay.inprocess import ATTENTION_NAME  # noqa: F401 - importing registers the "harness" function
+
+    for f in (CANARIES / "gqa").iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("config.json", "chat_template.jinja"):
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / RANDOM_WEIGHTS_MARKER).write_text("random\n")
+    assert not sharding.has_weight_files(tmp_path)
+    first, _ = sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=True)
+    second, _ = sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=True)
+    params = dict(first.named_parameters())
+    assert all(torch.equal(p, dict(second.named_parameters())[n]) for n, p in params.items())
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params.values())
+    assert torch.all(params["model.norm.weight"] == 1)
+    assert abs(float(params["model.layers.0.mlp.up_proj.weight"].float().std()) - 0.02) < 0.002
+    with pytest.raises(FileNotFoundError, match="no weight files"):
+        sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=False)
+
+
+def test_a_sharded_run_on_stand_in_devices_stores_its_layout_and_verdicts(tmp_path, cpu_stand_in_gpus):
+    config = build_run_config(command=["pytest", "sharded"], out=tmp_path / "run", device="cpu", shard="layers",
+                              models=[CANARIES / "gqa"], select=("id:canary-arith-1",), paths="fp8_e4m3")
+    assert not config.batched
+    run_dir = job.run_job(config, warn=lambda message: None)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["parallel"]["kind"] == "layer-sharded" and set(manifest["parallel"]["models"]) == {"gqa"}
+    assert manifest["batching"]["gqa"] == {"off": job.SHARDED_ONE_AT_A_TIME}
+    verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
+    assert {v["path"] for v in verdicts} >= {"bf16", "fp8_e4m3"}
+
+
 # ---------------------------------------------------------------- multi-GPU hosts
 
 
