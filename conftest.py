@@ -21,13 +21,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
             if not config.getoption("--gpu"):
                 item.add_marker(pytest.mark.skip(reason="GPU test: pass --gpu on a CUDA machine to run it"))
+            elif "multigpu" in item.keywords and _cuda_devices() < 2:
+                item.add_marker(pytest.mark.skip(reason=f"multi-GPU test: needs at least 2 CUDA devices of one "
+                                                        f"host, torch sees {_cuda_devices()}"))
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --slow to run it"))
         if "peer" in item.keywords and not config.getoption("--peer"):
             item.add_marker(pytest.mark.skip(reason="peer-server test: pass --peer to run it"))
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """The harness at real-model scale on one GPU: batched replay vs plain `model.generate`, per KV path.
 
     python benchmarks/scale_bench.py [--quick] [--configs 8b-1k,8b-8k,mla-1k] [--canary-run]
+    python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
 
 No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
 DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
@@ -8,6 +9,19 @@ tokens/s of the harness's batched replay per KV path, the same for plain transfo
 batch and lengths (the baseline, same process), FP8 time / bf16 time, per-decode-step time against the
 bandwidth roof (weights + KV bytes per step over measured copy bandwidth), and peak GPU memory.
 `--canary-run` also times the default `harness run --device cuda` (bundled canaries) in a subprocess.
+
+Across GPUs (`--gpus N`, `--sharded`):
+- data-parallel (8B-shaped, a worker process per GPU, each with its own batch of 32 x 1k prompts, as a
+  data-parallel run gives each GPU its own models or scenarios): decode tokens/s aggregated over the workers
+  (tokens decoded after prefill / wall from the first worker's decode start to the last one's decode end, the
+  workers released together by a barrier after warm-up) for 1 and N GPUs, the ratio, and each row's wall clock
+  from process start to the last result (cold start included: imports, CUDA, model build, Triton compile);
+- layer-sharded (`--sharded 70b`: a Llama-3-70B-shaped model, 80 layers over the GPUs, random weights made on the
+  GPUs, never on the CPU; `8b`, `mla`: the 8B model or the DeepSeek-V2-Lite-shaped MLA model sharded against the same model on one GPU,
+  the ratio): plain
+  `generate` at batch 8 and the harness's one-sequence-at-a-time replay (bf16 and FP8 through our kernels),
+  decode tokens/s and % of the bandwidth roof (layers run one GPU after another, so the roof is every weight byte
+  at one GPU's copy bandwidth).
 """
 
 from __future__ import annotations
@@ -182,6 +196,260 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
     return rows
 
 
+# ------------------------------------------------------------------ across GPUs
+
+
+def llama_70b(vocab_size: int = 128256):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=vocab_size, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+
+
+def build_sharded(config, devices: list[str]) -> InProcessModel:
+    """`config`'s model with its layers over `devices`, random weights made on each GPU (harness.replay.sharding)."""
+    from harness.replay import sharding
+
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        skeleton = AutoModelForCausalLM.from_config(config)
+    plan = sharding.plan_for(skeleton, devices)
+    del skeleton
+    model = sharding._random_on_devices(config, plan, torch.bfloat16, attention.ATTENTION_NAME, seed=0).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return InProcessModel(directory=Path("random"), model=model, tokenizer=None, device=torch.device(devices[0]),
+                          arch=config.model_type, random_weights=True, use_kernels=True, shard_plan=plan)
+
+
+def sync_all() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int, paths: list[str], bandwidth: float,
+                       log, gpus: int) -> list[dict]:
+    """The harness's one-sequence-at-a-time greedy decode (what a layer-sharded run replays), per KV path,
+    and plain `generate` at batch 8: decode tokens/s from (t(new) - t(2)) / (new - 2)."""
+    import types
+
+    model, config = loaded.model, loaded.model.config
+    if loaded.tokenizer is None:  # random token ids: no EOS, decoding runs to its limit
+        loaded.tokenizer = types.SimpleNamespace(eos_token_id=None, pad_token_id=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    prompt = prompts(1, length, config.vocab_size, seed=1)[0]
+    for spec in paths:
+        backend = loaded.backend(parse_path(spec))
+        try:
+            backend.greedy_ids(prompt, 2)  # warm-up: Triton compiles
+            sync_all()
+            start = time.perf_counter()
+            backend.greedy_ids(prompt, 2)
+            sync_all()
+            t2 = time.perf_counter() - start
+            start = time.perf_counter()
+            ids, _, metrics = backend.greedy_ids(prompt, new)
+            sync_all()
+            tn = time.perf_counter() - start
+        except torch.OutOfMemoryError as error:
+            rows.append({"config": name, "path": spec, "error": f"OOM: {str(error)[:80]}"})
+            log(rows[-1])
+            continue
+        step = (tn - t2) / (new - 2)
+        kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
+        roof = (weight_bytes + (length + new / 2) * kv) / bandwidth
+        rows.append({"config": name, "gpus": gpus, "path": f"{spec} (one at a time)", "decode_tok_s": 1 / step,
+                     "step_ms": step * 1e3, "roof": roof / step, "kernel": backend.route.kernel_refusal or "triton",
+                     "tokens": len(ids)})
+        log(rows[-1])
+    batch = 8
+    ps = prompts(batch, length, config.vocab_size, seed=2)
+    first = loaded.device
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in ps], batch_first=True).flip(1).to(first)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(p), dtype=torch.long) for p in ps],
+                                           batch_first=True).flip(1).to(first)
+
+    def generate(n):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync_all()
+        return out
+
+    try:
+        generate(2)
+        start = time.perf_counter()
+        generate(2)
+        t2 = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(new)
+        tn = time.perf_counter() - start
+        step = (tn - t2) / (new - 2)
+        roof = (weight_bytes + batch * (length + new / 2) * kv_bytes_per_token(config)) / bandwidth
+        rows.append({"config": name, "gpus": gpus, "path": f"plain generate b{batch} (bf16)",
+                     "decode_tok_s": batch / step, "step_ms": step * 1e3, "roof": roof / step})
+    except torch.OutOfMemoryError as error:
+        rows.append({"config": name, "path": "plain generate", "error": f"OOM: {str(error)[:80]}"})
+    log(rows[-1])
+    return rows
+
+
+def free_models() -> None:
+    """Drop models no longer referenced (accelerate's hooks make reference cycles: only the collector frees them)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -> list[dict]:
+    devices = [f"cuda:{i}" for i in range(gpus)]
+    rows = []
+    paths = ["bf16", "fp8_e4m3"]
+    # models that fit one GPU: on one GPU, then sharded over `gpus`: what sharding itself costs
+    for key, name, make in (("8b", "8b 1k", llama_8b), ("mla", "v2-lite 1k", deepseek_v2_lite)):
+        if key not in which:
+            continue
+        torch.manual_seed(0)
+        one = build(make())
+        start = len(rows)
+        rows += one_at_a_time_rows(name, one, 1024, new, paths, bandwidth, log, 1)
+        alone = {r["path"]: r["decode_tok_s"] for r in rows[start:] if "decode_tok_s" in r}
+        del one
+        free_models()
+        sharded = build_sharded(make(), devices)
+        start = len(rows)
+        rows += one_at_a_time_rows(name, sharded, 1024, new, paths, bandwidth, log, gpus)
+        for r in rows[start:]:
+            if r.get("path") in alone:
+                r["x_1gpu"] = r["decode_tok_s"] / alone[r["path"]]
+        del sharded
+        free_models()
+    if "70b" in which:
+        start = time.perf_counter()
+        loaded = build_sharded(llama_70b(), devices)
+        built = time.perf_counter() - start
+        per_gpu = [torch.cuda.memory_allocated(d) / 2**30 for d in devices]
+        log({"config": "70b", "built_s": built, "allocated_gib_per_gpu": per_gpu,
+             "layers": loaded.shard_plan.describe()["layers"]})
+        rows += one_at_a_time_rows("70b 512", loaded, 512, new, paths, bandwidth, log, gpus)
+        for r in rows[-3:]:
+            r["note"] = f"built on the GPUs in {built:.1f} s; GiB allocated per GPU {[round(g, 1) for g in per_gpu]}"
+        del loaded
+        free_models()
+    return rows
+
+
+def _dp_worker(rank: int, barrier, results, batch: int, length: int, new: int, paths: list[str]) -> None:
+    """One data-parallel worker: its own 8B model and batch on GPU `rank`; timings in perf_counter (CLOCK_MONOTONIC,
+    one clock for every process of the host)."""
+    try:
+        torch.cuda.set_device(rank)
+        torch.manual_seed(0)
+        loaded = build(llama_8b())
+        loaded.device = torch.device(f"cuda:{rank}")
+        ps = prompts(batch, length, loaded.model.config.vocab_size, seed=1 + rank)
+        out = {"rank": rank, "ready": time.perf_counter(), "paths": {}}
+        for spec in paths:
+            engine = BatchedEngine(loaded.backend(parse_path(spec)), BatchSettings(batch_size=batch,
+                                                                                  kernel_check_every=10**9))
+            engine.generate(ps, 2)  # warm-up: Triton compiles, graphs captured at these shapes
+            starts = []
+            for name in ("_prefill", "_prefill_static"):
+                inner = getattr(engine, name)
+
+                def marked(*args, _inner=inner, **kwargs):
+                    result = _inner(*args, **kwargs)
+                    torch.cuda.synchronize()
+                    starts.append(time.perf_counter())  # prefill done: decode starts
+                    return result
+                setattr(engine, name, marked)
+            barrier.wait()
+            result = engine.generate(ps, new)
+            torch.cuda.synchronize()
+            end = time.perf_counter()
+            out["paths"][spec] = {"decode_start": starts[0], "decode_end": end,
+                                  "decoded": sum(max(0, len(r.token_ids) - 1) for r in result)}
+            barrier.wait()
+        results.put(out)
+    except BaseException as error:  # noqa: BLE001 - reported by the parent, which then stops waiting
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+        barrier.abort()
+
+
+def data_parallel_rows(gpus: int, new: int, paths: list[str], log, batch: int = 32, length: int = 1024) -> list[dict]:
+    """8B-shaped batched decode on 1 and on `gpus` GPUs, a worker process each (see the module's docstring)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    rows, base = [], {}
+    for n in sorted({1, gpus}):
+        start = time.perf_counter()
+        barrier, results = context.Barrier(n), context.Queue()
+        workers = [context.Process(target=_dp_worker, args=(r, barrier, results, batch, length, new, paths))
+                   for r in range(n)]
+        for w in workers:
+            w.start()
+        got = [results.get(timeout=300) for _ in workers]
+        for w in workers:
+            w.join(timeout=60)
+        wall = time.perf_counter() - start
+        errors = [g["error"] for g in got if "error" in g]
+        if errors:
+            rows.append({"config": f"8b b{batch} 1k data-parallel", "gpus": n, "path": ",".join(paths),
+                         "error": "; ".join(errors)[:300]})
+            log(rows[-1])
+            continue
+        for spec in paths:
+            parts = [g["paths"][spec] for g in got]
+            window = max(p["decode_end"] for p in parts) - min(p["decode_start"] for p in parts)
+            tok_s = sum(p["decoded"] for p in parts) / window
+            per_worker = [p["decoded"] / (p["decode_end"] - p["decode_start"]) for p in parts]
+            base.setdefault(spec, tok_s)
+            rows.append({"config": f"8b b{batch}/GPU 1k data-parallel", "gpus": n, "path": spec,
+                         "decode_tok_s": tok_s, "x_1gpu": tok_s / base[spec], "wall_s": wall,
+                         "per_worker": [round(t) for t in per_worker],
+                         "cold_start_s": max(g["ready"] for g in got) - start})
+            log(rows[-1])
+    return rows
+
+
+def print_multi_rows(rows: list[dict]) -> None:
+    print("\n(across GPUs; decode tok/s: data-parallel = tokens decoded after prefill by every worker / wall from "
+          "the first decode start to the last decode end; one at a time and generate = batch / decode-step time)\n"
+          "| config | GPUs | path | decode tok/s | x 1 GPU | ms/step | roof frac | wall s (process start to end) | "
+          "cold start s | per worker tok/s | note |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r.get('gpus', '')} | {r.get('path', '')} | error: {r['error']} |")
+            continue
+        if "decode_tok_s" not in r:
+            continue
+
+        def f(key, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else ""
+        print(f"| {r['config']} | {r['gpus']} | {r['path']} | {r['decode_tok_s']:.1f} | {f('x_1gpu', '.2f')} | "
+              f"{f('step_ms', '.1f')} | {f('roof', '.2f')} | {f('wall_s', '.1f')} | {f('cold_start_s', '.1f')} | "
+              f"{r.get('per_worker', '')} | {r.get('note', '')} |")
+
+
+def write_random_model_dir(out: Path, config, tokenizer_from: Path) -> Path:
+    """A model directory a `harness run` can name without weights on disk: config, the tokenizer of
+    `tokenizer_from`, the random-weights marker (`--shard layers` then makes the weights on the GPUs)."""
+    import shutil
+
+    from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, out / f.name)
+    config.save_pretrained(out)
+    (out / RANDOM_WEIGHTS_MARKER).write_text("random weights made on the GPUs at load (seed 0): outputs are noise\n")
+    return out
+
+
 CANARY_SNIPPET = """
 import asyncio, json, sys, time
 from pathlib import Path
@@ -284,7 +552,16 @@ def main() -> None:
     parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="also count kernel launches per decode step")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel rows on 1 and this many GPUs (8B-shaped)")
+    parser.add_argument("--sharded", default="", help="layer-sharded rows over --gpus GPUs: 70b, 8b (comma-separated)")
+    parser.add_argument("--write-70b-dir", type=Path, default=None,
+                        help="write a 70B-shaped random-weights model directory (canary tokenizer) and exit")
     args = parser.parse_args()
+    if args.write_70b_dir:
+        from harness.job import CANARY_WEIGHTS
+
+        print(write_random_model_dir(args.write_70b_dir, llama_70b(vocab_size=128), CANARY_WEIGHTS / "gqa"))
+        return
     out = open(args.log, "a") if args.log else None
 
     def log(row):
@@ -310,6 +587,11 @@ def main() -> None:
         extra.append(f"canary phases (s; nested: generate_batches includes prefill and kernel_checks): {json.dumps(phases)}")
     bandwidth = copy_bandwidth()
     paths = [p for p in args.paths.split(",") if p]
+    multi = []
+    if args.gpus > 1:
+        multi += data_parallel_rows(args.gpus, args.new, ["bf16", "fp8_e4m3"], log)
+    if args.sharded:
+        multi += sharded_rows(args.sharded.split(","), max(args.gpus, 2), args.new, bandwidth, log)
     configs = [c for c in args.configs.split(",") if c]
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())
@@ -340,6 +622,8 @@ def main() -> None:
     for r in rows:
         for why in r.get("decode_fallbacks") or ():
             print(f"{r['config']} {r['path']}: {why}")
+    if multi:
+        print_multi_rows(multi)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,10 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                           "default: " + ", ".join(DEFAULT_PATHS.split(",")))
     run.add_argument("--out", type=Path, metavar="DIR", help="run directory (default: runs/<time>-<id>)")
     _add_device(run, several=True)
+    run.add_argument("--shard", choices=("layers", "tensor"), default=None,
+                     help="one model over the GPUs of --device (e.g. --device cuda:0,1 --shard layers): its decoder "
+                          "layers split in blocks across them in this process, for a model too big for one GPU "
+                          "(one sequence at a time; 'tensor' is not built: docs/MULTI_GPU.md)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
                      help="what earlier turns a path sees: the reference's replies or its own")
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
@@ -394,7 +398,8 @@ def _run(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
-            request_timeout_s=args.request_timeout, concurrency=args.concurrency, **_endpoint_config(args))
+            request_timeout_s=args.request_timeout, concurrency=args.concurrency, shard=args.shard,
+            **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)

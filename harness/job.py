@@ -71,6 +71,7 @@ class RunConfig:
     kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
     decode: str = "auto"  # batched replay's decode mode (harness.replay.batched.DECODE_MODES)
     request_timeout_s: float = 120.0  # endpoints: one HTTP attempt, connect to last byte (--request-timeout)
+    shard: str | None = None  # "layers": each model's decoder layers split over the GPUs of `device` (--shard)
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -81,10 +82,30 @@ class RunConfig:
             raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
         if self.decode == "graph" and not str(self.device).startswith("cuda"):
             raise ValueError(f"--decode graph replays CUDA graphs: it needs a CUDA device, not {self.device!r}")
+        if self.shard is not None:
+            self._check_shard()
+
+    def _check_shard(self) -> None:
+        from harness.replay.sharding import check_shard
+
+        check_shard(self.shard, run_devices(self.device))
+        if self.reference_url:
+            raise ValueError("--shard splits an in-process model over GPUs; an endpoint run has none (the server "
+                             "shards its model itself, e.g. vllm serve --tensor-parallel-size)")
+        if self.batch_size is not None or self.decode not in ("auto", "dynamic"):
+            raise ValueError(f"--shard {self.shard}: a layer-sharded model replays one sequence at a time; "
+                             f"leave out --batch-size and --decode")
+        if self.attention is not None:
+            raise ValueError(f"--shard {self.shard}: attention capture (--attention) is not built for a "
+                             f"layer-sharded model; run it on a model that fits one GPU")
+        if any(p.is_reference_noise for p in self.paths):
+            raise ValueError(f"--shard {self.shard}: the fp32 path replays a float32 copy of the whole model (twice "
+                             f"its bf16 weights again on the same GPUs); it is not built for a layer-sharded model: "
+                             f"leave fp32 out of --paths")
 
     @property
     def batched(self) -> bool:
-        return self.batch_size is not None or self.device != "cpu"
+        return (self.batch_size is not None or self.device != "cpu") and self.shard is None
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:
@@ -278,6 +299,10 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
 
 def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
     devices = run_devices(config.device)
+    if config.shard is not None:  # every model over all the GPUs, in this process, one after another
+        for directory in config.models:
+            _replay_model(config, directory, scenarios, calibration_chats, store, bar.update if bar else None, warn)
+        return
     if len(devices) > 1:
         _replay_data_parallel(config, devices, scenarios, calibration_chats, store, bar)
         return
@@ -298,12 +323,14 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     from harness.replay.inprocess import InProcessModel
 
     if config.device.startswith("cuda:"):  # graphs, streams and kernel launches of this process go to that GPU
-        torch.cuda.set_device(config.device)
-    loaded = InProcessModel.load(directory, device=config.device)
+        torch.cuda.set_device(run_devices(config.device)[0])  # a sharded model: its first GPU (each layer: its own)
+    loaded = InProcessModel.load(directory, device=config.device, shard=config.shard)
     loaded.calibration_chats = calibration_chats
     loaded.scales_file = config.scales_file
     label = model_label(directory)
     _note_model(store, label, loaded, warn)
+    if loaded.shard_plan is not None:
+        _note_shards(store, label, loaded.shard_plan, warn)
     paths = _model_paths(config, directory)
     backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
@@ -319,6 +346,26 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done,
                     attention=config.attention)
     asyncio.run(replay.run(scenarios))
+
+
+SHARDED_ONE_AT_A_TIME = ("layer-sharded over several GPUs: one sequence at a time (the batched engine keeps its "
+                         "per-row state and CUDA graphs on one GPU)")
+
+
+def _note_shards(store: RunStore, label: str, plan, warn) -> None:
+    """`manifest.parallel` of a layer-sharded run (each model's layer blocks per GPU) and why it is not batched."""
+    from harness.replay.sharding import layout
+
+    def edit(manifest: dict) -> None:
+        parallel = manifest.get("parallel") or layout({})
+        parallel["devices"] = list(plan.devices)
+        parallel.setdefault("models", {})[label] = plan.describe()
+        manifest["parallel"] = parallel
+        manifest.setdefault("batching", {})[label] = {"off": SHARDED_ONE_AT_A_TIME}
+
+    store.edit_manifest(edit)
+    blocks = ", ".join(f"{d}: layers {span}" for d, span in plan.describe()["layers"].items())
+    warn(f"{label}: layer-sharded ({blocks}); {SHARDED_ONE_AT_A_TIME}")
 
 
 def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: list[KVPath]) -> list:

@@ -1,7 +1,7 @@
 """Several GPUs of one host: `--device cuda:N` on any GPU, and one run spread over GPUs (`cuda:0,1`, `cuda:all`).
 
-The CPU tests check how work is sharded and how the device list is read; the GPU tests (`--gpu`, a host with
-at least two GPUs) run the default canary set on the last GPU and data-parallel, against a one-GPU run.
+The CPU tests check how work is sharded and how the device list is read; the multi-GPU tests (`multigpu`: `--gpu` on a
+host with at least two GPUs) run the default canary set on the last GPU and data-parallel, against a one-GPU run.
 """
 
 from __future__ import annotations
@@ -102,19 +102,17 @@ def canary_run(out: Path, device: str) -> Path:
 
 @pytest.fixture(scope="module")
 def one_gpu_run(tmp_path_factory) -> Path:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("multi-GPU test: this host has fewer than 2 CUDA devices")
     return canary_run(tmp_path_factory.mktemp("dp") / "cuda0", "cuda:0")
 
 
-@pytest.mark.gpu
+@pytest.mark.multigpu
 def test_the_last_gpu_runs_the_default_canary_set_as_the_first(one_gpu_run, tmp_path):
     """Every launch, graph and allocation follows the run's device: cuda:N-1 stores what cuda:0 stores."""
     last = canary_run(tmp_path / "last", f"cuda:{torch.cuda.device_count() - 1}")
     assert comparable(last) == comparable(one_gpu_run)
 
 
-@pytest.mark.gpu
+@pytest.mark.multigpu
 def test_a_data_parallel_run_stores_what_one_gpu_stores(one_gpu_run, tmp_path):
     """3 canaries over every GPU (at most 3 used, models whole): identical records, replies and verdicts; the
     layout is in the manifest."""

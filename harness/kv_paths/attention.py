@@ -95,6 +95,8 @@ class PagedKV:
     def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: [1, heads, chunk, dim] (MLA: latent [1, 1, chunk, Dc], k_pe [1, 1, chunk, Dr])
         chunk = key.shape[-2]
+        if self.k_scale.device != key.device:  # a layer-sharded model: this layer's GPU, once
+            self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
         self._grow(self.length + chunk, key, value)
         slots = torch.arange(self.length, self.length + chunk, device=key.device, dtype=torch.int64)
         if self.mla:

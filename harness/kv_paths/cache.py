@@ -80,7 +80,7 @@ class LayerScales:
 
     def summary(self) -> dict:
         def stats(scales: dict[int, torch.Tensor]) -> dict:
-            flat = torch.cat([s.reshape(-1).float() for s in scales.values()]) if scales else torch.zeros(0)
+            flat = torch.cat([s.reshape(-1).float().cpu() for s in scales.values()]) if scales else torch.zeros(0)
             if flat.numel() == 0:
                 return {}
             return {"min": flat.min().item(), "max": flat.max().item(), "mean": flat.mean().item()}

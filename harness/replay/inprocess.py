@@ -70,12 +70,17 @@ class InProcessModel:
     variant: object = None  # harness.canary.variants.Variant when loaded from a stress variant's folder
     scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
     kernel_block: str | None = None  # why our decode kernels must not run for this family (replay/families.py)
+    shard_plan: object = None  # harness.replay.sharding.ShardPlan: the layers split over several GPUs
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
     _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> "InProcessModel":
+    def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+             shard: str | None = None) -> "InProcessModel":
+        """`shard="layers"` with several GPUs (`device="cuda:0,1"`): the decoder layers split over them in one
+        process (`harness.replay.sharding`); input ids go to the first GPU, each layer's cache and kernels stay on
+        its own."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from harness.replay import families
@@ -87,15 +92,27 @@ class InProcessModel:
             raise FileNotFoundError(f"model directory {directory} has no config.json")
         kernel_block = families.check_loadable(weights)  # refuses a family it cannot replay (ValueError)
         tokenizer = AutoTokenizer.from_pretrained(str(weights))
-        model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
+        random_weights = (weights / RANDOM_WEIGHTS_MARKER).exists()
+        plan = None
+        if shard is not None:
+            from harness.replay import sharding
+
+            devices = sharding.split_devices(device)
+            sharding.check_shard(shard, devices)
+            model, plan = sharding.load_sharded(weights, devices, dtype, ATTENTION_NAME, random_weights)
+            device = devices[0]  # where input ids go: the embeddings' GPU
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
         if variant is not None:
             apply_variant(model, variant)
-        model.to(device).eval()
+        if plan is None:
+            model.to(device)
+        model.eval()
         wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
-                   arch=model.config.model_type, random_weights=(weights / RANDOM_WEIGHTS_MARKER).exists(),
-                   use_kernels=use_kernels, variant=variant, kernel_block=kernel_block)
+                   arch=model.config.model_type, random_weights=random_weights,
+                   use_kernels=use_kernels, variant=variant, kernel_block=kernel_block, shard_plan=plan)
 
     def describe(self) -> dict:
         described = {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,

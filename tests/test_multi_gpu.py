@@ -1,0 +1,266 @@
+"""One model over several GPUs of a host (`harness run --device cuda:0,1 --shard layers`).
+
+CPU: the shard plan of every family's tiny model (every tensor placed, layers contiguous), the manifest layout,
+and the refusals of specs that cannot shard (said by name, before any model loads). Multi-GPU hosts
+(`multigpu`, `--gpu` with at least 2 GPUs): a layer-sharded model replays bit for bit what it replays on one GPU,
+and a sharded `harness run` stores every unit with the layout in its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import job
+from harness.canary.tiny_models import FAMILIES, family_config
+from harness.replay import sharding
+from harness.run_config import build_run_config
+from harness.runs.store import RunStore
+
+CANARIES = Path(__file__).resolve().parent.parent / "harness" / "canary" / "weights"
+
+
+def meta_model(family: str | None = None, directory: Path | None = None):
+    """A family's tiny model (or a model directory's), built on the meta device: shapes only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = family_config(family) if family else AutoConfig.from_pretrained(str(directory))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("layers, gpus, sizes", [(80, 2, [40, 40]), (6, 4, [2, 2, 1, 1]), (7, 3, [3, 2, 2]),
+                                                  (2, 3, [1, 1, 0])])
+def test_layer_blocks_are_contiguous_and_as_equal_as_possible(layers, gpus, sizes):
+    blocks = sharding.layer_blocks(layers, [f"cuda:{i}" for i in range(gpus)])
+    assert [len(b) for b in blocks] == sizes
+    assert [i for b in blocks for i in b] == list(range(layers))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_every_tensor_of_every_family_gets_a_gpu(family, gpus):
+    """Embeddings and rotary tables on the first GPU, final norm and LM head on the last, each decoder layer
+    on the GPU of its block; nothing left out (accelerate refuses a map that misses a tensor)."""
+    model = meta_model(family)
+    devices = [f"cuda:{i}" for i in range(gpus)]
+    plan = sharding.plan_for(model, devices)
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+        device = sharding._module_device(plan.device_map, name)
+        if name.startswith(plan.layers_prefix + "."):
+            assert device == plan.layer_device(int(name.split(".")[len(plan.layers_prefix.split("."))]))
+    assert sharding._module_device(plan.device_map, "lm_head.weight") == devices[-1]
+    embed = next(name for name, _ in model.named_parameters() if "embed" in name)
+    assert sharding._module_device(plan.device_map, embed) == devices[0]
+    described = plan.describe()
+    assert list(described["layers"]) == devices and described["num_layers"] == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("shard, devices, message", [
+    ("layers", ["cuda:0"], "splits one model over several GPUs"),
+    ("layers", ["cpu"], "splits one model over several GPUs"),
+    ("layers", ["cuda"], "e.g. --device cuda:0,1"),
+    ("tensor", ["cuda:0", "cuda:1"], "in-process tensor parallel is not built"),
+    ("pipes", ["cuda:0", "cuda:1"], "unknown"),
+])
+def test_specs_that_cannot_shard_are_refused_by_name(shard, devices, message):
+    with pytest.raises(sharding.ShardError, match=message):
+        sharding.check_shard(shard, devices)
+
+
+def test_a_shard_needs_no_check_without_shard():
+    sharding.check_shard(None, ["cpu"])  # no --shard: nothing to refuse
+    sharding.check_shard("layers", ["cuda:0", "cuda:1"])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(device="cuda:0"), "splits one model over several GPUs"),
+    (dict(device="cuda:0,1", batch_size=8), "one sequence at a time"),
+    (dict(device="cuda:0,1", decode="graph"), "one sequence at a time"),
+    (dict(device="cuda:0,1", reference_url="http://127.0.0.1:1"), "endpoint run"),
+])
+def test_run_configs_that_cannot_shard_are_refused(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, shard="layers", **fields)
+
+
+def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
+    from harness.kv_paths.spec import parse_paths
+
+    with pytest.raises(ValueError, match="fp32 path replays a float32 copy"):
+        job.RunConfig(models=(), scenario_paths=(), paths=tuple(parse_paths("bf16,fp32")), out=tmp_path,
+                      device="cuda:0,1", shard="layers")
+
+
+def test_a_sharded_run_config_is_not_batched(tmp_path):
+    config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers")
+    assert not config.batched
+    assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1").batched
+
+
+def test_a_gpu_the_host_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"torch sees 2 CUDA device\(s\) \(cuda:0..cuda:1\)"):
+        job.resolve_device("cuda:5")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--shard", "layers"], "--shard layers splits one model over several GPUs"),
+    (["--device", "cpu", "--shard", "tensor"], "in-process tensor parallel is not built"),
+])
+def test_the_cli_refuses_a_bad_shard_without_a_traceback(tmp_path, capsys, argv, message):
+    from harness.cli import main
+
+    code = main(["run", "--out", str(tmp_path / "run"), "--model", str(CANARIES / "gqa"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_manifest_records_each_models_layer_blocks(tmp_path):
+    store = RunStore.create(tmp_path / "run", {"models": [], "warnings": [], "scales": {}})
+    said = []
+    for label in ("gqa", "mla"):
+        plan = sharding.plan_for(meta_model(directory=CANARIES / label), ["cuda:0", "cuda:1"])
+        job._note_shards(store, label, plan, said.append)
+    manifest = store.read_manifest()
+    parallel = manifest["parallel"]
+    assert parallel["kind"] == "layer-sharded" and parallel["devices"] == ["cuda:0", "cuda:1"]
+    assert set(parallel["models"]) == {"gqa", "mla"}
+    layers = parallel["models"]["gqa"]["layers"]
+    assert layers == {"cuda:0": "0-2", "cuda:1": "3-5"}  # the gqa canary has 6 layers
+    assert manifest["batching"]["gqa"] == {"off": job.SHARDED_ONE_AT_A_TIME}
+    assert said and "cuda:1: layers 3-5" in said[0]
+
+
+def test_without_accelerate_the_refusal_says_what_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_accelerate(name, *args, **kwargs):
+        if name == "accelerate" or name.startswith("accelerate."):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_accelerate)
+    with pytest.raises(sharding.ShardError, match="pip install accelerate"):
+        sharding._need_accelerate()
+
+
+# ---------------------------------------------------------------- the route on the CPU (accelerate's hooks, 2 "cpu" devices)
+
+
+@pytest.fixture
+def cpu_stand_in_gpus(monkeypatch):
+    """--shard layers over two "cpu" devices: the same accelerate dispatch and harness route as on GPUs, minus the
+    device hop (the GPU tests below check that part)."""
+    pytest.importorskip("accelerate", reason="the test extras install accelerate (pip install -e '.[test]')")
+    monkeypatch.setattr(sharding, "split_devices", lambda device: ["cpu", "cpu"])
+    monkeypatch.setattr(sharding, "check_shard", lambda shard, devices: None)
+
+
+def test_a_sharded_model_on_stand_in_devices_replays_what_the_plain_model_replays(cpu_stand_in_gpus):
+    from harness.kv_paths.spec import parse_path
+    from harness.replay.inprocess import InProcessModel
+    from harness.types import Message
+
+    plain = InProcessModel.load(CANARIES / "gqa")
+    sharded = InProcessModel.load(CANARIES / "gqa", device="cpu", shard="layers")
+    assert sharded.shard_plan is not None and sharded.shard_plan.describe()["num_layers"] == 6
+    messages = [Message("user", "What is 2 + 3?")]
+    for spec in (None, "fp8_e4m3:calibrated"):
+        path = parse_path(spec) if spec else None
+        ids, metrics, logprobs = _generate_and_score(plain, path, messages)
+        ids_s, metrics_s, logprobs_s = _generate_and_score(sharded, path, messages)
+        assert ids_s == ids and metrics_s == metrics and torch.equal(logprobs_s, logprobs), spec
+
+
+def test_random_weights_without_files_are_made_on_their_devices_seeded(tmp_path, cpu_stand_in_gpus):
+    """A config + tokenizer + marker directory (no weight files) builds seeded random weights straight on each
+    module's device: matrices normal(0, initializer_range), norms ones; the same seed, the same weights."""
+    import shutil
+
+    from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
+    from harness.replay.inprocess import ATTENTION_NAME  # noqa: F401 - importing registers the "harness" function
+
+    for f in (CANARIES / "gqa").iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("config.json", "chat_template.jinja"):
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / RANDOM_WEIGHTS_MARKER).write_text("random\n")
+    assert not sharding.has_weight_files(tmp_path)
+    first, _ = sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=True)
+    second, _ = sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=True)
+    params = dict(first.named_parameters())
+    assert all(torch.equal(p, dict(second.named_parameters())[n]) for n, p in params.items())
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params.values())
+    assert torch.all(params["model.norm.weight"] == 1)
+    assert abs(float(params["model.layers.0.mlp.up_proj.weight"].float().std()) - 0.02) < 0.002
+    with pytest.raises(FileNotFoundError, match="no weight files"):
+        sharding.load_sharded(tmp_path, ["cpu", "cpu"], torch.bfloat16, "harness", random_weights=False)
+
+
+def test_a_sharded_run_on_stand_in_devices_stores_its_layout_and_verdicts(tmp_path, cpu_stand_in_gpus):
+    config = build_run_config(command=["pytest", "sharded"], out=tmp_path / "run", device="cpu", shard="layers",
+                              models=[CANARIES / "gqa"], select=("id:canary-arith-1",), paths="fp8_e4m3")
+    assert not config.batched
+    run_dir = job.run_job(config, warn=lambda message: None)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["parallel"]["kind"] == "layer-sharded" and set(manifest["parallel"]["models"]) == {"gqa"}
+    assert manifest["batching"]["gqa"] == {"off": job.SHARDED_ONE_AT_A_TIME}
+    verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
+    assert {v["path"] for v in verdicts} >= {"bf16", "fp8_e4m3"}
+
+
+# ---------------------------------------------------------------- multi-GPU hosts
+
+
+def _generate_and_score(loaded, path, messages):
+    backend = loaded.backend(path)
+    generated = backend.generate_sync(messages, 24)
+    scored = backend.score_sync(messages, generated.token_ids)
+    return generated.token_ids, generated.metrics, scored.logprobs
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("family", ["gqa", "mla", "hybrid"])
+def test_a_layer_sharded_model_replays_bit_for_bit_what_one_gpu_replays(family):
+    """The same ops on the same weights, only on another GPU: tokens, FP8 write statistics, kernel agreement and
+    teacher-forced log-probs are identical (reference, bf16 and an FP8 path through our Triton kernel)."""
+    from harness.kv_paths.spec import parse_path
+    from harness.replay.inprocess import InProcessModel
+    from harness.types import Message
+
+    torch.cuda.set_device(0)
+    one = InProcessModel.load(CANARIES / family, device="cuda:0")
+    sharded = InProcessModel.load(CANARIES / family, device="cuda:0,1", shard="layers")
+    placed = {p.device for p in sharded.model.parameters()}
+    assert placed == {torch.device("cuda:0"), torch.device("cuda:1")}
+    messages = [Message("user", "What is 17 + 25? Answer with the number.")]
+    for spec in (None, "bf16", "fp8_e4m3", "fp8_e4m3:calibrated"):
+        path = parse_path(spec) if spec else None
+        ids_one, metrics_one, logprobs_one = _generate_and_score(one, path, messages)
+        ids_sharded, metrics_sharded, logprobs_sharded = _generate_and_score(sharded, path, messages)
+        assert ids_sharded == ids_one, spec
+        keep = lambda m: {k: v for k, v in (m or {}).items() if "ms_per" not in k}  # noqa: E731 - wall time
+        assert keep(metrics_sharded) == keep(metrics_one), spec
+        assert torch.equal(logprobs_sharded, logprobs_one), spec
+
+
+@pytest.mark.multigpu
+def test_a_sharded_run_stores_every_unit_and_its_layout(tmp_path):
+    devices = f"cuda:0,{torch.cuda.device_count() - 1}"
+    config = build_run_config(command=["pytest", "sharded"], out=tmp_path / "run", device=devices, shard="layers",
+                              select=("id:canary-arith-*",))
+    run_dir = job.run_job(config)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete", manifest.get("warnings")
+    assert manifest["parallel"]["kind"] == "layer-sharded"
+    assert set(manifest["parallel"]["models"]) == {m["label"] for m in manifest["models"]}
+    verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
+    assert verdicts and all(v["verdict"] in ("pass", "warn", "fail") for v in verdicts)
