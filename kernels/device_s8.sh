@@ -11,7 +11,7 @@ for step in "$@"; do
   echo "=== $step $(date -u +%T)"
   case $step in
     warm) (timeout 150 python -m kernels.tune_mla --warm-bench --workers 4 > "$OUT/warm.log" 2>&1 &) ;;
-    ab) timeout ${AB_TIMEOUT:-170} python -m kernels.ab_s8 --write --workers 10 --compile-budget 90 --out "$OUT" 2>&1 \
+    ab) timeout ${AB_TIMEOUT:-170} python -m kernels.ab_s8 --write --workers 10 --compile-budget 90 --out "$OUT" ${AB_KINDS:+--kinds $AB_KINDS} 2>&1 \
           | tee "$OUT/ab.log" | grep -v "^  \[" ; cp kernels/configs.py "$OUT/configs.py" ;;
     full) timeout ${FULL_TIMEOUT:-290} python -m kernels.bench --batches 8,32 --contexts 8192,32768,131072 \
             --mla-heads 16,128 2>&1 | tee "$OUT/bench_full.log" ;;
