@@ -238,7 +238,7 @@ def fp8_attention_errors(tuned: dict) -> list[str]:
     torch bf16 SDPA's own error on the same data (kernels.tune.check_fp8_attention; e4m3 cache, ragged lengths)."""
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = tuned.get("gqa_fp8_pv") or launch_config("gqa_fp8_pv", device)
-    cfg = {key: cfg[key] for key in ("block_n", "num_warps", "num_stages", "prefetch", "swap")}
+    cfg = {key: cfg[key] for key in ("block_n", "num_warps", "num_stages", "prefetch", "swap", "widen") if key in cfg}
     lines = ["### FP8 attention options: max error against fp64 (unquantised Q and P) over torch bf16 SDPA's", "",
              f"e4m3 cache, 32 q / 8 kv heads, lengths 1/300/4099/77, 5 splits, config {cfg}; emulation = "
              "reference.decode_attention_fp8 (the kernel's definition in fp64); normalised = P quantised after "

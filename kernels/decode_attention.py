@@ -127,7 +127,7 @@ def _decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     PREFETCH: tl.constexpr, SWAP: tl.constexpr, Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
     K_AS_FP8: tl.constexpr, V_AS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, QK_ACC: tl.constexpr,
-    PV_ACC: tl.constexpr, WIDEN: tl.constexpr = 0,
+    PV_ACC: tl.constexpr, WIDEN: tl.constexpr = 0, WIDEN_V: tl.constexpr = 0,
 ):
     # Q_QUANT: 0 Q as is, 1 dynamic per-head e4m3, 2 e4m3 under Q_SCALE. P_FP8: P quantised to e4m3 under
     # PROB_SCALE. K_AS_FP8 / V_AS_FP8: the cache tile goes to the MMA as fp8 codes (e4m3 cache with Q / P in fp8).
@@ -222,7 +222,7 @@ def _decode_attention_kernel(
                 p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
                 if not V_AS_FP8:
                     p_op = p_op.to(COMPUTE_DTYPE)
-            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN)
+            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN_V)
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v_op), p_op, max_num_imprecise_acc=PV_ACC)
         else:
             s = tl.dot(q, tl.trans(k_op), max_num_imprecise_acc=QK_ACC) * s_scale[:, None]       # [BLOCK_G, BLOCK_N]
@@ -236,7 +236,7 @@ def _decode_attention_kernel(
                 p_op = tl.minimum(p * p_inv, FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
                 if not V_AS_FP8:
                     p_op = p_op.to(COMPUTE_DTYPE)
-            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN)   # here, not before Q.K: 7% slower there (H100)
+            v_op = v if V_AS_FP8 else _widen(v, COMPUTE_DTYPE, WIDEN_V)   # here, not before Q.K: 7% slower there (H100)
             acc = acc * alpha[:, None] + tl.dot(p_op, v_op, max_num_imprecise_acc=PV_ACC)
         m_i = m_new
         if PREFETCH:
@@ -289,7 +289,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      prefetch: bool | None = None, swap: bool | None = None,
                      programs_per_sm: int | None = None, q_scale: torch.Tensor | str | None = None,
                      prob_scale: torch.Tensor | None = None,
-                     widen: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     widen: bool | str | None = None,
+                     whole_waves: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
@@ -300,7 +301,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     takes them; an e4m3 cache gets the speed (fp8 MMAs, no tile converted). The launch keywords override this
     GPU's entry in kernels/configs.py ("gqa_fp8_pv" when P is in fp8 over an e4m3 cache). widen (fp8 caches):
     each fp8 tile is widened to fp16 once, by inline PTX in its load layout (`_widen_fp8`), instead of where
-    the compiler puts the cast (in each MMA operand's layout, the V operand gathered a byte at a time)."""
+    the compiler puts the cast (in each MMA operand's layout, the V operand gathered a byte at a time); widen="v"
+    (session 8): only the V tile so, K by the compiler's cast (K-contiguous: no byte gathers); with prob_scale over an
+    e4m3 cache, widen True or "v" also widens the e4m3 P (exact) so P.V runs on the fp16 tile instead of the fp8 codes.
+    whole_waves (session 8): the split count rounded down to whole waves of programs_per_sm programs per SM
+    (plan_splits), as the MLA launcher always does."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -335,9 +340,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg = launch_config("gqa_fp8_pv" if e4m3 and prob_scale is not None else kind, device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("widen", widen)):
+                       ("widen", widen), ("whole_waves", whole_waves)):
         if value is not None:
             cfg[key] = value
+    assert cfg.get("widen", False) in (False, True, "v"), f"widen must be a bool or 'v', got {cfg['widen']!r}"
     if prefetch and swap is None:   # an explicit register prefetch means the plain layout (see the assert below)
         cfg["swap"] = False
     block_n = cfg["block_n"]
@@ -350,7 +356,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         "all tensors must be on one device"
 
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, block_n,
-                                               cfg["programs_per_sm"], device, num_splits)
+                                               cfg["programs_per_sm"], device, num_splits,
+                                               whole_waves=cfg.get("whole_waves", False))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     part_out, part_lse = partials(out, num_splits)
     group = q_heads // kv_heads
@@ -358,6 +365,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # batch 8, 32k) and failed the agreement test with its emulation (q dynamic, H100, session 5), so there the e4m3
     # Q and the K codes are widened to fp16 (exact) as over an e5m2 cache.
     k_as_fp8 = e4m3 and q_quant > 0 and cfg["swap"]
+    # P.V on the fp8 codes (fp8 MMA operands) unless the V tile is widened (widen True / "v"): then P is widened too
+    v_as_fp8 = e4m3 and prob_scale is not None and cfg.get("widen", False) not in (True, "v")
     _decode_attention_kernel[(kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
@@ -370,10 +379,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n, CACHE_IS_FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16),
         PREFETCH=cfg["prefetch"], SWAP=cfg["swap"], Q_QUANT=q_quant, P_FP8=prob_scale is not None,
-        K_AS_FP8=k_as_fp8, V_AS_FP8=e4m3 and prob_scale is not None, FP8_MAX=FP8_MAX["e4m3"],
+        K_AS_FP8=k_as_fp8, V_AS_FP8=v_as_fp8, FP8_MAX=FP8_MAX["e4m3"],
         QK_ACC=min(FP8_ACC_CHUNK, triton.next_power_of_2(head_dim)) if k_as_fp8 else None,
-        PV_ACC=min(FP8_ACC_CHUNK, block_n) if e4m3 and prob_scale is not None else None,
-        WIDEN=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) else 0,
+        PV_ACC=min(FP8_ACC_CHUNK, block_n) if v_as_fp8 else None,
+        WIDEN=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) is True else 0,
+        WIDEN_V=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) in (True, "v") else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)

@@ -183,7 +183,14 @@ def test_decode_attention_lengths_and_splits(kern, length, num_splits):
     # session 7: fp8 tiles widened once by inline PTX (a bf16 cache ignores widen)
     dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, widen=True),
     dict(block_n=32, num_warps=4, num_stages=1, prefetch=True, widen=True),
-    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True, widen=True)], ids=str)
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True, widen=True),
+    # session 8: only the V tile widened (K by the compiler's cast); whole waves
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, widen="v"),
+    dict(block_n=64, num_warps=4, num_stages=3, prefetch=False, widen="v", programs_per_sm=16),
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=True, widen="v"),
+    dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, widen="v", programs_per_sm=6, whole_waves=True),
+    dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, widen="v", programs_per_sm=4, whole_waves=True)],
+    ids=str)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
 def test_decode_attention_launch_configs(kern, config, fmt):
     """Every tuning knob the benchmark may pick computes the same attention (prefetch covers ragged tails)."""
@@ -663,11 +670,14 @@ def _check_fp8_attention(kern, case, mode: str, config: dict, num_splits: int = 
 
 FP8_ATTENTION_CONFIGS = [pytest.param(dict(block_n=128, num_warps=4, num_stages=2, swap=True), id="swap128"),
                          pytest.param(dict(block_n=128, num_warps=4, num_stages=2, swap=False), id="plain128"),
-                         pytest.param(dict(block_n=64, num_warps=4, num_stages=3, swap=True), id="swap64")]
+                         pytest.param(dict(block_n=64, num_warps=4, num_stages=3, swap=True), id="swap64"),
+                         # session 8: V widened to fp16 once (and the e4m3 P with it), P.V on fp16 MMAs
+                         pytest.param(dict(block_n=128, num_warps=4, num_stages=2, swap=False, widen="v"),
+                                      id="plain128-widen-v")]
 
 
 @pytest.mark.parametrize("mode", ["q dynamic", "q per tensor", "q per head", "p", "q dynamic + p", "q per head + p"])
-@pytest.mark.parametrize("config", FP8_ATTENTION_CONFIGS[:2])
+@pytest.mark.parametrize("config", FP8_ATTENTION_CONFIGS[:2] + FP8_ATTENTION_CONFIGS[3:])
 def test_fp8_attention_e4m3(kern, mode, config):
     case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 128, "e4m3", per_head=True)
     _check_fp8_attention(kern, case, mode, config)

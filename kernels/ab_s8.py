@@ -1,0 +1,216 @@
+"""Session 8 A/B of launch variants, same process, round robin: `python -m kernels.ab_s8 [--write]`.
+
+Each candidate is compiled and checked in worker processes first (as kernels.tune_mla does): against fp64 over
+e4m3 and e5m2 caches (kernels.tune.check_gqa / check_mla, error ratio to torch bf16's <= 2), or for gqa_fp8_pv
+against the fp64 emulation of its FP8 attention definition (kernels.tune.check_fp8_attention, option "p":
+kernel vs emulation <= 2x torch bf16's error, the GPU tests' bound). Then every candidate is timed at each shape
+in two round-robin rounds, with the current entry of kernels/configs.py (the first candidate) among them; a
+candidate without programs_per_sm is timed at each of the kind's programs/SM and its best counts. --write puts
+the fastest candidate (geometric mean over the shapes) into kernels/configs.py only if it is >= 1% faster than
+the current entry by that mean and not slower than 0.99x at any shape; "reference" candidates are never landed.
+
+Call 1 (session 8) compared widen="v" for gqa_fp8 and, for MLA, Triton's automatic warp specialization of the
+tile loop (`tl.range(..., warp_specialize=True)`) and 16 warps at 128 heads; the MLA variants lost everywhere
+and were removed (kernels/BENCHMARKS.md, session 8). This file holds call 2's candidates: the split plan of the
+widened-V GQA kernel (whole waves of its measured residency: 3 programs/SM at 128/4/2, 149 registers and 73.7 KB
+of shared memory in the offline sm_90 build; 4-5 at 64/4/2, 107 registers, 39 KB) and widen="v" for P in fp8
+(call 3: `--kinds gqa_fp8_pv`, over the four target shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import re
+import time
+
+from kernels.tune_mla import CONFIGS_PATH, write_configs
+
+SHAPES = {"gqa_fp8": [(8, 32768), (8, 131072), (32, 32768), (32, 131072)],
+          "gqa_fp8_pv": [(8, 32768), (8, 131072), (32, 32768), (32, 131072)]}
+GQA = dict(prefetch=False, swap=False)
+
+
+def _g(block_n, warps, stages, **kw):
+    return dict(GQA, block_n=block_n, num_warps=warps, num_stages=stages, **kw)
+
+
+def _w(block_n, stages, pps, whole=True):
+    return _g(block_n, 4, stages, widen="v", programs_per_sm=pps, whole_waves=whole)
+
+
+CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
+    "gqa_fp8": [("widen v 128/4/2 pps 8 (current)", _w(128, 2, 8, False)),
+                ("plain 128/4/2 pps 8 (session 7, reference)", _g(128, 4, 2, programs_per_sm=8, widen=False)),
+                ("widen v 128/4/2 pps 4", _w(128, 2, 4, False)), ("widen v 128/4/2 pps 16", _w(128, 2, 16, False)),
+                ("widen v 128/4/2 whole 3", _w(128, 2, 3)), ("widen v 128/4/2 whole 6", _w(128, 2, 6)),
+                ("widen v 128/4/2 whole 9", _w(128, 2, 9)), ("widen v 128/4/3 whole 6", _w(128, 3, 6)),
+                ("widen v 64/4/2 pps 8", _w(64, 2, 8, False)), ("widen v 64/4/2 whole 4", _w(64, 2, 4)),
+                ("widen v 64/4/2 whole 8", _w(64, 2, 8)), ("widen v 64/4/2 whole 12", _w(64, 2, 12))],
+    # call 2 timed gqa_fp8_pv at 32k only and landed widen v 64/4/2 at 8 programs/SM, which the bench after it
+    # measured 3-4% slower at 128k: call 3 times the option over the four shapes
+    "gqa_fp8_pv": [("plain 128/4/2 pps 8 (current)", _g(128, 4, 2, programs_per_sm=8)),
+                   ("widen v 128/4/2 pps 8", _w(128, 2, 8, False)), ("widen v 128/4/2 whole 6", _w(128, 2, 6)),
+                   ("widen v 64/4/2 pps 8", _w(64, 2, 8, False)), ("widen v 64/4/2 whole 8", _w(64, 2, 8))],
+}
+PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
+
+
+def _pps(kind: str, cfg: dict) -> tuple:
+    return (cfg["programs_per_sm"],) if "programs_per_sm" in cfg else PPS.get(kind, (1, 2))
+
+
+def _bare(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "programs_per_sm"}
+
+
+def _heads(kind: str) -> int:
+    return 128 if kind.endswith("many_heads") else 16
+
+
+def _prepare(kind: str, label: str, cfg: dict) -> dict:
+    """Worker: check against fp64 (e4m3 and e5m2, or bf16), then run every timing shape once (compiles)."""
+    import torch
+
+    from kernels.tune import _timer, check_fp8_attention, check_gqa, check_mla
+    t0 = time.time()
+    fmts = ["e4m3", "e5m2"] if "fp8" in kind else ["bf16"]
+    try:
+        torch.manual_seed(0)
+        if kind == "gqa_fp8_pv":
+            e = check_fp8_attention(_bare(cfg), "p")
+            ratios = {"kernel vs emulation": e["kernel_vs_emulation"], "kernel": e["kernel"]}
+        elif kind.startswith("gqa"):
+            ratios = {fmt: check_gqa(_bare(cfg), fmt) for fmt in fmts}
+        else:
+            ratios = {fmt: check_mla(_bare(cfg), fmt, _heads(kind)) for fmt in fmts}
+        timer = _timer(kind, 8, 8192, _heads(kind))
+        for pps in _pps(kind, cfg):
+            timer(_bare(cfg), pps)
+        return dict(kind=kind, label=label, ratios=ratios, seconds=round(time.time() - t0, 1))
+    except Exception as e:   # noqa: BLE001 - a candidate that does not compile or run is a result
+        text = str(e).strip().splitlines()
+        return dict(kind=kind, label=label, error=f"{type(e).__name__}: {text[-1][:200] if text else ''}",
+                    seconds=round(time.time() - t0, 1))
+
+
+def _compile_and_check(jobs, workers: int, budget: float) -> list[dict]:
+    t0 = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pending = [pool.apply_async(_prepare, job) for job in jobs]
+    out = []
+    for job, res in zip(jobs, pending):
+        try:
+            out.append(res.get(timeout=max(5.0, budget - (time.time() - t0))))
+        except multiprocessing.TimeoutError:
+            out.append(dict(kind=job[0], label=job[1], error=f"no result within {budget:.0f} s"))
+        print(f"  [{time.time() - t0:5.1f} s] {out[-1]}", flush=True)
+    pool.terminate()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default=",".join(CANDIDATES))
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--compile-budget", type=float, default=100.0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    jobs = [(kind, label, cfg) for kind in kinds for label, cfg in CANDIDATES[kind]]
+    prepared = _compile_and_check(jobs, args.workers, args.compile_budget)
+    import torch
+
+    from kernels.tune import _timer
+    report, winners = [], {}
+    for kind in kinds:
+        cands = [(label, cfg, res) for (k, label, cfg), res in zip(jobs, prepared) if k == kind]
+        ok = []
+        for label, cfg, res in cands:
+            if "error" in res:
+                report.append(f"{kind} {label}: {res['error']}")
+            elif not all(r <= 2.0 for name, r in res["ratios"].items() if name != "kernel"):
+                report.append(f"{kind} {label}: WRONG {res['ratios']}")
+            else:
+                ok.append((label, cfg, res))
+        if not ok or not cands[0][0] in [label for label, _, _ in ok]:
+            report.append(f"{kind}: the current entry did not pass; nothing timed")
+            continue
+        best_ms = {}   # (label, shape) -> (ms, pps)
+        shapes = SHAPES[kind]
+        for batch, ctx in shapes:
+            timer = _timer(kind, batch, ctx, _heads(kind))
+            rounds = {}
+            for rnd in (1, 2):
+                for label, cfg, _ in ok:
+                    for pps in _pps(kind, cfg):
+                        rounds.setdefault((label, pps), []).append(timer(_bare(cfg), pps))
+            for label, cfg, res in ok:
+                ms, pps = min((sum(rounds[(label, p)]) / 2, p) for p in _pps(kind, cfg))
+                best_ms[(label, (batch, ctx))] = (ms, pps)
+                line = "  ".join(f"pps {p}: " + "/".join(f"{t:.4f}" for t in rounds[(label, p)])
+                                 for p in _pps(kind, cfg))
+                report.append(f"{kind} b{batch} {ctx // 1024}k {label:34s} err {res['ratios']} | {line}")
+                print(report[-1], flush=True)
+            timer = None
+            torch.cuda.empty_cache()
+        base = cands[0][0]
+        score = {}
+        for label, cfg, _ in ok[1:]:
+            gains = [best_ms[(base, s)][0] / best_ms[(label, s)][0] for s in shapes]
+            mean = math.prod(gains) ** (1 / len(gains))
+            report.append(f"{kind} {label}: speed-up vs current " + " ".join(f"{g:.3f}x" for g in gains)
+                          + f" (geometric mean {mean:.3f}x, at programs/SM "
+                          + " ".join(str(best_ms[(label, s)][1]) for s in shapes) + ")")
+            print(report[-1], flush=True)
+            if "reference" not in label and mean >= 1.01 and min(gains) >= 0.99:
+                score[label] = (mean, cfg)
+        if score:
+            label = max(score, key=lambda k: score[k][0])
+            cfg = dict(score[label][1], programs_per_sm=best_ms[(label, shapes[0])][1])
+            winners[kind] = (label, cfg)
+            report.append(f"{kind}: WINNER {label} {cfg}")
+        else:
+            report.append(f"{kind}: current entry kept")
+        print(report[-1], flush=True)
+    with open(os.path.join(args.out, "ab_s8.json"), "w") as f:
+        json.dump(dict(prepared=prepared, report=report, winners=winners), f, indent=1)
+    print("\n".join(report), flush=True)
+    if args.write and winners:
+        write_winners(winners)
+
+
+def write_winners(winners: dict) -> None:
+    """MLA kinds into the H100 MLA block (kernels.tune_mla.write_configs); gqa_fp8 into its line of H100."""
+    mla = {kind: cfg for kind, (_, cfg) in winners.items() if kind.startswith("mla")}
+    if mla:
+        write_configs(mla)
+    for kind in ("gqa_fp8", "gqa_fp8_pv"):
+        if kind not in winners:
+            continue
+        cfg = winners[kind][1]
+        keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "widen", "whole_waves")
+        parts = [f"{k}={json.dumps(cfg[k]) if isinstance(cfg[k], str) else repr(cfg[k])}" for k in keys if k in cfg]
+        head = f'    "{kind}": dict('
+        lines, line = [], head
+        for i, part in enumerate(parts):   # wrapped at 120 columns, as kernels.tune_mla writes its entries
+            piece = part + (", " if i < len(parts) - 1 else "")
+            if len(line) + len(piece.rstrip()) + 2 > 120:
+                lines.append(line.rstrip())
+                line = " " * len(head)
+            line += piece
+        body = "\n".join(lines + [line])[len(head):]
+        with open(CONFIGS_PATH) as f:
+            text = f.read()
+        text = re.sub(rf'    "{kind}": dict\([^)]*\),', lambda _: f"{head}{body}),", text, count=1)
+        with open(CONFIGS_PATH, "w") as f:
+            f.write(text)
+    print(f"wrote {sorted(winners)} into {CONFIGS_PATH}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
