@@ -117,11 +117,12 @@ def test_overflow_saturates_or_turns_to_nan(spec, expect_nan):
     layer = QuantizedKVLayer(parse_path(spec), torch.tensor(1e-3), torch.tensor(1.0), stats)
     key = torch.full((1, 1, 2, 4), 1.0, dtype=torch.bfloat16)  # 1.0 / 1e-3 = 1000 > 448
     keys, _ = layer.update(key, key)
-    assert stats.clipped == 8 and stats.amax_over_max == pytest.approx(1000 / 448, rel=1e-2)
+    record = stats.as_record()  # 8 key values written, all clipped; the value side (scale 1.0) clips none
+    assert record["kv_clipped_frac"] == 8 / 16 and record["kv_amax_over_max"] == pytest.approx(1000 / 448, rel=1e-2)
     if expect_nan:  # torch's plain cast: e4m3fn has no inf, overflow becomes NaN
-        assert keys.isnan().all() and stats.nonfinite == 8
+        assert keys.isnan().all() and record["kv_nonfinite"] == 8
     else:  # saturating cast: 448 * 1e-3 read back
-        assert torch.allclose(keys.float(), torch.full_like(keys.float(), 0.448), rtol=1e-2) and stats.nonfinite == 0
+        assert torch.allclose(keys.float(), torch.full_like(keys.float(), 0.448), rtol=1e-2) and record["kv_nonfinite"] == 0
 
 
 def test_generation_reports_cast_statistics(loaded):

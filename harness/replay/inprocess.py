@@ -21,7 +21,7 @@ import torch
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
 from harness.kv_paths import attention, decode_kernels, impl_check
-from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
+from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, attach_paged, chunk_of, one_sequence
 from harness.kv_paths.cache import (
     KVWriteStats,
     LayerScales,
@@ -335,14 +335,14 @@ class InProcessBackend:
         reference reply on the prompt it generated from, in reference-history mode)."""
         stats = KVWriteStats()
         cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
-        agreement = self._attach_kernels(cache)
+        step, agreement = self._attach_kernels(cache, len(prompt_ids) + max_new_tokens)
         probe = impl_check.attach(cache) if self.kv_path is not None and impl_check.enabled() else None
         token = attention.active_cache.set(cache)
         try:
             # on the CPU only: a kept CUDA cache would hold GPU memory the batched replay sizes its batches from
             keep = remember_prefill and agreement is None and self.owner.device.type == "cpu"
             remember = self._remember_prefill if keep else None
-            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step, remember)
+            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step, remember, step)
         finally:
             attention.active_cache.reset(token)
         metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
@@ -352,36 +352,33 @@ class InProcessBackend:
             metrics = {**(metrics or {}), **probe.as_record()}
         return token_ids, finish_reason, metrics
 
-    def _attach_kernels(self, cache) -> KernelAgreement | None:
-        name = self.route.kernel
-        if name is None:
-            return None
-        if name == "triton" and self.owner.device.type != "cuda":
-            raise decode_kernels.KernelPluginError(f"KV path {self.kv_path.name!r}: kernel=triton needs a CUDA "
-                                                   f"device (run with --device cuda)")
-        kernel = decode_kernels.resolve(name)
-        agreement, ops = KernelAgreement(), attention.kernel_ops(self.owner.device)
-        fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[self.kv_path.fmt]
-        for layer in cache.layers:
-            if hasattr(layer, "paged") and not getattr(layer, "is_sliding", False):  # kernels read no window
-                layer.paged = PagedKV(fmt_dtype, layer.k_scale.float().to(self.owner.device),
-                                      layer.v_scale.float().to(self.owner.device), self.kv_path.saturate,
-                                      self.owner.is_mla, ops, agreement, kernel)
-        return agreement
+    def _attach_kernels(self, cache, tokens: int):
+        """(step, agreement) of the route's decode kernel over paged copies with room for `tokens` tokens (one
+        sequence: a batch of one row, every decode step checked and timed); (None, None) without a kernel."""
+        if self.route.kernel is None:
+            return None, None
+        device = self.owner.device
+        step, agreement = one_sequence(tokens, device), KernelAgreement(1, device, timed=True)
+        attach_paged(cache, self.kv_path, self.route.kernel, device, self.owner.is_mla, step, agreement)
+        return step, agreement
 
     def _remember_prefill(self, prompt: list[int], cache, last_logits: torch.Tensor) -> None:
         from harness.replay.batched import kv_bytes_per_token
 
         self.prefills.put(tuple(prompt), cache, last_logits, len(prompt) * kv_bytes_per_token(self.owner.model.config))
 
-    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step,
-                remember=None) -> tuple[list[int], str]:
+    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step, remember=None,
+                step=None) -> tuple[list[int], str]:
+        """step: the paged copies' `StepState` when decode runs through a kernel (advanced after each pass)."""
         model, device, eos = self.owner.model, self.owner.device, self.owner.tokenizer.eos_token_id
         step_ids = torch.tensor([prompt], device=device)
         token_ids: list[int] = []
-        for step in range(max_new_tokens):
+        for n in range(max_new_tokens):
+            chunk_of(step, step_ids.shape[1], device)
             logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            if step == 0 and remember is not None:
+            if step is not None:
+                step.advance()
+            if n == 0 and remember is not None:
                 remember(prompt, cache, logits[None])
             if not torch.isfinite(logits).all():
                 return token_ids, "nonfinite_logits"
