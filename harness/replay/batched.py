@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.kv_paths import attention
+from harness.kv_paths import attention, impl_check
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, StepState, attach_paged
 from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, make_static
 from harness.replay.route import DECODE_MODES, static_decode_refusal  # noqa: F401 - re-exported
@@ -44,6 +44,10 @@ class BatchSettings:
     # cache written in place, finished rows masked), "graph" (static, each decode step one CUDA graph replay);
     # "auto": graph on CUDA, dynamic elsewhere
     decode: str = "auto"
+    # a sequence replayed alone (`InProcessBackend`: one-at-a-time replay, serve, attention tools): a batch of one
+    # row whose every decode step checks the kernel and times it, whose generation the implementation check probes
+    # (impl_check.py; it reads one sequence's mask) and, on the CPU, keeps its prefill for scoring the same prompt
+    one_sequence: bool = False
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -52,6 +56,12 @@ class BatchSettings:
             raise ValueError(f"kernel check interval must be >= 1 decode step, got {self.kernel_check_every}")
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.one_sequence and (self.batch_size != 1 or self.kernel_check_every != 1 or self.decode != "dynamic"):
+            raise ValueError("one sequence alone: batch size 1, every decode step checked, dynamic decode")
+
+
+# One sequence at a time (see `BatchSettings.one_sequence`)
+ONE_SEQUENCE = BatchSettings(batch_size=1, kernel_check_every=1, decode="dynamic", one_sequence=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +75,9 @@ class BatchedEngine:
     """Batched greedy decoding and teacher-forced scoring for one `InProcessBackend` (model + KV path)."""
 
     def __init__(self, backend, settings: BatchSettings = BatchSettings(),
-                 on_batch: Callable[[str, int], None] | None = None):
-        self.backend, self.settings = backend, settings
+                 on_batch: Callable[[str, int], None] | None = None, prefills=None):
+        """prefills: where a one-sequence engine keeps post-prefill caches for scoring (`inprocess.PrefillMemo`)."""
+        self.backend, self.settings, self.prefills = backend, settings, prefills
         self.model = backend.owner.model
         self.device = backend.owner.device
         tokenizer = backend.owner.tokenizer
@@ -108,13 +119,34 @@ class BatchedEngine:
         longest = max((len(p) + n for p, n in items), default=0)
         return self._in_batches(items, self._generate_batch, longest)
 
+    @torch.inference_mode()
+    def generate_one(self, prompt: Sequence[int], max_new_tokens: int,
+                     on_step: Callable[[torch.Tensor, int], None] | None = None,
+                     remember_prefill: bool = False) -> RowResult:
+        """One sequence alone (a one-sequence engine): `on_step(logits, next_id)` sees each step's logits [vocab]
+        before the token is taken; remember_prefill: keep a copy of the cache and the last logits after the
+        prompt's prefill for `score` of the same prompt (CPU, no kernel: a kept CUDA cache would hold memory the
+        batched replay sizes its batches from)."""
+        assert self.settings.one_sequence, "generate_one is a one-sequence engine's"
+        keep = remember_prefill and self.prefills is not None and self.backend.route.kernel is None \
+            and self.device.type == "cpu"
+        [row] = self._generate_dynamic([(list(prompt), max_new_tokens)], on_step, self._remember if keep else None)
+        self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
+        return row
+
+    def _remember(self, prompt: list[int], cache, last: torch.Tensor) -> None:
+        self.prefills.put(tuple(prompt), cache, last[:, None], len(prompt) * kv_bytes_per_token(self.model.config))
+
     def _start_batch(self, prompts: list[list[int]], masked: bool = False):
         """Left-padded ids, mask and positions of a batch, and a fresh cache of this path whose FP8 layers count
         their write statistics per row: what generation (growing or static: masked=True) and scoring start from."""
         ids, mask = left_pad(prompts, self.pad, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        step = StepState(valid=mask, masked=masked)
-        stats = KVWriteStats(len(prompts), step, self.device)
+        # one sequence: every step checked (a one-token prompt's prefill is a decode step too); its statistics count
+        # every token of a write (no pads), so a kept copy of the cache needs no step
+        alone = self.settings.one_sequence
+        step = StepState(valid=mask, masked=masked, check=alone)
+        stats = KVWriteStats(len(prompts), None if alone else step, self.device)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
             _scales_on_device(cache, self.device)
@@ -148,7 +180,7 @@ class BatchedEngine:
         return self._generate_dynamic(items)
 
     def _finish_rows(self, logits: torch.Tensor, live: list[int], where: Sequence[int], outputs: list[list[int]],
-                     finish: list, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
+                     finish: list, limits: list[int], on_step=None) -> tuple[torch.Tensor, list[int]]:
         """One decode step's host bookkeeping: live[i]'s logits are row where[i] of logits [batch, vocab]; a row
         ends on non-finite logits, EOS or its token limit. Returns the next ids [batch] (kept on the device as the
         next forward's input) and the i of the rows that go on. Its `.tolist()` is the step's one host sync."""
@@ -158,7 +190,10 @@ class BatchedEngine:
         for i, (row, at) in enumerate(zip(live, where)):
             if not finite_and_next[0][at]:
                 finish[row] = "nonfinite_logits"
-            elif finite_and_next[1][at] == self.eos:
+                continue
+            if on_step is not None:  # one sequence alone
+                on_step(logits[at], finite_and_next[1][at])
+            if finite_and_next[1][at] == self.eos:
                 finish[row] = "eos"
             else:
                 outputs[row].append(finite_and_next[1][at])
@@ -169,13 +204,16 @@ class BatchedEngine:
         return on_device[1], keep
 
     def _row_results(self, outputs: list[list[int]], finish: list, stats: KVWriteStats,
-                     agreements: KernelAgreement | None) -> list[RowResult]:
-        """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement."""
+                     agreements: KernelAgreement | None, probe=None) -> list[RowResult]:
+        """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement;
+        a one-sequence row also the implementation check's `probe`."""
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         records = stats.row_records() if fp8_path else [None] * len(outputs)
         if agreements is not None:
             for record, agreement in zip(records, agreements.row_records()):
                 record.update(agreement)
+        if probe is not None:
+            records = [{**(records[0] or {}), **probe.as_record()}]
         self.on_batch("generate", len(outputs))
         return [RowResult(tokens, reason or "length", record) for tokens, reason, record in zip(outputs, finish, records)]
 
@@ -183,20 +221,26 @@ class BatchedEngine:
         if why not in self.decode_fallbacks:
             self.decode_fallbacks.append(why)
 
-    def _generate_dynamic(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+    def _generate_dynamic(self, items: list[tuple[list[int], int]], on_step=None, remember=None) -> list[RowResult]:
+        """on_step, remember: one sequence alone (`generate_one`)."""
         prompts, limits = [p for p, _ in items], [n for _, n in items]
         rows = len(prompts)
         ids, mask, positions, step, stats, cache = self._start_batch(prompts)
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
+        probe = None
+        if self.settings.one_sequence and self.backend.kv_path is not None and impl_check.enabled():
+            probe = impl_check.attach(cache)
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
         token = attention.active_cache.set(cache)
         try:
             logits = self._prefill(ids, mask, positions, cache, step)
+            if remember is not None:
+                remember(prompts[0], cache, logits)
             for decode_step in range(max(limits, default=0)):
-                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
+                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits, on_step)
                 if not keep:
                     break
                 if len(keep) < len(live):
@@ -212,7 +256,7 @@ class BatchedEngine:
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         finally:
             attention.active_cache.reset(token)
-        return self._row_results(outputs, finish, stats, agreements)
+        return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _generate_static(self, items: list[tuple[list[int], int]], graph: bool) -> list[RowResult]:
         """`_generate_dynamic` over `StaticColumns` storage: left-padded rows write the same column each step, so
@@ -296,7 +340,7 @@ class BatchedEngine:
         kernel = self.backend.route.kernel
         if kernel is None:
             return None
-        agreement = KernelAgreement(rows, self.device)
+        agreement = KernelAgreement(rows, self.device, timed=self.settings.one_sequence)
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
         attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement)
         return agreement
@@ -315,19 +359,27 @@ class BatchedEngine:
     def _score_batch(self, items: list) -> list[torch.Tensor]:
         prompts, continuations = [p for _, p, _ in items], [c[:-1] for _, _, c in items]
         ids, mask, positions, step, _, cache = self._start_batch(prompts)
+        last = None
+        if self.prefills is not None and len(prompts) == 1:
+            # one sequence: this prompt's prefill, kept by `generate_one` (the same forward pass on the same input
+            # over a fresh cache of the same path, so the same bits)
+            kept, last = self.prefills.take(tuple(prompts[0]))
+            cache = kept if kept is not None else cache
         # the attention function reads the path's attention-side options (k_scale_on_scores, FP8 q/P, faults)
         # from the active cache: without it, teacher-forced scoring of such a path was the reference's
         token = attention.active_cache.set(cache)
         try:
-            return self._score_rows(ids, mask, positions, step, cache, continuations)
+            return self._score_rows(ids, mask, positions, step, cache, continuations, last)
         finally:
             attention.active_cache.reset(token)
 
-    def _score_rows(self, ids, mask, positions, step, cache, continuations) -> list[torch.Tensor]:
+    def _score_rows(self, ids, mask, positions, step, cache, continuations, last=None) -> list[torch.Tensor]:
+        """last: the prompt's last logits [rows, 1, vocab] float32 when the cache already holds the prompt."""
         rows = len(continuations)
         kv_path = self.backend.kv_path
-        last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, logits_to_keep=1).logits[:, -1:].float()
+        if last is None:
+            last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1).logits[:, -1:].float()
         longest = max(len(c) for c in continuations)
         cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
         cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]

@@ -118,9 +118,9 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 
 
 def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
-    """Why this path cannot run in the batched replay (harness/replay/batched.py), or None: attention capture,
-    decode-kernel plug-ins, FP8 attention (q/prob scales) and fault injectors run through the one-sequence path
-    only."""
+    """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None: attention
+    capture, decode-kernel plug-ins, FP8 attention (q/prob scales) and fault injectors run one sequence at a time
+    (the same engine, a batch of one row: `batched.ONE_SEQUENCE`)."""
     if capture:
         return "attention capture (--attention) observes one sequence at a time"
     if kv_path is not None and kv_path.kernel:
