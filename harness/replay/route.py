@@ -123,9 +123,9 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
     (the same engine, a batch of one row: `batched.ONE_SEQUENCE`).
 
     Measured on the CPU tiny models, 4 left-padded rows against each alone (12 tokens): `kernel=dequant` and
-    `kernel=reference` give the same tokens and kernel_steps (kernel_err_ratio equal to ~1e-13), but a batch's
-    kernel calls are not timed (kernel_ms_per_step would be unmeasured) and the contract allows a plug-in that takes
-    one sequence; `fp8_q:fp8_p` parts from the alone run at the first token in every padded row of gqa and mla
+    `kernel=reference` give the same tokens and kernel_steps (kernel_err_ratio equal to ~1e-13), but the plug-in
+    contract (docs/CONTRACTS.md) promises every call judged and timed, and a batch checks every
+    `kernel_check_every`-th step and times none; `fp8_q:fp8_p` parts from the alone run at the first token in every padded row of gqa and mla
     (top-2 gap up to 0.094, above the bf16 batch floor of 0.07): FP8 Q/P rounding amplifies the batch's reduction
     order. Fault injectors are caught by the implementation check, which probes one sequence's mask."""
     if capture:
