@@ -15,7 +15,7 @@ host syncs per forward call by the place that asks: `.item()`, `.tolist()`, `.cp
 `float()` of a tensor, `nonzero`, `equal`, boolean-mask indexing (each waits for the GPU on CUDA).
 
 On the CPU the Python costs are what they are on a GPU; model ops are the part that differs. `--kernels
-reference` runs FP8 decode through the kernel glue (`BatchedPagedKV`, paged copies, fp64 checks) with the
+reference` runs FP8 decode through the kernel glue (`PagedKV`, paged copies, fp64 checks) with the
 torch reference kernels, whose own per-row loops and syncs ("ref-kern") have no counterpart in Triton.
 `--json` keeps every row's tokens, finish reason and metrics, so two revisions' outputs can be compared.
 """
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
     parser.add_argument("--kernels", choices=("off", "reference", "triton"), default="off",
-                        help="reference: FP8 decode through the kernel glue (BatchedPagedKV, fp64 checks) with the "
+                        help="reference: FP8 decode through the kernel glue (PagedKV, fp64 checks) with the "
                              "torch reference kernels, as CUDA runs it with Triton")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (FP8 decode then runs our Triton kernels "
                         "unless --kernels says otherwise; time per forward is then wall time with the device synchronised)")

@@ -497,7 +497,7 @@ E._forward = counted
 E._prefill = timed("prefill", E._prefill)
 E._score_batch = timed("score_batches", E._score_batch)
 E._generate_batch = timed("generate_batches", E._generate_batch)
-batched.BatchedPagedKV._check = timed("kernel_checks", batched.BatchedPagedKV._check)
+batched.attention.PagedKV._check = timed("kernel_checks", batched.attention.PagedKV._check)
 try:
     import triton.compiler.compiler as tc
     import triton.runtime.jit as tj

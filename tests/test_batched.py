@@ -2,6 +2,8 @@
 batch, rows leaving at different steps, out-of-memory back-off. CPU tests check the logic on the tiny models;
 `--gpu` tests run the same on CUDA, where FP8 decode goes through the Triton kernels."""
 
+import math
+
 import pytest
 import torch
 
@@ -129,14 +131,14 @@ def test_out_of_memory_halves_the_batch_and_loses_nothing(cpu_models, monkeypatc
     assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
-def test_row_agreements_fold_as_python_max_did():
-    """The device-side fold of per-row kernel checks (`RowAgreements`) gives what the host-side
-    `max(running, value)` per row did, NaN (never raises a maximum) and inf included."""
+def test_kernel_agreement_folds_rows_as_python_max_does():
+    """The device-side fold of per-row kernel checks (`KernelAgreement`) gives what a host-side
+    `max(running, value)` per row gives, NaN (never raises a maximum) and inf included."""
     from harness.kv_paths.attention import KernelAgreement
-    from harness.replay.batched import RowAgreements
 
     generator = torch.Generator().manual_seed(0)
-    folded, expected = RowAgreements(5, "cpu"), [KernelAgreement() for _ in range(5)]
+    folded = KernelAgreement(5, "cpu")
+    steps, max_err, max_ratio = [0] * 5, [0.0] * 5, [0.0] * 5
     for live in ([0, 1, 2, 3, 4], [4, 1, 3], [3], [1, 3]):
         rows = torch.tensor(live)
         err, ratio = torch.rand(len(live), generator=generator, dtype=torch.float64), \
@@ -144,23 +146,25 @@ def test_row_agreements_fold_as_python_max_did():
         err[0], ratio[-1] = (float("nan"), float("inf")) if len(live) == 3 else (err[0], ratio[-1])
         folded.add(rows, err, ratio)
         for row, e, r in zip(live, err.tolist(), ratio.tolist()):
-            expected[row].steps += 1
-            expected[row].max_abs_err = max(expected[row].max_abs_err, e)
-            expected[row].max_ratio = max(expected[row].max_ratio, r)
-    assert folded.records() == [a.as_record() for a in expected]
+            steps[row] += 1
+            max_err[row], max_ratio[row] = max(max_err[row], e), max(max_ratio[row], r)
+    assert folded.row_records() == [
+        {"kernel_steps": float(n), "kernel_max_abs_err": e, "kernel_err_ratio": r, "kernel_ms_per_step": 0.0}
+        for n, e, r in zip(steps, max_err, max_ratio)]
+    assert max_ratio[3] == float("inf") and not any(math.isnan(e) for e in max_err)  # both cases are exercised
 
 
 @pytest.mark.parametrize(("arch", "check_elements"), [("gqa", None), ("mla", None), ("gqa", 1)])
 def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkeypatch, arch, check_elements):
-    """FP8 decode through `BatchedPagedKV` with the torch reference kernels (HARNESS_KERNELS=reference):
+    """FP8 decode through `PagedKV` rows with the torch reference kernels (HARNESS_KERNELS=reference):
     every attention layer checks every live row on every `kernel_check_every`-th decode step, in one group of
     rows or (check_elements=1) one row per group."""
-    import harness.replay.batched as batched
+    import harness.kv_paths.attention as attention
     from harness.kv_paths.cache import attention_layer_indices
 
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
     if check_elements is not None:
-        monkeypatch.setattr(batched, "CHECK_ELEMENTS", check_elements)
+        monkeypatch.setattr(attention, "CHECK_ELEMENTS", check_elements)
     model = InProcessModel.load(tiny_models[arch])
     backend = model.backend(parse_path("fp8_e4m3"))
     assert backend.route.kernel is not None

@@ -117,15 +117,16 @@ def test_overflow_saturates_or_turns_to_nan(spec, expect_nan):
     layer = QuantizedKVLayer(parse_path(spec), torch.tensor(1e-3), torch.tensor(1.0), stats)
     key = torch.full((1, 1, 2, 4), 1.0, dtype=torch.bfloat16)  # 1.0 / 1e-3 = 1000 > 448
     keys, _ = layer.update(key, key)
+    record = stats.as_record()  # 8 key values written, all clipped; the value side (scale 1.0) clips none
     # the ratio is computed in fp32 from exact inputs (1.0 in bf16; the scale fp32(1e-3)): two fp32 roundings, the
     # division by the scale and by 448, so rel=2^-22. Measured on the CPU: 7.6e-8.
-    assert stats.clipped == 8 and stats.amax_over_max == pytest.approx(1000 / 448, rel=2.0 ** -22)
+    assert record["kv_clipped_frac"] == 8 / 16 and record["kv_amax_over_max"] == pytest.approx(1000 / 448, rel=2.0 ** -22)
     if expect_nan:  # torch's plain cast: e4m3fn has no inf, overflow becomes NaN
-        assert keys.isnan().all() and stats.nonfinite == 8
+        assert keys.isnan().all() and record["kv_nonfinite"] == 8
     else:  # saturating cast: 448 * 1e-3 read back, rounded to the cache's bf16: within half a bf16 ulp, 2^-9
         # relative (measured: 0.447265625, 1.6e-3 from 0.448)
         assert torch.allclose(keys.float(), torch.full_like(keys.float(), 0.448), rtol=2.0 ** -9, atol=0)
-        assert stats.nonfinite == 0
+        assert record["kv_nonfinite"] == 0
 
 
 def test_generation_reports_cast_statistics(loaded):

@@ -4,7 +4,9 @@ Registered with transformers as `harness`: it runs SDPA, lets a per-module obser
 and, for decode steps of a cache layer that keeps a paged FP8 copy (`PagedKV`), returns the output of
 the path's decode plug-in (default: our `kernels.decode_attention`, or `kernels.mla_decode` with absorbed
 projections for MLA; `decode_kernels.py`) while measuring its agreement with fp64 attention over the same
-stored codes and its time.
+stored codes (`KernelAgreement`). One paged type serves both engines: a batch has one row per sequence, a
+sequence replayed alone is a batch of one row (`one_sequence`); `attach_paged` is the one place a kernel is
+attached to a cache.
 """
 
 from __future__ import annotations
@@ -18,40 +20,17 @@ from typing import Callable
 import torch
 
 from harness.kv_paths import mla
-from harness.kv_paths.decode_kernels import DecodeKernel, kernels_setting, run_gqa, run_mla
+from harness.kv_paths.decode_kernels import DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa, run_mla
 
 ATTENTION_NAME = "harness"
 # Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
 # each call and may return a tensor to use as the output instead (attention capture, isolated mode).
 ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
+# fp64 cache elements a kernel-agreement check reads back at once (rows are checked in groups under it)
+CHECK_ELEMENTS = 1 << 26
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
-
-
-@dataclass(slots=True)
-class KernelAgreement:
-    """Kernel output against an fp64 computation over the same dequantised cache, per call of a backend."""
-
-    steps: int = 0
-    max_abs_err: float = 0.0  # max |kernel - fp64|
-    max_ratio: float = 0.0  # max of kernel error / SDPA bf16 error (torch's own error at this precision)
-    step_s: list = field(default_factory=list)  # wall time of each decode-kernel call (device synchronised)
-
-    def add(self, kernel: torch.Tensor, sdpa: torch.Tensor, exact: torch.Tensor) -> None:
-        kernel_err = (kernel.double() - exact).abs().max().item()
-        torch_err = (sdpa.double() - exact).abs().max().item()
-        self.steps += 1
-        self.max_abs_err = max(self.max_abs_err, kernel_err)
-        # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
-        floor = exact.abs().max().item() * 2.0 ** -9
-        self.max_ratio = max(self.max_ratio, kernel_err / max(torch_err, floor, 1e-30))
-
-    def as_record(self) -> dict[str, float]:
-        return {"kernel_steps": float(self.steps), "kernel_max_abs_err": self.max_abs_err,
-                "kernel_err_ratio": self.max_ratio,
-                # median, so a first call's JIT compilation (seconds, once per process) does not count
-                "kernel_ms_per_step": 1e3 * statistics.median(self.step_s) if self.step_s else 0.0}
 
 
 def kernel_ops(device: torch.device | None = None):
@@ -73,12 +52,135 @@ def kernel_ops(device: torch.device | None = None):
     return Ops
 
 
+class KernelAgreement:
+    """A decode kernel's output against fp64 attention over the same stored codes, per sequence (row) of a batch (a
+    sequence replayed alone is a batch of one row). Kept on the device while the batch decodes (no host sync per
+    layer): steps [rows] int64, max_abs_err / max_ratio [rows] fp64, folded once at the end (`row_records`).
+    `step_s`: the wall time of each kernel call when `timed` (device synchronised before and after: one sequence at a
+    time; a batch's calls, some inside CUDA graphs, are not timed)."""
+
+    def __init__(self, rows: int = 1, device="cpu", timed: bool = False):
+        self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.max_abs_err = torch.zeros(rows, dtype=torch.float64, device=device)  # max |kernel - fp64|
+        # max of kernel error / SDPA bf16 error (torch's own error at this precision)
+        self.max_ratio = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.timed = timed
+        self.step_s: list[float] = []
+
+    def add(self, rows: torch.Tensor, kernel_err: torch.Tensor, ratio: torch.Tensor) -> None:
+        """One check of live rows `rows` (distinct original rows). A NaN never raises a maximum, as Python's
+        `max(0.0, nan)` did when this was folded on the host."""
+        self.steps.index_add_(0, rows, torch.ones_like(rows))
+        for running, found in ((self.max_abs_err, kernel_err), (self.max_ratio, ratio)):
+            running.scatter_reduce_(0, rows, torch.where(found.isnan(), 0.0, found), "amax")
+
+    def row_records(self) -> list[dict[str, float]]:
+        # median, so a first call's JIT compilation (seconds, once per process) does not count
+        ms = 1e3 * statistics.median(self.step_s) if self.step_s else 0.0
+        found = zip(self.steps.tolist(), self.max_abs_err.tolist(), self.max_ratio.tolist())
+        return [{"kernel_steps": float(steps), "kernel_max_abs_err": err, "kernel_err_ratio": ratio,
+                 "kernel_ms_per_step": ms} for steps, err, ratio in found]
+
+    def as_record(self) -> dict[str, float]:
+        """The one sequence's record (a batch of one row)."""
+        assert self.steps.numel() == 1, f"as_record is one sequence's; this batch has {self.steps.numel()} rows"
+        return self.row_records()[0]
+
+
+@dataclass
+class StepState:
+    """What the current forward pass writes: which tokens are real, whether kernels are checked, and, when
+    decode runs through a kernel, where each live row's tokens go in the paged copies. Slots, lengths and
+    the block table are the same for every layer: computed once per forward pass, advanced after it (`advance`)."""
+
+    valid: torch.Tensor | None = None  # [rows, chunk]
+    check: bool = False
+    batch_rows: int = 0
+    pages_per_row: int = 0
+    rows: torch.Tensor | None = None  # [live rows] original row (int64); None: no paged copies
+    lengths: torch.Tensor | None = None  # [live rows] int32, tokens stored before this forward pass
+    # static decode: finished rows stay in the batch with `valid` 0 (nothing stored, counted or checked for them)
+    masked: bool = False
+    _cached: dict = field(default_factory=dict)
+
+    def start_paged(self, rows: int, pages_per_row: int, device) -> None:
+        self.batch_rows, self.pages_per_row = rows, pages_per_row
+        self.rows = torch.arange(rows, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._cached.clear()
+
+    def slots(self) -> torch.Tensor:
+        """[live rows * chunk] int64 slot of each token of this pass (-1 for pads), row-major."""
+        if "slots" not in self._cached:
+            valid = self.valid.bool()
+            offsets = self.lengths[:, None].long() + valid.long().cumsum(1) - 1
+            slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
+            self._cached["slots"] = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
+        return self._cached["slots"]
+
+    def row_masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows, 1, chunk, 1] bool real-token mask, [rows] int64 real tokens) of this pass, for `KVWriteStats`."""
+        cached = self._cached.get("row_masks")
+        if cached is None or cached[0] is not self.valid:  # keyed by the tensor: scoring sets `valid` per chunk
+            rows_valid = self.valid.to(device).bool()
+            cached = self._cached["row_masks"] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
+        return cached[1], cached[2]
+
+    def span(self) -> int:
+        """Longest stored length after this pass (one host sync per checked step, shared by every layer)."""
+        if "span" not in self._cached:
+            self._cached["span"] = int(self.lengths_after().max())
+        return self._cached["span"]
+
+    def lengths_after(self) -> torch.Tensor:
+        if "after" not in self._cached:
+            self._cached["after"] = self.lengths + self.valid.sum(1).to(torch.int32)
+        return self._cached["after"]
+
+    def block_table(self) -> torch.Tensor:
+        if "table" not in self._cached:
+            base = (self.rows * self.pages_per_row).to(torch.int32)
+            pages = torch.arange(self.pages_per_row, dtype=torch.int32, device=base.device)
+            self._cached["table"] = base[:, None] + pages[None, :]
+        return self._cached["table"]
+
+    def advance(self) -> None:
+        """After a forward pass: its tokens are stored (in place: a captured decode step replays this too)."""
+        if self.rows is not None and self.valid is not None:
+            self.lengths.copy_(self.lengths_after())
+        self._cached.clear()
+
+    def select(self, live: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows, self.lengths = self.rows[live], self.lengths[live]
+        self._cached.clear()
+
+
+def one_sequence(tokens: int, device) -> StepState:
+    """The step of one sequence (a batch of one row, no pads) with room for `tokens` tokens in its paged copies;
+    the caller sets `valid` to the chunk before each forward pass and calls `advance` after it."""
+    step = StepState(check=True)
+    step.start_paged(1, -(-max(tokens, 1) // BLOCK_SIZE), device)
+    return step
+
+
+def chunk_of(step: StepState | None, tokens: int, device) -> None:
+    """Before a forward pass of one sequence's next `tokens` tokens: all of them real."""
+    if step is not None:
+        step.valid = torch.ones(1, tokens, dtype=torch.long, device=device)
+
+
 @dataclass
 class PagedKV:
-    """One layer's paged FP8 cache, written by `store_kv` / `store_latent` beside the reference layer.
+    """One layer's paged FP8 copy, written by the store kernels beside the cache layer, for a batch of rows (one
+    sequence: one row): row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
 
     GQA: k/v pages [num_blocks, BLOCK_SIZE, kv_heads, head_dim]; MLA: one page tensor
-    [num_blocks, BLOCK_SIZE, latent + rope] with a single scale, as engines keep it.
+    [num_blocks, BLOCK_SIZE, latent + rope] with a single scale, as engines keep it. Written with slot -1 for pads
+    (by the fused cache write on CUDA, which stores the same codes it reads back, or by `store_kv` /
+    `store_latent`); decode runs the path's decode plug-in over all live rows and, on checked steps, checks each row
+    against fp64 attention over exactly the stored codes. Slots, lengths and the block table are the step's
+    (`StepState`), shared by every layer.
     """
 
     fmt_dtype: torch.dtype
@@ -87,78 +189,201 @@ class PagedKV:
     saturate: bool
     mla: bool
     ops: object  # store_kv / store_latent (ours: the cache layout is the contract's)
-    agreement: KernelAgreement
     kernel: DecodeKernel  # the decode plug-in (harness/kv_paths/decode_kernels.py)
-    length: int = 0
+    agreement: KernelAgreement
+    step: StepState
+    fusable: bool = True  # the layer's round-trip scales are these (MLA: one scale for latent and k_pe)
     pages: list = field(default_factory=list)
+    absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
 
-    def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        # key/value: [1, heads, chunk, dim] (MLA: latent [1, 1, chunk, Dc], k_pe [1, 1, chunk, Dr])
-        chunk = key.shape[-2]
-        if self.k_scale.device != key.device:  # a layer-sharded model: this layer's GPU, once
-            self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
-        self._grow(self.length + chunk, key, value)
-        slots = torch.arange(self.length, self.length + chunk, device=key.device, dtype=torch.int64)
-        if self.mla:
-            self.ops.store_latent(key[0, 0], value[0, 0], self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
-        else:
-            self.ops.store_kv(key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(),
-                              self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
-        self.length += chunk
-
-    def _grow(self, needed: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        have = self.pages[0].shape[0] * BLOCK_SIZE if self.pages else 0
-        if needed <= have:
+    def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.pages:
             return
-        blocks = max(-(-needed // BLOCK_SIZE), 2 * (have // BLOCK_SIZE))
+        if self.k_scale.device != key.device:  # a layer-sharded model: the scales go to this layer's GPU, once
+            self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
+        blocks = self.step.batch_rows * self.step.pages_per_row
         if self.mla:
             shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
         else:
             shapes = [(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1])] * 2
-        grown = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
-        for old, new in zip(self.pages, grown):
-            new.view(torch.uint8)[: old.shape[0]] = old.view(torch.uint8)
-        self.pages = grown
+        self.pages = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
 
-    def block_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = self.pages[0].shape[0]
-        return (torch.arange(blocks, dtype=torch.int32, device=device).view(1, -1),
-                torch.tensor([self.length], dtype=torch.int32, device=device))
+    def store_targets(self, key: torch.Tensor, value: torch.Tensor) -> tuple[dict, dict] | None:
+        """Where `kernels.store_kv.quantize_store` writes key and value codes (None: write them with `write`)."""
+        if not self.fusable:
+            return None
+        self._ensure(key, value)
+        slots = self.step.slots()
+        pages = [p.view(torch.uint8) for p in self.pages]
+        if self.mla:  # one row per token: [latent | k_pe]
+            strides = (pages[0].stride(0), pages[0].stride(1), 0)
+            return (dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=0, block_size=BLOCK_SIZE),
+                    dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=key.shape[-1],
+                         block_size=BLOCK_SIZE))
+        return tuple(dict(cache=p, slots=slots, cache_strides=(p.stride(0), p.stride(1), p.stride(2)), col_offset=0,
+                          block_size=BLOCK_SIZE) for p in pages)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
+        rows, _, chunk, _ = key.shape
+        self._ensure(key, value)
+        slots = self.step.slots()
+        if self.mla:
+            self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
+                                  self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
+        else:
+            self.ops.store_kv(key.transpose(1, 2).reshape(rows * chunk, key.shape[1], -1).contiguous(),
+                              value.transpose(1, 2).reshape(rows * chunk, value.shape[1], -1).contiguous(),
+                              self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
+
+    def decode(self, module, query: torch.Tensor, torch_out: torch.Tensor | None, quant=None) -> torch.Tensor:
+        """query [rows, Hq, 1, D] -> the kernel's output [rows, 1, Hq, Dv]; on a checked step, `torch_out` (torch's
+        attention of the same step, same shape) is the yardstick of the agreement check. The kernel gets the raw
+        query (it quantises Q itself, `quant`: an AttentionQuant of an FP8 attention path) and is judged, as torch's
+        output is, against fp64 attention of the raw query over the stored codes."""
+        if self.agreement.timed:
+            out = self._timed(module, query, quant)
+        else:
+            out = self._kernel(module, query, quant)
+        if self.step.check:
+            self._check(module, query, out, torch_out)
+        return out
+
+    def _timed(self, module, query: torch.Tensor, quant) -> torch.Tensor:
+        """`_kernel`, its wall time (device synchronised before and after) added to the agreement."""
+        cuda = query.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(query.device)
+        start = time.perf_counter()
+        out = self._kernel(module, query, quant)
+        if cuda:
+            torch.cuda.synchronize(query.device)
+        self.agreement.step_s.append(time.perf_counter() - start)
+        return out
+
+    def _kernel(self, module, query: torch.Tensor, quant) -> torch.Tensor:
+        """The plug-in over the paged copy. `quant` goes to our kernels as q_scale / prob_scale
+        (route.FP8_ATTENTION_KERNELS); on an MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel
+        multiplies, as engines' MLA kernels do (the torch reference quantises the model's own query [q_nope | q_pe])."""
+        table, lens = self.step.block_table(), self.step.lengths_after()
+        scales = _attention_scales(quant, query.device)
+        if not self.mla:
+            out = run_gqa(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
+                          self.k_scale, self.v_scale, module.scaling, **scales)
+            return out.unsqueeze(1)
+        # Absorbed MLA (harness/kv_paths/mla.py): q_latent = q_nope W_UK, out = (softmax . c) W_UV
+        nope, heads = module.qk_nope_head_dim, query.shape[1]
+        if self.absorbed is None:  # the weights are fixed while a batch decodes: no cast per layer and step
+            self.absorbed = mla.absorbed_weights(module, torch.float32)
+        w_uk, w_uv = self.absorbed
+        q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
+        q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
+        out_latent = run_mla(self.kernel, q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
+                             self.k_scale.reshape(()), module.scaling, **scales)
+        out = mla.expand_latent(out_latent.float(), w_uv).to(query.dtype)
+        return out.view(query.shape[0], 1, heads, -1)
+
+    def _check(self, module, query: torch.Tensor, out: torch.Tensor, torch_out: torch.Tensor) -> None:
+        """The agreement check of every live row at once: fp64 attention over the stored codes of groups of rows
+        (padded to the longest, masked); results stay on the device (one host sync per checked step, for the span,
+        shared by every layer)."""
+        lengths, rows, span = self.step.lengths_after(), self.step.rows, self.step.span()
+        if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync)
+            live = self.step.valid[:, -1].nonzero()[:, 0]
+            query, out, torch_out, lengths, rows = (t[live] for t in (query, out, torch_out, lengths, rows))
+        per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
+        group = max(1, CHECK_ELEMENTS // max(per_row, 1))
+        for begin in range(0, rows.shape[0], group):
+            part = slice(begin, begin + group)
+            # one group: the step's span; several: each group's own (as before, so the same fp64 sums)
+            part_span = span if group >= rows.shape[0] else int(lengths[part].max())
+            exact = self._exact_rows(module, query[part], lengths[part], rows[part], part_span)  # [n, 1, Hq, Dv]
+            kernel_err = (out[part].double() - exact).abs().amax((1, 2, 3))
+            torch_err = (torch_out[part].double() - exact).abs().amax((1, 2, 3))
+            # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
+            floor = exact.abs().amax((1, 2, 3)) * 2.0 ** -9
+            ratio = kernel_err / torch.maximum(torch.maximum(torch_err, floor), torch.full_like(floor, 1e-30))
+            self.agreement.add(rows[part], kernel_err, ratio)
+
+    def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                    span: int) -> torch.Tensor:
+        """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
+        tokens of each, masked to its length; never rounded to bf16) -> [n, 1, Hq, Dv]: the truth both the kernel
+        and torch's attention over the dequantised K/V are judged against."""
+        keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
+
+        def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] fp64 codes
+            per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
+            return per_row[rows, :span].double()
+
+        def attend(scores: torch.Tensor) -> torch.Tensor:  # [n, H, span] -> softmax over the stored tokens
+            return torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+
+        q = query[:, :, 0].double()  # [n, Hq, D]
+        if not self.mla:
+            k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
+            v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
+            group = q.shape[1] // k.shape[2]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+            weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
+            return torch.einsum("nhs,nshd->nhd", weights, v).unsqueeze(1)
+        cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
+        nope = module.qk_nope_head_dim
+        w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
+        c, pe = cached[..., :w_uk.shape[-1]], cached[..., w_uk.shape[-1]:]
+        q_latent = mla.absorb_query(q[..., :nope], w_uk)
+        scores = (torch.einsum("nhc,nsc->nhs", q_latent, c) + torch.einsum("nhr,nsr->nhs", q[..., nope:], pe))
+        latent = torch.einsum("nhs,nsc->nhc", attend(scores * module.scaling), c)
+        return mla.expand_latent(latent, w_uv).unsqueeze(1)
 
 
-def _timed_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
-    """`_kernel_decode`, its wall time (device synchronised before and after) added to the agreement."""
-    cuda = query.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(query.device)
-    start = time.perf_counter()
-    out = _kernel_decode(module, query, paged, quant)
-    if cuda:
-        torch.cuda.synchronize(query.device)
-    paged.agreement.step_s.append(time.perf_counter() - start)
-    return out
+def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_model: bool, step: StepState,
+                 agreement: KernelAgreement, *, decodes: bool = True) -> dict[int, PagedKV]:
+    """The one kernel attacher: a paged FP8 copy (`PagedKV`) of every quantised full-attention layer of `cache`,
+    read by the decode plug-in `kernel_name` (the route's kernel: harness/replay/route.py), over `step`'s pages.
+
+    decodes=True: the copy is the layer's `paged` (the layer's write stores into it; FP8 decode steps return the
+    kernel's output). decodes=False (attention capture): the model keeps running torch attention; the copy is written
+    beside the layer (its `update` wrapped; `detach_paged` undoes it) and read by capture's `KernelRows`.
+    Sliding-window layers get none (the kernels read no window). {layer index: PagedKV}."""
+    if kernel_name == "triton" and device.type != "cuda":
+        raise KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device (run with --device cuda)")
+    kernel = resolve(kernel_name)
+    if (kernel.mla_decode if mla_model else kernel.decode_attention) is None:
+        what = "mla_decode (MLA models need one)" if mla_model else "decode_attention (GQA/MHA models need one)"
+        raise KernelPluginError(f"kernel {kernel_name!r} has no {what}")
+    ops = kernel_ops(device)
+    fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
+    paged = {}
+    for index, layer in enumerate(cache.layers):
+        if not hasattr(layer, "paged") or getattr(layer, "is_sliding", False) or layer.k_scale is None:
+            continue
+        k_scale, v_scale = layer.k_scale.float().to(device), layer.v_scale.float().to(device)
+        # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
+        fusable = decodes and (not mla_model or bool(torch.equal(k_scale, v_scale)))
+        paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
+                               fusable)
+        if decodes:
+            layer.paged = paged[index]
+        else:
+            layer.update = _writing_to(layer.update, paged[index])
+    return paged
 
 
-def _kernel_decode(module, query: torch.Tensor, paged: PagedKV, quant=None) -> torch.Tensor:
-    """query [1, Hq, 1, D] -> attention output [1, 1, Hq, Dv] from the plug-in over the paged cache. `quant`
-    (an AttentionQuant: FP8 attention) goes to our kernels as q_scale / prob_scale (route.FP8_ATTENTION_KERNELS); on an
-    MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel multiplies, as engines' MLA kernels do
-    (the torch reference quantises the model's own query [q_nope | q_pe])."""
-    table, lens = paged.block_table(query.device)
-    if not paged.mla:
-        out = run_gqa(paged.kernel, query[:, :, 0].contiguous(), paged.pages[0], paged.pages[1], table, lens,
-                      paged.k_scale, paged.v_scale, module.scaling, **_attention_scales(quant, query.device))
-        return out.unsqueeze(1)
-    # Absorbed MLA (harness/kv_paths/mla.py): q_latent = q_nope W_UK, out = (softmax . c) W_UV
-    nope, heads = module.qk_nope_head_dim, query.shape[1]
-    w_uk, w_uv = mla.absorbed_weights(module, torch.float32)
-    q_nope, q_pe = query[0, :, 0, :nope], query[0, :, 0, nope:]
-    q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
-    out_latent = run_mla(paged.kernel, q_latent.unsqueeze(0).contiguous(), q_pe.unsqueeze(0).contiguous(),
-                         paged.pages[0], table, lens, paged.k_scale.reshape(()), module.scaling,
-                         **_attention_scales(quant, query.device))
-    out = mla.expand_latent(out_latent[0].float(), w_uv).to(query.dtype)
-    return out.view(1, 1, heads, -1)
+def _writing_to(update, paged: PagedKV):
+    def write_too(key_states, value_states, *args, **kwargs):
+        result = update(key_states, value_states, *args, **kwargs)
+        paged.write(key_states, value_states)
+        return result
+
+    return write_too
+
+
+def detach_paged(cache) -> None:
+    """Undo `attach_paged(decodes=False)`: the writer refers to its layer, so a cache keeping it lives on until a
+    full garbage collection."""
+    for layer in cache.layers:
+        vars(layer).pop("update", None)
 
 
 def _attention_scales(quant, device: torch.device) -> dict:
@@ -171,32 +396,6 @@ def _attention_scales(quant, device: torch.device) -> dict:
         q = q.to(device, torch.float32).reshape(() if q.numel() == 1 else (-1,))
     prob = quant.prob_scale
     return {"q_scale": q, "prob_scale": None if prob is None else prob.to(device, torch.float32).reshape(())}
-
-
-def _exact_attention(module, query: torch.Tensor, paged: PagedKV) -> torch.Tensor:
-    """fp64 attention of one decode query over exactly what the paged cache holds (codes x scale, never
-    rounded to bf16): the truth both the kernel and SDPA over the dequantised bf16 K/V are judged against."""
-    length = paged.length
-    if not paged.mla:
-        def read(pages, scale):  # [blocks, page, Hkv, D] -> [Hkv, L, D]
-            rows = pages.flatten(0, 1)[:length].double() * scale.double().reshape(-1, 1)
-            return rows.transpose(0, 1)
-
-        group = query.shape[1] // paged.pages[0].shape[2]
-        k = read(paged.pages[0], paged.k_scale).repeat_interleave(group, dim=0)
-        v = read(paged.pages[1], paged.v_scale).repeat_interleave(group, dim=0)
-        weights = torch.softmax((query[0, :, 0:1].double() @ k.transpose(-1, -2)) * module.scaling, dim=-1)
-        return (weights @ v).transpose(0, 1).unsqueeze(0)  # [1, 1, Hq, D]
-    rows = paged.pages[0].flatten(0, 1)[:length].double() * paged.k_scale.double()  # [L, Dc + Dr]
-    nope, heads = module.qk_nope_head_dim, query.shape[1]
-    w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
-    latent_dim = w_uk.shape[-1]
-    c, pe = rows[:, :latent_dim], rows[:, latent_dim:]
-    q = query[0, :, 0].double()
-    q_latent = mla.absorb_query(q[:, :nope], w_uk)
-    scores = (q_latent @ c.T + q[:, nope:] @ pe.T) * module.scaling  # [H, L]
-    out = mla.expand_latent(torch.softmax(scores, dim=-1) @ c, w_uv)
-    return out.view(1, 1, heads, -1)
 
 
 def _k_scale_on_scores(module, query: torch.Tensor, k_scale: torch.Tensor, kwargs: dict):
@@ -288,11 +487,11 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         quant = getattr(layer, "attn_quant", None)
         raw_query = query
         paged = getattr(layer, "paged", None) if not fault else None
-        batched_kernel = paged is not None and query.shape[2] == 1 and hasattr(paged, "decode")
-        if batched_kernel and not paged.step.check and getattr(module, observer_attr, None) is None:
-            # batched replay, unchecked step: the kernel's output is the output; torch's attention is only the
-            # yardstick of a checked step, so it is not computed here
-            return paged.decode(module, raw_query, None), None
+        kernel_decodes = paged is not None and query.shape[2] == 1  # an FP8 decode step served by the kernel
+        if kernel_decodes and not paged.step.check and getattr(module, observer_attr, None) is None:
+            # an unchecked step: the kernel's output is the output; torch's attention is only the yardstick of a
+            # checked step, so it is not computed here
+            return paged.decode(module, raw_query, None, quant), None
         if fault:  # the path's attention is the faulty arithmetic, kernels included
             from harness.kv_paths.faults import faulty_attention
 
@@ -313,14 +512,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask,
                                           quant.q_scale, quant.prob_scale, quant.fmt)
             weights = None
-        if batched_kernel:  # harness.replay.batched, a checked step
-            output = paged.decode(module, raw_query, output)
-        elif paged is not None and query.shape[2] == 1 and query.shape[0] == 1:
-            # The kernel gets the raw query (it quantises Q itself) and is judged, as the torch reference's FP8
-            # attention (`output`) is, against fp64 attention of the raw query over the stored codes.
-            kernel_out = _timed_decode(module, raw_query, paged, quant)
-            paged.agreement.add(kernel_out, output, _exact_attention(module, raw_query, paged))
-            output = kernel_out
+        if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
+            output = paged.decode(module, raw_query, output, quant)
         probe = getattr(layer, "impl_probe", None)  # the implementation check (harness/kv_paths/impl_check.py)
         # its exact attention has no sinks or soft-capping: such calls (gpt-oss, Gemma 2) are not probed (they read
         # ~440x SDPA's error on every path of a tiny gpt-oss, bf16 included: the check's definition, not the path)

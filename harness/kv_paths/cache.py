@@ -25,39 +25,81 @@ from kernels import reference as fp8
 
 @dataclass(slots=True)
 class KVWriteStats:
-    """What the cast did to the values written so far (all quantised layers together).
+    """What the cast did to the values written so far, per sequence (row) of a batch: a sequence replayed alone
+    is a batch of one row.
 
-    On CUDA the fused cache write (`kernels.store_kv.quantize_store`) adds into device counters instead
-    (no host sync per layer and step); `fold` moves them into the fields, `as_record` folds first."""
+    counts [rows, 3] int64 (values, clipped, nonfinite) and amax_over_max [rows] fp32, on the device of the
+    writes (no host sync per layer and step), indexed by original row. With a `step` (the batched engine's
+    `StepState`), `step.valid` [live rows, chunk] marks real (unpadded) tokens and `live` maps each batch position
+    to its original row; without one, every row of a write counts into row 0 (one sequence). On CUDA the fused
+    cache write (`kernels.store_kv.quantize_store`) adds into the same buffers (`fused_buffers`); elsewhere
+    `count` does with torch ops."""
 
-    values: int = 0
-    clipped: int = 0  # |x / s| > fp8 max (saturated, or NaN/inf without saturation)
-    nonfinite: int = 0  # NaN/inf read back
-    amax_over_max: float = 0.0  # largest |x / s| / fp8 max seen; > 1 means the scale is too small
-    device_counts: torch.Tensor | None = None  # [1, 3] int64: values, clipped, nonfinite not yet folded
-    device_amax: torch.Tensor | None = None  # [1] fp32
+    rows: int = 1
+    step: object = None  # harness.kv_paths.attention.StepState, or None: one sequence
+    device: object = None  # where the counts live; None: the device of the first write
+    counts: torch.Tensor | None = None  # [rows, 3] int64: values, clipped (|x / s| > fp8 max), nonfinite read back
+    amax_over_max: torch.Tensor | None = None  # [rows] fp32: largest |x / s| / fp8 max; > 1: the scale is too small
+    live: torch.Tensor | None = None  # [live rows] int64: the original row of each batch position (with a step)
 
-    def fused_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        """(counts, amax, live, valid) for `quantize_store`: every row of x counts into the one total."""
-        if self.device_counts is None or self.device_counts.device != x.device:
-            self.fold()
-            self.device_counts = torch.zeros(1, 3, dtype=torch.int64, device=x.device)
-            self.device_amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        return self.device_counts, self.device_amax, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), None
+    def __post_init__(self):
+        if self.device is not None:
+            self._buffers(self.device)
 
-    def fold(self) -> None:
-        if self.device_counts is None:
+    def _buffers(self, device) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros(self.rows, 3, dtype=torch.int64, device=device)
+            self.amax_over_max = torch.zeros(self.rows, dtype=torch.float32, device=device)
+            self.live = torch.arange(self.rows, device=device)
+
+    def _rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The original row each batch position of x counts into."""
+        if self.step is None:
+            return torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        return self.live
+
+    def fused_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(counts, amax, live, valid) for `quantize_store`."""
+        self._buffers(x.device)
+        return self.counts, self.amax_over_max, self._rows_of(x), None if self.step is None else self.step.valid
+
+    def count(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
+        """x, ratio (|x / s| / fp8 max), read_back: [batch, heads, chunk, dim]; pads count nowhere. A step's masks are
+        built once per forward pass (`StepState.row_masks`), not per layer and tensor."""
+        if x.numel() == 0:
             return
-        (values, clipped, nonfinite), amax = self.device_counts[0].tolist(), float(self.device_amax[0])
-        self.values, self.clipped, self.nonfinite = self.values + values, self.clipped + clipped, self.nonfinite + nonfinite
-        self.amax_over_max = max(self.amax_over_max, amax)
-        self.device_counts = self.device_amax = None
+        self._buffers(x.device)
+        clipped, nonfinite = ratio > 1, ~read_back.isfinite()
+        finite = torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0)
+        if self.step is None:
+            tokens = torch.full((x.shape[0],), x.shape[2], dtype=torch.int64, device=x.device)
+        else:
+            valid, tokens = self.step.row_masks(x.device)
+            clipped, nonfinite = clipped & valid, nonfinite & valid
+            finite = torch.where(valid, finite, 0.0)
+        added = torch.stack([tokens * (x.shape[1] * x.shape[3]), clipped.sum((1, 2, 3)), nonfinite.sum((1, 2, 3))],
+                            dim=1)
+        rows = self._rows_of(x)
+        self.counts.index_add_(0, rows, added)
+        # the running max of each row, in one op (same values as max(old, new); a max has no reduction order)
+        self.amax_over_max.scatter_reduce_(0, rows, finite.amax((1, 2, 3)), "amax")
+
+    def select(self, live: torch.Tensor) -> None:
+        """Keep batch positions `live` (indices into the current live rows)."""
+        if self.live is not None:
+            self.live = self.live[live]
+
+    def row_records(self) -> list[dict[str, float]]:
+        if self.counts is None:
+            return [{"kv_clipped_frac": 0.0, "kv_nonfinite": 0.0, "kv_amax_over_max": 0.0} for _ in range(self.rows)]
+        counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
+        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
+                for (v, c, n), a in zip(counts, amax)]
 
     def as_record(self) -> dict[str, float]:
-        self.fold()
-        frac = self.clipped / self.values if self.values else 0.0
-        return {"kv_clipped_frac": frac, "kv_nonfinite": float(self.nonfinite),
-                "kv_amax_over_max": self.amax_over_max}
+        """The one sequence's record (a batch of one row)."""
+        assert self.rows == 1, f"as_record is one sequence's; this batch has {self.rows} rows (row_records)"
+        return self.row_records()[0]
 
 
 def fused_write_on(x: torch.Tensor) -> bool:
@@ -103,7 +145,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.kv_path = kv_path
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stats = stats
-        self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through our kernels
+        self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through a kernel (attach_paged)
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
         self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
 
@@ -135,14 +177,13 @@ class QuantizedKVLayer(DynamicLayer):
         return self.static.length if self.static is not None else super().get_seq_length()
 
     def _fused_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The round trip, the write statistics and (when the paged copy offers its slots: batched replay) the
-        paged store of both tensors in one Triton launch each; the statistics stay on the device."""
+        """The round trip, the write statistics and (when the paged copy takes fused writes) the paged store of
+        both tensors in one Triton launch each; the statistics stay on the device."""
         from kernels.store_kv import quantize_store
 
         counts, amax, live, valid = self.stats.fused_buffers(key_states)
         per_token = self.kv_path.granularity == "per_token"
-        targets = self.paged.store_targets(key_states, value_states) \
-            if self.paged is not None and hasattr(self.paged, "store_targets") else None
+        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
         read_back = []
         for i, (x, name) in enumerate(((key_states, "k_scale"), (value_states, "v_scale"))):
             scale = None if per_token else self._device_scale(name, x.device)
@@ -175,13 +216,7 @@ class QuantizedKVLayer(DynamicLayer):
         return read_back
 
     def _count(self, x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
-        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt]
-        self.stats.values += x.numel()
-        self.stats.clipped += int((ratio > 1).sum())
-        self.stats.nonfinite += int((~read_back.isfinite()).sum())
-        finite = torch.nan_to_num(ratio, nan=0.0, posinf=0.0)
-        if finite.numel():
-            self.stats.amax_over_max = max(self.stats.amax_over_max, float(finite.max()))
+        self.stats.count(x, (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt], read_back)
 
 
 def holds_kv(layer) -> bool:

@@ -89,7 +89,8 @@ class KernelRows:
     rows become a batch of R sequences that share the layer's pages (one block table row each) with
     seq_lens = position + 1, so each row attends exactly the keys the model's row attends.
 
-    paged: {layer: PagedKV} of the path's cache (its pages written by the store kernels as the model runs).
+    paged: {layer: PagedKV} of the path's cache, one sequence (`attention.attach_paged(decodes=False)`: its pages
+    written by the store kernels as the model runs).
     """
 
     kernel: object  # harness.kv_paths.decode_kernels.DecodeKernel
@@ -119,7 +120,7 @@ class KernelRows:
         from harness.kv_paths.decode_kernels import KernelPluginError, kernel_result
 
         paged = self.paged.get(int(module.layer_idx))
-        if paged is None or paged.length == 0:
+        if paged is None or paged.step.span() == 0:  # one sequence: its pages are all the copy's
             return None
         rows = row_idx.numel()
         q = query[0].index_select(1, row_idx).transpose(0, 1).contiguous()  # [R, Hq, D]
@@ -131,7 +132,7 @@ class KernelRows:
             result = self.kernel.decode_attention(q, paged.pages[0], paged.pages[1], table, seq_lens,
                                                   paged.k_scale, paged.v_scale, float(module.scaling))
             out, lse = kernel_result(self.kernel, "decode_attention", result, q, tuple(q.shape))
-        else:  # absorbed MLA, as the model's decode steps run it (harness.kv_paths.attention._kernel_decode)
+        else:  # absorbed MLA, as the model's decode steps run it (harness.kv_paths.attention.PagedKV._kernel)
             nope = module.qk_nope_head_dim
             w_uk, w_uv = mla.absorbed_weights(module, torch.float32)
             q_latent = mla.absorb_query(q[..., :nope].float(), w_uk).to(q.dtype)

@@ -25,6 +25,7 @@ from harness.analysis import attention_error as ae
 from harness.kv_paths import attention as attn
 from harness.kv_paths.cache import LayerScales, build_cache
 from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
+from harness.kv_paths.decode_kernels import resolve
 from harness.kv_paths.spec import KVPath
 from kernels.reference import FP8_MAX
 
@@ -95,11 +96,16 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     if prob_transform is None and kv_path.fp8_prob:
         prob_transform = _prob_rounding(_attention_quants(path_cache))
     kernel_note = _kernel_note(kv_path, kernel)
-    kernel_rows = attach_kernel(path_cache, kv_path, kernel, device, _is_mla(config)) if kernel_note is None else None
+    kernel_rows, step = None, None
+    if kernel_note is None:  # the kernel's paged copy is written beside the path's layers, read by `KernelRows`
+        step = attn.one_sequence(len(prompt) + len(continuation), device)
+        paged = attn.attach_paged(path_cache, kv_path, kernel, device, _is_mla(config), step,
+                                  attn.KernelAgreement(1, device), decodes=False)
+        kernel_rows = KernelRows(resolve(kernel), paged)
     path = CaptureSession(model, heads, positions, replace_outputs=reference.outputs if isolated else None,
                           prob_transform=prob_transform, kernel=kernel_rows,
                           kernel_every_call=kv_path.quantize_current_chunk)
-    _run_path(model, device, chunks, path_cache, path)
+    _run_path(model, device, chunks, path_cache, path, step)
     reference.outputs.clear()
     errors = _kernel_errors(kernel, kernel_rows)
     if errors:
@@ -116,13 +122,12 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     return AttentionTurn(summary=summary, rows=rows + kernel_table, channels=channels, sampled=sampled, errors=errors)
 
 
-def _run_path(model, device, chunks: list[list[int]], cache, session: CaptureSession) -> None:
+def _run_path(model, device, chunks: list[list[int]], cache, session: CaptureSession, step=None) -> None:
     try:
         with session.attached():
-            _run_chunks(model, device, chunks, cache)
-    finally:  # the paged writer refers to its layer: drop it, or the cache lives on until a full GC
-        for layer in cache.layers:
-            vars(layer).pop("update", None)
+            _run_chunks(model, device, chunks, cache, step)
+    finally:
+        attn.detach_paged(cache)
 
 
 def _kernel_errors(kernel: str | None, kernel_rows: KernelRows | None) -> tuple[str, ...]:
@@ -158,40 +163,6 @@ def _kernel_note(kv_path: KVPath, kernel: str | None) -> str | None:
     return capture_kernel_refusal(kv_path, kernel)
 
 
-def attach_kernel(cache, kv_path: KVPath, name: str, device: torch.device, mla: bool) -> KernelRows:
-    """A paged FP8 copy of every quantised layer of `cache`, written by the store kernels as the layer is
-    updated (what a decode step reads), and the kernel that reads it. The copy is not the layer's `paged`
-    attribute: the model itself keeps running torch attention, so torch's rows stay torch's."""
-    from harness.kv_paths import decode_kernels
-    from harness.kv_paths.attention import KernelAgreement, PagedKV, kernel_ops
-
-    if name == "triton" and device.type != "cuda":
-        raise decode_kernels.KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device "
-                                               f"(run with --device cuda)")
-    kernel = decode_kernels.resolve(name)
-    if (kernel.mla_decode if mla else kernel.decode_attention) is None:
-        what = "mla_decode (MLA models need one)" if mla else "decode_attention (GQA/MHA models need one)"
-        raise decode_kernels.KernelPluginError(f"kernel {name!r} has no {what}")
-    ops = kernel_ops(device)
-    fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
-    paged = {}
-    for index, layer in enumerate(cache.layers):
-        if hasattr(layer, "paged") and getattr(layer, "k_scale", None) is not None:
-            paged[index] = PagedKV(fmt_dtype, layer.k_scale.float().to(device), layer.v_scale.float().to(device),
-                                   kv_path.saturate, mla, ops, KernelAgreement(), kernel)
-            layer.update = _writing_to(layer.update, paged[index])
-    return KernelRows(kernel, paged)
-
-
-def _writing_to(update, paged):
-    def write_too(key_states, value_states, *args, **kwargs):
-        result = update(key_states, value_states, *args, **kwargs)
-        paged.write(key_states, value_states)
-        return result
-
-    return write_too
-
-
 def _attention_quants(cache) -> dict[int, object]:
     """{layer: AttentionQuant} of the path's attention layers."""
     return {i: layer.attn_quant for i, layer in enumerate(cache.layers) if getattr(layer, "attn_quant", None)}
@@ -209,13 +180,17 @@ def _prob_rounding(quants: dict[int, object]):
     return transform
 
 
-def _run_chunks(model, device, chunks: list[list[int]], cache) -> None:
+def _run_chunks(model, device, chunks: list[list[int]], cache, step=None) -> None:
+    """step: the paged copies' `StepState` when a kernel's copy is written beside the cache (advanced per chunk)."""
     token = attn.active_cache.set(cache)
     try:
         for chunk in chunks:
+            attn.chunk_of(step, len(chunk), device)
             # capture needs no next-token logits: keep one row, not [chunk, vocab]
             model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
+            if step is not None:
+                step.advance()
     finally:
         attn.active_cache.reset(token)
 

@@ -8,33 +8,30 @@ re-indexed). Every KV path runs here: `QuantizedKVLayer` quantises [batch, heads
 per-tensor, per-head or per-token scales, the MLA latent and the hybrid's linear-attention state are
 ordinary cache layers; write statistics are kept per row on the device (no host sync per layer).
 
-On CUDA, FP8 decode steps go through our kernels over a batched paged copy (`BatchedPagedKV`); their
-agreement with an fp64 computation is checked on every `kernel_check_every`-th decode step (the kernel runs
-every step). Batches are cut to `batch_size` sequences; a CUDA out-of-memory error halves the batch and
-retries it, keeping every finished row.
+On CUDA, FP8 decode steps go through the path's decode kernel over paged copies (`kv_paths.attention.PagedKV`,
+the same type one sequence alone uses, with one row per sequence); their agreement with an fp64 computation is
+checked on every `kernel_check_every`-th decode step (the kernel runs every step). Batches are cut to
+`batch_size` sequences; a CUDA out-of-memory error halves the batch and retries it, keeping every finished row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from harness.kv_paths import attention, mla
-from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, kernel_ops
-from harness.kv_paths.cache import StaticColumns, build_cache, make_static
+from harness.kv_paths import attention, impl_check
+from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, StepState, attach_paged
+from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, make_static
 from harness.replay.route import DECODE_MODES, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.families import ssm_scan_bytes
-from kernels import reference as fp8
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
 MAX_AUTO_BATCH = 256
 # Prompt tokens (over all rows) per prefill forward pass: above it the prompt is prefilled in column chunks,
 # which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
 PREFILL_TOKENS = 32768
-# fp64 cache elements a kernel-agreement check reads back at once (rows are checked in groups under it)
-CHECK_ELEMENTS = 1 << 26
 
 
 
@@ -47,6 +44,10 @@ class BatchSettings:
     # cache written in place, finished rows masked), "graph" (static, each decode step one CUDA graph replay);
     # "auto": graph on CUDA, dynamic elsewhere
     decode: str = "auto"
+    # a sequence replayed alone (`InProcessBackend`: one-at-a-time replay, serve, attention tools): a batch of one
+    # row whose every decode step checks the kernel and times it, whose generation the implementation check probes
+    # (impl_check.py; it reads one sequence's mask) and, on the CPU, keeps its prefill for scoring the same prompt
+    one_sequence: bool = False
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -55,6 +56,12 @@ class BatchSettings:
             raise ValueError(f"kernel check interval must be >= 1 decode step, got {self.kernel_check_every}")
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode mode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.one_sequence and (self.batch_size != 1 or self.kernel_check_every != 1 or self.decode != "dynamic"):
+            raise ValueError("one sequence alone: batch size 1, every decode step checked, dynamic decode")
+
+
+# One sequence at a time (see `BatchSettings.one_sequence`)
+ONE_SEQUENCE = BatchSettings(batch_size=1, kernel_check_every=1, decode="dynamic", one_sequence=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,275 +71,13 @@ class RowResult:
     metrics: dict | None
 
 
-class RowWriteStats:
-    """`KVWriteStats` kept per batch row on the device; `step.valid` [rows, chunk] marks real (unpadded) tokens.
-    counts [rows, 3] int64 (values, clipped, nonfinite) and amax [rows] fp32, indexed by original row; on CUDA
-    the fused cache write adds into them (`fused_buffers`), elsewhere `count_rows` does with torch ops."""
-
-    def __init__(self, rows: int, device, step: "StepState"):
-        self.step = step
-        self.counts = torch.zeros(rows, 3, dtype=torch.int64, device=device)
-        self.amax_over_max = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.live = torch.arange(rows, device=device)  # original row of each live batch position
-
-    def fused_buffers(self, x: torch.Tensor):
-        return self.counts, self.amax_over_max, self.live, self.step.valid
-
-    def count_rows(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
-        # x, ratio, read_back: [live rows, heads, chunk, dim]; pads count nowhere. The step's masks are built
-        # once per forward pass (`StepState.row_masks`), not per layer and tensor.
-        valid, tokens = self.step.row_masks(x.device)
-        added = torch.stack([tokens * (x.shape[1] * x.shape[3]), ((ratio > 1) & valid).sum((1, 2, 3)),
-                             ((~read_back.isfinite()) & valid).sum((1, 2, 3))], dim=1)
-        self.counts.index_add_(0, self.live, added)
-        finite = torch.where(valid, torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0), 0.0)
-        # live rows are distinct: the running max of each, in one op (same values as max(old, new))
-        self.amax_over_max.scatter_reduce_(0, self.live, finite.amax((1, 2, 3)), "amax")
-
-    def select(self, live: torch.Tensor) -> None:
-        """Keep batch positions `live` (indices into the current live rows)."""
-        self.live = self.live[live]
-
-    def row_records(self) -> list[dict[str, float]]:
-        counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
-        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
-                for (v, c, n), a in zip(counts, amax)]
-
-
-class RowAgreements:
-    """`KernelAgreement` per original row, kept on the device while the batch decodes (no host sync per layer):
-    steps [rows] int64, max_abs_err / max_ratio [rows] fp64; `records` folds them once, at the batch's end."""
-
-    def __init__(self, rows: int, device):
-        self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.max_abs_err = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.max_ratio = torch.zeros(rows, dtype=torch.float64, device=device)
-
-    def add(self, rows: torch.Tensor, kernel_err: torch.Tensor, ratio: torch.Tensor) -> None:
-        """One check of live rows `rows` (distinct original rows). A NaN never raises a maximum, as Python's
-        `max(0.0, nan)` did when this was folded on the host."""
-        self.steps.index_add_(0, rows, torch.ones_like(rows))
-        for running, found in ((self.max_abs_err, kernel_err), (self.max_ratio, ratio)):
-            running.scatter_reduce_(0, rows, torch.where(found.isnan(), 0.0, found), "amax")
-
-    def records(self) -> list[dict[str, float]]:
-        found = zip(self.steps.tolist(), self.max_abs_err.tolist(), self.max_ratio.tolist())
-        return [KernelAgreement(steps=steps, max_abs_err=err, max_ratio=ratio).as_record()
-                for steps, err, ratio in found]
-
-
-@dataclass
-class BatchedPagedKV:
-    """One layer's paged FP8 copy for a batch: row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
-
-    Written with slot -1 for pads (by the fused cache write on CUDA, which stores the same codes it reads back,
-    or by `store_kv` / `store_latent`); decode runs the kernel over all live rows and, on sampled steps, checks
-    each row against fp64 attention over exactly the stored codes. Slots, lengths and the block table are the
-    step's (`StepState`), shared by every layer.
-    """
-
-    fmt_dtype: torch.dtype
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    saturate: bool
-    mla: bool
-    ops: object
-    agreements: RowAgreements
-    step: "StepState"
-    fusable: bool = True  # the layer's round-trip scales are these (MLA: one scale for latent and k_pe)
-    pages: list = field(default_factory=list)
-    absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
-
-    def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.pages:
-            return
-        blocks = self.step.batch_rows * self.step.pages_per_row
-        if self.mla:
-            shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
-        else:
-            shapes = [(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1])] * 2
-        self.pages = [torch.zeros(shape, dtype=self.fmt_dtype, device=key.device) for shape in shapes]
-
-    def store_targets(self, key: torch.Tensor, value: torch.Tensor) -> tuple[dict, dict] | None:
-        """Where `kernels.store_kv.quantize_store` writes key and value codes (None: write them with `write`)."""
-        if not self.fusable:
-            return None
-        self._ensure(key, value)
-        slots = self.step.slots()
-        pages = [p.view(torch.uint8) for p in self.pages]
-        if self.mla:  # one row per token: [latent | k_pe]
-            strides = (pages[0].stride(0), pages[0].stride(1), 0)
-            return (dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=0, block_size=BLOCK_SIZE),
-                    dict(cache=pages[0], slots=slots, cache_strides=strides, col_offset=key.shape[-1],
-                         block_size=BLOCK_SIZE))
-        return tuple(dict(cache=p, slots=slots, cache_strides=(p.stride(0), p.stride(1), p.stride(2)), col_offset=0,
-                          block_size=BLOCK_SIZE) for p in pages)
-
-    def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
-        rows, _, chunk, _ = key.shape
-        self._ensure(key, value)
-        slots = self.step.slots()
-        if self.mla:
-            self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
-                                  self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
-        else:
-            self.ops.store_kv(key.transpose(1, 2).reshape(rows * chunk, key.shape[1], -1).contiguous(),
-                              value.transpose(1, 2).reshape(rows * chunk, value.shape[1], -1).contiguous(),
-                              self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
-
-    def decode(self, module, query: torch.Tensor, sdpa_out: torch.Tensor) -> torch.Tensor:
-        """query [rows, Hq, 1, D], sdpa_out [rows, 1, Hq, Dv] -> the kernel's output, same shape."""
-        out = self._kernel(module, query)
-        if self.step.check:
-            self._check(module, query, out, sdpa_out)
-        return out
-
-    def _check(self, module, query: torch.Tensor, out: torch.Tensor, sdpa_out: torch.Tensor) -> None:
-        """`KernelAgreement.add` for every live row at once: fp64 attention over the stored codes of groups of
-        rows (padded to the longest, masked); results stay on the device (one host sync per checked step, for the
-        span, shared by every layer)."""
-        lengths, rows, span = self.step.lengths_after(), self.step.rows, self.step.span()
-        if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync)
-            live = self.step.valid[:, -1].nonzero()[:, 0]
-            query, out, sdpa_out, lengths, rows = (t[live] for t in (query, out, sdpa_out, lengths, rows))
-        per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
-        group = max(1, CHECK_ELEMENTS // max(per_row, 1))
-        for begin in range(0, rows.shape[0], group):
-            part = slice(begin, begin + group)
-            # one group: the step's span; several: each group's own (as before, so the same fp64 sums)
-            part_span = span if group >= rows.shape[0] else int(lengths[part].max())
-            exact = self._exact_rows(module, query[part], lengths[part], rows[part], part_span)  # [n, 1, Hq, Dv]
-            kernel_err = (out[part].double() - exact).abs().amax((1, 2, 3))
-            torch_err = (sdpa_out[part].double() - exact).abs().amax((1, 2, 3))
-            # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
-            floor = exact.abs().amax((1, 2, 3)) * 2.0 ** -9
-            ratio = kernel_err / torch.maximum(torch.maximum(torch_err, floor), torch.full_like(floor, 1e-30))
-            self.agreements.add(rows[part], kernel_err, ratio)
-
-    def _kernel(self, module, query: torch.Tensor) -> torch.Tensor:
-        table, lens = self.step.block_table(), self.step.lengths_after()
-        if not self.mla:
-            out, _ = self.ops.decode_attention(query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
-                                               self.k_scale, self.v_scale, module.scaling)
-            return out.unsqueeze(1)
-        nope, heads = module.qk_nope_head_dim, query.shape[1]
-        if self.absorbed is None:  # the weights are fixed while a batch decodes: no cast per layer and step
-            self.absorbed = mla.absorbed_weights(module, torch.float32)
-        w_uk, w_uv = self.absorbed
-        q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
-        q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
-        out_latent, _ = self.ops.mla_decode(q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
-                                            self.k_scale.reshape(()), module.scaling)
-        out = mla.expand_latent(out_latent.float(), w_uv).to(query.dtype)
-        return out.view(query.shape[0], 1, heads, -1)
-
-    def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
-                    span: int) -> torch.Tensor:
-        """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
-        tokens of each, masked to its length) -> [n, 1, Hq, Dv]."""
-        keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
-
-        def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] fp64 codes
-            per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
-            return per_row[rows, :span].double()
-
-        def attend(scores: torch.Tensor) -> torch.Tensor:  # [n, H, span] -> softmax over the stored tokens
-            return torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
-
-        q = query[:, :, 0].double()  # [n, Hq, D]
-        if not self.mla:
-            k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
-            v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
-            group = q.shape[1] // k.shape[2]
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-            weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
-            return torch.einsum("nhs,nshd->nhd", weights, v).unsqueeze(1)
-        cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
-        nope = module.qk_nope_head_dim
-        w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
-        c, pe = cached[..., :w_uk.shape[-1]], cached[..., w_uk.shape[-1]:]
-        q_latent = mla.absorb_query(q[..., :nope], w_uk)
-        scores = (torch.einsum("nhc,nsc->nhs", q_latent, c) + torch.einsum("nhr,nsr->nhs", q[..., nope:], pe))
-        latent = torch.einsum("nhs,nsc->nhc", attend(scores * module.scaling), c)
-        return mla.expand_latent(latent, w_uv).unsqueeze(1)
-
-
-@dataclass
-class StepState:
-    """What the current forward pass writes: which tokens are real, whether kernels are checked, and, when
-    decode runs through our kernels, where each live row's tokens go in the paged copies. Slots, lengths and
-    the block table are the same for every layer: computed once per forward pass, advanced after it."""
-
-    valid: torch.Tensor | None = None  # [rows, chunk]
-    check: bool = False
-    batch_rows: int = 0
-    pages_per_row: int = 0
-    rows: torch.Tensor | None = None  # [live rows] original row (int64); None: no paged copies
-    lengths: torch.Tensor | None = None  # [live rows] int32, tokens stored before this forward pass
-    # static decode: finished rows stay in the batch with `valid` 0 (nothing stored, counted or checked for them)
-    masked: bool = False
-    _cached: dict = field(default_factory=dict)
-
-    def start_paged(self, rows: int, pages_per_row: int, device) -> None:
-        self.batch_rows, self.pages_per_row = rows, pages_per_row
-        self.rows = torch.arange(rows, device=device)
-        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)
-        self._cached.clear()
-
-    def slots(self) -> torch.Tensor:
-        """[live rows * chunk] int64 slot of each token of this pass (-1 for pads), row-major."""
-        if "slots" not in self._cached:
-            valid = self.valid.bool()
-            offsets = self.lengths[:, None].long() + valid.long().cumsum(1) - 1
-            slots = self.rows[:, None] * (self.pages_per_row * BLOCK_SIZE) + offsets
-            self._cached["slots"] = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
-        return self._cached["slots"]
-
-    def row_masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """([rows, 1, chunk, 1] bool real-token mask, [rows] int64 real tokens) of this pass, for `count_rows`."""
-        cached = self._cached.get("row_masks")
-        if cached is None or cached[0] is not self.valid:  # keyed by the tensor: scoring sets `valid` per chunk
-            rows_valid = self.valid.to(device).bool()
-            cached = self._cached["row_masks"] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
-        return cached[1], cached[2]
-
-    def span(self) -> int:
-        """Longest stored length after this pass (one host sync per checked step, shared by every layer)."""
-        if "span" not in self._cached:
-            self._cached["span"] = int(self.lengths_after().max())
-        return self._cached["span"]
-
-    def lengths_after(self) -> torch.Tensor:
-        if "after" not in self._cached:
-            self._cached["after"] = self.lengths + self.valid.sum(1).to(torch.int32)
-        return self._cached["after"]
-
-    def block_table(self) -> torch.Tensor:
-        if "table" not in self._cached:
-            base = (self.rows * self.pages_per_row).to(torch.int32)
-            pages = torch.arange(self.pages_per_row, dtype=torch.int32, device=base.device)
-            self._cached["table"] = base[:, None] + pages[None, :]
-        return self._cached["table"]
-
-    def advance(self) -> None:
-        """After a forward pass: its tokens are stored (in place: a captured decode step replays this too)."""
-        if self.rows is not None and self.valid is not None:
-            self.lengths.copy_(self.lengths_after())
-        self._cached.clear()
-
-    def select(self, live: torch.Tensor) -> None:
-        if self.rows is not None:
-            self.rows, self.lengths = self.rows[live], self.lengths[live]
-        self._cached.clear()
-
-
 class BatchedEngine:
     """Batched greedy decoding and teacher-forced scoring for one `InProcessBackend` (model + KV path)."""
 
     def __init__(self, backend, settings: BatchSettings = BatchSettings(),
-                 on_batch: Callable[[str, int], None] | None = None):
-        self.backend, self.settings = backend, settings
+                 on_batch: Callable[[str, int], None] | None = None, prefills=None):
+        """prefills: where a one-sequence engine keeps post-prefill caches for scoring (`inprocess.PrefillMemo`)."""
+        self.backend, self.settings, self.prefills = backend, settings, prefills
         self.model = backend.owner.model
         self.device = backend.owner.device
         tokenizer = backend.owner.tokenizer
@@ -374,16 +119,37 @@ class BatchedEngine:
         longest = max((len(p) + n for p, n in items), default=0)
         return self._in_batches(items, self._generate_batch, longest)
 
+    @torch.inference_mode()
+    def generate_one(self, prompt: Sequence[int], max_new_tokens: int,
+                     on_step: Callable[[torch.Tensor, int], None] | None = None,
+                     remember_prefill: bool = False) -> RowResult:
+        """One sequence alone (a one-sequence engine): `on_step(logits, next_id)` sees each step's logits [vocab]
+        before the token is taken; remember_prefill: keep a copy of the cache and the last logits after the
+        prompt's prefill for `score` of the same prompt (CPU, no kernel: a kept CUDA cache would hold memory the
+        batched replay sizes its batches from)."""
+        assert self.settings.one_sequence, "generate_one is a one-sequence engine's"
+        keep = remember_prefill and self.prefills is not None and self.backend.route.kernel is None \
+            and self.device.type == "cpu"
+        [row] = self._generate_dynamic([(list(prompt), max_new_tokens)], on_step, self._remember if keep else None)
+        self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
+        return row
+
+    def _remember(self, prompt: list[int], cache, last: torch.Tensor) -> None:
+        self.prefills.put(tuple(prompt), cache, last[:, None], len(prompt) * kv_bytes_per_token(self.model.config))
+
     def _start_batch(self, prompts: list[list[int]], masked: bool = False):
         """Left-padded ids, mask and positions of a batch, and a fresh cache of this path whose FP8 layers count
         their write statistics per row: what generation (growing or static: masked=True) and scoring start from."""
         ids, mask = left_pad(prompts, self.pad, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        step = StepState(valid=mask, masked=masked)
-        stats = RowWriteStats(len(prompts), self.device, step)
+        # one sequence: every step checked (a one-token prompt's prefill is a decode step too); its statistics count
+        # every token of a write (no pads), so a kept copy of the cache needs no step
+        alone = self.settings.one_sequence
+        step = StepState(valid=mask, masked=masked, check=alone)
+        stats = KVWriteStats(len(prompts), None if alone else step, self.device)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
-            _route_stats(cache, stats, self.device)
+            _scales_on_device(cache, self.device)
         return ids, mask, positions, step, stats, cache
 
     def decode_mode(self) -> str:
@@ -414,7 +180,7 @@ class BatchedEngine:
         return self._generate_dynamic(items)
 
     def _finish_rows(self, logits: torch.Tensor, live: list[int], where: Sequence[int], outputs: list[list[int]],
-                     finish: list, limits: list[int]) -> tuple[torch.Tensor, list[int]]:
+                     finish: list, limits: list[int], on_step=None) -> tuple[torch.Tensor, list[int]]:
         """One decode step's host bookkeeping: live[i]'s logits are row where[i] of logits [batch, vocab]; a row
         ends on non-finite logits, EOS or its token limit. Returns the next ids [batch] (kept on the device as the
         next forward's input) and the i of the rows that go on. Its `.tolist()` is the step's one host sync."""
@@ -424,7 +190,10 @@ class BatchedEngine:
         for i, (row, at) in enumerate(zip(live, where)):
             if not finite_and_next[0][at]:
                 finish[row] = "nonfinite_logits"
-            elif finite_and_next[1][at] == self.eos:
+                continue
+            if on_step is not None:  # one sequence alone
+                on_step(logits[at], finite_and_next[1][at])
+            if finite_and_next[1][at] == self.eos:
                 finish[row] = "eos"
             else:
                 outputs[row].append(finite_and_next[1][at])
@@ -434,14 +203,17 @@ class BatchedEngine:
                     keep.append(i)
         return on_device[1], keep
 
-    def _row_results(self, outputs: list[list[int]], finish: list, stats: RowWriteStats,
-                     agreements: RowAgreements | None) -> list[RowResult]:
-        """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement."""
+    def _row_results(self, outputs: list[list[int]], finish: list, stats: KVWriteStats,
+                     agreements: KernelAgreement | None, probe=None) -> list[RowResult]:
+        """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement;
+        a one-sequence row also the implementation check's `probe`."""
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         records = stats.row_records() if fp8_path else [None] * len(outputs)
         if agreements is not None:
-            for record, agreement in zip(records, agreements.records()):
+            for record, agreement in zip(records, agreements.row_records()):
                 record.update(agreement)
+        if probe is not None:
+            records = [{**(records[0] or {}), **probe.as_record()}]
         self.on_batch("generate", len(outputs))
         return [RowResult(tokens, reason or "length", record) for tokens, reason, record in zip(outputs, finish, records)]
 
@@ -449,20 +221,26 @@ class BatchedEngine:
         if why not in self.decode_fallbacks:
             self.decode_fallbacks.append(why)
 
-    def _generate_dynamic(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+    def _generate_dynamic(self, items: list[tuple[list[int], int]], on_step=None, remember=None) -> list[RowResult]:
+        """on_step, remember: one sequence alone (`generate_one`)."""
         prompts, limits = [p for p, _ in items], [n for _, n in items]
         rows = len(prompts)
         ids, mask, positions, step, stats, cache = self._start_batch(prompts)
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
+        probe = None
+        if self.settings.one_sequence and self.backend.kv_path is not None and impl_check.enabled():
+            probe = impl_check.attach(cache)
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
         token = attention.active_cache.set(cache)
         try:
             logits = self._prefill(ids, mask, positions, cache, step)
+            if remember is not None:
+                remember(prompts[0], cache, logits)
             for decode_step in range(max(limits, default=0)):
-                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
+                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits, on_step)
                 if not keep:
                     break
                 if len(keep) < len(live):
@@ -478,7 +256,7 @@ class BatchedEngine:
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         finally:
             attention.active_cache.reset(token)
-        return self._row_results(outputs, finish, stats, agreements)
+        return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _generate_static(self, items: list[tuple[list[int], int]], graph: bool) -> list[RowResult]:
         """`_generate_dynamic` over `StaticColumns` storage: left-padded rows write the same column each step, so
@@ -556,22 +334,16 @@ class BatchedEngine:
         step.advance()
         return out.logits[:, -1].float()
 
-    def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> RowAgreements | None:
-        if self.backend.route.kernel is None:
+    def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> KernelAgreement | None:
+        """The route's decode kernel over paged copies of `rows` rows with room for `max_len` tokens each; its
+        agreement is checked on the steps the decode loop marks (`kernel_check_every`)."""
+        kernel = self.backend.route.kernel
+        if kernel is None:
             return None
-        kv_path, owner = self.backend.kv_path, self.backend.owner
-        agreements = RowAgreements(rows, self.device)
-        fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
-        ops = kernel_ops()
+        agreement = KernelAgreement(rows, self.device, timed=self.settings.one_sequence)
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
-        for layer in cache.layers:
-            if hasattr(layer, "paged") and not getattr(layer, "is_sliding", False):  # kernels read no window
-                k_scale, v_scale = layer.k_scale.float().to(self.device), layer.v_scale.float().to(self.device)
-                # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
-                fusable = not owner.is_mla or bool(torch.equal(k_scale, v_scale))
-                layer.paged = BatchedPagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, owner.is_mla, ops,
-                                             agreements, step, fusable)
-        return agreements
+        attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement)
+        return agreement
 
     # -- teacher-forced scoring -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -587,19 +359,27 @@ class BatchedEngine:
     def _score_batch(self, items: list) -> list[torch.Tensor]:
         prompts, continuations = [p for _, p, _ in items], [c[:-1] for _, _, c in items]
         ids, mask, positions, step, _, cache = self._start_batch(prompts)
+        last = None
+        if self.prefills is not None and len(prompts) == 1:
+            # one sequence: this prompt's prefill, kept by `generate_one` (the same forward pass on the same input
+            # over a fresh cache of the same path, so the same bits)
+            kept, last = self.prefills.take(tuple(prompts[0]))
+            cache = kept if kept is not None else cache
         # the attention function reads the path's attention-side options (k_scale_on_scores, FP8 q/P, faults)
         # from the active cache: without it, teacher-forced scoring of such a path was the reference's
         token = attention.active_cache.set(cache)
         try:
-            return self._score_rows(ids, mask, positions, step, cache, continuations)
+            return self._score_rows(ids, mask, positions, step, cache, continuations, last)
         finally:
             attention.active_cache.reset(token)
 
-    def _score_rows(self, ids, mask, positions, step, cache, continuations) -> list[torch.Tensor]:
+    def _score_rows(self, ids, mask, positions, step, cache, continuations, last=None) -> list[torch.Tensor]:
+        """last: the prompt's last logits [rows, 1, vocab] float32 when the cache already holds the prompt."""
         rows = len(continuations)
         kv_path = self.backend.kv_path
-        last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, logits_to_keep=1).logits[:, -1:].float()
+        if last is None:
+            last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1).logits[:, -1:].float()
         longest = max(len(c) for c in continuations)
         cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
         cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
@@ -739,26 +519,16 @@ def _pad(sequences: Sequence[Sequence[int]], pad: int, device, left: bool) -> tu
     return ids.to(device), mask.to(device)
 
 
-def _route_stats(cache, stats: RowWriteStats, device) -> None:
-    """Quantised layers count per row (pads excluded) instead of into one `KVWriteStats`, and keep their
-    static scales on the device (same values; no host-to-device copy, hence no sync, per layer and step)."""
+def _scales_on_device(cache, device) -> None:
+    """Quantised layers keep their static scales on the device (same values; no host-to-device copy, hence no
+    sync, per layer and step)."""
     for layer in cache.layers:
         if hasattr(layer, "kv_path"):
-            layer._count = _row_counter(layer.kv_path.fmt, stats)  # noqa: SLF001 - per-instance override
             layer.k_scale = layer.k_scale.to(device) if layer.k_scale is not None else None
             layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
 
 
-def _row_counter(fmt: str, stats: RowWriteStats):
-    # takes the format, not the layer: a closure over the layer stored on the layer is a reference cycle that
-    # kept whole batch caches (GiB on an 8B model) alive until the garbage collector's next pass
-    def count(x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
-        ratio = (x.float() / scale).abs() / fp8.FP8_MAX[fmt]
-        stats.count_rows(x, ratio, read_back)
-    return count
-
-
-def _select_rows(cache, index: torch.Tensor, stats: RowWriteStats, step: StepState, fp8_path: bool) -> None:
+def _select_rows(cache, index: torch.Tensor, stats: KVWriteStats, step: StepState, fp8_path: bool) -> None:
     for layer in cache.layers:
         layer.reorder_cache(index)
     step.select(index)

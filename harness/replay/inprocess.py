@@ -2,7 +2,9 @@
 
 Every backend of one `InProcessModel` shares its weights; only the cache layers differ, so the `bf16`
 path must match the reference bit for bit. Attention runs through a registered attention function
-(`harness`), the one place where per-layer observers and kernel swaps attach.
+(`harness`), the one place where per-layer observers and kernel swaps attach. A backend generates and scores
+through the one in-process engine (`harness.replay.batched.BatchedEngine`), a sequence alone being a batch of one
+row (`ONE_SEQUENCE`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import torch
 
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
-from harness.kv_paths import attention, decode_kernels, impl_check
-from harness.kv_paths.attention import ATTENTION_NAME, KernelAgreement, PagedKV
+from harness.kv_paths import attention, decode_kernels
+from harness.kv_paths.attention import ATTENTION_NAME
 from harness.kv_paths.cache import (
-    KVWriteStats,
     LayerScales,
     build_cache,
     observer_cache,
@@ -32,6 +33,7 @@ from harness.kv_paths.cache import (
     unit_scales,
 )
 from harness.kv_paths.spec import KVPath
+from harness.replay.batched import ONE_SEQUENCE, BatchedEngine
 from harness.replay.route import Route, decide
 from harness.types import Generation, Message, Scores
 
@@ -357,77 +359,21 @@ class InProcessBackend:
                           tokens=self.owner.token_texts(token_ids), prompt_tokens=len(prompt),
                           metrics=metrics)
 
-    @torch.inference_mode()
+    def engine(self) -> BatchedEngine:
+        """The in-process engine for one sequence alone (a batch of one row: `batched.ONE_SEQUENCE`)."""
+        return BatchedEngine(self, ONE_SEQUENCE, prefills=self.prefills)
+
     def greedy_ids(self, prompt_ids: Sequence[int], max_new_tokens: int,
                    on_step: Callable[[torch.Tensor, int], None] | None = None,
                    remember_prefill: bool = False) -> tuple[list[int], str, dict | None]:
         """Token-level greedy decoding (also `harness serve`'s): returns (token ids, finish reason
-        "eos" | "length" | "nonfinite_logits", cast and kernel metrics). `on_step(logits, next_id)` sees
-        each step's logits before the token is taken. remember_prefill: keep a copy of the cache and the last
-        logits after the prompt's prefill, for `score_sync` of the same prompt (the replay scores each turn's
-        reference reply on the prompt it generated from, in reference-history mode)."""
-        stats = KVWriteStats()
-        cache = build_cache(self.owner.model.config, self.kv_path, self.scales, stats)
-        agreement = self._attach_kernels(cache)
-        probe = impl_check.attach(cache) if self.kv_path is not None and impl_check.enabled() else None
-        token = attention.active_cache.set(cache)
-        try:
-            # on the CPU only: a kept CUDA cache would hold GPU memory the batched replay sizes its batches from
-            keep = remember_prefill and agreement is None and self.owner.device.type == "cpu"
-            remember = self._remember_prefill if keep else None
-            token_ids, finish_reason = self._greedy(cache, list(prompt_ids), max_new_tokens, on_step, remember)
-        finally:
-            attention.active_cache.reset(token)
-        metrics = stats.as_record() if self.kv_path is not None and self.kv_path.is_fp8 else None
-        if agreement is not None:
-            metrics.update(agreement.as_record())
-        if probe is not None:  # the implementation check (harness/kv_paths/impl_check.py)
-            metrics = {**(metrics or {}), **probe.as_record()}
-        return token_ids, finish_reason, metrics
+        "eos" | "length" | "nonfinite_logits", cast, kernel and implementation-check metrics). `on_step(logits,
+        next_id)` sees each step's logits before the token is taken. remember_prefill: keep a copy of the cache and
+        the last logits after the prompt's prefill, for `score_sync` of the same prompt (the replay scores each
+        turn's reference reply on the prompt it generated from, in reference-history mode)."""
+        row = self.engine().generate_one(prompt_ids, max_new_tokens, on_step, remember_prefill)
+        return row.token_ids, row.finish_reason, row.metrics
 
-    def _attach_kernels(self, cache) -> KernelAgreement | None:
-        name = self.route.kernel
-        if name is None:
-            return None
-        if name == "triton" and self.owner.device.type != "cuda":
-            raise decode_kernels.KernelPluginError(f"KV path {self.kv_path.name!r}: kernel=triton needs a CUDA "
-                                                   f"device (run with --device cuda)")
-        kernel = decode_kernels.resolve(name)
-        agreement, ops = KernelAgreement(), attention.kernel_ops(self.owner.device)
-        fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[self.kv_path.fmt]
-        for layer in cache.layers:
-            if hasattr(layer, "paged") and not getattr(layer, "is_sliding", False):  # kernels read no window
-                layer.paged = PagedKV(fmt_dtype, layer.k_scale.float().to(self.owner.device),
-                                      layer.v_scale.float().to(self.owner.device), self.kv_path.saturate,
-                                      self.owner.is_mla, ops, agreement, kernel)
-        return agreement
-
-    def _remember_prefill(self, prompt: list[int], cache, last_logits: torch.Tensor) -> None:
-        from harness.replay.batched import kv_bytes_per_token
-
-        self.prefills.put(tuple(prompt), cache, last_logits, len(prompt) * kv_bytes_per_token(self.owner.model.config))
-
-    def _greedy(self, cache, prompt: list[int], max_new_tokens: int, on_step,
-                remember=None) -> tuple[list[int], str]:
-        model, device, eos = self.owner.model, self.owner.device, self.owner.tokenizer.eos_token_id
-        step_ids = torch.tensor([prompt], device=device)
-        token_ids: list[int] = []
-        for step in range(max_new_tokens):
-            logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            if step == 0 and remember is not None:
-                remember(prompt, cache, logits[None])
-            if not torch.isfinite(logits).all():
-                return token_ids, "nonfinite_logits"
-            next_id = int(logits.argmax())
-            if on_step is not None:
-                on_step(logits, next_id)
-            if next_id == eos:
-                return token_ids, "eos"
-            token_ids.append(next_id)
-            step_ids = torch.tensor([[next_id]], device=device)
-        return token_ids, "length"
-
-    @torch.inference_mode()
     def score_sync(self, messages: Sequence[Message], continuation_ids: Sequence[int]) -> Scores:
         """Log-probs of each continuation token given everything before it: [T, V] float32.
 
@@ -436,29 +382,8 @@ class InProcessBackend:
         since there a multi-token chunk would attend to its own raw K/V, which decoding never does.
         """
         prompt = self.owner.encode_chat(messages)
-        cache, last = self.prefills.take(tuple(prompt))  # this prompt's prefill, kept by generate_sync
-        cache = cache if cache is not None else self.new_cache()
-        token = attention.active_cache.set(cache)  # the attention function reads the path's layers
-        try:
-            return self._score(cache, prompt, continuation_ids, last)
-        finally:
-            attention.active_cache.reset(token)
-
-    def _score(self, cache, prompt: list[int], continuation_ids: Sequence[int], last=None) -> Scores:
-        model, device = self.owner.model, self.owner.device
-        continuation = list(continuation_ids)
-        if not continuation:
-            return Scores(logprobs=torch.zeros(0, model.config.vocab_size))
-        if last is None:
-            last = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache).logits[0, -1:]
-        chunks = ([continuation[:-1]] if self.kv_path is None or self.kv_path.quantize_current_chunk
-                  else [[t] for t in continuation[:-1]])
-        rows = [last]
-        for chunk in chunks:
-            if chunk:
-                rows.append(model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache).logits[0])
-        logits = torch.cat(rows).float()
-        return Scores(logprobs=torch.log_softmax(logits, dim=-1).cpu())
+        [logprobs] = self.engine().score([prompt], [list(continuation_ids)])
+        return Scores(logprobs=logprobs)
 
 
 class PrefillMemo:
