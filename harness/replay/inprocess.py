@@ -131,8 +131,8 @@ class InProcessModel:
         return InProcessBackend(self, kv_path, scales, label or (kv_path.name if kv_path else "reference"))
 
     def in_float32(self) -> "InProcessModel":
-        """This model with its weights in float32 (a copy, made once: twice the weights' memory in bf16 terms),
-        the `fp32` path's model: the BF16 reference's own precision noise."""
+        """This model with its weights in float32 (a copy, made once: twice the bf16 weights' memory, on top of
+        them), the `fp32` path's model: the BF16 reference's own precision noise."""
         import copy
         import dataclasses
 
