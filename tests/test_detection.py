@@ -1,6 +1,7 @@
 """The detection test at the default verdicts, on the canaries' own prompts AND on free text: every zoo fault
-fails (naming the question it failed), every healthy path passes both questions, and fp8_e5m2 fails neither
-(it may warn on "acceptable"). Runs the real canaries on the CPU: slow (minutes)."""
+(failure classes 1-3 and the attention-arithmetic injectors) fails, naming the question it failed; every healthy
+path passes both questions, and fp8_e5m2 fails neither (it may warn on "acceptable"). Runs the real canaries on
+the CPU: slow (minutes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from harness.analysis.detection import MatrixEntry, detection_matrix, format_matrix
 from harness.job import CANARY_WEIGHTS, model_label, run_job
 from harness.runs.gate import run_path_verdicts, run_verdicts
-from harness.zoo import FAULTS, LATENT_VARIANT, ZooEntry, zoo_config
+from harness.zoo import ARITHMETIC_FAULTS, FAULTS, LATENT_VARIANT, ZooEntry, zoo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = {"canary": ROOT / "tests" / "data" / "zoo_scenarios.yaml",  # 3 of the default canary scenarios
@@ -25,7 +26,7 @@ def entries() -> list[ZooEntry]:
     e5m2 = [ZooEntry("e5m2 (may warn)", m, "fp8_e5m2", "measure") for m in MODELS]
     # the latent variant's own yardstick: the ratio needs the accepted path on the same model
     latent = [ZooEntry("healthy", LATENT_VARIANT, "fp8_e4m3:calibrated", "pass")]
-    return [*FAULTS, *healthy, *e5m2, *latent]
+    return [*FAULTS, *ARITHMETIC_FAULTS, *healthy, *e5m2, *latent]
 
 
 @pytest.mark.slow

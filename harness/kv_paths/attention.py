@@ -75,11 +75,13 @@ class KernelAgreement:
             running.scatter_reduce_(0, rows, torch.where(found.isnan(), 0.0, found), "amax")
 
     def row_records(self) -> list[dict[str, float]]:
+        """Per row: checked steps, the largest error and ratio, and `kernel_ms_per_step` only where calls were
+        timed (an untimed batch stores no time: unmeasured, never 0)."""
         # median, so a first call's JIT compilation (seconds, once per process) does not count
-        ms = 1e3 * statistics.median(self.step_s) if self.step_s else 0.0
+        timed = {"kernel_ms_per_step": 1e3 * statistics.median(self.step_s)} if self.step_s else {}
         found = zip(self.steps.tolist(), self.max_abs_err.tolist(), self.max_ratio.tolist())
-        return [{"kernel_steps": float(steps), "kernel_max_abs_err": err, "kernel_err_ratio": ratio,
-                 "kernel_ms_per_step": ms} for steps, err, ratio in found]
+        return [{"kernel_steps": float(steps), "kernel_max_abs_err": err, "kernel_err_ratio": ratio, **timed}
+                for steps, err, ratio in found]
 
     def as_record(self) -> dict[str, float]:
         """The one sequence's record (a batch of one row)."""
