@@ -165,7 +165,7 @@ class RunView:
     @cached_property
     def manifest(self) -> dict:
         if not self.directory.is_dir():
-            raise RunReadError(f"{self.directory}: no such run directory")
+            raise RunReadError(f"{self.directory} is not a stored run: no such directory")
         manifest = read_json(self.directory / MANIFEST)
         if manifest is None:
             raise RunReadError(f"{self.directory} is not a stored run: no {MANIFEST}")
