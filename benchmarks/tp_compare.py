@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -26,12 +25,6 @@ if str(ROOT) not in sys.path:
 
 SPECS = (None, "bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:per_head")
 PROMPTS = ("What is 17 + 25? Answer with the number.", "Hello, my name is Alexander. What is my name?")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replay(loaded, specs, prompts, max_new: int, continuations: dict | None = None) -> dict:
@@ -81,6 +74,8 @@ def run_ranks(devices: list[str], models: list[str], specs, prompts, max_new: in
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    from harness.replay.tensor_parallel import free_port
+
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, devices, port, models, specs, prompts, max_new, continuations, queue))
              for r in range(len(devices))]

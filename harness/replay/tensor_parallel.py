@@ -35,6 +35,15 @@ NO_PLAN = ("{family}: transformers has no tensor-parallel plan (base_model_tp_pl
            "use --shard layers (layer sharding works for every family)")
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for the ranks' rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def split_world(device: str) -> list[str]:
     """The ranks' devices of `--device` for `--shard tensor`: `cuda:0,1` -> [cuda:0, cuda:1]; `cpu,cpu` (N
     times) -> N CPU ranks (gloo: tests and machines without GPUs)."""
