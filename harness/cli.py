@@ -164,7 +164,8 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
     run.add_argument("--shard", choices=("layers", "tensor"), default=None,
                      help="one model over the GPUs of --device (e.g. --device cuda:0,1 --shard layers): its decoder "
                           "layers split in blocks across them in this process, for a model too big for one GPU "
-                          "(one sequence at a time; 'tensor' is not built: docs/MULTI_GPU.md)")
+                          "(one sequence at a time); 'tensor': a process per GPU, each holding its slice of every "
+                          "layer (transformers' tensor-parallel plan; docs/MULTI_GPU.md)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
                      help="what earlier turns a path sees: the reference's replies or its own")
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",

@@ -71,7 +71,9 @@ class RunConfig:
     kernel_check_every: int = 16  # batched replay: decode steps between kernel-vs-fp64 checks
     decode: str = "auto"  # batched replay's decode mode (harness.replay.batched.DECODE_MODES)
     request_timeout_s: float = 120.0  # endpoints: one HTTP attempt, connect to last byte (--request-timeout)
-    shard: str | None = None  # "layers": each model's decoder layers split over the GPUs of `device` (--shard)
+    # "layers": each model's decoder layers split over the GPUs of `device`; "tensor": a process per GPU, each
+    # holding its slice of every layer (tensor parallel; `device` may be cpu,cpu,... for gloo ranks) (--shard)
+    shard: str | None = None
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -82,26 +84,37 @@ class RunConfig:
             raise ValueError(f"--kernel-check-every must be >= 1, got {self.kernel_check_every}")
         if self.decode == "graph" and not str(self.device).startswith("cuda"):
             raise ValueError(f"--decode graph replays CUDA graphs: it needs a CUDA device, not {self.device!r}")
+        if self.shard != "tensor" and re.fullmatch(r"cpu(,cpu)+", str(self.device)):
+            raise ValueError(f"--device {self.device}: several CPU ranks are for --shard tensor (gloo) only")
         if self.shard is not None:
             self._check_shard()
 
     def _check_shard(self) -> None:
         from harness.replay.sharding import check_shard
 
-        check_shard(self.shard, run_devices(self.device))
+        check_shard(self.shard, self.shard_devices)
         if self.reference_url:
             raise ValueError("--shard splits an in-process model over GPUs; an endpoint run has none (the server "
                              "shards its model itself, e.g. vllm serve --tensor-parallel-size)")
         if self.batch_size is not None or self.decode not in ("auto", "dynamic"):
-            raise ValueError(f"--shard {self.shard}: a layer-sharded model replays one sequence at a time; "
+            raise ValueError(f"--shard {self.shard}: a sharded model replays one sequence at a time; "
                              f"leave out --batch-size and --decode")
         if self.attention is not None:
             raise ValueError(f"--shard {self.shard}: attention capture (--attention) is not built for a "
-                             f"layer-sharded model; run it on a model that fits one GPU")
+                             f"sharded model; run it on a model that fits one GPU")
         if any(p.is_reference_noise for p in self.paths):
             raise ValueError(f"--shard {self.shard}: the fp32 path replays a float32 copy of the whole model (twice "
-                             f"its bf16 weights again on the same GPUs); it is not built for a layer-sharded model: "
+                             f"its bf16 weights again on the same GPUs); it is not built for a sharded model: "
                              f"leave fp32 out of --paths")
+
+    @property
+    def shard_devices(self) -> list[str]:
+        """The GPUs (or, for --shard tensor, the gloo CPU ranks) a sharded model is split over."""
+        if self.shard == "tensor":
+            from harness.replay.tensor_parallel import split_world
+
+            return split_world(self.device)
+        return run_devices(self.device)
 
     @property
     def batched(self) -> bool:
@@ -141,6 +154,8 @@ def parse_kv_paths(spec: str) -> tuple[KVPath, ...]:
 def resolve_device(device: str) -> str:
     """`cpu`, `auto`, `cuda`, `cuda:N`, or several GPUs of this host for a data-parallel run: `cuda:0,1,3` or
     `cuda:all` (returned as the list, e.g. `cuda:0,1`); anything else is refused before a model loads."""
+    if re.fullmatch(r"cpu(,cpu)+", device):  # gloo CPU ranks of --shard tensor (tests; RunConfig checks the pair)
+        return device
     if device not in ("cpu", "auto", "cuda", "cuda:all") and not re.fullmatch(r"cuda:\d+(,\d+)*", device):
         raise ValueError(f"--device {device}: unknown device; expected cpu, cuda, cuda:N, cuda:N,M,..., cuda:all "
                          f"or auto")
@@ -204,7 +219,7 @@ def new_run_dir() -> Path:
 
 def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
     files = sorted({s.source for s in scenarios})
-    device = config.device if config.device == "cpu" else \
+    device = config.device if config.device.startswith("cpu") else \
         f"{config.device} ({torch.cuda.get_device_name(run_devices(config.device)[0])})"
     return {
         "run_id": config.out.name, "status": "running", "command": config.command,
@@ -299,6 +314,9 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
 
 def _replay_models(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar, warn) -> None:
     devices = run_devices(config.device)
+    if config.shard == "tensor":  # a process per GPU, each replaying every unit on its slice of the model
+        _replay_tensor_parallel(config, scenarios, calibration_chats, store, bar)
+        return
     if config.shard is not None:  # every model over all the GPUs, in this process, one after another
         for directory in config.models:
             _replay_model(config, directory, scenarios, calibration_chats, store, bar.update if bar else None, warn)
@@ -322,7 +340,7 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
                   on_unit_done, warn) -> None:
     from harness.replay.inprocess import InProcessModel
 
-    if config.device.startswith("cuda:"):  # graphs, streams and kernel launches of this process go to that GPU
+    if config.device.startswith("cuda:") and config.shard != "tensor":  # a rank set its own GPU (init_rank)
         torch.cuda.set_device(run_devices(config.device)[0])  # a sharded model: its first GPU (each layer: its own)
     loaded = InProcessModel.load(directory, device=config.device, shard=config.shard)
     loaded.calibration_chats = calibration_chats
@@ -331,6 +349,8 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     _note_model(store, label, loaded, warn)
     if loaded.shard_plan is not None:
         _note_shards(store, label, loaded.shard_plan, warn)
+    if loaded.tensor_parallel:
+        _note_tensor_parallel(store, label, loaded, warn)
     paths = _model_paths(config, directory)
     backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
@@ -366,6 +386,72 @@ def _note_shards(store: RunStore, label: str, plan, warn) -> None:
     store.edit_manifest(edit)
     blocks = ", ".join(f"{d}: layers {span}" for d, span in plan.describe()["layers"].items())
     warn(f"{label}: layer-sharded ({blocks}); {SHARDED_ONE_AT_A_TIME}")
+
+
+def _replay_tensor_parallel(config: RunConfig, scenarios, calibration_chats, store: RunStore, bar) -> None:
+    """One process per rank (`harness.replay.tensor_parallel`), every rank replaying every unit of every model in
+    lockstep (the collectives of each forward pass keep them there); rank 0 writes the run directory, the others
+    a private copy of it (so their resume state is the same) that is deleted when they finish."""
+    import concurrent.futures as futures
+    import multiprocessing
+
+    from harness.replay.tensor_parallel import free_port, layout
+
+    devices = config.shard_devices
+    store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {})))
+    port = free_port()
+    threads = 1 if devices[0] == "cpu" else 0
+    with futures.ProcessPoolExecutor(len(devices), mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_worker_init, initargs=(config.out, threads)) as pool:
+        _wait_for_workers(pool, {pool.submit(_tensor_parallel_rank, config, rank, port, scenarios, calibration_chats)
+                                 for rank in range(len(devices))}, store, bar)
+
+
+def _tensor_parallel_rank(config: RunConfig, rank: int, port: int, scenarios, calibration_chats) -> None:
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from harness.replay import tensor_parallel
+
+    devices = config.shard_devices
+    tensor_parallel.init_rank(rank, devices, port)
+    scratch = None
+    try:
+        if rank == 0:
+            store = RunStore.attach(config.out)
+        else:  # the same units, resume state and reads as rank 0; its rows are rank 0's, so they are dropped
+            scratch = Path(tempfile.mkdtemp(prefix=f"tp-rank{rank}-"))
+            shutil.copytree(config.out, scratch / "run")
+            store = RunStore.attach(scratch / "run")
+        say = (lambda message: print(message, file=sys.stderr)) if rank == 0 else (lambda message: None)
+        for directory in config.models:
+            _replay_model(config, directory, scenarios, calibration_chats, store, None, say)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _note_tensor_parallel(store: RunStore, label: str, loaded, warn) -> None:
+    from harness.replay.tensor_parallel import describe_model, world
+
+    rank, size = world()
+    described = describe_model(loaded.model, size)
+
+    def edit(manifest: dict) -> None:
+        manifest["parallel"].setdefault("models", {})[label] = described
+        manifest.setdefault("batching", {})[label] = {"off": TENSOR_PARALLEL_ONE_AT_A_TIME}
+
+    store.edit_manifest(edit)
+    warn(f"{label}: tensor parallel over {size} ranks ({described['kv_heads_per_rank']} KV heads a rank); "
+         f"{TENSOR_PARALLEL_ONE_AT_A_TIME}")
+
+
+TENSOR_PARALLEL_ONE_AT_A_TIME = ("tensor parallel: one sequence at a time (the batched engine's per-row state, "
+                                 "static columns and CUDA graphs are not built for a rank's slice of the model)")
 
 
 def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: list[KVPath]) -> list:

@@ -37,6 +37,8 @@ def check_run_inputs(config: RunConfig) -> None:
         problems += _model_problems(Path(directory)) or (
             [] if config.scales_file else _checkpoint_scale_problems(Path(directory), config.paths)) or (
             _family_problems(Path(directory), config.paths))
+    if config.shard == "tensor":
+        problems += _tensor_parallel_problems(config)
     if config.scales_file is not None and not Path(config.scales_file).is_file():
         problems.append(f"--scales {config.scales_file}: no such file (k_scale/v_scale safetensors, or SGLang's "
                         f"quantization-param JSON, as harness calibrate writes)")
@@ -122,6 +124,20 @@ def _family_problems(directory: Path, paths) -> list[str]:
 
     config = config_of(directory)
     return [f"--model {directory}: {problem}" for problem in refusals(config, paths)] if config is not None else []
+
+
+def _tensor_parallel_problems(config: RunConfig) -> list[str]:
+    """A family transformers has no tensor-parallel plan for, or heads that do not split over the ranks."""
+    from harness.replay.families import config_of
+    from harness.replay.tensor_parallel import refusal
+
+    problems = []
+    for directory in config.models:
+        model_config = config_of(Path(directory)) if Path(directory).is_dir() else None
+        why = refusal(model_config, len(config.shard_devices)) if model_config is not None else None
+        if why:
+            problems.append(f"--model {directory}: --shard tensor: {why}")
+    return problems
 
 
 def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:

@@ -63,7 +63,7 @@ def test_every_tensor_of_every_family_gets_a_gpu(family, gpus):
     ("layers", ["cuda:0"], "splits one model over several GPUs"),
     ("layers", ["cpu"], "splits one model over several GPUs"),
     ("layers", ["cuda"], "e.g. --device cuda:0,1"),
-    ("tensor", ["cuda:0", "cuda:1"], "in-process tensor parallel is not built"),
+    ("tensor", ["cuda:0"], "runs a process per GPU"),
     ("pipes", ["cuda:0", "cuda:1"], "unknown"),
 ])
 def test_specs_that_cannot_shard_are_refused_by_name(shard, devices, message):
@@ -110,7 +110,7 @@ def test_a_gpu_the_host_lacks_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cpu", "--shard", "layers"], "--shard layers splits one model over several GPUs"),
-    (["--device", "cpu", "--shard", "tensor"], "in-process tensor parallel is not built"),
+    (["--device", "cpu", "--shard", "tensor"], "--shard tensor runs a process per GPU"),
 ])
 def test_the_cli_refuses_a_bad_shard_without_a_traceback(tmp_path, capsys, argv, message):
     from harness.cli import main

@@ -73,6 +73,7 @@ class InProcessModel:
     scales_file: Path | None = None  # ':checkpoint' scales from this file instead of the model directory
     kernel_block: str | None = None  # why our decode kernels must not run for this family (replay/families.py)
     shard_plan: object = None  # harness.replay.sharding.ShardPlan: the layers split over several GPUs
+    tensor_parallel: bool = False  # one rank of a tensor-parallel group (harness.replay.tensor_parallel)
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
     _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
@@ -96,7 +97,13 @@ class InProcessModel:
         tokenizer = AutoTokenizer.from_pretrained(str(weights))
         random_weights = (weights / RANDOM_WEIGHTS_MARKER).exists()
         plan = None
-        if shard is not None:
+        if shard == "tensor":  # this process is one rank of a tensor-parallel group (tensor_parallel.init_rank)
+            from harness.replay import tensor_parallel
+
+            rank, size = tensor_parallel.world()
+            device = tensor_parallel.split_world(device)[rank] if "," in device else device
+            model = tensor_parallel.load(weights, dtype, ATTENTION_NAME, random_weights, device)
+        elif shard is not None:
             from harness.replay import sharding
 
             devices = sharding.split_devices(device)
@@ -107,14 +114,15 @@ class InProcessModel:
             model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
         if variant is not None:
             apply_variant(model, variant)
-        if plan is None:
+        if plan is None and shard != "tensor":  # a tensor-parallel rank's slices are on its device already
             model.to(device)
         model.eval()
         wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
                    arch=model.config.model_type, random_weights=random_weights,
-                   use_kernels=use_kernels, variant=variant, kernel_block=kernel_block, shard_plan=plan)
+                   use_kernels=use_kernels, variant=variant, kernel_block=kernel_block, shard_plan=plan,
+                   tensor_parallel=shard == "tensor")
 
     def describe(self) -> dict:
         described = {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
@@ -128,7 +136,12 @@ class InProcessModel:
         if kv_path is not None and kv_path.is_reference_noise:
             return InProcessBackend(self.in_float32(), kv_path, None, label or kv_path.name)
         scales = self.scales_for(kv_path) if kv_path is not None else None
-        return InProcessBackend(self, kv_path, scales, label or (kv_path.name if kv_path else "reference"))
+        label = label or (kv_path.name if kv_path else "reference")
+        if self.tensor_parallel:  # the rank's caches take its heads' scales; the manifest states the whole vector
+            from harness.replay.tensor_parallel import local_scales
+
+            return InProcessBackend(self, kv_path, local_scales(scales), label, stated_scales=scales)
+        return InProcessBackend(self, kv_path, scales, label)
 
     def in_float32(self) -> "InProcessModel":
         """This model with its weights in float32 (a copy, made once: twice the bf16 weights' memory, on top of
@@ -198,6 +211,10 @@ class InProcessModel:
                     else:
                         with calibration.uninitialised_recurrent_state(self.model):
                             self._observe(calibration.dummy_warmup_ids(self.tokenizer), observer_cache(self.model.config))
+                if self.tensor_parallel:  # each rank saw its query heads: the max over every rank's
+                    from harness.replay.tensor_parallel import max_across_ranks
+
+                    amax = max_across_ranks(amax)
                 q = {i: amax_scale(amax[i], "e4m3") for i in layers}
                 prob = {i: amax_scale(torch.tensor(1.0), "e4m3") for i in layers}  # amax of P is 1
             self._scales[key] = LayerScales(k={}, v={}, source=source, q=q, prob=prob)
@@ -223,13 +240,23 @@ class InProcessModel:
             for chat in chats:  # one observer cache shared by all prompts: amax over all of them
                 self._observe(self.encode_chat(chat), cache)
                 cache = _carry_amax(cache, observer_cache(config))
+            self._gather_amax(cache)
             return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats")
         if kv_path.scale_source == "warmup":
             with calibration.uninitialised_recurrent_state(self.model):
                 self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
+            self._gather_amax(cache)
             return scales_from_observers(cache, kv_path, "warmup",
                                          "one dummy warm-up pass, recurrent state uninitialised (failure class 2)")
         raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
+
+    def _gather_amax(self, cache) -> None:
+        """A tensor-parallel rank's per-head amax (its KV heads) made the whole [H] vector of every rank's heads,
+        so the scales (per tensor: the max over it) are those of a one-GPU run."""
+        if self.tensor_parallel:
+            from harness.replay.tensor_parallel import gather_head_amax
+
+            gather_head_amax(cache)
 
     @torch.inference_mode()
     def _observe(self, ids: list[int], cache) -> None:
@@ -304,16 +331,19 @@ def _carry_amax(used, fresh):
 class InProcessBackend:
     """One model + one KV path (`None` = the reference cache)."""
 
-    def __init__(self, owner: InProcessModel, kv_path: KVPath | None, scales: LayerScales | None, label: str):
+    def __init__(self, owner: InProcessModel, kv_path: KVPath | None, scales: LayerScales | None, label: str,
+                 stated_scales: LayerScales | None = None):
         self.owner, self.kv_path, self.scales, self.label = owner, kv_path, scales, label
+        # what describe() states: the scales of every head (a tensor-parallel rank's `scales` are its heads')
+        self.stated_scales = stated_scales if stated_scales is not None else scales
         self.prefills = PrefillMemo(PREFILL_MEMO_BYTES)
 
     def describe(self) -> dict:
         described = {"label": self.label, "kind": "in-process", "model": str(self.owner.directory)}
         if self.kv_path is not None:
             described.update(path=self.kv_path.canonical, description=self.kv_path.describe())
-        if self.scales is not None:
-            described["scales"] = self.scales.summary()
+        if self.stated_scales is not None:
+            described["scales"] = self.stated_scales.summary()
         described["decode_kernel"] = self.route.kernel_label
         return described
 

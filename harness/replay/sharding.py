@@ -22,11 +22,7 @@ from pathlib import Path
 
 import torch
 
-SHARD_MODES = ("layers",)  # --shard values; "tensor" (tp_plan) is refused with its reason
-TENSOR_PARALLEL_REFUSAL = ("--shard tensor: in-process tensor parallel is not built (the FP8 caches and kernels "
-                           "would need per-rank KV heads and all-reduced scales); use --shard layers on one host, "
-                           "or endpoint mode against a server started with --tensor-parallel-size "
-                           "(docs/MULTI_GPU.md)")
+SHARD_MODES = ("layers", "tensor")  # --shard values; tensor: harness.replay.tensor_parallel (a process per GPU)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -39,7 +35,10 @@ def check_shard(shard: str | None, devices: list[str]) -> None:
     if shard is None:
         return
     if shard == "tensor":
-        raise ShardError(TENSOR_PARALLEL_REFUSAL)
+        from harness.replay.tensor_parallel import check_devices
+
+        check_devices(devices)
+        return
     if shard not in SHARD_MODES:
         raise ShardError(f"--shard {shard}: unknown; expected one of {', '.join(SHARD_MODES)}")
     if len(devices) < 2 or not all(d.startswith("cuda:") for d in devices):
