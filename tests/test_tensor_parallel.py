@@ -169,3 +169,12 @@ def test_a_tensor_parallel_run_on_two_gpus_stores_every_unit(tmp_path):
     assert set(manifest["parallel"]["models"]) == {m["label"] for m in manifest["models"]}
     verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
     assert verdicts and all(v["verdict"] in ("pass", "warn", "fail") for v in verdicts)
+
+
+def test_rank_device_lists_parse_in_both_spellings():
+    """`--device cuda:0,1` and the `cuda:0,cuda:1` the rank processes are handed name the same ranks (an H100 pair
+    failed on the second spelling: every rank read one device)."""
+    from harness.replay.tensor_parallel import split_world
+
+    assert split_world("cuda:0,1") == split_world("cuda:0,cuda:1") == ["cuda:0", "cuda:1"]
+    assert split_world("cpu,cpu") == ["cpu", "cpu"] and split_world("cuda:1") == ["cuda:1"]

@@ -49,8 +49,8 @@ def split_world(device: str) -> list[str]:
     times) -> N CPU ranks (gloo: tests and machines without GPUs)."""
     import re
 
-    if re.fullmatch(r"cuda:\d+(,\d+)+", device):
-        return [f"cuda:{i}" for i in device[5:].split(",")]
+    if re.fullmatch(r"cuda:\d+(,(cuda:)?\d+)+", device):  # cuda:0,1 or cuda:0,cuda:1 (what rank processes get)
+        return [part if part.startswith("cuda:") else f"cuda:{part}" for part in device.split(",")]
     if re.fullmatch(r"cpu(,cpu)+", device):
         return device.split(",")
     return [device]
