@@ -68,7 +68,7 @@ def _times(path: str, cell: dict) -> str:
         return "(yardstick" + beside + ")"
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
-        return "-" + beside
+        return beside.removeprefix("; ") or "-"
     from harness.analysis.verdicts import KL_RATIO_FLOOR
 
     shown = f"{ratio:.3g}" if isinstance(ratio, float) else str(ratio)
