@@ -131,20 +131,21 @@ def _rank(rank: int, devices: list[str], port: int, models: list[str], specs, pr
         dist.destroy_process_group()
 
 
-def run_ranks(devices: list[str], models: list[str], specs, prompts, max_new: int, continuations: dict) -> dict:
+def _spawn_ranks(devices: list[str], target, args: tuple, timeout: float) -> dict:
+    """A spawned process per rank running target(rank, devices, port, *args, queue); rank 0's result (or the first
+    rank error, raised here)."""
     import torch.multiprocessing as mp
+
+    from harness.replay.tensor_parallel import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    from harness.replay.tensor_parallel import free_port
-
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, devices, port, models, specs, prompts, max_new, continuations, queue))
-             for r in range(len(devices))]
+    procs = [ctx.Process(target=target, args=(r, devices, port, *args, queue)) for r in range(len(devices))]
     for p in procs:
         p.start()
     try:
-        result = _from_bytes(queue.get(timeout=600))
+        result = _from_bytes(queue.get(timeout=timeout))
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -153,6 +154,10 @@ def run_ranks(devices: list[str], models: list[str], specs, prompts, max_new: in
     if "error" in result:
         raise RuntimeError(result["error"])
     return result
+
+
+def run_ranks(devices: list[str], models: list[str], specs, prompts, max_new: int, continuations: dict) -> dict:
+    return _spawn_ranks(devices, _rank, (models, specs, prompts, max_new, continuations), 600)
 
 
 def _random_rank(rank: int, devices: list[str], port: int, directory: str, seed: int, queue) -> None:
@@ -194,27 +199,7 @@ def _random_rank(rank: int, devices: list[str], port: int, directory: str, seed:
 def check_random_weights(directory: str, devices: list[str], seed: int = 0) -> dict:
     """{sharded: parameters cut over the ranks, mismatched: names whose gathered slices differ from the whole
     seeded model} for a random-weights directory without weight files."""
-    import torch.multiprocessing as mp
-
-    from harness.replay.tensor_parallel import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_random_rank, args=(r, devices, port, directory, seed, queue))
-             for r in range(len(devices))]
-    for p in procs:
-        p.start()
-    try:
-        result = _from_bytes(queue.get(timeout=300))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    if "error" in result:
-        raise RuntimeError(result["error"])
-    return result
+    return _spawn_ranks(devices, _random_rank, (directory, seed), 300)
 
 
 def noise(one: dict, many: dict) -> dict:
