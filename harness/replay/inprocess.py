@@ -33,6 +33,7 @@ from harness.kv_paths.cache import (
     unit_scales,
 )
 from harness.kv_paths.spec import KVPath
+from harness.replay import cpu_exact
 from harness.replay.batched import ONE_SEQUENCE, BatchedEngine
 from harness.replay.route import Route, decide
 from harness.types import Generation, Message, Scores
@@ -74,6 +75,7 @@ class InProcessModel:
     kernel_block: str | None = None  # why our decode kernels must not run for this family (replay/families.py)
     shard_plan: object = None  # harness.replay.sharding.ShardPlan: the layers split over several GPUs
     tensor_parallel: bool = False  # one rank of a tensor-parallel group (harness.replay.tensor_parallel)
+    cpu_shortcuts: dict = field(default_factory=dict)  # harness.replay.cpu_exact.install's account
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
     _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
@@ -117,17 +119,20 @@ class InProcessModel:
         if plan is None and shard != "tensor":  # a tensor-parallel rank's slices are on its device already
             model.to(device)
         model.eval()
+        exact = cpu_exact.install(model)  # bit-exact CPU shortcuts, each probed on this machine first
         wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
         return cls(directory=directory, model=model, tokenizer=tokenizer, device=torch.device(device),
                    arch=model.config.model_type, random_weights=random_weights,
                    use_kernels=use_kernels, variant=variant, kernel_block=kernel_block, shard_plan=plan,
-                   tensor_parallel=shard == "tensor")
+                   tensor_parallel=shard == "tensor", cpu_shortcuts=exact)
 
     def describe(self) -> dict:
         described = {"path": str(self.directory), "sha256": sha256_of_dir(self.directory), "arch": self.arch,
                      "random_weights": self.random_weights, "dtype": str(next(self.model.parameters()).dtype),
                      "parameters": sum(p.numel() for p in self.model.parameters())}
+        if self.cpu_shortcuts:
+            described["cpu_shortcuts"] = self.cpu_shortcuts
         if self.variant is not None:
             described["variant"] = {**self.variant.describe(), "base_sha256": sha256_of_dir(self.variant.base)}
         return described

@@ -1,0 +1,128 @@
+"""The bit-exact CPU shortcuts (harness/replay/cpu_exact.py): every comparison here is bit for bit (torch.equal),
+since the shortcuts promise the model's own bits, not bits within a tolerance."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.replay import cpu_exact
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # what a CPU without AVX-512 BF16 dispatches
+
+
+def _latent_rows_linear(rows_in=64, rows_out=512) -> torch.nn.Linear:
+    linear = torch.nn.Linear(rows_in, rows_out, bias=False).to(torch.bfloat16)
+    if not cpu_exact._rows_are_independent(linear.weight):
+        pytest.skip("this machine's bf16 GEMM gives a row different bits alone and among others: install refuses")
+    linear.__class__ = cpu_exact.LatentRowsLinear
+    linear.exact_dtype = torch.bfloat16
+    return linear
+
+
+@torch.inference_mode()
+def test_latent_rows_give_the_plain_linears_bits_as_the_cache_grows_and_changes():
+    linear = _latent_rows_linear()
+    latent = cpu_exact._spread((1, 1, 40, 64), torch.bfloat16, seed=3)
+    for length in range(1, 41):  # decode: one more cached row each step
+        assert torch.equal(linear(latent[:, :, :length]), F.linear(latent[:, :, :length], linear.weight))
+    other = latent.clone()
+    other[:, :, 25] = -other[:, :, 25]  # another sequence sharing 25 rows: rows from 25 on are multiplied again
+    assert cpu_exact._same_leading_rows(latent, other) == 25
+    assert torch.equal(linear(other), F.linear(other, linear.weight))
+    batch = cpu_exact._spread((3, 1, 12, 64), torch.bfloat16, seed=4)  # a different shape: nothing kept applies
+    assert torch.equal(linear(batch), F.linear(batch, linear.weight))
+    twin = copy.deepcopy(linear).float()  # the fp32 path's copy of the model: rows checked in bf16 only
+    assert twin._kept is not None and torch.equal(twin(batch.float()), F.linear(batch.float(), twin.weight))
+
+
+@torch.inference_mode()
+def test_a_callers_edit_of_the_output_does_not_reach_the_kept_rows():
+    linear = _latent_rows_linear()
+    latent = cpu_exact._spread((1, 1, 9, 64), torch.bfloat16, seed=5)
+    linear(latent[:, :, :8]).zero_()
+    assert torch.equal(linear(latent), F.linear(latent, linear.weight))
+
+
+def _replies(model: InProcessModel, spec):
+    from harness.kv_paths.spec import parse_path
+
+    backend = model.backend(parse_path(spec) if spec else None)
+    chat = [Message("user", "what is seven plus five? and then what is it times three?")]
+    generation = backend.generate_sync(chat, 24)
+    return generation.token_ids, backend.score_sync(chat, generation.token_ids).logprobs
+
+
+def test_mla_replay_is_bit_identical_with_the_latent_rows_kept(tiny_models):
+    model = InProcessModel.load(tiny_models["mla"])
+    assert model.cpu_shortcuts["mla_latent_rows"].startswith("installed"), model.cpu_shortcuts
+    with_rows = [_replies(model, spec) for spec in (None, "fp8_e4m3")]
+    kept = [m._kept for m in model.model.modules() if isinstance(m, cpu_exact.LatentRowsLinear)]
+    assert kept and all(k is not None for k in kept)  # decode went through the kept rows
+    for module in model.model.modules():
+        if isinstance(module, cpu_exact.LatentRowsLinear):
+            module.__class__ = torch.nn.Linear
+    without = [_replies(model, spec) for spec in (None, "fp8_e4m3")]
+    for (ids, logprobs), (plain_ids, plain_logprobs) in zip(with_rows, without):
+        assert ids == plain_ids and torch.equal(logprobs, plain_logprobs)
+
+
+def test_conv_with_a_bias_or_other_taps_is_torchs_own_call():
+    """A bias is added first by oneDNN's kernel and last by torch's AVX2 fallback (measured): never taken over."""
+    exact = cpu_exact._ExactConvFunctional(frozenset({4}))
+    x = cpu_exact._spread((1, 32, 20), torch.bfloat16, seed=6)
+    weight, bias = cpu_exact._spread((32, 1, 4), torch.bfloat16, seed=7), torch.ones(32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(exact.conv1d(x, weight, bias, padding=3, groups=32),
+                           F.conv1d(x, weight, bias, padding=3, groups=32))
+        taps5 = cpu_exact._spread((32, 1, 5), torch.bfloat16, seed=8)
+        assert torch.equal(exact.conv1d(x, taps5, None, padding=4, groups=32),
+                           F.conv1d(x, taps5, None, padding=4, groups=32))
+    assert exact.silu is F.silu  # every other name is torch's
+
+
+def test_conv_shortcut_is_refused_where_onednn_has_bf16(tiny_models):
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16: the AVX2 test below covers it")
+    model = InProcessModel.load(tiny_models["hybrid"])
+    assert model.cpu_shortcuts["depthwise_conv1d_fp32"].startswith("not installed: oneDNN has bf16")
+
+
+AVX2_CHECK = """
+import sys, torch, torch.nn.functional as F
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
+model = InProcessModel.load(sys.argv[1])
+note = model.cpu_shortcuts["depthwise_conv1d_fp32"]
+assert note.startswith("installed"), note
+module = sys.modules[type(model.model).__module__]
+chat = [Message("user", "recall the number 4417 and then count to ten")]
+def replies():
+    backend = model.backend(None)
+    generation = backend.generate_sync(chat, 24)
+    return generation.token_ids, backend.score_sync(chat, generation.token_ids).logprobs
+(ids, logprobs), shortcut = replies(), module.F
+module.F = F
+plain_ids, plain_logprobs = replies()
+module.F = shortcut
+assert ids == plain_ids and torch.equal(logprobs, plain_logprobs), "the shortcut changed the bits"
+print("bit-identical", len(ids), "tokens")
+"""
+
+
+def test_conv_shortcut_is_bit_identical_under_avx2_dispatch(tiny_models):
+    """Run as a CPU without AVX-512 BF16 runs (oneDNN capped at AVX2: no bf16 kernels): the shortcut installs,
+    and a generation and its scores are the same bits with it and with torch's bf16 conv1d."""
+    env = {**os.environ, **AVX2, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(tiny_models["hybrid"])], env=env, cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bit-identical" in done.stdout
