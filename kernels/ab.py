@@ -43,6 +43,7 @@ CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "refe
                            ("split widen bits h64 32/8/5", _mla(32, 8, 5, 64, "bits")),
                            ("split widen parts2 h64 32/4/5", _mla(32, 4, 5, 64, True, 2)),
                            ("split widen parts2 h64 32/4/4", _mla(32, 4, 4, 64, True, 2)),
+                           ("split widen parts2 h64 32/4/3", _mla(32, 4, 3, 64, True, 2)),
                            ("split widen bits parts2 h64 32/4/5", _mla(32, 4, 5, 64, "bits", 2))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
