@@ -156,6 +156,7 @@ def _mla_decode_kernel(
 # The tensor-core kernel (session 5): TMA tiles, full tiles unmasked, optional fp8 MMAs.
 # ---------------------------------------------------------------------------------------------------
 
+RESCALE_SLACK = 8.0   # lazy_rescale: P = 2^(s - m_i) <= 2^8 before the running max moves (split kernel)
 E4M3_BITS_FACTOR = 256.0   # 2^(15 - 7): fp16's exponent bias minus e4m3's (widen="bits", _widen_fp8_bits)
 P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of two: undone exactly at the end)
 
@@ -357,11 +358,14 @@ def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_
 @triton.jit
 def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3,
                     MASKED: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr,
-                    LATENT_PARTS: tl.constexpr):
+                    LATENT_PARTS: tl.constexpr, RESCALE_SLACK: tl.constexpr):
     """One tile of the online softmax over the chunked latent (heads as M); P.C into acc0..acc3, or into acc0,
     acc1 only where LATENT_PARTS == 2 (the program's half of the output columns). The partial score products use
     max_num_imprecise_acc=1, which fp16/bf16 MMAs ignore, only so that Triton does not fold their sum back into
-    one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0)."""
+    one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0).
+    RESCALE_SLACK > 0 (lazy rescaling): the running max m_i, and with it l_i and the accumulators, moves only when
+    some row's tile max exceeds it by more than RESCALE_SLACK (log2 units), so P = 2^(s - m_i) <= 2^RESCALE_SLACK
+    (fp16 keeps its relative precision there) and most tiles add P.C into the accumulators without a multiply."""
     c0 = _widen(c0, COMPUTE_DTYPE, WIDEN)
     c1 = _widen(c1, COMPUTE_DTYPE, WIDEN)
     c2 = _widen(c2, COMPUTE_DTYPE, WIDEN)
@@ -372,6 +376,27 @@ def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, 
     s = (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]   # [BLOCK_H, BLOCK_N]
     if MASKED:
         s = tl.where(t_mask[None, :], s, float("-inf"))
+    if RESCALE_SLACK > 0:
+        m_tile = tl.max(s, axis=1)
+        if tl.max(m_tile - m_i, axis=0) > RESCALE_SLACK:   # first tile: m_i = -inf
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            if LATENT_PARTS == 1:
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+            m_i = m_new
+        p = tl.math.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        p_op = p.to(COMPUTE_DTYPE)
+        acc0 = tl.dot(p_op, c0, acc0)
+        acc1 = tl.dot(p_op, c1, acc1)
+        if LATENT_PARTS == 1:
+            acc2 = tl.dot(p_op, c2, acc2)
+            acc3 = tl.dot(p_op, c3, acc3)
+        return m_i, l_i, acc0, acc1, acc2, acc3
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -393,7 +418,7 @@ def _mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, TMA: tl.constexpr,
-    WIDEN: tl.constexpr, WIDEN_FACTOR: tl.constexpr, LATENT_PARTS: tl.constexpr,
+    WIDEN: tl.constexpr, WIDEN_FACTOR: tl.constexpr, LATENT_PARTS: tl.constexpr, RESCALE_SLACK: tl.constexpr,
 ):
     """As _mla_decode_tc_kernel without its options (no swap, fp8_mma, q_scale or prob_scale): same partial
     layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK]).
@@ -444,13 +469,13 @@ def _mla_decode_split_kernel(
                                              stride_cb, stride_cs, k0, k2, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
         m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
                                                            row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
-                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS)
+                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS, RESCALE_SLACK)
     for n0 in range(full_end, end, BLOCK_N):   # the split's last, partial tile (at most one trip)
         c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
                                              stride_cb, stride_cs, k0, k2, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
         m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, n0 + offs_n < end, q0, q1, q2, q3,
                                                            q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3, True,
-                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS)
+                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS, RESCALE_SLACK)
 
     empty = l_i == 0.0
     norm = (out_scale / tl.where(empty, 1.0, l_i))[:, None]
@@ -473,7 +498,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
                widen: bool | str | None = None, split_latent: bool | None = None,
-               latent_parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               latent_parts: int | None = None, lazy_rescale: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -528,7 +553,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
-                       ("latent_parts", latent_parts)):
+                       ("latent_parts", latent_parts), ("lazy_rescale", lazy_rescale)):
         if value is not None:
             cfg[key] = value
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
@@ -582,7 +607,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma,
             WIDEN=widen_code + 2 if widen_code and cfg["widen"] == "bits" else widen_code, WIDEN_FACTOR=E4M3_BITS_FACTOR,
-            LATENT_PARTS=parts,
+            LATENT_PARTS=parts, RESCALE_SLACK=RESCALE_SLACK if cfg.get("lazy_rescale") else 0.0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     if tile_kernel:
