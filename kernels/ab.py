@@ -11,7 +11,8 @@ the current entry by that mean and not slower than 0.99x at any shape; "referenc
 
 CANDIDATES holds the latest session's variants; earlier sessions' candidates and their numbers are in
 kernels/BENCHMARKS.md (session 8: widen="v" and whole waves for GQA, warp specialization and 16 warps for MLA;
-session 9: widen="bits" for MLA, e4m3 widened by integer bit moves instead of cvt).
+session 9: for MLA, widen="bits" (e4m3 widened by integer bit moves instead of cvt), latent_parts=2 (a program
+per half of the output columns) and lazy rescaling).
 """
 
 from __future__ import annotations
@@ -31,20 +32,16 @@ SHAPES = {"mla_fp8": [(8, 8192), (8, 32768), (32, 32768), (8, 131072)],
 MLA = dict(prefetch=False, swap=False, tma=True, split_latent=True, programs_per_sm=1)
 
 
-def _mla(block_n, warps, stages, block_h, widen, parts=1):
-    return dict(MLA, block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h, widen=widen,
-                latent_parts=parts)
+def _mla(block_n, warps, stages, block_h, **kw):
+    return dict(MLA, block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h, widen=True, **kw)
 
 
 CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
-    "mla_fp8": [("split widen 64/4/5 (current)", _mla(64, 4, 5, 16, True)),
-                ("split widen bits 64/4/5", _mla(64, 4, 5, 16, "bits"))],
-    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64, True)),
-                           ("split widen bits h64 32/8/5", _mla(32, 8, 5, 64, "bits")),
-                           ("split widen parts2 h64 32/4/5", _mla(32, 4, 5, 64, True, 2)),
-                           ("split widen parts2 h64 32/4/4", _mla(32, 4, 4, 64, True, 2)),
-                           ("split widen parts2 h64 32/4/3", _mla(32, 4, 3, 64, True, 2)),
-                           ("split widen bits parts2 h64 32/4/5", _mla(32, 4, 5, 64, "bits", 2))],
+    "mla_fp8": [("split widen 64/4/5 (current)", _mla(64, 4, 5, 16)),
+                ("split widen lazy 64/4/5", _mla(64, 4, 5, 16, lazy_rescale=True)),
+                ("split widen lazy 64/4/4", _mla(64, 4, 4, 16, lazy_rescale=True))],
+    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64)),
+                           ("split widen lazy h64 32/8/5", _mla(32, 8, 5, 64, lazy_rescale=True))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 

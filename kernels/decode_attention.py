@@ -87,38 +87,10 @@ def _widen_fp8(x, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _widen_fp8_bits(x, E5M2: tl.constexpr):
-    """fp8 codes -> fp16 by integer bit moves on 4 packed codes (no cvt), exact. e5m2: the code is the high byte
-    of its fp16 (one prmt per two codes; NaN and inf kept). e4m3 (s eeee mmm, bias 7): the fp16 bits
-    s 0 eeee mmm 0000000 (bias 15) are the value times 2^-8, subnormals included (fp16 exponent field 0), so
-    the caller multiplies the 2^8 back in fp32 (`WIDEN_FACTOR` in kernels/mla_decode.py); per 2 codes one prmt (each code with its sign
-    byte replicated above it), a shift by 7 and one lop3 that clears the shifted-in copies of the sign and
-    ORs in 0xFFFF (NaN) for a NaN code (magnitude 0x7F: (code & 0x7F) + 1 carries into bit 7; 2 more
-    instructions per 4 codes)."""
-    codes = x.to(tl.uint8, bitcast=True)
-    if E5M2:
-        y = tl.inline_asm_elementwise("{ prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424; }",
-                                      "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 ra, rb, n, m; "
-            "prmt.b32 ra, $2, 0, 0x9180; prmt.b32 rb, $2, 0, 0xB3A2; "          # [s1 b1 s0 b0], [s3 b3 s2 b2]
-            "and.b32 n, $2, 0x7F7F7F7F; add.u32 n, n, 0x01010101; "          # bit 7 of a byte: NaN code
-            "prmt.b32 m, n, 0, 0x9988; prmt.b32 n, n, 0, 0xBBAA; "           # 0xFFFF per NaN half
-            "shl.b32 ra, ra, 7; shl.b32 rb, rb, 7; "
-            "lop3.b32 $0, ra, 0xBF80BF80, m, 0xEA; lop3.b32 $1, rb, 0xBF80BF80, n, 0xEA; }",   # (a & k) | m
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
-    return y
-
-
-@triton.jit
 def _widen(x, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
     """A cache tile as a tensor-core operand: WIDEN 1 / 2: e4m3 / e5m2 codes widened by `_widen_fp8` (fp16);
-    3 / 4: e4m3 / e5m2 by `_widen_fp8_bits` (e4m3 as its value times 2^-8);
     0: `.to(COMPUTE_DTYPE)` (bf16/fp16 caches, and the widening the compiler places itself)."""
-    if WIDEN >= 3:
-        return _widen_fp8_bits(x, WIDEN == 4)
-    elif WIDEN != 0:
+    if WIDEN != 0:
         return _widen_fp8(x, WIDEN == 2)
     else:
         return x.to(COMPUTE_DTYPE)

@@ -157,7 +157,6 @@ def _mla_decode_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 RESCALE_SLACK = 8.0   # lazy_rescale: P = 2^(s - m_i) <= 2^8 before the running max moves (split kernel)
-E4M3_BITS_FACTOR = 256.0   # 2^(15 - 7): fp16's exponent bias minus e4m3's (widen="bits", _widen_fp8_bits)
 P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of two: undone exactly at the end)
 
 
@@ -321,18 +320,17 @@ def _mla_decode_tc_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end, stride_cb, stride_cs, k0, k2,
+def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end, stride_cb, stride_cs,
                     LATENT_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr, TMA: tl.constexpr,
                     MASKED: tl.constexpr):
-    """The 4 latent chunks [BLOCK_N, CHUNK] at columns k0, k0 + CHUNK, k2, k2 + CHUNK and the RoPE part
-    [BLOCK_N, Dr] of the tile at token n0 (one TMA copy each where TMA; masked pointer loads of tokens < end
-    where MASKED, so no slot past it is read)."""
+    """The 4 latent chunks [BLOCK_N, CHUNK] and the RoPE part [BLOCK_N, Dr] of the tile at token n0 (one TMA
+    copy each where TMA; masked pointer loads of tokens < end where MASKED, so no slot past it is read)."""
     if TMA:
         row = tl.load(table_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
-        c0 = C_DESC.load([row, k0])
-        c1 = C_DESC.load([row, k0 + CHUNK])
-        c2 = C_DESC.load([row, k2])
-        c3 = C_DESC.load([row, k2 + CHUNK])
+        c0 = C_DESC.load([row, 0])
+        c1 = C_DESC.load([row, CHUNK])
+        c2 = C_DESC.load([row, 2 * CHUNK])
+        c3 = C_DESC.load([row, 3 * CHUNK])
         pe = PE_DESC.load([row, LATENT_DIM])
     else:
         tok = n0 + offs_n
@@ -341,16 +339,16 @@ def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_
         rows = (CACHE + pages * stride_cb + (tok % PAGE_SIZE) * stride_cs)[:, None]
         if MASKED:
             m = t_mask[:, None]
-            c0 = tl.load(rows + k0 + offs_k[None, :], mask=m, other=0.0)
-            c1 = tl.load(rows + k0 + CHUNK + offs_k[None, :], mask=m, other=0.0)
-            c2 = tl.load(rows + k2 + offs_k[None, :], mask=m, other=0.0)
-            c3 = tl.load(rows + k2 + CHUNK + offs_k[None, :], mask=m, other=0.0)
+            c0 = tl.load(rows + offs_k[None, :], mask=m, other=0.0)
+            c1 = tl.load(rows + CHUNK + offs_k[None, :], mask=m, other=0.0)
+            c2 = tl.load(rows + 2 * CHUNK + offs_k[None, :], mask=m, other=0.0)
+            c3 = tl.load(rows + 3 * CHUNK + offs_k[None, :], mask=m, other=0.0)
             pe = tl.load(rows + LATENT_DIM + offs_r[None, :], mask=m, other=0.0)
         else:
-            c0 = tl.load(rows + k0 + offs_k[None, :])
-            c1 = tl.load(rows + k0 + CHUNK + offs_k[None, :])
-            c2 = tl.load(rows + k2 + offs_k[None, :])
-            c3 = tl.load(rows + k2 + CHUNK + offs_k[None, :])
+            c0 = tl.load(rows + offs_k[None, :])
+            c1 = tl.load(rows + CHUNK + offs_k[None, :])
+            c2 = tl.load(rows + 2 * CHUNK + offs_k[None, :])
+            c3 = tl.load(rows + 3 * CHUNK + offs_k[None, :])
             pe = tl.load(rows + LATENT_DIM + offs_r[None, :])
     return c0, c1, c2, c3, pe
 
@@ -358,9 +356,8 @@ def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_
 @triton.jit
 def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3,
                     MASKED: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr,
-                    LATENT_PARTS: tl.constexpr, RESCALE_SLACK: tl.constexpr):
-    """One tile of the online softmax over the chunked latent (heads as M); P.C into acc0..acc3, or into acc0,
-    acc1 only where LATENT_PARTS == 2 (the program's half of the output columns). The partial score products use
+                    RESCALE_SLACK: tl.constexpr):
+    """One tile of the online softmax over the chunked latent (heads as M). The partial score products use
     max_num_imprecise_acc=1, which fp16/bf16 MMAs ignore, only so that Triton does not fold their sum back into
     one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0).
     RESCALE_SLACK > 0 (lazy rescaling): the running max m_i, and with it l_i and the accumulators, moves only when
@@ -378,25 +375,20 @@ def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, 
         s = tl.where(t_mask[None, :], s, float("-inf"))
     if RESCALE_SLACK > 0:
         m_tile = tl.max(s, axis=1)
-        if tl.max(m_tile - m_i, axis=0) > RESCALE_SLACK:   # first tile: m_i = -inf
+        if tl.max(m_tile - m_i, axis=0) > RESCALE_SLACK:   # always on the first tile (m_i = -inf)
             m_new = tl.maximum(m_i, m_tile)
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
-            if LATENT_PARTS == 1:
-                acc2 = acc2 * alpha[:, None]
-                acc3 = acc3 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
             m_i = m_new
         p = tl.math.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, axis=1)
         p_op = p.to(COMPUTE_DTYPE)
-        acc0 = tl.dot(p_op, c0, acc0)
-        acc1 = tl.dot(p_op, c1, acc1)
-        if LATENT_PARTS == 1:
-            acc2 = tl.dot(p_op, c2, acc2)
-            acc3 = tl.dot(p_op, c3, acc3)
-        return m_i, l_i, acc0, acc1, acc2, acc3
+        return (m_i, l_i, tl.dot(p_op, c0, acc0), tl.dot(p_op, c1, acc1), tl.dot(p_op, c2, acc2),
+                tl.dot(p_op, c3, acc3))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -404,9 +396,8 @@ def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, 
     p_op = p.to(COMPUTE_DTYPE)
     acc0 = acc0 * alpha[:, None] + tl.dot(p_op, c0)
     acc1 = acc1 * alpha[:, None] + tl.dot(p_op, c1)
-    if LATENT_PARTS == 1:
-        acc2 = acc2 * alpha[:, None] + tl.dot(p_op, c2)
-        acc3 = acc3 * alpha[:, None] + tl.dot(p_op, c3)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p_op, c2)
+    acc3 = acc3 * alpha[:, None] + tl.dot(p_op, c3)
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
@@ -418,16 +409,12 @@ def _mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, TMA: tl.constexpr,
-    WIDEN: tl.constexpr, WIDEN_FACTOR: tl.constexpr, LATENT_PARTS: tl.constexpr, RESCALE_SLACK: tl.constexpr,
+    WIDEN: tl.constexpr, RESCALE_SLACK: tl.constexpr,
 ):
     """As _mla_decode_tc_kernel without its options (no swap, fp8_mma, q_scale or prob_scale): same partial
-    layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK]).
-    LATENT_PARTS 2: program (head block, part) computes the scores over all chunks but P.C and the stores for
-    its half of the latent columns only; its two chunks come first (k0), the other two (k2) feed the scores only."""
+    layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK])."""
     CHUNK: tl.constexpr = LATENT_DIM // 4
-    head_block = tl.program_id(0) // LATENT_PARTS
-    k0 = (tl.program_id(0) % LATENT_PARTS) * 2 * CHUNK        # 0, or 2 * CHUNK for the second half
-    k2 = 2 * CHUNK - k0
+    head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
@@ -442,18 +429,16 @@ def _mla_decode_split_kernel(
     offs_r = tl.arange(0, ROPE_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     q_rows = Q_LATENT + b * stride_lb + heads[:, None] * stride_lh + offs_k[None, :]
-    q0 = tl.load(q_rows + k0, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)           # [BLOCK_H, CHUNK]
-    q1 = tl.load(q_rows + k0 + CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
-    q2 = tl.load(q_rows + k2, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
-    q3 = tl.load(q_rows + k2 + CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q0 = tl.load(q_rows, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)                # [BLOCK_H, CHUNK]
+    q1 = tl.load(q_rows + CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q2 = tl.load(q_rows + 2 * CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q3 = tl.load(q_rows + 3 * CHUNK, mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
     q_r = tl.load(Q_PE + b * stride_pb + heads[:, None] * stride_ph + offs_r[None, :],
                   mask=h_mask[:, None], other=0.0).to(COMPUTE_DTYPE)                        # [BLOCK_H, Dr]
     row_scale = tl.full([BLOCK_H], sm_scale_log2, tl.float32)
     out_scale = 1.0
     if CACHE_IS_FP8:
         out_scale = tl.load(SCALE)
-        if WIDEN == 3:   # e4m3 widened by bit moves reads as its value times 2^-8: the 2^8 goes back in fp32 (exact)
-            out_scale = out_scale * WIDEN_FACTOR
         row_scale = row_scale * out_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -466,28 +451,26 @@ def _mla_decode_split_kernel(
     all_tokens = offs_n >= 0
     for n0 in range(start, full_end, BLOCK_N):
         c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
-                                             stride_cb, stride_cs, k0, k2, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
+                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
         m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
                                                            row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
-                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS, RESCALE_SLACK)
+                                                           COMPUTE_DTYPE, WIDEN, RESCALE_SLACK)
     for n0 in range(full_end, end, BLOCK_N):   # the split's last, partial tile (at most one trip)
         c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
-                                             stride_cb, stride_cs, k0, k2, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
+                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
         m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, n0 + offs_n < end, q0, q1, q2, q3,
                                                            q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3, True,
-                                                           COMPUTE_DTYPE, WIDEN, LATENT_PARTS, RESCALE_SLACK)
+                                                           COMPUTE_DTYPE, WIDEN, RESCALE_SLACK)
 
     empty = l_i == 0.0
     norm = (out_scale / tl.where(empty, 1.0, l_i))[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_i))
     out_rows = PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_k[None, :]
-    tl.store(out_rows + k0, acc0 * norm, mask=h_mask[:, None])
-    tl.store(out_rows + k0 + CHUNK, acc1 * norm, mask=h_mask[:, None])
-    if LATENT_PARTS == 1:
-        tl.store(out_rows + k2, acc2 * norm, mask=h_mask[:, None])
-        tl.store(out_rows + k2 + CHUNK, acc3 * norm, mask=h_mask[:, None])
-    if tl.program_id(0) % LATENT_PARTS == 0:
-        tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
+    tl.store(out_rows, acc0 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + CHUNK, acc1 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + 2 * CHUNK, acc2 * norm, mask=h_mask[:, None])
+    tl.store(out_rows + 3 * CHUNK, acc3 * norm, mask=h_mask[:, None])
+    tl.store(PART_LSE + b * stride_eb + heads * stride_eh + split, lse2, mask=h_mask)
 
 
 @on_tensor_device
@@ -497,8 +480,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
-               widen: bool | str | None = None, split_latent: bool | None = None,
-               latent_parts: int | None = None, lazy_rescale: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               widen: bool | None = None, split_latent: bool | None = None,
+               lazy_rescale: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -511,11 +494,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     _mla_decode_tc_kernel, with TMA copies where page_size % block_n == 0; needs power-of-two Dc and Dr;
     widen: the tile kernel over an fp8 cache widens each tile to fp16 once, by inline PTX, and both products
     read that fp16 tile, instead of the compiler's cast in each MMA operand layout: kernels/BENCHMARKS.md;
-    widen="bits": the same with integer bit moves instead of cvt (_widen_fp8_bits; the split-latent kernel,
-    elsewhere as True); split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
+    split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
     score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale;
-    latent_parts=2 (split_latent only): two programs per head block, each with P.C and the output of half the
-    latent columns (half the accumulator, so 64 heads fit one warp group), both computing the full scores)."""
+    lazy_rescale (split_latent only): the running max moves only when a tile's exceeds it by more than 2^8
+    (RESCALE_SLACK), so most tiles skip the accumulator rescale)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -553,7 +535,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
-                       ("latent_parts", latent_parts), ("lazy_rescale", lazy_rescale)):
+                       ("lazy_rescale", lazy_rescale)):
         if value is not None:
             cfg[key] = value
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
@@ -575,13 +557,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         "all tensors must be on one device"
 
     page_size = cache.shape[1]
-    split_kernel = tile_kernel and cfg.get("split_latent") and latent_dim >= 64 and not (cfg["swap"] or fp8_mma
-                                                                                         or fp8_attention)
-    parts = cfg.get("latent_parts", 1)
-    assert parts in (1, 2) and (parts == 1 or split_kernel), \
-        f"latent_parts must be 1, or 2 with the split-latent kernel; got {parts} (split_latent={cfg.get('split_latent')})"
     head_blocks = triton.cdiv(heads, block_h)
-    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks * parts, block_n,
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
                                                cfg["programs_per_sm"], device, num_splits,
                                                whole_waves=True)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
@@ -591,23 +568,20 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
                part_lse.stride(0), part_lse.stride(1))
     q_scale_stride = q_scale.stride(0) if q_quant == 2 and q_scale.dim() == 1 else 0   # per head, or one scale
-    assert cfg.get("widen", False) in (False, True, "bits"), f"widen must be a bool or 'bits', got {cfg['widen']!r}"
-    e4m3 = cache.dtype == torch.float8_e4m3fn
-    widen_code = (1 if e4m3 else 2) if fp8 and not fp8_mma and cfg.get("widen") else 0
-    if split_kernel:
+    widen_code = (1 if cache.dtype == torch.float8_e4m3fn else 2) if fp8 and not fp8_mma and cfg.get("widen") else 0
+    if tile_kernel and cfg.get("split_latent") and latent_dim >= 64 and not (cfg["swap"] or fp8_mma or fp8_attention):
         use_tma = page_size % block_n == 0 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
         c_desc = pe_desc = cache
         if use_tma:
             rows = cache.view(-1, latent_dim + rope_dim)
             c_desc = TensorDescriptor.from_tensor(rows, [block_n, latent_dim // 4])
             pe_desc = TensorDescriptor.from_tensor(rows, [block_n, rope_dim])
-        _mla_decode_split_kernel[(head_blocks * parts, batch, num_splits)](
+        _mla_decode_split_kernel[(head_blocks, batch, num_splits)](
             q_latent, q_pe, cache, c_desc, pe_desc, block_table, seq_lens, scale if fp8 else seq_lens, part_out,
             part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
-            CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma,
-            WIDEN=widen_code + 2 if widen_code and cfg["widen"] == "bits" else widen_code, WIDEN_FACTOR=E4M3_BITS_FACTOR,
-            LATENT_PARTS=parts, RESCALE_SLACK=RESCALE_SLACK if cfg.get("lazy_rescale") else 0.0,
+            CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma, WIDEN=widen_code,
+            RESCALE_SLACK=RESCALE_SLACK if cfg.get("lazy_rescale") else 0.0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     if tile_kernel:

@@ -299,10 +299,13 @@ def test_decode_attention_nan_and_overflow(kern, saturate):
 
 # ------------------------------------------------------------------------------------------ MLA decode
 
-def _mla_case(lengths, page_size, heads, fmt, latent_dim=512, rope_dim=64):
+def _mla_case(lengths, page_size, heads, fmt, latent_dim=512, rope_dim=64, ramp=0.0):
+    """ramp: each sequence's rows grow linearly from 1x to (1 + ramp)x along its tokens (so do its scores)."""
     table, slots, num_blocks = _page_table(lengths, page_size)
     rows = torch.randn(sum(lengths), latent_dim + rope_dim)
     rows[:, latent_dim:] *= 4.0                            # RoPE part larger, as in DeepSeek-style models
+    if ramp:
+        rows *= torch.cat([torch.linspace(1.0, 1.0 + ramp, n) for n in lengths])[:, None]
     codes, scale, dense = _quantised(rows, fmt, per_head=False)
     cache = torch.zeros(num_blocks, page_size, latent_dim + rope_dim, dtype=CACHE_DTYPES[fmt])
     ref._write_slots(cache, slots, codes)
@@ -397,17 +400,15 @@ MLA_TILE_CONFIGS = [
                       split_latent=True), id="split-widen-32-8-5-h64"),
     pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=False,
                       split_latent=True), id="split-32-4-5-h16"),
-    # session 9: widen="bits" (codes widened by integer bit moves; e4m3 as value * 2^-8, the 2^8 folded back)
-    pytest.param(dict(tma=True, block_n=64, num_warps=4, num_stages=5, swap=False, block_h=16, widen="bits",
-                      split_latent=True), id="split-bits-64-4-5-h16"),
-    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=5, swap=False, block_h=64, widen="bits",
-                      split_latent=True), id="split-bits-32-8-5-h64"),
-    # session 9: latent_parts=2 (two programs per head block, each with half of the output columns)
-    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=64, widen=True,
-                      split_latent=True, latent_parts=2), id="split-parts2-32-4-5-h64"),
-    pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=False,
-                      split_latent=True, latent_parts=2), id="split-parts2-32-4-5-h16"),
 ]
+# session 9: lazy rescaling (the running max moves only when a tile's exceeds it by more than 2^8)
+MLA_LAZY_CONFIGS = [
+    pytest.param(dict(tma=True, block_n=64, num_warps=4, num_stages=5, swap=False, block_h=16, widen=True,
+                      split_latent=True, lazy_rescale=True), id="split-lazy-64-4-5-h16"),
+    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=5, swap=False, block_h=64, widen=True,
+                      split_latent=True, lazy_rescale=True), id="split-lazy-32-8-5-h64"),
+]
+MLA_TILE_CONFIGS += MLA_LAZY_CONFIGS
 
 def _poison_unwritten(case, lengths: list[int]) -> None:
     """NaN in every cache slot that no sequence owns below its length (stale pages, tails of last pages)."""
@@ -438,35 +439,20 @@ def test_mla_tile_kernel_matches_fp64(kern, config, fmt, k_tol, page_size):
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
 
 
-# Every finite code of the format (random bytes; e4m3 NaN 0x7F/0xFF and e5m2 inf/NaN exponent 11111 replaced by
-# the largest finite code), then one NaN code in one token of sequence 1: the two widenings must agree bit for bit
-# (the same fp16 values reach the same MMAs; e4m3 "bits" carries 2^-8, folded back exactly in fp32), and the NaN
-# must reach every head of sequence 1 only.
-@pytest.mark.parametrize("fmt, nan_free_max", [pytest.param("e4m3", 0x7E, id="e4m3"),   # 448
-                                                  pytest.param("e5m2", 0x7B, id="e5m2")])  # 57344
-@pytest.mark.parametrize("config", [dict(block_n=64, num_warps=4, num_stages=5, block_h=16),
-                                    dict(block_n=32, num_warps=8, num_stages=5, block_h=64)], ids=["h16", "h64"])
-def test_mla_widen_bits_equals_cvt_on_every_code(kern, fmt, nan_free_max, config):
-    lengths, heads = [300, 4099, 77], 20 if config["block_h"] == 16 else 72   # partial head blocks
-    case = _mla_case(lengths, 64, heads, fmt)
-    codes = case.cache.view(torch.uint8)
-    codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=codes.device))
-    magnitude = codes & 0x7F
-    codes.copy_(torch.where(magnitude > nan_free_max, (codes & 0x80) | nan_free_max, codes))
-    case.scale.fill_(2.0 ** -9 if fmt == "e4m3" else 2.0 ** -17)   # scores of order 1 over codes up to 448 / 57344
-    cfg = dict(config, tma=True, swap=False, split_latent=True)
-    run = lambda widen: kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens,
-                                        case.scale, case.sm_scale, 5, widen=widen, **cfg)
-    cvt, bits = run(True), run("bits")
-    assert cvt[0].isfinite().all()
-    assert torch.equal(cvt[0], bits[0]) and torch.equal(cvt[1], bits[1]), \
-        f"{fmt} {config}: max difference {(cvt[0].float() - bits[0].float()).abs().max().item():.3g}"
-    token = 1000                                          # sequence 1, inside a whole (TMA) tile
-    slot = case.block_table[1, token // 64].long() * 64 + token % 64
-    case.cache.view(-1, case.cache.shape[2]).view(torch.uint8)[slot, 123] = 0x7F   # NaN in e4m3fn and in e5m2
-    cvt, bits = run(True), run("bits")
-    assert bits[0][1].isnan().all() and bits[0][[0, 2]].isfinite().all()
-    assert torch.equal(cvt[0].isnan(), bits[0].isnan())
+@pytest.mark.parametrize("config", MLA_LAZY_CONFIGS)
+@pytest.mark.parametrize("fmt, k_tol", [ATTENTION_FORMATS[0], ATTENTION_FORMATS[2]])
+def test_mla_lazy_rescale_on_growing_scores(kern, config, fmt, k_tol):
+    """Rows 1x to 40x along each sequence: score maxima climb by tens (log2) over the tiles, so the lazy
+    running max moves many times mid-split; NaN in every unowned slot; H = 20 or 72 (partial head blocks)."""
+    lengths = [4099, 300, 77]
+    case = _mla_case(lengths, 64, 20 if config["block_h"] == 16 else 72, fmt, ramp=39.0)
+    _poison_unwritten(case, lengths)
+    out, lse = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                               case.sm_scale, 5, **config)
+    truth, truth_lse, torch_out = _mla_truth_and_torch(case)
+    what = f"mla lazy rescale {fmt} {config}"
+    _assert_error_ratio(out, truth, torch_out, k_tol, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
 
 
 def _fp8_query(q: torch.Tensor) -> torch.Tensor:
