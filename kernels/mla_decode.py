@@ -156,7 +156,6 @@ def _mla_decode_kernel(
 # The tensor-core kernel (session 5): TMA tiles, full tiles unmasked, optional fp8 MMAs.
 # ---------------------------------------------------------------------------------------------------
 
-RESCALE_SLACK = 8.0   # lazy_rescale: P = 2^(s - m_i) <= 2^8 before the running max moves (split kernel)
 P_SCALE = 256.0   # fp8_mma: P in [0, 1] is stored as fp8(P * 2^8) (a power of two: undone exactly at the end)
 
 
@@ -355,40 +354,32 @@ def _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_
 
 @triton.jit
 def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3,
-                    MASKED: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr,
-                    RESCALE_SLACK: tl.constexpr):
+                    MASKED: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
     """One tile of the online softmax over the chunked latent (heads as M). The partial score products use
     max_num_imprecise_acc=1, which fp16/bf16 MMAs ignore, only so that Triton does not fold their sum back into
-    one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0).
-    RESCALE_SLACK > 0 (lazy rescaling): the running max m_i, and with it l_i and the accumulators, moves only when
-    some row's tile max exceeds it by more than RESCALE_SLACK (log2 units), so P = 2^(s - m_i) <= 2^RESCALE_SLACK
-    (fp16 keeps its relative precision there) and most tiles add P.C into the accumulators without a multiply."""
+    one accumulator chain (its dot(a, b, 0) + c -> dot(a, b, c) rewrite applies to max_num_imprecise_acc 0)."""
     c0 = _widen(c0, COMPUTE_DTYPE, WIDEN)
     c1 = _widen(c1, COMPUTE_DTYPE, WIDEN)
     c2 = _widen(c2, COMPUTE_DTYPE, WIDEN)
     c3 = _widen(c3, COMPUTE_DTYPE, WIDEN)
-    pe = _widen(pe, COMPUTE_DTYPE, WIDEN)
+    s = _mla_split_scores(c0, c1, c2, c3, _widen(pe, COMPUTE_DTYPE, WIDEN), q0, q1, q2, q3, q_r, row_scale)
+    return _mla_split_update(s, c0, c1, c2, c3, t_mask, m_i, l_i, acc0, acc1, acc2, acc3, MASKED, COMPUTE_DTYPE)
+
+
+@triton.jit
+def _mla_split_scores(c0, c1, c2, c3, pe, q0, q1, q2, q3, q_r, row_scale):
+    """Scores [BLOCK_H, BLOCK_N] of the widened chunks (log2 units, scale folded)."""
     s01 = tl.dot(q0, tl.trans(c0), max_num_imprecise_acc=1) + tl.dot(q1, tl.trans(c1), max_num_imprecise_acc=1)
     s23 = tl.dot(q2, tl.trans(c2), max_num_imprecise_acc=1) + tl.dot(q3, tl.trans(c3), max_num_imprecise_acc=1)
-    s = (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]   # [BLOCK_H, BLOCK_N]
+    return (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]
+
+
+@triton.jit
+def _mla_split_update(s, c0, c1, c2, c3, t_mask, m_i, l_i, acc0, acc1, acc2, acc3, MASKED: tl.constexpr,
+                      COMPUTE_DTYPE: tl.constexpr):
+    """The online-softmax update with scores s and the widened chunks c0..c3."""
     if MASKED:
         s = tl.where(t_mask[None, :], s, float("-inf"))
-    if RESCALE_SLACK > 0:
-        m_tile = tl.max(s, axis=1)
-        if tl.max(m_tile - m_i, axis=0) > RESCALE_SLACK:   # always on the first tile (m_i = -inf)
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            m_i = m_new
-        p = tl.math.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        p_op = p.to(COMPUTE_DTYPE)
-        return (m_i, l_i, tl.dot(p_op, c0, acc0), tl.dot(p_op, c1, acc1), tl.dot(p_op, c2, acc2),
-                tl.dot(p_op, c3, acc3))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -401,6 +392,22 @@ def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, 
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
+@triton.jit
+def _mla_split_ahead(C_DESC, PE_DESC, table_row, n0, full_end, q0, q1, q2, q3, q_r, row_scale,
+                     LATENT_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """Scores of the whole tile at token n0 by TMA (page 0 where n0 is past the split's whole tiles: a trip
+    with nothing ahead reads a valid page and its scores go unused)."""
+    page = tl.load(table_row + n0 // PAGE_SIZE, mask=n0 < full_end, other=0)
+    row = page * PAGE_SIZE + n0 % PAGE_SIZE
+    c0 = _widen(C_DESC.load([row, 0]), COMPUTE_DTYPE, WIDEN)
+    c1 = _widen(C_DESC.load([row, CHUNK]), COMPUTE_DTYPE, WIDEN)
+    c2 = _widen(C_DESC.load([row, 2 * CHUNK]), COMPUTE_DTYPE, WIDEN)
+    c3 = _widen(C_DESC.load([row, 3 * CHUNK]), COMPUTE_DTYPE, WIDEN)
+    pe = _widen(PE_DESC.load([row, LATENT_DIM]), COMPUTE_DTYPE, WIDEN)
+    return _mla_split_scores(c0, c1, c2, c3, pe, q0, q1, q2, q3, q_r, row_scale)
+
+
 @triton.jit(do_not_specialize=["stride_eb", "stride_eh"])
 def _mla_decode_split_kernel(
     Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
@@ -409,7 +416,7 @@ def _mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, TMA: tl.constexpr,
-    WIDEN: tl.constexpr, RESCALE_SLACK: tl.constexpr,
+    WIDEN: tl.constexpr, SCORES_AHEAD: tl.constexpr,
 ):
     """As _mla_decode_tc_kernel without its options (no swap, fp8_mma, q_scale or prob_scale): same partial
     layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK])."""
@@ -449,18 +456,32 @@ def _mla_decode_split_kernel(
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     table_row = BLOCK_TABLE + b * stride_tb
     all_tokens = offs_n >= 0
-    for n0 in range(start, full_end, BLOCK_N):
-        c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
-                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
-        m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
-                                                           row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
-                                                           COMPUTE_DTYPE, WIDEN, RESCALE_SLACK)
+    if SCORES_AHEAD:   # each trip's score product is for the next tile (TMA-read and widened again there)
+        last = tl.maximum(full_end - BLOCK_N, start)
+        s_next = _mla_split_ahead(C_DESC, PE_DESC, table_row, start, full_end, q0, q1, q2, q3, q_r, row_scale,
+                                  LATENT_DIM, CHUNK, PAGE_SIZE, COMPUTE_DTYPE, WIDEN)
+        for n0 in range(start, full_end, BLOCK_N):
+            s = s_next
+            s_next = _mla_split_ahead(C_DESC, PE_DESC, table_row, tl.minimum(n0 + BLOCK_N, last), full_end, q0, q1,
+                                      q2, q3, q_r, row_scale, LATENT_DIM, CHUNK, PAGE_SIZE, COMPUTE_DTYPE, WIDEN)
+            c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
+                                                 stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_update(
+                s, _widen(c0, COMPUTE_DTYPE, WIDEN), _widen(c1, COMPUTE_DTYPE, WIDEN), _widen(c2, COMPUTE_DTYPE, WIDEN),
+                _widen(c3, COMPUTE_DTYPE, WIDEN), all_tokens, m_i, l_i, acc0, acc1, acc2, acc3, False, COMPUTE_DTYPE)
+    else:
+        for n0 in range(start, full_end, BLOCK_N):
+            c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
+                                                 stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
+                                                               row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
+                                                               COMPUTE_DTYPE, WIDEN)
     for n0 in range(full_end, end, BLOCK_N):   # the split's last, partial tile (at most one trip)
         c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
                                              stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
         m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, n0 + offs_n < end, q0, q1, q2, q3,
                                                            q_r, row_scale, m_i, l_i, acc0, acc1, acc2, acc3, True,
-                                                           COMPUTE_DTYPE, WIDEN, RESCALE_SLACK)
+                                                           COMPUTE_DTYPE, WIDEN)
 
     empty = l_i == 0.0
     norm = (out_scale / tl.where(empty, 1.0, l_i))[:, None]
@@ -481,7 +502,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
                widen: bool | None = None, split_latent: bool | None = None,
-               lazy_rescale: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               scores_ahead: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -495,9 +516,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     widen: the tile kernel over an fp8 cache widens each tile to fp16 once, by inline PTX, and both products
     read that fp16 tile, instead of the compiler's cast in each MMA operand layout: kernels/BENCHMARKS.md;
     split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
-    score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale;
-    lazy_rescale (split_latent only): the running max moves only when a tile's exceeds it by more than 2^8
-    (RESCALE_SLACK), so most tiles skip the accumulator rescale)."""
+    score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -535,7 +554,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
-                       ("lazy_rescale", lazy_rescale)):
+                       ("scores_ahead", scores_ahead)):
         if value is not None:
             cfg[key] = value
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
@@ -581,7 +600,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma, WIDEN=widen_code,
-            RESCALE_SLACK=RESCALE_SLACK if cfg.get("lazy_rescale") else 0.0,
+            SCORES_AHEAD=bool(cfg.get("scores_ahead")) and use_tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     if tile_kernel:
