@@ -362,22 +362,10 @@ def _mla_split_step(c0, c1, c2, c3, pe, t_mask, q0, q1, q2, q3, q_r, row_scale, 
     c1 = _widen(c1, COMPUTE_DTYPE, WIDEN)
     c2 = _widen(c2, COMPUTE_DTYPE, WIDEN)
     c3 = _widen(c3, COMPUTE_DTYPE, WIDEN)
-    s = _mla_split_scores(c0, c1, c2, c3, _widen(pe, COMPUTE_DTYPE, WIDEN), q0, q1, q2, q3, q_r, row_scale)
-    return _mla_split_update(s, c0, c1, c2, c3, t_mask, m_i, l_i, acc0, acc1, acc2, acc3, MASKED, COMPUTE_DTYPE)
-
-
-@triton.jit
-def _mla_split_scores(c0, c1, c2, c3, pe, q0, q1, q2, q3, q_r, row_scale):
-    """Scores [BLOCK_H, BLOCK_N] of the widened chunks (log2 units, scale folded)."""
+    pe = _widen(pe, COMPUTE_DTYPE, WIDEN)
     s01 = tl.dot(q0, tl.trans(c0), max_num_imprecise_acc=1) + tl.dot(q1, tl.trans(c1), max_num_imprecise_acc=1)
     s23 = tl.dot(q2, tl.trans(c2), max_num_imprecise_acc=1) + tl.dot(q3, tl.trans(c3), max_num_imprecise_acc=1)
-    return (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]
-
-
-@triton.jit
-def _mla_split_update(s, c0, c1, c2, c3, t_mask, m_i, l_i, acc0, acc1, acc2, acc3, MASKED: tl.constexpr,
-                      COMPUTE_DTYPE: tl.constexpr):
-    """The online-softmax update with scores s and the widened chunks c0..c3."""
+    s = (s01 + s23 + tl.dot(q_r, tl.trans(pe), max_num_imprecise_acc=1)) * row_scale[:, None]   # [BLOCK_H, BLOCK_N]
     if MASKED:
         s = tl.where(t_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -392,22 +380,6 @@ def _mla_split_update(s, c0, c1, c2, c3, t_mask, m_i, l_i, acc0, acc1, acc2, acc
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
-@triton.jit
-def _mla_split_ahead(C_DESC, PE_DESC, table_row, n0, full_end, q0, q1, q2, q3, q_r, row_scale,
-                     LATENT_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     COMPUTE_DTYPE: tl.constexpr, WIDEN: tl.constexpr):
-    """Scores of the whole tile at token n0 by TMA (page 0 where n0 is past the split's whole tiles: a trip
-    with nothing ahead reads a valid page and its scores go unused)."""
-    page = tl.load(table_row + n0 // PAGE_SIZE, mask=n0 < full_end, other=0)
-    row = page * PAGE_SIZE + n0 % PAGE_SIZE
-    c0 = _widen(C_DESC.load([row, 0]), COMPUTE_DTYPE, WIDEN)
-    c1 = _widen(C_DESC.load([row, CHUNK]), COMPUTE_DTYPE, WIDEN)
-    c2 = _widen(C_DESC.load([row, 2 * CHUNK]), COMPUTE_DTYPE, WIDEN)
-    c3 = _widen(C_DESC.load([row, 3 * CHUNK]), COMPUTE_DTYPE, WIDEN)
-    pe = _widen(PE_DESC.load([row, LATENT_DIM]), COMPUTE_DTYPE, WIDEN)
-    return _mla_split_scores(c0, c1, c2, c3, pe, q0, q1, q2, q3, q_r, row_scale)
-
-
 @triton.jit(do_not_specialize=["stride_eb", "stride_eh"])
 def _mla_decode_split_kernel(
     Q_LATENT, Q_PE, CACHE, C_DESC, PE_DESC, BLOCK_TABLE, SEQ_LENS, SCALE, PART_OUT, PART_LSE,
@@ -416,7 +388,7 @@ def _mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, TMA: tl.constexpr,
-    WIDEN: tl.constexpr, SCORES_AHEAD: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """As _mla_decode_tc_kernel without its options (no swap, fp8_mma, q_scale or prob_scale): same partial
     layout and formula, the latent dimension in 4 chunks of LATENT_DIM / 4 (C_DESC's block is [BLOCK_N, CHUNK])."""
@@ -456,26 +428,12 @@ def _mla_decode_split_kernel(
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     table_row = BLOCK_TABLE + b * stride_tb
     all_tokens = offs_n >= 0
-    if SCORES_AHEAD:   # each trip's score product is for the next tile (TMA-read and widened again there)
-        last = tl.maximum(full_end - BLOCK_N, start)
-        s_next = _mla_split_ahead(C_DESC, PE_DESC, table_row, start, full_end, q0, q1, q2, q3, q_r, row_scale,
-                                  LATENT_DIM, CHUNK, PAGE_SIZE, COMPUTE_DTYPE, WIDEN)
-        for n0 in range(start, full_end, BLOCK_N):
-            s = s_next
-            s_next = _mla_split_ahead(C_DESC, PE_DESC, table_row, tl.minimum(n0 + BLOCK_N, last), full_end, q0, q1,
-                                      q2, q3, q_r, row_scale, LATENT_DIM, CHUNK, PAGE_SIZE, COMPUTE_DTYPE, WIDEN)
-            c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
-                                                 stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_update(
-                s, _widen(c0, COMPUTE_DTYPE, WIDEN), _widen(c1, COMPUTE_DTYPE, WIDEN), _widen(c2, COMPUTE_DTYPE, WIDEN),
-                _widen(c3, COMPUTE_DTYPE, WIDEN), all_tokens, m_i, l_i, acc0, acc1, acc2, acc3, False, COMPUTE_DTYPE)
-    else:
-        for n0 in range(start, full_end, BLOCK_N):
-            c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
-                                                 stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
-                                                               row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
-                                                               COMPUTE_DTYPE, WIDEN)
+    for n0 in range(start, full_end, BLOCK_N):
+        c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
+                                             stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, TMA, False)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _mla_split_step(c0, c1, c2, c3, pe, all_tokens, q0, q1, q2, q3, q_r,
+                                                           row_scale, m_i, l_i, acc0, acc1, acc2, acc3, False,
+                                                           COMPUTE_DTYPE, WIDEN)
     for n0 in range(full_end, end, BLOCK_N):   # the split's last, partial tile (at most one trip)
         c0, c1, c2, c3, pe = _mla_split_tile(C_DESC, PE_DESC, CACHE, table_row, n0, offs_n, offs_k, offs_r, end,
                                              stride_cb, stride_cs, LATENT_DIM, CHUNK, PAGE_SIZE, False, True)
@@ -501,8 +459,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
-               widen: bool | None = None, split_latent: bool | None = None,
-               scores_ahead: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               widen: bool | None = None, split_latent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -553,8 +510,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
-                       ("scores_ahead", scores_ahead)):
+                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent)):
         if value is not None:
             cfg[key] = value
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
@@ -600,7 +556,6 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             part_lse, sm_scale * LOG2E, tokens_per_split, heads, *strides,
             LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, BLOCK_H=block_h, PAGE_SIZE=page_size, BLOCK_N=block_n,
             CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, TMA=use_tma, WIDEN=widen_code,
-            SCORES_AHEAD=bool(cfg.get("scores_ahead")) and use_tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out, merge_splits(part_out, part_lse, out)
     if tile_kernel:

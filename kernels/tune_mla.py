@@ -239,8 +239,7 @@ def _time_kind(kind: str, results: list[tuple[str, dict, dict]], batch: int, ctx
 
 def _entry(kind: str, cfg: dict) -> str:
     """One kernels/configs.py line (wrapped at 120 columns) for `kind`."""
-    keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma", "widen",
-            "split_latent", "scores_ahead")
+    keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma", "widen", "split_latent")
     head, parts = f'    "{kind}": dict(', [f"{k}={cfg[k]!r}" for k in keys if k in cfg]
     lines, line = [], head
     for i, part in enumerate(parts):

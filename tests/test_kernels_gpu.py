@@ -397,11 +397,6 @@ MLA_TILE_CONFIGS = [
                       split_latent=True), id="split-widen-32-8-5-h64"),
     pytest.param(dict(tma=True, block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16, widen=False,
                       split_latent=True), id="split-32-4-5-h16"),
-    # session 9: each trip's score product for the next tile (TMA only; page 16 takes the plain loop)
-    pytest.param(dict(tma=True, block_n=32, num_warps=8, num_stages=5, swap=False, block_h=64, widen=True,
-                      split_latent=True, scores_ahead=True), id="split-ahead-32-8-5-h64"),
-    pytest.param(dict(tma=True, block_n=64, num_warps=8, num_stages=2, swap=False, block_h=64, widen=True,
-                      split_latent=True, scores_ahead=True), id="split-ahead-64-8-2-h64"),
 ]
 
 def _poison_unwritten(case, lengths: list[int]) -> None:
