@@ -1,4 +1,4 @@
-"""Session 8 A/B of launch variants, same process, round robin: `python -m kernels.ab_s8 [--write]`.
+"""A/B of launch variants, same process, round robin: `python -m kernels.ab [--kinds K,..] [--write]`.
 
 Each candidate is compiled and checked in worker processes first (as kernels.tune_mla does): against fp64 over
 e4m3 and e5m2 caches (kernels.tune.check_gqa / check_mla, error ratio to torch bf16's <= 2), or for gqa_fp8_pv
@@ -9,12 +9,11 @@ candidate without programs_per_sm is timed at each of the kind's programs/SM and
 the fastest candidate (geometric mean over the shapes) into kernels/configs.py only if it is >= 1% faster than
 the current entry by that mean and not slower than 0.99x at any shape; "reference" candidates are never landed.
 
-Call 1 (session 8) compared widen="v" for gqa_fp8 and, for MLA, Triton's automatic warp specialization of the
-tile loop (`tl.range(..., warp_specialize=True)`) and 16 warps at 128 heads; the MLA variants lost everywhere
-and were removed (kernels/BENCHMARKS.md, session 8). This file holds call 2's candidates: the split plan of the
-widened-V GQA kernel (whole waves of its measured residency: 3 programs/SM at 128/4/2, 149 registers and 73.7 KB
-of shared memory in the offline sm_90 build; 4-5 at 64/4/2, 107 registers, 39 KB) and widen="v" for P in fp8
-(call 3: `--kinds gqa_fp8_pv`, over the four target shapes).
+CANDIDATES holds the latest session's variants; earlier sessions' candidates and their numbers are in
+kernels/BENCHMARKS.md (session 8: widen="v" and whole waves for GQA, warp specialization and 16 warps for MLA;
+session 9: for MLA, widen="bits" (e4m3 widened by integer bit moves instead of cvt), latent_parts=2 (a program
+per half of the output columns), lazy rescaling and scores_ahead (each trip's score product for the next tile);
+all lost, their code removed).
 """
 
 from __future__ import annotations
@@ -29,32 +28,19 @@ import time
 
 from kernels.tune_mla import CONFIGS_PATH, write_configs
 
-SHAPES = {"gqa_fp8": [(8, 32768), (8, 131072), (32, 32768), (32, 131072)],
-          "gqa_fp8_pv": [(8, 32768), (8, 131072), (32, 32768), (32, 131072)]}
-GQA = dict(prefetch=False, swap=False)
+SHAPES = {"mla_fp8": [(8, 8192), (8, 32768), (32, 32768), (8, 131072)],
+          "mla_fp8_many_heads": [(8, 8192), (8, 32768), (32, 32768)]}
+MLA = dict(prefetch=False, swap=False, tma=True, split_latent=True, programs_per_sm=1)
 
 
-def _g(block_n, warps, stages, **kw):
-    return dict(GQA, block_n=block_n, num_warps=warps, num_stages=stages, **kw)
-
-
-def _w(block_n, stages, pps, whole=True):
-    return _g(block_n, 4, stages, widen="v", programs_per_sm=pps, whole_waves=whole)
+def _mla(block_n, warps, stages, block_h, **kw):
+    return dict(MLA, block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h, widen=True, **kw)
 
 
 CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
-    "gqa_fp8": [("widen v 128/4/2 pps 8 (current)", _w(128, 2, 8, False)),
-                ("plain 128/4/2 pps 8 (session 7, reference)", _g(128, 4, 2, programs_per_sm=8, widen=False)),
-                ("widen v 128/4/2 pps 4", _w(128, 2, 4, False)), ("widen v 128/4/2 pps 16", _w(128, 2, 16, False)),
-                ("widen v 128/4/2 whole 3", _w(128, 2, 3)), ("widen v 128/4/2 whole 6", _w(128, 2, 6)),
-                ("widen v 128/4/2 whole 9", _w(128, 2, 9)), ("widen v 128/4/3 whole 6", _w(128, 3, 6)),
-                ("widen v 64/4/2 pps 8", _w(64, 2, 8, False)), ("widen v 64/4/2 whole 4", _w(64, 2, 4)),
-                ("widen v 64/4/2 whole 8", _w(64, 2, 8)), ("widen v 64/4/2 whole 12", _w(64, 2, 12))],
-    # call 2 timed gqa_fp8_pv at 32k only and landed widen v 64/4/2 at 8 programs/SM, which the bench after it
-    # measured 3-4% slower at 128k: call 3 times the option over the four shapes
-    "gqa_fp8_pv": [("plain 128/4/2 pps 8 (current)", _g(128, 4, 2, programs_per_sm=8)),
-                   ("widen v 128/4/2 pps 8", _w(128, 2, 8, False)), ("widen v 128/4/2 whole 6", _w(128, 2, 6)),
-                   ("widen v 64/4/2 pps 8", _w(64, 2, 8, False)), ("widen v 64/4/2 whole 8", _w(64, 2, 8))],
+    # session 9's variants lost and their code was removed (kernels/BENCHMARKS.md); a new one goes below its entry
+    "mla_fp8": [("split widen 64/4/5 (current)", _mla(64, 4, 5, 16))],
+    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 
@@ -177,7 +163,7 @@ def main() -> None:
         else:
             report.append(f"{kind}: current entry kept")
         print(report[-1], flush=True)
-    with open(os.path.join(args.out, "ab_s8.json"), "w") as f:
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump(dict(prepared=prepared, report=report, winners=winners), f, indent=1)
     print("\n".join(report), flush=True)
     if args.write and winners:
