@@ -13,7 +13,7 @@ refused by the launchers (NaN on Triton 3.6). gqa_fp8_pv: GQA with P in fp8
 compiler in each MMA operand layout; split_latent (MLA, session 7): the latent dimension in 4 chunks
 (_mla_decode_split_kernel). Both measured in kernels/BENCHMARKS.md (session 7); the sweeps time with CUDA graphs.
 widen="v" (GQA, session 8): only the V tile widened (K by the compiler's cast); whole_waves (GQA, session 8; MLA
-always): the split count rounded down to whole waves of programs_per_sm programs per SM (kernels.ab_s8).
+always): the split count rounded down to whole waves of programs_per_sm programs per SM (kernels.ab).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ KINDS = ("gqa_fp8", "gqa_fp8_pv", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_ma
 KINDS += ("mla_fp8_mma", "mla_fp8_mma_many_heads")   # MLA's fp8_mma option (mla_decode(..., fp8_mma=True))
 
 H100 = {
-    # session 8 (kernels.ab_s8, same process, two rounds): only V widened once (widen="v", call 1): 0.2219 vs 0.2292
+    # session 8 (kernels.ab, same process, two rounds): only V widened once (widen="v", call 1): 0.2219 vs 0.2292
     # ms at batch 8, 32k, 0.7516 vs 0.8323 at batch 32, 32k (best programs/SM of each); then the split plan in whole
     # waves of 6 programs/SM (2 waves of its 3 resident programs, call 2): 0.2091 / 0.7517 / 0.7493 / 2.929 ms at
     # batch 8 32k / 8 128k / 32 32k / 32 128k against 0.2206 / 0.7816 / 0.8227 / 3.227 at 8 programs/SM
@@ -35,7 +35,7 @@ H100 = {
     # P (and Q) in fp8 over an e4m3 cache (prob_scale given). The plain layout: fp8 operands widened in the MMA's
     # operand layout (0.230 ms at batch 8, 32k); swap reaches fp8 wgmma but Triton 3.6 transposes the fp8 V tile
     # through shared memory a byte at a time (0.417 ms) (python -m kernels.tune --fp8-attention, H100)
-    # session 8 (kernels.ab_s8, call 3): V and the e4m3 P widened to fp16 (P.V on fp16 MMAs), 64-token tiles, whole
+    # session 8 (kernels.ab, call 3): V and the e4m3 P widened to fp16 (P.V on fp16 MMAs), 64-token tiles, whole
     # waves of 8 programs/SM: 0.2143 / 0.7843 / 0.7846 / 3.032 ms at batch 8 32k / 8 128k / 32 32k / 32 128k against
     # 0.2301 / 0.8957 / 0.8380 / 3.234 for the plain entry above it (kernel vs its fp64 emulation 1.00x torch's error)
     "gqa_fp8_pv": dict(block_n=64, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=8,
