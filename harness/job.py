@@ -9,6 +9,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -617,27 +618,34 @@ def _replay_units_in_processes(config: RunConfig, scenarios, calibration_chats, 
     import concurrent.futures as futures
     import multiprocessing
 
-    references = {str(d) for d in config.models}
     jobs = min(config.jobs, sum(1 + len(_model_paths(config, d)) for d in config.models))
     done_before = len(store.read("done"))
+    # tasks wait here, not in the pool's queue, so a free worker takes the longest one ready: a path task costs about
+    # what its model's reference task took (the same turns through one backend), and the heaviest model's paths
+    # last would leave one core idle at the end; references (cost not yet known) go first, in the run's order
+    ready = [(float("inf"), Path(directory), None, None) for directory in config.models]
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                      initializer=_worker_init, initargs=(config.out,)) as pool:
-        pending = {pool.submit(_unit_worker, config, directory, None, scenarios, calibration_chats): str(directory)
-                   for directory in config.models}
+        pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
         try:
-            while pending:
+            while pending or ready:
+                while ready and len(pending) < jobs:
+                    _, directory, path_name, scores = ready.pop(0)
+                    future = pool.submit(_unit_worker, config, directory, path_name, scenarios, calibration_chats,
+                                         scores)
+                    pending[future] = (directory, path_name, time.monotonic())
                 finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_COMPLETED)
                 finished_units = len(store.read("done")) - done_before
                 if bar and finished_units != bar.n:
                     bar.update(finished_units - bar.n)
                 for future in finished:
                     reference_scores = future.result()  # a worker's exception stops the run, finished units kept
-                    directory = pending.pop(future)
-                    if directory in references:  # its reference is stored: its paths may start
-                        references.discard(directory)
-                        for path in _model_paths(config, Path(directory)):
-                            pending[pool.submit(_unit_worker, config, Path(directory), path.name, scenarios,
-                                                calibration_chats, reference_scores)] = "path"
+                    directory, path_name, started = pending.pop(future)
+                    if path_name is None:  # a reference task: its model's paths may start
+                        took = time.monotonic() - started
+                        ready += [(took, directory, path.name, reference_scores)
+                                  for path in _model_paths(config, directory)]
+                        ready.sort(key=lambda task: -task[0])
             if bar:
                 bar.update(len(store.read("done")) - done_before - bar.n)
             store.edit_manifest(lambda m: _in_config_order(m, config))
