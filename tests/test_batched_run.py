@@ -127,3 +127,46 @@ def test_batched_scoring_applies_the_path_s_attention_options(tmp_path):
     assert kl["one"] and all(v > 1.0 for v in kl["one"]), kl  # the fault moves the scores: nats, not noise
     # the same forward passes over the same tokens; batched products move values by the batch-invariance floor
     assert kl["batched"] == pytest.approx(kl["one"], rel=0.05), kl
+
+
+@pytest.fixture
+def refuse_per_head(monkeypatch):
+    """The route refuses to batch per-head paths (a stand-in for any path the engine cannot batch, so the test
+    outlives each real refusal); the route cache is cleared before and after."""
+    from harness.replay import route
+
+    real = route._batch_refusal
+
+    def refusing(kv_path, capture):
+        if kv_path is not None and kv_path.granularity == "per_head":
+            return f"path {kv_path.name}: refused for this test"
+        return real(kv_path, capture)
+
+    route._decide.cache_clear()
+    monkeypatch.setattr(route, "_batch_refusal", refusing)
+    yield
+    route._decide.cache_clear()
+
+
+def test_a_path_refused_batching_runs_alone_and_the_others_stay_batched(tiny_models, tmp_path, refuse_per_head):
+    """One unbatchable path keeps only itself one sequence at a time: every other path's rows are exactly those of
+    the same batched run without it (no tolerance: the same batches on the same inputs), and the refused path
+    ran through the one-sequence engine (its implementation check ran: attn_impl_* rows)."""
+    common = ["--scenarios", str(SCENARIOS), "--select", "id:smoke-arith", "--no-progress", "--batch-size", "3",
+              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict"]
+    without, with_refused = tmp_path / "without", tmp_path / "with"
+    assert main(["run", "--out", str(without), "--paths", "bf16,fp8_e4m3", *common]) == 0
+    assert main(["run", "--out", str(with_refused), "--paths", "bf16,fp8_e4m3,fp8_e4m3:per_head", *common]) == 0
+    for table in ("records", "series", "texts"):
+        rows = [r for r in _rows(with_refused, table) if r["path"] != "fp8_e4m3:per_head"]
+        assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, _rows(without, table))), table
+    refused = [r for r in _rows(with_refused, "records") if r["path"] == "fp8_e4m3:per_head"]
+    assert any(r["metric"] == "attn_impl_err_ratio" for r in refused)
+    assert not any(r["metric"] == "attn_impl_err_ratio" for r in _rows(without, "records"))
+    manifest = json.loads((with_refused / "manifest.json").read_text())
+    batching = manifest["batching"]["gqa"]
+    assert batching["one_sequence_paths"] == {"fp8_e4m3:per_head": "path fp8_e4m3:per_head: refused for this test"}
+    assert batching["largest_batch"] >= 1 and "off" not in batching
+    routes = {p["name"]: p["routes"]["gqa"] for p in manifest["paths"]}
+    assert routes["fp8_e4m3:per_head"]["batched"] is False and "refused" in routes["fp8_e4m3:per_head"]["batch_refusal"]
+    assert routes["fp8_e4m3"]["batched"] is True and routes["fp8_e4m3"]["batch_refusal"] is None

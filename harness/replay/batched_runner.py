@@ -9,6 +9,10 @@ the batch-invariance floor bounds what the different composition can move). Teac
 every turn in one wave, the same for the reference and every path. `Replay` then runs unchanged over backends that answer from these results,
 so records, series and texts are built by one piece of code.
 
+A path whose route refuses batching (`route._batch_refusal`) is precomputed nothing: `Replay` runs it one sequence
+at a time through its own backend (`batched.ONE_SEQUENCE`), on the batched reference's replies, while the model's
+other paths stay batched; the manifest names it and why (`one_sequence_paths`).
+
 The batch-invariance floor (one model's reference, the same prompts alone vs in their batch) is measured
 per model and returned for the manifest.
 """
@@ -109,6 +113,9 @@ class BatchedReplay:
         self.model, self.store, self.history_mode, self.settings = model, store, history_mode, settings
         self.reference = PrecomputedBackend(reference, reference.label)
         self.candidates = [PrecomputedBackend(c, c.label) for c in candidates]
+        # a path its route refuses to batch (`route._batch_refusal`) is precomputed nothing: `Replay` runs it one
+        # sequence at a time through its own backend, beside the batched rest of the model
+        self.batchable = [c for c in self.candidates if c.inner.route.batch_refusal is None]
         self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done)
         self.batch_sizes: list[int] = []
         self.engines: list[BatchedEngine] = []
@@ -123,7 +130,7 @@ class BatchedReplay:
             floor = self._guarded(fallbacks, "batch-invariance floor",
                                   lambda: self._batch_invariance(pending, reference_replies)) or {}
             self._score_waves(self.reference, pending, reference_replies, fallbacks)
-            for candidate in self.candidates:
+            for candidate in self.batchable:
                 todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
                 done = self._guarded(fallbacks, candidate.label,
                                      lambda: self._candidate_waves(candidate, todo, reference_replies) or True)
@@ -134,6 +141,8 @@ class BatchedReplay:
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
                 "kernel_check_every": self.settings.kernel_check_every, "decode": self._decode_summary(),
                 "batch_invariance_floor": floor,
+                "one_sequence_paths": {c.label: c.inner.route.batch_refusal for c in self.candidates
+                                       if c not in self.batchable},
                 "one_at_a_time_fallbacks": fallbacks}
 
     @staticmethod

@@ -120,7 +120,9 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
     """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None: attention
     capture, decode-kernel plug-ins, FP8 attention (q/prob scales) and fault injectors run one sequence at a time
-    (the same engine, a batch of one row: `batched.ONE_SEQUENCE`).
+    (the same engine, a batch of one row: `batched.ONE_SEQUENCE`). A refused path runs so beside the model's batched
+    paths (`batched_runner.BatchedReplay`); attention capture, refused for the reference too, keeps the whole model
+    one sequence at a time (`job._replay_model`).
 
     Measured on the CPU tiny models, 4 left-padded rows against each alone (12 tokens): `kernel=dequant` and
     `kernel=reference` give the same tokens and kernel_steps (kernel_err_ratio equal to ~1e-13), but the plug-in
