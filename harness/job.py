@@ -728,7 +728,7 @@ def _reference_scores(store: RunStore, label: str, reference, scenarios) -> dict
 ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
 # What the client knows of an endpoint's route: the server decides kernels and batching, and does not say
 ENDPOINT_ROUTE = {"decode_kernel": "the server's (not observable from the client)", "batched": None,
-                  "batch_refusal": None, "decode": "the server's", "capture": None}
+                  "batch_refusal": None, "batch_floor": None, "decode": "the server's", "capture": None}
 
 
 async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:

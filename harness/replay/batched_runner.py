@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from harness.replay.batched import BatchedEngine, BatchSettings
+from harness.replay.route import OWN_FLOOR, batch_floor
 from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages
 from harness.scenarios.load import Scenario
 from harness.types import Generation, Message, Scores
@@ -125,10 +126,15 @@ class BatchedReplay:
         pending = [s for s in scenarios if not self._all_done(s)]
         fallbacks: list[str] = []
         reference_replies = self._guarded(fallbacks, REFERENCE, lambda: self._reference_waves(pending))
-        floor = {}
+        floor, own_floors = {}, {}
         if reference_replies is not None:
             floor = self._guarded(fallbacks, "batch-invariance floor",
-                                  lambda: self._batch_invariance(pending, reference_replies)) or {}
+                                  lambda: self._batch_invariance(self.reference, pending, reference_replies)) or {}
+            for candidate in self.batchable:  # a path whose route says the reference's floor does not bound it
+                if batch_floor(candidate.inner.kv_path) == OWN_FLOOR:
+                    own_floors[candidate.label] = self._guarded(
+                        fallbacks, f"{candidate.label} batch-invariance floor",
+                        lambda: self._batch_invariance(candidate, pending, reference_replies)) or {}
             self._score_waves(self.reference, pending, reference_replies, fallbacks)
             for candidate in self.batchable:
                 todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
@@ -140,7 +146,7 @@ class BatchedReplay:
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
                 "kernel_check_every": self.settings.kernel_check_every, "decode": self._decode_summary(),
-                "batch_invariance_floor": floor,
+                "batch_invariance_floor": floor, "batch_invariance_floors": own_floors,
                 "one_sequence_paths": {c.label: c.inner.route.batch_refusal for c in self.candidates
                                        if c not in self.batchable},
                 "one_at_a_time_fallbacks": fallbacks}
@@ -263,26 +269,31 @@ class BatchedReplay:
             f"{backend.label} scores: {type(error).__name__}: {error}"[:300])
 
     # -- batch-invariance floor ---------------------------------------------------------------------------
-    def _batch_invariance(self, scenarios: Sequence[Scenario], reference: dict[str, list[TurnReply]]) -> dict:
-        """The reference's first-turn replies scored alone vs in one batch: how much batching alone moves."""
+    def _batch_invariance(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+                          reference: dict[str, list[TurnReply]]) -> dict:
+        """`backend`'s teacher-forced log-probs of the reference's first-turn replies scored alone vs in one batch:
+        how much batching alone moves (the reference's: every path's floor, unless its route says it needs its own,
+        `route.batch_floor`)."""
         asked = []
         for scenario in scenarios:
             first = next((r for r in reference.get(scenario.id, []) if not r.fixed and r.token_ids), None)
             if first is not None:
                 messages = _messages(scenario, reference[scenario.id], first.turn)
-                asked.append((self.reference.inner.owner.encode_chat(messages), first.token_ids))
+                asked.append((backend.inner.owner.encode_chat(messages), first.token_ids))
         asked = asked[:max(FLOOR_SEQUENCES, 2)]
         if len(asked) < 2:
             return {"sequences": len(asked), "note": "fewer than 2 generated replies: not measured"}
         prompts, targets = [p for p, _ in asked], [c for _, c in asked]
-        batched = self._engine(self.reference).score(prompts, targets)
+        batched = self._engine(backend).score(prompts, targets)
         alone_settings = BatchSettings(batch_size=1, kernel_check_every=self.settings.kernel_check_every,
                                        decode=self.settings.decode)
-        alone = BatchedEngine(self.reference.inner, alone_settings).score(prompts, targets)
+        alone = BatchedEngine(backend.inner, alone_settings).score(prompts, targets)
         diffs = [(a - b).abs().max().item() for a, b in zip(alone, batched)]
         kls = [torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1).mean().item()
                for a, b in zip(alone, batched)]
         argmax_same = sum(int((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(alone, batched))
+        who = "reference" if backend is self.reference else f"path {backend.label}"
         return {"sequences": len(asked), "batch": len(asked), "max_abs_logprob_diff": max(diffs),
                 "kl_mean": sum(kls) / len(kls), "argmax_identical_sequences": argmax_same,
-                "how": "reference teacher-forced log-probs of first-turn replies, batch of all vs one at a time"}
+                "how": f"{who} teacher-forced log-probs of the reference's first-turn replies, batch of all vs one "
+                       f"at a time"}
