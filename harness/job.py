@@ -487,7 +487,8 @@ def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, 
     from harness.replay.batched_runner import BatchedReplay
 
     settings = BatchSettings(config.batch_size, config.kernel_check_every, config.decode)
-    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
+    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done,
+                           attention=config.attention)
     batching = replay.run(scenarios)
 
     def edit(manifest: dict) -> None:

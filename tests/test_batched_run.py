@@ -204,3 +204,26 @@ def test_fp8_attention_runs_batched_with_its_own_floor(tiny_models, tmp_path):
     routes = {p["name"]: p["routes"]["gqa"] for p in manifest["paths"]}
     assert routes["fp8_e4m3:fp8_q:fp8_p"]["batched"] and routes["fp8_e4m3:fp8_q:fp8_p"]["batch_floor"] == "own"
     assert routes["bf16"]["batch_floor"] == "reference"
+
+
+@pytest.mark.slow  # two runs with attention capture: ~40 s on the shared 2-core machine
+def test_attention_capture_runs_beside_a_batched_replay(tiny_models, tmp_path):
+    """--attention with --batch-size: generation and scoring batched, attention capture's own pass one sequence at a
+    time on the reference's replies. Where the batched reference replied as the one-at-a-time one, the captured
+    rows are exactly the one-at-a-time run's (the same pass on the same tokens: no tolerance)."""
+    common = ["--scenarios", str(SCENARIOS), "--paths", "fp8_e4m3", "--no-progress", "--attention", "isolated",
+              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict", "--yardstick", "none"]
+    one, batched = tmp_path / "one", tmp_path / "batched"
+    assert main(["run", "--out", str(one), *common]) == 0
+    assert main(["run", "--out", str(batched), "--batch-size", "3", *common]) == 0
+    manifest = json.loads((batched / "manifest.json").read_text())
+    assert "off" not in manifest["batching"]["gqa"] and manifest["batching"]["gqa"]["largest_batch"] > 1
+    reference = {run: {(r["scenario"], r["turn"]): r["token_ids"] for r in _rows(run, "texts") if r["path"] == "reference"}
+                 for run in (one, batched)}
+    same = {key for key, ids in reference[one].items() if reference[batched].get(key) == ids}
+    assert len(same) >= len(reference[one]) * 3 // 4, reference  # near-tie flips only (see the test above)
+
+    def captured(run: Path) -> list[str]:
+        return sorted(json.dumps(r, sort_keys=True) for r in _rows(run, "attention") if (r["scenario"], r["turn"]) in same)
+
+    assert captured(one) and captured(one) == captured(batched)

@@ -98,6 +98,11 @@ class PrecomputedBackend:
         for key, logprobs in zip(chunk, scored):
             self.scores[key] = Scores(logprobs=logprobs)
 
+    async def attention_error(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        """Attention capture's own teacher-forced pass (`replay/attention.py`): one sequence at a time, beside the
+        batched generation and scoring (it measures on the reference's reply, which the batches produced)."""
+        return await self.inner.attention_error(messages, continuation_ids, options)
+
     async def aclose(self) -> None:
         return None
 
@@ -110,14 +115,16 @@ class BatchedReplay:
     """One model's in-process replay in batches; `run` stores exactly what `Replay.run` would."""
 
     def __init__(self, model: str, reference, candidates: Sequence, store, history_mode: str,
-                 settings: BatchSettings, on_unit_done=None):
+                 settings: BatchSettings, on_unit_done=None, attention=None):
+        """attention: `replay.attention.AttentionOptions` (capture each path's attention error; None: no capture)."""
         self.model, self.store, self.history_mode, self.settings = model, store, history_mode, settings
         self.reference = PrecomputedBackend(reference, reference.label)
         self.candidates = [PrecomputedBackend(c, c.label) for c in candidates]
         # a path its route refuses to batch (`route._batch_refusal`) is precomputed nothing: `Replay` runs it one
         # sequence at a time through its own backend, beside the batched rest of the model
         self.batchable = [c for c in self.candidates if c.inner.route.batch_refusal is None]
-        self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done)
+        self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done,
+                             attention=attention)
         self.batch_sizes: list[int] = []
         self.engines: list[BatchedEngine] = []
 

@@ -125,19 +125,18 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 
 
 def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
-    """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None: attention
-    capture runs one sequence at a time (the same engine, a batch of one row: `batched.ONE_SEQUENCE`). A refused path runs so beside the model's batched
-    paths (`batched_runner.BatchedReplay`); attention capture, refused for the reference too, keeps the whole model
-    one sequence at a time (`job._replay_model`).
+    """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None. The one place
+    such a refusal is decided: a refused path runs one sequence at a time (the same engine, a batch of one row:
+    `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
+    reference's keeps the whole model so (`job._replay_model`).
 
-    Attention capture's teacher-forced pass (`replay/attention._run_chunks`) is its own loop over one sequence's
-    chunks, not the engine's. (Batched since: fault injectors, caught by the implementation check, which probes every
-    row of a batch; FP8 attention, bounded by its own batch-invariance floor, `batch_floor`; `kernel=` plug-ins,
-    every call judged and timed in a batch too, `kernel_every_call`: measured on the CPU tiny models, 4 left-padded
-    rows against each alone (12 tokens), `kernel=dequant` and `kernel=reference` give the same tokens and
-    kernel_steps, kernel_err_ratio equal to ~1e-13.)"""
-    if capture:
-        return "attention capture (--attention) observes one sequence at a time"
+    None refused today. Batched since, each with what was measured: fault injectors (the implementation check that
+    catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
+    `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
+    tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the
+    same tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention capture (its own teacher-forced pass,
+    `replay/attention._run_chunks`, still runs one sequence at a time, on the reference replies the batches made:
+    `batched_runner.PrecomputedBackend.attention_error`)."""
     return None
 
 
