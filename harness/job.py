@@ -356,12 +356,15 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
     backends = [loaded.backend(path) for path in paths]
     _note_scales(store, label, backends)
     _note_family(store, label, loaded, paths)
-    routes = _note_routes(store, config, label, loaded, paths)
-    unbatchable = next((r.batch_refusal for r in routes if r.batch_refusal), None) if config.batched else None
-    if unbatchable:  # said, and recorded beside the batch settings, never silently changed
+    reference, routes = _note_routes(store, config, label, loaded, paths)
+    unbatchable = reference.batch_refusal if config.batched else None
+    if unbatchable:  # the whole model (its reference too): said, and recorded beside the batch settings
         warn(f"{label}: replayed one sequence at a time: {unbatchable}")
         store.edit_manifest(lambda m: m.setdefault("batching", {}).__setitem__(label, {"off": unbatchable}))
     elif config.batched:
+        for path, route in zip(paths, routes):  # only these paths: the rest of the model runs batched
+            if route.batch_refusal:
+                warn(f"{label}: path {path.name} replayed one sequence at a time: {route.batch_refusal}")
         _replay_batched(config, label, loaded, backends, scenarios, store, on_unit_done)
         return
     replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done,
@@ -455,19 +458,21 @@ TENSOR_PARALLEL_ONE_AT_A_TIME = ("tensor parallel: one sequence at a time (the b
                                  "static columns and CUDA graphs are not built for a rank's slice of the model)")
 
 
-def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: list[KVPath]) -> list:
-    """Each path's route on this model (`harness.replay.route`), stored in the manifest's `paths[].routes`."""
+def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: list[KVPath]) -> tuple:
+    """The reference's route and each path's on this model (`harness.replay.route`), the paths' stored in the
+    manifest's `paths[].routes`. A refusal of the reference's (attention capture) keeps the whole model one
+    sequence at a time; a path's own refusal keeps only that path so (`BatchedReplay`)."""
     from harness.replay.route import decide
 
-    def routes_for(batched: bool) -> list:
-        return [decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, batched=batched,
-                       decode=config.decode, capture=config.attention is not None) for path in paths]
+    def route_of(path: KVPath | None, batched: bool):
+        return decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, batched=batched,
+                      decode=config.decode, capture=config.attention is not None)
 
-    routes = routes_for(config.batched)
-    refusal = next((r.batch_refusal for r in routes if r.batch_refusal), None)
-    # one path that cannot be batched keeps the whole model one sequence at a time (`_replay_model`)
-    described = {path.name: {**route.describe(), "batch_refusal": route.batch_refusal or refusal}
-                 for path, route in zip(paths, routes_for(config.batched and refusal is None))}
+    reference = route_of(None, config.batched)
+    whole_model = reference.batch_refusal if config.batched else None
+    routes = [route_of(path, config.batched and whole_model is None) for path in paths]
+    described = {path.name: {**route.describe(), "batch_refusal": route.batch_refusal or whole_model}
+                 for path, route in zip(paths, routes)}
 
     def edit(manifest: dict) -> None:
         for entry in manifest["paths"]:
@@ -475,7 +480,7 @@ def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: 
                 entry.setdefault("routes", {})[label] = described[entry["name"]]
 
     store.edit_manifest(edit)
-    return routes
+    return reference, routes
 
 
 def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, store: RunStore, on_unit_done) -> None:
@@ -483,7 +488,8 @@ def _replay_batched(config: RunConfig, label: str, loaded, backends, scenarios, 
     from harness.replay.batched_runner import BatchedReplay
 
     settings = BatchSettings(config.batch_size, config.kernel_check_every, config.decode)
-    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done)
+    replay = BatchedReplay(label, loaded.backend(None), backends, store, config.history_mode, settings, on_unit_done,
+                           attention=config.attention)
     batching = replay.run(scenarios)
 
     def edit(manifest: dict) -> None:
@@ -731,7 +737,7 @@ def _reference_scores(store: RunStore, label: str, reference, scenarios) -> dict
 ENDPOINT_MODEL = "endpoint"  # the model label of runs against live servers
 # What the client knows of an endpoint's route: the server decides kernels and batching, and does not say
 ENDPOINT_ROUTE = {"decode_kernel": "the server's (not observable from the client)", "batched": None,
-                  "batch_refusal": None, "decode": "the server's", "capture": None}
+                  "batch_refusal": None, "batch_floor": None, "decode": "the server's", "capture": None}
 
 
 async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) -> None:

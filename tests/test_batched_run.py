@@ -38,7 +38,12 @@ def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     for key, ids in batched_texts.items():  # the bf16 path replies exactly as the reference in the batched run
         if key[2] == "bf16":
             assert ids == batched_texts[key[:2] + ("reference",) + key[3:]]
-    # the batched replay does not run the implementation check (attn_impl_*; harness/kv_paths/impl_check.py)
+    # both runs have the implementation check (attn_impl_*; harness/kv_paths/impl_check.py), every row of a batch
+    # probed; its ratio's yardstick (SDPA's bf16 error) moves with a row's padding, so its values are not compared here
+    # (tests/test_detection.py judges them batched against their limits)
+    assert {_key(r) for r in _rows(one, "records") if r["metric"] == "attn_impl_err_ratio"} == \
+        {_key(r) for r in _rows(batched, "records") if r["metric"] == "attn_impl_err_ratio"}
+
     def rows_of(run: Path, table: str) -> list[dict]:
         return [r for r in _rows(run, table) if not str(r.get("metric", "")).startswith("attn_impl_")]
 
@@ -127,3 +132,98 @@ def test_batched_scoring_applies_the_path_s_attention_options(tmp_path):
     assert kl["one"] and all(v > 1.0 for v in kl["one"]), kl  # the fault moves the scores: nats, not noise
     # the same forward passes over the same tokens; batched products move values by the batch-invariance floor
     assert kl["batched"] == pytest.approx(kl["one"], rel=0.05), kl
+
+
+@pytest.fixture
+def refuse_per_head(monkeypatch):
+    """The route refuses to batch per-head paths (a stand-in for any path the engine cannot batch, so the test
+    outlives each real refusal); the route cache is cleared before and after."""
+    from harness.replay import route
+
+    real = route._batch_refusal
+
+    def refusing(kv_path, capture):
+        if kv_path is not None and kv_path.granularity == "per_head":
+            return f"path {kv_path.name}: refused for this test"
+        return real(kv_path, capture)
+
+    route._decide.cache_clear()
+    monkeypatch.setattr(route, "_batch_refusal", refusing)
+    yield
+    route._decide.cache_clear()
+
+
+def test_a_path_refused_batching_runs_alone_and_the_others_stay_batched(tiny_models, tmp_path, refuse_per_head,
+                                                                        monkeypatch):
+    """One unbatchable path keeps only itself one sequence at a time: every other path's rows are exactly those of
+    the same batched run without it (no tolerance: the same batches on the same inputs), and the refused path
+    ran through the one-sequence engine (its batches were all of one row)."""
+    common = ["--scenarios", str(SCENARIOS), "--select", "id:smoke-arith", "--no-progress", "--batch-size", "3",
+              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict"]
+    without, with_refused = tmp_path / "without", tmp_path / "with"
+    assert main(["run", "--out", str(without), "--paths", "bf16,fp8_e4m3", *common]) == 0
+    from harness.replay import batched
+
+    engines: dict[str, set] = {}  # path label -> {"batch", "alone"}: how its generations ran
+    for name, how in (("generate", "batch"), ("generate_one", "alone")):
+        def spy(self, *args, _real=getattr(batched.BatchedEngine, name), _how=how, **kwargs):
+            engines.setdefault(self.backend.label, set()).add(_how)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(batched.BatchedEngine, name, spy)
+    assert main(["run", "--out", str(with_refused), "--paths", "bf16,fp8_e4m3,fp8_e4m3:per_head", *common]) == 0
+    assert engines["fp8_e4m3:per_head"] == {"alone"} and engines["fp8_e4m3"] == engines["reference"] == {"batch"}
+    for table in ("records", "series", "texts"):
+        rows = [r for r in _rows(with_refused, table) if r["path"] != "fp8_e4m3:per_head"]
+        assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, _rows(without, table))), table
+    refused = [r for r in _rows(with_refused, "records") if r["path"] == "fp8_e4m3:per_head"]
+    assert any(r["metric"] == "kl_mean" for r in refused)
+    manifest = json.loads((with_refused / "manifest.json").read_text())
+    batching = manifest["batching"]["gqa"]
+    assert batching["one_sequence_paths"] == {"fp8_e4m3:per_head": "path fp8_e4m3:per_head: refused for this test"}
+    assert batching["largest_batch"] >= 1 and "off" not in batching
+    routes = {p["name"]: p["routes"]["gqa"] for p in manifest["paths"]}
+    assert routes["fp8_e4m3:per_head"]["batched"] is False and "refused" in routes["fp8_e4m3:per_head"]["batch_refusal"]
+    assert routes["fp8_e4m3"]["batched"] is True and routes["fp8_e4m3"]["batch_refusal"] is None
+
+
+def test_fp8_attention_runs_batched_with_its_own_floor(tiny_models, tmp_path):
+    """An FP8-attention path (fp8_q / fp8_p) is batched and bounded by its own batch-invariance floor, measured on
+    the path in the run and stored beside the reference's (never the bf16 reference's floor in its place)."""
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3:fp8_q:fp8_p",
+                 "--no-progress", "--model", str(tiny_models["gqa"]), "--batch-size", "4",
+                 "--no-fail-on-verdict"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    batching = manifest["batching"]["gqa"]
+    assert batching["one_sequence_paths"] == {}
+    own = batching["batch_invariance_floors"]
+    assert set(own) == {"fp8_e4m3:fp8_q:fp8_p"}  # the other paths are bounded by the reference's floor
+    assert own["fp8_e4m3:fp8_q:fp8_p"]["sequences"] >= 2 and "path fp8_e4m3:fp8_q:fp8_p" in own["fp8_e4m3:fp8_q:fp8_p"]["how"]
+    assert own["fp8_e4m3:fp8_q:fp8_p"]["max_abs_logprob_diff"] >= 0
+    routes = {p["name"]: p["routes"]["gqa"] for p in manifest["paths"]}
+    assert routes["fp8_e4m3:fp8_q:fp8_p"]["batched"] and routes["fp8_e4m3:fp8_q:fp8_p"]["batch_floor"] == "own"
+    assert routes["bf16"]["batch_floor"] == "reference"
+
+
+@pytest.mark.slow  # two runs with attention capture: ~40 s on the shared 2-core machine
+def test_attention_capture_runs_beside_a_batched_replay(tiny_models, tmp_path):
+    """--attention with --batch-size: generation and scoring batched, attention capture's own pass one sequence at a
+    time on the reference's replies. Where the batched reference replied as the one-at-a-time one, the captured
+    rows are exactly the one-at-a-time run's (the same pass on the same tokens: no tolerance)."""
+    common = ["--scenarios", str(SCENARIOS), "--paths", "fp8_e4m3", "--no-progress", "--attention", "isolated",
+              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict", "--yardstick", "none"]
+    one, batched = tmp_path / "one", tmp_path / "batched"
+    assert main(["run", "--out", str(one), *common]) == 0
+    assert main(["run", "--out", str(batched), "--batch-size", "3", *common]) == 0
+    manifest = json.loads((batched / "manifest.json").read_text())
+    assert "off" not in manifest["batching"]["gqa"] and manifest["batching"]["gqa"]["largest_batch"] > 1
+    reference = {run: {(r["scenario"], r["turn"]): r["token_ids"] for r in _rows(run, "texts") if r["path"] == "reference"}
+                 for run in (one, batched)}
+    same = {key for key, ids in reference[one].items() if reference[batched].get(key) == ids}
+    assert len(same) >= len(reference[one]) * 3 // 4, reference  # near-tie flips only (see the test above)
+
+    def captured(run: Path) -> list[str]:
+        return sorted(json.dumps(r, sort_keys=True) for r in _rows(run, "attention") if (r["scenario"], r["turn"]) in same)
+
+    assert captured(one) and captured(one) == captured(batched)

@@ -6,6 +6,8 @@ the CPU: slow (minutes)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,33 @@ def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
             assert not row.caught, f"{name}: e5m2 failed: {row}"
     verdicts = [r for r in run_verdicts(run_dir) if r["path"] == "fp8_e5m2"]
     assert all(r["questions"]["implementation"] == "pass" for r in verdicts)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_attention_faults_fail_and_healthy_paths_pass_batched(tmp_path, device):
+    """The attention-arithmetic faults replayed batched (4 rows, left-padded; the implementation check probes each
+    row; on CUDA with graph decode, where it probes prefill and the eager steps): every fault still fails on the
+    implementation question, every healthy path passes, on the canary set."""
+    chosen = [*ARITHMETIC_FAULTS, *(ZooEntry("healthy", m, p, "pass") for m in MODELS for p in HEALTHY)]
+    config = dataclasses.replace(zoo_config(tmp_path / "run", (SETS["canary"],), chosen, device=device, jobs=1,
+                                            command="test_detection batched"), batch_size=4)
+    run_dir = run_job(config)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert all("off" not in b and not b["one_sequence_paths"] for b in manifest["batching"].values()), manifest
+    # caught by the arithmetic, never by NaN: padded rows once carried NaN from the faults' fp32 softmax of an empty
+    # mask row into real rows (kv_nonfinite up to 97792, attn_impl_err_ratio inf) and every fault "failed" on that
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+    assert all(r["value"] == 0 for r in records if r["metric"] == "kv_nonfinite")
+    ratios = [r for r in records if r["metric"] == "attn_impl_err_ratio"]
+    assert ratios and all(r["value"] is not None and math.isfinite(r["value"]) for r in ratios)
+    matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
+    rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
+    print(f"batched:\n{format_matrix(rows)}")
+    for row in rows:
+        assert row.turns > 0, f"batched: not run: {row.entry}"
+        if row.entry.expect == "fail":
+            assert row.caught and "implementation" in row.questions, f"batched: missed: {row}"
+        else:
+            assert not row.caught, f"batched: false alarm: {row}"

@@ -141,6 +141,42 @@ def test_probe_samples_decode_steps_and_skips_batched_calls():
     assert record["attn_impl_err_ratio"] < 1.5
 
 
+def test_a_batch_is_probed_row_by_row_each_on_its_own_real_tokens():
+    """Two sequences in one left-padded batch (row 0 padded by 5): each row is judged on its own real queries under
+    its own mask row, pooled into its own ratio. Row 1's output carries a 1% error (a fault), row 0's is exact
+    attention rounded once to bf16: row 0 stays healthy, row 1 fails; rows that leave the batch keep their row."""
+    from types import SimpleNamespace
+
+    class Module:
+        layer_idx = 0
+
+    pad, length = 5, 37
+    q, k, v = (torch.cat([t, t.roll(1, dims=2)]) for t in _inputs(length=length))  # [2, H, L, D], rows differ
+    scaling = q.shape[-1] ** -0.5
+    real = torch.ones(2, length, dtype=torch.long)
+    real[0, :pad] = 0
+    keys = torch.arange(length)
+    mask = (keys[None, :] <= keys[:, None])[None, None].repeat(2, 1, 1, 1)  # [2, 1, L, L] causal
+    mask[0, :, :, :pad] = False  # row 0 attends to none of its pads
+    mask[0, :, :pad, :pad] = torch.eye(pad, dtype=torch.bool)  # a pad query attends to itself (none left empty)
+    out = torch.empty(2, length, q.shape[1], v.shape[-1], dtype=torch.bfloat16)
+    row0 = _exact(q[:1, :, pad:], k[:1, :, pad:], v[:1, :, pad:], scaling)  # row 0's real tokens alone
+    out[0, pad:] = row0[0].to(torch.bfloat16)
+    out[0, :pad] = float("nan")  # pad queries: never read
+    out[1] = (_exact(q[1:], k[1:], v[1:], scaling)[0] * 1.01).to(torch.bfloat16)
+    step = SimpleNamespace(valid=real)
+    probe = impl_check.ImplProbe(options=impl_check.ProbeOptions(rows=4, max_heads=4), step=step, live=[0, 1])
+    probe.observe(Module(), q, k, v, mask, scaling, out)  # prefill: 4 real queries of each row
+    probe.select(torch.tensor([1]))  # row 0 leaves the batch; the batch's position 0 is now row 1
+    step.valid = torch.ones(1, 1, dtype=torch.long)
+    probe.observe(Module(), q[1:, :, -1:], k[1:], v[1:], mask[1:, :, -1:], scaling, out[1:, -1:])  # decode step 0
+    healthy, faulty = probe.row_records(2)
+    assert healthy["attn_impl_rows"] == 4 * 4 and faulty["attn_impl_rows"] == (4 + 1) * 4
+    # exact attention rounded once to bf16 sits at or below SDPA's own error (ratio ~1); a 1% error is ~100x it
+    assert healthy["attn_impl_err_ratio"] < IMPL.warn, healthy
+    assert faulty["attn_impl_err_ratio"] > IMPL.fail, faulty
+
+
 @pytest.fixture(scope="module")
 def canaries():
     from harness.replay.inprocess import InProcessModel

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness.kv_paths.spec import parse_path
-from harness.replay.route import ONE_AT_A_TIME, decide
+from harness.replay.route import EVERY_CALL_EAGER, ONE_AT_A_TIME, decide
 
 GQA = SimpleNamespace()  # a full-attention model: no MLA dims, no layer types, no sliding window
 MLA = SimpleNamespace(kv_lora_rank=64, qk_rope_head_dim=16)
@@ -41,17 +41,29 @@ def test_batch_and_decode_mode_and_their_refusals(monkeypatch):
     windowed = SimpleNamespace(sliding_window=4096, use_sliding_window=True)
     assert decide(parse_path("fp8_e4m3"), windowed, "cuda", True, batched=True, decode="static").decode == \
         "dynamic (static decode refused for this model: sliding window 4096)"
+    # a kernel= plug-in batches with every call judged and timed: eagerly, on static storage, where graphs were asked
     plugin = decide(parse_path("fp8_e4m3:kernel=reference"), GQA, "cuda", True, batched=True)
-    assert "kernel=" in plugin.batch_refusal and plugin.decode == ONE_AT_A_TIME
-    fp8_attention = decide(parse_path("fp8_e4m3:fp8_q"), GQA, "cuda", True, batched=True)
-    assert "FP8 attention" in fp8_attention.batch_refusal and fp8_attention.decode == ONE_AT_A_TIME
+    assert plugin.batch_refusal is None and plugin.kernel_every_call and plugin.decode == EVERY_CALL_EAGER
+    assert decide(parse_path("fp8_e4m3:kernel=dequant"), GQA, "cpu", False, batched=True).decode == "dynamic"
+    assert decide(parse_path("fp8_e4m3:kernel=dequant"), windowed, "cuda", True, batched=True).decode.startswith(
+        "dynamic (static decode refused")
+    ours = decide(parse_path("fp8_e4m3"), GQA, "cuda", True, batched=True)
+    assert ours.kernel == "triton" and not ours.kernel_every_call  # ours: checked every kernel_check_every-th step
+    # FP8 attention and fault injectors batch; FP8 attention is bounded by its own measured floor, not the reference's
+    fp8_attention = decide(parse_path("fp8_e4m3:fp8_q:fp8_p"), GQA, "cuda", True, batched=True)
+    assert fp8_attention.batch_refusal is None and fp8_attention.decode == "graph"
+    assert fp8_attention.batch_floor == "own" and fp8_attention.describe()["batch_floor"] == "own"
+    fault = decide(parse_path("fp8_e4m3:fault=scale_off"), GQA, "cpu", False, batched=True)
+    assert fault.batch_refusal is None and fault.decode == "dynamic" and fault.batch_floor == "reference"
+    assert decide(parse_path("fp8_e4m3:fp8_q"), GQA, "cpu", False).batch_floor is None  # not batched: no floor
 
 
 def test_capture_measures_kernel_rows_only_where_the_kernel_decodes(monkeypatch):
     monkeypatch.delenv("HARNESS_KERNELS", raising=False)
     plain = decide(parse_path("fp8_e4m3"), GQA, "cuda", True, batched=True, capture=True)
     assert plain.capture_kernel == "triton" and plain.capture == "torch rows and kernel:triton rows"
-    assert "attention capture" in plain.batch_refusal and plain.decode == ONE_AT_A_TIME
+    # capture batches: its own pass runs one sequence at a time beside the batched replay (PrecomputedBackend)
+    assert plain.batch_refusal is None and plain.decode == "graph"
     scaled = decide(parse_path("fp8_e4m3:fp8_q:fp8_p"), GQA, "cuda", True, capture=True)
     assert scaled.kernel == "triton" and scaled.capture_kernel is None and "q/prob scales" in scaled.capture
     cpu = decide(parse_path("fp8_e4m3"), GQA, "cpu", False, capture=True)

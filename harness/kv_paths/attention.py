@@ -56,8 +56,9 @@ class KernelAgreement:
     """A decode kernel's output against fp64 attention over the same stored codes, per sequence (row) of a batch (a
     sequence replayed alone is a batch of one row). Kept on the device while the batch decodes (no host sync per
     layer): steps [rows] int64, max_abs_err / max_ratio [rows] fp64, folded once at the end (`row_records`).
-    `step_s`: the wall time of each kernel call when `timed` (device synchronised before and after: one sequence at a
-    time; a batch's calls, some inside CUDA graphs, are not timed)."""
+    `step_s`: the wall time of each kernel call over the rows it computed, when `timed` (device synchronised before and
+    after: one sequence alone, and every call of a `kernel=` plug-in in a batch; our kernels' calls in a batch, some
+    inside CUDA graphs, are not timed)."""
 
     def __init__(self, rows: int = 1, device="cpu", timed: bool = False):
         self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -260,7 +261,8 @@ class PagedKV:
         out = self._kernel(module, query, quant)
         if cuda:
             torch.cuda.synchronize(query.device)
-        self.agreement.step_s.append(time.perf_counter() - start)
+        # per row: the call's time over the rows it computed (one sequence alone: the call's time)
+        self.agreement.step_s.append((time.perf_counter() - start) / query.shape[0])
         return out
 
     def _kernel(self, module, query: torch.Tensor, quant) -> torch.Tensor:
@@ -423,6 +425,23 @@ def _packs_gqa(query: torch.Tensor, key: torch.Tensor, mask, kwargs: dict) -> bo
             and mask.shape[1] == 1 and mask.shape[2] == 1)
 
 
+def _no_empty_rows(mask, length: int):
+    """A boolean mask [B, 1|H, T, L] in which a query that attends to no key (a left pad of a batch row: transformers'
+    padding mask leaves its row empty) attends to its own position instead, as static prefill's mask has it. SDPA
+    gives an empty row zeros; the fp32 softmax of FP8 attention (`kernels.reference.attention_fp8`) and of the fault
+    injectors gives NaN, which the pad's hidden state carries into the next layer's V, where a real row's 0 weight
+    times NaN is NaN (batched fp8_q:fp8_p read kl_mean inf on the tiny gqa model before this). A mask without empty
+    rows (one sequence alone, always) keeps its values; no host sync (a CUDA graph may capture this)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return mask
+    mask = mask[..., :length]
+    empty = ~mask.any(-1, keepdim=True)  # [B, 1|H, T, 1]
+    chunk = mask.shape[-2]
+    own = torch.arange(length, device=mask.device)[None, :] == \
+        torch.arange(length - chunk, length, device=mask.device)[:, None]  # [T, L]: query t's own key
+    return mask | (empty & own)
+
+
 def _beyond_sdpa(kwargs: dict) -> bool:
     """A call SDPA does not compute: attention sinks (gpt-oss `s_aux`) or logit soft-capping (Gemma 2)."""
     return kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
@@ -494,6 +513,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             # an unchecked step: the kernel's output is the output; torch's attention is only the yardstick of a
             # checked step, so it is not computed here
             return paged.decode(module, raw_query, None, quant), None
+        if fault or quant is not None:  # our fp32 softmax, not SDPA's: a padded query must not attend to nothing
+            attention_mask = _no_empty_rows(attention_mask, key.shape[2])
         if fault:  # the path's attention is the faulty arithmetic, kernels included
             from harness.kv_paths.faults import faulty_attention
 

@@ -28,8 +28,11 @@ every canary, its min down to 1.05 on the hybrid's short turns.
 
 Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
 `decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
-Batched calls (more than one sequence; the batched replay on CUDA) are not probed: there the check does not run,
-and fault-injector paths are replayed one sequence at a time (harness/job.py) so the check sees them. Decode steps
+A batch (the batched replay) is probed row by row: each row's real query positions (the engine's `StepState.valid`;
+rows are left-padded) against its own mask row, pooled per row, so every sequence gets its own ratio and fault
+injectors replay batched (tests/test_detection.py). A decode step replayed as a CUDA graph runs no Python and is
+not probed (graph decode: prefill and the eager steps). A batch observed without the engine's step (no row map) is
+not probed (`skipped_batched`). Decode steps
 served by a decode kernel are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`);
 on CUDA the check covers prefill and the torch-served steps.
 """
@@ -61,19 +64,34 @@ class ProbeOptions:
 
 @dataclass
 class ImplProbe:
-    """Pooled squared errors per (layer, head): [path error^2, torch error^2, floor^2, rows]."""
+    """Pooled squared errors per (row, layer, head): [path error^2, torch error^2, floor^2, rows], where row is a
+    sequence's row in the batch it started in (one sequence alone: row 0). `live` maps the batch's current
+    positions to those rows (rows that left the batch: `select`); `valid` ([live rows, chunk], the engine's
+    `StepState.valid` as the forward pass runs) says which query positions of each row are real tokens."""
 
     options: ProbeOptions = ProbeOptions()
     sums: dict = field(default_factory=dict)
     decode_calls: dict = field(default_factory=dict)
     skipped_batched: int = 0
+    step: object = None  # the engine's StepState (its `valid`); None: every query of a batch of one row is real
+    live: list = field(default_factory=lambda: [0])
+
+    def __deepcopy__(self, memo) -> None:
+        """A copy of a probed cache (the prefill kept for scoring, `inprocess.PrefillMemo`) is not probed: the
+        probe judges the generation it was attached to, and its row map and step are that generation's."""
+        return None
+
+    def select(self, index: torch.Tensor) -> None:
+        """The batch kept rows `index` (positions in the current batch), as the cache's `reorder_cache` did."""
+        self.live = [self.live[i] for i in index.tolist()]
 
     def observe(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scaling: float,
                 output: torch.Tensor) -> None:
         """query [B, Hq, T, D] (before the path quantises it), key/value [B, Hkv, L, D] as the attention function
         got them, output [B, T, Hq, Dv] (the path's actual output)."""
-        if query.shape[0] != 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.skipped_batched += 1  # a batch of sequences, or a CUDA graph being captured: not probed
+        if (query.is_cuda and torch.cuda.is_current_stream_capturing()) or \
+                (query.shape[0] != 1 and self.step is None):
+            self.skipped_batched += 1  # a CUDA graph being captured, or a batch with no row map: not probed
             return
         layer = int(module.layer_idx)
         chunk = query.shape[2]
@@ -82,26 +100,42 @@ class ImplProbe:
             self.decode_calls[layer] = calls + 1
             if calls % self.options.decode_every:
                 return
-        self._measure(module, layer, query, key, value, mask, scaling, output)
+        real = [chunk] if self.step is None else self.step.valid.sum(1).tolist()  # real queries per row
+        measured = [(b, self._measure(module, b, query, key, value, mask, scaling, output, chunk - n, n))
+                    for b, n in enumerate(real) if n]  # left-padded: a row's real queries end the chunk
+        if not measured:
+            return
+        pooled = torch.stack([errors for _, errors in measured]).cpu().tolist()  # one host sync per call
+        for (b, _), errors in zip(measured, pooled):
+            heads = errors.pop()
+            for i, head in enumerate(heads):
+                entry = self.sums.setdefault((self.live[b], layer, int(head)), [0.0, 0.0, 0.0, 0])
+                entry[0] += errors[0][i]
+                entry[1] += errors[1][i]
+                entry[2] += errors[2][i]
+                entry[3] += min(real[b], self.options.rows)
 
     @torch.inference_mode()
-    def _measure(self, module, layer: int, query, key, value, mask, scaling, output) -> None:
+    def _measure(self, module, b: int, query, key, value, mask, scaling, output, first: int,
+                 real: int) -> torch.Tensor:
+        """Row b's sampled queries (of its `real` queries from position `first` of the chunk) -> [4, Hs] fp64:
+        path error^2, torch error^2, floor^2, and the sampled heads."""
         from harness.kv_paths.capture import spread
 
         chunk, length, heads = query.shape[2], key.shape[2], query.shape[1]
-        rows = torch.tensor(spread(chunk, self.options.rows), device=query.device)
+        rows = torch.tensor([first + r for r in spread(real, self.options.rows)], device=query.device)
         head_idx = torch.tensor(spread(heads, self.options.max_heads), device=query.device)
-        valid = _valid(mask, rows, length, chunk, query.device)  # [R, L]
+        valid = _valid(mask, b, rows, length, chunk, query.device)  # [R, L]
         group = heads // key.shape[1]
         kv_idx = head_idx // group
-        q = query[0].index_select(0, head_idx).index_select(1, rows)  # [Hs, R, D] model dtype
-        k = key[0].index_select(0, kv_idx)  # [Hs, L, D]
-        v = value[0].index_select(0, kv_idx)
+        q = query[b].index_select(0, head_idx).index_select(1, rows)  # [Hs, R, D] model dtype
+        k = key[b].index_select(0, kv_idx)  # [Hs, L, D]
+        v = value[b].index_select(0, kv_idx)
         k64, v64 = k.double(), v.double()
-        declared = self.declared_output(module, layer, q, k64, v64, valid, scaling)  # [Hs, R, Dv] fp64
+        declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling)  # [Hs, R, Dv]
         plain = _attention64(q.double(), k64, v64, valid, scaling)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
-        actual = output[0].index_select(0, rows).index_select(1, head_idx).transpose(0, 1).double()
+        actual = output[b].index_select(0, rows).index_select(1, head_idx).transpose(0, 1).double()
         path_err = (actual - declared).square().sum(dim=(-1, -2))  # [Hs]
         # the error the declared numerics themselves produce in the attention dtype: an implementation that computes
         # them exactly still rounds its output once. With FP8 P the declared output sits elsewhere on the dtype's grid
@@ -110,33 +144,32 @@ class ImplProbe:
         rounding = (declared.to(query.dtype).double() - declared).square().sum(dim=(-1, -2))
         torch_err = torch.maximum((sdpa - plain).square().sum(dim=(-1, -2)), rounding)
         floor = plain.square().sum(dim=(-1, -2)) * (torch.finfo(query.dtype).eps / 8) ** 2
-        stacked = torch.stack([path_err, torch_err, floor]).cpu().tolist()
-        for i, head in enumerate(head_idx.tolist()):
-            entry = self.sums.setdefault((layer, head), [0.0, 0.0, 0.0, 0])
-            entry[0] += stacked[0][i]
-            entry[1] += stacked[1][i]
-            entry[2] += stacked[2][i]
-            entry[3] += rows.numel()
+        return torch.stack([path_err, torch_err, floor, head_idx.to(path_err.device, torch.float64)])
 
     def declared_output(self, module, layer, q, k, v, valid, scaling) -> torch.Tensor:
         return _attention64(q.double(), k, v, valid, scaling)
 
-    def as_record(self) -> dict[str, float]:
-        """attn_impl_err_ratio (the worst layer's, its heads pooled), that layer, its worst head (by the head's own
-        pooled ratio) and how many (row, head) pairs were compared."""
-        if not self.sums:
+    def row_records(self, rows: int) -> list[dict[str, float]]:
+        """`as_record` of each of a batch's `rows` rows (a row never probed: {})."""
+        return [self.as_record(row) for row in range(rows)]
+
+    def as_record(self, row: int = 0) -> dict[str, float]:
+        """Row `row`'s attn_impl_err_ratio (the worst layer's, its heads pooled), that layer, its worst head (by the
+        head's own pooled ratio) and how many (row, head) pairs were compared."""
+        sums = {(layer, head): e for (r, layer, head), e in self.sums.items() if r == row}
+        if not sums:
             return {}
         by_layer: dict[int, list[float]] = {}
-        for (layer, _), e in self.sums.items():
+        for (layer, _), e in sums.items():
             pooled = by_layer.setdefault(layer, [0.0, 0.0, 0.0])
             for i in range(3):
                 pooled[i] += e[i]
         layer_ratio = {layer: _ratio(e) for layer, e in by_layer.items()}
         worst = max(layer_ratio, key=lambda layer: (layer_ratio[layer], -layer))
-        heads = {head: _ratio(e) for (layer, head), e in self.sums.items() if layer == worst}
+        heads = {head: _ratio(e) for (layer, head), e in sums.items() if layer == worst}
         head = max(heads, key=lambda h: (heads[h], -h))
         return {"attn_impl_err_ratio": layer_ratio[worst], "attn_impl_worst_layer": float(worst),
-                "attn_impl_worst_head": float(head), "attn_impl_rows": float(sum(e[3] for e in self.sums.values()))}
+                "attn_impl_worst_head": float(head), "attn_impl_rows": float(sum(e[3] for e in sums.values()))}
 
 
 def _ratio(pooled: list[float]) -> float:
@@ -169,10 +202,11 @@ class DeclaredProbe(ImplProbe):
         return _attention_fp8_64(q, k, v, valid, scaling, quant)
 
 
-def attach(cache, options: ProbeOptions = ProbeOptions()) -> DeclaredProbe:
+def attach(cache, options: ProbeOptions = ProbeOptions(), step=None, rows: int = 1) -> DeclaredProbe:
     """One probe for all attention cache layers of `cache` (a path's, from `build_cache`); the attention function
-    finds it as the layer's `impl_probe`."""
-    probe = DeclaredProbe(options=options)
+    finds it as the layer's `impl_probe`. step: the engine's `StepState` of a batch of `rows` rows (None: one
+    sequence, every query real)."""
+    probe = DeclaredProbe(options=options, step=step, live=list(range(rows)))
     for index, layer in enumerate(cache.layers):
         if hasattr(layer, "kv_path"):
             probe.layers[index] = layer
@@ -180,10 +214,10 @@ def attach(cache, options: ProbeOptions = ProbeOptions()) -> DeclaredProbe:
     return probe
 
 
-def _valid(mask, rows: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
-    """[R, L] bool: the keys each sampled query row attends (the mask's, else causal)."""
+def _valid(mask, b: int, rows: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
+    """[R, L] bool: the keys each sampled query row of batch row b attends (the mask's, else causal)."""
     if isinstance(mask, torch.Tensor):
-        picked = mask[0, 0].index_select(0, rows)[..., :length]
+        picked = mask[min(b, mask.shape[0] - 1), 0].index_select(0, rows)[..., :length]
         return picked if picked.dtype == torch.bool else picked > -math.inf
     positions = rows + (length - chunk)
     return torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)

@@ -10,7 +10,8 @@ ordinary cache layers; write statistics are kept per row on the device (no host 
 
 On CUDA, FP8 decode steps go through the path's decode kernel over paged copies (`kv_paths.attention.PagedKV`,
 the same type one sequence alone uses, with one row per sequence); their agreement with an fp64 computation is
-checked on every `kernel_check_every`-th decode step (the kernel runs every step). Batches are cut to
+checked on every `kernel_check_every`-th decode step (the kernel runs every step; a `kernel=` plug-in is checked
+and timed on every step, docs/CONTRACTS.md). The implementation check probes every row. Batches are cut to
 `batch_size` sequences; a CUDA out-of-memory error halves the batch and retries it, keeping every finished row.
 """
 
@@ -24,7 +25,7 @@ import torch
 from harness.kv_paths import attention, impl_check
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, StepState, attach_paged
 from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, make_static
-from harness.replay.route import DECODE_MODES, static_decode_refusal  # noqa: F401 - re-exported
+from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.families import ssm_scan_bytes
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -45,8 +46,8 @@ class BatchSettings:
     # "auto": graph on CUDA, dynamic elsewhere
     decode: str = "auto"
     # a sequence replayed alone (`InProcessBackend`: one-at-a-time replay, serve, attention tools): a batch of one
-    # row whose every decode step checks the kernel and times it, whose generation the implementation check probes
-    # (impl_check.py; it reads one sequence's mask) and, on the CPU, keeps its prefill for scoring the same prompt
+    # row whose every decode step checks the kernel and times it and, on the CPU, keeps its prefill for scoring the
+    # same prompt (the implementation check, impl_check.py, probes every row of any batch)
     one_sequence: bool = False
 
     def __post_init__(self):
@@ -168,6 +169,9 @@ class BatchedEngine:
         if refusal is not None:
             self._fall_back(f"{mode} decode refused for this model: {refusal}")
             mode = "dynamic"
+        if mode == "graph" and self.backend.route.kernel_every_call:
+            self._fall_back(EVERY_CALL_EAGER)
+            mode = "static"
         if mode != "dynamic":
             try:
                 results = self._generate_static(items, graph=mode == "graph")
@@ -213,7 +217,8 @@ class BatchedEngine:
             for record, agreement in zip(records, agreements.row_records()):
                 record.update(agreement)
         if probe is not None:
-            records = [{**(records[0] or {}), **probe.as_record()}]
+            records = [{**(record or {}), **found}
+                       for record, found in zip(records, probe.row_records(len(outputs)))]
         self.on_batch("generate", len(outputs))
         return [RowResult(tokens, reason or "length", record) for tokens, reason, record in zip(outputs, finish, records)]
 
@@ -228,9 +233,7 @@ class BatchedEngine:
         ids, mask, positions, step, stats, cache = self._start_batch(prompts)
         fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
-        probe = None
-        if self.settings.one_sequence and self.backend.kv_path is not None and impl_check.enabled():
-            probe = impl_check.attach(cache)
+        probe = self._attach_probe(cache, step, rows)
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
@@ -245,14 +248,14 @@ class BatchedEngine:
                     break
                 if len(keep) < len(live):
                     index = torch.tensor(keep, device=self.device)
-                    _select_rows(cache, index, stats, step, fp8_path)
+                    _select_rows(cache, index, stats, step, fp8_path, probe)
                     mask, positions = mask[index], positions[index]
                     live = [live[i] for i in keep]
                     step_ids = step_ids[index]
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                 positions = positions[:, -1:] + 1
                 step.valid = mask[:, -1:]
-                step.check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
+                step.check = agreements is not None and decode_step % self._check_every() == 0
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         finally:
             attention.active_cache.reset(token)
@@ -275,6 +278,7 @@ class BatchedEngine:
         except ValueError as error:
             raise StaticDecodeUnavailable(str(error)) from error
         agreements = self._attach_kernels(cache, step, rows, max_len)
+        probe = self._attach_probe(cache, step, rows)
         seen = torch.zeros(rows, max_len, dtype=torch.bool, device=self.device)  # the columns each row attends to
         seen[:, :width] = mask.bool()
         outputs: list[list[int]] = [[] for _ in range(rows)]
@@ -289,12 +293,12 @@ class BatchedEngine:
                 if not keep:
                     break
                 kept = [live[i] for i in keep]
-                check = agreements is not None and decode_step % self.settings.kernel_check_every == 0
+                check = agreements is not None and decode_step % self._check_every() == 0
                 logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
                 live = kept
         finally:
             attention.active_cache.reset(token)
-        return self._row_results(outputs, finish, stats, agreements)
+        return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
                         seen: torch.Tensor) -> torch.Tensor:
@@ -334,13 +338,27 @@ class BatchedEngine:
         step.advance()
         return out.logits[:, -1].float()
 
+    def _attach_probe(self, cache, step: StepState, rows: int):
+        """The implementation check (impl_check.py) over every row of a path's generation (None: the reference, or
+        HARNESS_IMPL_CHECK=0). It sees each real query row of a prefill chunk and of every probed eager decode
+        step; a decode step replayed as a CUDA graph runs no Python, so graph decode probes its eager steps only."""
+        if self.backend.kv_path is None or not impl_check.enabled():
+            return None
+        return impl_check.attach(cache, step=step, rows=rows)
+
+    def _check_every(self) -> int:
+        """Decode steps between kernel checks: 1 for a `kernel=` plug-in (every call judged, docs/CONTRACTS.md),
+        else the setting (one sequence alone: 1)."""
+        return 1 if self.backend.route.kernel_every_call else self.settings.kernel_check_every
+
     def _attach_kernels(self, cache, step: StepState, rows: int, max_len: int) -> KernelAgreement | None:
         """The route's decode kernel over paged copies of `rows` rows with room for `max_len` tokens each; its
         agreement is checked on the steps the decode loop marks (`kernel_check_every`)."""
         kernel = self.backend.route.kernel
         if kernel is None:
             return None
-        agreement = KernelAgreement(rows, self.device, timed=self.settings.one_sequence)
+        agreement = KernelAgreement(rows, self.device,
+                                    timed=self.settings.one_sequence or self.backend.route.kernel_every_call)
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
         attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement)
         return agreement
@@ -528,12 +546,15 @@ def _scales_on_device(cache, device) -> None:
             layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
 
 
-def _select_rows(cache, index: torch.Tensor, stats: KVWriteStats, step: StepState, fp8_path: bool) -> None:
+def _select_rows(cache, index: torch.Tensor, stats: KVWriteStats, step: StepState, fp8_path: bool,
+                 probe=None) -> None:
     for layer in cache.layers:
         layer.reorder_cache(index)
     step.select(index)
     if fp8_path:
         stats.select(index)
+    if probe is not None:
+        probe.select(index)
 
 
 def _free_cuda() -> None:

@@ -9,6 +9,10 @@ the batch-invariance floor bounds what the different composition can move). Teac
 every turn in one wave, the same for the reference and every path. `Replay` then runs unchanged over backends that answer from these results,
 so records, series and texts are built by one piece of code.
 
+A path whose route refuses batching (`route._batch_refusal`) is precomputed nothing: `Replay` runs it one sequence
+at a time through its own backend (`batched.ONE_SEQUENCE`), on the batched reference's replies, while the model's
+other paths stay batched; the manifest names it and why (`one_sequence_paths`).
+
 The batch-invariance floor (one model's reference, the same prompts alone vs in their batch) is measured
 per model and returned for the manifest.
 """
@@ -21,6 +25,7 @@ from typing import Sequence
 import torch
 
 from harness.replay.batched import BatchedEngine, BatchSettings
+from harness.replay.route import OWN_FLOOR, batch_floor
 from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages
 from harness.scenarios.load import Scenario
 from harness.types import Generation, Message, Scores
@@ -93,6 +98,11 @@ class PrecomputedBackend:
         for key, logprobs in zip(chunk, scored):
             self.scores[key] = Scores(logprobs=logprobs)
 
+    async def attention_error(self, messages: Sequence[Message], continuation_ids: Sequence[int], options):
+        """Attention capture's own teacher-forced pass (`replay/attention.py`): one sequence at a time, beside the
+        batched generation and scoring (it measures on the reference's reply, which the batches produced)."""
+        return await self.inner.attention_error(messages, continuation_ids, options)
+
     async def aclose(self) -> None:
         return None
 
@@ -105,11 +115,16 @@ class BatchedReplay:
     """One model's in-process replay in batches; `run` stores exactly what `Replay.run` would."""
 
     def __init__(self, model: str, reference, candidates: Sequence, store, history_mode: str,
-                 settings: BatchSettings, on_unit_done=None):
+                 settings: BatchSettings, on_unit_done=None, attention=None):
+        """attention: `replay.attention.AttentionOptions` (capture each path's attention error; None: no capture)."""
         self.model, self.store, self.history_mode, self.settings = model, store, history_mode, settings
         self.reference = PrecomputedBackend(reference, reference.label)
         self.candidates = [PrecomputedBackend(c, c.label) for c in candidates]
-        self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done)
+        # a path its route refuses to batch (`route._batch_refusal`) is precomputed nothing: `Replay` runs it one
+        # sequence at a time through its own backend, beside the batched rest of the model
+        self.batchable = [c for c in self.candidates if c.inner.route.batch_refusal is None]
+        self.replay = Replay(model, self.reference, self.candidates, store, history_mode, on_unit_done,
+                             attention=attention)
         self.batch_sizes: list[int] = []
         self.engines: list[BatchedEngine] = []
 
@@ -118,12 +133,17 @@ class BatchedReplay:
         pending = [s for s in scenarios if not self._all_done(s)]
         fallbacks: list[str] = []
         reference_replies = self._guarded(fallbacks, REFERENCE, lambda: self._reference_waves(pending))
-        floor = {}
+        floor, own_floors = {}, {}
         if reference_replies is not None:
             floor = self._guarded(fallbacks, "batch-invariance floor",
-                                  lambda: self._batch_invariance(pending, reference_replies)) or {}
+                                  lambda: self._batch_invariance(self.reference, pending, reference_replies)) or {}
+            for candidate in self.batchable:  # a path whose route says the reference's floor does not bound it
+                if batch_floor(candidate.inner.kv_path) == OWN_FLOOR:
+                    own_floors[candidate.label] = self._guarded(
+                        fallbacks, f"{candidate.label} batch-invariance floor",
+                        lambda: self._batch_invariance(candidate, pending, reference_replies)) or {}
             self._score_waves(self.reference, pending, reference_replies, fallbacks)
-            for candidate in self.candidates:
+            for candidate in self.batchable:
                 todo = [s for s in pending if not self.store.is_done(self.model, s.id, candidate.label)]
                 done = self._guarded(fallbacks, candidate.label,
                                      lambda: self._candidate_waves(candidate, todo, reference_replies) or True)
@@ -133,7 +153,9 @@ class BatchedReplay:
         return {"batch_size": self.settings.batch_size or "auto (free GPU memory)",
                 "largest_batch": max(self.batch_sizes, default=0), "batches": len(self.batch_sizes),
                 "kernel_check_every": self.settings.kernel_check_every, "decode": self._decode_summary(),
-                "batch_invariance_floor": floor,
+                "batch_invariance_floor": floor, "batch_invariance_floors": own_floors,
+                "one_sequence_paths": {c.label: c.inner.route.batch_refusal for c in self.candidates
+                                       if c not in self.batchable},
                 "one_at_a_time_fallbacks": fallbacks}
 
     @staticmethod
@@ -254,26 +276,31 @@ class BatchedReplay:
             f"{backend.label} scores: {type(error).__name__}: {error}"[:300])
 
     # -- batch-invariance floor ---------------------------------------------------------------------------
-    def _batch_invariance(self, scenarios: Sequence[Scenario], reference: dict[str, list[TurnReply]]) -> dict:
-        """The reference's first-turn replies scored alone vs in one batch: how much batching alone moves."""
+    def _batch_invariance(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+                          reference: dict[str, list[TurnReply]]) -> dict:
+        """`backend`'s teacher-forced log-probs of the reference's first-turn replies scored alone vs in one batch:
+        how much batching alone moves (the reference's: every path's floor, unless its route says it needs its own,
+        `route.batch_floor`)."""
         asked = []
         for scenario in scenarios:
             first = next((r for r in reference.get(scenario.id, []) if not r.fixed and r.token_ids), None)
             if first is not None:
                 messages = _messages(scenario, reference[scenario.id], first.turn)
-                asked.append((self.reference.inner.owner.encode_chat(messages), first.token_ids))
+                asked.append((backend.inner.owner.encode_chat(messages), first.token_ids))
         asked = asked[:max(FLOOR_SEQUENCES, 2)]
         if len(asked) < 2:
             return {"sequences": len(asked), "note": "fewer than 2 generated replies: not measured"}
         prompts, targets = [p for p, _ in asked], [c for _, c in asked]
-        batched = self._engine(self.reference).score(prompts, targets)
+        batched = self._engine(backend).score(prompts, targets)
         alone_settings = BatchSettings(batch_size=1, kernel_check_every=self.settings.kernel_check_every,
                                        decode=self.settings.decode)
-        alone = BatchedEngine(self.reference.inner, alone_settings).score(prompts, targets)
+        alone = BatchedEngine(backend.inner, alone_settings).score(prompts, targets)
         diffs = [(a - b).abs().max().item() for a, b in zip(alone, batched)]
         kls = [torch.nn.functional.kl_div(b, a, log_target=True, reduction="none").sum(-1).mean().item()
                for a, b in zip(alone, batched)]
         argmax_same = sum(int((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(alone, batched))
+        who = "reference" if backend is self.reference else f"path {backend.label}"
         return {"sequences": len(asked), "batch": len(asked), "max_abs_logprob_diff": max(diffs),
                 "kl_mean": sum(kls) / len(kls), "argmax_identical_sequences": argmax_same,
-                "how": "reference teacher-forced log-probs of first-turn replies, batch of all vs one at a time"}
+                "how": f"{who} teacher-forced log-probs of the reference's first-turn replies, batch of all vs one "
+                       f"at a time"}

@@ -46,13 +46,18 @@ class Route:
     kernel_refusal: str | None  # why decode does not run through a kernel (None when `kernel` is set)
     kernel_label: str  # the kernel as the run names it, or the refusal
     batch_refusal: str | None  # why the path replays one sequence at a time in a batched run (None: batchable)
+    batch_floor: str | None  # which batch-invariance floor bounds the path when batched (None: not batched)
     decode: str  # what a generation of this path runs: one at a time, or the batched decode mode
     capture: str | None  # what attention capture measures (None: no capture asked)
     capture_kernel: str | None  # the kernel whose rows capture measures beside torch's (None: torch's only)
+    # a `kernel=` plug-in: every call of it judged and timed, in a batch too (docs/CONTRACTS.md); False: ours, judged
+    # every `kernel_check_every`-th decode step of a batch, untimed there
+    kernel_every_call: bool = False
 
     def describe(self) -> dict:
         return {"decode_kernel": self.kernel_label, "batched": self.decode != ONE_AT_A_TIME,
-                "batch_refusal": self.batch_refusal, "decode": self.decode, "capture": self.capture}
+                "batch_refusal": self.batch_refusal, "batch_floor": self.batch_floor, "decode": self.decode,
+                "capture": self.capture}
 
 
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
@@ -75,10 +80,12 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
         capture_refusal = capture_kernel_refusal(kv_path, kernel)
         capture_kernel = kernel if capture_refusal is None else None
         measured = f"torch rows and kernel:{kernel} rows" if capture_kernel else f"torch rows ({capture_refusal})"
+    batches = batched and batch_refusal is None
+    every_call = kernel is not None and kv_path is not None and bool(kv_path.kernel)
     return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
-                 batch_refusal=batch_refusal,
-                 decode=_decode(facts, device_type, batched and batch_refusal is None, decode),
-                 capture=measured, capture_kernel=capture_kernel)
+                 batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
+                 decode=_decode(facts, device_type, batches, decode, every_call),
+                 capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call)
 
 
 def kernel_name(kv_path: KVPath, setting: str) -> str:
@@ -118,31 +125,54 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 
 
 def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
-    """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None: attention
-    capture, decode-kernel plug-ins, FP8 attention (q/prob scales) and fault injectors run one sequence at a time
-    (the same engine, a batch of one row: `batched.ONE_SEQUENCE`).
+    """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None. The one place
+    such a refusal is decided: a refused path runs one sequence at a time (the same engine, a batch of one row:
+    `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
+    reference's keeps the whole model so (`job._replay_model`).
 
-    Measured on the CPU tiny models, 4 left-padded rows against each alone (12 tokens): `kernel=dequant` and
-    `kernel=reference` give the same tokens and kernel_steps (kernel_err_ratio equal to ~1e-13), but the plug-in
-    contract (docs/CONTRACTS.md) promises every call judged and timed, and a batch checks every
-    `kernel_check_every`-th step and times none; `fp8_q:fp8_p` parts from the alone run at the first token in every padded row of gqa and mla
-    (top-2 gap up to 0.094, above the bf16 batch floor of 0.07): FP8 Q/P rounding amplifies the batch's reduction
-    order. Fault injectors are caught by the implementation check, which probes one sequence's mask."""
-    if capture:
-        return "attention capture (--attention) observes one sequence at a time"
-    if kv_path is not None and kv_path.kernel:
-        return f"path {kv_path.name}: decode-kernel plug-ins (kernel=) take one sequence at a time"
-    if kv_path is not None and kv_path.quantizes_attention:
-        return f"path {kv_path.name}: FP8 attention (fp8_q / fp8_p) is replayed one sequence at a time"
-    if kv_path is not None and kv_path.fault:  # the implementation check that catches it probes one sequence
-        return f"path {kv_path.name}: fault injectors (fault=) are replayed one sequence at a time"
+    None refused today. Batched since, each with what was measured: fault injectors (the implementation check that
+    catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
+    `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
+    tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the
+    same tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention capture (its own teacher-forced pass,
+    `replay/attention._run_chunks`, still runs one sequence at a time, on the reference replies the batches made:
+    `batched_runner.PrecomputedBackend.attention_error`)."""
     return None
 
 
-def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str) -> str:
+OWN_FLOOR = "own"  # `batch_floor` of a path whose batch-invariance floor the batched replay measures on the path
+
+
+def batch_floor(kv_path: KVPath | None) -> str:
+    """Which batch-invariance floor bounds what batching alone moves on this path: the reference's (measured every
+    batched run, `batched_runner._batch_invariance`), or the path's own (OWN_FLOOR, measured the same way on the
+    path, stored per path in `batching[model].batch_invariance_floors`).
+
+    FP8 attention (fp8_q / fp8_p) gets its own. Measured on the CPU tiny models, 4 left-padded rows against each
+    alone (12 tokens): `fp8_q:fp8_p` parts from the alone run at the first token in every padded row of gqa and
+    mla (top-2 gap up to 0.094, above the bf16 batch floor of 0.07): FP8 Q/P rounding amplifies the batch's
+    reduction order (a bf16 score that moves by one ulp can cross an FP8 rounding boundary of Q.K's or P's
+    input), so the reference's floor would understate what batching alone moves on such a path. Batched on the CPU
+    canaries (default set, `--paths fp8_e4m3:fp8_q:fp8_p --batch-size 4` against one at a time, 4 first-turn replies
+    each): max |log-prob| moved by batching, reference / fp8_q:fp8_p, gqa 0.19 / 0, mla 0 / 0, hybrid 0.52 / 0.87
+    (kl_mean 4.8e-5 / 3.2e-4); all 63 fp8_q:fp8_p replies identical to one at a time, verdicts unchanged (21 of 21
+    turns pass on each model in both runs)."""
+    if kv_path is not None and kv_path.quantizes_attention:
+        return OWN_FLOOR
+    return "reference"
+
+
+# Why a batch of a `kernel=` plug-in path decodes eagerly where graph decode was asked (the engine names it too)
+EVERY_CALL_EAGER = ("static (graph decode refused: a kernel= plug-in's every call is judged and timed, device "
+                    "synchronised around it, so every decode step runs eagerly)")
+
+
+def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, every_call: bool = False) -> str:
     if not batched:
         return ONE_AT_A_TIME
     mode = ("graph" if device_type == "cuda" else "dynamic") if asked == "auto" else asked
+    if mode == "graph" and every_call:
+        mode = "static" if facts.static_refusal is not None else EVERY_CALL_EAGER
     if mode != "dynamic" and facts.static_refusal is not None:
         return f"dynamic ({mode} decode refused for this model: {facts.static_refusal})"
     return mode
