@@ -49,8 +49,8 @@ def _is_mla_attention(module) -> bool:
 
 
 class LatentRowsLinear(torch.nn.Linear):
-    """`kv_b_proj` that keeps its last input and output: a call whose leading rows (dim -2) are bit-equal to the
-    last call's multiplies only the rows after them. Only for the dtype its rows were checked in (`exact_dtype`)."""
+    """`kv_b_proj` that keeps its last input and output: a call with another number of rows whose leading rows
+    (dim -2) are bit-equal to the last call's multiplies only the rows after them. Only for the dtype its rows were checked in (`exact_dtype`)."""
 
     exact_dtype: torch.dtype | None = None
     _kept: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -59,7 +59,9 @@ class LatentRowsLinear(torch.nn.Linear):
         kept, self._kept = self._kept, None
         if x.dtype != self.exact_dtype or x.dim() < 2 or torch.is_grad_enabled():
             return super().forward(x)
-        same = _same_leading_rows(kept[0], x) if kept is not None else 0
+        # a call as wide as the last one is static storage written in place (or another sequence): multiplied whole,
+        # with no look at the values (a static decode step reads nothing back to the host)
+        same = _same_leading_rows(kept[0], x) if kept is not None and kept[0].shape != x.shape else 0
         if same == 0:
             out = super().forward(x)
         elif same == x.shape[-2]:
