@@ -17,6 +17,7 @@ and timed on every step, docs/CONTRACTS.md). The implementation check probes eve
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -544,6 +545,11 @@ def _scales_on_device(cache, device) -> None:
         if hasattr(layer, "kv_path"):
             layer.k_scale = layer.k_scale.to(device) if layer.k_scale is not None else None
             layer.v_scale = layer.v_scale.to(device) if layer.v_scale is not None else None
+            quant = getattr(layer, "attn_quant", None)  # FP8 attention's q / prob scales (a CUDA graph copies none)
+            if quant is not None:
+                q = quant.q_scale.to(device) if isinstance(quant.q_scale, torch.Tensor) else quant.q_scale
+                prob = quant.prob_scale.to(device) if quant.prob_scale is not None else None
+                layer.attn_quant = dataclasses.replace(quant, q_scale=q, prob_scale=prob)
 
 
 def _select_rows(cache, index: torch.Tensor, stats: KVWriteStats, step: StepState, fp8_path: bool,
