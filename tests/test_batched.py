@@ -431,8 +431,13 @@ def test_gpu_real_out_of_memory_backs_off(gpu_models):
     real = engine._generate_batch
 
     def fill_memory() -> list:
+        # this process may use only what it holds now plus 1 GiB (the allocator raises a real OutOfMemoryError at
+        # that cap): filling the whole GPU starved the other test workers on it, and the cached blocks it left
+        # reserved failed their allocations and CUDA graph captures for the rest of the tier
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (1 << 30)) / total))
         hog = []
-        for size in (1 << 28, 1 << 20):  # 256 MiB blocks, then 1 MiB blocks, until the GPU is full
+        for size in (1 << 28, 1 << 20):  # 256 MiB blocks, then 1 MiB blocks, until the cap
             try:
                 while True:
                     hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
@@ -440,12 +445,14 @@ def test_gpu_real_out_of_memory_backs_off(gpu_models):
                 pass
         return hog
 
-    def tight(items):  # a batch larger than 4 meets a full GPU: a real CUDA out-of-memory error
+    def tight(items):  # a batch larger than 4 meets a full memory cap: a real CUDA out-of-memory error
         hog = fill_memory() if len(items) > 4 else []
         try:
             return real(items)
         finally:
             hog.clear()
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
 
     engine._generate_batch = tight
     rows = engine.generate(prompts, 6)
