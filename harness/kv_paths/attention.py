@@ -71,6 +71,8 @@ class KernelAgreement:
     def add(self, rows: torch.Tensor, kernel_err: torch.Tensor, ratio: torch.Tensor) -> None:
         """One check of live rows `rows` (distinct original rows). A NaN never raises a maximum, as Python's
         `max(0.0, nan)` did when this was folded on the host."""
+        # a layer on another GPU than the batch's (a layer-sharded model) checks there: its results come here
+        rows, kernel_err, ratio = (t.to(self.steps.device) for t in (rows, kernel_err, ratio))
         self.steps.index_add_(0, rows, torch.ones_like(rows))
         for running, found in ((self.max_abs_err, kernel_err), (self.max_ratio, ratio)):
             running.scatter_reduce_(0, rows, torch.where(found.isnan(), 0.0, found), "amax")
@@ -216,7 +218,7 @@ class PagedKV:
         if not self.fusable:
             return None
         self._ensure(key, value)
-        slots = self.step.slots()
+        slots = self.step.slots().to(key.device)  # the step's tensors live on the batch's GPU (sharded: the first)
         pages = [p.view(torch.uint8) for p in self.pages]
         if self.mla:  # one row per token: [latent | k_pe]
             strides = (pages[0].stride(0), pages[0].stride(1), 0)
@@ -230,7 +232,7 @@ class PagedKV:
         # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
         rows, _, chunk, _ = key.shape
         self._ensure(key, value)
-        slots = self.step.slots()
+        slots = self.step.slots().to(key.device)
         if self.mla:
             self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
                                   self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
@@ -269,7 +271,7 @@ class PagedKV:
         """The plug-in over the paged copy. `quant` goes to our kernels as q_scale / prob_scale
         (route.FP8_ATTENTION_KERNELS); on an MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel
         multiplies, as engines' MLA kernels do (the torch reference quantises the model's own query [q_nope | q_pe])."""
-        table, lens = self.step.block_table(), self.step.lengths_after()
+        table, lens = self.step.block_table().to(query.device), self.step.lengths_after().to(query.device)
         scales = _attention_scales(quant, query.device)
         if not self.mla:
             out = run_gqa(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
@@ -291,9 +293,10 @@ class PagedKV:
         """The agreement check of every live row at once: fp64 attention over the stored codes of groups of rows
         (padded to the longest, masked); results stay on the device (one host sync per checked step, for the span,
         shared by every layer)."""
-        lengths, rows, span = self.step.lengths_after(), self.step.rows, self.step.span()
+        lengths, rows, span = self.step.lengths_after().to(query.device), self.step.rows.to(query.device), \
+            self.step.span()
         if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync)
-            live = self.step.valid[:, -1].nonzero()[:, 0]
+            live = self.step.valid[:, -1].to(query.device).nonzero()[:, 0]
             query, out, torch_out, lengths, rows = (t[live] for t in (query, out, torch_out, lengths, rows))
         per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
         group = max(1, CHECK_ELEMENTS // max(per_row, 1))

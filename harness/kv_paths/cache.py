@@ -58,6 +58,12 @@ class KVWriteStats:
             return torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         return self.live
 
+    def on_device(self, device) -> bool:
+        """Whether the counts live on `device` (or will: none yet): the fused write adds into them in place."""
+        if self.counts is None:
+            return self.device is None or torch.device(self.device) == device
+        return self.counts.device == device
+
     def fused_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(counts, amax, live, valid) for `quantize_store`."""
         self._buffers(x.device)
@@ -79,10 +85,12 @@ class KVWriteStats:
             finite = torch.where(valid, finite, 0.0)
         added = torch.stack([tokens * (x.shape[1] * x.shape[3]), clipped.sum((1, 2, 3)), nonfinite.sum((1, 2, 3))],
                             dim=1)
-        rows = self._rows_of(x)
-        self.counts.index_add_(0, rows, added)
+        # a layer on another GPU than the counts (a layer-sharded model) adds its counts here
+        home = self.counts.device
+        rows = self._rows_of(x).to(home)
+        self.counts.index_add_(0, rows, added.to(home))
         # the running max of each row, in one op (same values as max(old, new); a max has no reduction order)
-        self.amax_over_max.scatter_reduce_(0, rows, finite.amax((1, 2, 3)), "amax")
+        self.amax_over_max.scatter_reduce_(0, rows, finite.amax((1, 2, 3)).to(home), "amax")
 
     def select(self, live: torch.Tensor) -> None:
         """Keep batch positions `live` (indices into the current live rows)."""
@@ -153,7 +161,7 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
             return self._store(key_states, value_states)
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
-        if fused_write_on(key_states):
+        if fused_write_on(key_states) and self.stats.on_device(key_states.device):
             keys, values = self._store(*self._fused_round_trip(key_states, value_states))
         else:
             keys, values = self._store(self._round_trip(key_states, self.k_scale),
