@@ -115,7 +115,9 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "healthy max + 24%, fail = 1.6x the healthy max (set in session 7 on 1.13; unchanged). H100 "
                  "(tests/test_impl_check.py --gpu; decode steps served by our kernels are judged by "
                  "kernel_err_ratio, not probed): session 7 read the healthy FP8-attention prefill on the hybrid "
-                 "at 1.51, the rounding the new yardstick counts"),
+                 "at 1.51, the rounding the new yardstick counts. Batched (session 9, each row probed on its own "
+                 "tokens; CPU canaries, 4 rows, tests/test_detection.py --slow -k batched): healthy max 1.12, as "
+                 "alone; faults 1.3-183, exp_poly on the hybrid caught on 1 of 6 turns, as alone"),
 )
 TURN_DEFAULTS = ("kl_ratio_yardstick", "attn_impl_err_ratio")  # per turn, with a yardstick in the run
 NO_YARDSTICK_DEFAULTS = ("kl_p99",)  # per turn, in place of the ratio, where the run has no yardstick path
