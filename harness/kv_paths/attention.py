@@ -535,8 +535,11 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         else:  # FP8 attention (q_scale / prob_scale): the torch reference (prefill; decode when no kernel takes it)
             from kernels.reference import attention_fp8
 
+            # the scales sit on the batch's GPU (`batched._scales_on_device`); a layer-sharded layer reads its own
+            q_scale, prob_scale = (s.to(query.device) if isinstance(s, torch.Tensor) else s
+                                   for s in (quant.q_scale, quant.prob_scale))
             output, query = attention_fp8(query, key, value, kwargs.get("scaling") or module.scaling, attention_mask,
-                                          quant.q_scale, quant.prob_scale, quant.fmt)
+                                          q_scale, prob_scale, quant.fmt)
             weights = None
         if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
             output = paged.decode(module, raw_query, output, quant)
