@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import re
 import time
 
-from kernels.tune_mla import CONFIGS_PATH, write_configs
+from kernels.tune_mla import CONFIGS_PATH, _compile_and_check, write_configs
 
 SHAPES = {"mla_fp8": [(8, 8192), (8, 32768), (32, 32768), (8, 131072)],
           "mla_fp8_many_heads": [(8, 8192), (8, 32768), (32, 32768)]}
@@ -83,21 +82,6 @@ def _prepare(kind: str, label: str, cfg: dict) -> dict:
                     seconds=round(time.time() - t0, 1))
 
 
-def _compile_and_check(jobs, workers: int, budget: float) -> list[dict]:
-    t0 = time.time()
-    pool = multiprocessing.get_context("spawn").Pool(workers)
-    pending = [pool.apply_async(_prepare, job) for job in jobs]
-    out = []
-    for job, res in zip(jobs, pending):
-        try:
-            out.append(res.get(timeout=max(5.0, budget - (time.time() - t0))))
-        except multiprocessing.TimeoutError:
-            out.append(dict(kind=job[0], label=job[1], error=f"no result within {budget:.0f} s"))
-        print(f"  [{time.time() - t0:5.1f} s] {out[-1]}", flush=True)
-    pool.terminate()
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join(CANDIDATES))
@@ -108,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     jobs = [(kind, label, cfg) for kind in kinds for label, cfg in CANDIDATES[kind]]
-    prepared = _compile_and_check(jobs, args.workers, args.compile_budget)
+    prepared = _compile_and_check(jobs, args.workers, args.compile_budget, _prepare)
     import torch
 
     from kernels.tune import _timer

@@ -196,10 +196,12 @@ def _prepare_star(args):
     return _prepare(*args)
 
 
-def _compile_and_check(jobs: list[tuple], workers: int, job_timeout: float) -> list[dict]:
+def _compile_and_check(jobs: list[tuple], workers: int, job_timeout: float, prepare=None) -> list[dict]:
+    """`prepare(*job)` (default: this module's `_prepare`) for every job in `workers` spawned processes, each
+    result or a timeout named by the job's (kind, label); kernels.ab runs its candidates through this too."""
     t0 = time.time()
     pool = multiprocessing.get_context("spawn").Pool(workers)
-    pending = [pool.apply_async(_prepare, job) for job in jobs]
+    pending = [pool.apply_async(prepare or _prepare, job) for job in jobs]
     prepared = []
     for job, result in zip(jobs, pending):
         try:

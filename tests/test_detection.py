@@ -47,11 +47,7 @@ def entries(name: str) -> list[ZooEntry]:
 def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
     chosen = entries(name)
     run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=2, command="test_detection"))
-    matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
-    rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
-    print(f"{name}:\n{format_matrix(rows)}")
-    for row in rows:
-        assert row.turns > 0, f"{name}: not run: {row.entry}"
+    for row in _matrix_rows(run_dir, chosen, name):
         if row.entry.expect == "fail":
             assert row.caught and row.questions, f"{name}: missed: {row}"
         elif row.entry.expect == "pass":
@@ -81,12 +77,18 @@ def test_attention_faults_fail_and_healthy_paths_pass_batched(tmp_path, device):
     assert all(r["value"] == 0 for r in records if r["metric"] == "kv_nonfinite")
     ratios = [r for r in records if r["metric"] == "attn_impl_err_ratio"]
     assert ratios and all(r["value"] is not None and math.isfinite(r["value"]) for r in ratios)
-    matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
-    rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
-    print(f"batched:\n{format_matrix(rows)}")
-    for row in rows:
-        assert row.turns > 0, f"batched: not run: {row.entry}"
+    for row in _matrix_rows(run_dir, chosen, "batched"):
         if row.entry.expect == "fail":
             assert row.caught and "implementation" in row.questions, f"batched: missed: {row}"
         else:
             assert not row.caught, f"batched: false alarm: {row}"
+
+
+def _matrix_rows(run_dir: Path, chosen: list, name: str) -> list:
+    """The run's detection matrix over `chosen` (printed), every entry run."""
+    matrix_entries = [MatrixEntry(e.label, model_label(Path(e.model)), e.path, e.expect) for e in chosen]
+    rows = detection_matrix(run_verdicts(run_dir), matrix_entries, run_path_verdicts(run_dir))
+    print(f"{name}:\n{format_matrix(rows)}")
+    for row in rows:
+        assert row.turns > 0, f"{name}: not run: {row.entry}"
+    return rows
