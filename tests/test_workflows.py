@@ -30,6 +30,8 @@ def nightly_commands() -> list[str]:
 @pytest.mark.parametrize("tier, needles", [
     # the GPU test tier: every gpu-marked test (kernels vs fp64, graph decode, fused writes), slow ones too
     ("tests -m gpu", ("pytest tests", "-m gpu", "--gpu", "--slow")),
+    # the multi-GPU tier (layer-sharded, data-parallel, tensor-parallel tests), on a runner with 2+ GPUs
+    ("tests -m multigpu", ("pytest tests", "-m multigpu", "--gpu")),
     # the in-process gate: canaries x canary scenarios x default paths through our kernels, against last night
     ("pytest harness --gpu", ("pytest harness", "--gpu", "--baseline")),
     # the stress canaries through `harness nightly`
