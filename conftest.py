@@ -4,6 +4,7 @@ transformers serve). `pytest harness` comes from the plugin."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,6 +18,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="run tests marked slow")
     parser.addoption("--peer", action="store_true",
                      help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; tests/test_peer.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker gets its share of the cores as torch intra-op threads (and so do the `harness`
+    processes its tests start, through OMP_NUM_THREADS). With torch's default, one thread per core in every
+    worker, 2 workers on 2 cores ran 4 spinning OpenMP threads: each small op's barrier waited for a thread the
+    scheduler had parked, and the batched CPU detection test took 727 s in the suite against 43 s alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
