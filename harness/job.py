@@ -26,7 +26,7 @@ from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
 from harness.scenarios.load import Scenario, load_scenarios
 from harness.scenarios.select import select_scenarios
-from harness.types import Message
+from harness.types import Message, Scores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CANARY_WEIGHTS = Path(__file__).resolve().parent / "canary" / "weights"
@@ -693,7 +693,7 @@ def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scen
         _note_model(store, label, loaded, lambda message: print(message, file=sys.stderr))
         _note_family(store, label, loaded, _model_paths(config, directory))
         asyncio.run(Replay(label, loaded.backend(None), [], store, config.history_mode).run(scenarios))
-        return _reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios)
+        return _as_arrays(_reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios))
     path = next(p for p in config.paths if p.name == path_name)
     backend = loaded.backend(path)
     _note_routes(store, config, label, loaded, [path])
@@ -701,10 +701,23 @@ def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scen
                                                                                backend.describe().get("scales")))
     ready = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
     reference = PrecomputedBackend(loaded.backend(None), REFERENCE)
-    reference.scores = dict(reference_scores or {})
+    reference.scores = _as_scores(reference_scores or {})
     asyncio.run(Replay(label, reference, [backend], store, config.history_mode,
                        attention=config.attention).run(ready))
     return None
+
+
+def _as_arrays(scores: dict) -> dict:
+    """Scores as numpy arrays for the trip between processes: a torch tensor crosses a process pool through shared
+    memory and a file descriptor handed over by `multiprocessing.resource_sharer`, whose thread printed a traceback
+    when the run was interrupted mid-handover (a flaky Ctrl-C test); an array is pickled by value, same bits."""
+    return {key: (None if s.logprobs is None else s.logprobs.numpy(), s.top_logprobs, s.unavailable)
+            for key, s in scores.items()}
+
+
+def _as_scores(arrays: dict) -> dict:
+    return {key: Scores(None if logprobs is None else torch.from_numpy(logprobs), top, unavailable)
+            for key, (logprobs, top, unavailable) in arrays.items()}
 
 
 # Reference log-probs a reference task hands its path tasks (float32 [T, V] per turn): a memory bound, not a tuning
