@@ -1,0 +1,97 @@
+"""Where a batched decode step's GPU time goes, BF16 against an FP8 path (CUDA only).
+
+    python benchmarks/decode_profile.py [--config v2-lite|8b] [--batch 16] [--context 1024]
+                                        [--paths bf16,fp8_e4m3] [--top 16]
+
+On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and
+with static decode run eagerly (both: (time of 18 tokens - time of 2 tokens) / 16, the first, eager, step
+cancelling out), then the CUDA kernels of one eager static decode step (a profile of 6 tokens less one of 1,
+over 5), heaviest first. A graph step well above its eager kernel sum means steps that did not replay a graph;
+kernels in one path's list and not the other's are what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the
+implementation check's probes out, as scale_bench does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scale_bench  # noqa: E402 - after the path
+
+from harness.kv_paths.spec import parse_path  # noqa: E402
+from harness.replay.batched import BatchedEngine, BatchSettings  # noqa: E402
+
+CONFIGS = {"v2-lite": scale_bench.deepseek_v2_lite, "8b": scale_bench.llama_8b}
+
+
+def step_ms(engine: BatchedEngine, prompts: list[list[int]]) -> float:
+    engine.generate(prompts, 2)  # warm-up: compiles, graph capture
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(prompts, 2)
+    torch.cuda.synchronize()
+    two = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.generate(prompts, 18)
+    torch.cuda.synchronize()
+    return ((time.perf_counter() - start) - two) / 16 * 1e3
+
+
+def kernels_per_step(engine: BatchedEngine, prompts: list[list[int]]) -> list[tuple[float, float, str]]:
+    """(ms, calls, kernel name) of one decode step: a profile of 6 tokens less one of 1, over 5."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals = []
+    for tokens in (6, 1):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, tokens)
+            torch.cuda.synchronize()
+        totals.append({e.key: (e.device_time_total, e.count) for e in prof.key_averages()})
+    six, one = totals
+    rows = [((us - one.get(k, (0, 0))[0]) / 5 / 1e3, (n - one.get(k, (0, 0))[1]) / 5, k)
+            for k, (us, n) in six.items()]
+    return sorted((r for r in rows if r[0] > 0), reverse=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="v2-lite")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--paths", default="bf16,fp8_e4m3")
+    parser.add_argument("--top", type=int, default=16, help="kernels listed per path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: decode_profile needs a CUDA device (it profiles CUDA kernels)")
+    loaded = scale_bench.build(CONFIGS[args.config]())
+    prompts = scale_bench.prompts(args.batch, args.context, loaded.model.config.vocab_size, seed=1)
+    print(f"{args.config} b{args.batch} {args.context}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| path | graph step ms | eager static step ms | kernels ms / step | kernels / step |")
+    print("|---|---:|---:|---:|---:|")
+    listed = {}
+    for spec in args.paths.split(","):
+        backend = loaded.backend(parse_path(spec))
+        settings = {mode: BatchSettings(batch_size=args.batch, kernel_check_every=10**9, decode=mode)
+                    for mode in ("graph", "static")}
+        graph = step_ms(BatchedEngine(backend, settings["graph"]), prompts)
+        engine = BatchedEngine(backend, settings["static"])
+        eager = step_ms(engine, prompts)
+        listed[spec] = kernels_per_step(engine, prompts)
+        print(f"| {spec} | {graph:.2f} | {eager:.2f} | {sum(r[0] for r in listed[spec]):.2f} | "
+              f"{sum(r[1] for r in listed[spec]):.0f} |", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    for spec, rows in listed.items():
+        print(f"\n{spec}: heaviest kernels of one eager static decode step")
+        print("| ms | calls | kernel |\n|---:|---:|---|")
+        for ms, calls, name in rows[:args.top]:
+            print(f"| {ms:.3f} | {calls:.0f} | `{name[:100]}` |")
+
+
+if __name__ == "__main__":
+    main()
