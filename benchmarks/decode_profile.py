@@ -3,12 +3,12 @@
     python benchmarks/decode_profile.py [--config v2-lite|8b] [--batch 16] [--context 1024]
                                         [--paths bf16,fp8_e4m3] [--top 16]
 
-On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and
-with static decode run eagerly (both: (time of 18 tokens - time of 2 tokens) / 16, the first, eager, step
-cancelling out), then the CUDA kernels of one eager static decode step (a profile of 6 tokens less one of 1,
-over 5), heaviest first. A graph step well above its eager kernel sum means steps that did not replay a graph;
-kernels in one path's list and not the other's are what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the
-implementation check's probes out, as scale_bench does.
+On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and with
+static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each call runs its first step eagerly
+and captures its graph once, scale_bench.SHORT), then the CUDA kernels of one eager static decode step (a profile of
+SHORT + 5 tokens less one of SHORT, over 5: step 0's kernel check in both), heaviest first. A graph step well above
+its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's are
+what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
 """
 
 from __future__ import annotations
@@ -30,31 +30,32 @@ CONFIGS = {"v2-lite": scale_bench.deepseek_v2_lite, "8b": scale_bench.llama_8b}
 
 
 def step_ms(engine: BatchedEngine, prompts: list[list[int]]) -> float:
-    engine.generate(prompts, 2)  # warm-up: compiles, graph capture
+    short = scale_bench.SHORT
+    engine.generate(prompts, short)  # warm-up: compiles, graph capture
     torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.generate(prompts, 2)
+    engine.generate(prompts, short)
     torch.cuda.synchronize()
-    two = time.perf_counter() - start
+    first = time.perf_counter() - start
     start = time.perf_counter()
-    engine.generate(prompts, 18)
+    engine.generate(prompts, short + 16)
     torch.cuda.synchronize()
-    return ((time.perf_counter() - start) - two) / 16 * 1e3
+    return ((time.perf_counter() - start) - first) / 16 * 1e3
 
 
 def kernels_per_step(engine: BatchedEngine, prompts: list[list[int]]) -> list[tuple[float, float, str]]:
-    """(ms, calls, kernel name) of one decode step: a profile of 6 tokens less one of 1, over 5."""
+    """(ms, calls, kernel name) of one decode step: a profile of SHORT + 5 tokens less one of SHORT, over 5."""
     from torch.profiler import ProfilerActivity, profile
 
     totals = []
-    for tokens in (6, 1):
+    for tokens in (scale_bench.SHORT + 5, scale_bench.SHORT):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, tokens)
             torch.cuda.synchronize()
         totals.append({e.key: (e.device_time_total, e.count) for e in prof.key_averages()})
-    six, one = totals
-    rows = [((us - one.get(k, (0, 0))[0]) / 5 / 1e3, (n - one.get(k, (0, 0))[1]) / 5, k)
-            for k, (us, n) in six.items()]
+    long, short = totals
+    rows = [((us - short.get(k, (0, 0))[0]) / 5 / 1e3, (n - short.get(k, (0, 0))[1]) / 5, k)
+            for k, (us, n) in long.items()]
     return sorted((r for r in rows if r[0] > 0), reverse=True)
 
 
