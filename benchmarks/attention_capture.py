@@ -21,7 +21,7 @@ from harness.kv_paths import attention
 from harness.kv_paths.capture import CaptureSample
 from harness.kv_paths.spec import parse_path
 from harness.replay.attention import AttentionOptions, chunks_for, measure_turn
-from harness.kv_paths.cache import build_cache, unit_scales
+from harness.kv_paths.cache import build_cache, cache_kwargs, unit_scales
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=16384,
@@ -51,7 +51,8 @@ def build_model(layers: int):
 def plain_pass(model, kv_path, scales, prompt, reply) -> None:
     cache = build_cache(model.config, kv_path, scales)
     for chunk in chunks_for(kv_path, prompt, reply):
-        model(input_ids=torch.tensor([chunk], device="cuda"), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=torch.tensor([chunk], device="cuda"), **cache_kwargs(model, cache), use_cache=True,
+              logits_to_keep=1)
 
 
 def timed(fn, repeat: int) -> tuple[float, float]:

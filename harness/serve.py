@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from harness.kv_paths.cache import cache_kwargs
 from harness.types import Message
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
@@ -93,8 +94,8 @@ class ServedModel:
         if len(ids) < 2:
             return []
         with self._lock:
-            logits = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.backend.new_cache(),
-                                use_cache=True).logits[0, :-1]
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                **cache_kwargs(self.model, self.backend.new_cache()), use_cache=True).logits[0, :-1]
         rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
         return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]
 

@@ -134,3 +134,28 @@ def test_generation_reports_cast_statistics(loaded):
     assert generation.metrics["kv_clipped_frac"] == 0.0  # scale 1.0 on these small activations: nothing clips
     assert generation.prompt_tokens == len(loaded["gqa"].encode_chat(CHAT))
     assert loaded["gqa"].backend(None).generate_sync(CHAT, 4).metrics is None  # reference: no cast
+
+
+def test_the_cache_goes_in_under_the_keyword_the_forward_declares(loaded):
+    """transformers renamed `past_key_values` to `cache` (deprecated in 5.2x, gone in 5.40; 5.17 on the GPU machines
+    has only the old name, where `cache=` would be swallowed by **kwargs). Whichever the installed version declares,
+    the model must write into our cache layers, and without the rename's deprecation warning."""
+    import warnings
+
+    from harness.kv_paths.cache import cache_kwargs
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    assert list(cache_kwargs(Renamed(), "c")) == ["cache"]
+    assert list(cache_kwargs(Old(), "c")) == ["past_key_values"]
+    for arch in ("gqa", "mla", "hybrid"):
+        model = loaded[arch].model
+        cache = build_cache(model.config, parse_path("fp8_e4m3"), unit_scales(model.config))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model(input_ids=torch.tensor([[1, 2, 3, 4]]), **cache_kwargs(model, cache), use_cache=True)
+        assert cache.get_seq_length(attention_layer_indices(model.config)[0]) == 4, arch

@@ -13,6 +13,8 @@ prefill chunk (more than one token) attends to its raw K/V and only earlier toke
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,19 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.spec import KVPath
 from kernels import reference as fp8
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`model(..., **cache_kwargs(model, cache))`: the cache under the keyword the model's forward declares.
+    transformers renamed `past_key_values` to `cache` (5.2x: the old name is deprecated there, to go in 5.40); 5.17,
+    on our GPU machines, has only the old name, and a `cache=` there would fall into `**kwargs` unread: the model
+    would run without our cache layers."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ import torch
 
 from harness.analysis import attention_error as ae
 from harness.kv_paths import attention as attn
-from harness.kv_paths.cache import LayerScales, build_cache
+from harness.kv_paths.cache import LayerScales, build_cache, cache_kwargs
 from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
 from harness.kv_paths.decode_kernels import resolve
 from harness.kv_paths.spec import KVPath
@@ -187,7 +187,7 @@ def _run_chunks(model, device, chunks: list[list[int]], cache, step=None) -> Non
         for chunk in chunks:
             attn.chunk_of(step, len(chunk), device)
             # capture needs no next-token logits: keep one row, not [chunk, vocab]
-            model(input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True,
+            model(input_ids=torch.tensor([chunk], device=device), **cache_kwargs(model, cache), use_cache=True,
                   logits_to_keep=1)
             if step is not None:
                 step.advance()

@@ -25,7 +25,7 @@ import torch
 
 from harness.kv_paths import attention, impl_check
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, StepState, attach_paged
-from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, make_static
+from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static
 from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.families import ssm_scan_bytes
 
@@ -334,7 +334,7 @@ class BatchedEngine:
 
     def _forward(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
         """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(self.model, cache),
                          use_cache=True, logits_to_keep=1)
         step.advance()
         return out.logits[:, -1].float()
@@ -397,8 +397,9 @@ class BatchedEngine:
         rows = len(continuations)
         kv_path = self.backend.kv_path
         if last is None:
-            last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1).logits[:, -1:].float()
+            last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+            last = last.logits[:, -1:].float()
         longest = max(len(c) for c in continuations)
         cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
         cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
@@ -411,7 +412,8 @@ class BatchedEngine:
             mask = torch.cat([mask, cont_mask[:, begin:end]], dim=1)
             step.valid = cont_mask[:, begin:end]
             out = self.model(input_ids=cont_ids[:, begin:end], attention_mask=mask,
-                             position_ids=cont_positions[:, begin:end], past_key_values=cache, use_cache=True)
+                             position_ids=cont_positions[:, begin:end], **cache_kwargs(self.model, cache),
+                             use_cache=True)
             rows_logits.append(out.logits.float())
         logits = torch.cat(rows_logits, dim=1)
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -27,6 +27,7 @@ from harness.kv_paths.attention import ATTENTION_NAME
 from harness.kv_paths.cache import (
     LayerScales,
     build_cache,
+    cache_kwargs,
     observer_cache,
     scales_from_checkpoint,
     scales_from_observers,
@@ -267,13 +268,13 @@ class InProcessModel:
     def _observe(self, ids: list[int], cache) -> None:
         """A forward pass for what the cache (or the attention observers) see; only the last position's
         logits are computed (an 8B model's [T, 128k] fp32 logits of a 4k-token chat would be 2 GiB)."""
-        self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
+        self.model(input_ids=torch.tensor([ids], device=self.device), **cache_kwargs(self.model, cache), use_cache=True,
                    logits_to_keep=1)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], cache) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=self.device)
-        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+        return self.model(input_ids=input_ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0].float()
 
 
 class EncodingCache:
