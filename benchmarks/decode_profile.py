@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,17 +29,12 @@ CONFIGS = {"v2-lite": scale_bench.deepseek_v2_lite, "8b": scale_bench.llama_8b}
 
 
 def step_ms(engine: BatchedEngine, prompts: list[list[int]]) -> float:
+    """(t(SHORT + 16) - t(SHORT)) / 16 in ms, as scale_bench times its rows."""
     short = scale_bench.SHORT
     engine.generate(prompts, short)  # warm-up: compiles, graph capture
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.generate(prompts, short)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, short + 16)
-    torch.cuda.synchronize()
-    return ((time.perf_counter() - start) - first) / 16 * 1e3
+    first, _, _ = scale_bench.timed(lambda: engine.generate(prompts, short))
+    longer, _, _ = scale_bench.timed(lambda: engine.generate(prompts, short + 16))
+    return (longer - first) / 16 * 1e3
 
 
 def kernels_per_step(engine: BatchedEngine, prompts: list[list[int]]) -> list[tuple[float, float, str]]:
