@@ -36,10 +36,28 @@ def _mla(block_n, warps, stages, block_h, **kw):
     return dict(MLA, block_n=block_n, num_warps=warps, num_stages=stages, block_h=block_h, widen=True, **kw)
 
 
+def _cuda(block_n, warps, stages, block_h=16, ctas=1, bulk=True):
+    """The CUDA kernel (kernels/mla_decode_fp8.cu): block_h heads a block, block_n = 8 x warps x token blocks a
+    warp, ctas blocks per SM (its launch bounds; then timed at that many programs per SM, else at 1 and 2); bulk
+    copies or cp.async."""
+    cfg = {k: v for k, v in _mla(block_n, warps, stages, block_h, impl="cuda", bulk=bulk).items()
+           if k != "programs_per_sm"}
+    return dict(cfg, ctas=ctas, programs_per_sm=ctas) if ctas > 1 else cfg
+
+
+def _cuda_label(n, w, s, h=16, ctas=1, bulk=True):
+    return f"cuda h{h} {n}/{w}/{s}" + (f" x{ctas}" if ctas > 1 else "") + ("" if bulk else " cp.async")
+
+
+CUDA_FEW = [(64, 8, 3, 16, 1, False), (64, 8, 3), (64, 8, 4), (64, 8, 5), (32, 4, 4, 16, 2), (32, 4, 3, 16, 2),
+            (64, 4, 3), (64, 4, 4)]
+CUDA_MANY = [(64, 8, 3, 32), (64, 8, 4, 32), (32, 4, 4, 16, 2)]
 CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
     # session 9's variants lost and their code was removed (kernels/BENCHMARKS.md); a new one goes below its entry
-    "mla_fp8": [("split widen 64/4/5 (current)", _mla(64, 4, 5, 16))],
-    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64))],
+    "mla_fp8": [("split widen 64/4/5 (current)", _mla(64, 4, 5, 16))]
+    + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
+    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64))]
+    + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_MANY],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 

@@ -28,6 +28,8 @@ of exactly this (tiles and splits included) is `reference.mla_decode_fp8`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -459,7 +461,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                prefetch: bool | None = None, swap: bool | None = None, programs_per_sm: int | None = None,
                block_h: int | None = None, tma: bool | None = None, fp8_mma: bool = False,
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
-               widen: bool | None = None, split_latent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               widen: bool | None = None, split_latent: bool | None = None,
+               impl: str | None = None, ctas: int | None = None,
+               bulk: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -473,7 +477,12 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     widen: the tile kernel over an fp8 cache widens each tile to fp16 once, by inline PTX, and both products
     read that fp16 tile, instead of the compiler's cast in each MMA operand layout: kernels/BENCHMARKS.md;
     split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
-    score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale)."""
+    score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale;
+    impl="cuda": the CUDA kernel kernels/mla_decode_fp8.cu over an fp8 cache with Dc 512 and Dr 64, without
+    options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages its cp.async depth; block_h 16, 32 or
+    64 heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
+    bulk copies): `cuda_refusal`
+    says when it cannot run, and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -510,9 +519,16 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent)):
+                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
+                       ("impl", impl), ("ctas", ctas), ("bulk", bulk)):
         if value is not None:
             cfg[key] = value
+    if cfg.get("impl") == "cuda":
+        refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
+        assert impl is None or refusal is None, f"impl='cuda' cannot run: {refusal}"
+        if refusal is None:
+            return _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg)
+        cfg = dict(CUDA_FALLBACK[kind + ("_many_heads" if heads >= 64 else "")])
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
         cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
     tile_kernel = cfg.get("tma", False) or fp8_mma or fp8_attention
@@ -583,4 +599,97 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         CACHE_IS_FP8=fp8, COMPUTE_DTYPE=compute, PREFETCH=cfg["prefetch"], SWAP=cfg["swap"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    return out, merge_splits(part_out, part_lse, out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CUDA kernel (session 11): kernels/mla_decode_fp8.cu, compiled at first use by NVRTC (kernels/nvrtc.py).
+# ---------------------------------------------------------------------------------------------------
+
+CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8.cu")
+CUDA_LATENT, CUDA_ROPE = 512, 64
+# The Triton entries an impl="cuda" entry falls back to where the CUDA kernel cannot run (kernels/configs.py).
+CUDA_FALLBACK = {"mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=False,
+                                 programs_per_sm=1, block_h=16, tma=True, widen=True, split_latent=True),
+                 "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False,
+                                            programs_per_sm=1, block_h=64, tma=True, widen=True, split_latent=True)}
+
+
+def _cuda_shape(cfg: dict) -> tuple[int, int, int, int]:
+    """(warps, n8 token blocks per warp, stages, m16 head tiles per block) of a CUDA entry."""
+    warps, block_n = cfg["num_warps"], cfg["block_n"]
+    return warps, block_n // (8 * warps), cfg["num_stages"], cfg.get("block_h", 16) // 16
+
+
+def _cuda_tile_bytes(warps: int, blocks: int, stages: int, m_tiles: int, bulk: bool) -> int:
+    """The pipeline's tile buffers (bulk copies: 16 bytes more a row for the row shifts), which also hold the
+    [heads, 513] fp32 output staging at the end."""
+    row = CUDA_LATENT + CUDA_ROPE + 16 * bulk
+    return max(stages * 8 * warps * blocks * row, 16 * m_tiles * (CUDA_LATENT + 1) * 4)
+
+
+def _cuda_smem(warps: int, blocks: int, stages: int, m_tiles: int, bulk: bool) -> int:
+    row = CUDA_LATENT + CUDA_ROPE
+    return (_cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk) + (row // 16) * m_tiles * 32 * 16
+            + 2 * warps * 32 * m_tiles * blocks * 16 + 8 * stages)
+
+
+def _cuda_bulk(cfg: dict, device: torch.device) -> bool:
+    """Bulk copies (sm_90's cp.async.bulk, one per tile row) unless the entry says bulk=False (then cp.async)."""
+    return cfg.get("bulk", True) and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, options: bool,
+                 cfg: dict) -> str | None:
+    """Why the CUDA kernel cannot run this call (None when it can)."""
+    from kernels import nvrtc
+    if not is_fp8(cache.dtype):
+        return f"it reads fp8 caches only, got {cache.dtype}"
+    if options:
+        return "no fp8_mma, q_scale or prob_scale (the Triton tile kernel has them)"
+    if q_latent.shape[2] != CUDA_LATENT or q_pe.shape[2] != CUDA_ROPE:
+        return f"it is built for Dc {CUDA_LATENT} and Dr {CUDA_ROPE}, got {q_latent.shape[2]} and {q_pe.shape[2]}"
+    reason = nvrtc.unavailable()
+    if reason:
+        return reason
+    if torch.cuda.get_device_capability(cache.device) < (8, 9):
+        return "it needs sm_89 or later (cvt from fp8 pairs)"
+    if cache.stride(2) != 1 or cache.stride(1) != CUDA_LATENT + CUDA_ROPE or cache.stride(0) % 16 \
+            or cache.data_ptr() % 16:
+        return "it copies 16-byte chunks: cache rows contiguous, pages and the base 16-byte aligned"
+    warps, blocks, stages, m_tiles = _cuda_shape(cfg)
+    if warps not in (1, 2, 4, 8, 16) or blocks not in (1, 2, 4) or 8 * warps * blocks != cfg["block_n"] \
+            or warps * blocks % 2 or stages < 3 or cfg.get("block_h", 16) not in (16, 32, 64):
+        return (f"block_n = 8 x num_warps x 1, 2 or 4 n8 blocks (an even count of n8 blocks), num_stages >= 3, "
+                f"block_h 16, 32 or 64; got {cfg}")
+    if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 for t in (q_latent, q_pe)):
+        return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
+    smem = _cuda_smem(warps, blocks, stages, m_tiles, _cuda_bulk(cfg, cache.device))
+    if smem > torch.cuda.get_device_properties(cache.device).shared_memory_per_block_optin:
+        return f"{smem} bytes of shared memory is more than this GPU has for a block"
+    return None
+
+
+def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg):
+    from kernels import nvrtc
+    batch, heads, latent_dim = q_latent.shape
+    device = q_latent.device
+    warps, blocks, stages, m_tiles = _cuda_shape(cfg)
+    page_size = cache.shape[1]
+    bulk = _cuda_bulk(cfg, device)
+    defines = (("NW", warps), ("NB", blocks), ("STAGES", stages), ("MT", m_tiles), ("CTAS", cfg.get("ctas", 1)),
+               ("PAGE", page_size), ("BULK", int(bulk)),
+               ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk)),
+               ("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
+    kernel = nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, device.index)
+    head_blocks = triton.cdiv(heads, 16 * m_tiles)
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, cfg["block_n"],
+                                               cfg["programs_per_sm"], device, num_splits, whole_waves=True)
+    out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
+    part_out, part_lse = partials(out, num_splits)
+    kernel((head_blocks, batch, num_splits), (32 * warps, 1, 1), _cuda_smem(warps, blocks, stages, m_tiles, bulk),
+           [q_latent, q_pe, cache, block_table, seq_lens, scale, part_out, part_lse, sm_scale * LOG2E,
+            tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            cache.stride(0), cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
     return out, merge_splits(part_out, part_lse, out)

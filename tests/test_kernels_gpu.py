@@ -428,6 +428,63 @@ def test_mla_tile_kernel_matches_fp64(kern, config, fmt, k_tol, page_size):
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
 
 
+# The CUDA kernel (mla_decode(..., impl="cuda"), kernels/mla_decode_fp8.cu): one config per warp layout it is
+# built for (4 warps x 2 token blocks, 8 x 1, 4 x 1; 32 heads a block; cp.async instead of bulk copies). Same
+# bound as the tile kernel: it multiplies exact codes in fp16 with fp32 accumulation and rounds P to fp16, so its
+# error is at most torch bf16's (2x: noise of a max over a few thousand outputs). Unwritten slots hold NaN: a
+# kernel that read past a split's end fails.
+MLA_CUDA_CONFIGS = [
+    pytest.param(dict(impl="cuda", block_n=64, num_warps=4, num_stages=3, block_h=16), id="cuda-64-4-3"),
+    pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=3, block_h=16), id="cuda-64-8-3"),
+    pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=4, block_h=16), id="cuda-64-8-4"),
+    pytest.param(dict(impl="cuda", block_n=32, num_warps=4, num_stages=3, block_h=16, ctas=3), id="cuda-32-4-3-x3"),
+    pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=3, block_h=32), id="cuda-64-8-3-h32"),
+    pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=3, block_h=16, bulk=False),
+                 id="cuda-64-8-3-cp.async"),
+]
+
+
+@pytest.mark.parametrize("config", MLA_CUDA_CONFIGS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("heads, page_size, splits", [(16, 64, None), (20, 16, 5), (128, 1, 3)],
+                         ids=["h16-page64", "h20-page16-splits5", "h128-page1-splits3"])
+def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, heads, page_size, splits):
+    lengths = [4099, 1, 300, 17, 128]
+    case = _mla_case(lengths, page_size, heads, fmt)
+    _poison_unwritten(case, lengths)
+    out, lse = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                               case.sm_scale, splits, **config)
+    truth, truth_lse, torch_out = _mla_truth_and_torch(case)
+    what = f"mla cuda {fmt} H={heads} page={page_size} {config}"
+    _assert_error_ratio(out, truth, torch_out, 2.0, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
+
+
+def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern):
+    """A NaN code written inside sequence 1 makes exactly sequence 1's outputs NaN (every head, every column):
+    the kernel neither drops it nor leaks it into the other sequences sharing its launch."""
+    lengths = [700, 300, 129]
+    case = _mla_case(lengths, 16, 16, "e4m3")
+    page = case.cache.shape[1]
+    slot = case.block_table[1, 250 // page].long() * page + 250 % page
+    case.cache.view(-1, case.cache.shape[2]).view(torch.uint8)[slot, 7] = 0x7F
+    out, lse = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                               case.sm_scale, 4, impl="cuda", block_n=64, num_warps=4, num_stages=3)
+    assert out[1].isnan().all(), "the NaN code did not reach every output of its sequence"
+    assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN code leaked into another sequence"
+
+
+def test_mla_cuda_refuses_what_it_cannot_run(kern):
+    case = _mla_case([40], 16, 16, "bf16")
+    with pytest.raises(AssertionError, match="fp8 caches only"):
+        kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                        case.sm_scale, impl="cuda", block_n=64, num_warps=4, num_stages=3)
+    case = _mla_case([40], 16, 16, "e4m3")
+    with pytest.raises(AssertionError, match="n8 blocks"):
+        kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                        case.sm_scale, impl="cuda", block_n=48, num_warps=4, num_stages=3)
+
+
 def _fp8_query(q: torch.Tensor) -> torch.Tensor:
     """What fp8_mma multiplies: per head q_s * e4m3(q / q_s), q_s = amax / 448 (fp32, round to nearest even)."""
     q_s = q.float().abs().amax(-1, keepdim=True) / 448.0

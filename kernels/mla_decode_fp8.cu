@@ -1,0 +1,413 @@
+// MLA decode over a paged FP8 latent cache (16 x MT heads per block), split-KV: the CUDA kernel of
+// kernels/mla_decode.py's impl="cuda" (compiled at first use by NVRTC, kernels/nvrtc.py; sm_89 and later).
+//
+// Same definition and partial layout as the Triton tile kernel: s_j = qk_scale * (q_latent . c_j + q_pe . pe_j)
+// (codes widened to fp16 exactly, q rounded to fp16, fp32 accumulation), online softmax in base 2, P rounded
+// to fp16 for P . C, out = kv_scale * acc / l, lse2 = m + log2(l) per split; kernels/decode_attention.merge_splits
+// combines the splits. Cache rows are [latent 512 | rope 64] codes, one scale per cache.
+//
+// Why a hand-written kernel: Q . C^T contracts the latent (contiguous in a cache row), P . C contracts the tokens
+// (strided), and an fp8 operand must be K-contiguous, so a compiler that widens in the MMA operand layouts
+// gathers the P . C operand a byte at a time, or widens the tile through shared memory once more
+// (kernels/BENCHMARKS.md, sessions 7-9). Here both products use mma.sync.m16n8k16 (f16 in, f32 accumulate) and
+// every fp8 operand is widened in registers straight from the cp.async tile, in an order that each product's
+// fragment layout can use without moving data between lanes:
+// - Q . C^T: a lane holds 4 consecutive codes of one token for each 16-wide k step. The MMA sums over k in any
+//   order, so logical k (2q, 2q+1 | 2q+8, 2q+9) is mapped to physical columns (4q, 4q+1 | 4q+2, 4q+3) of the
+//   step, and Q is stored in shared memory in the same permuted A-fragment order (one 16-byte load a step).
+// - P . C: a lane needs two consecutive tokens of one latent column (the k pair). It loads 4 consecutive codes
+//   of each token and interleaves the two words with one byte permute (prmt), which yields the code pairs of 4
+//   latent columns; the 4 columns become 4 different n8 blocks (the output columns are permuted and put back
+//   in place at the store).
+// Warps split the tile's tokens for Q . C^T (full 576-wide dot products, no partial sums) and the latent
+// columns for P . C (LAT / NW each); the score tile crosses warps once through shared memory (one barrier),
+// and every warp runs the (cheap) online softmax over the whole tile, so m and l agree bit for bit.
+// The tile sits in shared memory with the 16-byte chunks of each row XOR-swizzled by (row & 6), which makes
+// both read patterns (16-byte loads for Q . C^T, 4-byte loads four rows apart for P . C) bank-conflict free.
+
+#define LAT 512
+#define ROPE 64
+#define ROW (LAT + ROPE)               // bytes per cache row
+#define NT (NW * 32)
+#define BN (NW * NB * 8)               // tokens per tile
+#define NPC (LAT / (8 * NW))           // n8 latent blocks per warp in P . C
+#define HB (16 * MT)                   // heads per block: MT m16 tiles, each B fragment feeds MT MMAs
+#define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row in the copy
+#define SX_FLOATS (NW * 32 * MT * NB * 4)   // one tile's scores
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+struct __align__(16) F4 { float x, y, z, w; };
+struct __align__(8) u32x2 { u32 x, y; };
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the low 16 bits -> f16x2 (exact)
+  u32 r;
+#if FMT_E5M2
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
+#else
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 half2_of(u32 two) {   // two query elements (bf16 or fp16) as f16x2 (RTNE)
+#if Q_BF16
+  return pack_half2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
+#else
+  return two;
+#endif
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Where byte `byte` of tile row `row` sits in a stage buffer. cp.async (BULK 0): 16-byte chunks XOR-swizzled by
+// (row & 6). Bulk copies (BULK 1, one per row, sm_90): whole rows, row r shifted by 32 x ((r >> 1) & 3) bytes
+// modulo 128 (plus 128 bytes every 8 rows, so that shifted rows never overlap). Either way the 16-byte loads of
+// Q . C^T (rows r, r + 1 in a quarter warp) and the 4-byte loads of P . C (rows 2q + e for q = 0..3, one 32-byte
+// window) fall in distinct banks.
+#if BULK
+#define STAGE_BYTES (BN * (ROW + 16))
+__device__ __forceinline__ int at(int row, int byte) {
+  return row * ROW + 32 * ((row >> 1) & 3) + 128 * (row >> 3) + byte;
+}
+#else
+#define STAGE_BYTES (BN * ROW)
+__device__ __forceinline__ int at(int row, int byte) {
+  const int s = row & 6, ch = byte >> 4;
+  const int sw = ch < LAT / 16 ? ((ch & ~7) | ((ch ^ s) & 7)) : (LAT / 16 + ((ch - LAT / 16) ^ (s & 3)));
+  return row * ROW + sw * 16 + (byte & 15);
+}
+#endif
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
+  u32 done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ cache,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const float* __restrict__ kv_scale,
+    float* __restrict__ part_out, float* __restrict__ part_lse, double sm_scale_log2,
+    int tokens_per_split, int num_heads,
+    int s_lb, int s_lh, int s_pb, int s_ph, int s_cb, int s_cs, int s_tb,
+    int s_ob, int s_oh, int s_os, int s_eb, int s_eh) {
+  extern __shared__ __align__(128) u8 smem[];
+  u8* tiles = smem;                              // STAGES x STAGE_BYTES (TILE_BYTES in all): the tile rows
+  U4* qs = (U4*)(smem + TILE_BYTES);             // [36 k steps][MT][32 lanes] A fragments
+  float* sx = (float*)(qs + (ROW / 16) * MT * 32);   // 2 x [NW][32 lanes][MT][NB] x 4 scores
+  unsigned long long* bars = (unsigned long long*)(sx + 2 * SX_FLOATS);   // BULK: one mbarrier per stage
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  const int hb = blockIdx.x, split = blockIdx.z;
+  const i64 b = blockIdx.y;
+  const int start = split * tokens_per_split;
+  const int end = min(start + tokens_per_split, seq_lens[b]);
+  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+  const float scale = *kv_scale;
+  const float qk = (float)sm_scale_log2 * scale;
+
+  // Tile t of this split into stage buffer st, one tile row per thread group of TPR threads. Rows past the
+  // split's end are zeros (cp.async's src-size 0, or stores), so stale or NaN slots never reach the sums (P is 0
+  // there, and 0 x NaN would not be). A row's address needs its page index, which is loaded one tile ahead
+  // (row_src), so the copies never wait for the block table.
+  const int my_row = tid / TPR;
+  auto row_src = [&](int t) -> const u8* {
+    const int tok = start + t * BN + my_row;
+    if (t >= n_tiles || tok >= end) return nullptr;
+    return cache + (i64)block_table[b * s_tb + tok / PAGE] * s_cb + (i64)(tok % PAGE) * s_cs;
+  };
+  auto load_tile = [&](const u8* src, int st) {
+    u8* stage = tiles + st * STAGE_BYTES;
+#if BULK
+    if (tid % TPR == 0) {   // the stage's mbarrier counts BN arrivals and the bytes of the valid rows
+      const u32 bar = smem_addr(bars + st);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(src ? ROW : 0) : "memory");
+      if (src)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(smem_addr(stage + at(my_row, 0))), "l"(src), "n"(ROW), "r"(bar) : "memory");
+    }
+    if (!src)
+      for (int ch = tid % TPR; ch < ROW / 16; ch += TPR) *(U4*)(stage + at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};
+#else
+    const int n = src ? 16 : 0;
+    if (!src) src = cache;
+#pragma unroll
+    for (int ch = tid % TPR; ch < ROW / 16; ch += TPR)
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                   :: "r"(smem_addr(stage + at(my_row, 16 * ch))), "l"(src + ch * 16), "r"(n));
+#endif
+  };
+  // Tile t has landed, for this thread (the phase barrier then makes it visible to all). cp.async: wait_group.
+  auto wait_tile = [&](int t) {
+#if BULK
+    wait_parity(smem_addr(bars + t % STAGES), (t / STAGES) & 1);
+#else
+    (void)t;
+#endif
+  };
+#if BULK
+  if (tid == 0) {
+    for (int st = 0; st < STAGES; ++st)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bars + st)), "r"(BN) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#endif
+
+  float m[MT][2], l[MT][2];   // rows g and g + 8 of each m tile
+  float o[MT][NPC][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+    for (int n = 0; n < NPC; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  }
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_tiles) load_tile(row_src(st), st);
+    asm volatile("cp.async.commit_group;");
+  }
+  const u8* src_ahead = row_src(STAGES - 1);
+
+  // Q as fp16 A fragments in the permuted k order (see the top of the file), while the first tiles load.
+  for (int e = tid; e < (ROW / 16) * MT * 32; e += NT) {
+    const int kc = e / (MT * 32), mt = (e / 32) % MT, ln = e & 31, gg = ln >> 2, qq = ln & 3, c = kc >> 2, i = kc & 3;
+    const int h0 = hb * HB + mt * 16 + gg, h1 = h0 + 8;
+    const u16 *r0, *r1;
+    if (c < LAT / 64) {
+      const int col = 64 * c + 16 * qq + 4 * i;
+      r0 = q_lat + b * s_lb + (i64)h0 * s_lh + col;
+      r1 = q_lat + b * s_lb + (i64)h1 * s_lh + col;
+    } else {
+      const int col = 16 * qq + 4 * i;
+      r0 = q_pe + b * s_pb + (i64)h0 * s_ph + col;
+      r1 = q_pe + b * s_pb + (i64)h1 * s_ph + col;
+    }
+    const u32x2 v0 = h0 < num_heads ? *(const u32x2*)r0 : u32x2{0u, 0u};   // 4 elements (8-byte aligned)
+    const u32x2 v1 = h1 < num_heads ? *(const u32x2*)r1 : u32x2{0u, 0u};
+    qs[e] = U4{half2_of(v0.x), half2_of(v1.x), half2_of(v0.y), half2_of(v1.y)};
+  }
+
+  auto score_tile = [&](const u8* tile, float* out) {
+    // Q . C^T of one tile for this warp's NB n8 blocks of tokens (rows (warp * NB + i) * 8 + g), into the score
+    // buffer `out` as [warp][lane][MT][NB] x 4.
+    // Four accumulators per n8 block (k step 4c + k goes to accumulator k): chains of 9 dependent MMAs, not 36.
+    float part[MT][NB][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) part[mt][i][k][0] = part[mt][i][k][1] = part[mt][i][k][2] = part[mt][i][k][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < ROW / 64; ++c) {
+      U4 cw[NB];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int r = (warp * NB + i) * 8 + g;
+        cw[i] = *(const U4*)(tile + at(r, 16 * (4 * c + q)));
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        u32 bw[NB][2];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const u32 w = k == 0 ? cw[i].x : k == 1 ? cw[i].y : k == 2 ? cw[i].z : cw[i].w;
+          bw[i][0] = widen2(w);
+          bw[i][1] = widen2(w >> 16);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const U4 a4 = qs[((4 * c + k) * MT + mt) * 32 + lane];
+          const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+          for (int i = 0; i < NB; ++i) mma16816(part[mt][i][k], a, bw[i][0], bw[i][1]);
+        }
+      }
+    }
+    F4* mine = (F4*)(out + (warp * 32 + lane) * MT * NB * 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          v[e] = (part[mt][i][0][e] + part[mt][i][1][e]) + (part[mt][i][2][e] + part[mt][i][3][e]);
+        mine[mt * NB + i] = F4{v[0], v[1], v[2], v[3]};
+      }
+  };
+
+  // Software pipeline, one barrier a tile: phase t runs the softmax and P . C of tile t and the Q . C^T of tile
+  // t + 1 (independent MMAs the scheduler interleaves), while tiles t + 2 .. t + STAGES - 1 load. The scores cross
+  // warps through a double buffer; a phase's barrier makes tile t + 1 and the scores of tile t visible and frees
+  // the buffer of tile t - 1 for the next copy.
+  if (n_tiles > 0) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2));
+    wait_tile(0);
+    __syncthreads();   // tile 0 and Q in place
+    score_tile(tiles, sx);
+  }
+  for (int t = 0; t < n_tiles; ++t) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 3));   // this thread's copies of tile t + 1
+    if (t + 1 < n_tiles) wait_tile(t + 1);
+    __syncthreads();
+    if (t + STAGES - 1 < n_tiles) load_tile(src_ahead, (t + STAGES - 1) % STAGES);
+    asm volatile("cp.async.commit_group;");
+    src_ahead = row_src(t + STAGES);
+    const u8* tile = tiles + (t % STAGES) * STAGE_BYTES;
+    const float* scores = sx + (t & 1) * SX_FLOATS;
+    // Past the last tile this scores a stale buffer into the unused half of sx: no branch in the phase.
+    score_tile(tiles + ((t + 1) % STAGES) * STAGE_BYTES, sx + ((t + 1) & 1) * SX_FLOATS);
+
+    // The whole tile's scores (n8 block j = warp' * NB + i), scaled and masked; online softmax; P as A fragments
+    // of P . C (the accumulator layout of n8 blocks 2j and 2j + 1 is the A layout of k step j).
+    const int t0 = start + t * BN;
+    const bool partial = t0 + BN > end;
+    u32 pa[MT][BN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float sc[BN / 8][4];
+#pragma unroll
+      for (int w2 = 0; w2 < NW; ++w2) {
+        const F4* theirs = (const F4*)(scores + (w2 * 32 + lane) * MT * NB * 4) + mt * NB;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const F4 v = theirs[i];
+          sc[w2 * NB + i][0] = v.x; sc[w2 * NB + i][1] = v.y; sc[w2 * NB + i][2] = v.z; sc[w2 * NB + i][3] = v.w;
+        }
+      }
+      float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = sc[j][e] * qk;
+          if (partial && t0 + 8 * j + 2 * q + (e & 1) >= end) v = NEG_INF;
+          sc[j][e] = v;
+        }
+        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+      const float al0 = ex2(m[mt][0] - mn0), al1 = ex2(m[mt][1] - mn1);
+      float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
+        const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
+        const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
+        const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
+        rs0 += (p00 + p01) + (p10 + p11);
+        rs1 += (p02 + p03) + (p12 + p13);
+        pa[mt][j][0] = pack_half2(p00, p01);
+        pa[mt][j][1] = pack_half2(p02, p03);
+        pa[mt][j][2] = pack_half2(p10, p11);
+        pa[mt][j][3] = pack_half2(p12, p13);
+      }
+      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+      l[mt][0] = l[mt][0] * al0 + rs0;
+      l[mt][1] = l[mt][1] * al1 + rs1;
+      m[mt][0] = mn0;
+      m[mt][1] = mn1;
+#pragma unroll
+      for (int n = 0; n < NPC; ++n) {
+        o[mt][n][0] *= al0; o[mt][n][1] *= al0; o[mt][n][2] *= al1; o[mt][n][3] *= al1;
+      }
+    }
+
+    // P . C over this warp's latent columns: n8 block 4m + i holds columns colbase + 32m + 4n + i (n = 0..7).
+    const int colbase = warp * (LAT / NW);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      const int r0 = 16 * j + 2 * q;
+#pragma unroll
+      for (int mm = 0; mm < NPC / 4; ++mm) {
+        const int byte = colbase + 32 * mm + 4 * g;
+        const u32 wa = *(const u32*)(tile + at(r0, byte));
+        const u32 wb = *(const u32*)(tile + at(r0 + 1, byte));
+        const u32 wc = *(const u32*)(tile + at(r0 + 8, byte));
+        const u32 wd = *(const u32*)(tile + at(r0 + 9, byte));
+        const u32 x = prmt(wa, wb, 0x5140), y = prmt(wa, wb, 0x7362);   // (a0 b0 a1 b1), (a2 b2 a3 b3)
+        const u32 z = prmt(wc, wd, 0x5140), v = prmt(wc, wd, 0x7362);
+        const u32 bx[4][2] = {{widen2(x), widen2(z)}, {widen2(x >> 16), widen2(z >> 16)},
+                              {widen2(y), widen2(v)}, {widen2(y >> 16), widen2(v >> 16)}};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) mma16816(o[mt][4 * mm + i], pa[mt][j], bx[i][0], bx[i][1]);
+      }
+    }
+  }
+
+  // Partials: out = kv_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split),
+  // through shared memory (rows padded to 513 floats: the fragment writes hit 32 banks), then coalesced stores.
+  const int colbase = warp * (LAT / NW);
+  asm volatile("cp.async.wait_group 0;");
+  __syncthreads();   // every warp is done with the tiles; their space holds the HB x 512 output
+  float* stage = (float*)tiles;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const float f0 = l[mt][0] == 0.f ? 0.f : scale / l[mt][0], f1 = l[mt][1] == 0.f ? 0.f : scale / l[mt][1];
+    float* row0 = stage + (mt * 16 + g) * (LAT + 1);
+    float* row1 = row0 + 8 * (LAT + 1);
+#pragma unroll
+    for (int n = 0; n < NPC; ++n) {
+      const int col = colbase + 32 * (n >> 2) + 8 * q + (n & 3);   // columns of c0 / c1: n = 2q and 2q + 1
+      row0[col] = o[mt][n][0] * f0;
+      row0[col + 4] = o[mt][n][1] * f0;
+      row1[col] = o[mt][n][2] * f1;
+      row1[col + 4] = o[mt][n][3] * f1;
+    }
+    if (warp == 0 && q == 0) {
+      const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
+      if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l[mt][0] == 0.f ? NEG_INF : m[mt][0] + log2f(l[mt][0]);
+      if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l[mt][1] == 0.f ? NEG_INF : m[mt][1] + log2f(l[mt][1]);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < HB * LAT; e += NT) {
+    const int row = e / LAT, col = e % LAT, h = hb * HB + row;
+    if (h < num_heads) part_out[b * s_ob + (i64)h * s_oh + (i64)split * s_os + col] = stage[row * (LAT + 1) + col];
+  }
+}

@@ -1,0 +1,128 @@
+"""CUDA C++ kernels compiled at first use by NVRTC and launched through the driver API (ctypes), no build step.
+
+torch's CUDA wheels ship libnvrtc; nothing else is needed on the machine (no nvcc, no C++ compiler).
+`compile_kernel(path, name, defines, device)` compiles the file once per (file, defines, device) for that GPU's
+architecture and returns a `Kernel`; `Kernel(grid, block, smem, args)` launches it on the current torch stream
+(so CUDA graph capture records it). `unavailable()` says why kernels cannot be compiled here, or None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+
+import torch
+
+_MAX_DYNAMIC_SHARED = 8   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> ctypes.CDLL:
+    try:   # torch's own lookup where it has one (it knows its wheel's layout)
+        from torch.cuda._utils import _get_gpu_rtc_library
+        return _get_gpu_rtc_library()
+    except Exception:   # noqa: BLE001 - fall back to a search of the nvidia wheels beside torch
+        pass
+    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
+            if "builtins" not in path:
+                return ctypes.CDLL(path)
+    return ctypes.CDLL("libnvrtc.so")
+
+
+@functools.lru_cache(maxsize=None)
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def unavailable() -> str | None:
+    """Why NVRTC kernels cannot run in this process (None when they can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        _nvrtc()
+        _driver()
+    except OSError as e:
+        return f"NVRTC or the CUDA driver library not found ({e})"
+    return None
+
+
+def _check_driver(code: int, what: str) -> None:
+    if code != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(code, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else code}")
+
+
+class Kernel:
+    """A compiled kernel in one device's context."""
+
+    def __init__(self, function: ctypes.c_void_p, module: ctypes.c_void_p, device: int):
+        self.function, self.module, self.device = function, module, device
+        self.max_shared = 48 * 1024
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, args: list) -> None:
+        if smem > self.max_shared:
+            _check_driver(_driver().cuFuncSetAttribute(self.function, _MAX_DYNAMIC_SHARED, smem),
+                          f"cuFuncSetAttribute(max dynamic shared memory = {smem} bytes)")
+            self.max_shared = smem
+        values = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                values.append(ctypes.c_void_p(arg.data_ptr()))
+            elif isinstance(arg, bool) or not isinstance(arg, (int, float)):
+                raise TypeError(f"kernel arguments are tensors, ints (C int) or floats (C double), got {arg!r:.60}")
+            elif isinstance(arg, int):
+                assert -2**31 <= arg < 2**31, f"int kernel argument {arg} does not fit a C int"
+                values.append(ctypes.c_int(arg))
+            else:
+                values.append(ctypes.c_double(arg))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _check_driver(_driver().cuLaunchKernel(self.function, *grid, *block, smem, ctypes.c_void_p(stream), params,
+                                               None), "cuLaunchKernel")
+
+
+def _compile(source: str, name: str, options: list[str]) -> bytes:
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    code = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
+    if code != 0:
+        raise RuntimeError(f"nvrtcCreateProgram failed ({code})")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        code = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if code != 0:
+            raise RuntimeError(f"NVRTC could not compile {name} with {' '.join(options)}:\n{log.value.decode()}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, cubin) != 0:
+            raise RuntimeError(f"nvrtcGetCUBIN failed for {name}")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.lru_cache(maxsize=None)
+def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int) -> Kernel:
+    """The kernel `name` of the CUDA file `path` (extern "C"), compiled with -D defines for `device`'s GPU."""
+    major, minor = torch.cuda.get_device_capability(device)
+    with open(path) as f:
+        source = f.read()
+    options = [f"--gpu-architecture=sm_{major}{minor}", "-std=c++17", "-lineinfo",
+               *[f"-D{key}={value}" for key, value in defines]]
+    cubin = _compile(source, name, options)
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)   # the primary context is current from here on
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        _check_driver(_driver().cuModuleLoadData(ctypes.byref(module), cubin), f"cuModuleLoadData({name})")
+        _check_driver(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
+                      f"cuModuleGetFunction({name})")
+    return Kernel(function, module, device)
