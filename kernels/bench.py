@@ -36,7 +36,7 @@ from triton.testing import do_bench
 from kernels import reference as ref
 from kernels.configs import KINDS, describe, launch_config
 from kernels.decode_attention import decode_attention
-from kernels.mla_decode import mla_decode
+from kernels.mla_decode import CUDA_FALLBACK, mla_decode
 from kernels.tune_mla import check_fp8_mma
 from kernels.tune import (FP8_ATTENTION_OPTIONS, GQA_QUICK, _ms, attention_kwargs, check_fp8_attention, check_gqa,
                           check_mla, host_us)
@@ -196,8 +196,15 @@ def bench_mla(batch: int, ctx: int, tuned: dict, heads: int = 16) -> list[tuple[
 
     fp8_fn = lambda: run(cache, scale, "mla_fp8")  # noqa: E731
     mma_fn = lambda: run(cache, scale, "mla_fp8_mma", fp8_mma=True)  # noqa: E731
-    rows = [("ours FP8", _ms(fp8_fn), fp8_bytes, host_us(fp8_fn), err("mla_fp8", "e4m3")),
-            ("ours FP8, fp8_mma (Q, P in e4m3)", _ms(mma_fn), fp8_bytes, host_us(mma_fn), err("mla_fp8_mma", "e4m3"))]
+    rows = [("ours FP8", _ms(fp8_fn), fp8_bytes, host_us(fp8_fn), err("mla_fp8", "e4m3"))]
+    fp8_entry = tuned.get("mla_fp8" + suffix) or launch_config("mla_fp8" + suffix, q_latent.device)
+    if fp8_entry.get("impl") == "cuda":   # the Triton entry the CUDA kernel replaced
+        tile = CUDA_FALLBACK["mla_fp8" + suffix]
+        tile_fn = lambda: mla_decode(q_latent, q_pe, cache, table, seq_lens, scale, sm_scale, **tile)  # noqa: E731
+        rows.append(("ours FP8, Triton tile kernel", _ms(tile_fn), fp8_bytes, host_us(tile_fn),
+                     err("mla_fp8", "e4m3", tile)))
+    rows.append(("ours FP8, fp8_mma (Q, P in e4m3)", _ms(mma_fn), fp8_bytes, host_us(mma_fn),
+                 err("mla_fp8_mma", "e4m3")))
     cache_bf16 = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     bf16_fn = lambda: run(cache_bf16, None, "mla_bf16")  # noqa: E731
     s4 = MLA_SESSION4[bool(suffix)]

@@ -13,7 +13,9 @@ refused by the launchers (NaN on Triton 3.6). gqa_fp8_pv: GQA with P in fp8
 compiler in each MMA operand layout; split_latent (MLA, session 7): the latent dimension in 4 chunks
 (_mla_decode_split_kernel). Both measured in kernels/BENCHMARKS.md (session 7); the sweeps time with CUDA graphs.
 widen="v" (GQA, session 8): only the V tile widened (K by the compiler's cast); whole_waves (GQA, session 8; MLA
-always): the split count rounded down to whole waves of programs_per_sm programs per SM (kernels.ab).
+always): the split count rounded down to whole waves of programs_per_sm programs per SM (kernels.ab). impl="cuda"
+(MLA over an fp8 cache, session 11): the CUDA kernel of kernels/mla_decode_fp8.cu, with bulk (sm_90 bulk copies, else
+cp.async) and ctas (blocks per SM its registers are budgeted for).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ H100 = {
 # its sweep's fastest correct configurations (tma: the tile kernel; >= 64 heads use the *_many_heads entries).
 # BEGIN H100 MLA
 H100_MLA = {
-    "mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
-                    tma=True, widen=True, split_latent=True),
+    "mla_fp8": dict(block_n=32, num_warps=4, num_stages=4, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
+                    tma=True, widen=True, split_latent=True, impl="cuda", bulk=True, ctas=2),
     "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
                      tma=True, split_latent=True),
     "mla_fp8_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=1,
@@ -60,6 +62,11 @@ H100_MLA = {
                                    block_h=64, tma=True),
 }
 # END H100 MLA
+# mla_fp8 (session 11): the CUDA kernel (kernels/mla_decode_fp8.cu) with 32-token tiles, 4 stages of sm_90 bulk
+# copies and 2 blocks per SM, set by hand from kernels.ab's same-process A/B (call 9): 0.0889 / 0.2582 ms at batch
+# 8 / 32, 32k against the Triton entry's 0.1013 / 0.3548 (kernels/BENCHMARKS.md, session 11). Where the CUDA kernel
+# cannot run (no NVRTC, sm_89 or older, other latent sizes, FP8 attention options) mla_decode takes the Triton entry
+# it replaced (kernels.mla_decode.CUDA_FALLBACK).
 # mla_fp8_many_heads: the sweep (session 7) picked widen without split_latent (0.4606 ms), which a same-process A/B
 # with two round-robin rounds then measured at 0.6707 / 0.6724 ms against split_latent's 0.4594 / 0.4605 ms (batch 8,
 # 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry is set by hand from that A/B (kernels/BENCHMARKS.md).

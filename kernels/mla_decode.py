@@ -516,19 +516,18 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         f"fp8_mma needs an e4m3 cache (Q and P are quantised to e4m3), got {cache.dtype}"
     assert not fp8_mma or rope_dim >= 32, f"fp8_mma needs Dr >= 32 (an fp8 MMA's K step), got {rope_dim}"
     kind = "mla_fp8_mma" if fp8_mma else "mla_fp8" if fp8 else "mla_bf16"
-    cfg = launch_config(kind + ("_many_heads" if heads >= 64 else ""), device)
-    for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
-                       ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
-                       ("block_h", block_h), ("tma", tma), ("widen", widen), ("split_latent", split_latent),
-                       ("impl", impl), ("ctas", ctas), ("bulk", bulk)):
-        if value is not None:
-            cfg[key] = value
+    entry = kind + ("_many_heads" if heads >= 64 else "")
+    given = {key: value for key, value in (
+        ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("prefetch", prefetch),
+        ("swap", swap), ("programs_per_sm", programs_per_sm), ("block_h", block_h), ("tma", tma), ("widen", widen),
+        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk)) if value is not None}
+    cfg = dict(launch_config(entry, device), **given)
     if cfg.get("impl") == "cuda":
         refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
         assert impl is None or refusal is None, f"impl='cuda' cannot run: {refusal}"
         if refusal is None:
             return _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg)
-        cfg = dict(CUDA_FALLBACK[kind + ("_many_heads" if heads >= 64 else "")])
+        cfg = dict(CUDA_FALLBACK.get(entry, launch_config(entry, device)), **given)   # the Triton entry
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
         cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
     tile_kernel = cfg.get("tma", False) or fp8_mma or fp8_attention

@@ -566,7 +566,7 @@ def _check_mla_fp8_attention(kern, case, mode: str, config: dict, num_splits: in
     assert out.isfinite().all()
 
 
-MLA_FP8_ATTENTION_CONFIG = dict(block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16)   # the table's mla_fp8
+MLA_FP8_ATTENTION_CONFIG = dict(block_n=32, num_warps=4, num_stages=5, swap=False, block_h=16)   # Triton tile kernel
 
 
 @pytest.mark.parametrize("mode", ["q dynamic + p", "q per tensor", "q per head + p", "p saturating"])
