@@ -28,6 +28,7 @@ of exactly this (tiles and splits included) is `reference.mla_decode_fp8`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -633,9 +634,16 @@ def _cuda_smem(warps: int, blocks: int, stages: int, m_tiles: int, bulk: bool) -
             + 2 * warps * 32 * m_tiles * blocks * 16 + 8 * stages)
 
 
+@functools.lru_cache(maxsize=None)
+def _gpu(index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, shared memory a block may opt in to) of a device: asked once (a call costs ~10 µs)."""
+    return (torch.cuda.get_device_capability(index),
+            torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
+
 def _cuda_bulk(cfg: dict, device: torch.device) -> bool:
     """Bulk copies (sm_90's cp.async.bulk, one per tile row) unless the entry says bulk=False (then cp.async)."""
-    return cfg.get("bulk", True) and torch.cuda.get_device_capability(device) >= (9, 0)
+    return cfg.get("bulk", True) and _gpu(device.index)[0] >= (9, 0)
 
 
 def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, options: bool,
@@ -651,7 +659,7 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     reason = nvrtc.unavailable()
     if reason:
         return reason
-    if torch.cuda.get_device_capability(cache.device) < (8, 9):
+    if _gpu(cache.device.index)[0] < (8, 9):
         return "it needs sm_89 or later (cvt from fp8 pairs)"
     if cache.stride(2) != 1 or cache.stride(1) != CUDA_LATENT + CUDA_ROPE or cache.stride(0) % 16 \
             or cache.data_ptr() % 16:
@@ -664,7 +672,7 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 for t in (q_latent, q_pe)):
         return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
     smem = _cuda_smem(warps, blocks, stages, m_tiles, _cuda_bulk(cfg, cache.device))
-    if smem > torch.cuda.get_device_properties(cache.device).shared_memory_per_block_optin:
+    if smem > _gpu(cache.device.index)[1]:
         return f"{smem} bytes of shared memory is more than this GPU has for a block"
     return None
 

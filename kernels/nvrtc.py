@@ -38,6 +38,7 @@ def _driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
+@functools.lru_cache(maxsize=None)
 def unavailable() -> str | None:
     """Why NVRTC kernels cannot run in this process (None when they can)."""
     if not torch.cuda.is_available():
@@ -73,14 +74,14 @@ class Kernel:
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 values.append(ctypes.c_void_p(arg.data_ptr()))
-            elif isinstance(arg, bool) or not isinstance(arg, (int, float)):
-                raise TypeError(f"kernel arguments are tensors, ints (C int) or floats (C double), got {arg!r:.60}")
-            elif isinstance(arg, int):
+            elif type(arg) is int:
                 assert -2**31 <= arg < 2**31, f"int kernel argument {arg} does not fit a C int"
                 values.append(ctypes.c_int(arg))
-            else:
+            elif type(arg) is float:
                 values.append(ctypes.c_double(arg))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+            else:
+                raise TypeError(f"kernel arguments are tensors, ints (C int) or floats (C double), got {arg!r:.60}")
+        params = (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))   # each argument's address
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _check_driver(_driver().cuLaunchKernel(self.function, *grid, *block, smem, ctypes.c_void_p(stream), params,
                                                None), "cuLaunchKernel")
