@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -527,7 +528,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
         assert impl is None or refusal is None, f"impl='cuda' cannot run: {refusal}"
         if refusal is None:
-            return _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg)
+            try:
+                return _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits,
+                                        cfg)
+            except _CudaBuildError as e:   # this machine's NVRTC or driver refused the kernel: the table's entry
+                if impl is not None:       # falls back (once warned), an explicit impl="cuda" fails
+                    raise
+                _warn_cuda_fallback(str(e))
         cfg = dict(CUDA_FALLBACK.get(entry, launch_config(entry, device)), **given)   # the Triton entry
     if tma is None and (prefetch or not pow2):   # explicit register prefetch, or dims the tile kernel cannot
         cfg["tma"] = False                       # take: session 4's kernel, whatever the table says
@@ -677,8 +684,32 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     return None
 
 
-def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg):
+class _CudaBuildError(RuntimeError):
+    """NVRTC could not compile the CUDA kernel, or the driver could not load it, on this machine."""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cuda_fallback(reason: str) -> None:
+    warnings.warn(f"mla_decode: the CUDA kernel (kernels/mla_decode_fp8.cu) did not build here, so the Triton entry "
+                  f"runs instead: {reason}", RuntimeWarning, stacklevel=3)
+
+
+_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
+
+
+def _cuda_kernel(defines: tuple, index: int):
     from kernels import nvrtc
+    if (defines, index) in _BUILD_FAILURES:
+        raise _CudaBuildError(_BUILD_FAILURES[(defines, index)])
+    try:
+        return nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, index)
+    except (RuntimeError, OSError) as e:
+        text = str(e).strip()
+        _BUILD_FAILURES[(defines, index)] = " / ".join(text.splitlines()[:3])[:400] or type(e).__name__
+        raise _CudaBuildError(_BUILD_FAILURES[(defines, index)]) from e
+
+
+def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg):
     batch, heads, latent_dim = q_latent.shape
     device = q_latent.device
     warps, blocks, stages, m_tiles = _cuda_shape(cfg)
@@ -688,7 +719,7 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
                ("PAGE", page_size), ("BULK", int(bulk)),
                ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk)),
                ("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
-    kernel = nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, device.index)
+    kernel = _cuda_kernel(defines, device.index)
     head_blocks = triton.cdiv(heads, 16 * m_tiles)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, cfg["block_n"],
                                                cfg["programs_per_sm"], device, num_splits, whole_waves=True)

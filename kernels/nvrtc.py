@@ -2,8 +2,9 @@
 
 torch's CUDA wheels ship libnvrtc; nothing else is needed on the machine (no nvcc, no C++ compiler).
 `compile_kernel(path, name, defines, device)` compiles the file once per (file, defines, device) for that GPU's
-architecture and returns a `Kernel`; `Kernel(grid, block, smem, args)` launches it on the current torch stream
-(so CUDA graph capture records it). `unavailable()` says why kernels cannot be compiled here, or None.
+architecture (the cubin is kept on disk, `cache_dir()`, so later processes load it) and returns a `Kernel`;
+`Kernel(grid, block, smem, args)` launches it on the current torch stream (so CUDA graph capture records it).
+`unavailable()` says why kernels cannot be compiled here, or None.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import os
+import tempfile
 
 import torch
 
 _MAX_DYNAMIC_SHARED = 8   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,6 +115,40 @@ def _compile(source: str, name: str, options: list[str]) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def _nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are kept between processes: $FP8_HARNESS_KERNEL_CACHE, else ~/.cache/fp8-harness/nvrtc."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fp8-harness", "nvrtc")
+
+
+def cubin_for(source: str, name: str, options: list[str], compiler: str) -> bytes:
+    """The compiled cubin of `source`: from the on-disk cache when this source, these options and this compiler
+    (`compiler`: its version) made it before, else compiled and stored (a process pays NVRTC's seconds once per
+    machine, not once per process). A cache that cannot be read or written only costs the compile."""
+    key = hashlib.sha256("\0".join([source, name, compiler, *options]).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir(), f"{name}-{key}.cubin")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        pass   # not compiled on this machine yet (or the cache is unreadable): compile below
+    cubin = _compile(source, name, options)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)   # atomic: a concurrent reader sees the whole file or none
+    except OSError:
+        pass   # a read-only or full disk: the next process compiles again
+    return cubin
+
+
 @functools.lru_cache(maxsize=None)
 def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int) -> Kernel:
     """The kernel `name` of the CUDA file `path` (extern "C"), compiled with -D defines for `device`'s GPU."""
@@ -119,7 +157,7 @@ def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], d
         source = f.read()
     options = [f"--gpu-architecture=sm_{major}{minor}", "-std=c++17", "-lineinfo",
                *[f"-D{key}={value}" for key, value in defines]]
-    cubin = _compile(source, name, options)
+    cubin = cubin_for(source, name, options, f"nvrtc {_nvrtc_version()}")
     with torch.cuda.device(device):
         torch.cuda.current_stream(device)   # the primary context is current from here on
         module, function = ctypes.c_void_p(), ctypes.c_void_p()

@@ -474,6 +474,32 @@ def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern):
     assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN code leaked into another sequence"
 
 
+def test_mla_cuda_kernel_that_does_not_build_falls_back_to_the_triton_entry(kern, monkeypatch):
+    """NVRTC or the driver refusing the kernel (an old toolkit, say): the table's impl="cuda" entry warns once and
+    runs the Triton entry (same results within the bound); an explicit impl="cuda" raises with the reason."""
+    import kernels.mla_decode as M
+    from kernels import nvrtc
+
+    def refuse(*args):
+        raise RuntimeError("NVRTC could not compile mla_fp8_decode (test)")
+
+    monkeypatch.setattr(M, "_BUILD_FAILURES", {})
+    M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
+    monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
+    case = _mla_case([300, 17, 1], 64, 16, "e4m3")
+    entry = dict(impl="cuda", block_n=64, num_warps=4, num_stages=3, block_h=16)
+    monkeypatch.setitem(M.CUDA_FALLBACK, "mla_fp8", dict(M.CUDA_FALLBACK["mla_fp8"]))
+    monkeypatch.setattr(M, "launch_config", lambda kind, device: dict(M.CUDA_FALLBACK["mla_fp8"], **entry))
+    with pytest.warns(RuntimeWarning, match="did not build here"):
+        out, _ = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                                 case.sm_scale)
+    truth, _, torch_out = _mla_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, "mla fallback after a failed build")
+    with pytest.raises(RuntimeError, match="could not compile"):
+        kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                        case.sm_scale, **entry)
+
+
 def test_mla_cuda_refuses_what_it_cannot_run(kern):
     case = _mla_case([40], 16, 16, "bf16")
     with pytest.raises(AssertionError, match="fp8 caches only"):
