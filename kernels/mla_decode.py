@@ -481,10 +481,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     split_latent: the tile kernel without options as _mla_decode_split_kernel, the latent in 4 chunks, so the
     score product is 4 independent MMA chains; taken only without swap, fp8_mma, q_scale and prob_scale;
     impl="cuda": the CUDA kernel kernels/mla_decode_fp8.cu over an fp8 cache with Dc 512 and Dr 64, without
-    options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages its cp.async depth; block_h 16, 32 or
-    64 heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
-    bulk copies): `cuda_refusal`
-    says when it cannot run, and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK)."""
+    options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages: tiles in flight; block_h 16, 32 or 64
+    heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
+    bulk copies); `cuda_refusal` says when it cannot run, and an entry's impl="cuda" then falls back to the
+    Triton entry CUDA_FALLBACK, as it does (with a warning) where this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \

@@ -1,5 +1,7 @@
 // MLA decode over a paged FP8 latent cache (16 x MT heads per block), split-KV: the CUDA kernel of
-// kernels/mla_decode.py's impl="cuda" (compiled at first use by NVRTC, kernels/nvrtc.py; sm_89 and later).
+// kernels/mla_decode.py's impl="cuda" (compiled at first use by NVRTC, kernels/nvrtc.py; sm_89 and later, bulk
+// copies from sm_90). Defines: NW warps, NB n8 token blocks a warp, STAGES tiles in flight, MT m16 head tiles,
+// CTAS blocks per SM (launch bounds), PAGE page size, BULK, TILE_BYTES, FMT_E5M2, Q_BF16 (kernels/mla_decode.py).
 //
 // Same definition and partial layout as the Triton tile kernel: s_j = qk_scale * (q_latent . c_j + q_pe . pe_j)
 // (codes widened to fp16 exactly, q rounded to fp16, fp32 accumulation), online softmax in base 2, P rounded
@@ -10,7 +12,7 @@
 // (strided), and an fp8 operand must be K-contiguous, so a compiler that widens in the MMA operand layouts
 // gathers the P . C operand a byte at a time, or widens the tile through shared memory once more
 // (kernels/BENCHMARKS.md, sessions 7-9). Here both products use mma.sync.m16n8k16 (f16 in, f32 accumulate) and
-// every fp8 operand is widened in registers straight from the cp.async tile, in an order that each product's
+// every fp8 operand is widened in registers straight from the shared-memory tile, in an order that each product's
 // fragment layout can use without moving data between lanes:
 // - Q . C^T: a lane holds 4 consecutive codes of one token for each 16-wide k step. The MMA sums over k in any
 //   order, so logical k (2q, 2q+1 | 2q+8, 2q+9) is mapped to physical columns (4q, 4q+1 | 4q+2, 4q+3) of the
@@ -20,10 +22,9 @@
 //   latent columns; the 4 columns become 4 different n8 blocks (the output columns are permuted and put back
 //   in place at the store).
 // Warps split the tile's tokens for Q . C^T (full 576-wide dot products, no partial sums) and the latent
-// columns for P . C (LAT / NW each); the score tile crosses warps once through shared memory (one barrier),
-// and every warp runs the (cheap) online softmax over the whole tile, so m and l agree bit for bit.
-// The tile sits in shared memory with the 16-byte chunks of each row XOR-swizzled by (row & 6), which makes
-// both read patterns (16-byte loads for Q . C^T, 4-byte loads four rows apart for P . C) bank-conflict free.
+// columns for P . C (LAT / NW each); the score tile crosses warps once through shared memory (one barrier a
+// tile, software-pipelined), and every warp runs the (cheap) online softmax over the whole tile, so m and l agree
+// bit for bit. Tile rows are placed (at()) so that both read patterns are bank-conflict free.
 
 #define LAT 512
 #define ROPE 64

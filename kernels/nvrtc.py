@@ -24,17 +24,15 @@ CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
 
 @functools.lru_cache(maxsize=None)
 def _nvrtc() -> ctypes.CDLL:
-    try:   # torch's own lookup where it has one (it knows its wheel's layout)
+    try:   # torch's own lookup where it has one (private; it knows its wheel's layout)
         from torch.cuda._utils import _get_gpu_rtc_library
         return _get_gpu_rtc_library()
-    except Exception:   # noqa: BLE001 - fall back to a search of the nvidia wheels beside torch
-        pass
-    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
-    for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
+    except (ImportError, OSError, RuntimeError):   # else the nvidia wheels beside torch, else the loader's path
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        for path in sorted(glob.glob(os.path.join(site, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
             if "builtins" not in path:
                 return ctypes.CDLL(path)
-    return ctypes.CDLL("libnvrtc.so")
+        return ctypes.CDLL("libnvrtc.so")
 
 
 @functools.lru_cache(maxsize=None)
