@@ -402,8 +402,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
     }
     if (warp == 0 && q == 0) {
       const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
-      if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l[mt][0] == 0.f ? NEG_INF : m[mt][0] + log2f(l[mt][0]);
-      if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l[mt][1] == 0.f ? NEG_INF : m[mt][1] + log2f(l[mt][1]);
+      const float lse0 = l[mt][0] == 0.f ? NEG_INF : m[mt][0] + log2f(l[mt][0]);
+      const float lse1 = l[mt][1] == 0.f ? NEG_INF : m[mt][1] + log2f(l[mt][1]);
+      if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = lse0;
+      if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = lse1;
     }
   }
   __syncthreads();

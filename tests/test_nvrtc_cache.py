@@ -19,7 +19,8 @@ def test_a_kernel_compiles_once_per_source_and_options_and_is_read_back(tmp_path
     nvrtc.cubin_for("src changed", "k", ["-DA=1"], "nvrtc 13.0")    # an edited source
     nvrtc.cubin_for("src", "k", ["-DA=1"], "nvrtc 13.1")            # another compiler
     assert len(calls) == 4, "a changed source, option or compiler must not reuse a cubin"
-    assert len(os.listdir(tmp_path / "cache")) == 4 and not any(f.endswith(".tmp") for f in os.listdir(tmp_path / "cache"))
+    stored = os.listdir(tmp_path / "cache")
+    assert len(stored) == 4 and not any(f.endswith(".tmp") for f in stored), stored
 
 
 def test_an_unwritable_cache_only_costs_the_compile(tmp_path, monkeypatch):
