@@ -65,7 +65,7 @@ H100_MLA = {
 # mla_fp8 (session 11): the CUDA kernel (kernels/mla_decode_fp8.cu) with 32-token tiles, 4 stages of sm_90 bulk
 # copies and 2 blocks per SM, set by hand from kernels.ab's same-process A/B (call 9): 0.0889 / 0.2582 ms at batch
 # 8 / 32, 32k against the Triton entry's 0.1013 / 0.3548 (kernels/BENCHMARKS.md, session 11). Where the CUDA kernel
-# cannot run (no NVRTC, sm_89 or older, other latent sizes, FP8 attention options) mla_decode takes the Triton entry
+# cannot run (no NVRTC, before sm_89, other latent sizes, FP8 attention options) mla_decode takes the Triton entry
 # it replaced (kernels.mla_decode.CUDA_FALLBACK).
 # mla_fp8_many_heads: the sweep (session 7) picked widen without split_latent (0.4606 ms), which a same-process A/B
 # with two round-robin rounds then measured at 0.6707 / 0.6724 ms against split_latent's 0.4594 / 0.4605 ms (batch 8,
