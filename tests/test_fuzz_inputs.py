@@ -157,6 +157,7 @@ def _load_within_bounds(file: Path) -> None:
 @example(document={"scenarios": [{"id": "a", "kind": "long_context", "filler": {"chars": 10, "depth": float("nan")}}]})
 @example(document={"scenarios": [{"id": "a", "kind": "chat", "generation": {"max_new_tokens": 2 ** 64}}]})
 @example(document={"scenarios": [{"id": "a", "kind": "recall", "facts": {"x": None}, "turns": [{"expect": "{x}"}]}]})
+@example(document={"scenarios": [{"id": "a", "kind": "chat", "tags": [[]]}], "defaults": {"tags": []}})
 def test_any_scenario_document_loads_or_is_named(scratch, document):
     file = scratch / "fuzz.yaml"
     file.write_text(yaml.safe_dump(document, allow_unicode=True), encoding="utf-8")

@@ -139,6 +139,14 @@ defaults:
     assert long_context.turns[0].user == text + "\nWhat is the secret code?"
 
 
+def test_malformed_tags_beside_default_tags_are_named(tmp_path):
+    # Found by the fuzz test: default tags merged into a list holding a list raised TypeError (unhashable).
+    path = scenarios_file(tmp_path, CHAT.replace("    kind:", "    tags: [[x]]\n    kind:"),
+                          defaults="defaults:\n  tags: [canary]\n", name="bad.yaml")
+    message = load_error(path)
+    assert f"{path}: scenario 'chat-1': field 'tags[0]': expected a non-empty string" in message, message
+
+
 def test_directories_are_searched_recursively_in_sorted_order(tmp_path):
     scenarios_file(tmp_path / "b", CHAT, name="z.yml")
     scenarios_file(tmp_path / "a", RECALL)

@@ -324,7 +324,8 @@ def _merge_defaults(defaults: dict, raw: dict) -> dict:
             continue
         if key not in raw:
             merged[key] = value
-        elif key == "tags" and isinstance(raw[key], list):
+        elif key == "tags" and isinstance(raw[key], list) and all(isinstance(t, str) for t in raw[key]):
+            # Malformed scenario tags stay as written, for _check_tags to name them.
             merged[key] = list(dict.fromkeys([*value, *raw[key]]))
         elif isinstance(value, dict) and isinstance(raw[key], dict):
             merged[key] = {**value, **raw[key]}
