@@ -36,6 +36,8 @@ def nightly_commands() -> list[str]:
     ("pytest harness --gpu", ("pytest harness", "--gpu", "--baseline")),
     # the stress canaries through `harness nightly`
     ("stress suite", ("harness.cli nightly", "--suite stress", "--device cuda")),
+    # the input fuzzers' random exploration (CI's gate draws a fixed set: tests/test_fuzz_inputs.py)
+    ("fuzz exploration", ("HARNESS_FUZZ_SCALE=", "pytest tests/test_fuzz_inputs.py")),
 ])
 def test_the_nightly_runs_each_gpu_tier(tier, needles):
     """Each tier is a command of the nightly job, not only a file that exists."""
