@@ -126,3 +126,120 @@ def test_conv_shortcut_is_bit_identical_under_avx2_dispatch(tiny_models):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bit-identical" in done.stdout
+
+
+# -- bf16 linear layers in torch's fallback order (kernels/cpu_linear.py) -------------------------------------------
+
+def _in_order_library():
+    from kernels import cpu_linear
+
+    lib = cpu_linear.library()
+    if isinstance(lib, str):
+        pytest.skip(f"no in-order linear kernel on this machine: {lib}")
+    return cpu_linear
+
+
+def _documented_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The order kernels/cpu_bf16_linear.c documents, in float32 torch ops: 8 registers x 8 lanes of running sums over
+    64-product chunks (each product exact in float32), registers added pairwise (r + r+4, r + r+2, r + r+1), then the
+    last register's lanes likewise, rounded to bf16."""
+    products = x.float()[:, None, :] * weight.float()[None, :, :]  # [m, n, k], exact
+    chunks = products.view(x.shape[0], weight.shape[0], -1, 8, 8)  # [m, n, chunk, register, lane]
+    sums = chunks[:, :, 0]
+    for c in range(1, chunks.shape[2]):
+        sums = sums + chunks[:, :, c]
+    for axis in (2, 3):  # registers, then lanes: the first half plus the second, until one is left
+        while sums.shape[axis] > 1:
+            half = sums.shape[axis] // 2
+            sums = sums.narrow(axis, 0, half) + sums.narrow(axis, half, half)
+    return sums[:, :, 0, 0].to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("k, n", [(64, 512), (256, 80), (384, 13), (512, 256)])
+def test_in_order_kernel_sums_in_its_documented_order(k, n):
+    """Machine-independent (AVX2 + FMA and a C compiler): the C kernel against its own documented order, bit for bit,
+    for every row-block remainder (1-5 rows), a larger batch and outputs that do not fill the last block of 8."""
+    cpu_linear = _in_order_library()
+    weight = cpu_exact._spread((n, k), torch.bfloat16, seed=k + n)
+    packed = cpu_linear.pack(weight)
+    for rows in (1, 2, 3, 4, 5, 67):
+        x = cpu_exact._spread((rows, k), torch.bfloat16, seed=rows)
+        assert torch.equal(cpu_linear.linear(x, packed, n).view(torch.int16),
+                           _documented_order(x, weight).view(torch.int16)), (rows, k, n)
+
+
+def test_in_order_kernel_refuses_what_it_cannot_take():
+    cpu_linear = _in_order_library()
+    assert "not a multiple of 64" in cpu_linear.supports(torch.zeros(8, 100, dtype=torch.bfloat16))
+    assert "not a 2-d bf16 CPU matrix" in cpu_linear.supports(torch.zeros(8, 64))
+    assert cpu_linear.supports(torch.zeros(8, 128, dtype=torch.bfloat16)) is None
+
+
+def test_a_weight_changed_after_the_probe_goes_back_to_torch():
+    cpu_linear = _in_order_library()
+    linear = torch.nn.Linear(64, 24, bias=False, dtype=torch.bfloat16)
+    linear._packed, linear._packed_version = cpu_linear.pack(linear.weight), linear.weight._version
+    linear.__class__ = cpu_exact.InOrderLinear
+    x = cpu_exact._spread((3, 64), torch.bfloat16, seed=9)
+    with torch.no_grad():
+        linear.weight.mul_(2)  # a new weight: the packed copy is stale, the version counter says so
+        assert torch.equal(linear(x), F.linear(x, linear.weight))
+
+
+def test_linear_shortcut_names_why_not_without_a_compiler(monkeypatch, tmp_path):
+    from kernels import cpu_linear
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FP8_HARNESS_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_linear.library.cache_clear()
+    try:
+        why = cpu_linear.library()
+    finally:
+        cpu_linear.library.cache_clear()
+    assert isinstance(why, str) and "no-such-cc" in why
+
+
+AVX2_LINEAR_CHECK = """
+import sys, torch
+from harness.replay import cpu_exact
+from harness.replay.inprocess import InProcessModel
+from harness.types import Message
+model = InProcessModel.load(sys.argv[1])
+note = model.cpu_shortcuts["bf16_linear_in_order"]
+assert note.startswith("installed"), note
+chat = [Message("user", "recall the number 4417 and then count to ten")]
+def replies():
+    out = []
+    for spec in (None, "fp8_e4m3"):
+        from harness.kv_paths.spec import parse_path
+        backend = model.backend(parse_path(spec) if spec else None)
+        generation = backend.generate_sync(chat, 24)
+        out.append((generation.token_ids, backend.score_sync(chat, generation.token_ids).logprobs))
+    return out
+shortcut = replies()
+swapped = []
+for module in model.model.modules():
+    if isinstance(module, cpu_exact.InOrderLinear):
+        swapped.append((module, module.__class__))
+        module.__class__ = (cpu_exact.LatentRowsLinear if isinstance(module, cpu_exact.LatentRowsLinear)
+                            else torch.nn.Linear)
+assert swapped
+plain = replies()
+for (ids, logprobs), (plain_ids, plain_logprobs) in zip(shortcut, plain):
+    assert ids == plain_ids and torch.equal(logprobs, plain_logprobs), "the shortcut changed the bits"
+print("bit-identical", len(swapped), "layers", note)
+"""
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_linear_shortcut_is_bit_identical_under_avx2_dispatch(arch):
+    """As a CPU without AVX-512 BF16 runs (torch's own bf16 fallback): the shortcut installs on the bundled canary's
+    linear layers (the MLA canary's kv_b_proj with its kept latent rows too), and the reference's and an FP8 path's
+    generation and scores are the same bits with it and without."""
+    _in_order_library()
+    env = {**os.environ, **AVX2, "PYTHONPATH": str(ROOT)}
+    weights = ROOT / "harness" / "canary" / "weights" / arch
+    done = subprocess.run([sys.executable, "-c", AVX2_LINEAR_CHECK, str(weights)], env=env, cwd=ROOT,
+                          check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bit-identical" in done.stdout

@@ -1,0 +1,112 @@
+"""A bf16 linear (`y = x @ w.T`, no bias) for x86 CPUs with AVX2 + FMA, summing in torch's own fallback order.
+
+Where oneDNN has no bf16 kernels (AVX2 without AVX-512 BF16) torch multiplies bf16 matrices one dot product per
+output (`kernels/cpu_bf16_linear.c` says in which order), 6-8 GMAC/s on one core of the dev machine; the C
+file sums the same products in the same order with its vector lanes over 8 outputs, so a weight load serves up to
+4 input rows. It is compiled with the system's C compiler at first use (`cc`, or $CC) and kept on disk beside the
+CUDA kernels' cubins (`$FP8_HARNESS_KERNEL_CACHE`, default ~/.cache/fp8-harness/cc): no build step, nothing to
+install. Whether its bits are torch's on a machine is not assumed here: `harness/replay/cpu_exact.py` probes it
+against `torch.nn.functional.linear` with the model's weights before it replaces a single call.
+
+    lib = library()            # the loaded library, or a str saying why there is none on this machine
+    packed = pack(weight)      # [ceil(n / 8), k, 8] bf16, once per weight
+    y = linear(x, packed, n)   # x [..., k] bf16 contiguous or not; k a multiple of 64
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_bf16_linear.c")
+FLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+CHUNK = 64  # products per step of a dot product (8 registers x 8 lanes): k must be a multiple
+LANES = 8   # outputs per packed block
+CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
+
+
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fp8-harness", "cc")
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | str:
+    """The compiled library, or why there is none here (not x86-64, no compiler, a failed compile, no AVX2/FMA)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return "no C compiler on PATH (cc, gcc or $CC)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"C compiler {compiler} did not run: {error}"
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([source, version, *FLAGS]).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir(), f"cpu_bf16_linear-{key}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".so.tmp")
+            os.close(fd)
+            done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                os.unlink(tmp)
+                return f"{compiler} could not compile {SOURCE.name}: {done.stderr.strip()[-300:]}"
+            os.replace(tmp, path)  # atomic: another process sees the whole library or none
+        except (OSError, subprocess.SubprocessError) as error:
+            return f"could not build {SOURCE.name} in {cache_dir()}: {error}"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as error:
+        return f"could not load {path}: {error}"
+    if not lib.fp8h_cpu_supported():
+        return "this CPU lacks AVX2 or FMA"
+    lib.fp8h_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_void_p]
+    lib.fp8h_bf16_linear.restype = ctypes.c_int
+    return lib
+
+
+def supports(weight: torch.Tensor) -> str | None:
+    """None where `linear` can take this weight, else why not."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return f"weight is {weight.dtype} {tuple(weight.shape)} on {weight.device}, not a 2-d bf16 CPU matrix"
+    if weight.shape[1] % CHUNK:
+        return f"in_features {weight.shape[1]} is not a multiple of {CHUNK}"
+    return None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [ceil(n / 8), k, 8]: each block holds 8 outputs' weights side by side (zeros past n)."""
+    n, k = weight.shape
+    blocks = -(-n // LANES)
+    padded = torch.zeros(blocks * LANES, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    return padded.view(blocks, LANES, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., k] bf16 on the CPU -> [..., n] bf16: torch's bits where the probe said so (see the module doc)."""
+    lib = library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"kernels.cpu_linear: {lib}")
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        status = lib.fp8h_bf16_linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n, out.data_ptr())
+        if status:
+            raise RuntimeError(f"kernels.cpu_linear: the C kernel refused (status {status}: 1 = k {k} not a multiple "
+                               f"of {CHUNK}, 2 = out of memory)")
+    return out.view(*x.shape[:-1], n)
