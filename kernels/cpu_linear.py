@@ -96,16 +96,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, LANES, k).transpose(1, 2).contiguous()
 
 
+_call = None  # the library's function, once loaded (one call per linear layer per decode step: no lookups)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., k] bf16 on the CPU -> [..., n] bf16: torch's bits where the probe said so (see the module doc)."""
-    lib = library()
-    if isinstance(lib, str):
-        raise RuntimeError(f"kernels.cpu_linear: {lib}")
+    global _call
+    if _call is None:
+        lib = library()
+        if isinstance(lib, str):
+            raise RuntimeError(f"kernels.cpu_linear: {lib}")
+        _call = lib.fp8h_bf16_linear
     k = x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    if rows.shape[0]:
-        status = lib.fp8h_bf16_linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n, out.data_ptr())
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    if m:
+        status = _call(rows.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr())
         if status:
             raise RuntimeError(f"kernels.cpu_linear: the C kernel refused (status {status}: 1 = k {k} not a multiple "
                                f"of {CHUNK}, 2 = out of memory)")

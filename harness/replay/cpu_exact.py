@@ -138,11 +138,14 @@ class InOrderLinear(torch.nn.Linear):
 
     _packed: torch.Tensor
     _packed_version: int
+    _one_row: bool  # whether one input row comes here too (ONE_ROW_MIN_WEIGHT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and self.weight._version == self._packed_version
-                and (x.numel() != self.in_features or self.weight.numel() >= ONE_ROW_MIN_WEIGHT)):
+        # called ~100k times a model in a CPU run: plain attribute reads (the weight through _parameters, not
+        # Module.__getattr__), cheapest test first
+        if (x.dtype is torch.bfloat16 and x.is_cpu and not torch.is_grad_enabled()
+                and (self._one_row or x.numel() != self.in_features)
+                and self._parameters["weight"]._version == self._packed_version):
             return cpu_linear.linear(x, self._packed, self.out_features)
         return super().forward(x)
 
@@ -170,6 +173,7 @@ def _install_linear(linears: list) -> str:
         refused[why] += 1
     for linear, packed in chosen:
         linear._packed, linear._packed_version = packed, linear.weight._version
+        linear._one_row = linear.weight.numel() >= ONE_ROW_MIN_WEIGHT
         linear.__class__ = LatentRowsInOrderLinear if isinstance(linear, LatentRowsLinear) else InOrderLinear
     note = "; ".join(f"{count} kept torch's: {why}" for why, count in refused.items())
     if not chosen:
