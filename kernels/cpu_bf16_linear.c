@@ -42,7 +42,7 @@ int fp8h_cpu_supported(void) {
 }
 
 /* ROWS rows x one block of 8 outputs: the 64 lane sums of each (row, output), kept in registers while they run
- * over the chunks, GROUP lanes at a time (ROWS x GROUP = 8 accumulators, independent chains); both constants. */
+ * over the chunks, GROUP lanes at a time (ROWS x GROUP <= 8 independent accumulators); both constants. */
 #define DEFINE_BLOCK_SUMS(ROWS, GROUP)                                                                            \
     static void block_sums_##ROWS(const float *xf, int64_t k, int64_t chunks, const uint16_t *w,                \
                                   __m256 part[ROW_BLOCK][CHUNK]) {                                               \

@@ -43,6 +43,9 @@ def library() -> ctypes.CDLL | str:
     """The compiled library, or why there is none here (not x86-64, no compiler, a failed compile, no AVX2/FMA)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()  # checked before loading code built with -mavx2
+    if not capability.startswith("AVX"):
+        return f"torch dispatches {capability} kernels on this CPU (the C kernel needs AVX2 and FMA)"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return "no C compiler on PATH (cc, gcc or $CC)"
