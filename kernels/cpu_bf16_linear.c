@@ -7,7 +7,7 @@
  * then the lanes of the last one (l + l+4, l + l+2, l + l+1), and the float32 sum is rounded to bf16 (nearest even).
  * This file sums the same numbers in the same order, with the vector lanes running over 8 outputs instead of over
  * the reduction, so one weight load serves up to 4 input rows. It assumes nothing about torch: the Python side
- * (`kernels/cpu_linear.py`) installs it only where it gave torch's bits on probes (`harness/replay/cpu_exact.py`).
+ * (`kernels/cpu_kernels.py`) installs it only where it gave torch's bits on probes (`harness/replay/cpu_exact.py`).
  *
  * Layout: x [m, k] bf16 rows; packed weight [ceil(n / 8), k, 8] bf16 (8 outputs' weights side by side, zero-padded);
  * out [m, n] bf16. k must be a multiple of 64 (the caller checks).

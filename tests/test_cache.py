@@ -159,3 +159,75 @@ def test_the_cache_goes_in_under_the_keyword_the_forward_declares(loaded):
             warnings.simplefilter("error", FutureWarning)
             model(input_ids=torch.tensor([[1, 2, 3, 4]]), **cache_kwargs(model, cache), use_cache=True)
         assert cache.get_seq_length(attention_layer_indices(model.config)[0]) == 4, arch
+
+
+# -- the one-sequence CPU write in one C call (kernels/cpu_kv_round_trip.c) ------------------------------------------
+
+def _c_round_trip_or_skip():
+    from kernels import cpu_kernels
+
+    lib = cpu_kernels.library()
+    if isinstance(lib, str):
+        pytest.skip(f"no CPU kernels on this machine: {lib}")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("scales", [[1.0], [0.0123], [3.7e-5], [1234.5], [1e-12], [0.5, 0.25, 7 / 448]])
+def test_c_round_trip_is_the_reference_on_every_bf16_input(fmt, saturate, scales):
+    """The probe itself, run here on scales that put every bf16 value (NaN, inf, subnormals, ties) at different
+    places of the fp8 grid, saturating and not: read-back bits, ratio bits, counts and max all equal the torch ops."""
+    from harness.kv_paths import cache
+
+    _c_round_trip_or_skip()
+    assert cache._round_trip_agrees(torch.tensor(scales), fmt, saturate)
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head", "fp8_e4m3:nosat"])
+def test_one_sequence_write_in_c_stores_and_counts_as_the_torch_ops(spec, monkeypatch):
+    """A layer writing through the C call and one forced onto the torch ops store the same bits and count the
+    same statistics, over writes with values past the format's max, NaN and inf."""
+    from harness.kv_paths import cache
+    from harness.kv_paths.cache import KVWriteStats
+
+    _c_round_trip_or_skip()
+    path = parse_path(spec)
+    heads = 2
+    scales = (torch.tensor([0.5, 0.03]), torch.tensor([0.01, 2.0])) if path.granularity == "per_head" \
+        else (torch.tensor(0.02), torch.tensor(1.5))
+    writes = []
+    for tokens in (7, 1, 1, 3):
+        key = torch.randn(1, heads, tokens, 16) * 40
+        key[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -1e6])
+        writes.append((key.to(torch.bfloat16), (torch.randn(1, heads, tokens, 16) * 900).to(torch.bfloat16)))
+
+    def replay(c_call: bool):
+        monkeypatch.setattr(cache, "cpu_round_trip_exact", lambda *args: c_call)
+        calls = []
+        real = cache.cpu_kernels.kv_round_trip
+        monkeypatch.setattr(cache.cpu_kernels, "kv_round_trip", lambda *a, **k: calls.append(1) or real(*a, **k))
+        stats = KVWriteStats()
+        layer = QuantizedKVLayer(path, *scales, stats)
+        stored = [layer.update(k, v) for k, v in writes][-1]
+        return stored, stats.counts.clone(), stats.amax_over_max.clone(), len(calls)
+
+    (c_keys, c_values), c_counts, c_amax, c_calls = replay(True)
+    (keys, values), counts, amax, calls = replay(False)
+    assert c_calls == 2 * len(writes) and calls == 0  # the C call served every write, then none
+    assert torch.equal(c_keys.view(torch.int16), keys.view(torch.int16))
+    assert torch.equal(c_values.view(torch.int16), values.view(torch.int16))
+    assert torch.equal(c_counts, counts) and torch.equal(c_amax, amax)
+    assert counts[0, 1] > 0 and counts[0, 2] > 0  # the writes clipped and read back NaN: the counts were exercised
+
+
+def test_a_refused_probe_keeps_the_torch_ops(monkeypatch):
+    from harness.kv_paths import cache
+    from harness.kv_paths.cache import KVWriteStats
+
+    monkeypatch.setattr(cache, "_EXACT_ROUND_TRIPS", {})
+    monkeypatch.setattr(cache, "_round_trip_agrees", lambda *args: False)
+    monkeypatch.setattr(cache.cpu_kernels, "kv_round_trip", lambda *a, **k: pytest.fail("C call after a refusal"))
+    layer = QuantizedKVLayer(parse_path("fp8_e4m3"), torch.tensor(1.0), torch.tensor(1.0), KVWriteStats())
+    key = torch.randn(1, 2, 3, 16, dtype=torch.bfloat16)
+    keys, _ = layer.update(key, key)
+    assert torch.equal(keys, fp8.dequantize(fp8.quantize(key, 1.0, "e4m3"), 1.0, torch.bfloat16))

@@ -128,15 +128,15 @@ def test_conv_shortcut_is_bit_identical_under_avx2_dispatch(tiny_models):
     assert "bit-identical" in done.stdout
 
 
-# -- bf16 linear layers in torch's fallback order (kernels/cpu_linear.py) -------------------------------------------
+# -- bf16 linear layers in torch's fallback order (kernels/cpu_kernels.py) -------------------------------------------
 
 def _in_order_library():
-    from kernels import cpu_linear
+    from kernels import cpu_kernels
 
-    lib = cpu_linear.library()
+    lib = cpu_kernels.library()
     if isinstance(lib, str):
         pytest.skip(f"no in-order linear kernel on this machine: {lib}")
-    return cpu_linear
+    return cpu_kernels
 
 
 def _documented_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -159,26 +159,26 @@ def _documented_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_in_order_kernel_sums_in_its_documented_order(k, n):
     """Machine-independent (AVX2 + FMA and a C compiler): the C kernel against its own documented order, bit for bit,
     for every row-block remainder (1-5 rows), a larger batch and outputs that do not fill the last block of 8."""
-    cpu_linear = _in_order_library()
+    cpu_kernels = _in_order_library()
     weight = cpu_exact._spread((n, k), torch.bfloat16, seed=k + n)
-    packed = cpu_linear.pack(weight)
+    packed = cpu_kernels.pack(weight)
     for rows in (1, 2, 3, 4, 5, 67):
         x = cpu_exact._spread((rows, k), torch.bfloat16, seed=rows)
-        assert torch.equal(cpu_linear.linear(x, packed, n).view(torch.int16),
+        assert torch.equal(cpu_kernels.linear(x, packed, n).view(torch.int16),
                            _documented_order(x, weight).view(torch.int16)), (rows, k, n)
 
 
 def test_in_order_kernel_refuses_what_it_cannot_take():
-    cpu_linear = _in_order_library()
-    assert "not a multiple of 64" in cpu_linear.supports(torch.zeros(8, 100, dtype=torch.bfloat16))
-    assert "not a 2-d bf16 CPU matrix" in cpu_linear.supports(torch.zeros(8, 64))
-    assert cpu_linear.supports(torch.zeros(8, 128, dtype=torch.bfloat16)) is None
+    cpu_kernels = _in_order_library()
+    assert "not a multiple of 64" in cpu_kernels.supports(torch.zeros(8, 100, dtype=torch.bfloat16))
+    assert "not a 2-d bf16 CPU matrix" in cpu_kernels.supports(torch.zeros(8, 64))
+    assert cpu_kernels.supports(torch.zeros(8, 128, dtype=torch.bfloat16)) is None
 
 
 def test_a_weight_changed_after_the_probe_goes_back_to_torch():
-    cpu_linear = _in_order_library()
+    cpu_kernels = _in_order_library()
     linear = torch.nn.Linear(64, 24, bias=False, dtype=torch.bfloat16)
-    linear._packed, linear._packed_version = cpu_linear.pack(linear.weight), linear.weight._version
+    linear._packed, linear._packed_version = cpu_kernels.pack(linear.weight), linear.weight._version
     linear._one_row = True
     linear.__class__ = cpu_exact.InOrderLinear
     x = cpu_exact._spread((3, 64), torch.bfloat16, seed=9)
@@ -188,15 +188,15 @@ def test_a_weight_changed_after_the_probe_goes_back_to_torch():
 
 
 def test_linear_shortcut_names_why_not_without_a_compiler(monkeypatch, tmp_path):
-    from kernels import cpu_linear
+    from kernels import cpu_kernels
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("FP8_HARNESS_KERNEL_CACHE", str(tmp_path / "cache"))
-    cpu_linear.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
-        why = cpu_linear.library()
+        why = cpu_kernels.library()
     finally:
-        cpu_linear.library.cache_clear()
+        cpu_kernels.library.cache_clear()
     assert isinstance(why, str) and "no-such-cc" in why
 
 
@@ -244,3 +244,20 @@ def test_linear_shortcut_is_bit_identical_under_avx2_dispatch(arch):
                           check=False, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bit-identical" in done.stdout
+
+
+def test_only_plain_linear_layers_are_offered_to_the_in_order_kernel(monkeypatch):
+    """A subclass of nn.Linear may have its own forward (the MoE routers of qwen3_moe, phimoe, llama4 return
+    (logits, weights, experts)): swapping its class broke those families under AVX2 dispatch. Only plain layers go."""
+
+    class Router(torch.nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits, logits.softmax(-1), logits.argmax(-1)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), Router(64, 8, bias=False),
+                                torch.nn.Linear(64, 64, bias=True)).to(torch.bfloat16)
+    offered = []
+    monkeypatch.setattr(cpu_exact, "_install_linear", lambda linears: offered.extend(linears) or "recorded")
+    cpu_exact.install(model)
+    assert offered == [model[0]]

@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.spec import KVPath
+from kernels import cpu_kernels
 from kernels import reference as fp8
 
 
@@ -107,6 +108,14 @@ class KVWriteStats:
         # the running max of each row, in one op (same values as max(old, new); a max has no reduction order)
         self.amax_over_max.scatter_reduce_(0, rows, finite.amax((1, 2, 3)).to(home), "amax")
 
+    def add_counted(self, values: int, clipped: int, nonfinite: int, amax: float, device) -> None:
+        """`count`'s effect for one sequence's write whose numbers were counted elsewhere (the CPU round trip in C:
+        integer counts and a max, so the same numbers in any order)."""
+        self._buffers(device)
+        self.counts[0] += torch.tensor((values, clipped, nonfinite), dtype=torch.int64)
+        if amax > self.amax_over_max[0]:
+            self.amax_over_max[0] = amax
+
     def select(self, live: torch.Tensor) -> None:
         """Keep batch positions `live` (indices into the current live rows)."""
         if self.live is not None:
@@ -171,6 +180,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through a kernel (attach_paged)
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
         self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
+        self._c_scales: dict = {}  # id(scale) -> (scale, float32 scales for the CPU write in C, or None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
@@ -227,6 +237,14 @@ class QuantizedKVLayer(DynamicLayer):
 
     def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
         fmt = self.kv_path.fmt
+        if (self.stats.step is None and static_scale is not None and x.is_cpu and x.dtype is torch.bfloat16
+                and self.kv_path.granularity != "per_token"):
+            scales = self._c_round_trip_scales(static_scale, x.shape[1])
+            if scales is not None:
+                read_back, clipped, nonfinite, amax = cpu_kernels.kv_round_trip(x, scales, fmt, self.kv_path.saturate)
+                if x.numel():
+                    self.stats.add_counted(x.numel(), clipped, nonfinite, amax, x.device)
+                return read_back
         if self.kv_path.granularity == "per_token":
             scale = fp8.per_token_scale(x, fmt)  # [batch, heads, chunk, 1]
         else:
@@ -238,8 +256,56 @@ class QuantizedKVLayer(DynamicLayer):
         self._count(x, scale, read_back)
         return read_back
 
+    def _c_round_trip_scales(self, static_scale: torch.Tensor, heads: int) -> torch.Tensor | None:
+        """The float32 [1] or [heads] scales for the one-sequence CPU write in C, or None where it does not apply or
+        its probe refused these scales (`cpu_round_trip_exact`); decided once per scale tensor (a layer's scales
+        are set, never changed in place; an inference tensor has no version counter to tell)."""
+        found = self._c_scales.get(id(static_scale))
+        if found is None or found[0] is not static_scale:
+            scales = static_scale.detach().reshape(-1).float().contiguous()  # [] -> [1]; per head: [heads]
+            usable = static_scale.is_cpu and scales.numel() in (1, heads)
+            exact = usable and cpu_round_trip_exact(scales, self.kv_path.fmt, self.kv_path.saturate)
+            found = self._c_scales[id(static_scale)] = (static_scale, scales if exact else None)
+        scales = found[1]
+        return scales if scales is not None and scales.numel() in (1, heads) else None
+
     def _count(self, x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
         self.stats.count(x, (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt], read_back)
+
+
+# -- the CPU write in one C call (kernels/cpu_kv_round_trip.c), where its bits are the torch ops' ----------------
+
+_EXACT_ROUND_TRIPS: dict[tuple, bool] = {}  # (fmt, saturate, scale bits): the C call gave the torch ops' bits
+
+
+def cpu_round_trip_exact(scales: torch.Tensor, fmt: str, saturate: bool) -> bool:
+    """Whether `kernels.cpu_kernels.kv_round_trip` gives what `_round_trip` and `KVWriteStats.count` compute with
+    torch ops, for these scales: checked once per scale on every bf16 input (65,536 per head: read-back bits,
+    |x / s| / max bits, clipped and nonfinite counts, the max), so the one-sequence CPU write takes the C call
+    only where it is that scale's arithmetic bit for bit. ~25 tensor ops a write become one call; a machine
+    without the library (no compiler, not x86-64 AVX2) keeps the torch ops."""
+    key = (fmt, saturate, scales.float().numpy().tobytes())
+    exact = _EXACT_ROUND_TRIPS.get(key)
+    if exact is None:
+        exact = _EXACT_ROUND_TRIPS[key] = _round_trip_agrees(scales.float().contiguous(), fmt, saturate)
+    return exact
+
+
+def _round_trip_agrees(scales: torch.Tensor, fmt: str, saturate: bool) -> bool:
+    if isinstance(cpu_kernels.library(), str):
+        return False
+    heads = scales.numel()
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = every.expand(1, heads, 1, -1).contiguous()
+    ratios = torch.empty(x.shape, dtype=torch.float32)
+    got, clipped, nonfinite, amax = cpu_kernels.kv_round_trip(x, scales, fmt, saturate, ratios)
+    scale = scales.view(-1, 1, 1) if heads > 1 else scales.view(())
+    want = fp8.dequantize(fp8.quantize(x, scale, fmt, saturate=saturate), scale, out_dtype=x.dtype)
+    ratio = (x.float() / scale).abs() / fp8.FP8_MAX[fmt]  # as `_count` and `KVWriteStats.count` compute it
+    return (torch.equal(got.view(torch.int16), want.view(torch.int16))
+            and torch.equal(ratios.view(torch.int32), ratio.view(torch.int32))
+            and clipped == int((ratio > 1).sum()) and nonfinite == int((~want.isfinite()).sum())
+            and amax == float(torch.nan_to_num(ratio, nan=0.0, posinf=0.0).amax()))
 
 
 def holds_kv(layer) -> bool:

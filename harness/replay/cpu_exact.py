@@ -13,7 +13,7 @@ BENCHMARKS.md, "the default CPU run under AVX2"), and neither needs the work it 
   rounding the float32 result to bf16 gives torch's bf16 bits (checked below on this machine).
 
 - **bf16 linear layers** where oneDNN has no bf16 kernels: torch's fallback is one dot product per output, 6-8 GMAC/s
-  on a core. `kernels/cpu_linear.py` (C, compiled at first use) adds the same products in the same order (8
+  on a core. `kernels/cpu_kernels.py` (C, compiled at first use) adds the same products in the same order (8
   registers of 8 lanes, then the same pairwise trees) with its lanes over 8 outputs instead, so one weight load
   serves 4 input rows: 2.6-2.9x torch's speed at 512 rows, 1.2-1.4x at one row on the canaries' larger layers (AVX2
   dispatch, one core of the dev machine). It keeps a packed copy of each weight it serves (as large as the weight).
@@ -32,7 +32,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from kernels import cpu_kernels
 
 
 def install(model: torch.nn.Module) -> dict[str, str]:
@@ -47,8 +47,10 @@ def install(model: torch.nn.Module) -> dict[str, str]:
     module = sys.modules.get(type(model).__module__)
     if convs and module is not None and getattr(module, "F", None) is F:
         done["depthwise_conv1d_fp32"] = _install_conv(module, convs)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is None
-               and m.weight.dtype == torch.bfloat16 and type(m.weight.data) is torch.Tensor]  # not a rank's DTensor
+    # plain `nn.Linear` layers only (and our kv_b_proj): a subclass may have a forward of its own (MoE routers
+    # subclass it and return (logits, weights, experts)); not a tensor-parallel rank's DTensor weight
+    linears = [m for m in model.modules() if type(m) in (torch.nn.Linear, LatentRowsLinear) and m.bias is None
+               and m.weight.dtype == torch.bfloat16 and type(m.weight.data) is torch.Tensor]
     if linears:
         done["bf16_linear_in_order"] = _install_linear(linears)
     return done
@@ -123,7 +125,7 @@ def _rows_are_independent(weight: torch.Tensor) -> bool:
     return True
 
 
-# -- bf16 linear layers through kernels/cpu_linear.py ------------------------------------------------------------
+# -- bf16 linear layers through kernels/cpu_kernels.py ------------------------------------------------------------
 
 # One input row through a weight smaller than this stays torch's call (the same bits): the kernel's call costs ~5 us
 # more than torch's from Python, and at one row computes 256 x 512 in 14.2 us against torch's 20.5, 256 x 80 in 7.0
@@ -133,7 +135,7 @@ ONE_ROW_MIN_WEIGHT = 48 * 1024
 
 
 class InOrderLinear(torch.nn.Linear):
-    """A bias-free bf16 `nn.Linear` whose forward runs `kernels.cpu_linear` (probed bit-equal to torch's call on this
+    """A bias-free bf16 `nn.Linear` whose forward runs `kernels.cpu_kernels` (probed bit-equal to torch's call on this
     machine with this weight) while the weight is the one probed; anything else is torch's own forward."""
 
     _packed: torch.Tensor
@@ -146,7 +148,7 @@ class InOrderLinear(torch.nn.Linear):
         if (x.dtype is torch.bfloat16 and x.is_cpu and not torch.is_grad_enabled()
                 and (self._one_row or x.numel() != self.in_features)
                 and self._parameters["weight"]._version == self._packed_version):
-            return cpu_linear.linear(x, self._packed, self.out_features)
+            return cpu_kernels.linear(x, self._packed, self.out_features)
         return super().forward(x)
 
 
@@ -157,14 +159,14 @@ class LatentRowsInOrderLinear(LatentRowsLinear, InOrderLinear):
 def _install_linear(linears: list) -> str:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "not installed: oneDNN has bf16 kernels on this CPU (torch's bf16 linear is oneDNN's, in its order)"
-    lib = cpu_linear.library()
+    lib = cpu_kernels.library()
     if isinstance(lib, str):
         return f"not installed: {lib}"
     chosen, refused = [], {}
     for linear in linears:
-        why = cpu_linear.supports(linear.weight)
+        why = cpu_kernels.supports(linear.weight)
         if why is None:
-            packed = cpu_linear.pack(linear.weight)
+            packed = cpu_kernels.pack(linear.weight)
             why = _linear_differs(linear.weight, packed)
             if why is None:
                 chosen.append((linear, packed))
@@ -183,7 +185,7 @@ def _install_linear(linears: list) -> str:
 
 
 def _linear_differs(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
-    """None where `kernels.cpu_linear` gives torch's bits for this weight on inputs of 1, 2, 3, 4, 5 and 67 rows
+    """None where `kernels.cpu_kernels` gives torch's bits for this weight on inputs of 1, 2, 3, 4, 5 and 67 rows
     (every row-block remainder of the C kernel, spread values, a NaN and an inf), else what differed."""
     k, n = weight.shape[1], weight.shape[0]
     with torch.no_grad():
@@ -191,7 +193,7 @@ def _linear_differs(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
             x = _spread((1, rows, k), torch.bfloat16, seed=rows)
             if rows == 67:
                 x[0, 3, 5], x[0, 9, 0] = float("nan"), float("inf")
-            want, got = F.linear(x, weight), cpu_linear.linear(x, packed, n)
+            want, got = F.linear(x, weight), cpu_kernels.linear(x, packed, n)
             if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
                 return f"the in-order kernel's bits differ from torch's for a [{rows}, {k}] x [{k}, {n}] product"
     return None

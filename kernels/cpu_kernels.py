@@ -1,12 +1,18 @@
-"""A bf16 linear (`y = x @ w.T`, no bias) for x86 CPUs with AVX2 + FMA, summing in torch's own fallback order.
+"""C kernels for the CPU that give torch's own bits with less work, compiled with the system's C compiler at first use.
 
-Where oneDNN has no bf16 kernels (AVX2 without AVX-512 BF16) torch multiplies bf16 matrices one dot product per
-output (`kernels/cpu_bf16_linear.c` says in which order), 6-8 GMAC/s on one core of the dev machine; the C
-file sums the same products in the same order with its vector lanes over 8 outputs, so a weight load serves up to
-4 input rows. It is compiled with the system's C compiler at first use (`cc`, or $CC) and kept on disk beside the
-CUDA kernels' cubins (`$FP8_HARNESS_KERNEL_CACHE`, default ~/.cache/fp8-harness/cc): no build step, nothing to
-install. Whether its bits are torch's on a machine is not assumed here: `harness/replay/cpu_exact.py` probes it
-against `torch.nn.functional.linear` with the model's weights before it replaces a single call.
+- `linear`: a bf16 linear (`y = x @ w.T`, no bias) for x86 CPUs with AVX2 + FMA, summing in torch's fallback order.
+  Where oneDNN has no bf16 kernels (AVX2 without AVX-512 BF16) torch multiplies bf16 matrices one dot product per
+  output (`kernels/cpu_bf16_linear.c` says in which order), 6-8 GMAC/s on one core of the dev machine; the C file
+  sums the same products in the same order with its vector lanes over 8 outputs, so a weight load serves up to 4
+  input rows.
+- `kv_round_trip`: an FP8 KV cache write (x -> fp8(x / s) -> bf16) and its write statistics in one call
+  (`kernels/cpu_kv_round_trip.c`), the arithmetic of `kernels/reference.py`, for one sequence's writes.
+
+Both files are compiled into one library with `cc` (or $CC) and kept on disk beside the CUDA kernels' cubins
+(`$FP8_HARNESS_KERNEL_CACHE`, default ~/.cache/fp8-harness/cc): no build step, nothing to install. Whether their
+bits are torch's on a machine is not assumed here: `harness/replay/cpu_exact.py` probes the linear against
+`torch.nn.functional.linear` with the model's weights before it replaces a call, and `harness/kv_paths/cache.py`
+probes the round trip against the torch reference on every bf16 input for each scale before a layer uses it.
 
     lib = library()            # the loaded library, or a str saying why there is none on this machine
     packed = pack(weight)      # [ceil(n / 8), k, 8] bf16, once per weight
@@ -27,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_bf16_linear.c")
+SOURCES = (Path(__file__).with_name("cpu_bf16_linear.c"), Path(__file__).with_name("cpu_kv_round_trip.c"))
 FLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 CHUNK = 64  # products per step of a dot product (8 registers x 8 lanes): k must be a multiple
 LANES = 8   # outputs per packed block
@@ -53,22 +59,22 @@ def library() -> ctypes.CDLL | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         return f"C compiler {compiler} did not run: {error}"
-    source = SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, version, *FLAGS]).encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir(), f"cpu_bf16_linear-{key}.so")
+    sources = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, version, *FLAGS]).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir(), f"cpu_kernels-{key}.so")
     if not os.path.exists(path):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".so.tmp")
             os.close(fd)
-            done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
+            done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                                  text=True, timeout=120)
             if done.returncode != 0:
                 os.unlink(tmp)
-                return f"{compiler} could not compile {SOURCE.name}: {done.stderr.strip()[-300:]}"
+                return f"{compiler} could not compile {', '.join(s.name for s in SOURCES)}: {done.stderr.strip()[-300:]}"
             os.replace(tmp, path)  # atomic: another process sees the whole library or none
         except (OSError, subprocess.SubprocessError) as error:
-            return f"could not build {SOURCE.name} in {cache_dir()}: {error}"
+            return f"could not build the CPU kernels in {cache_dir()}: {error}"
     try:
         lib = ctypes.CDLL(path)
     except OSError as error:
@@ -78,6 +84,10 @@ def library() -> ctypes.CDLL | str:
     lib.fp8h_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p]
     lib.fp8h_bf16_linear.restype = ctypes.c_int
+    lib.fp8h_kv_round_trip.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.fp8h_kv_round_trip.restype = ctypes.c_int
     return lib
 
 
@@ -108,7 +118,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if _call is None:
         lib = library()
         if isinstance(lib, str):
-            raise RuntimeError(f"kernels.cpu_linear: {lib}")
+            raise RuntimeError(f"kernels.cpu_kernels: {lib}")
         _call = lib.fp8h_bf16_linear
     k = x.shape[-1]
     rows = x.reshape(-1, k)
@@ -119,6 +129,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if m:
         status = _call(rows.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr())
         if status:
-            raise RuntimeError(f"kernels.cpu_linear: the C kernel refused (status {status}: 1 = k {k} not a multiple "
+            raise RuntimeError(f"kernels.cpu_kernels: the C kernel refused (status {status}: 1 = k {k} not a multiple "
                                f"of {CHUNK}, 2 = out of memory)")
     return out.view(*x.shape[:-1], n)
+
+
+def kv_round_trip(x: torch.Tensor, scales: torch.Tensor, fmt: str, saturate: bool,
+                  ratios: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, float]:
+    """x [batch, heads, tokens, dim] bf16 (or [batch, 1, tokens, latent]) on the CPU, scales [heads] or [1] float32:
+    (read back [same] bf16, clipped, nonfinite, amax ratio), what `kernels.reference.quantize` / `dequantize` and
+    the write statistics compute; `ratios` (float32, x's shape) receives |x / s| / max of each value (the probe's)."""
+    lib = library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"kernels.cpu_kernels: {lib}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    counts = (ctypes.c_int64(), ctypes.c_int64(), ctypes.c_float())
+    lib.fp8h_kv_round_trip(x.data_ptr(), x.shape[0], x.shape[1], x[0, 0].numel() if x.numel() else 0,
+                           scales.data_ptr(), scales.numel(), int(fmt == "e5m2"), int(saturate), out.data_ptr(),
+                           ctypes.byref(counts[0]), ctypes.byref(counts[1]), ctypes.byref(counts[2]),
+                           None if ratios is None else ratios.data_ptr())
+    return out, counts[0].value, counts[1].value, counts[2].value
