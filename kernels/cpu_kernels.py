@@ -8,8 +8,8 @@
 - `kv_round_trip`: an FP8 KV cache write (x -> fp8(x / s) -> bf16) and its write statistics in one call
   (`kernels/cpu_kv_round_trip.c`), the arithmetic of `kernels/reference.py`, for one sequence's writes.
 
-Both files are compiled into one library with `cc` (or $CC) and kept on disk beside the CUDA kernels' cubins
-(`$FP8_HARNESS_KERNEL_CACHE`, default ~/.cache/fp8-harness/cc): no build step, nothing to install. Whether their
+Both files are compiled into one library with `cc` (or $CC) and kept on disk (`$FP8_HARNESS_KERNEL_CACHE`, where
+the CUDA kernels' cubins go too; default ~/.cache/fp8-harness/cc): no build step, nothing to install. Whether their
 bits are torch's on a machine is not assumed here: `harness/replay/cpu_exact.py` probes the linear against
 `torch.nn.functional.linear` with the model's weights before it replaces a call, and `harness/kv_paths/cache.py`
 probes the round trip against the torch reference on every bf16 input for each scale before a layer uses it.
@@ -71,7 +71,8 @@ def library() -> ctypes.CDLL | str:
                                   text=True, timeout=120)
             if done.returncode != 0:
                 os.unlink(tmp)
-                return f"{compiler} could not compile {', '.join(s.name for s in SOURCES)}: {done.stderr.strip()[-300:]}"
+                names = ", ".join(source.name for source in SOURCES)
+                return f"{compiler} could not compile {names}: {done.stderr.strip()[-300:]}"
             os.replace(tmp, path)  # atomic: another process sees the whole library or none
         except (OSError, subprocess.SubprocessError) as error:
             return f"could not build the CPU kernels in {cache_dir()}: {error}"
