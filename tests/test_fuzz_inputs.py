@@ -64,6 +64,8 @@ def fuzz(examples: int) -> settings:
         raise pytest.UsageError(f"HARNESS_FUZZ_SCALE must be a positive integer, got {FUZZ_SCALE!r}")
     return settings(max_examples=examples * int(FUZZ_SCALE), deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
 LOADER_PEAK_BYTES = 64 * 1024 * 1024  # bounds.py caps a file at 2 MiB and 8 Mi scalar chars; 64 MiB is 8x that
 
 # ---------------------------------------------------------------- strategies
