@@ -261,3 +261,20 @@ def test_only_plain_linear_layers_are_offered_to_the_in_order_kernel(monkeypatch
     monkeypatch.setattr(cpu_exact, "_install_linear", lambda linears: offered.extend(linears) or "recorded")
     cpu_exact.install(model)
     assert offered == [model[0]]
+
+
+def test_the_fp32_twin_keeps_no_packed_weights(monkeypatch):
+    """The `fp32` path's copy of the model has float32 weights: its linear layers are plain again, with no packed
+    bf16 copy held, and give torch's float32 results."""
+    cpu_kernels = _in_order_library()
+    linear = torch.nn.Linear(64, 24, bias=False, dtype=torch.bfloat16)
+    linear._packed, linear._packed_version = cpu_kernels.pack(linear.weight), linear.weight._version
+    linear._one_row = True
+    linear.__class__ = cpu_exact.InOrderLinear
+    model = torch.nn.Sequential(linear)
+    twin = copy.deepcopy(model).float()
+    cpu_exact.drop_packed(twin)
+    assert type(twin[0]) is torch.nn.Linear and not hasattr(twin[0], "_packed")
+    assert type(model[0]) is cpu_exact.InOrderLinear and hasattr(model[0], "_packed")  # the bf16 model keeps its own
+    x = torch.randn(3, 64)
+    assert torch.equal(twin[0](x), F.linear(x, twin[0].weight))

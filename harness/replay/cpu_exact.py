@@ -156,6 +156,15 @@ class LatentRowsInOrderLinear(LatentRowsLinear, InOrderLinear):
     """`kv_b_proj` with both shortcuts: the rows it keeps, and the new rows through `InOrderLinear`."""
 
 
+def drop_packed(model: torch.nn.Module) -> None:
+    """Give a copy of the model whose weights left bf16 (the `fp32` path's twin) back its plain linear layers: its
+    inputs are no longer bf16, so the packed bf16 weights (as large as the weights) would be held for nothing."""
+    for module in model.modules():
+        if isinstance(module, InOrderLinear) and module.weight.dtype != torch.bfloat16:
+            del module._packed
+            module.__class__ = LatentRowsLinear if isinstance(module, LatentRowsLinear) else torch.nn.Linear
+
+
 def _install_linear(linears: list) -> str:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "not installed: oneDNN has bf16 kernels on this CPU (torch's bf16 linear is oneDNN's, in its order)"

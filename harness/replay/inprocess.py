@@ -159,6 +159,7 @@ class InProcessModel:
             return self
         if self._float32 is None:
             twin = copy.deepcopy(self.model).float()
+            cpu_exact.drop_packed(twin)  # the in-order bf16 linear layers become plain ones again
             self._float32 = dataclasses.replace(self, model=twin, _scales={}, _float32=None)
         return self._float32
 
