@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch
 
+from kernels.nvrtc import CACHE_ENV  # one variable names where every compiled kernel is kept
+
 SOURCES = (Path(__file__).with_name("cpu_bf16_linear.c"), Path(__file__).with_name("cpu_kv_round_trip.c"))
 FLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 CHUNK = 64  # products per step of a dot product (8 registers x 8 lanes): k must be a multiple
 LANES = 8   # outputs per packed block
-CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
 
 
 def cache_dir() -> str:
@@ -110,17 +111,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, LANES, k).transpose(1, 2).contiguous()
 
 
-_call = None  # the library's function, once loaded (one call per linear layer per decode step: no lookups)
+@functools.lru_cache(maxsize=None)
+def _function(name: str):
+    """The library's function `name`, looked up once (they are called per layer and decode step)."""
+    lib = library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"kernels.cpu_kernels: {lib}")
+    return getattr(lib, name)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., k] bf16 on the CPU -> [..., n] bf16: torch's bits where the probe said so (see the module doc)."""
-    global _call
-    if _call is None:
-        lib = library()
-        if isinstance(lib, str):
-            raise RuntimeError(f"kernels.cpu_kernels: {lib}")
-        _call = lib.fp8h_bf16_linear
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
@@ -128,7 +129,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
-        status = _call(rows.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr())
+        status = _function("fp8h_bf16_linear")(rows.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr())
         if status:
             raise RuntimeError(f"kernels.cpu_kernels: the C kernel refused (status {status}: 1 = k {k} not a multiple "
                                f"of {CHUNK}, 2 = out of memory)")
@@ -140,14 +141,12 @@ def kv_round_trip(x: torch.Tensor, scales: torch.Tensor, fmt: str, saturate: boo
     """x [batch, heads, tokens, dim] bf16 (or [batch, 1, tokens, latent]) on the CPU, scales [heads] or [1] float32:
     (read back [same] bf16, clipped, nonfinite, amax ratio), what `kernels.reference.quantize` / `dequantize` and
     the write statistics compute; `ratios` (float32, x's shape) receives |x / s| / max of each value (the probe's)."""
-    lib = library()
-    if isinstance(lib, str):
-        raise RuntimeError(f"kernels.cpu_kernels: {lib}")
     x = x.contiguous()
     out = torch.empty_like(x)
     counts = (ctypes.c_int64(), ctypes.c_int64(), ctypes.c_float())
-    lib.fp8h_kv_round_trip(x.data_ptr(), x.shape[0], x.shape[1], x[0, 0].numel() if x.numel() else 0,
-                           scales.data_ptr(), scales.numel(), int(fmt == "e5m2"), int(saturate), out.data_ptr(),
-                           ctypes.byref(counts[0]), ctypes.byref(counts[1]), ctypes.byref(counts[2]),
-                           None if ratios is None else ratios.data_ptr())
+    inner = x[0, 0].numel() if x.numel() else 0  # tokens x dim
+    _function("fp8h_kv_round_trip")(x.data_ptr(), x.shape[0], x.shape[1], inner, scales.data_ptr(), scales.numel(),
+                                    int(fmt == "e5m2"), int(saturate), out.data_ptr(), ctypes.byref(counts[0]),
+                                    ctypes.byref(counts[1]), ctypes.byref(counts[2]),
+                                    None if ratios is None else ratios.data_ptr())
     return out, counts[0].value, counts[1].value, counts[2].value
