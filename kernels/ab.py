@@ -13,7 +13,8 @@ CANDIDATES holds the latest session's variants; earlier sessions' candidates and
 kernels/BENCHMARKS.md (session 8: widen="v" and whole waves for GQA, warp specialization and 16 warps for MLA;
 session 9: for MLA, widen="bits" (e4m3 widened by integer bit moves instead of cvt), latent_parts=2 (a program
 per half of the output columns), lazy rescaling and scores_ahead (each trip's score product for the next tile);
-all lost, their code removed; session 11: the CUDA kernel, impl="cuda", its launch shapes).
+all lost, their code removed; session 11: the CUDA kernel, impl="cuda", its launch shapes; session 13: the
+warpgroup-MMA kernel for many heads, wgmma=True).
 """
 
 from __future__ import annotations
@@ -49,16 +50,22 @@ def _cuda_label(n, w, s, h=16, ctas=1, bulk=True):
     return f"cuda h{h} {n}/{w}/{s}" + (f" x{ctas}" if ctas > 1 else "") + ("" if bulk else " cp.async")
 
 
+def _wgmma(stages, widen=True):
+    """The warpgroup-MMA kernel (kernels/mla_decode_fp8_wgmma.cu): 64 heads and 64 tokens a block of 8 warps,
+    `stages` tiles in flight, one block per SM; widen="bits": codes widened by bit moves instead of cvt."""
+    return dict(_mla(64, 8, stages, 64, impl="cuda", wgmma=True), widen=widen, programs_per_sm=1)
+
+
 CUDA_FEW = [(64, 8, 3), (32, 4, 3, 16, 2), (64, 8, 3, 16, 1, False)]
-CUDA_MANY = [(64, 8, 3, 32), (64, 8, 4, 32), (32, 4, 4, 16, 2)]
 CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
     # session 11's last round (kernels/BENCHMARKS.md: the CUDA kernel won at 16 heads, not at 128); a new one goes
     # below its entry
     "mla_fp8": [("cuda h16 32/4/4 x2 (current)", _cuda(32, 4, 4, 16, 2)),
                 ("split widen 64/4/5 (Triton tile kernel, reference)", _mla(64, 4, 5, 16))]
     + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
-    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64))]
-    + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_MANY],
+    # session 13: the warpgroup-MMA kernel against the Triton entry (the mma.sync kernel lost there in session 11)
+    "mla_fp8_many_heads": [("split widen h64 32/8/5 (current)", _mla(32, 8, 5, 64)),
+                           ("cuda wgmma h64 64/8/3", _wgmma(3)), ("cuda wgmma h64 64/8/3 bits", _wgmma(3, "bits"))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 

@@ -465,7 +465,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
                widen: bool | None = None, split_latent: bool | None = None,
                impl: str | None = None, ctas: int | None = None,
-               bulk: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               bulk: bool | None = None, wgmma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -483,7 +483,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     impl="cuda": the CUDA kernel kernels/mla_decode_fp8.cu over an fp8 cache with Dc 512 and Dr 64, without
     options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages: tiles in flight; block_h 16, 32 or 64
     heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
-    bulk copies); `cuda_refusal` says when it cannot run, and an entry's impl="cuda" then falls back to the
+    bulk copies; wgmma=True: the warpgroup-MMA kernel kernels/mla_decode_fp8_wgmma.cu for many heads, sm_90 only,
+    64 heads and 64 tokens a block of 8 warps, num_stages tiles in flight, widen="bits": fp8 codes widened by bit
+    moves instead of cvt); `cuda_refusal` says when it cannot run, and an entry's impl="cuda" then falls back to the
     Triton entry CUDA_FALLBACK, as it does (with a warning) where this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
@@ -522,7 +524,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     given = {key: value for key, value in (
         ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("prefetch", prefetch),
         ("swap", swap), ("programs_per_sm", programs_per_sm), ("block_h", block_h), ("tma", tma), ("widen", widen),
-        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk)) if value is not None}
+        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma)) if value is not None}
     cfg = dict(launch_config(entry, device), **given)
     if cfg.get("impl") == "cuda":
         refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
@@ -622,6 +624,20 @@ CUDA_FALLBACK = {"mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch
                                             programs_per_sm=1, block_h=64, tma=True, widen=True, split_latent=True)}
 
 
+# The warpgroup-MMA kernel for many heads (session 13): kernels/mla_decode_fp8_wgmma.cu, sm_90a; its tile (64 tokens),
+# heads a block (64) and warps (8: two warp groups of 32 heads each) are fixed by its source.
+WGMMA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_wgmma.cu")
+WGMMA_TOKENS, WGMMA_HEADS, WGMMA_WARPS = 64, 64, 8
+
+
+def _wgmma_smem(stages: int) -> int:
+    """Tile rows (16 bytes more a row for the row shifts), Q^T in fp16, two P^T tiles, two [4, 32] fp32 reductions
+    and one mbarrier a stage; the [64, 513] fp32 output staging reuses the tiles and Q^T."""
+    row = CUDA_LATENT + CUDA_ROPE
+    return stages * WGMMA_TOKENS * (row + 16) + WGMMA_HEADS * row * 2 + 2 * WGMMA_TOKENS * 32 * 2 + 2 * 4 * 32 * 4 \
+        + 8 * stages
+
+
 def _cuda_shape(cfg: dict) -> tuple[int, int, int, int]:
     """(warps, n8 token blocks per warp, stages, m16 head tiles per block) of a CUDA entry."""
     warps, block_n = cfg["num_warps"], cfg["block_n"]
@@ -671,6 +687,19 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     if cache.stride(2) != 1 or cache.stride(1) != CUDA_LATENT + CUDA_ROPE or cache.stride(0) % 16 \
             or cache.data_ptr() % 16:
         return "it copies 16-byte chunks: cache rows contiguous, pages and the base 16-byte aligned"
+    if cfg.get("wgmma"):
+        if _gpu(cache.device.index)[0] != (9, 0):
+            return "wgmma=True needs an sm_90 GPU (Hopper; the kernel is built for sm_90a)"
+        shape = (cfg["block_n"], cfg["num_warps"], cfg.get("block_h"))
+        if shape != (WGMMA_TOKENS, WGMMA_WARPS, WGMMA_HEADS) or cfg["num_stages"] < 2:
+            return (f"wgmma=True is built for block_n {WGMMA_TOKENS}, num_warps {WGMMA_WARPS}, block_h {WGMMA_HEADS} "
+                    f"and num_stages >= 2; got {cfg}")
+        smem = _wgmma_smem(cfg["num_stages"])
+        if smem > _gpu(cache.device.index)[1]:
+            return f"{smem} bytes of shared memory is more than this GPU has for a block"
+        if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 for t in (q_latent, q_pe)):
+            return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
+        return None
     warps, blocks, stages, m_tiles = _cuda_shape(cfg)
     if warps not in (1, 2, 4, 8, 16) or blocks not in (1, 2, 4) or 8 * warps * blocks != cfg["block_n"] \
             or warps * blocks % 2 or stages < 3 or cfg.get("block_h", 16) not in (16, 32, 64):
@@ -694,38 +723,48 @@ def _warn_cuda_fallback(reason: str) -> None:
                   f"runs instead: {reason}", RuntimeWarning, stacklevel=3)
 
 
-_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
+_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device, wgmma) -> why it did not build: not retried in this process
 
 
-def _cuda_kernel(defines: tuple, index: int):
+def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False):
     from kernels import nvrtc
-    if (defines, index) in _BUILD_FAILURES:
-        raise _CudaBuildError(_BUILD_FAILURES[(defines, index)])
+    key = (defines, index, wgmma)
+    if key in _BUILD_FAILURES:
+        raise _CudaBuildError(_BUILD_FAILURES[key])
     try:
+        if wgmma:
+            return nvrtc.compile_kernel(WGMMA_SOURCE, "mla_fp8_decode_wgmma", defines, index, arch_specific=True)
         return nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, index)
     except (RuntimeError, OSError) as e:
         text = str(e).strip()
-        _BUILD_FAILURES[(defines, index)] = " / ".join(text.splitlines()[:3])[:400] or type(e).__name__
-        raise _CudaBuildError(_BUILD_FAILURES[(defines, index)]) from e
+        _BUILD_FAILURES[key] = " / ".join(text.splitlines()[:3])[:400] or type(e).__name__
+        raise _CudaBuildError(_BUILD_FAILURES[key]) from e
 
 
 def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg):
     batch, heads, latent_dim = q_latent.shape
     device = q_latent.device
-    warps, blocks, stages, m_tiles = _cuda_shape(cfg)
     page_size = cache.shape[1]
-    bulk = _cuda_bulk(cfg, device)
-    defines = (("NW", warps), ("NB", blocks), ("STAGES", stages), ("MT", m_tiles), ("CTAS", cfg.get("ctas", 1)),
-               ("PAGE", page_size), ("BULK", int(bulk)),
-               ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk)),
-               ("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
-    kernel = _cuda_kernel(defines, device.index)
-    head_blocks = triton.cdiv(heads, 16 * m_tiles)
+    formats = (("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
+    if cfg.get("wgmma"):
+        warps, heads_per_block, stages = WGMMA_WARPS, WGMMA_HEADS, cfg["num_stages"]
+        defines = (("STAGES", stages), ("PAGE", page_size), ("WIDEN_BITS", int(cfg.get("widen") == "bits")), *formats)
+        kernel = _cuda_kernel(defines, device.index, wgmma=True)
+        smem = _wgmma_smem(stages)
+    else:
+        warps, blocks, stages, m_tiles = _cuda_shape(cfg)
+        bulk = _cuda_bulk(cfg, device)
+        defines = (("NW", warps), ("NB", blocks), ("STAGES", stages), ("MT", m_tiles), ("CTAS", cfg.get("ctas", 1)),
+                   ("PAGE", page_size), ("BULK", int(bulk)),
+                   ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk)), *formats)
+        kernel = _cuda_kernel(defines, device.index)
+        heads_per_block, smem = 16 * m_tiles, _cuda_smem(warps, blocks, stages, m_tiles, bulk)
+    head_blocks = triton.cdiv(heads, heads_per_block)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, cfg["block_n"],
                                                cfg["programs_per_sm"], device, num_splits, whole_waves=True)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
-    kernel((head_blocks, batch, num_splits), (32 * warps, 1, 1), _cuda_smem(warps, blocks, stages, m_tiles, bulk),
+    kernel((head_blocks, batch, num_splits), (32 * warps, 1, 1), smem,
            [q_latent, q_pe, cache, block_table, seq_lens, scale, part_out, part_lse, sm_scale * LOG2E,
             tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
             cache.stride(0), cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),

@@ -148,12 +148,14 @@ def cubin_for(source: str, name: str, options: list[str], compiler: str) -> byte
 
 
 @functools.lru_cache(maxsize=None)
-def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int) -> Kernel:
-    """The kernel `name` of the CUDA file `path` (extern "C"), compiled with -D defines for `device`'s GPU."""
+def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int,
+                   arch_specific: bool = False) -> Kernel:
+    """The kernel `name` of the CUDA file `path` (extern "C"), compiled with -D defines for `device`'s GPU
+    (arch_specific: for that architecture's own features, e.g. sm_90a's wgmma; such code runs on it alone)."""
     major, minor = torch.cuda.get_device_capability(device)
     with open(path) as f:
         source = f.read()
-    options = [f"--gpu-architecture=sm_{major}{minor}", "-std=c++17", "-lineinfo",
+    options = [f"--gpu-architecture=sm_{major}{minor}{'a' if arch_specific else ''}", "-std=c++17", "-lineinfo",
                *[f"-D{key}={value}" for key, value in defines]]
     cubin = cubin_for(source, name, options, f"nvrtc {_nvrtc_version()}")
     with torch.cuda.device(device):

@@ -242,7 +242,7 @@ def _time_kind(kind: str, results: list[tuple[str, dict, dict]], batch: int, ctx
 def _entry(kind: str, cfg: dict) -> str:
     """One kernels/configs.py line (wrapped at 120 columns) for `kind`."""
     keys = ("block_n", "num_warps", "num_stages", "prefetch", "swap", "programs_per_sm", "block_h", "tma", "widen",
-            "split_latent", "impl", "bulk", "ctas")
+            "split_latent", "impl", "bulk", "ctas", "wgmma")
     head, parts = f'    "{kind}": dict(', [f"{k}={json.dumps(cfg[k]) if isinstance(cfg[k], str) else repr(cfg[k])}"
                                            for k in keys if k in cfg]
     lines, line = [], head

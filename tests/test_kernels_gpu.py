@@ -440,6 +440,10 @@ MLA_CUDA_CONFIGS = [
     pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=3, block_h=32), id="cuda-64-8-3-h32"),
     pytest.param(dict(impl="cuda", block_n=64, num_warps=8, num_stages=3, block_h=16, bulk=False),
                  id="cuda-64-8-3-cp.async"),
+    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64),
+                 id="cuda-wgmma-64-8-3"),
+    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=2, block_h=64, widen="bits"),
+                 id="cuda-wgmma-64-8-2-bits"),
 ]
 
 
@@ -459,16 +463,20 @@ def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, k_tol, heads, page_size
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
 
 
-def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern):
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(block_n=64, num_warps=4, num_stages=3), id="mma.sync"),
+    pytest.param(dict(wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64), id="wgmma"),
+    pytest.param(dict(wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64, widen="bits"), id="wgmma-bits")])
+def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
     """A NaN code written inside sequence 1 makes exactly sequence 1's outputs NaN (every head, every column):
     the kernel neither drops it nor leaks it into the other sequences sharing its launch."""
     lengths = [700, 300, 129]
-    case = _mla_case(lengths, 16, 16, "e4m3")
+    case = _mla_case(lengths, 16, 72 if config.get("wgmma") else 16, "e4m3")
     page = case.cache.shape[1]
     slot = case.block_table[1, 250 // page].long() * page + 250 % page
     case.cache.view(-1, case.cache.shape[2]).view(torch.uint8)[slot, 7] = 0x7F
     out, _ = kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
-                             case.sm_scale, 4, impl="cuda", block_n=64, num_warps=4, num_stages=3)
+                             case.sm_scale, 4, impl="cuda", **config)
     assert out[1].isnan().all(), "the NaN code did not reach every output of its sequence"
     assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN code leaked into another sequence"
 
