@@ -484,9 +484,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages: tiles in flight; block_h 16, 32 or 64
     heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
     bulk copies; wgmma=True: the warpgroup-MMA kernel kernels/mla_decode_fp8_wgmma.cu for many heads, sm_90 only,
-    64 heads and 64 tokens a block of 8 warps, num_stages tiles in flight, widen="bits": fp8 codes widened by bit
-    moves instead of cvt); `cuda_refusal` says when it cannot run, and an entry's impl="cuda" then falls back to the
-    Triton entry CUDA_FALLBACK, as it does (with a warning) where this machine cannot build it)."""
+    64 heads and 64 tokens a block of 8 warps, num_stages tiles in flight); `cuda_refusal` says when it cannot run,
+    and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
+    this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -748,7 +748,7 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
     formats = (("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
     if cfg.get("wgmma"):
         warps, heads_per_block, stages = WGMMA_WARPS, WGMMA_HEADS, cfg["num_stages"]
-        defines = (("STAGES", stages), ("PAGE", page_size), ("WIDEN_BITS", int(cfg.get("widen") == "bits")), *formats)
+        defines = (("STAGES", stages), ("PAGE", page_size), *formats)
         kernel = _cuda_kernel(defines, device.index, wgmma=True)
         smem = _wgmma_smem(stages)
     else:

@@ -1,6 +1,6 @@
 // MLA decode over a paged FP8 latent cache for many heads (64 a block), split-KV, on Hopper's warpgroup MMA
 // (wgmma, sm_90a): the CUDA kernel of kernels/mla_decode.py's impl="cuda" for >= 64 heads (compiled at first use
-// by NVRTC, kernels/nvrtc.py). Defines: STAGES (tiles in flight), PAGE (page size), FMT_E5M2, Q_BF16, WIDEN_BITS.
+// by NVRTC, kernels/nvrtc.py). Defines: STAGES (tiles in flight), PAGE (page size), FMT_E5M2, Q_BF16.
 //
 // Same definition and partial layout as kernels/mla_decode_fp8.cu and the Triton tile kernel: s_j = qk_scale *
 // (q_latent . c_j + q_pe . pe_j) (codes widened to fp16 exactly, q rounded to fp16, fp32 accumulation), online
@@ -36,10 +36,6 @@
 #define Q_BYTES (HB * ROW * 2)         // Q as fp16, [k chunk of 8][8-head group][8 heads x 16 bytes]
 #define P_BYTES (BN * HW * 2)          // one warp group's P^T as fp16
 #define KSTEPS (ROW / 16)
-#ifndef P_LEAD                         // P^T's descriptor: 8-token k groups 512 bytes apart, 8-head chunks 128
-#define P_LEAD 512
-#define P_STRIDE 128
-#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -57,26 +53,8 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   return r;
 }
 
-// The 4 fp8 codes of w as two f16x2 (codes 0, 1 in lo; 2, 3 in hi), exactly, times CODE_SCALE^-1.
-// cvt (WIDEN_BITS 0): the conversion instruction, CODE_SCALE 1. Bit moves (WIDEN_BITS 1): an e5m2 code is the high
-// byte of its fp16 (one byte permute a pair); an e4m3 code s eeee mmm placed at fp16 bits 15 | 13..7 is the fp16
-// s 0eeee mmm0000000, its value times 2^-8 (subnormals included), so CODE_SCALE is 256 (folded into the score
-// and output scales, exact); NaN codes (s 1111 111: the low 7 bits + 1 carry into bit 7) become fp16 NaN.
-#if WIDEN_BITS && !FMT_E5M2
-#define CODE_SCALE 256.f
-__device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
-  const u32 nan = (w & 0x7F7F7F7Fu) + 0x01010101u;   // bit 7 of a byte: that code is NaN
-  lo = ((prmt(w, 0u, 0x9180) << 7) & 0xBF80BF80u) | prmt(nan, 0u, 0x9988);   // (c0, sign c0, c1, sign c1)
-  hi = ((prmt(w, 0u, 0xB3A2) << 7) & 0xBF80BF80u) | prmt(nan, 0u, 0xBBAA);
-}
-#elif WIDEN_BITS
-#define CODE_SCALE 1.f
-__device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
-  lo = prmt(w, 0u, 0x1404);   // (0, c0, 0, c1)
-  hi = prmt(w, 0u, 0x3424);
-}
-#else
-#define CODE_SCALE 1.f
+// The 4 fp8 codes of w as two f16x2 (codes 0, 1 in lo; 2, 3 in hi), exactly. (Bit moves instead of cvt, exact as
+// well, ran at 0.75-0.82x the speed: kernels/BENCHMARKS.md, session 13.)
 __device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the low 16 bits -> f16x2 (exact)
   u32 r;
 #if FMT_E5M2
@@ -90,7 +68,6 @@ __device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
   lo = widen2(w);
   hi = widen2(w >> 16);
 }
-#endif
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   u32 r;
@@ -172,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   u8* qs = smem + STAGES * STAGE_BYTES;          // Q^T, the B operand of S^T
   u8* ps = qs + Q_BYTES;                         // 2 x P^T, the B operands of O^T
   float* red = (float*)(ps + 2 * P_BYTES);       // 2 x [4 warps][32 heads]: column maxima, then sums
-  u64* bars = (u64*)(red + 2 * 4 * HW);          // one mbarrier per stage
+  u64* bars = (u64*)(red + 2 * 4 * HW);          // one mbarrier per stage: its tile landed
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
   const int hb = blockIdx.x, split = blockIdx.z;
@@ -181,11 +158,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   const int end = min(start + tokens_per_split, seq_lens[b]);
   const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
   const float scale = *kv_scale;
-  const float qk = (float)sm_scale_log2 * scale * CODE_SCALE;
+  const float qk = (float)sm_scale_log2 * scale;
 
   // Tile t of this split into stage st, one row per TPR threads (one bulk copy a row, its mbarrier counting BN
-  // arrivals and the bytes of the valid rows). Rows past the split's end are zeros, so stale or NaN slots never
-  // reach the sums. A row's page index is loaded one tile ahead (row_src).
+  // arrivals and the bytes of the valid rows). Rows past the split's end are zeros (written before the arrival,
+  // whose release makes them visible with the tile), so stale or NaN slots never reach the sums. A row's page
+  // index is loaded one tile ahead (row_src).
   const int my_row = tid / TPR;
   auto row_src = [&](int t) -> const u8* {
     const int tok = start + t * BN + my_row;
@@ -196,13 +174,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
     u8* stage = tiles + st * STAGE_BYTES;
     if (tid % TPR == 0) {
       const u32 bar = smem_addr(bars + st);
+      if (!src)
+        for (int ch = 0; ch < ROW / 16; ++ch) *(U4*)(stage + at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(src ? ROW : 0) : "memory");
       if (src)
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                      :: "r"(smem_addr(stage + at(my_row, 0))), "l"(src), "n"(ROW), "r"(bar) : "memory");
     }
-    if (!src)
-      for (int ch = tid % TPR; ch < ROW / 16; ch += TPR) *(U4*)(stage + at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};
   };
   if (tid == 0) {
     for (int st = 0; st < STAGES; ++st)
@@ -243,10 +221,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
 #pragma unroll
   for (int i = 0; i < 8; ++i) { m[i] = NEG_INF; lp[i] = 0.f; }
 
-  for (int t = 0; t < n_tiles; ++t) {
-    __syncthreads();   // tile t - 1 is done in both warp groups: its stage takes tile t + STAGES - 1
+  auto refill = [&](int t) {   // the stage of tile t - 1 takes tile t + STAGES - 1
     if (t + STAGES - 1 < n_tiles) load_tile(src_ahead, (t + STAGES - 1) % STAGES);
     src_ahead = row_src(t + STAGES);
+  };
+  for (int t = 0; t < n_tiles; ++t) {
+    __syncthreads();   // tile t - 1 is done in both warp groups
+    refill(t);
     wait_parity(smem_addr(bars + t % STAGES), (t / STAGES) & 1);
     const u8* tile = tiles + (t % STAGES) * STAGE_BYTES;
 
@@ -305,7 +286,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * q + e, i = 2 * j + e;
-        const float tmax = fmaxf(fmaxf(my_red[col], my_red[HW + col]), fmaxf(my_red[2 * HW + col], my_red[3 * HW + col]));
+        const float tmax = fmaxf(fmaxf(my_red[col], my_red[HW + col]),
+                                 fmaxf(my_red[2 * HW + col], my_red[3 * HW + col]));
         const float mn = fmaxf(m[i], tmax);
         alpha[i] = ex2(m[i] - mn);
         m[i] = mn;
@@ -358,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
         }
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wgmma_n32<1>(o[4 * half + i], a[i], desc(p_desc + s * 1024, P_LEAD, P_STRIDE));
+        for (int i = 0; i < 4; ++i) wgmma_n32<1>(o[4 * half + i], a[i], desc(p_desc + s * 1024, 512, 128));
         wgmma_commit();
         wgmma_wait<1>();
       }
@@ -392,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * q + e, h = wg * HW + col;
       const float l = (my_red[col] + my_red[HW + col]) + (my_red[2 * HW + col] + my_red[3 * HW + col]);
-      const float f = l == 0.f ? 0.f : scale * CODE_SCALE / l;
+      const float f = l == 0.f ? 0.f : scale / l;
       float* row = stage + h * (LAT + 1);
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt) {
