@@ -524,7 +524,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     given = {key: value for key, value in (
         ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("prefetch", prefetch),
         ("swap", swap), ("programs_per_sm", programs_per_sm), ("block_h", block_h), ("tma", tma), ("widen", widen),
-        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma)) if value is not None}
+        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma))
+        if value is not None}
     cfg = dict(launch_config(entry, device), **given)
     if cfg.get("impl") == "cuda":
         refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
@@ -723,7 +724,8 @@ def _warn_cuda_fallback(reason: str) -> None:
                   f"runs instead: {reason}", RuntimeWarning, stacklevel=3)
 
 
-_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device, wgmma) -> why it did not build: not retried in this process
+# (defines, device, wgmma) -> why it did not build: not retried in this process
+_BUILD_FAILURES: dict[tuple, str] = {}
 
 
 def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False):

@@ -519,6 +519,9 @@ def test_mla_cuda_refuses_what_it_cannot_run(kern):
     with pytest.raises(AssertionError, match="n8 blocks"):
         kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
                         case.sm_scale, impl="cuda", block_n=48, num_warps=4, num_stages=3)
+    with pytest.raises(AssertionError, match="wgmma=True is built for block_n 64, num_warps 8, block_h 64"):
+        kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
+                        case.sm_scale, impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=16)
 
 
 def _fp8_query(q: torch.Tensor) -> torch.Tensor:
