@@ -50,10 +50,10 @@ def _cuda_label(n, w, s, h=16, ctas=1, bulk=True):
     return f"cuda h{h} {n}/{w}/{s}" + (f" x{ctas}" if ctas > 1 else "") + ("" if bulk else " cp.async")
 
 
-def _wgmma(stages):
+def _wgmma(stages, ws=False):
     """The warpgroup-MMA kernel (kernels/mla_decode_fp8_wgmma.cu): 64 heads and 64 tokens a block of 8 warps,
-    `stages` tiles in flight, one block per SM."""
-    return dict(_mla(64, 8, stages, 64, impl="cuda", wgmma=True), programs_per_sm=1)
+    `stages` tiles in flight, one block per SM; ws: its warp-specialized form (mla_decode_fp8_ws.cu, 12 warps)."""
+    return dict(_mla(64, 12 if ws else 8, stages, 64, impl="cuda", wgmma="ws" if ws else True), programs_per_sm=1)
 
 
 CUDA_FEW = [(64, 8, 3), (32, 4, 3, 16, 2), (64, 8, 3, 16, 1, False)]
@@ -65,8 +65,8 @@ CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "refe
     + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
     # session 13: the warpgroup-MMA kernel won at 128 heads (kernels/BENCHMARKS.md)
     "mla_fp8_many_heads": [("cuda wgmma h64 64/8/3 (current)", _wgmma(3)),
-                           ("split widen h64 32/8/5 (Triton entry it replaced, reference)", _mla(32, 8, 5, 64)),
-                           ("cuda wgmma h64 64/8/2", _wgmma(2))],
+                           ("cuda wgmma ws h64 64/12/3", _wgmma(3, ws=True)),
+                           ("cuda wgmma ws h64 64/12/2", _wgmma(2, ws=True))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 

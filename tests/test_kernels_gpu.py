@@ -448,6 +448,10 @@ MLA_CUDA_CONFIGS = [
                  id="cuda-wgmma-64-8-3"),
     pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=2, block_h=64),
                  id="cuda-wgmma-64-8-2"),
+    pytest.param(dict(impl="cuda", wgmma="ws", block_n=64, num_warps=12, num_stages=3, block_h=64),
+                 id="cuda-wgmma-ws-64-12-3"),
+    pytest.param(dict(impl="cuda", wgmma="ws", block_n=64, num_warps=12, num_stages=2, block_h=64),
+                 id="cuda-wgmma-ws-64-12-2"),
 ]
 
 
@@ -469,7 +473,8 @@ def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, k_tol, heads, page_size
 
 @pytest.mark.parametrize("config", [
     pytest.param(dict(wgmma=False, block_n=64, num_warps=4, num_stages=3), id="mma.sync"),
-    pytest.param(dict(wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64), id="wgmma")])
+    pytest.param(dict(wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64), id="wgmma"),
+    pytest.param(dict(wgmma="ws", block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma-ws")])
 def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
     """A NaN code written inside sequence 1 makes exactly sequence 1's outputs NaN (every head, every column):
     the kernel neither drops it nor leaks it into the other sequences sharing its launch."""
