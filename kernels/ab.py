@@ -14,7 +14,7 @@ kernels/BENCHMARKS.md (session 8: widen="v" and whole waves for GQA, warp specia
 session 9: for MLA, widen="bits" (e4m3 widened by integer bit moves instead of cvt), latent_parts=2 (a program
 per half of the output columns), lazy rescaling and scores_ahead (each trip's score product for the next tile);
 all lost, their code removed; session 11: the CUDA kernel, impl="cuda", its launch shapes; session 13: the
-warpgroup-MMA kernel for many heads, wgmma=True).
+warpgroup-MMA kernels for many heads, wgmma=True and its warp-specialized form wgmma="ws").
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "refe
     "mla_fp8": [("cuda h16 32/4/4 x2 (current)", _cuda(32, 4, 4, 16, 2)),
                 ("split widen 64/4/5 (Triton tile kernel, reference)", _mla(64, 4, 5, 16))]
     + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
-    # session 13: the warpgroup-MMA kernel won at 128 heads (kernels/BENCHMARKS.md)
-    "mla_fp8_many_heads": [("cuda wgmma h64 64/8/3 (current)", _wgmma(3)),
-                           ("cuda wgmma ws h64 64/12/3", _wgmma(3, ws=True)),
-                           ("cuda wgmma ws h64 64/12/2", _wgmma(2, ws=True))],
+    # session 13: the warp-specialized wgmma kernel won at 128 heads (kernels/BENCHMARKS.md)
+    "mla_fp8_many_heads": [("cuda wgmma ws h64 64/12/3 (current)", _wgmma(3, ws=True)),
+                           ("cuda wgmma h64 64/8/3 (two-group kernel, reference)", _wgmma(3)),
+                           ("split widen h64 32/8/5 (Triton entry, reference)", _mla(32, 8, 5, 64))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none
 
