@@ -1,6 +1,7 @@
 // MLA decode over a paged FP8 latent cache for many heads (64 a block), split-KV, on Hopper's warpgroup MMA
-// (wgmma, sm_90a): the CUDA kernel of kernels/mla_decode.py's impl="cuda" for >= 64 heads (compiled at first use
-// by NVRTC, kernels/nvrtc.py). Defines: STAGES (tiles in flight), PAGE (page size), FMT_E5M2, Q_BF16.
+// (wgmma, sm_90a), two warp groups of 32 heads: kernels/mla_decode.py's impl="cuda", wgmma=True (compiled at first
+// use by NVRTC, kernels/nvrtc.py); its warp-specialized form, mla_decode_fp8_ws.cu, is the H100's entry.
+// Defines: STAGES (tiles in flight), PAGE (page size), FMT_E5M2, Q_BF16.
 //
 // Same definition and partial layout as kernels/mla_decode_fp8.cu and the Triton tile kernel: s_j = qk_scale *
 // (q_latent . c_j + q_pe . pe_j) (codes widened to fp16 exactly, q rounded to fp16, fp32 accumulation), online

@@ -1,5 +1,5 @@
 // MLA decode over a paged FP8 latent cache for many heads (64 a block), split-KV, on Hopper's warpgroup MMA
-// (wgmma, sm_90a) with warp specialization: the CUDA kernel of kernels/mla_decode.py's impl="cuda", wgmma=True
+// (wgmma, sm_90a) with warp specialization: the CUDA kernel of kernels/mla_decode.py's impl="cuda", wgmma="ws"
 // (compiled at first use by NVRTC, kernels/nvrtc.py). Defines: STAGES (tiles in flight), PAGE (page size),
 // FMT_E5M2, Q_BF16.
 //
@@ -23,11 +23,10 @@
 //   B operand, N-major: a u32 store holds two heads of one token).
 // N = 64 (all heads in one wgmma) runs the tensor cores faster than N = 32 (1.5x with one accumulator chain a warp
 // group: kernels/BENCHMARKS.md, session 13), and O^T's 64 x 512 fp32 accumulator does not fit one warp group, so
-// the block has three warp groups
-// with their own work (warp specialization, as FlashAttention-3 and FlashMLA do): group 0 issues the copies (sm_90
-// bulk copies, one per 576-byte row), computes S^T and the online softmax, and publishes P^T and the rescale
-// factors of tile t (double-buffered); groups 1 and 2 each accumulate O^T for half of the latent columns (4 m64
-// tiles, 128 fp32 registers a thread). Group 0's S^T of tile t + 1 runs while groups 1 and 2 run O^T of tile t.
+// the block has three warp groups with their own work (warp specialization, as FlashAttention-3 and FlashMLA do):
+// group 0 issues the copies (sm_90 bulk copies, one per 576-byte row), computes S^T and the online softmax, and
+// publishes P^T and the rescale factors of tile t (double-buffered); groups 1 and 2 each accumulate O^T for half of
+// the latent columns (4 m64 tiles, 128 fp32 registers a thread). Group 0's S^T of tile t + 1 runs while groups 1 and 2 run O^T of tile t.
 // Registers are moved between the groups (setmaxnreg): 120 for group 0, 192 for the others (the block holds 3 x 168
 // a thread, the launch bounds' allocation: a larger sum would leave an increase waiting forever).
 // Hand-offs: named barriers 2 + b ("P^T and alpha of buffer b are ready") and 4 + b ("buffer b is free"), b = t % 2;
