@@ -26,7 +26,8 @@
 // the block has three warp groups with their own work (warp specialization, as FlashAttention-3 and FlashMLA do):
 // group 0 issues the copies (sm_90 bulk copies, one per 576-byte row), computes S^T and the online softmax, and
 // publishes P^T and the rescale factors of tile t (double-buffered); groups 1 and 2 each accumulate O^T for half of
-// the latent columns (4 m64 tiles, 128 fp32 registers a thread). Group 0's S^T of tile t + 1 runs while groups 1 and 2 run O^T of tile t.
+// the latent columns (4 m64 tiles, 128 fp32 registers a thread). Group 0's S^T of tile t + 1 runs while groups 1
+// and 2 run O^T of tile t.
 // Registers are moved between the groups (setmaxnreg): 120 for group 0, 192 for the others (the block holds 3 x 168
 // a thread, the launch bounds' allocation: a larger sum would leave an increase waiting forever).
 // Hand-offs: named barriers 2 + b ("P^T and alpha of buffer b are ready") and 4 + b ("buffer b is free"), b = t % 2;
@@ -112,8 +113,12 @@ __device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 b) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
 }
 
