@@ -485,7 +485,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
     bulk copies; wgmma=True: the warpgroup-MMA kernel kernels/mla_decode_fp8_wgmma.cu for many heads, sm_90 only,
     64 heads and 64 tokens a block of 8 warps, num_stages tiles in flight; wgmma="ws": its warp-specialized form
-    kernels/mla_decode_fp8_ws.cu, 12 warps); `cuda_refusal` says when it cannot run,
+    kernels/mla_decode_fp8_ws.cu, 12 warps; an entry's wgmma applies to explicit launch keywords too: wgmma=False
+    picks the mma.sync kernel); `cuda_refusal` says when it cannot run,
     and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
     this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
@@ -626,8 +627,9 @@ CUDA_FALLBACK = {"mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch
                                             programs_per_sm=1, block_h=64, tma=True, widen=True, split_latent=True)}
 
 
-# The warpgroup-MMA kernel for many heads (session 13): kernels/mla_decode_fp8_wgmma.cu, sm_90a; its tile (64 tokens),
-# heads a block (64) and warps (8: two warp groups of 32 heads each) are fixed by its source.
+# The warpgroup-MMA kernels for many heads (session 13), sm_90a: kernels/mla_decode_fp8_wgmma.cu (wgmma=True, 8 warps:
+# two warp groups of 32 heads) and its warp-specialized form kernels/mla_decode_fp8_ws.cu (wgmma="ws", 12 warps); the
+# tile (64 tokens) and the heads a block (64) are fixed by their sources.
 WGMMA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_wgmma.cu")
 WGMMA_WS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_ws.cu")
 WGMMA_TOKENS, WGMMA_HEADS = 64, 64
@@ -699,7 +701,7 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
         return "it copies 16-byte chunks: cache rows contiguous, pages and the base 16-byte aligned"
     if cfg.get("wgmma"):
         if _gpu(cache.device.index)[0] != (9, 0):
-            return "wgmma=True needs an sm_90 GPU (Hopper; the kernel is built for sm_90a)"
+            return f"wgmma={cfg['wgmma']!r} needs an sm_90 GPU (Hopper; the kernel is built for sm_90a)"
         shape = (cfg["block_n"], cfg["num_warps"], cfg.get("block_h"))
         if shape != (WGMMA_TOKENS, _wgmma_warps(cfg), WGMMA_HEADS) or cfg["num_stages"] < 2:
             return (f"wgmma={cfg['wgmma']!r} is built for block_n {WGMMA_TOKENS}, num_warps {_wgmma_warps(cfg)}, "
