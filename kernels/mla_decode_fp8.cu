@@ -26,9 +26,8 @@
 // tile, software-pipelined), and every warp runs the (cheap) online softmax over the whole tile, so m and l agree
 // bit for bit. Tile rows are placed (at()) so that both read patterns are bank-conflict free.
 
-#define LAT 512
-#define ROPE 64
-#define ROW (LAT + ROPE)               // bytes per cache row
+#include "mla_fp8_common.cuh"
+
 #define NT (NW * 32)
 #define BN (NW * NB * 8)               // tokens per tile
 #define NPC (LAT / (8 * NW))           // n8 latent blocks per warp in P . C
@@ -36,84 +35,10 @@
 #define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row in the copy
 #define SX_FLOATS (NW * 32 * MT * NB * 4)   // one tile's scores
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-
-struct __align__(16) U4 { u32 x, y, z, w; };
-struct __align__(16) F4 { float x, y, z, w; };
-struct __align__(8) u32x2 { u32 x, y; };
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the low 16 bits -> f16x2 (exact)
-  u32 r;
-#if FMT_E5M2
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
-#else
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ u32 half2_of(u32 two) {   // two query elements (bf16 or fp16) as f16x2 (RTNE)
-#if Q_BF16
-  return pack_half2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
-#else
-  return two;
-#endif
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
 __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Where byte `byte` of tile row `row` sits in a stage buffer. cp.async (BULK 0): 16-byte chunks XOR-swizzled by
-// (row & 6). Bulk copies (BULK 1, one per row, sm_90): whole rows, row r shifted by 32 x ((r >> 1) & 3) bytes
-// modulo 128 (plus 128 bytes every 8 rows, so that shifted rows never overlap). Either way the 16-byte loads of
-// Q . C^T (rows r, r + 1 in a quarter warp) and the 4-byte loads of P . C (rows 2q + e for q = 0..3, one 32-byte
-// window) fall in distinct banks.
-#if BULK
-#define STAGE_BYTES (BN * (ROW + 16))
-__device__ __forceinline__ int at(int row, int byte) {
-  return row * ROW + 32 * ((row >> 1) & 3) + 128 * (row >> 3) + byte;
-}
-#else
-#define STAGE_BYTES (BN * ROW)
-__device__ __forceinline__ int at(int row, int byte) {
-  const int s = row & 6, ch = byte >> 4;
-  const int sw = ch < LAT / 16 ? ((ch & ~7) | ((ch ^ s) & 7)) : (LAT / 16 + ((ch - LAT / 16) ^ (s & 3)));
-  return row * ROW + sw * 16 + (byte & 15);
-}
-#endif
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
-  u32 done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
 extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
@@ -146,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
   auto row_src = [&](int t) -> const u8* {
     const int tok = start + t * BN + my_row;
     if (t >= n_tiles || tok >= end) return nullptr;
-    return cache + (i64)block_table[b * s_tb + tok / PAGE] * s_cb + (i64)(tok % PAGE) * s_cs;
+    return cache_row(cache, block_table, b, s_tb, s_cb, s_cs, tok);
   };
   auto load_tile = [&](const u8* src, int st) {
     u8* stage = tiles + st * STAGE_BYTES;

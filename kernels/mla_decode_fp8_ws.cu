@@ -33,71 +33,22 @@
 // Hand-offs: named barriers 2 + b ("P^T and alpha of buffer b are ready") and 4 + b ("buffer b is free"), b = t % 2;
 // mbarriers per stage: the tile landed (bulk copies' bytes) and every warp is done with it (12 arrivals).
 
-#define LAT 512
-#define ROPE 64
-#define ROW (LAT + ROPE)               // bytes per cache row
+#include "mla_fp8_common.cuh"
+
 #define BN 64                          // tokens per tile
 #define HB 64                          // heads per block
 #define NT 384                         // three warp groups
 #define TPR (128 / BN)                 // threads of group 0 per tile row in the copy
-#define STAGE_BYTES (BN * (ROW + 16))
 #define Q_BYTES (HB * ROW * 2)         // Q^T as fp16: [k chunk of 8][8-head group][8 heads x 16 bytes]
 #define P_BYTES (BN * HB * 2)          // P^T as fp16: [8-token group][8-head chunk][8 tokens x 16 bytes]
 #define KSTEPS (ROW / 16)
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-typedef unsigned long long u64;
-
-struct __align__(16) U4 { u32 x, y, z, w; };
-struct __align__(8) u32x2 { u32 x, y; };
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-
 // The 4 fp8 codes of w as two f16x2 (codes 0, 1 in lo; 2, 3 in hi), exactly. (Bit moves instead of cvt, exact as
 // well, ran at 0.75-0.82x the speed: kernels/BENCHMARKS.md, session 13.)
-__device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the low 16 bits -> f16x2 (exact)
-  u32 r;
-#if FMT_E5M2
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
-#else
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
-#endif
-  return r;
-}
 __device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
   lo = widen2(w);
   hi = widen2(w >> 16);
 }
-
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ u32 half2_of(u32 two) {   // two query elements (bf16 or fp16) as f16x2 (RTNE)
-#if Q_BF16
-  return pack_half2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
-#else
-  return two;
-#endif
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // A shared-memory matrix descriptor without swizzle: start address, leading and stride byte offsets (PTX ISA,
 // "Matrix Descriptor Format"; K-major: leading = between 8-element k chunks, stride = between 8-row groups;
@@ -140,20 +91,6 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
-// Where byte `byte` of tile row `row` sits in a stage buffer: row r shifted by 32 x ((r >> 1) & 3) bytes modulo
-// 128 (plus 128 bytes every 8 rows, so that shifted rows never overlap), which puts both read patterns (16 bytes
-// of rows r, r + 1 in a quarter warp; 4 bytes of rows 2q for q = 0..3 in a 32-byte window) in distinct banks.
-__device__ __forceinline__ int at(int row, int byte) {
-  return row * ROW + 32 * ((row >> 1) & 3) + 128 * (row >> 3) + byte;
-}
-
-__device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
-  u32 done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
-
 extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ cache,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, const float* __restrict__ kv_scale,
@@ -188,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   auto row_src = [&](int t) -> const u8* {
     const int tok = start + t * BN + my_row;
     if (wg != 0 || t >= n_tiles || tok >= end) return nullptr;
-    return cache + (i64)block_table[b * s_tb + tok / PAGE] * s_cb + (i64)(tok % PAGE) * s_cs;
+    return cache_row(cache, block_table, b, s_tb, s_cb, s_cs, tok);
   };
   auto load_tile = [&](const u8* src, int st) {
     u8* stage = tiles + st * STAGE_BYTES;

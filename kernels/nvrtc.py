@@ -2,7 +2,7 @@
 
 torch's CUDA wheels ship libnvrtc; nothing else is needed on the machine (no nvcc, no C++ compiler).
 `compile_kernel(path, name, defines, device)` compiles the file once per (file, defines, device) for that GPU's
-architecture (the cubin is kept on disk, `cache_dir()`, so later processes load it) and returns a `Kernel`;
+architecture (its `#include "name"` lines replaced by the files beside it: `inline_includes`) (the cubin is kept on disk, `cache_dir()`, so later processes load it) and returns a `Kernel`;
 `Kernel(grid, block, smem, args)` launches it on the current torch stream (so CUDA graph capture records it).
 `unavailable()` says why kernels cannot be compiled here, or None.
 """
@@ -14,6 +14,7 @@ import functools
 import glob
 import hashlib
 import os
+import re
 import tempfile
 
 import torch
@@ -147,6 +148,19 @@ def cubin_for(source: str, name: str, options: list[str], compiler: str) -> byte
     return cubin
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def inline_includes(source: str, directory: str) -> str:
+    """`source` with every `#include "name"` line replaced by the text of `directory/name` (its own includes inlined
+    too), so NVRTC needs no include path and the cubin cache key covers the headers' text. A missing header raises
+    FileNotFoundError naming it."""
+    def text(match: re.Match) -> str:
+        with open(os.path.join(directory, match.group(1))) as f:
+            return inline_includes(f.read(), directory)
+    return _LOCAL_INCLUDE.sub(text, source)
+
+
 @functools.lru_cache(maxsize=None)
 def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int,
                    arch_specific: bool = False) -> Kernel:
@@ -154,7 +168,7 @@ def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], d
     (arch_specific: for that architecture's own features, e.g. sm_90a's wgmma; such code runs on it alone)."""
     major, minor = torch.cuda.get_device_capability(device)
     with open(path) as f:
-        source = f.read()
+        source = inline_includes(f.read(), os.path.dirname(path))
     options = [f"--gpu-architecture=sm_{major}{minor}{'a' if arch_specific else ''}", "-std=c++17", "-lineinfo",
                *[f"-D{key}={value}" for key, value in defines]]
     cubin = cubin_for(source, name, options, f"nvrtc {_nvrtc_version()}")

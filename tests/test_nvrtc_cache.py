@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kernels import nvrtc
 
 
@@ -31,3 +33,29 @@ def test_an_unwritable_cache_only_costs_the_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(nvrtc, "_compile", lambda source, name, options: calls.append(1) or b"cubin")
     assert nvrtc.cubin_for("src", "k", [], "nvrtc 13.0") == b"cubin"
     assert nvrtc.cubin_for("src", "k", [], "nvrtc 13.0") == b"cubin" and len(calls) == 2
+
+
+def test_local_includes_are_inlined_so_the_cache_key_sees_the_header(tmp_path):
+    """NVRTC gets one self-contained source: each `#include "name"` line is the text of the file beside the kernel
+    (nested ones too); system includes stay; an edited header changes the source, hence the cubin's cache key."""
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n#define A 1\n')
+    (tmp_path / "b.cuh").write_text("#define B 2\n")
+    source = '#include <cstdint>\n#include "a.cuh"\nint k = A + B;\n'
+    inlined = nvrtc.inline_includes(source, str(tmp_path))
+    assert inlined == "#include <cstdint>\n#define B 2\n\n#define A 1\n\nint k = A + B;\n"
+    (tmp_path / "b.cuh").write_text("#define B 3\n")
+    assert nvrtc.inline_includes(source, str(tmp_path)) != inlined
+
+
+def test_a_missing_header_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="gone.cuh"):
+        nvrtc.inline_includes('#include "gone.cuh"\n', str(tmp_path))
+
+
+def test_the_mla_kernels_compile_as_one_source_each():
+    """The shipped kernels' includes resolve beside them, and the shared header is inlined once."""
+    directory = os.path.dirname(nvrtc.__file__)
+    for name in ("mla_decode_fp8.cu", "mla_decode_fp8_ws.cu"):
+        with open(os.path.join(directory, name)) as f:
+            inlined = nvrtc.inline_includes(f.read(), directory)
+        assert '#include "' not in inlined and inlined.count("__device__ __forceinline__ void wait_parity") == 1

@@ -1,0 +1,93 @@
+// Shared by the MLA FP8 decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu): the cache row, the
+// scalar types, fp8 widening (FMT_E5M2) and query conversion (Q_BF16), the stage layout of tile rows (BULK: bulk
+// copies, the default; 0: cp.async) and the mbarrier wait. kernels/nvrtc.py inlines it into the including source
+// before compiling (so its text is part of the compiled-kernel cache key).
+
+#define LAT 512
+#define ROPE 64
+#define ROW (LAT + ROPE)               // bytes per cache row
+#ifndef BULK
+#define BULK 1
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+struct __align__(16) F4 { float x, y, z, w; };
+struct __align__(8) u32x2 { u32 x, y; };
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the low 16 bits -> f16x2 (exact)
+  u32 r;
+#if FMT_E5M2
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
+#else
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 half2_of(u32 two) {   // two query elements (bf16 or fp16) as f16x2 (RTNE)
+#if Q_BF16
+  return pack_half2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
+#else
+  return two;
+#endif
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// Where byte `byte` of tile row `row` sits in a stage buffer. cp.async (BULK 0): 16-byte chunks XOR-swizzled by
+// (row & 6). Bulk copies (BULK 1, one per row, sm_90): whole rows, row r shifted by 32 x ((r >> 1) & 3) bytes
+// modulo 128 (plus 128 bytes every 8 rows, so that shifted rows never overlap). Either way the 16-byte loads of
+// Q . C^T (rows r, r + 1 in a quarter warp) and the 4-byte loads of P . C (rows 2q + e for q = 0..3, one 32-byte
+// window) fall in distinct banks.
+#if BULK
+#define STAGE_BYTES (BN * (ROW + 16))
+__device__ __forceinline__ int at(int row, int byte) {
+  return row * ROW + 32 * ((row >> 1) & 3) + 128 * (row >> 3) + byte;
+}
+#else
+#define STAGE_BYTES (BN * ROW)
+__device__ __forceinline__ int at(int row, int byte) {
+  const int s = row & 6, ch = byte >> 4;
+  const int sw = ch < LAT / 16 ? ((ch & ~7) | ((ch ^ s) & 7)) : (LAT / 16 + ((ch - LAT / 16) ^ (s & 3)));
+  return row * ROW + sw * 16 + (byte & 15);
+}
+#endif
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
+  u32 done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+
+// Where cache row `tok` of sequence b sits: its page from the block table, then its slot (PAGE: the page size).
+__device__ __forceinline__ const u8* cache_row(const u8* cache, const int* block_table, i64 b, int s_tb, int s_cb,
+                                               int s_cs, int tok) {
+  return cache + (i64)block_table[b * s_tb + tok / PAGE] * s_cb + (i64)(tok % PAGE) * s_cs;
+}
