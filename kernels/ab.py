@@ -14,7 +14,7 @@ kernels/BENCHMARKS.md (session 8: widen="v" and whole waves for GQA, warp specia
 session 9: for MLA, widen="bits" (e4m3 widened by integer bit moves instead of cvt), latent_parts=2 (a program
 per half of the output columns), lazy rescaling and scores_ahead (each trip's score product for the next tile);
 all lost, their code removed; session 11: the CUDA kernel, impl="cuda", its launch shapes; session 13: the
-warpgroup-MMA kernels for many heads, wgmma=True and its warp-specialized form wgmma="ws").
+warpgroup-MMA kernels for many heads: a two-group form, then the warp-specialized one, wgmma=True).
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def _cuda_label(n, w, s, h=16, ctas=1, bulk=True):
     return f"cuda h{h} {n}/{w}/{s}" + (f" x{ctas}" if ctas > 1 else "") + ("" if bulk else " cp.async")
 
 
-def _wgmma(stages, ws=False):
-    """The warpgroup-MMA kernel (kernels/mla_decode_fp8_wgmma.cu): 64 heads and 64 tokens a block of 8 warps,
-    `stages` tiles in flight, one block per SM; ws: its warp-specialized form (mla_decode_fp8_ws.cu, 12 warps)."""
-    return dict(_mla(64, 12 if ws else 8, stages, 64, impl="cuda", wgmma="ws" if ws else True), programs_per_sm=1)
+def _wgmma(stages):
+    """The warp-specialized warpgroup-MMA kernel (kernels/mla_decode_fp8_ws.cu): 64 heads and 64 tokens a block of
+    12 warps, `stages` tiles in flight, one block per SM."""
+    return dict(_mla(64, 12, stages, 64, impl="cuda", wgmma=True), programs_per_sm=1)
 
 
 CUDA_FEW = [(64, 8, 3), (32, 4, 3, 16, 2), (64, 8, 3, 16, 1, False)]
@@ -64,8 +64,7 @@ CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "refe
                 ("split widen 64/4/5 (Triton tile kernel, reference)", _mla(64, 4, 5, 16))]
     + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
     # session 13: the warp-specialized wgmma kernel won at 128 heads (kernels/BENCHMARKS.md)
-    "mla_fp8_many_heads": [("cuda wgmma ws h64 64/12/3 (current)", _wgmma(3, ws=True)),
-                           ("cuda wgmma h64 64/8/3 (two-group kernel, reference)", _wgmma(3)),
+    "mla_fp8_many_heads": [("cuda wgmma ws h64 64/12/3 (current)", _wgmma(3)),
                            ("split widen h64 32/8/5 (Triton entry, reference)", _mla(32, 8, 5, 64))],
 }
 PPS = {"gqa_fp8": (4, 8, 16), "gqa_fp8_pv": (4, 8, 16)}   # programs per SM timed when a candidate names none

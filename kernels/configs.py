@@ -53,7 +53,7 @@ H100_MLA = {
     "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
                      tma=True, split_latent=True),
     "mla_fp8_many_heads": dict(block_n=64, num_warps=12, num_stages=3, prefetch=False, swap=False, programs_per_sm=1,
-                               block_h=64, tma=True, widen=True, split_latent=True, impl="cuda", wgmma="ws"),
+                               block_h=64, tma=True, widen=True, split_latent=True, impl="cuda", wgmma=True),
     "mla_bf16_many_heads": dict(block_n=32, num_warps=8, num_stages=5, prefetch=False, swap=False, programs_per_sm=1,
                                 block_h=64, tma=True),
     "mla_fp8_mma": dict(block_n=64, num_warps=4, num_stages=5, prefetch=False, swap=True, programs_per_sm=2, block_h=16,
@@ -69,8 +69,8 @@ H100_MLA = {
 # it replaced (kernels.mla_decode.CUDA_FALLBACK).
 # mla_fp8_many_heads (session 13): the warp-specialized warpgroup-MMA kernel (kernels/mla_decode_fp8_ws.cu), written
 # by kernels.ab (call 8): 0.0912 / 0.2676 / 0.9379 ms at batch 8 8k / 8 32k / 32 32k against the two-group wgmma
-# kernel's 0.0976 / 0.2808 / 1.0044 (mla_decode_fp8_wgmma.cu, call 4: 1.36-1.82x the Triton entry's 0.1336 /
-# 0.4725 / 1.8294); where they cannot run (not sm_90, no NVRTC) the Triton entry below runs
+# kernel's 0.0976 / 0.2808 / 1.0044 (call 4: 1.36-1.82x the Triton entry's 0.1336 / 0.4725 / 1.8294; removed in
+# the session's review, in git history at 7c704aa); where it cannot run (not sm_90, no NVRTC) the Triton entry below runs
 # (kernels.mla_decode.CUDA_FALLBACK). Before it, the Triton entry: the sweep (session 7) picked widen without
 # split_latent (0.4606 ms), which a same-process A/B with two round-robin rounds then measured at 0.6707 / 0.6724 ms
 # against split_latent's 0.4594 / 0.4605 ms (batch 8, 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry

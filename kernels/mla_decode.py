@@ -465,7 +465,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
                widen: bool | None = None, split_latent: bool | None = None,
                impl: str | None = None, ctas: int | None = None,
-               bulk: bool | None = None, wgmma: bool | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               bulk: bool | None = None, wgmma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -483,10 +483,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     impl="cuda": the CUDA kernel kernels/mla_decode_fp8.cu over an fp8 cache with Dc 512 and Dr 64, without
     options (block_n = 8 x num_warps x its n8 blocks per warp; num_stages: tiles in flight; block_h 16, 32 or 64
     heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
-    bulk copies; wgmma=True: the warpgroup-MMA kernel kernels/mla_decode_fp8_wgmma.cu for many heads, sm_90 only,
-    64 heads and 64 tokens a block of 8 warps, num_stages tiles in flight; wgmma="ws": its warp-specialized form
-    kernels/mla_decode_fp8_ws.cu, 12 warps; an entry's wgmma applies to explicit launch keywords too: wgmma=False
-    picks the mma.sync kernel); `cuda_refusal` says when it cannot run,
+    bulk copies; wgmma=True: the warp-specialized warpgroup-MMA kernel kernels/mla_decode_fp8_ws.cu for many heads,
+    sm_90 only, 64 heads and 64 tokens a block of 12 warps, num_stages tiles in flight; an entry's wgmma applies to
+    explicit launch keywords too: wgmma=False picks the mma.sync kernel); `cuda_refusal` says when it cannot run,
     and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
     this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
@@ -627,27 +626,19 @@ CUDA_FALLBACK = {"mla_fp8": dict(block_n=64, num_warps=4, num_stages=5, prefetch
                                             programs_per_sm=1, block_h=64, tma=True, widen=True, split_latent=True)}
 
 
-# The warpgroup-MMA kernels for many heads (session 13), sm_90a: kernels/mla_decode_fp8_wgmma.cu (wgmma=True, 8 warps:
-# two warp groups of 32 heads) and its warp-specialized form kernels/mla_decode_fp8_ws.cu (wgmma="ws", 12 warps); the
-# tile (64 tokens) and the heads a block (64) are fixed by their sources.
-WGMMA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_wgmma.cu")
-WGMMA_WS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_ws.cu")
-WGMMA_TOKENS, WGMMA_HEADS = 64, 64
+# The warp-specialized warpgroup-MMA kernel for many heads (session 13), sm_90a: kernels/mla_decode_fp8_ws.cu
+# (wgmma=True); its tile (64 tokens), heads a block (64) and warps (12: three warp groups) are fixed by its source.
+WGMMA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_fp8_ws.cu")
+WGMMA_TOKENS, WGMMA_HEADS, WGMMA_WARPS = 64, 64, 12
 
 
-def _wgmma_warps(cfg: dict) -> int:
-    return 12 if cfg.get("wgmma") == "ws" else 8
-
-
-def _wgmma_smem(stages: int, ws: bool = False) -> int:
-    """Tile rows (16 bytes more a row for the row shifts), Q^T in fp16, two P^T tiles, the reductions and the
-    mbarriers; the [64, 513] fp32 output staging reuses the tiles and Q^T."""
+def _wgmma_smem(stages: int) -> int:
+    """Tile rows (16 bytes more a row for the row shifts), Q^T in fp16, two P^T tiles of 64 heads, alphas [2, 64],
+    maxima [4, 64], l [64] in fp32 and two mbarriers a stage; the [64, 513] fp32 output staging reuses the tiles and
+    Q^T."""
     row = CUDA_LATENT + CUDA_ROPE
-    if ws:   # P^T for 64 heads; alphas [2, 64], maxima [4, 64], l [64]; two mbarriers a stage
-        return stages * WGMMA_TOKENS * (row + 16) + WGMMA_HEADS * row * 2 + 2 * WGMMA_TOKENS * 64 * 2 \
-            + (2 + 4 + 1) * 64 * 4 + 16 * stages
-    return stages * WGMMA_TOKENS * (row + 16) + WGMMA_HEADS * row * 2 + 2 * WGMMA_TOKENS * 32 * 2 + 2 * 4 * 32 * 4 \
-        + 8 * stages
+    return stages * WGMMA_TOKENS * (row + 16) + WGMMA_HEADS * row * 2 + 2 * WGMMA_TOKENS * 64 * 2 \
+        + (2 + 4 + 1) * 64 * 4 + 16 * stages
 
 
 def _cuda_shape(cfg: dict) -> tuple[int, int, int, int]:
@@ -701,12 +692,12 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
         return "it copies 16-byte chunks: cache rows contiguous, pages and the base 16-byte aligned"
     if cfg.get("wgmma"):
         if _gpu(cache.device.index)[0] != (9, 0):
-            return f"wgmma={cfg['wgmma']!r} needs an sm_90 GPU (Hopper; the kernel is built for sm_90a)"
+            return "wgmma=True needs an sm_90 GPU (Hopper; the kernel is built for sm_90a)"
         shape = (cfg["block_n"], cfg["num_warps"], cfg.get("block_h"))
-        if shape != (WGMMA_TOKENS, _wgmma_warps(cfg), WGMMA_HEADS) or cfg["num_stages"] < 2:
-            return (f"wgmma={cfg['wgmma']!r} is built for block_n {WGMMA_TOKENS}, num_warps {_wgmma_warps(cfg)}, "
-                    f"block_h {WGMMA_HEADS} and num_stages >= 2; got {cfg}")
-        smem = _wgmma_smem(cfg["num_stages"], cfg["wgmma"] == "ws")
+        if shape != (WGMMA_TOKENS, WGMMA_WARPS, WGMMA_HEADS) or cfg["num_stages"] < 2:
+            return (f"wgmma=True is built for block_n {WGMMA_TOKENS}, num_warps {WGMMA_WARPS}, block_h {WGMMA_HEADS} "
+                    f"and num_stages >= 2; got {cfg}")
+        smem = _wgmma_smem(cfg["num_stages"])
         if smem > _gpu(cache.device.index)[1]:
             return f"{smem} bytes of shared memory is more than this GPU has for a block"
         if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 for t in (q_latent, q_pe)):
@@ -739,15 +730,14 @@ def _warn_cuda_fallback(reason: str) -> None:
 _BUILD_FAILURES: dict[tuple, str] = {}
 
 
-def _cuda_kernel(defines: tuple, index: int, wgmma: bool | str = False):
+def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False):
     from kernels import nvrtc
     key = (defines, index, wgmma)
     if key in _BUILD_FAILURES:
         raise _CudaBuildError(_BUILD_FAILURES[key])
     try:
         if wgmma:
-            return nvrtc.compile_kernel(WGMMA_WS_SOURCE if wgmma == "ws" else WGMMA_SOURCE, "mla_fp8_decode_wgmma",
-                                        defines, index, arch_specific=True)
+            return nvrtc.compile_kernel(WGMMA_SOURCE, "mla_fp8_decode_wgmma", defines, index, arch_specific=True)
         return nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, index)
     except (RuntimeError, OSError) as e:
         text = str(e).strip()
@@ -761,10 +751,10 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
     page_size = cache.shape[1]
     formats = (("FMT_E5M2", int(cache.dtype == torch.float8_e5m2)), ("Q_BF16", int(q_latent.dtype == torch.bfloat16)))
     if cfg.get("wgmma"):
-        warps, heads_per_block, stages = _wgmma_warps(cfg), WGMMA_HEADS, cfg["num_stages"]
+        warps, heads_per_block, stages = WGMMA_WARPS, WGMMA_HEADS, cfg["num_stages"]
         defines = (("STAGES", stages), ("PAGE", page_size), *formats)
-        kernel = _cuda_kernel(defines, device.index, wgmma=cfg["wgmma"])
-        smem = _wgmma_smem(stages, cfg["wgmma"] == "ws")
+        kernel = _cuda_kernel(defines, device.index, wgmma=True)
+        smem = _wgmma_smem(stages)
     else:
         warps, blocks, stages, m_tiles = _cuda_shape(cfg)
         bulk = _cuda_bulk(cfg, device)

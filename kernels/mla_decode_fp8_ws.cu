@@ -1,5 +1,5 @@
 // MLA decode over a paged FP8 latent cache for many heads (64 a block), split-KV, on Hopper's warpgroup MMA
-// (wgmma, sm_90a) with warp specialization: the CUDA kernel of kernels/mla_decode.py's impl="cuda", wgmma="ws"
+// (wgmma, sm_90a) with warp specialization: the CUDA kernel of kernels/mla_decode.py's impl="cuda", wgmma=True
 // (compiled at first use by NVRTC, kernels/nvrtc.py). Defines: STAGES (tiles in flight), PAGE (page size),
 // FMT_E5M2, Q_BF16.
 //

@@ -430,8 +430,8 @@ def test_mla_tile_kernel_matches_fp64(kern, config, fmt, k_tol, page_size):
 
 # The CUDA kernels (mla_decode(..., impl="cuda")): kernels/mla_decode_fp8.cu, one config per warp layout it is
 # built for (4 warps x 2 token blocks, 8 x 1, 4 x 1; 32 heads a block; cp.async instead of bulk copies; wgmma=False
-# keeps it where the 128-head entry is the other kernel), and mla_decode_fp8_wgmma.cu (wgmma=True, sm_90: 64 heads
-# and 64 tokens a block, fixed; 3 and 2 stages), at the
+# keeps it where the 128-head entry is the other kernel), and mla_decode_fp8_ws.cu (wgmma=True, sm_90: 64 heads
+# and 64 tokens a block of 12 warps, fixed; 3 and 2 stages), at the
 # FP8 rows of ATTENTION_FORMATS (the same arithmetic as the tile kernel: exact codes in fp16, fp32 accumulation, P
 # rounded to fp16). Unwritten slots hold NaN: a kernel that read past a split's end fails.
 MLA_CUDA_CONFIGS = [
@@ -444,14 +444,10 @@ MLA_CUDA_CONFIGS = [
                  id="cuda-64-8-3-h32"),
     pytest.param(dict(impl="cuda", wgmma=False, block_n=64, num_warps=8, num_stages=3, block_h=16, bulk=False),
                  id="cuda-64-8-3-cp.async"),
-    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64),
-                 id="cuda-wgmma-64-8-3"),
-    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=2, block_h=64),
-                 id="cuda-wgmma-64-8-2"),
-    pytest.param(dict(impl="cuda", wgmma="ws", block_n=64, num_warps=12, num_stages=3, block_h=64),
-                 id="cuda-wgmma-ws-64-12-3"),
-    pytest.param(dict(impl="cuda", wgmma="ws", block_n=64, num_warps=12, num_stages=2, block_h=64),
-                 id="cuda-wgmma-ws-64-12-2"),
+    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=64),
+                 id="cuda-wgmma-64-12-3"),
+    pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=12, num_stages=2, block_h=64),
+                 id="cuda-wgmma-64-12-2"),
 ]
 
 
@@ -473,8 +469,7 @@ def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, k_tol, heads, page_size
 
 @pytest.mark.parametrize("config", [
     pytest.param(dict(wgmma=False, block_n=64, num_warps=4, num_stages=3), id="mma.sync"),
-    pytest.param(dict(wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=64), id="wgmma"),
-    pytest.param(dict(wgmma="ws", block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma-ws")])
+    pytest.param(dict(wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma")])
 def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
     """A NaN code written inside sequence 1 makes exactly sequence 1's outputs NaN (every head, every column):
     the kernel neither drops it nor leaks it into the other sequences sharing its launch."""
@@ -524,9 +519,9 @@ def test_mla_cuda_refuses_what_it_cannot_run(kern):
     with pytest.raises(AssertionError, match="n8 blocks"):
         kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
                         case.sm_scale, impl="cuda", block_n=48, num_warps=4, num_stages=3)
-    with pytest.raises(AssertionError, match="wgmma=True is built for block_n 64, num_warps 8, block_h 64"):
+    with pytest.raises(AssertionError, match="wgmma=True is built for block_n 64, num_warps 12, block_h 64"):
         kern.mla_decode(case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale,
-                        case.sm_scale, impl="cuda", wgmma=True, block_n=64, num_warps=8, num_stages=3, block_h=16)
+                        case.sm_scale, impl="cuda", wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=16)
 
 
 def _fp8_query(q: torch.Tensor) -> torch.Tensor:
