@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   u8* qs = smem + STAGES * STAGE_BYTES;          // Q^T, the B operand of S^T
   u8* ps = qs + Q_BYTES;                         // 2 x P^T, the B operands of O^T
   float* alphas = (float*)(ps + 2 * P_BYTES);    // 2 x [64]: the rescale factors of P^T's tile
-  float* red = alphas + 2 * HB;                  // [4 warps][64 heads]: group 0's column maxima, then sums
+  float* red = alphas + 2 * HB;                  // [4 warps][4 q][16]: group 0's column maxima (in lane order), then sums
   float* lsum = red + 4 * HB;                    // [64]: l at the end
   u64* full = (u64*)(lsum + HB);                 // one mbarrier per stage: its tile landed
   u64* empty = full + STAGES;                    // one per stage: all 12 warps are done with its tile
@@ -176,7 +176,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
     asm volatile("setmaxnreg.dec.sync.aligned.u32 120;");
 #pragma unroll
     for (int i = 0; i < 16; ++i) { m[i] = NEG_INF; lp[i] = 0.f; }
-    const u32 q_desc = smem_addr(qs);
+    // built once: k step s is s x 2048 bytes further, + 128 in the descriptor's address field (addr >> 4, 14 bits;
+    // shared memory ends below 2^18 bytes, so the sum never carries out of the field)
+    const u64 q_desc0 = desc(smem_addr(qs), HB * 16, 128);
     const int r_lo = 16 * warp + g;
     for (int t = 0; t < n_tiles; ++t) {
       const int buf = t & 1;
@@ -200,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
         }
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_n64<0>(sc, a[k], desc(q_desc + (4 * c + k) * 2 * (HB * 16), HB * 16, 128));
+        for (int k = 0; k < 4; ++k) wgmma_n64<0>(sc, a[k], q_desc0 + (u64)((4 * c + k) * 2 * HB));
         wgmma_commit();
         wgmma_wait<1>();   // group c - 1 is done: its A registers take group c + 1
       }
@@ -222,18 +224,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
           v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
           v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
           v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-          if (g == 0) red[warp * HB + 8 * j + 2 * q + e] = v;
+          if (g == 0) red[warp * HB + 16 * q + 2 * j + e] = v;   // column 8j + 2q + e at lane q's slot 2j + e
         }
       bar_sync<128>(1);
       if (t >= 2) bar_sync<NT>(4 + buf);   // groups 1 and 2 are done with buffer buf (tile t - 2)
       u8* pt = ps + buf * P_BYTES;
+      float tmaxs[16];   // the tile's maxima of this lane's 16 columns: 4 float4 reads a warp's row, 4 warps
+#pragma unroll
+      for (int i4 = 0; i4 < 4; ++i4) {
+        float4 r0 = *(const float4*)(red + 16 * q + 4 * i4), r1 = *(const float4*)(red + HB + 16 * q + 4 * i4);
+        float4 r2 = *(const float4*)(red + 2 * HB + 16 * q + 4 * i4), r3 = *(const float4*)(red + 3 * HB + 16 * q + 4 * i4);
+        tmaxs[4 * i4] = fmaxf(fmaxf(r0.x, r1.x), fmaxf(r2.x, r3.x));
+        tmaxs[4 * i4 + 1] = fmaxf(fmaxf(r0.y, r1.y), fmaxf(r2.y, r3.y));
+        tmaxs[4 * i4 + 2] = fmaxf(fmaxf(r0.z, r1.z), fmaxf(r2.z, r3.z));
+        tmaxs[4 * i4 + 3] = fmaxf(fmaxf(r0.w, r1.w), fmaxf(r2.w, r3.w));
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float p[4];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + 2 * q + e, i = 2 * j + e;
-          const float tmax = fmaxf(fmaxf(red[col], red[HB + col]), fmaxf(red[2 * HB + col], red[3 * HB + col]));
+          const float tmax = tmaxs[i];
           const float mn = fmaxf(m[i], tmax);
           const float alpha = ex2(m[i] - mn);
           m[i] = mn;
@@ -306,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
       // O^T += C^T . P^T, one commit group per 16-token k step (two in flight). Load group mm of warp w covers
       // latent bytes 256 half + 64w + 32mm + 4g + 0..3: columns + 0, + 1 are rows g, g + 8 of m tile 2mm, columns
       // + 2, + 3 those of 2mm + 1.
-      const u32 p_desc = smem_addr(ps + buf * P_BYTES);
+      const u64 p_desc0 = desc(smem_addr(ps + buf * P_BYTES), 1024, 128);   // k step s: + 128 (2048 bytes)
 #pragma unroll
       for (int s = 0; s < BN / 16; ++s) {
         const int r0 = 16 * s + 2 * q;
@@ -327,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
         }
         wgmma_fence();
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) wgmma_n64<1>(o[mt], a[mt], desc(p_desc + s * 2048, 1024, 128));
+        for (int mt = 0; mt < 4; ++mt) wgmma_n64<1>(o[mt], a[mt], p_desc0 + (u64)(s * 128));
         wgmma_commit();
         wgmma_wait<1>();
       }
