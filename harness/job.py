@@ -367,7 +367,12 @@ def _replay_model(config: RunConfig, directory: Path, scenarios, calibration_cha
                 warn(f"{label}: path {path.name} replayed one sequence at a time: {route.batch_refusal}")
         _replay_batched(config, label, loaded, backends, scenarios, store, on_unit_done)
         return
-    replay = Replay(label, loaded.backend(None), backends, store, config.history_mode, on_unit_done=on_unit_done,
+    reference = loaded.backend(None)
+    if config.shard is None:  # the CPU: generations in rows where the routes say so
+        reference, replies = _in_rows(config, store, label, loaded, None, scenarios)
+        replies = {**_stored_replies(store, label, scenarios), **(replies or {})}
+        backends = [_in_rows(config, store, label, loaded, path, scenarios, replies)[0] for path in paths]
+    replay = Replay(label, reference, backends, store, config.history_mode, on_unit_done=on_unit_done,
                     attention=config.attention)
     asyncio.run(replay.run(scenarios))
 
@@ -466,7 +471,7 @@ def _note_routes(store: RunStore, config: RunConfig, label: str, loaded, paths: 
 
     def route_of(path: KVPath | None, batched: bool):
         return decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, batched=batched,
-                      decode=config.decode, capture=config.attention is not None)
+                      decode=config.decode, capture=config.attention is not None, rows=config.shard is None)
 
     reference = route_of(None, config.batched)
     whole_model = reference.batch_refusal if config.batched else None
@@ -692,19 +697,62 @@ def _unit_worker(config: RunConfig, directory: Path, path_name: str | None, scen
     if path_name is None:
         _note_model(store, label, loaded, lambda message: print(message, file=sys.stderr))
         _note_family(store, label, loaded, _model_paths(config, directory))
-        asyncio.run(Replay(label, loaded.backend(None), [], store, config.history_mode).run(scenarios))
-        return _as_arrays(_reference_scores(RunStore.attach(config.out), label, loaded.backend(None), scenarios))
+        reference, _ = _in_rows(config, store, label, loaded, None, scenarios)
+        asyncio.run(Replay(label, reference, [], store, config.history_mode).run(scenarios))
+        # scored by the backend that generated: each turn's prefill, kept for scoring its prompt, is reused
+        inner = getattr(reference, "inner", reference)
+        return _as_arrays(_reference_scores(RunStore.attach(config.out), label, inner, scenarios))
     path = next(p for p in config.paths if p.name == path_name)
-    backend = loaded.backend(path)
     _note_routes(store, config, label, loaded, [path])
+    ready = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
+    backend, _ = _in_rows(config, store, label, loaded, path, ready, _stored_replies(store, label, ready))
     store.edit_manifest(lambda m: m["scales"].setdefault(label, {}).__setitem__(backend.label,
                                                                                backend.describe().get("scales")))
-    ready = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
     reference = PrecomputedBackend(loaded.backend(None), REFERENCE)
     reference.scores = _as_scores(reference_scores or {})
     asyncio.run(Replay(label, reference, [backend], store, config.history_mode,
                        attention=config.attention).run(ready))
     return None
+
+
+def _in_rows(config: RunConfig, store: RunStore, label: str, loaded, path: KVPath | None, scenarios,
+             reference_replies: dict | None = None) -> tuple:
+    """(backend, its replies or None): `loaded`'s backend of `path` (None: the reference) for a replay that is not
+    batched. Where the route says rows (`route.ROWS`: the CPU), the turns of `scenarios` not yet stored are generated
+    first in rows (`batched_runner.rows_replies`: one sequence's bits, decode steps batched) and `Replay` reads them
+    from the returned `PrecomputedBackend`; reference_replies: the reference's, for a path on the reference's history.
+    If the rows engine fails, the run names why and `Replay` generates what is missing one sequence at a time."""
+    from harness.replay.batched_runner import PrecomputedBackend, rows_replies
+    from harness.replay.route import ROWS, decide
+
+    inner = loaded.backend(path)
+    route = decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, decode=config.decode,
+                   capture=config.attention is not None, rows=config.shard is None)
+    history = None if path is None or config.history_mode == "own-history" else reference_replies
+    if route.decode != ROWS or (path is not None and config.history_mode != "own-history" and history is None):
+        return inner, None
+    backend = PrecomputedBackend(inner, inner.label)
+    name = REFERENCE if path is None else inner.label
+    todo = [s for s in scenarios if not store.is_done(label, s.id, name) and (history is None or s.id in history)]
+    try:
+        return backend, rows_replies(backend, todo, history)
+    except Exception as error:  # noqa: BLE001 - named in the run; what was generated stays, Replay makes the rest
+        why = f"model {label}: {name} replayed one sequence at a time, rows failed: {type(error).__name__}: {error}"
+        store.edit_manifest(lambda m: m["warnings"].append(why[:300]))
+        return backend, None
+
+
+def _stored_replies(store: RunStore, label: str, scenarios) -> dict:
+    """{scenario id: [TurnReply]} of the reference's stored turns."""
+    from harness.replay.runner import TurnReply
+
+    texts = [r for r in store.read("texts") if r["model"] == label and r["path"] == REFERENCE]
+    replies = {s.id: [] for s in scenarios}
+    for r in sorted(texts, key=lambda r: r["turn"]):
+        if r["scenario"] in replies:
+            replies[r["scenario"]].append(TurnReply(r["turn"], r["user"], r["token_ids"], r["text"],
+                                                    r.get("fixed", False)))
+    return replies
 
 
 def _as_arrays(scores: dict) -> dict:
@@ -728,15 +776,13 @@ SHARED_SCORE_BYTES = 1 << 30
 def _reference_scores(store: RunStore, label: str, reference, scenarios) -> dict:
     """{(prompt ids, reply ids): Scores} of every generated reference turn, keyed as `PrecomputedBackend` asks:
     what `Replay` computes once per turn for all of a model's paths (`reference.score_sync`, same inputs)."""
-    from harness.replay.runner import TurnReply, _messages
+    from harness.replay.runner import _messages
 
-    texts = [r for r in store.read("texts") if r["model"] == label and r["path"] == REFERENCE]
+    done = [s for s in scenarios if store.is_done(label, s.id, REFERENCE)]
+    stored = _stored_replies(store, label, done)
     scores, held = {}, 0
-    for scenario in scenarios:
-        if not store.is_done(label, scenario.id, REFERENCE):
-            continue
-        rows = sorted((r for r in texts if r["scenario"] == scenario.id), key=lambda r: r["turn"])
-        replies = [TurnReply(r["turn"], r["user"], r["token_ids"], r["text"], r.get("fixed", False)) for r in rows]
+    for scenario in done:
+        replies = stored[scenario.id]
         for turn, reply in enumerate(replies):
             if reply.fixed or held >= SHARED_SCORE_BYTES:
                 continue

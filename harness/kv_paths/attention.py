@@ -176,6 +176,32 @@ def chunk_of(step: StepState | None, tokens: int, device) -> None:
 
 
 @dataclass
+class RowKeys:
+    """A batch decoded in rows (`BatchedEngine.generate_rows`): each sequence was prefilled alone and its cache rows
+    were stacked, left-padded to the longest; each decode step's attention then runs once per row, over that row's
+    own keys (from `starts[b]`, no mask) with that row's own implementation-check probe, so a row computes exactly
+    what it computes alone. (SDPA over padded keys under a mask gives other bits: its blocks, and so its sums,
+    depend on the key length it is handed.) The cache carries it as `row_keys`."""
+
+    starts: list[int]  # per live row: its first real key in the stacked cache
+    probes: list  # per live row: its `impl_check` probe, or None
+
+    def select(self, keep: list[int]) -> None:
+        """Keep batch positions `keep` (rows that finished leave)."""
+        self.starts = [self.starts[i] for i in keep]
+        self.probes = [self.probes[i] for i in keep]
+
+
+def _row_of(kwargs: dict, b: int) -> dict:
+    """An attention call's keywords for batch row b alone: its position ids (the one per-row tensor transformers
+    hands the attention function; SDPA does not read them, a model's own eager attention might)."""
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() < 2:
+        return kwargs
+    return {**kwargs, "position_ids": positions[b:b + 1]}
+
+
+@dataclass
 class PagedKV:
     """One layer's paged FP8 copy, written by the store kernels beside the cache layer, for a batch of rows (one
     sequence: one row): row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
@@ -504,6 +530,15 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
         cache = active_cache.get()
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        rows = getattr(cache, "row_keys", None)
+        if rows is not None and query.shape[2] == 1:  # a decode step of a rows batch: each row as it would run alone
+            outputs = [attend(module, query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], None,
+                              layer, probe, _row_of(kwargs, b))[0]
+                       for b, (start, probe) in enumerate(zip(rows.starts, rows.probes))]
+            return torch.cat(outputs), None
+        return attend(module, query, key, value, attention_mask, layer, getattr(layer, "impl_probe", None), kwargs)
+
+    def attend(module, query, key, value, attention_mask, layer, probe, kwargs):
         model_query, scaling = query, kwargs.get("scaling") or module.scaling  # before any path changes them
         fault = getattr(getattr(layer, "kv_path", None), "fault", "")  # a fault injector (kv_paths/faults.py)
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
@@ -543,9 +578,9 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             weights = None
         if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
             output = paged.decode(module, raw_query, output, quant)
-        probe = getattr(layer, "impl_probe", None)  # the implementation check (harness/kv_paths/impl_check.py)
-        # its exact attention has no sinks or soft-capping: such calls (gpt-oss, Gemma 2) are not probed (they read
-        # ~440x SDPA's error on every path of a tiny gpt-oss, bf16 included: the check's definition, not the path)
+        # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
+        # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
+        # bf16 included: the check's definition, not the path)
         if probe is not None and not _beyond_sdpa(kwargs):
             probe.observe(module, model_query, key, value, attention_mask, scaling, output)
         observer: Callable | None = getattr(module, observer_attr, None)

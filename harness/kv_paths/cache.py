@@ -116,6 +116,16 @@ class KVWriteStats:
         if amax > self.amax_over_max[0]:
             self.amax_over_max[0] = amax
 
+    @classmethod
+    def stacked(cls, parts: list["KVWriteStats"], step, device) -> "KVWriteStats":
+        """The statistics of a batch whose rows are one-sequence writes so far (`stack_rows`), counting on per row."""
+        stats = cls(len(parts), step, device)
+        for row, part in enumerate(parts):
+            if part.counts is not None:
+                stats.counts[row] = part.counts[0]
+                stats.amax_over_max[row] = part.amax_over_max[0]
+        return stats
+
     def select(self, live: torch.Tensor) -> None:
         """Keep batch positions `live` (indices into the current live rows)."""
         if self.live is not None:
@@ -395,6 +405,37 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
+
+
+def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
+    """Put one-sequence caches (each a batch of one row, prefilled alone) into `into`, a fresh cache of the same
+    path for len(caches) rows: full-attention K/V left-padded with zeros to the longest row, linear-attention states
+    side by side. Returns each row's first real key (its pad count): `attention.RowKeys.starts`. Raises ValueError
+    for a layer kind stacked another way (sliding windows, ...), as `make_static` does."""
+    full = [i for i, layer in enumerate(into.layers) if type(layer) in (DynamicLayer, QuantizedKVLayer)]
+    for i, layer in enumerate(into.layers):
+        if i not in full and (not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer)):
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no stacking of rows for it")
+    lengths = [cache.layers[full[0]].keys.shape[-2] if full else 0 for cache in caches]
+    longest = max(lengths)
+    for i, layer in enumerate(into.layers):
+        rows = [cache.layers[i] for cache in caches]
+        if i in full:
+            def padded(name: str) -> torch.Tensor:
+                return torch.cat([torch.nn.functional.pad(x, (0, 0, longest - x.shape[-2], 0))
+                                  for x in (getattr(row, name) for row in rows)])
+            keys, values = padded("keys"), padded("values")
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:  # a linear-attention layer
+            for name, value in vars(rows[0]).items():  # conv and recurrent states ([1, ...] tensors), their flags
+                if isinstance(value, torch.Tensor):
+                    value = torch.cat([row.__dict__[name] for row in rows])
+                elif isinstance(value, dict):
+                    value = {k: torch.cat([row.__dict__[name][k] for row in rows]) if isinstance(v, torch.Tensor)
+                             else v for k, v in value.items()}
+                setattr(layer, name, value)
+    return [longest - length for length in lengths]
 
 
 class AmaxObserverLayer(DynamicLayer):

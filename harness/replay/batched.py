@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import torch
 
 from harness.kv_paths import attention, impl_check
-from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, StepState, attach_paged
-from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static
+from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
+from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static, stack_rows
 from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.families import ssm_scan_bytes
 
@@ -34,7 +34,11 @@ MAX_AUTO_BATCH = 256
 # Prompt tokens (over all rows) per prefill forward pass: above it the prompt is prefilled in column chunks,
 # which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
 PREFILL_TOKENS = 32768
-
+# Rows decoded together (`generate_rows`): prompts are sorted by length and a batch takes up to ROWS_BATCH of them
+# whose longest is at most ROWS_SPREAD x its shortest, so stacked rows pad little (every decode step copies the padded
+# cache once more, as a growing cache does). Bounds on waste, not tuned: a batch's rows give the same bits in any
+# grouping.
+ROWS_BATCH, ROWS_SPREAD = 64, 2.0
 
 
 
@@ -71,6 +75,16 @@ class RowResult:
     token_ids: list[int]
     finish_reason: str  # eos | length | nonfinite_logits
     metrics: dict | None
+
+
+@dataclass(frozen=True, slots=True)
+class RowStart:
+    """One prompt prefilled alone (`BatchedEngine._prefill_one`): its cache, write statistics, implementation-check
+    probe and last-position logits [1, vocab] float32."""
+    cache: object
+    stats: KVWriteStats
+    probe: object
+    logits: torch.Tensor
 
 
 class BatchedEngine:
@@ -135,6 +149,96 @@ class BatchedEngine:
         [row] = self._generate_dynamic([(list(prompt), max_new_tokens)], on_step, self._remember if keep else None)
         self.decode_batches["dynamic"] = self.decode_batches.get("dynamic", 0) + 1
         return row
+
+    @torch.inference_mode()
+    def generate_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                      remember_prefill: bool = False) -> list[RowResult]:
+        """What `generate_one` returns for each prompt alone, bit for bit (tokens, finish reason, write statistics,
+        implementation check), with the decode steps of many prompts run as one batch: each prompt is prefilled
+        alone (a one-sequence engine's prefill), the rows' caches are stacked left-padded (`cache.stack_rows`), and
+        each decode step runs the whole batch through the model with every row's attention over its own keys
+        (`attention.RowKeys`). Every other op of a decode step computes a row from that row alone (linear layers,
+        norms, RoPE, routing, the linear-attention update); tests/test_rows.py compares the two on every canary and
+        KV path kind. For the CPU replay (route.ROWS), where one-row steps read every weight once per token: a batch
+        reads it once for all its rows. remember_prefill: as `generate_one`'s, for each prompt. Raises ValueError for
+        a model whose cache layers cannot be stacked (sliding windows, ...; `route.static_decode_refusal`)."""
+        assert self.backend.route.kernel is None, "rows decode through torch attention (a kernel's copy is per batch)"
+        results: list[RowResult | None] = [None] * len(prompts)
+        alone = BatchedEngine(self.backend, ONE_SEQUENCE, prefills=self.prefills)
+        for i in range(len(prompts)):  # no token asked: the prompt's prefill is all there is, as alone
+            if max_new_tokens[i] <= 0:
+                results[i] = alone.generate_one(prompts[i], max_new_tokens[i], remember_prefill=remember_prefill)
+        order = sorted((i for i in range(len(prompts)) if results[i] is None), key=lambda i: len(prompts[i]))
+        while order:
+            shortest = max(1, len(prompts[order[0]]))
+            group = [i for i in order[:ROWS_BATCH] if len(prompts[i]) <= ROWS_SPREAD * shortest]
+            order = order[len(group):]
+            rows = self._generate_stacked([(list(prompts[i]), max_new_tokens[i]) for i in group], remember_prefill)
+            for i, row in zip(group, rows):
+                results[i] = row
+        return results
+
+    def _generate_stacked(self, items: list[tuple[list[int], int]], remember: bool) -> list[RowResult]:
+        alone = BatchedEngine(self.backend, ONE_SEQUENCE, prefills=self.prefills)
+        started = [alone._prefill_one(prompt, remember) for prompt, _ in items]  # noqa: SLF001 - same class
+        limits, rows = [n for _, n in items], len(items)
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        step = StepState(valid=torch.ones(rows, 1, dtype=torch.long, device=self.device))
+        stats = KVWriteStats.stacked([s.stats for s in started], step, self.device)
+        cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
+        starts = stack_rows([s.cache for s in started], cache)
+        for start in started:  # a row's decode call is one real query, as alone (the prefill's step is done)
+            if start.probe is not None:
+                start.probe.step = None
+        cache.row_keys = RowKeys(starts, [s.probe for s in started])
+        longest = max(len(prompt) for prompt, _ in items)
+        first = torch.tensor(starts, device=self.device)[:, None]
+        mask = (torch.arange(longest, device=self.device)[None, :] >= first).long()
+        positions = torch.tensor([[len(prompt) - 1] for prompt, _ in items], device=self.device)
+        logits = torch.cat([s.logits for s in started])
+        outputs: list[list[int]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        live = list(range(rows))
+        token = attention.active_cache.set(cache)
+        try:
+            for _ in range(max(limits, default=0)):
+                step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    index = torch.tensor(keep, device=self.device)
+                    _select_rows(cache, index, stats, step, fp8_path)
+                    cache.row_keys.select(keep)
+                    mask, positions, step_ids = mask[index], positions[index], step_ids[index]
+                    live = [live[i] for i in keep]
+                mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+                positions = positions + 1
+                step.valid = mask[:, -1:]
+                logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
+        finally:
+            attention.active_cache.reset(token)
+        records = stats.row_records() if fp8_path else [None] * rows
+        records = [record if s.probe is None else {**(record or {}), **s.probe.as_record(0)}
+                   for record, s in zip(records, started)]
+        self.on_batch("generate", rows)
+        self.decode_batches["rows"] = self.decode_batches.get("rows", 0) + 1
+        return [RowResult(tokens, reason or "length", record)
+                for tokens, reason, record in zip(outputs, finish, records)]
+
+    def _prefill_one(self, prompt: list[int], remember: bool) -> "RowStart":
+        """A one-sequence engine's prefill of `prompt`, as `generate_one` runs it (remember: as its
+        remember_prefill)."""
+        assert self.settings.one_sequence, "_prefill_one is a one-sequence engine's"
+        ids, mask, positions, step, stats, cache = self._start_batch([prompt])
+        probe = self._attach_probe(cache, step, 1)
+        token = attention.active_cache.set(cache)
+        try:
+            logits = self._prefill(ids, mask, positions, cache, step)
+        finally:
+            attention.active_cache.reset(token)
+        if remember and self.prefills is not None and self.device.type == "cpu":
+            self._remember(prompt, cache, logits)
+        return RowStart(cache, stats, probe, logits)
 
     def _remember(self, prompt: list[int], cache, last: torch.Tensor) -> None:
         self.prefills.put(tuple(prompt), cache, last[:, None], len(prompt) * kv_bytes_per_token(self.model.config))

@@ -198,7 +198,7 @@ class BatchedReplay:
             else:
                 replies[scenario.id] = []
                 fresh.append(scenario)
-        self._waves(self.reference, fresh, replies, lambda s, history: history)
+        generate_waves(self._engine(self.reference), self.reference, fresh, replies, lambda s, history: history)
         return replies
 
     def _candidate_waves(self, candidate: PrecomputedBackend, scenarios: Sequence[Scenario],
@@ -206,51 +206,16 @@ class BatchedReplay:
         own: dict[str, list[TurnReply]] = {s.id: [] for s in scenarios}
         kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
-            self._waves(candidate, scenarios, own, lambda s, history: history)
+            generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: history)
         elif kv_path is None or not kv_path.is_fp8:
             # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
-            self._waves(candidate, scenarios, own, lambda s, history: reference[s.id])
+            generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: reference[s.id])
         else:
             # an FP8 path on the reference's history: every turn's prompt is known, so all go in one wave
             # (batches differ from the reference's; the batch-invariance floor says how much that can move)
             asked = [(scenario, turn, tuple(candidate.inner.owner.encode_chat(_messages(scenario, reference[scenario.id], turn))))
                      for scenario in scenarios for turn, spec in enumerate(scenario.turns) if spec.assistant is None]
-            self._generate(self._engine(candidate), candidate, asked)
-
-    def _waves(self, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
-               replies: dict[str, list[TurnReply]], history_of) -> None:
-        """Turn by turn over `scenarios`: generate every non-fixed turn-t prompt in one batched call."""
-        engine = self._engine(backend)
-        for turn in range(max((len(s.turns) for s in scenarios), default=0)):
-            wave = [s for s in scenarios if turn < len(s.turns)]
-            asked = []
-            for scenario in wave:
-                spec = scenario.turns[turn]
-                if spec.assistant is not None:
-                    replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
-                else:
-                    messages = _messages(scenario, history_of(scenario, replies[scenario.id]), turn)
-                    asked.append((scenario, turn, tuple(backend.inner.owner.encode_chat(messages))))
-            for scenario, turn, generation in self._generate(engine, backend, asked):
-                replies[scenario.id].append(TurnReply(turn, scenario.turns[turn].user, generation.token_ids,
-                                                      generation.text, fixed=False))
-
-    @staticmethod
-    def _generate(engine: BatchedEngine, backend: PrecomputedBackend, asked: list) -> list:
-        """Generate (scenario, turn, prompt ids) items in one batched call; the backend answers them from now on."""
-        if not asked:
-            return []
-        tokenizer = backend.inner.owner.tokenizer
-        results = engine.generate([p for _, _, p in asked], [s.max_new_tokens for s, _, _ in asked])
-        done = []
-        for (scenario, turn, prompt), result in zip(asked, results):
-            generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
-                                    finish_reason=result.finish_reason,
-                                    tokens=backend.inner.owner.token_texts(result.token_ids),
-                                    prompt_tokens=len(prompt), metrics=result.metrics)
-            backend.generations[(prompt, scenario.max_new_tokens)] = generation
-            done.append((scenario, turn, generation))
-        return done
+            generate_turns(self._engine(candidate), candidate, asked)
 
     def _stored_reference(self, scenario: Scenario) -> list[TurnReply]:
         rows = [r for r in self.store.read("texts")
@@ -304,3 +269,65 @@ class BatchedReplay:
                 "kl_mean": sum(kls) / len(kls), "argmax_identical_sequences": argmax_same,
                 "how": f"{who} teacher-forced log-probs of the reference's first-turn replies, batch of all vs one "
                        f"at a time"}
+
+
+# -- generation in waves (the batched replay's, and the CPU replay's rows) ----------------------------------------
+def generate_waves(engine: BatchedEngine, backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+                   replies: dict[str, list[TurnReply]], history_of, rows: bool = False) -> None:
+    """Turn by turn over `scenarios`: generate every non-fixed turn-t prompt in one call (history_of(scenario,
+    replies so far) gives the history a turn's prompt is built on); rows: through `generate_turns`' rows."""
+    for turn in range(max((len(s.turns) for s in scenarios), default=0)):
+        wave = [s for s in scenarios if turn < len(s.turns)]
+        asked = []
+        for scenario in wave:
+            spec = scenario.turns[turn]
+            if spec.assistant is not None:
+                replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
+            else:
+                messages = _messages(scenario, history_of(scenario, replies[scenario.id]), turn)
+                asked.append((scenario, turn, tuple(backend.inner.owner.encode_chat(messages))))
+        for scenario, turn, generation in generate_turns(engine, backend, asked, rows):
+            replies[scenario.id].append(TurnReply(turn, scenario.turns[turn].user, generation.token_ids,
+                                                  generation.text, fixed=False))
+
+
+def generate_turns(engine: BatchedEngine, backend: PrecomputedBackend, asked: list, rows: bool = False) -> list:
+    """Generate (scenario, turn, prompt ids) items in one call; the backend answers them from now on. rows:
+    `BatchedEngine.generate_rows` (one sequence's bits; each prefill kept for scoring the same prompt, as a sequence
+    replayed alone keeps it), else the batched `generate`."""
+    if not asked:
+        return []
+    tokenizer = backend.inner.owner.tokenizer
+    prompts, limits = [p for _, _, p in asked], [s.max_new_tokens for s, _, _ in asked]
+    results = engine.generate_rows(prompts, limits, remember_prefill=True) if rows else engine.generate(prompts, limits)
+    done = []
+    for (scenario, turn, prompt), result in zip(asked, results):
+        generation = Generation(token_ids=result.token_ids, text=tokenizer.decode(result.token_ids),
+                                finish_reason=result.finish_reason,
+                                tokens=backend.inner.owner.token_texts(result.token_ids),
+                                prompt_tokens=len(prompt), metrics=result.metrics)
+        backend.generations[(prompt, scenario.max_new_tokens)] = generation
+        done.append((scenario, turn, generation))
+    return done
+
+
+def rows_replies(backend: PrecomputedBackend, scenarios: Sequence[Scenario],
+                 reference: dict[str, list[TurnReply]] | None) -> dict[str, list[TurnReply]]:
+    """Every turn of `scenarios` generated for `backend` through the rows engine (the CPU replay, `route.ROWS`), so
+    `Replay` finds them: what it generates one sequence at a time, bit for bit. reference: the reference's replies
+    when the turns are prompted on the reference's history (every prompt known: one call); None: on the backend's
+    own, turn by turn. Returns the backend's replies per scenario."""
+    engine = BatchedEngine(backend.inner, BatchSettings(), prefills=backend.inner.prefills)
+    replies: dict[str, list[TurnReply]] = {s.id: [] for s in scenarios}
+    if reference is None:
+        generate_waves(engine, backend, scenarios, replies, lambda s, history: history, rows=True)
+        return replies
+    asked = [(scenario, turn, tuple(backend.inner.owner.encode_chat(_messages(scenario, reference[scenario.id], turn))))
+             for scenario in scenarios for turn, spec in enumerate(scenario.turns) if spec.assistant is None]
+    generated = {(scenario.id, turn): g for scenario, turn, g in generate_turns(engine, backend, asked, rows=True)}
+    for scenario in scenarios:
+        for turn, spec in enumerate(scenario.turns):
+            g = generated.get((scenario.id, turn))
+            replies[scenario.id].append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True) if g is None
+                                        else TurnReply(turn, spec.user, g.token_ids, g.text, fixed=False))
+    return replies

@@ -21,6 +21,9 @@ DECODE_MODES = ("auto", "dynamic", "static", "graph")
 # torch mirror. Other plug-ins (the contract has no such keywords) run FP8 attention in the torch reference.
 FP8_ATTENTION_KERNELS = ("triton", "reference")
 ONE_AT_A_TIME = "one sequence at a time (growing cache)"
+# The CPU replay (`job`'s in-process replay when not batched): every sequence prefilled alone and its decode steps
+# batched with others', each row's attention over its own keys (`BatchedEngine.generate_rows`): one sequence's bits
+ROWS = "rows (one sequence's bits: prefilled alone, decode steps batched, attention per row)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,22 +58,23 @@ class Route:
     kernel_every_call: bool = False
 
     def describe(self) -> dict:
-        return {"decode_kernel": self.kernel_label, "batched": self.decode != ONE_AT_A_TIME,
+        return {"decode_kernel": self.kernel_label, "batched": self.batch_floor is not None,
                 "batch_refusal": self.batch_refusal, "batch_floor": self.batch_floor, "decode": self.decode,
                 "capture": self.capture}
 
 
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
-           decode: str = "auto", capture: bool = False) -> Route:
+           decode: str = "auto", capture: bool = False, rows: bool = False) -> Route:
     """The route of `kv_path` (None: the reference) on a model with `config` on a `device_type` device;
-    use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference)."""
+    use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference); rows: a
+    replay that is not batched generates in rows (ROWS) where it can."""
     return _decide(kv_path, ModelFacts.of(config), device_type, use_kernels, decode_kernels.kernels_setting(),
-                   batched, decode, capture)
+                   batched, decode, capture, rows)
 
 
 @functools.lru_cache(maxsize=256)
 def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_kernels: bool, setting: str,
-            batched: bool, decode: str, capture: bool) -> Route:
+            batched: bool, decode: str, capture: bool, rows: bool = False) -> Route:
     name = kernel_name(kv_path, setting) if kv_path is not None else None
     refusal = _kernel_refusal(kv_path, facts, use_kernels, setting, name)
     batch_refusal = _batch_refusal(kv_path, capture)
@@ -84,7 +88,8 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
     every_call = kernel is not None and kv_path is not None and bool(kv_path.kernel)
     return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
                  batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
-                 decode=_decode(facts, device_type, batches, decode, every_call),
+                 decode=_decode(facts, device_type, batches, decode, every_call) if batches or not rows
+                 else _rows(facts, kernel),
                  capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call)
 
 
@@ -176,6 +181,17 @@ def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, ever
     if mode != "dynamic" and facts.static_refusal is not None:
         return f"dynamic ({mode} decode refused for this model: {facts.static_refusal})"
     return mode
+
+
+def _rows(facts: ModelFacts, kernel: str | None) -> str:
+    """ROWS, or one sequence at a time and why not."""
+    if kernel is not None:
+        why = "decode runs through a kernel (its paged copy, checks and timings are kept per sequence)"
+    elif facts.static_refusal is not None:
+        why = f"cache layers that cannot be stacked ({facts.static_refusal})"
+    else:
+        return ROWS
+    return f"{ONE_AT_A_TIME}; rows refused: {why}"
 
 
 def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
