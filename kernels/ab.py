@@ -58,9 +58,10 @@ def _wgmma(stages):
 
 CUDA_FEW = [(64, 8, 3), (32, 4, 3, 16, 2), (64, 8, 3, 16, 1, False)]
 CANDIDATES = {   # kind -> [(label, cfg)]; the first is the current entry; "reference" rows are never landed
-    # session 11's last round (kernels/BENCHMARKS.md: the CUDA kernel won at 16 heads, not at 128); a new one goes
-    # below its entry
-    "mla_fp8": [("cuda h16 32/4/4 x2 (current)", _cuda(32, 4, 4, 16, 2)),
+    # session 11's last round (kernels/BENCHMARKS.md: the CUDA kernel won at 16 heads, not at 128), its entry's
+    # splits merged by the CUDA merge kernel since session 14 (cuda_merge); a new one goes below its entry
+    "mla_fp8": [("cuda h16 32/4/4 x2 cuda_merge (current)", dict(_cuda(32, 4, 4, 16, 2), cuda_merge=True)),
+                ("cuda h16 32/4/4 x2 merge_splits (session 11's entry)", _cuda(32, 4, 4, 16, 2)),
                 ("split widen 64/4/5 (Triton tile kernel, reference)", _mla(64, 4, 5, 16))]
     + [(_cuda_label(*c), _cuda(*c)) for c in CUDA_FEW],
     # session 13: the warp-specialized wgmma kernel won at 128 heads (kernels/BENCHMARKS.md)

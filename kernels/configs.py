@@ -15,7 +15,8 @@ compiler in each MMA operand layout; split_latent (MLA, session 7): the latent d
 widen="v" (GQA, session 8): only the V tile widened (K by the compiler's cast); whole_waves (GQA, session 8; MLA
 always): the split count rounded down to whole waves of programs_per_sm programs per SM (kernels.ab). impl="cuda"
 (MLA over an fp8 cache, session 11): the CUDA kernel of kernels/mla_decode_fp8.cu, with bulk (sm_90 bulk copies, else
-cp.async) and ctas (blocks per SM its registers are budgeted for).
+cp.async) and ctas (blocks per SM its registers are budgeted for); cuda_merge (session 14): its splits merged by the
+CUDA merge kernel of the same file as a programmatic dependent launch instead of by the Triton merge_splits.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ H100 = {
 # BEGIN H100 MLA
 H100_MLA = {
     "mla_fp8": dict(block_n=32, num_warps=4, num_stages=4, prefetch=False, swap=False, programs_per_sm=2, block_h=16,
-                    tma=True, widen=True, split_latent=True, impl="cuda", bulk=True, ctas=2),
+                    tma=True, widen=True, split_latent=True, impl="cuda", bulk=True, ctas=2, cuda_merge=True),
     "mla_bf16": dict(block_n=32, num_warps=4, num_stages=5, prefetch=False, swap=False, programs_per_sm=1, block_h=16,
                      tma=True, split_latent=True),
     "mla_fp8_many_heads": dict(block_n=64, num_warps=12, num_stages=3, prefetch=False, swap=False, programs_per_sm=1,
@@ -67,6 +68,9 @@ H100_MLA = {
 # 8 / 32, 32k against the Triton entry's 0.1013 / 0.3548 (kernels/BENCHMARKS.md, session 11). Where the CUDA kernel
 # cannot run (no NVRTC, before sm_89, other latent sizes, FP8 attention options) mla_decode takes the Triton entry
 # it replaced (kernels.mla_decode.CUDA_FALLBACK).
+# cuda_merge (session 14, set by hand from a same-process A/B, 3 rounds, medians): the splits merged by the CUDA merge
+# kernel as a programmatic dependent launch instead of by the Triton merge_splits: 0.0396 / 0.0867 / 0.2570 / 0.2546
+# ms at batch 8 8k / 8 32k / 32 32k / 8 128k against 0.0418 / 0.0892 / 0.2577 / 0.2569 (kernels/BENCHMARKS.md).
 # mla_fp8_many_heads (session 13): the warp-specialized warpgroup-MMA kernel (kernels/mla_decode_fp8_ws.cu), written
 # by kernels.ab (call 8): 0.0912 / 0.2676 / 0.9379 ms at batch 8 8k / 8 32k / 32 32k against the two-group wgmma
 # kernel's 0.0976 / 0.2808 / 1.0044 (call 4: 1.36-1.82x the Triton entry's 0.1336 / 0.4725 / 1.8294; removed in

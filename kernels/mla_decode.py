@@ -6,7 +6,8 @@ do). With W_UK absorbed into q (q_latent = q_nope @ W_UK) and W_UV applied after
     out = scale * sum_j softmax(s)_j c_codes_j                           (latent space, [H, latent_dim])
     lse = log sum_j exp(s_j)
 A program handles BLOCK_H heads of one sequence over one split, so each cache tile read feeds BLOCK_H
-heads; the splits are combined by the GQA kernel's merge (same partial layout and formula). Two kernels:
+heads; the splits are combined by the GQA kernel's merge (same partial layout and formula; the CUDA kernel's entry
+by its own merge kernel, cuda_merge). Two kernels:
 - `_mla_decode_kernel` (session 4): every tile read by masked pointer loads (cp.async or register prefetch).
 - `_mla_decode_tc_kernel`, the tile kernel (`tma`, session 5; power-of-two Dc and Dr): a split's whole tiles
   come by TMA (one bulk copy per tile where page_size % block_n == 0, else unmasked pointer loads), its last
@@ -465,7 +466,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                q_scale: torch.Tensor | str | None = None, prob_scale: torch.Tensor | None = None,
                widen: bool | None = None, split_latent: bool | None = None,
                impl: str | None = None, ctas: int | None = None,
-               bulk: bool | None = None, wgmma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               bulk: bool | None = None, wgmma: bool | None = None,
+               cuda_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -485,7 +487,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     heads a block; ctas: blocks per SM its registers are budgeted for; bulk=False: cp.async instead of sm_90's
     bulk copies; wgmma=True: the warp-specialized warpgroup-MMA kernel kernels/mla_decode_fp8_ws.cu for many heads,
     sm_90 only, 64 heads and 64 tokens a block of 12 warps, num_stages tiles in flight; an entry's wgmma applies to
-    explicit launch keywords too: wgmma=False picks the mma.sync kernel); `cuda_refusal` says when it cannot run,
+    explicit launch keywords too: wgmma=False picks the mma.sync kernel; cuda_merge: the mma.sync kernel's splits
+    merged by the same file's mla_fp8_merge, as a programmatic dependent launch on sm_90, instead of by
+    merge_splits); `cuda_refusal` says when it cannot run,
     and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
     this machine cannot build it)."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
@@ -525,7 +529,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     given = {key: value for key, value in (
         ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("prefetch", prefetch),
         ("swap", swap), ("programs_per_sm", programs_per_sm), ("block_h", block_h), ("tma", tma), ("widen", widen),
-        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma))
+        ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma),
+        ("cuda_merge", cuda_merge))
         if value is not None}
     cfg = dict(launch_config(entry, device), **given)
     if cfg.get("impl") == "cuda":
@@ -730,15 +735,15 @@ def _warn_cuda_fallback(reason: str) -> None:
 _BUILD_FAILURES: dict[tuple, str] = {}
 
 
-def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False):
+def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False, name: str = "mla_fp8_decode"):
     from kernels import nvrtc
-    key = (defines, index, wgmma)
+    key = (defines, index, wgmma, name)
     if key in _BUILD_FAILURES:
         raise _CudaBuildError(_BUILD_FAILURES[key])
     try:
         if wgmma:
             return nvrtc.compile_kernel(WGMMA_SOURCE, "mla_fp8_decode_wgmma", defines, index, arch_specific=True)
-        return nvrtc.compile_kernel(CUDA_SOURCE, "mla_fp8_decode", defines, index)
+        return nvrtc.compile_kernel(CUDA_SOURCE, name, defines, index)
     except (RuntimeError, OSError) as e:
         text = str(e).strip()
         _BUILD_FAILURES[key] = " / ".join(text.splitlines()[:3])[:400] or type(e).__name__
@@ -773,4 +778,12 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
             tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
             cache.stride(0), cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
+    if cfg.get("cuda_merge") and not cfg.get("wgmma"):
+        lse = torch.empty(batch, heads, dtype=torch.float32, device=device)
+        merge = _cuda_kernel(defines, device.index, name="mla_fp8_merge")
+        merge((heads, batch, 1), (latent_dim // 4, 1, 1), (num_splits + 1) * 4,
+              [part_out, part_lse, out, lse, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+               part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1)],
+              overlap=_gpu(device.index)[0] >= (9, 0))
+        return out, lse
     return out, merge_splits(part_out, part_lse, out)

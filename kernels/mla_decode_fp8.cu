@@ -6,7 +6,8 @@
 // Same definition and partial layout as the Triton tile kernel: s_j = qk_scale * (q_latent . c_j + q_pe . pe_j)
 // (codes widened to fp16 exactly, q rounded to fp16, fp32 accumulation), online softmax in base 2, P rounded
 // to fp16 for P . C, out = kv_scale * acc / l, lse2 = m + log2(l) per split; kernels/decode_attention.merge_splits
-// combines the splits. Cache rows are [latent 512 | rope 64] codes, one scale per cache.
+// combines the splits, or this file's mla_fp8_merge (the cuda_merge launch). Cache rows are [latent 512 | rope 64]
+// codes, one scale per cache.
 //
 // Why a hand-written kernel: Q . C^T contracts the latent (contiguous in a cache row), P . C contracts the tokens
 // (strided), and an fp8 operand must be K-contiguous, so a compiler that widens in the MMA operand layouts
@@ -41,6 +42,93 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Loads of what the split kernel wrote (ld.global.cg: from L2); volatile, so they stay in the order written (the
+// merge issues 16 before it uses any).
+__device__ __forceinline__ float load_l2(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ F4 load4_l2(const float* p) {
+  F4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 pack_out(float lo, float hi) {   // two outputs in the query's dtype (RTNE)
+#if Q_BF16
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return pack_half2(lo, hi);
+#endif
+}
+
+// The splits merged as kernels/decode_attention.merge_splits does (its formula; its Triton kernel sums the weights as
+// a tree, divides by div.full and takes lg2.approx, so the last bits may differ): for head h of sequence b, m = the
+// largest base-2 split lse (0 when every split is empty), w_s = 2^(lse_s - m), out = sum_s w_s out_s / sum_s w_s
+// (summed in split order; 0 when the weights sum to 0; NaN stays NaN) in the query's dtype, and
+// lse = (m + log2 sum_s w_s) ln 2. A block per (head, sequence), 4 columns a thread; (splits + 1) floats of dynamic
+// shared memory. Launched as a programmatic dependent launch (sm_90), its blocks become resident while the split
+// kernel runs and wait in griddepcontrol.wait until it has finished and its stores are visible: no launch gap. The
+// partials are written while this grid is alive, so they are read from L2, not through the read-only path.
+extern "C" __global__ void __launch_bounds__(LAT / 4, 1) mla_fp8_merge(   // 1: ptxas then keeps 16 loads in flight
+    const float* part_out, const float* part_lse, u16* __restrict__ out,
+    float* __restrict__ lse, int splits, int s_ob, int s_oh, int s_os, int s_eb, int s_eh, int s_Ob, int s_Oh) {
+  extern __shared__ float w[];
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int h = blockIdx.x, tid = threadIdx.x;
+  const i64 b = blockIdx.y;
+  if (tid < 32) {   // the weights and their sum, by one warp
+    const float* row = part_lse + b * s_eb + (i64)h * s_eh;
+    float mx = NEG_INF;
+    for (int s = tid; s < splits; s += 32) {
+      w[s] = load_l2(row + s);
+      mx = fmaxf(mx, w[s]);
+    }
+#pragma unroll
+    for (int k = 16; k; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+    if (mx == NEG_INF) mx = 0.f;
+    float sum = 0.f;
+    for (int s = tid; s < splits; s += 32) {
+      w[s] = ex2(w[s] - mx);
+      sum += w[s];
+    }
+#pragma unroll
+    for (int k = 16; k; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+    if (tid == 0) {
+      w[splits] = sum;
+      lse[b * gridDim.x + h] = (mx + log2f(sum)) * 0.6931471805599453f;
+    }
+  }
+  __syncthreads();
+  const float* src = part_out + b * s_ob + (i64)h * s_oh + 4 * tid;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  int s = 0;
+  for (; s + 16 <= splits; s += 16) {   // 16 splits' loads in flight, then their sums in split order
+    F4 v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = load4_l2(src + (i64)(s + i) * s_os);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      a0 = fmaf(w[s + i], v[i].x, a0); a1 = fmaf(w[s + i], v[i].y, a1);
+      a2 = fmaf(w[s + i], v[i].z, a2); a3 = fmaf(w[s + i], v[i].w, a3);
+    }
+  }
+  for (; s < splits; ++s) {
+    const F4 v = load4_l2(src + (i64)s * s_os);
+    a0 = fmaf(w[s], v.x, a0); a1 = fmaf(w[s], v.y, a1); a2 = fmaf(w[s], v.z, a2); a3 = fmaf(w[s], v.w, a3);
+  }
+  const float d = w[splits];
+  if (d == 0.f) a0 = a1 = a2 = a3 = 0.f;
+  else { a0 /= d; a1 /= d; a2 /= d; a3 /= d; }
+  *(u32x2*)(out + b * s_Ob + (i64)h * s_Oh + 4 * tid) = u32x2{pack_out(a0, a1), pack_out(a2, a3)};
+}
+
 extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ cache,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens, const float* __restrict__ kv_scale,
@@ -62,6 +150,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
   const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
   const float scale = *kv_scale;
   const float qk = (float)sm_scale_log2 * scale;
+#if __CUDA_ARCH__ >= 900
+  // A programmatic dependent launch after this one (mla_fp8_merge) may start now: its blocks take only what this
+  // grid's blocks leave of an SM, and wait for this grid to finish.
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 
   // Tile t of this split into stage buffer st, one tile row per thread group of TPR threads. Rows past the
   // split's end are zeros (cp.async's src-size 0, or stores), so stale or NaN slots never reach the sums (P is 0

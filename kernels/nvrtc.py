@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 _MAX_DYNAMIC_SHARED = 8   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
 
 
@@ -61,6 +62,15 @@ def _check_driver(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else code}")
 
 
+class _LaunchAttribute(ctypes.Structure):   # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
 class Kernel:
     """A compiled kernel in one device's context."""
 
@@ -68,7 +78,11 @@ class Kernel:
         self.function, self.module, self.device = function, module, device
         self.max_shared = 48 * 1024
 
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, args: list) -> None:
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, args: list,
+                 overlap: bool = False) -> None:
+        """Launch on torch's current stream. overlap: a programmatic dependent launch (sm_90): the kernel may start
+        before the stream's previous kernel has finished, once that kernel's blocks have all executed
+        griddepcontrol.launch_dependents; it must wait for that kernel's results with griddepcontrol.wait."""
         if smem > self.max_shared:
             _check_driver(_driver().cuFuncSetAttribute(self.function, _MAX_DYNAMIC_SHARED, smem),
                           f"cuFuncSetAttribute(max dynamic shared memory = {smem} bytes)")
@@ -86,6 +100,13 @@ class Kernel:
                 raise TypeError(f"kernel arguments are tensors, ints (C int) or floats (C double), got {arg!r:.60}")
         params = (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))   # each argument's address
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        if overlap:
+            attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
+                                   ctypes.c_void_p(stream), ctypes.pointer(attribute), 1)
+            _check_driver(_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, params, None),
+                          "cuLaunchKernelEx")
+            return
         _check_driver(_driver().cuLaunchKernel(self.function, *grid, *block, smem, ctypes.c_void_p(stream), params,
                                                None), "cuLaunchKernel")
 

@@ -448,6 +448,8 @@ MLA_CUDA_CONFIGS = [
                  id="cuda-wgmma-64-12-3"),
     pytest.param(dict(impl="cuda", wgmma=True, block_n=64, num_warps=12, num_stages=2, block_h=64),
                  id="cuda-wgmma-64-12-2"),
+    pytest.param(dict(impl="cuda", wgmma=False, block_n=32, num_warps=4, num_stages=4, block_h=16, ctas=2,
+                      cuda_merge=True), id="cuda-32-4-4-x2-cuda-merge"),
 ]
 
 
@@ -469,7 +471,9 @@ def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, k_tol, heads, page_size
 
 @pytest.mark.parametrize("config", [
     pytest.param(dict(wgmma=False, block_n=64, num_warps=4, num_stages=3), id="mma.sync"),
-    pytest.param(dict(wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma")])
+    pytest.param(dict(wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma"),
+    pytest.param(dict(wgmma=False, block_n=32, num_warps=4, num_stages=4, ctas=2, cuda_merge=True),
+                 id="mma.sync-cuda-merge")])
 def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
     """A NaN code written inside sequence 1 makes exactly sequence 1's outputs NaN (every head, every column):
     the kernel neither drops it nor leaks it into the other sequences sharing its launch."""
@@ -482,6 +486,36 @@ def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
                              case.sm_scale, 4, impl="cuda", **config)
     assert out[1].isnan().all(), "the NaN code did not reach every output of its sequence"
     assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN code leaked into another sequence"
+
+
+def test_mla_cuda_merge_repeats_and_replays(kern):
+    """cuda_merge (the merge kernel as a programmatic dependent launch): repeated calls and CUDA-graph replays give
+    the same bits, within the merge's rounding of merge_splits' results; an empty sequence gets out 0, lse -inf."""
+    case = _mla_case([4099, 1, 300, 0, 128], 64, 16, "e4m3")
+    config = dict(impl="cuda", wgmma=False, block_n=32, num_warps=4, num_stages=4, block_h=16, ctas=2)
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale)
+    two_kernels = kern.mla_decode(*args, cuda_merge=False, **config)
+    first = kern.mla_decode(*args, cuda_merge=True, **config)
+    again = kern.mla_decode(*args, cuda_merge=True, **config)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kern.mla_decode(*args, cuda_merge=True, **config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = kern.mla_decode(*args, cuda_merge=True, **config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in (again, replayed):
+            assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]), "a launch differs from the first"
+    # the same formula as merge_splits, summed in another order (Triton: a tree, div.full, lg2.approx): fp32 sums that
+    # differ in their last bits can round a bf16 output one ulp (2^-8 relative) apart, so 1e-2 allows two; the lse
+    # is fp32 (2^-24 relative), 1e-6 a few ulps
+    assert_close_verbose(first[0].float(), two_kernels[0].float(), atol=1e-2, rtol=1e-2, what="cuda_merge out")
+    assert_close_verbose(first[1], two_kernels[1], atol=1e-5, rtol=1e-6, what="cuda_merge lse")
+    assert first[1][3].isneginf().all() and (first[0][3] == 0).all(), "an empty sequence: out 0, lse -inf"
 
 
 def test_mla_cuda_kernel_that_does_not_build_falls_back_to_the_triton_entry(kern, monkeypatch):
