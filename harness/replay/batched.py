@@ -35,9 +35,11 @@ MAX_AUTO_BATCH = 256
 # which bounds prefill activations (8B-shaped model: ~3.7 GiB per MLP intermediate at 131k tokens).
 PREFILL_TOKENS = 32768
 # Rows decoded together (`generate_rows`): prompts are sorted by length and a batch takes up to ROWS_BATCH of them
-# whose longest is at most ROWS_SPREAD x its shortest, so stacked rows pad little (every decode step copies the padded
-# cache once more, as a growing cache does). Bounds on waste, not tuned: a batch's rows give the same bits in any
-# grouping.
+# whose longest is at most ROWS_SPREAD x its shortest, so stacked rows pad little: a decode step's cost grows with the
+# padded cache (the growing cache copies it, transformers' MLA attention expands the whole latent). A batch's rows give
+# the same bits in any grouping. Measured (default CPU run, --jobs 1, AVX2 dispatch, 2 cores): spread 2 110.0 s,
+# 8 127.9 s, unbounded 141.5 s; the mla canary's 21 default turns through fp8_e4m3, one core: 7.5-8.0 s at 2 against
+# 8.9 s at 8 (BENCHMARKS.md, session 14). ROWS_BATCH bounds memory; the canaries' batches stay under 21 rows.
 ROWS_BATCH, ROWS_SPREAD = 64, 2.0
 
 
