@@ -186,6 +186,11 @@ class RowKeys:
     starts: list[int]  # per live row: its first real key in the stacked cache
     probes: list  # per live row: its `impl_check` probe, or None
 
+    def probe(self, b: int, layer: int):
+        """Row b's probe where it watches this layer (as `impl_check.attach` set it on the row's own cache layer)."""
+        probe = self.probes[b]
+        return probe if probe is not None and int(layer) in probe.layers else None
+
     def select(self, keep: list[int]) -> None:
         """Keep batch positions `keep` (rows that finished leave)."""
         self.starts = [self.starts[i] for i in keep]
@@ -533,8 +538,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         rows = getattr(cache, "row_keys", None)
         if rows is not None and query.shape[2] == 1:  # a decode step of a rows batch: each row as it would run alone
             outputs = [attend(module, query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], None,
-                              layer, probe, _row_of(kwargs, b))[0]
-                       for b, (start, probe) in enumerate(zip(rows.starts, rows.probes))]
+                              layer, rows.probe(b, module.layer_idx), _row_of(kwargs, b))[0]
+                       for b, start in enumerate(rows.starts)]
             return torch.cat(outputs), None
         return attend(module, query, key, value, attention_mask, layer, getattr(layer, "impl_probe", None), kwargs)
 

@@ -4,7 +4,8 @@ A route says which decode kernel FP8 decode steps run through (or why none), whe
 in batches (or why one sequence at a time), which decode mode a batch uses, and what attention capture measures
 (torch's rows only, or the kernel's beside them). Every "why not" of the engine is decided here, from plain
 facts: the path spec, the model's config, the device type, `HARNESS_KERNELS` (read by
-`decode_kernels.kernels_setting`, its one reader) and the run's options. The run stores each route in its
+`decode_kernels.kernels_setting`, its one reader), whether the CPU's bf16 GEMMs are oneDNN's (`onednn_bf16`) and the
+run's options. The run stores each route in its
 manifest (`paths[].routes`), so a reader sees what ran without re-deriving it.
 """
 
@@ -89,7 +90,7 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
     return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
                  batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
                  decode=_decode(facts, device_type, batches, decode, every_call) if batches or not rows
-                 else _rows(facts, kernel),
+                 else _rows(facts, kernel, kv_path),
                  capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call)
 
 
@@ -183,15 +184,30 @@ def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, ever
     return mode
 
 
-def _rows(facts: ModelFacts, kernel: str | None) -> str:
-    """ROWS, or one sequence at a time and why not."""
+def _rows(facts: ModelFacts, kernel: str | None, kv_path: KVPath | None) -> str:
+    """ROWS, or one sequence at a time and why not. Rows give a sequence's bits only where every op computes a row
+    alone alike in any batch; the GEMMs are the ones to doubt."""
     if kernel is not None:
         why = "decode runs through a kernel (its paged copy, checks and timings are kept per sequence)"
     elif facts.static_refusal is not None:
         why = f"cache layers that cannot be stacked ({facts.static_refusal})"
+    elif kv_path is not None and kv_path.is_reference_noise:
+        why = "the float32 model's GEMMs (MKL's) are not shown to give a row the same bits in every batch size"
+    elif onednn_bf16():
+        why = ("oneDNN has bf16 GEMMs on this CPU, whose blocking may follow the row count (an AVX-512 BF16 EPYC: "
+               "1 of 27 path x family cases of tests/test_rows.py one float apart, tokens equal)")
     else:
         return ROWS
     return f"{ONE_AT_A_TIME}; rows refused: {why}"
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_bf16() -> bool:
+    """Whether torch's bf16 GEMMs on this CPU are oneDNN's (AVX-512 BF16 / AMX) rather than its fallback, one dot
+    product per output (row-independent by construction, as is kernels/cpu_bf16_linear.c beside it)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
