@@ -67,7 +67,7 @@ class Route:
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
            decode: str = "auto", capture: bool = False, rows: bool = False) -> Route:
     """The route of `kv_path` (None: the reference) on a model with `config` on a `device_type` device;
-    use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference); rows: a
+    use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference); rows: a CPU
     replay that is not batched generates in rows (ROWS) where it can."""
     return _decide(kv_path, ModelFacts.of(config), device_type, use_kernels, decode_kernels.kernels_setting(),
                    batched, decode, capture, rows)
@@ -89,8 +89,8 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
     every_call = kernel is not None and kv_path is not None and bool(kv_path.kernel)
     return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
                  batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
-                 decode=_decode(facts, device_type, batches, decode, every_call) if batches or not rows
-                 else _rows(facts, kernel, kv_path),
+                 decode=_rows(facts, kernel, kv_path) if rows and not batched and device_type == "cpu"
+                 else _decode(facts, device_type, batches, decode, every_call),
                  capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call)
 
 
