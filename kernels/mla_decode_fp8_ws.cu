@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   u8* qs = smem + STAGES * STAGE_BYTES;          // Q^T, the B operand of S^T
   u8* ps = qs + Q_BYTES;                         // 2 x P^T, the B operands of O^T
   float* alphas = (float*)(ps + 2 * P_BYTES);    // 2 x [64]: the rescale factors of P^T's tile
-  float* red = alphas + 2 * HB;                  // [4 warps][4 q][16]: group 0's column maxima (in lane order), then sums
+  float* red = alphas + 2 * HB;                  // [4 warps][4 q][16]: group 0's column maxima (lane order), then sums
   float* lsum = red + 4 * HB;                    // [64]: l at the end
   u64* full = (u64*)(lsum + HB);                 // one mbarrier per stage: its tile landed
   u64* empty = full + STAGES;                    // one per stage: all 12 warps are done with its tile
@@ -232,8 +232,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
       float tmaxs[16];   // the tile's maxima of this lane's 16 columns: 4 float4 reads a warp's row, 4 warps
 #pragma unroll
       for (int i4 = 0; i4 < 4; ++i4) {
-        float4 r0 = *(const float4*)(red + 16 * q + 4 * i4), r1 = *(const float4*)(red + HB + 16 * q + 4 * i4);
-        float4 r2 = *(const float4*)(red + 2 * HB + 16 * q + 4 * i4), r3 = *(const float4*)(red + 3 * HB + 16 * q + 4 * i4);
+        const float* col = red + 16 * q + 4 * i4;
+        const float4 r0 = *(const float4*)col, r1 = *(const float4*)(col + HB);
+        const float4 r2 = *(const float4*)(col + 2 * HB), r3 = *(const float4*)(col + 3 * HB);
         tmaxs[4 * i4] = fmaxf(fmaxf(r0.x, r1.x), fmaxf(r2.x, r3.x));
         tmaxs[4 * i4 + 1] = fmaxf(fmaxf(r0.y, r1.y), fmaxf(r2.y, r3.y));
         tmaxs[4 * i4 + 2] = fmaxf(fmaxf(r0.z, r1.z), fmaxf(r2.z, r3.z));

@@ -414,7 +414,8 @@ def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
     for a layer kind stacked another way (sliding windows, ...), as `make_static` does."""
     full = [i for i, layer in enumerate(into.layers) if type(layer) in (DynamicLayer, QuantizedKVLayer)]
     for i, layer in enumerate(into.layers):
-        if i not in full and (not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer)):
+        linear = type(layer).__name__.startswith("LinearAttention") and not isinstance(layer, DynamicLayer)
+        if i not in full and not linear:
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no stacking of rows for it")
     lengths = [cache.layers[full[0]].keys.shape[-2] if full else 0 for cache in caches]
     longest = max(lengths)

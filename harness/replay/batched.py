@@ -160,8 +160,8 @@ class BatchedEngine:
         alone (a one-sequence engine's prefill), the rows' caches are stacked left-padded (`cache.stack_rows`), and
         each decode step runs the whole batch through the model with every row's attention over its own keys
         (`attention.RowKeys`). Every other op of a decode step computes a row from that row alone (linear layers,
-        norms, RoPE, routing, the linear-attention update); tests/test_rows.py compares the two on every canary and
-        KV path kind. For the CPU replay (route.ROWS), where one-row steps read every weight once per token: a batch
+        norms, RoPE, routing, the linear-attention update); tests/test_rows.py compares the two over every KV path kind
+        and model family. For the CPU replay (route.ROWS), where one-row steps read every weight once per token: a batch
         reads it once for all its rows. remember_prefill: as `generate_one`'s, for each prompt. Raises ValueError for
         a model whose cache layers cannot be stacked (sliding windows, ...; `route.static_decode_refusal`)."""
         assert self.backend.route.kernel is None, "rows decode through torch attention (a kernel's copy is per batch)"
@@ -227,7 +227,7 @@ class BatchedEngine:
         return [RowResult(tokens, reason or "length", record)
                 for tokens, reason, record in zip(outputs, finish, records)]
 
-    def _prefill_one(self, prompt: list[int], remember: bool) -> "RowStart":
+    def _prefill_one(self, prompt: list[int], remember: bool) -> RowStart:
         """A one-sequence engine's prefill of `prompt`, as `generate_one` runs it (remember: as its
         remember_prefill)."""
         assert self.settings.one_sequence, "_prefill_one is a one-sequence engine's"
