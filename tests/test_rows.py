@@ -24,8 +24,9 @@ exact_here = pytest.mark.skipif(onednn_bf16(), reason="rows are refused on this 
                                                       "replays one sequence at a time here")
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
-# Ragged on purpose: odd lengths in two length groups (`ROWS_SPREAD`), each padding its short rows; a row that asks
-# for no token (its prefill is all) and one for a single decode step; rows leaving the batch at different steps.
+# Ragged on purpose: odd lengths, the four shortest (17-33) stacked as one batch within `ROWS_SPREAD` (three of them
+# padded), the others alone; a row asking for no token (its prefill is all) and one for a single decode step, rows
+# leaving the batch at different steps.
 PROMPT_LENGTHS = (17, 40, 23, 90, 33, 61, 29)
 LIMITS = (12, 5, 14, 9, 1, 0, 10)
 # Every way a path changes attention or the cache write: reference cache, bf16 cache, FP8 per tensor and per head,
