@@ -170,11 +170,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
     u8* stage = tiles + st * STAGE_BYTES;
 #if BULK
     if (tid % TPR == 0) {   // the stage's mbarrier counts BN arrivals and the bytes of the valid rows
-      const u32 bar = smem_addr(bars + st);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(src ? ROW : 0) : "memory");
-      if (src)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(smem_addr(stage + at(my_row, 0))), "l"(src), "n"(ROW), "r"(bar) : "memory");
+      bulk_row(smem_addr(bars + st), smem_addr(stage + at(my_row, 0)), src);
     }
     if (!src)
       for (int ch = tid % TPR; ch < ROW / 16; ch += TPR) *(U4*)(stage + at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};

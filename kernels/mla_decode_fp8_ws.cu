@@ -133,10 +133,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
       const u32 bar = smem_addr(full + st);
       if (!src)
         for (int ch = 0; ch < ROW / 16; ++ch) *(U4*)(stage + at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(src ? ROW : 0) : "memory");
-      if (src)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(smem_addr(stage + at(my_row, 0))), "l"(src), "n"(ROW), "r"(bar) : "memory");
+      bulk_row(bar, smem_addr(stage + at(my_row, 0)), src);
     }
   };
   if (tid == 0) {

@@ -85,6 +85,14 @@ __device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
+// One tile row into shared memory at `dst` by an sm_90 bulk copy, counted by mbarrier `bar`: one arrival expecting
+// the row's bytes. src nullptr: the arrival alone, expecting none (the caller zeroes that row).
+__device__ __forceinline__ void bulk_row(u32 bar, u32 dst, const u8* src) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(src ? ROW : 0) : "memory");
+  if (src)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "n"(ROW), "r"(bar) : "memory");
+}
 
 // Where cache row `tok` of sequence b sits: its page from the block table, then its slot (PAGE: the page size).
 __device__ __forceinline__ const u8* cache_row(const u8* cache, const int* block_table, i64 b, int s_tb, int s_cb,
