@@ -1,7 +1,14 @@
 """The harness at real-model scale on one GPU: batched replay vs plain `model.generate`, per KV path.
 
-    python benchmarks/scale_bench.py [--quick] [--configs 8b-1k,8b-8k,mla-1k] [--canary-run]
+    python benchmarks/scale_bench.py [--configs 8b-1k,8b-8k,mla-1k] [--canary-run]
+    python benchmarks/scale_bench.py --configs mla-1k,mla-8k --paths bf16,fp8_e4m3   # V2-Lite, 1k and 8k context
     python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
+
+Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1k-token prompts, every path, plain
+`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths), mla-1k (V2-Lite, batch 16, 1k, the first three
+paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two paths, 128 tokens; opt-in: its two
+paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the default run with it was not timed
+against a device call's limit).
 
 No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
 DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
@@ -53,6 +60,8 @@ _USER_ENV: dict | None = None  # the environment `main` started in: the canary r
 SHORT = 4
 
 PATHS = ["bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3:per_head", "fp8_e4m3:per_token"]
+CONFIGS = ("8b-1k", "8b-8k", "mla-1k", "mla-8k")
+DEFAULT_CONFIGS = "8b-1k,8b-8k,mla-1k"
 
 
 def llama_8b():
@@ -563,7 +572,8 @@ def main() -> None:
     _USER_ENV = dict(os.environ)
     os.environ.setdefault("HARNESS_IMPL_CHECK", "0")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="8b-1k,8b-8k,mla-1k")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"comma-separated, of {', '.join(CONFIGS)} (see above; default {DEFAULT_CONFIGS})")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--new", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--canary-run", action="store_true")
@@ -575,6 +585,9 @@ def main() -> None:
     parser.add_argument("--write-70b-dir", type=Path, default=None,
                         help="write a 70B-shaped random-weights model directory (canary tokenizer) and exit")
     args = parser.parse_args()
+    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if args.write_70b_dir:
         from harness.job import CANARY_WEIGHTS
 
@@ -620,9 +633,26 @@ def main() -> None:
                                bandwidth, False, log)
         del loaded
         torch.cuda.empty_cache()
-    if "mla-1k" in configs:
+    if any(c.startswith("mla") for c in configs):
         loaded = build(deepseek_v2_lite())
-        rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log, args.profile)
+        if "mla-1k" in configs:
+            rows += run_config("v2-lite b16 1k", loaded, 16, 1024, 32, paths[:3], bandwidth, True, log, args.profile)
+        if "mla-8k" in configs:
+            # GPU memory at batch 16 x 8k (max_len 8224 columns: 131,584 tokens of storage), bf16:
+            # - weights 29.4 GiB;
+            # - the cache: transformers' DeepSeek-V3 attention (5.17 on the GPU machines, 5.24 here) caches the
+            #   latent, not per-head K/V: 27 layers x (512 + 64) x 2 B = 31,104 B a token, 3.8 GiB in static
+            #   storage for either path; the FP8 path adds its paged FP8 copy (1 B an element: 1.9 GiB);
+            # - what one layer's pass holds at a time: the latent expanded over every cached column (`expand_kv`:
+            #   kv_b_proj's [rows, L, 16 x 256] out, 8,192 B a token, and the key copy [rows, 16, L, 192], 6,144 B)
+            #   = 1.8 GiB, and in prefill a 2,048-column chunk of 16 rows (32,768 tokens: layer 0's dense MLP
+            #   3 x 10944 x 2 B a token = 2.0 GiB; its mask, 0.3-0.5 GiB).
+            # About 37 GiB for BF16 and 39 GiB for FP8: well inside 80 GB (the decompressed K/V of all layers,
+            # 16 x (192 + 128) x 2 B x 27 = 276,480 B a token, would be 34 GiB more; it is never stored).
+            # 128 tokens: a step is (t(128) - t(4)) / 124, and both calls prefill 16 x 8k tokens (~5 s on an H200);
+            # with 32 tokens a 1% difference between the two prefills moved the step by ~2 ms (FP8's is ~15 ms)
+            long_paths = [p for p in paths if p != "fp8_e4m3:per_token"][:2]
+            rows += run_config("v2-lite b16 8k", loaded, 16, 8192, 128, long_paths, bandwidth, False, log)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)

@@ -180,6 +180,38 @@ def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkey
         assert checked == 0 or 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_mla_kernel_steps_skip_the_unread_latent_expansion(tiny_models, monkeypatch, decode):
+    """transformers' MLA attention expands the whole cached latent (kv_b_proj over every cached token) before each
+    attention call; on the decode kernel's unchecked steps nothing reads it (`attention.skip_unread_expansion`).
+    Skipped there, still run in prefill and on checked steps, and every row (tokens, write statistics, kernel
+    agreement, implementation check) is what the model that expands on every step gives, bit for bit."""
+    from harness.kv_paths import attention
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    limits = [2, 5, 9, 14]
+
+    def run() -> tuple[list, int]:
+        model = InProcessModel.load(tiny_models["mla"])
+        expansions = []
+        for module in model.model.modules():
+            if hasattr(module, "kv_b_proj"):
+                module.kv_b_proj.register_forward_hook(lambda *_: expansions.append(1))
+        settings = BatchSettings(kernel_check_every=4, decode=decode)
+        rows = BatchedEngine(model.backend(parse_path("fp8_e4m3")), settings).generate(_prompts(model), limits)
+        return rows, len(expansions)
+
+    skipping, skipped_count = run()
+    monkeypatch.setattr(attention, "skip_unread_expansion", lambda model: 0)
+    expanding, expanded_count = run()
+    assert [(r.token_ids, r.finish_reason, r.metrics) for r in skipping] == \
+        [(r.token_ids, r.finish_reason, r.metrics) for r in expanding]
+    layers = 2  # the tiny MLA model's attention layers: each expands once per forward pass it runs
+    decode_steps = expanded_count // layers - 1  # every forward pass but the prompt's one chunk
+    checked = len(range(0, decode_steps, 4))  # kernel_check_every=4: steps 0, 4, 8, ...
+    assert decode_steps > checked > 0 and skipped_count == layers * (1 + checked), (skipped_count, expanded_count)
+
+
 @pytest.mark.parametrize(("arch", "spec", "floor"), [
     # 0.1: FP8 Q/P rounding amplifies the batch's reduction order; measured before these paths were batched: padded
     # rows parted from the alone run at top-2 gaps up to 0.094 (gqa, mla), above the bf16 floor 0.07

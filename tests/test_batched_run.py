@@ -107,6 +107,20 @@ def test_scale_bench_canary_snippet_is_valid_python():
     compile(scale_bench.CANARY_SNIPPET, "benchmarks/scale_bench.py:CANARY_SNIPPET", "exec")
 
 
+def test_scale_bench_refuses_an_unknown_config_before_any_work(monkeypatch, capsys):
+    """A misspelt `--configs` name (`mla8k`) would run nothing for it and print a table without its rows: refused as
+    input (exit 2), before CUDA or a model, naming the known configurations (mla-8k among them)."""
+    from benchmarks import scale_bench
+
+    monkeypatch.setenv("HARNESS_IMPL_CHECK", "1")  # main() sets a default of 0 in the process: keep this one's
+    monkeypatch.setattr("sys.argv", ["scale_bench.py", "--configs", "mla-1k,mla8k"])
+    with pytest.raises(SystemExit) as exited:
+        scale_bench.main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown mla8k" in err and "mla-8k" in err
+
+
 def test_graph_decode_on_the_cpu_is_refused_before_any_work(tiny_models, tmp_path, capsys):
     """`--decode graph` needs CUDA: refused as input (exit 2, the flag named), nothing run or stored."""
     out = tmp_path / "run"

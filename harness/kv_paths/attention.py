@@ -527,6 +527,56 @@ def sdpa_backends(query: torch.Tensor):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def kernel_alone(module, layer, query_tokens: int, observer_attr: str = ATTENTION_OBSERVER) -> bool:
+    """Whether an attention call's output is the decode kernel's alone: an FP8 decode step (one query token) of a
+    layer with a paged copy, unchecked, with no fault injector and no observer. Torch's attention is then not run,
+    so the K/V it would read are not needed (`harness_attention`, `skip_unread_expansion`)."""
+    paged = getattr(layer, "paged", None)
+    return (paged is not None and query_tokens == 1 and not paged.step.check
+            and not getattr(getattr(layer, "kv_path", None), "fault", "")
+            and getattr(module, observer_attr, None) is None)
+
+
+def skip_unread_expansion(model) -> int:
+    """Where an MLA attention module's own code expands the whole cached latent into per-head K/V before calling
+    the attention function (transformers' DeepSeek-V3 `expand_kv`: kv_b_proj over every cached token of every row,
+    then a copy of the keys, at every forward pass), skip it on the calls whose output is the decode kernel's alone
+    (`kernel_alone`): the kernel reads the paged latent, never those K/V. The calls get empty K/V [rows, heads, 0,
+    dim] instead (the attention function refuses to read them). At V2-Lite shape, batch 16, 1k context that is 27
+    GEMMs of [16 x 1k, 512] x [512, 4096] and ~6.5 GB of bf16 writes a step that nothing reads, 8x that at 8k:
+    fp8_e4m3's graph decode step went from 24.7 to 18 ms at 1k and from 66 to 18 ms at 8k (H200, scale_bench,
+    BENCHMARKS.md session 15). Checked steps, the reference and BF16 paths expand as before, so every output keeps
+    its bits. Idempotent; returns how many modules it wraps now."""
+    wrapped = 0
+    for module in model.modules():
+        expand = getattr(module, "expand_kv", None)
+        if expand is None or not hasattr(module, "kv_b_proj") or getattr(expand, "skips_unread", False):
+            continue
+        module.expand_kv = _expanding_when_read(module, expand)
+        module.register_forward_pre_hook(_note_query_tokens, with_kwargs=True)
+        wrapped += 1
+    return wrapped
+
+
+def _note_query_tokens(module, args, kwargs) -> None:
+    hidden = args[0] if args else kwargs["hidden_states"]  # [rows, query tokens, hidden]
+    module.harness_query_tokens = hidden.shape[1]
+
+
+def _expanding_when_read(module, expand: Callable) -> Callable:
+    def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = active_cache.get()
+        layer = cache.layers[module.layer_idx] if cache is not None else None
+        if not kernel_alone(module, layer, getattr(module, "harness_query_tokens", 0)):
+            return expand(kv_nope, k_rot)
+        rows, heads = kv_nope.shape[0], module.num_heads
+        return (kv_nope.new_empty(rows, heads, 0, module.qk_nope_head_dim + module.qk_rope_head_dim),
+                kv_nope.new_empty(rows, heads, 0, module.v_head_dim))
+
+    expand_kv.skips_unread = True
+    return expand_kv
+
+
 def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -552,10 +602,13 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         raw_query = query
         paged = getattr(layer, "paged", None) if not fault else None
         kernel_decodes = paged is not None and query.shape[2] == 1  # an FP8 decode step served by the kernel
-        if kernel_decodes and not paged.step.check and getattr(module, observer_attr, None) is None:
+        if kernel_alone(module, layer, query.shape[2], observer_attr):
             # an unchecked step: the kernel's output is the output; torch's attention is only the yardstick of a
-            # checked step, so it is not computed here
+            # checked step, so it is not computed here (nor, on MLA, the K/V it reads: `skip_unread_expansion`)
             return paged.decode(module, raw_query, None, quant), None
+        if key.shape[2] == 0:
+            raise RuntimeError(f"attention layer {module.layer_idx}: its K/V were not expanded (skip_unread_expansion) "
+                               f"but this call reads them")
         if fault or quant is not None:  # our fp32 softmax, not SDPA's: a padded query must not attend to nothing
             attention_mask = _no_empty_rows(attention_mask, key.shape[2])
         if fault:  # the path's attention is the faulty arithmetic, kernels included

@@ -468,6 +468,8 @@ class BatchedEngine:
                                     timed=self.settings.one_sequence or self.backend.route.kernel_every_call)
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
         attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement)
+        if self.backend.owner.is_mla:  # the model's own latent expansion, unread on the kernel's unchecked steps
+            attention.skip_unread_expansion(self.model)
         return agreement
 
     # -- teacher-forced scoring -------------------------------------------------------------------------
