@@ -652,16 +652,15 @@ def _cuda_shape(cfg: dict) -> tuple[int, int, int, int]:
     return warps, block_n // (8 * warps), cfg["num_stages"], cfg.get("block_h", 16) // 16
 
 
-def _cuda_tile_bytes(warps: int, blocks: int, stages: int, m_tiles: int, bulk: bool) -> int:
-    """The pipeline's tile buffers (bulk copies: 16 bytes more a row for the row shifts), which also hold the
-    [heads, 513] fp32 output staging at the end."""
+def _cuda_tile_bytes(warps: int, blocks: int, stages: int, bulk: bool) -> int:
+    """The pipeline's tile buffers (bulk copies: 16 bytes more a row for the row shifts)."""
     row = CUDA_LATENT + CUDA_ROPE + 16 * bulk
-    return max(stages * 8 * warps * blocks * row, 16 * m_tiles * (CUDA_LATENT + 1) * 4)
+    return stages * 8 * warps * blocks * row
 
 
 def _cuda_smem(warps: int, blocks: int, stages: int, m_tiles: int, bulk: bool) -> int:
     row = CUDA_LATENT + CUDA_ROPE
-    return (_cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk) + (row // 16) * m_tiles * 32 * 16
+    return (_cuda_tile_bytes(warps, blocks, stages, bulk) + (row // 16) * m_tiles * 32 * 16
             + 2 * warps * 32 * m_tiles * blocks * 16 + 8 * stages)
 
 
@@ -765,7 +764,7 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
         bulk = _cuda_bulk(cfg, device)
         defines = (("NW", warps), ("NB", blocks), ("STAGES", stages), ("MT", m_tiles), ("CTAS", cfg.get("ctas", 1)),
                    ("PAGE", page_size), ("BULK", int(bulk)),
-                   ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, m_tiles, bulk)), *formats)
+                   ("TILE_BYTES", _cuda_tile_bytes(warps, blocks, stages, bulk)), *formats)
         kernel = _cuda_kernel(defines, device.index)
         heads_per_block, smem = 16 * m_tiles, _cuda_smem(warps, blocks, stages, m_tiles, bulk)
     head_blocks = triton.cdiv(heads, heads_per_block)
@@ -780,9 +779,10 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
     if cfg.get("cuda_merge") and not cfg.get("wgmma"):
         lse = torch.empty(batch, heads, dtype=torch.float32, device=device)
+        assert part_out.stride(2) == latent_dim, "the merge reads contiguous partial rows"
         merge = _cuda_kernel(defines, device.index, name="mla_fp8_merge")
-        merge((heads, batch, 1), (latent_dim // 4, 1, 1), (num_splits + 1) * 4,
-              [part_out, part_lse, out, lse, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        merge((heads, batch, 1), (latent_dim // 2, 1, 1), (num_splits + 1) * 4,
+              [part_out, part_lse, out, lse, num_splits, part_out.stride(0), part_out.stride(1),
                part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1)],
               overlap=_gpu(device.index)[0] >= (9, 0))
         return out, lse

@@ -43,16 +43,16 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 }
 
 // Loads of what the split kernel wrote (ld.global.cg: from L2); volatile, so they stay in the order written (the
-// merge issues 16 before it uses any).
+// merge issues a chunk of them before it uses any).
 __device__ __forceinline__ float load_l2(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 
-__device__ __forceinline__ F4 load4_l2(const float* p) {
-  F4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+__device__ __forceinline__ F2 load2_l2(const float* p) {
+  F2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
 
@@ -70,19 +70,28 @@ __device__ __forceinline__ u32 pack_out(float lo, float hi) {   // two outputs i
 // a tree, divides by div.full and takes lg2.approx, so the last bits may differ): for head h of sequence b, m = the
 // largest base-2 split lse (0 when every split is empty), w_s = 2^(lse_s - m), out = sum_s w_s out_s / sum_s w_s
 // (summed in split order; 0 when the weights sum to 0; NaN stays NaN) in the query's dtype, and
-// lse = (m + log2 sum_s w_s) ln 2. A block per (head, sequence), 4 columns a thread; (splits + 1) floats of dynamic
+// lse = (m + log2 sum_s w_s) ln 2. A block per (head, sequence), 2 columns a thread; (splits + 1) floats of dynamic
 // shared memory. Launched as a programmatic dependent launch (sm_90), its blocks become resident while the split
 // kernel runs and wait in griddepcontrol.wait until it has finished and its stores are visible: no launch gap. The
-// partials are written while this grid is alive, so they are read from L2, not through the read-only path.
-extern "C" __global__ void __launch_bounds__(LAT / 4, 1) mla_fp8_merge(   // 1: ptxas then keeps 16 loads in flight
+// partials are written while this grid is alive, so they are read from L2, not through the read-only path. Each
+// thread has MERGE_CHUNK splits' loads in flight at once, the first chunk's issued before the weights are computed:
+// at 32 splits or fewer the partials and the lse values cost one round trip to L2. A split's partial row is LAT floats
+// after the last (partials() makes them contiguous), so the chunk's addresses are one register and immediate offsets.
+#define MERGE_CHUNK 32
+extern "C" __global__ void __maxnreg__(96) mla_fp8_merge(   // 96: beside two split blocks (152 each) on an SM
     const float* part_out, const float* part_lse, u16* __restrict__ out,
-    float* __restrict__ lse, int splits, int s_ob, int s_oh, int s_os, int s_eb, int s_eh, int s_Ob, int s_Oh) {
+    float* __restrict__ lse, int splits, int s_ob, int s_oh, int s_eb, int s_eh, int s_Ob, int s_Oh) {
   extern __shared__ float w[];
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int h = blockIdx.x, tid = threadIdx.x;
   const i64 b = blockIdx.y;
+  const float* src = part_out + b * s_ob + (i64)h * s_oh + 2 * tid;
+  F2 v[MERGE_CHUNK];
+#pragma unroll
+  for (int i = 0; i < MERGE_CHUNK; ++i)
+    if (i < splits) v[i] = load2_l2(src + i * LAT);
   if (tid < 32) {   // the weights and their sum, by one warp
     const float* row = part_lse + b * s_eb + (i64)h * s_eh;
     float mx = NEG_INF;
@@ -106,27 +115,24 @@ extern "C" __global__ void __launch_bounds__(LAT / 4, 1) mla_fp8_merge(   // 1: 
     }
   }
   __syncthreads();
-  const float* src = part_out + b * s_ob + (i64)h * s_oh + 4 * tid;
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-  int s = 0;
-  for (; s + 16 <= splits; s += 16) {   // 16 splits' loads in flight, then their sums in split order
-    F4 v[16];
+  float a0 = 0.f, a1 = 0.f;
+  for (int s = 0; s < splits; s += MERGE_CHUNK) {   // the sums in split order
+    if (s > 0) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = load4_l2(src + (i64)(s + i) * s_os);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      a0 = fmaf(w[s + i], v[i].x, a0); a1 = fmaf(w[s + i], v[i].y, a1);
-      a2 = fmaf(w[s + i], v[i].z, a2); a3 = fmaf(w[s + i], v[i].w, a3);
+      for (int i = 0; i < MERGE_CHUNK; ++i)
+        if (s + i < splits) v[i] = load2_l2(src + (i64)(s + i) * LAT);
     }
-  }
-  for (; s < splits; ++s) {
-    const F4 v = load4_l2(src + (i64)s * s_os);
-    a0 = fmaf(w[s], v.x, a0); a1 = fmaf(w[s], v.y, a1); a2 = fmaf(w[s], v.z, a2); a3 = fmaf(w[s], v.w, a3);
+#pragma unroll
+    for (int i = 0; i < MERGE_CHUNK; ++i)
+      if (s + i < splits) {
+        a0 = fmaf(w[s + i], v[i].x, a0);
+        a1 = fmaf(w[s + i], v[i].y, a1);
+      }
   }
   const float d = w[splits];
-  if (d == 0.f) a0 = a1 = a2 = a3 = 0.f;
-  else { a0 /= d; a1 /= d; a2 /= d; a3 /= d; }
-  *(u32x2*)(out + b * s_Ob + (i64)h * s_Oh + 4 * tid) = u32x2{pack_out(a0, a1), pack_out(a2, a3)};
+  if (d == 0.f) a0 = a1 = 0.f;
+  else { a0 /= d; a1 /= d; }
+  *(u32*)(out + b * s_Ob + (i64)h * s_Oh + 2 * tid) = pack_out(a0, a1);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
@@ -210,15 +216,16 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
     for (int n = 0; n < NPC; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
   }
 
+  // The prologue's global loads go out together: this thread's Q elements (into registers), then the page indices of
+  // the first STAGES tiles, before the first copy (an asm volatile with a memory clobber, which no load moves
+  // across); Q's conversion and shared-memory stores follow the copies. Issued one copy or one loop iteration at a
+  // time they were a chain of dependent memory round trips before the first tile's MMAs (batch 8, 8k: ~8% of the
+  // kernel's time).
+  constexpr int QE = (ROW / 16) * MT * 32, QN = (QE + NT - 1) / NT;   // A-fragment entries e = tid + k NT
+  u32x2 qv[QN][2];
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_tiles) load_tile(row_src(st), st);
-    asm volatile("cp.async.commit_group;");
-  }
-  const u8* src_ahead = row_src(STAGES - 1);
-
-  // Q as fp16 A fragments in the permuted k order (see the top of the file), while the first tiles load.
-  for (int e = tid; e < (ROW / 16) * MT * 32; e += NT) {
+  for (int k = 0; k < QN; ++k) {
+    const int e = tid + k * NT;
     const int kc = e / (MT * 32), mt = (e / 32) % MT, ln = e & 31, gg = ln >> 2, qq = ln & 3, c = kc >> 2, i = kc & 3;
     const int h0 = hb * HB + mt * 16 + gg, h1 = h0 + 8;
     const u16 *r0, *r1;
@@ -231,9 +238,25 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
       r0 = q_pe + b * s_pb + (i64)h0 * s_ph + col;
       r1 = q_pe + b * s_pb + (i64)h1 * s_ph + col;
     }
-    const u32x2 v0 = h0 < num_heads ? *(const u32x2*)r0 : u32x2{0u, 0u};   // 4 elements (8-byte aligned)
-    const u32x2 v1 = h1 < num_heads ? *(const u32x2*)r1 : u32x2{0u, 0u};
-    qs[e] = U4{half2_of(v0.x), half2_of(v1.x), half2_of(v0.y), half2_of(v1.y)};
+    const bool in = QE % NT == 0 || e < QE;
+    qv[k][0] = in && h0 < num_heads ? *(const u32x2*)r0 : u32x2{0u, 0u};
+    qv[k][1] = in && h1 < num_heads ? *(const u32x2*)r1 : u32x2{0u, 0u};
+  }
+  const u8* first[STAGES];
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) first[st] = row_src(st);
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_tiles) load_tile(first[st], st);
+    asm volatile("cp.async.commit_group;");
+  }
+  const u8* src_ahead = first[STAGES - 1];
+  // Q as fp16 A fragments in the permuted k order (see the top of the file), while the first tiles load.
+#pragma unroll
+  for (int k = 0; k < QN; ++k) {
+    const int e = tid + k * NT;
+    if (QE % NT == 0 || e < QE)
+      qs[e] = U4{half2_of(qv[k][0].x), half2_of(qv[k][1].x), half2_of(qv[k][0].y), half2_of(qv[k][1].y)};
   }
 
   auto score_tile = [&](const u8* tile, float* out) {
@@ -262,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
         for (int i = 0; i < NB; ++i) {
           const u32 w = k == 0 ? cw[i].x : k == 1 ? cw[i].y : k == 2 ? cw[i].z : cw[i].w;
           bw[i][0] = widen2(w);
-          bw[i][1] = widen2(w >> 16);
+          bw[i][1] = widen2_hi(w);
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -385,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
         const u32 wd = *(const u32*)(tile + at(r0 + 9, byte));
         const u32 x = prmt(wa, wb, 0x5140), y = prmt(wa, wb, 0x7362);   // (a0 b0 a1 b1), (a2 b2 a3 b3)
         const u32 z = prmt(wc, wd, 0x5140), v = prmt(wc, wd, 0x7362);
-        const u32 bx[4][2] = {{widen2(x), widen2(z)}, {widen2(x >> 16), widen2(z >> 16)},
-                              {widen2(y), widen2(v)}, {widen2(y >> 16), widen2(v >> 16)}};
+        const u32 bx[4][2] = {{widen2(x), widen2(z)}, {widen2_hi(x), widen2_hi(z)},
+                              {widen2(y), widen2(v)}, {widen2_hi(y), widen2_hi(v)}};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -395,36 +418,38 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
     }
   }
 
-  // Partials: out = kv_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split),
-  // through shared memory (rows padded to 513 floats: the fragment writes hit 32 banks), then coalesced stores.
+  // Partials: out = kv_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split), stored
+  // from the accumulators: n8 blocks 4m .. 4m + 3 of a lane hold 4 consecutive columns (colbase + 32m + 8q + i) in
+  // c0 / c2 and the next 4 in c1 / c3, one 16-byte store each. (Staged through shared memory for coalesced 4-byte
+  // stores they cost 12 times the instructions at the end of every block: batch 8, 32k, ~2% of the kernel.)
   const int colbase = warp * (LAT / NW);
-  asm volatile("cp.async.wait_group 0;");
-  __syncthreads();   // every warp is done with the tiles; their space holds the HB x 512 output
-  float* stage = (float*)tiles;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const float f0 = l[mt][0] == 0.f ? 0.f : scale / l[mt][0], f1 = l[mt][1] == 0.f ? 0.f : scale / l[mt][1];
-    float* row0 = stage + (mt * 16 + g) * (LAT + 1);
-    float* row1 = row0 + 8 * (LAT + 1);
+    const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
+    float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + colbase + 8 * q;
+    float* row1 = row0 + 8 * (i64)s_oh;
 #pragma unroll
-    for (int n = 0; n < NPC; ++n) {
-      const int col = colbase + 32 * (n >> 2) + 8 * q + (n & 3);   // columns of c0 / c1: n = 2q and 2q + 1
-      row0[col] = o[mt][n][0] * f0;
-      row0[col + 4] = o[mt][n][1] * f0;
-      row1[col] = o[mt][n][2] * f1;
-      row1[col + 4] = o[mt][n][3] * f1;
+    for (int mm = 0; mm < NPC / 4; ++mm) {
+      const int n = 4 * mm;
+      if (h0 < num_heads) {
+        *(F4*)(row0 + 32 * mm) =
+            F4{o[mt][n][0] * f0, o[mt][n + 1][0] * f0, o[mt][n + 2][0] * f0, o[mt][n + 3][0] * f0};
+        *(F4*)(row0 + 32 * mm + 4) =
+            F4{o[mt][n][1] * f0, o[mt][n + 1][1] * f0, o[mt][n + 2][1] * f0, o[mt][n + 3][1] * f0};
+      }
+      if (h1 < num_heads) {
+        *(F4*)(row1 + 32 * mm) =
+            F4{o[mt][n][2] * f1, o[mt][n + 1][2] * f1, o[mt][n + 2][2] * f1, o[mt][n + 3][2] * f1};
+        *(F4*)(row1 + 32 * mm + 4) =
+            F4{o[mt][n][3] * f1, o[mt][n + 1][3] * f1, o[mt][n + 2][3] * f1, o[mt][n + 3][3] * f1};
+      }
     }
     if (warp == 0 && q == 0) {
-      const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
       const float lse0 = l[mt][0] == 0.f ? NEG_INF : m[mt][0] + log2f(l[mt][0]);
       const float lse1 = l[mt][1] == 0.f ? NEG_INF : m[mt][1] + log2f(l[mt][1]);
       if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = lse0;
       if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = lse1;
     }
-  }
-  __syncthreads();
-  for (int e = tid; e < HB * LAT; e += NT) {
-    const int row = e / LAT, col = e % LAT, h = hb * HB + row;
-    if (h < num_heads) part_out[b * s_ob + (i64)h * s_oh + (i64)split * s_os + col] = stage[row * (LAT + 1) + col];
   }
 }

@@ -47,7 +47,7 @@
 // well, ran at 0.75-0.82x the speed: kernels/BENCHMARKS.md, session 13.)
 __device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
   lo = widen2(w);
-  hi = widen2(w >> 16);
+  hi = widen2_hi(w);
 }
 
 // A shared-memory matrix descriptor without swizzle: start address, leading and stride byte offsets (PTX ISA,

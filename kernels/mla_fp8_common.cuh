@@ -18,6 +18,7 @@ typedef unsigned long long u64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 struct __align__(16) F4 { float x, y, z, w; };
+struct __align__(8) F2 { float x, y; };
 struct __align__(8) u32x2 { u32 x, y; };
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -27,6 +28,19 @@ __device__ __forceinline__ u32 widen2(u32 codes) {   // the two fp8 codes in the
   asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
 #else
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)codes));
+#endif
+  return r;
+}
+
+// The two fp8 codes in the high 16 bits -> f16x2 (exact). The word's high half as a 16-bit PTX register: ptxas reads
+// it with an operand selector (.H1) where widen2(codes >> 16) costs a shift (session 15: 8% of the 16-head kernel's
+// tile-loop instructions).
+__device__ __forceinline__ u32 widen2_hi(u32 codes) {
+  u32 r;
+#if FMT_E5M2
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, hi;\n}" : "=r"(r) : "r"(codes));
+#else
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(codes));
 #endif
   return r;
 }

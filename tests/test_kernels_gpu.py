@@ -488,12 +488,14 @@ def test_mla_cuda_kernel_nan_code_stays_in_its_sequence(kern, config):
     assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN code leaked into another sequence"
 
 
-def test_mla_cuda_merge_repeats_and_replays(kern):
+@pytest.mark.parametrize("splits", [None, 70], ids=["planned-splits", "70-splits"])
+def test_mla_cuda_merge_repeats_and_replays(kern, splits):
     """cuda_merge (the merge kernel as a programmatic dependent launch): repeated calls and CUDA-graph replays give
-    the same bits, within the merge's rounding of merge_splits' results; an empty sequence gets out 0, lse -inf."""
+    the same bits, within the merge's rounding of merge_splits' results; an empty sequence gets out 0, lse -inf.
+    70 splits: more than the merge's chunk of 32 loads a thread (three chunks, the last partial), many splits empty."""
     case = _mla_case([4099, 1, 300, 0, 128], 64, 16, "e4m3")
     config = dict(impl="cuda", wgmma=False, block_n=32, num_warps=4, num_stages=4, block_h=16, ctas=2)
-    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale)
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale, splits)
     two_kernels = kern.mla_decode(*args, cuda_merge=False, **config)
     first = kern.mla_decode(*args, cuda_merge=True, **config)
     again = kern.mla_decode(*args, cuda_merge=True, **config)
