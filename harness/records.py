@@ -36,6 +36,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kl_ratio_yardstick": "lower",       # the turn's kl_mean / the yardstick path's (docs/VERDICTS.md), from verdicts
     "kl_mean_ratio": "lower",            # per path: pooled kl_mean / the yardstick's on the same turns (verdicts)
     "kl_p999_ratio": "lower",            # per path: pooled 99.9th percentile of per-token KL / the yardstick's
+    "yardstick_twin_ratio": "lower",     # the yardstick: pooled kl_mean / its twin's (its format outside the engine)
     "length_ratio": "none",              # per path: generated tokens / the reference's (MLPerf band [0.9, 1.1])
     # task checks on the generated reply
     "answer_correct": "higher",          # expected answer present (arithmetic, recall, needle)

@@ -16,7 +16,7 @@ from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scena
                          resolve_device)
 from harness.kv_paths.spec import KVPath
 from harness.records import scrub_credentials
-from harness.runs.gate import with_yardstick
+from harness.runs.gate import with_controls
 
 __all__ = ["build_run_config", "resolve_device", "single_device", "stored_command"]
 
@@ -47,7 +47,7 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
             kv_paths = parse_kv_paths(DEFAULT_PATHS if paths is None else paths)  # "" is refused, not defaulted
         else:
             kv_paths = tuple(paths)
-        kv_paths = with_yardstick(kv_paths, DEFAULT_YARDSTICK if yardstick is None else yardstick)
+        kv_paths = with_controls(kv_paths, DEFAULT_YARDSTICK if yardstick is None else yardstick)
     return RunConfig(models=tuple(models), scenario_paths=tuple(scenario_paths or default_scenarios()),
                      paths=kv_paths, out=out or new_run_dir(), device=resolve_device(device),
                      command=stored_command(command), yardstick=yardstick, **fields)

@@ -19,7 +19,7 @@ from pathlib import Path
 from harness.analysis.detection import MatrixEntry, MatrixRow, detection_matrix, format_matrix
 from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, run_job
 from harness.run_config import build_run_config
-from harness.kv_paths.spec import PathSpecError, parse_path
+from harness.kv_paths.spec import KVPath, PathSpecError, parse_path
 
 DETECTION_FILE = "detection.json"
 LATENT_VARIANT = "stress/mla-latent-2048"  # the MLA canary with its latent 2048x larger (same BF16 model)
@@ -47,6 +47,8 @@ FAULTS: tuple[ZooEntry, ...] = (
              "amax from one dummy pass with uninitialised recurrent state, frozen"),
     ZooEntry("class 3: checkpoint k_scale on BF16 scores", "mla", "bf16:calibrated:k_scale_on_scores", "fail",
              "BF16 cache, attention scores multiplied by the calibrated k_scale (~0.03), as the SGLang MLA bug"),
+    ZooEntry("scales not delivered at read", "gqa", "fp8_e4m3:calibrated:fault=scale_dropped", "fail",
+             "K and V read as codes x 1.0 (TensorRT-LLM#16916, vllm#34863)"),
 )
 # Attention-arithmetic faults (harness/kv_paths/faults.py): each stays below token-level noise on short text, so
 # only the implementation check (attn_impl_err_ratio: the path's attention against fp64 attention over the same
@@ -258,3 +260,60 @@ def run_zoo(out: Path, scenario_paths: tuple[Path, ...] | None = None, device: s
         long_dir = run_job(long_context_config(run_dir, device, command), progress=progress)
         more = ((long_dir, list(LONG_CONTEXT_ENTRIES)),)
     return write_detection(run_dir, entries, spec_results, more)
+
+
+# ---------------------------------------------------------------- engine-wide faults
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWideFault:
+    """A fault every path of the engine has at once, the yardstick included, each path keeping its healthy name:
+    how real regressions land (a scale not delivered to the kernel, a layout refactor, a calibration change hit
+    every FP8 path of an engine). `change` says what each path gets: `fault=NAME` (every FP8 path it applies to),
+    `scales=SOURCE` (every calibrated FP8 path takes its scales from SOURCE), or `k_scale_on_scores` (the BF16
+    paths). The yardstick's twin (harness/kv_paths/emulated.py) stays outside the engine, as it would."""
+
+    label: str
+    model: str  # folder under harness/canary/weights
+    change: str
+    moves_kl: bool  # the yardstick's pooled KL moves tenfold or more on free text: the yardstick must be named
+
+    def __post_init__(self) -> None:
+        kind, _, value = self.change.partition("=")
+        if kind not in ("fault", "scales", "k_scale_on_scores"):
+            raise ValueError(f"EngineWideFault {self.label!r}: change {self.change!r}: expected fault=NAME, "
+                             f"scales=SOURCE or k_scale_on_scores")
+
+    def applied(self, path: KVPath) -> KVPath:
+        """`path` with this fault, under its own name (unchanged where the fault does not apply to it)."""
+        import dataclasses
+
+        kind, _, value = self.change.partition("=")
+        if kind == "k_scale_on_scores":
+            faulty = parse_path("bf16:calibrated:k_scale_on_scores") if path.canonical == "bf16" else path
+        elif not path.is_fp8 or path.emulated:
+            faulty = path
+        elif kind == "scales":  # what calibration hands every calibrated path
+            faulty = dataclasses.replace(path, scale_source=value) if path.scale_source == "calibrated" else path
+        else:
+            try:
+                faulty = parse_path(f"{path.name}:{self.change}")
+            except PathSpecError:  # the fault needs what this path lacks (k_scale_swap: per-head scales)
+                faulty = path
+        return dataclasses.replace(faulty, name=path.name)
+
+
+ENGINE_WIDE: tuple[EngineWideFault, ...] = (
+    EngineWideFault("scales not delivered at read", "gqa", "fault=scale_dropped", moves_kl=True),
+    EngineWideFault("class 1: calibration not delivered (scale 1.0), MLA latent", LATENT_VARIANT, "scales=default",
+                    moves_kl=True),
+    EngineWideFault("class 2: scales from a warm-up pass", "hybrid", "scales=warmup", moves_kl=True),
+    EngineWideFault("class 3: k_scale on BF16 scores", "mla", "k_scale_on_scores", moves_kl=False),
+    *(EngineWideFault(f"{e.label}, every FP8 path", e.model, f"fault={parse_path(e.path).fault}", moves_kl=False)
+      for e in ARITHMETIC_FAULTS if parse_path(e.path).fault != "p_e5m2"),  # p_e5m2 needs fp8_p paths
+)
+
+
+def under_healthy_names(paths: tuple[KVPath, ...], fault: EngineWideFault) -> tuple[KVPath, ...]:
+    """Every path of a run with `fault`, each under its healthy name; the yardstick's twin untouched."""
+    return tuple(fault.applied(p) for p in paths)

@@ -116,10 +116,12 @@ def test_fault_specs_are_validated():
                           ("fp8_e4m3:calibrated:fault=p_e5m2", "add fp8_p"),
                           ("fp8_e4m3:calibrated:fault=k_scale_swap", "per_head"),
                           ("bf16:fault=k_scale_swap", "per_head"),
-                          ("fp8_e4m3:fault=exp_poly:fault=scale_off", "sets fault twice")):
+                          ("fp8_e4m3:fault=exp_poly:fault=scale_off", "sets fault twice"),
+                          ("fp8_e4m3:per_token:fault=scale_dropped", "per_tensor or per_head"),
+                          ("bf16:fault=scale_dropped", "per_tensor or per_head")):
         with pytest.raises(PathSpecError, match=message):
             parse_path(spec)
-    assert set(FAULTS) == {"scores_bf16", "scale_off", "exp_poly", "pv_bf16", "k_scale_swap", "p_e5m2"}
+    assert set(FAULTS) == {"scores_bf16", "scale_off", "exp_poly", "pv_bf16", "k_scale_swap", "p_e5m2", "scale_dropped"}
 
 
 def test_probe_samples_decode_steps_and_skips_batched_calls():

@@ -20,7 +20,8 @@ from harness.analysis.verdicts import (
     default_threshold,
     diagnosis,
     failing_paths,
-    min_discordant_to_tell,
+    RECOVERY_ALPHA,
+    sign_test,
     parse_threshold_overrides,
     verdict_matrix,
 )
@@ -67,9 +68,11 @@ def test_healthy_turn_passes_both_questions_with_no_reasons():
     assert row["kl_ratio_yardstick"] == pytest.approx(1e-5 / 1e-2)
 
 
-def test_a_lost_answer_warns_per_turn_and_the_paired_test_decides_per_path():
+def test_a_lost_answer_is_no_finding_per_turn_the_paired_test_decides_per_path():
+    """One lost answer is what a healthy path loses on free text: no test can tell it from chance, so no warning
+    (issue 40); the per-path McNemar test below decides."""
     row = only(of(compute_verdicts(healthy(answer_correct=0.0))))
-    assert row["verdict"] == "warn" and row["reasons"][0]["question"] == "acceptable"
+    assert row["verdict"] == "pass" and row["reasons"] == []
     both_wrong = [r for r in healthy(answer_correct=0.0) if not (r["path"] == "reference" and r["metric"] ==
                                                                  "answer_correct")] + [rec("answer_correct", 0.0, "reference")]
     assert only(of(compute_verdicts(both_wrong)))["verdict"] == "pass"
@@ -77,10 +80,11 @@ def test_a_lost_answer_warns_per_turn_and_the_paired_test_decides_per_path():
 
 @pytest.mark.parametrize("lost, verdict, words", [
     (0, "pass", None),
-    (2, "warn", "not enough items to tell"),  # p = 0.25: two losses out of 20 could be chance
-    (5, "fail", "exact McNemar p = 0.031"),  # 5 of 5 discordant pairs one way: p = 1/32 < 0.05
+    (2, "pass", None),  # p = 0.25: two losses out of 20 could be chance: numbers, no finding
+    (5, "pass", None),  # p = 1/32 = 0.031: not below RECOVERY_ALPHA = 0.01 (a run makes ~45 such tests)
+    (7, "fail", "exact McNemar p = 0.0078"),  # 7 of 7 discordant pairs one way: p = 1/128 < 0.01
 ])
-def test_paired_recovery_says_not_enough_items_until_the_test_can_tell(lost, verdict, words):
+def test_paired_recovery_finds_a_loss_only_when_the_test_can_tell(lost, verdict, words):
     rows = [r for t in range(20) for r in healthy(turn=t, answer_correct=0.0 if t < lost else 1.0)]
     row = only(of(compute_path_verdicts(rows)))
     assert row["verdict"] == verdict
@@ -93,15 +97,14 @@ def test_paired_recovery_says_not_enough_items_until_the_test_can_tell(lost, ver
 def test_exact_binomial_tail_and_the_smallest_set_that_can_fail():
     assert binomial_tail(5, 5) == 1 / 32 and binomial_tail(4, 4) == 1 / 16
     assert binomial_tail(0, 3) == 1.0 and binomial_tail(2, 3) == pytest.approx(4 / 8)
-    assert min_discordant_to_tell() == 5  # at RECOVERY_ALPHA = 0.05
+    assert min(n for n in range(1, 20) if binomial_tail(n, n) < RECOVERY_ALPHA) == 7
 
 
 def test_divergence_is_judged_against_the_yardstick_measured_in_the_run():
     limit = default_threshold("kl_ratio_yardstick")
     stick = 0.02  # above KL_RATIO_FLOOR, so the ratio divides by it
-    assert stick > KL_RATIO_FLOOR
-    for times, verdict in ((limit.warn * 0.9, "pass"), ((limit.warn + limit.fail) / 2, "warn"),
-                           (limit.fail * 1.1, "fail")):
+    assert stick > KL_RATIO_FLOOR and limit.warn is None  # a turn's ratio is no test: it fails or says nothing
+    for times, verdict in ((limit.fail * 0.9, "pass"), (limit.fail * 1.1, "fail")):
         row = only(of(compute_verdicts(healthy(kl_mean=stick * times, yard_kl=stick))))
         assert row["verdict"] == verdict, (times, row)
         if verdict != "pass":
@@ -194,27 +197,34 @@ LOOP = "repetition loop: 'ab' x9 (18 chars from 3)"
 
 
 def test_degeneration_is_judged_against_the_reference_rate_on_the_same_prompts():
-    assert only(of(compute_verdicts(healthy(), judgements=[judgement([LOOP])])))["verdict"] == "warn"
-    shared = [judgement([LOOP]), judgement([LOOP], "reference")]
-    assert only(of(compute_verdicts(healthy(), judgements=shared)))["verdict"] == "pass"  # the reference loops too
-    rows = [r for t in range(8) for r in healthy(turn=t)]
-    few = [judgement([LOOP], turn=0), judgement([LOOP], turn=1)] + \
-          [judgement([], p, t) for t in range(8) for p in ("reference", "fp8_e4m3") if (p, t) not in
-           (("fp8_e4m3", 0), ("fp8_e4m3", 1))]
-    assert only(of(compute_path_verdicts(rows, few)))["verdict"] == "warn"  # 2 of 8: could be chance
-    many = [judgement([LOOP] if p == "fp8_e4m3" and t < 6 else [], p, t) for t in range(8)
+    assert only(of(compute_verdicts(healthy(), judgements=[judgement([LOOP])])))["verdict"] == "pass"  # one turn: no test
+    rows = [r for t in range(10) for r in healthy(turn=t)]
+    few = [judgement([LOOP] if p == "fp8_e4m3" and t < 2 else [], p, t) for t in range(10)
+           for p in ("reference", "fp8_e4m3")]
+    row = only(of(compute_path_verdicts(rows, few)))  # 2 of 10: could be chance (p = 0.25), a number, not a finding
+    assert row["verdict"] == "pass" and row["numbers"]["degeneration repetition loop"]["p_value"] == 0.25
+    many = [judgement([LOOP] if p == "fp8_e4m3" and t < 7 else [], p, t) for t in range(10)
             for p in ("reference", "fp8_e4m3")]
-    row = only(of(compute_path_verdicts(rows, many)))
-    assert row["verdict"] == "fail" and "repetition loop on 6 of 8 replies vs the reference's 0" in \
+    row = only(of(compute_path_verdicts(rows, many)))  # 7 of 10 one way: p = 1/128 < RECOVERY_ALPHA
+    assert row["verdict"] == "fail" and "repetition loop on 7 of 10 replies vs the reference's 0" in \
         row["reasons"][0]["message"]
 
 
-def test_length_band_is_a_per_path_aggregate():
+def test_length_warns_only_where_the_sign_test_rejects():
+    """Shorter replies on 4 of 4 turns is p = 0.125 (two-sided): no evidence, however far from the MLPerf band;
+    8 of 8 is p = 0.0078 < 0.01: a warning. The control arm shifting as much makes it the engine's own."""
     rows = [r for t in range(4) for r in healthy(turn=t, reply_tokens=20)]
     assert only(of(compute_path_verdicts(rows)))["numbers"]["length_ratio"] == 1.0
     short = [r for t in range(4) for r in healthy(turn=t, reply_tokens=10)]
+    row = only(of(compute_path_verdicts(short)))
+    assert row["reasons"] == [] and row["numbers"]["length_sign_test"]["p_value"] == sign_test(4, 0) == 0.125
+    short = [r for t in range(8) for r in healthy(turn=t, reply_tokens=10)]
     reason = only(only(of(compute_path_verdicts(short)))["reasons"])
-    assert reason["metric"] == "length_ratio" and "outside [0.9, 1.1]" in reason["message"]
+    assert (reason["metric"], reason["severity"]) == ("length_ratio", "warn")
+    assert "shorter than the reference's on 8 of 8 turns" in reason["message"] and "p = 0.0078" in reason["message"]
+    control = [rec("reply_tokens", 10, "bf16:chunked_prefill", t) for t in range(8)]
+    row = only(of(compute_path_verdicts(short + control)))
+    assert row["reasons"] == [] and "control arm" in row["numbers"]["length_sign_test"]["note"]
 
 
 def test_random_weight_models_get_no_task_or_degeneration_verdicts():
@@ -253,12 +263,12 @@ def test_scenario_threshold_replaces_the_default_and_cli_beats_both():
     assert only(of(compute_path_verdicts(healthy(kl_mean=0.02, yard_kl=0.02), overrides=strict)))["verdict"] == "fail"
 
 
-def test_a_task_threshold_the_reference_fails_too_only_warns():
+def test_a_task_threshold_the_reference_fails_too_is_the_models_not_the_paths():
     check = {"model": "m", "scenario": "s1", "path": "fp8_e4m3", "turn": 0, "metric": "answer_correct", "value": 0.0,
              "limit": 1.0, "passed": False, "message": "turn 0: answer_correct 0 < 1 (threshold from g.yaml)"}
     rows = [r for r in healthy(answer_correct=0.0) if not (r["path"] == "reference" and r["metric"] == "answer_correct")]
     shared = only(of(compute_verdicts(rows + [rec("answer_correct", 0.0, "reference")], checks=[check])))
-    assert shared["verdict"] == "warn" and "the reference fails it too" in shared["reasons"][0]["message"]
+    assert shared["verdict"] == "pass" and shared["reasons"] == []  # the reference's own records keep the miss
     alone = only(of(compute_verdicts(healthy(answer_correct=0.0), checks=[check])))
     assert alone["verdict"] == "fail"  # the reference answered: the file's bar holds
 
@@ -286,7 +296,7 @@ def test_matrix_joins_turns_and_per_path_checks_per_question():
     assert cell["questions"] == {"implementation": "pass", "acceptable": "fail"}
     assert cell["path"]["numbers"]["kl_mean_ratio"] > 1 and cell["path"]["yardstick"] == YARD
     assert failing_paths(matrix) == [("m", "fp8_e4m3")]
-    lost = [r for t in range(6) for r in healthy(turn=t, answer_correct=0.0)]  # no turn fails; the path does
+    lost = [r for t in range(8) for r in healthy(turn=t, answer_correct=0.0)]  # no turn fails; the path does (p = 1/256)
     matrix = verdict_matrix(compute_verdicts(lost), compute_path_verdicts(lost))
     assert matrix["m"]["fp8_e4m3"]["fail"] == 0 and failing_paths(matrix) == [("m", "fp8_e4m3")]
 

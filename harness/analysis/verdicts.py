@@ -78,11 +78,12 @@ class DefaultThreshold:
 # with CJK). docs/VERDICTS.md has the whole table. A limit sits above the largest healthy value with a margin.
 DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
     DefaultThreshold(
-        "kl_ratio_yardstick", warn=40.0, fail=100.0,
+        "kl_ratio_yardstick", warn=None, fail=100.0,
         measured="per turn, kl_mean / the yardstick's: healthy max 17.1 (canary, mla fp8_e5m2), 7.7 (free text), "
                  "45.6 (general, gqa fp8_e5m2); faults' min of their worst turn 3335 (canary), 139 (free text), "
-                 "299 (general); fail = 2.2x the largest healthy value, 3x below the faults' min; warn below that "
-                 "largest value: fp8_e5m2 warns on general"),
+                 "299 (general); fail = 2.2x the largest healthy value, 3x below the faults' min; no warn level: "
+                 "a turn's ratio is no test, and the warn at 40 fired on healthy fp8_e5m2 on general (issue 40); "
+                 "the per-path pooled ratios warn"),
     DefaultThreshold(
         "kl_mean_ratio", warn=10.0, fail=30.0,
         measured="per path, pooled kl_mean / the yardstick's: healthy max 0.55 (canary, below the floor), 4.2 "
@@ -118,6 +119,13 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "at 1.51, the rounding the new yardstick counts. Batched (session 9, each row probed on its own "
                  "tokens; CPU canaries, 4 rows, tests/test_detection.py --slow -k batched): healthy max 1.12, as "
                  "alone; faults 1.3-183, exp_poly on the hybrid caught on 1 of 6 turns, as alone"),
+    DefaultThreshold(
+        "yardstick_twin_ratio", warn=None, fail=2.0, question=IMPLEMENTATION,
+        measured="the yardstick's pooled kl_mean over its twin's (its cache numerics written outside the engine, "
+                 "harness/kv_paths/emulated.py): healthy exactly 1 (the same bits: CPU, gqa/mla/hybrid canaries; "
+                 "tests/test_engine_wide.py asserts it on CPU and CUDA); the engine-wide faults that move the "
+                 "yardstick: docs/VERDICTS.md. fail = 2: the yardstick twice as far from the reference as its "
+                 "own declared numerics; no warn level (healthy is exact, anything else is a fault)"),
 )
 TURN_DEFAULTS = ("kl_ratio_yardstick", "attn_impl_err_ratio")  # per turn, with a yardstick in the run
 NO_YARDSTICK_DEFAULTS = ("kl_p99",)  # per turn, in place of the ratio, where the run has no yardstick path
@@ -131,10 +139,15 @@ BF16_KL_MEAN_LIMIT = 1e-3
 KL_RATIO_FLOOR = 1e-3
 # MLPerf's accuracy anchor (>= 99% of the reference) and its length band, judged paired on the same items.
 RECOVERY_MIN = 0.99
-RECOVERY_ALPHA = 0.05  # one-sided exact McNemar: 5 lost items with none gained is the fewest that can fail
-LENGTH_BAND = (0.9, 1.1)
-LENGTH_SEVERITY = "warn"  # healthy paths measured 1.11 (free text, gqa fp8_e5m2 and mla calibrated): outside the
-# band on 28 turns of 48 tokens at most, so the band informs and the per-path degeneration and recovery fail
+# One-sided exact McNemar level of the paired per-path tests (recovery, degeneration rate): a run makes ~45 of them (3
+# models x 5 paths x 3 degeneration kinds), so at 0.05 a healthy run expects about two false failures; measured
+# (issue 40): mla fp8_e5m2 early EOS on 6 of 48 free-text replies vs the reference's 0, p = 0.016, failed at 0.05.
+# At 0.01, 7 lost items with none gained is the fewest that can fail.
+RECOVERY_ALPHA = 0.01
+# A length finding needs evidence: the exact sign test over the turns whose reply length differs from the
+# reference's rejects "either way equally likely" at p < 0.01 (issue 40: the MLPerf band [0.9, 1.1] on summed lengths
+# warned on healthy paths, 0.737x on 3 free-text turns). Measured: docs/VERDICTS.md.
+LENGTH_ALPHA = 0.01
 # Compare's tolerance floor per metric (harness/runs/compare.py): how far apart equally healthy paths sit.
 # Measured on the default run at commit 53e7c3c: for each canary, the mean of each metric over its 21 turns on
 # each of the three healthy FP8 paths; the spread is max - min across those paths, and the value here the
@@ -235,18 +248,6 @@ def question_of(metric: str | None) -> str:
 # ---------------------------------------------------------------- the checks
 
 
-def task_reasons(values: Mapping[str, float | None], reference: Mapping[str, float | None]) -> list[dict]:
-    """Warn only: one lost answer is within what a healthy path loses on free text; `recovery_reasons` fails a
-    path whose losses are beyond chance over all its items."""
-    reasons = []
-    for metric in TASK_METRICS:
-        if values.get(metric) == 0 and reference.get(metric) == 1:
-            what = "answer" if metric == "answer_correct" else "rules"
-            reasons.append(_reason("task", metric, 0.0, 1.0, "reference", "warn",
-                                   f"{metric} 0: the reference got the {what} right, this path did not", ACCEPTABLE))
-    return reasons
-
-
 def limit_reasons(values: Mapping[str, float | None], limits: Mapping[str, Limit],
                   yardstick: str | None = None) -> list[dict]:
     reasons = []
@@ -292,13 +293,6 @@ def _degeneration_kinds(findings: list[str]) -> set[str]:
     return {kind for kind in DEGENERATION if any(f.startswith(kind) for f in findings)}
 
 
-def degeneration_reasons(findings: list[str], reference_findings: list[str]) -> list[dict]:
-    """The rule judge's degeneration findings on this reply that the reference's reply does not share."""
-    new = _degeneration_kinds(findings) - _degeneration_kinds(reference_findings)
-    return [_reason("degenerate", None, None, None, "default (rule judge)", "warn",
-                    next(f for f in findings if f.startswith(kind)), ACCEPTABLE) for kind in DEGENERATION if kind in new]
-
-
 def unmeasured_reasons(values: Mapping[str, float | None]) -> list[dict]:
     if any(metric in values for metric in DIVERGENCE_METRICS):
         return []
@@ -321,12 +315,6 @@ def paired_worse(worse: int, better: int) -> float:
     """One-sided exact McNemar test: the p-value that the path loses `worse` items the reference wins while winning
     `better` the reference loses, if both were equally good."""
     return binomial_tail(worse, worse + better)
-
-
-def min_discordant_to_tell() -> int:
-    """Fewest one-way discordant pairs (none the other way) that can reach RECOVERY_ALPHA: below it a set is
-    too small to tell a loss from chance."""
-    return next(n for n in range(1, 64) if binomial_tail(n, n) < RECOVERY_ALPHA)
 
 
 # ---------------------------------------------------------------- one run
@@ -361,19 +349,18 @@ def _scenario_checks(checks: Iterable[Mapping], sources: Mapping[str, str]) -> d
     return found
 
 
-def _shared_with_reference(reason: dict, reference: Mapping[str, float | None]) -> dict:
-    """A scenario file's task threshold (`answer_correct: 1`) the reference fails as well is the model's failure,
-    not the path's: it warns, saying so (scenarios/general asks the canaries for answers their BF16 reference does
-    not give; every path, bf16 included, failed there). Divergence thresholds stay failures."""
+def _shared_with_reference(reason: dict, reference: Mapping[str, float | None]) -> bool:
+    """Whether a scenario file's task threshold (`answer_correct: 1`) failed here is failed by the reference as well:
+    the model's failure, not the path's, so no verdict of the path's (scenarios/general asks the canaries for answers
+    their BF16 reference does not give; it warned on every path, bf16 included, and a warning that fires on healthy
+    paths every night is one users learn to ignore). The reference's own records keep it. Divergence thresholds
+    stay failures."""
     ref = reference.get(reason["metric"])
     limit = reason.get("limit")
     if reason["metric"] not in TASK_METRICS or ref is None or not isinstance(limit, (int, float)):
-        return reason
+        return False
     lower = METRIC_DIRECTIONS.get(reason["metric"]) == "lower"
-    if not (ref > limit if lower else ref < limit):
-        return reason
-    return reason | {"severity": "warn",
-                     "message": f"{reason['message']}; the reference fails it too ({_fmt(ref)}): the model, not this path"}
+    return ref > limit if lower else ref < limit
 
 
 def _limited_metrics(checks: Iterable[Mapping]) -> dict[tuple, set[str]]:
@@ -398,6 +385,25 @@ def is_reference_noise(path: str) -> bool:
     from harness.kv_paths.spec import NOISE_FORMAT
 
     return kv_format(path) == NOISE_FORMAT
+
+
+def is_twin(path: str) -> bool:
+    """A twin path (`fp8_e4m3:emulated`): a format computed outside the engine, what the yardstick is judged by."""
+    from harness.kv_paths.spec import PathSpecError, parse_path
+
+    try:
+        return parse_path(path).emulated
+    except (PathSpecError, ValueError):
+        return False
+
+
+def _measured_role(path: str) -> str | None:
+    """Why a path is measured and not judged, or None for a candidate."""
+    if is_reference_noise(path):
+        return "reference noise (measured, not judged)"
+    if is_twin(path):
+        return "the yardstick's twin: its format computed outside the engine (measured, not judged)"
+    return None
 
 
 def kv_format(path: str) -> str | None:
@@ -459,7 +465,7 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
     for key in sorted((k for k in values if k[2] != REFERENCE), key=_sort_key):
         model, name, path, turn = key
         own, reference = dict(values[key]), values.get((model, name, REFERENCE, turn), {})
-        if is_reference_noise(path):  # the float32 reference: a yardstick, measured and not judged
+        if is_reference_noise(path) or is_twin(path):  # measured, not judged: the fp32 reference, the twin
             rows.append(_row(key, nonfinite_reasons(own) + unmeasured_reasons(own)))
             continue
         stick = sticks.get(model) if path != yardstick else None
@@ -470,12 +476,9 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
         bf16_cache = kv_format(path) == "bf16"
         limits = {m: lim for m, lim in default_limits(has_yardstick, bf16_cache).items()
                   if m not in limited.get(key, ())} | overrides
-        scenario_reasons = [_shared_with_reference(r, reference) for r in scenario.get(key, [])
-                            if r["metric"] not in overrides]
-        text_reasons = [] if model in noise_models else (
-            task_reasons(own, reference)
-            + degeneration_reasons(findings.get(key, []), findings.get((model, name, REFERENCE, turn), [])))
-        reasons = (text_reasons + limit_reasons(own, limits, yardstick) + scenario_reasons + nonfinite_reasons(own)
+        scenario_reasons = [r for r in scenario.get(key, [])
+                            if r["metric"] not in overrides and not _shared_with_reference(r, reference)]
+        reasons = (limit_reasons(own, limits, yardstick) + scenario_reasons + nonfinite_reasons(own)
                    + unmeasured_reasons(own))
         rows.append(_row(key, reasons, own.get("kl_ratio_yardstick")))
     return rows + _error_rows(errors, {k[:3] for k in values})
@@ -513,37 +516,95 @@ def _error_rows(errors: Iterable[Mapping], measured_units: set[tuple]) -> list[d
 def compute_path_verdicts(records: Iterable[Mapping], judgements: Iterable[Mapping] = (),
                           kl_series: Iterable[Mapping] = (), overrides: Mapping[str, Limit] | None = None,
                           random_weight_models: Iterable[str] = (), yardstick: str = DEFAULT_YARDSTICK) -> list[dict]:
-    """One row per (model, path) of every candidate path: the per-path checks of the "acceptable" question
-    (pooled divergence ratios, paired task recovery, length ratio, degeneration rate), each with its numbers,
-    and `unanswered`: the questions this run could not answer for the path and why."""
+    """One row per (model, path) of every candidate path: the per-path checks (pooled divergence ratios, the
+    yardstick against its twin, paired task recovery, the length sign test, degeneration rate), each with its
+    numbers, the control arm's floor beside the path's own agreement, and `unanswered`: the questions this run
+    could not answer for the path and why."""
     values = _index(records)
-    findings = _findings(judgements)
     pooled = _pooled_kl(values, kl_series)
-    noise_models = set(random_weight_models)
     overrides = dict(overrides or {})
     units = sorted({(k[0], k[2]) for k in values if k[2] != REFERENCE})
-    rows = []
+    context = _PathContext(values, _findings(judgements), pooled, overrides, set(random_weight_models), yardstick,
+                           _broken_yardsticks(pooled, {m for m, _ in units}, yardstick, overrides),
+                           control_floors(values, pooled, units))
+    return [_path_row(context, model, path) for model, path in units]
+
+
+@dataclass(frozen=True, slots=True)
+class _PathContext:
+    """What every path's row of one run is judged with."""
+
+    values: Mapping[tuple, Mapping]
+    findings: Mapping[tuple, list[str]]
+    pooled: Mapping[tuple, dict]
+    overrides: Mapping[str, Limit]
+    noise_models: set[str]
+    yardstick: str
+    broken: Mapping[str, float]  # model -> the yardstick's failing ratio to its twin
+    floors: Mapping[str, dict]  # model -> the control arm's floor
+
+
+def _path_row(c: _PathContext, model: str, path: str) -> dict:
+    turns = [k for k in c.values if k[0] == model and k[2] == path]
+    numbers = {"agreement": agreement(c.values, turns)}
+    role = _measured_role(path)
+    if role:  # the float32 reference, the yardstick's twin: measured, not judged
+        own = c.pooled.get((model, path)) or {}
+        numbers.update({k: own[k] for k in ("kl_mean", "kl_p999", "tokens") if k in own})
+        return {"model": model, "path": path, "verdict": "pass", "questions": question_verdicts([]), "reasons": [],
+                "numbers": numbers, "yardstick": c.yardstick, "unanswered": [], "role": role}
+    floor = c.floors.get(model)
+    if floor is not None and floor["path"] != path:
+        numbers["control"] = floor
+    reasons = _pooled_divergence_reasons(c.pooled, model, path, c.yardstick, c.overrides, numbers)
+    reasons += yardstick_twin_reasons(c.pooled, model, path, c.yardstick, c.overrides, numbers)
+    _reference_noise(c.pooled, model, path, numbers)
+    if model not in c.noise_models:
+        reasons += recovery_reasons(c.values, turns, numbers)
+        reasons += length_reasons(c.values, turns, numbers, (numbers.get("control") or {}).get("length"))
+        reasons += degeneration_rate_reasons(c.findings, turns, numbers)
+    unanswered = _unanswered(path, c.yardstick, model, c.pooled, c.values, turns)
+    if model in c.broken and path != c.yardstick:
+        unanswered.append(f"{ACCEPTABLE}: the yardstick {c.yardstick} failed its own check ({c.broken[model]:.3g}x its "
+                          f"twin): ratios to it are no evidence either way")
+    row = {"model": model, "path": path, "verdict": verdict_of(reasons), "questions": question_verdicts(reasons),
+           "reasons": reasons, "numbers": numbers, "yardstick": c.yardstick, "unanswered": unanswered}
+    return row | ({"role": CONTROL_ROLE} if is_control(path) else {})
+
+
+CONTROL_ROLE = "control arm (a BF16 cache, judged as one; the floor of every path's agreement, flips and length)"
+AGREEMENT_METRICS = ("exact_match", "top1_agree", "confident_flips")
+
+
+def agreement(values: Mapping[tuple, Mapping], turns: list[tuple]) -> dict[str, float]:
+    """Means over the path's turns: exact_match (reply identical to the reference's), top1_agree (teacher-forced
+    argmax agreement), confident_flips (per turn)."""
+    found = {m: [values[k][m] for k in turns if values[k].get(m) is not None and math.isfinite(values[k][m])]
+             for m in AGREEMENT_METRICS}
+    return {m: math.fsum(v) / len(v) for m, v in found.items() if v}
+
+
+def is_control(path: str) -> bool:
+    from harness.kv_paths.spec import PathSpecError, parse_path
+
+    try:
+        return parse_path(path).is_control
+    except (PathSpecError, ValueError):
+        return False
+
+
+def control_floors(values: Mapping[tuple, Mapping], pooled: Mapping[tuple, dict],
+                   units: Iterable[tuple[str, str]]) -> dict[str, dict]:
+    """{model: the control arm's floor}: BF16 against BF16 under a perturbation the engine has (harness/kv_paths/
+    spec.py CONTROL_ARM), measured in the run: its pooled kl_mean, agreement means and length shift. On the CPU
+    it reads exactly the reference (every op computes a row from that row alone); on CUDA it does not."""
+    floors = {}
     for model, path in units:
-        turns = [k for k in values if k[0] == model and k[2] == path]
-        reasons, numbers = [], {}
-        if is_reference_noise(path):  # the float32 reference: a yardstick, measured and not judged
-            own = pooled.get((model, path)) or {}
-            numbers.update({k: own[k] for k in ("kl_mean", "kl_p999", "tokens") if k in own})
-            rows.append({"model": model, "path": path, "verdict": "pass", "questions": question_verdicts([]),
-                         "reasons": [], "numbers": numbers, "yardstick": yardstick, "unanswered": [],
-                         "role": "reference noise (measured, not judged)"})
-            continue
-        reasons += _pooled_divergence_reasons(pooled, model, path, yardstick, overrides, numbers)
-        _reference_noise(pooled, model, path, numbers)
-        if model not in noise_models:
-            reasons += recovery_reasons(values, turns, numbers)
-            reasons += length_reasons(values, turns, overrides, numbers)
-            reasons += degeneration_rate_reasons(findings, turns, numbers)
-        unanswered = _unanswered(path, yardstick, model, pooled, values, turns)
-        rows.append({"model": model, "path": path, "verdict": verdict_of(reasons),
-                     "questions": question_verdicts(reasons), "reasons": reasons, "numbers": numbers,
-                     "yardstick": yardstick, "unanswered": unanswered})
-    return rows
+        if is_control(path):
+            turns = [k for k in values if k[0] == model and k[2] == path]
+            floors[model] = {"path": path, "kl_mean": (pooled.get((model, path)) or {}).get("kl_mean"),
+                             **agreement(values, turns), "length": length_shift(values, turns)}
+    return floors
 
 
 def _pooled_kl(values: Mapping[tuple, Mapping], kl_series: Iterable[Mapping]) -> dict[tuple, dict]:
@@ -622,10 +683,70 @@ def _pooled_divergence_reasons(pooled: Mapping, model: str, path: str, yardstick
     return reasons
 
 
+def _twin_pooled(pooled: Mapping, model: str, yardstick: str) -> tuple[str, dict] | None:
+    """(label, pooled numbers) of the yardstick's twin on `model`, or None where the run has none."""
+    from harness.kv_paths.spec import PathSpecError, parse_path, twin_of
+
+    try:
+        twin = twin_of(yardstick)
+    except (PathSpecError, ValueError):  # an endpoint label: no spec, no twin
+        return None
+    return next(((p, v) for (m, p), v in pooled.items()
+                 if m == model and is_twin(p) and parse_path(p).canonical == twin), None)
+
+
+def _twin_limit(overrides: Mapping[str, Limit]) -> Limit:
+    threshold = default_threshold("yardstick_twin_ratio")
+    return overrides.get("yardstick_twin_ratio") or Limit(threshold.metric, threshold.fail, "default", threshold.warn)
+
+
+def _yardstick_twin_ratio(pooled: Mapping, model: str, yardstick: str) -> float | None:
+    twin, own = _twin_pooled(pooled, model, yardstick), pooled.get((model, yardstick))
+    if twin is None or own is None:
+        return None
+    return _ratio(own["kl_mean"], twin[1]["kl_mean"])
+
+
+def _broken_yardsticks(pooled: Mapping, models: set[str], yardstick: str,
+                       overrides: Mapping[str, Limit]) -> dict[str, float]:
+    """{model: the yardstick's ratio to its twin} where that ratio fails: every ratio to the yardstick is then
+    no evidence."""
+    ratios = {m: _yardstick_twin_ratio(pooled, m, yardstick) for m in models}
+    return {m: r for m, r in ratios.items() if r is not None and _twin_limit(overrides).severity(r) == "fail"}
+
+
+def yardstick_twin_reasons(pooled: Mapping, model: str, path: str, yardstick: str, overrides: Mapping[str, Limit],
+                           numbers: dict) -> list[dict]:
+    """The yardstick judged: its pooled kl_mean over its twin's (the same element format computed outside the
+    engine, `harness.kv_paths.emulated`), floored at KL_RATIO_FLOOR. A fault every FP8 path shares (a scale not
+    delivered at read, a broken calibration or layout) moves the yardstick and not its twin: this fails then,
+    naming the yardstick (implementation). Every path gets its ratio to the twin as a number."""
+    twin, own = _twin_pooled(pooled, model, yardstick), pooled.get((model, path))
+    if twin is None or own is None or own.get("kl_mean") is None or twin[1].get("kl_mean") is None:
+        return []
+    label, theirs = twin[0], twin[1]["kl_mean"]
+    ratio = _ratio(own["kl_mean"], theirs)
+    numbers.update(twin=label, twin_kl_mean=theirs, kl_mean_over_twin=ratio)
+    if path != yardstick:
+        return []
+    numbers["yardstick_twin_ratio"] = ratio
+    limit = _twin_limit(overrides)
+    severity = limit.severity(ratio)
+    if severity is None:
+        return []
+    bound = limit.fail if severity == "fail" else limit.warn
+    floored = f", floored at {KL_RATIO_FLOOR:g}" if theirs < KL_RATIO_FLOOR else ""
+    return [_reason("yardstick", "yardstick_twin_ratio", ratio, bound, limit.source, severity,
+                    f"the yardstick {yardstick} itself: pooled kl_mean {own['kl_mean']:.3g} nats over "
+                    f"{own['tokens']:.0f} tokens = {ratio:.3g}x its twin {label} ({theirs:.3g}{floored}: the same "
+                    f"format computed outside the engine) > {bound:g}x ({severity} threshold from {limit.source}): "
+                    f"a fault every FP8 path shares; ratios to this yardstick are no evidence", IMPLEMENTATION)]
+
+
 def recovery_reasons(values: Mapping[tuple, Mapping], turns: list[tuple], numbers: dict) -> list[dict]:
     """MLPerf's anchor, paired: per task metric, items the path passes / items the reference passes on the same
     turns must be >= RECOVERY_MIN; a shortfall fails when the exact McNemar test on the discordant pairs says it is
-    beyond chance (p < RECOVERY_ALPHA), and warns "not enough items to tell" when it cannot say."""
+    beyond chance (p < RECOVERY_ALPHA); where it cannot say, the numbers are stored and nothing is said."""
     reasons = []
     for metric in TASK_METRICS:
         pairs = [(values[k].get(metric), (values.get((k[0], k[1], REFERENCE, k[3])) or {}).get(metric)) for k in turns]
@@ -646,39 +767,59 @@ def recovery_reasons(values: Mapping[tuple, Mapping], turns: list[tuple], number
             reasons.append(_reason("recovery", f"{metric}_recovery", recovery, RECOVERY_MIN, "default (MLPerf 99%)",
                                    "fail", f"{what} < {RECOVERY_MIN:.0%}: exact McNemar p = {p_value:.2g} < "
                                    f"{RECOVERY_ALPHA:g}", ACCEPTABLE))
-        else:
-            reasons.append(_reason("recovery", f"{metric}_recovery", recovery, RECOVERY_MIN, "default (MLPerf 99%)",
-                                   "warn", f"{what} < {RECOVERY_MIN:.0%}, but p = {p_value:.2g}: not enough items to "
-                                   f"tell (a loss this one-sided needs >= {min_discordant_to_tell()} lost items)",
-                                   ACCEPTABLE))
+        # below 99% without evidence (p >= RECOVERY_ALPHA) is no finding: the numbers above say how far it was
     return reasons
 
 
-def length_reasons(values: Mapping[tuple, Mapping], turns: list[tuple], overrides: Mapping[str, Limit],
-                   numbers: dict) -> list[dict]:
-    """MLPerf's length band: the path's generated tokens over the reference's on the same turns."""
-    own = reference = 0.0
-    for key in turns:
-        mine, theirs = values[key].get("reply_tokens"), (values.get((key[0], key[1], REFERENCE, key[3])) or {}).get(
-            "reply_tokens")
-        if mine is not None and theirs is not None:
-            own, reference = own + mine, reference + theirs
+def sign_test(fewer: int, more: int) -> float:
+    """Two-sided exact sign test: the p-value of a split this uneven between `fewer` and `more` if each turn were
+    as likely to go either way."""
+    n = fewer + more
+    return min(1.0, 2.0 * binomial_tail(max(fewer, more), n)) if n else 1.0
+
+
+def length_shift(values: Mapping[tuple, Mapping], turns: list[tuple]) -> dict | None:
+    """The path's reply lengths against the reference's on the same turns: the ratio of their sums (MLPerf's band is
+    [0.9, 1.1]), the turns where the path's reply is shorter / longer, and the exact sign test over those."""
+    pairs = [(values[k].get("reply_tokens"), (values.get((k[0], k[1], REFERENCE, k[3])) or {}).get("reply_tokens"))
+             for k in turns]
+    pairs = [(m, t) for m, t in pairs if m is not None and t is not None]
+    reference = math.fsum(t for _, t in pairs)
     if not reference:
+        return None
+    shorter, longer = sum(m < t for m, t in pairs), sum(m > t for m, t in pairs)
+    return {"ratio": math.fsum(m for m, _ in pairs) / reference, "tokens": math.fsum(m for m, _ in pairs),
+            "reference_tokens": reference, "turns": len(pairs), "shorter": shorter, "longer": longer,
+            "p_value": sign_test(shorter, longer)}
+
+
+def length_reasons(values: Mapping[tuple, Mapping], turns: list[tuple], numbers: dict,
+                   control: dict | None = None) -> list[dict]:
+    """A length finding only with evidence: the path's replies shorter (or longer) than the reference's on more turns
+    than chance allows (exact sign test, p < LENGTH_ALPHA), where the control arm's (`control`, its `length_shift`)
+    are not. Early EOS fails through the degeneration rate; this warns."""
+    shift = length_shift(values, turns)
+    if shift is None:
         return []
-    ratio = own / reference
-    numbers["length_ratio"] = ratio
-    low, high = LENGTH_BAND
-    if low <= ratio <= high:
+    numbers["length_ratio"] = shift["ratio"]
+    numbers["length_sign_test"] = {k: shift[k] for k in ("turns", "shorter", "longer", "p_value")}
+    if shift["p_value"] >= LENGTH_ALPHA:
         return []
-    return [_reason("length", "length_ratio", ratio, low if ratio < low else high, "default (MLPerf length band)",
-                    LENGTH_SEVERITY, f"reply length {ratio:.3f}x the reference's ({own:.0f} vs {reference:.0f} tokens), "
-                    f"outside [{low}, {high}]", ACCEPTABLE)]
+    if control is not None and control["p_value"] < LENGTH_ALPHA:
+        numbers["length_sign_test"]["note"] = "the control arm's replies shift as much: the engine's own"
+        return []
+    direction, count = ("shorter", shift["shorter"]) if shift["shorter"] > shift["longer"] else ("longer", shift["longer"])
+    return [_reason("length", "length_ratio", shift["ratio"], 1.0, f"default (exact sign test, p < {LENGTH_ALPHA:g})",
+                    "warn", f"replies {direction} than the reference's on {count} of {shift['shorter'] + shift['longer']} "
+                    f"turns whose length differs (exact sign test p = {shift['p_value']:.2g} < {LENGTH_ALPHA:g}); reply "
+                    f"length {shift['ratio']:.3f}x the reference's ({shift['tokens']:.0f} vs "
+                    f"{shift['reference_tokens']:.0f} tokens)", ACCEPTABLE)]
 
 
 def degeneration_rate_reasons(findings: Mapping[tuple, list[str]], turns: list[tuple], numbers: dict) -> list[dict]:
     """Each degeneration kind on the path's replies against the reference's on the same turns, paired: fail when
-    the path shows it on more turns than the reference beyond chance (exact McNemar, p < RECOVERY_ALPHA), warn
-    when more but not beyond chance."""
+    the path shows it on more turns than the reference beyond chance (exact McNemar, p < RECOVERY_ALPHA); more
+    but not beyond chance is stored, not said."""
     reasons = []
     judged = [k for k in turns if k in findings and (k[0], k[1], REFERENCE, k[3]) in findings]
     for kind in DEGENERATION:
@@ -691,10 +832,9 @@ def degeneration_rate_reasons(findings: Mapping[tuple, list[str]], turns: list[t
         p_value = paired_worse(new, gone)
         numbers[f"degeneration {kind}"] = {"path": sum(mine), "reference": sum(theirs), "turns": len(judged),
                                            "p_value": p_value}
-        if new <= gone:
+        if new <= gone or p_value >= RECOVERY_ALPHA:  # more often than the reference, but not beyond chance: no finding
             continue
-        severity = "fail" if p_value < RECOVERY_ALPHA else "warn"
-        reasons.append(_reason("degenerate", None, new - gone, 0, "default (rule judge, paired)", severity,
+        reasons.append(_reason("degenerate", None, new - gone, 0, "default (rule judge, paired)", "fail",
                                f"{kind} on {sum(mine)} of {len(judged)} replies vs the reference's {sum(theirs)} "
                                f"(exact McNemar p = {p_value:.2g})", ACCEPTABLE))
     return reasons

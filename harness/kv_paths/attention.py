@@ -615,7 +615,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             from harness.kv_paths.faults import faulty_attention
 
             output, weights = faulty_attention(fault, query, key, value, scaling, attention_mask, quant,
-                                               getattr(layer, "k_scale", None)), None
+                                               getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)), None
         elif quant is None:
             with sdpa_backends(query):
                 if _beyond_sdpa(kwargs):

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from harness.kv_paths.decode_kernels import kernels_setting
+from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
 from kernels import reference as fp8
@@ -322,7 +323,7 @@ def holds_kv(layer) -> bool:
     """A cache layer a KV path stores FP8: transformers' full-attention `DynamicLayer`, and the layer kinds built
     on it (sliding-window / chunked attention; Falcon-H1's attention + SSM-state layer)."""
     return isinstance(layer, DynamicLayer) and not isinstance(layer, (QuantizedKVLayer, AmaxObserverLayer,
-                                                                        StaticKVLayer))
+                                                                        StaticKVLayer, EmulatedKVLayer))
 
 
 def _of_kind(mixin: type, layer: DynamicLayer, *args):
@@ -401,7 +402,7 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = StaticKVLayer(static)
-        elif type(layer) is QuantizedKVLayer:  # windowed / combined kinds grow their own way: refused below
+        elif type(layer) in (QuantizedKVLayer, EmulatedKVLayer):  # windowed / combined kinds: refused below
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
@@ -412,7 +413,7 @@ def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
     path for len(caches) rows: full-attention K/V left-padded with zeros to the longest row, linear-attention states
     side by side. Returns each row's first real key (its pad count): `attention.RowKeys.starts`. Raises ValueError
     for a layer kind stacked another way (sliding windows, ...), as `make_static` does."""
-    full = [i for i, layer in enumerate(into.layers) if type(layer) in (DynamicLayer, QuantizedKVLayer)]
+    full = [i for i, layer in enumerate(into.layers) if type(layer) in (DynamicLayer, QuantizedKVLayer, EmulatedKVLayer)]
     for i, layer in enumerate(into.layers):
         linear = type(layer).__name__.startswith("LinearAttention") and not isinstance(layer, DynamicLayer)
         if i not in full and not linear:
@@ -473,6 +474,13 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
     """
     cache = DynamicCache(config=config)
     if kv_path is None or kv_path.is_reference_noise:  # the float32 reference keeps the model's own cache
+        return cache
+    if kv_path.emulated:  # the yardstick's twin: its own write and scales (harness/kv_paths/emulated.py)
+        for i, layer in enumerate(cache.layers):
+            if holds_kv(layer):
+                pair = (scales.k[i], scales.v[i]) if scales is not None and i in scales.k else None
+                cache.layers[i] = _of_kind(EmulatedKVLayer, layer, kv_path.fmt, kv_path.granularity,
+                                           kv_path.saturate, pair)
         return cache
     stats = stats if stats is not None else KVWriteStats()
     for i, layer in enumerate(cache.layers):

@@ -29,6 +29,8 @@ FAULTS: dict[str, str] = {
     "pv_bf16": "P.V accumulated in bf16, key by key: a bf16 accumulator",
     "k_scale_swap": "KV head 0's keys dequantised with KV head 1's k_scale (per-head scales indexed wrong)",
     "p_e5m2": "the probabilities cast to e5m2 where the path declares e4m3 (fp8_p)",
+    "scale_dropped": "K and V read as codes x 1.0: the k_scale / v_scale not delivered to the read (TensorRT-LLM#16916, "
+                     "vllm#34863)",
 }
 SCALE_ERROR = 2.0 ** -7  # scale_off: the softmax scale times (1 + 2^-7), 0.8%
 PV_TILE = 1  # pv_bf16: keys per fp32 partial sum (1: the running sum is rounded to bf16 after every key)
@@ -41,6 +43,9 @@ def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool) -> s
     if name == "p_e5m2" and not fp8_prob:
         return (f"fault=p_e5m2 changes how FP8 probabilities are cast and needs a path that declares them: "
                 f"add fp8_p, e.g. '{spec}:fp8_p'")
+    if name == "scale_dropped" and (fmt == "bf16" or granularity == "per_token"):
+        return ("fault=scale_dropped drops stored k/v scales at the read and needs an fp8 cache with per_tensor or "
+                "per_head scales, e.g. 'fp8_e4m3:calibrated:fault=scale_dropped'")
     if name == "k_scale_swap" and (fmt == "bf16" or granularity != "per_head"):
         return ("fault=k_scale_swap swaps per-head k_scales and needs an fp8 cache with per_head scales, e.g. "
                 "'fp8_e4m3:per_head:calibrated:fault=k_scale_swap'")
@@ -48,11 +53,16 @@ def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool) -> s
 
 
 def faulty_attention(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     mask: torch.Tensor | None, quant=None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None, quant=None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with the fault `name`: query [B, Hq, T, D], key/value [B, Hkv, L, D] (the last T positions
-    are the queries), mask as `attention_fp8` takes it; quant an AttentionQuant or None. -> [B, T, Hq, Dv]."""
+    are the queries), mask as `attention_fp8` takes it; quant an AttentionQuant or None; k_scale / v_scale the
+    layer's stored scales ([] or [Hkv]; an MLA latent's one scale reaches its expanded K and V alike).
+    -> [B, T, Hq, Dv]."""
     q = _declared_query(query.float(), quant)
     k, v = key.float(), value.float()
+    if name == "scale_dropped" and k_scale is not None and v_scale is not None:
+        k, v = k / _per_head(k_scale, k), v / _per_head(v_scale, v)  # codes x s read as codes x 1
     if name == "k_scale_swap" and k_scale is not None and k_scale.numel() > 1:
         scale = k_scale.float().reshape(-1).to(k.device)
         k = k.clone()
@@ -71,6 +81,12 @@ def faulty_attention(name: str, query: torch.Tensor, key: torch.Tensor, value: t
         probs = fp8.dequantize(fp8.quantize(probs, quant.prob_scale, fmt), quant.prob_scale)
     out = bf16_accumulated(probs, v) if name == "pv_bf16" else probs @ v
     return out.transpose(1, 2).to(query.dtype)
+
+
+def _per_head(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A stored scale ([] or [heads]) shaped to x [B, heads, L, D]."""
+    scale = scale.float().to(x.device)
+    return scale.view(1, -1, 1, 1) if scale.numel() > 1 else scale.reshape(())
 
 
 def _declared_query(q: torch.Tensor, quant) -> torch.Tensor:

@@ -41,7 +41,19 @@ DIMENSIONS = {
     # Fault injectors, not choices: attention arithmetic broken on purpose, small enough to stay below token-level
     # noise on short text (harness/kv_paths/faults.py); the zoo's presets, caught by the implementation check.
     "fault": tuple(f"fault={name}" for name in FAULTS),
+    # Not a choice either: the cache format written again outside the engine (torch's own cast in the reference's
+    # cache write, its own calibration pass; harness/kv_paths/emulated.py): the yardstick's twin, which a fault in
+    # the engine cannot move (docs/VERDICTS.md). Format, granularity, default/calibrated scales and cast only.
+    "implementation": ("emulated",),
+    # The prompt prefilled in chunks of CONTROL_PREFILL_CHUNK tokens, as engines chunk long prefills: with `bf16`,
+    # the run's control arm (CONTROL_ARM), BF16 against BF16 under a perturbation the engine really has.
+    "chunking": ("chunked_prefill",),
 }
+CONTROL_PREFILL_CHUNK = 32  # tokens per prefill chunk (vLLM chunks at max_num_batched_tokens, 2048+; this small so
+# the canaries' short prompts are chunked too)
+# The control arm every in-process run adds (harness/runs/gate.py): the reference's numerics, prefilled in chunks
+# and, on CUDA, decoded in its own batch composition; its divergence from the reference is the engine's own noise.
+CONTROL_ARM = "bf16:chunked_prefill"
 KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
@@ -73,6 +85,8 @@ class KVPath:
     fp8_prob: bool = False  # the softmax probabilities quantised to e4m3 with a prob_scale before PV
     bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
     fault: str = ""  # an attention-arithmetic fault injector (`fault=NAME`, harness/kv_paths/faults.py); "" none
+    emulated: bool = False  # the format emulated outside the engine: the yardstick's twin (kv_paths/emulated.py)
+    prefill_chunk: int = 0  # tokens per prefill chunk (`chunked_prefill`); 0: the engine's own chunking
 
     @property
     def quantizes_attention(self) -> bool:
@@ -91,8 +105,14 @@ class KVPath:
     def canonical(self) -> str:
         return self._canonical_kv() + "".join(self._extra_options())
 
+    @property
+    def is_control(self) -> bool:
+        """The control arm: a BF16 cache perturbed only in how the engine schedules it (`CONTROL_ARM`)."""
+        return self.fmt == "bf16" and bool(self.prefill_chunk) and not self.k_scale_on_scores
+
     def _extra_options(self) -> list[str]:
-        extra = [":fp8_q"] if self.fp8_q else []
+        extra = [":chunked_prefill"] if self.prefill_chunk else []
+        extra += [":fp8_q"] if self.fp8_q else []
         extra += [":fp8_p"] if self.fp8_prob else []
         if self.bf16_layers:
             extra.append(":keep_bf16=" + "+".join(str(i) for i in self.bf16_layers))
@@ -112,12 +132,16 @@ class KVPath:
         parts.append("sat" if self.saturate else "nosat")
         if not self.quantize_current_chunk:
             parts.append("raw_prefill")
+        if self.emulated:
+            parts.append("emulated")
         if self.kernel:
             parts.append(f"kernel={self.kernel}")
         return ":".join(parts)
 
     def describe(self) -> str:
-        extra = []
+        extra = [f"prompt prefilled in chunks of {self.prefill_chunk} tokens"] if self.prefill_chunk else []
+        if self.is_control:
+            extra.append("the run's control arm: BF16 against BF16 under a perturbation the engine has")
         if self.quantizes_attention:
             parts = [n for n, on in (("query (q_scale)", self.fp8_q), ("probabilities (prob_scale)", self.fp8_prob)) if on]
             extra.append(f"fp8 e4m3 attention {' and '.join(parts)}, scales from {self.scale_source}")
@@ -131,6 +155,10 @@ class KVPath:
         if self.is_reference_noise:
             return ("the reference in float32 (weights, activations and cache): the BF16 reference's own precision "
                     "noise, a yardstick")
+        if self.emulated:
+            return (f"fp8 {self.fmt} cache, {self.granularity} scales from {self.scale_source}, written again outside "
+                    f"the engine (harness/kv_paths/emulated.py: torch's cast, its own calibration pass): the "
+                    f"yardstick's twin, measured, not judged")
         if self.k_scale_on_scores:
             return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
                     f"(fault preset: failure class 3)")
@@ -153,7 +181,7 @@ def parse_path(spec: str) -> KVPath:
         raise PathSpecError(f"KV path {spec!r}: fp32 is the reference in float32 (its precision noise) and takes no "
                             f"options")
     options, kernel = _kernel_option(spec, options)
-    if kernel and (FORMATS[head] == "bf16" or "per_token" in options):
+    if kernel and (FORMATS[head] == "bf16" or "per_token" in options or "emulated" in options):
         raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "
                             f"scales (the decode-kernel contract, docs/CONTRACTS.md)")
     chosen: dict[str, str] = {}
@@ -182,6 +210,8 @@ def parse_path(spec: str) -> KVPath:
             f"cannot also come from {source!r}; use per_tensor or per_head for {source!r} scales")
     if "scores" in chosen:
         _check_k_scale_on_scores(spec, FORMATS[head], source)
+    if "implementation" in chosen:
+        _check_emulated(spec, FORMATS[head], chosen, bf16_layers)
     fault = chosen.get("fault", "").removeprefix("fault=")
     if fault:
         from harness.kv_paths.faults import check
@@ -202,7 +232,21 @@ def parse_path(spec: str) -> KVPath:
         fp8_prob=chosen.get("probs") == "fp8_p",
         bf16_layers=bf16_layers,
         fault=fault,
+        emulated="implementation" in chosen,
+        prefill_chunk=CONTROL_PREFILL_CHUNK if "chunking" in chosen else 0,
     )
+
+
+def twin_of(spec: str) -> str | None:
+    """The twin of a yardstick spec, canonical (`fp8_e4m3:per_tensor:calibrated:sat:emulated`): its cache
+    numerics written outside the engine; None where the twin cannot compute them alone (no FP8 cache, scales from
+    a checkpoint or a warm-up pass, FP8 attention, a kernel or prefill option, a per-layer map, a fault)."""
+    stick = parse_path(spec)
+    if not stick.is_fp8 or stick.emulated or stick.scale_source not in ("default", "calibrated", "dynamic"):
+        return None
+    if stick.kernel or stick.quantizes_attention or stick.bf16_layers or stick.fault or not stick.quantize_current_chunk:
+        return None
+    return stick.canonical + ":emulated"
 
 
 def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
@@ -215,6 +259,21 @@ def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
         raise PathSpecError(
             f"KV path {spec!r}: k_scale_on_scores needs scales to misapply, and the default scale 1.0 would "
             f"change nothing; add a scale source: 'calibrated' or 'checkpoint'")
+
+
+EMULATED_DIMENSIONS = ("granularity", "cast", "implementation")  # with the default or calibrated scale source
+
+
+def _check_emulated(spec: str, fmt: str, chosen: dict[str, str], bf16_layers: tuple[int, ...]) -> None:
+    if fmt not in ("e4m3", "e5m2"):
+        raise PathSpecError(f"KV path {spec!r}: emulated is an fp8 cache written outside the engine (the "
+                            f"yardstick's twin); use e.g. 'fp8_e4m3:calibrated:emulated'")
+    others = [v for d, v in chosen.items() if d not in EMULATED_DIMENSIONS
+              and (d, v) not in (("scale_source", "default"), ("scale_source", "calibrated"))]
+    if others or bf16_layers:
+        raise PathSpecError(f"KV path {spec!r}: emulated takes a format, granularity, cast and the default or "
+                            f"calibrated scale source only (the twin computes its own scales, no kernel, no "
+                            f"attention options); got {', '.join(others) or 'a per-layer map'}")
 
 
 def _kernel_option(spec: str, options: list[str]) -> tuple[list[str], str]:

@@ -412,7 +412,7 @@ class BatchedEngine:
         """`_prefill` over static storage: each chunk writes its columns and attends under an explicit mask
         (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty)."""
         rows, length = ids.shape
-        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        width = self._prefill_width(rows)
         keys = torch.arange(static.max_len, device=self.device)
         logits = None
         for begin in range(0, length, width):
@@ -430,13 +430,19 @@ class BatchedEngine:
         """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
         the canaries and any batch under the budget): every token is still written before it is read."""
         rows, length = ids.shape
-        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        width = self._prefill_width(rows)
         logits = None
         for begin in range(0, length, width):
             end = min(length, begin + width)
             step.valid = mask[:, begin:end]
             logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
         return logits
+
+    def _prefill_width(self, rows: int) -> int:
+        """Prompt columns per prefill pass: the activation budget's, or the path's own chunk (`chunked_prefill`)."""
+        width = max(BLOCK_SIZE, PREFILL_TOKENS // max(rows, 1))
+        kv_path = self.backend.kv_path
+        return min(width, kv_path.prefill_chunk) if kv_path is not None and kv_path.prefill_chunk else width
 
     def _forward(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
         """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
@@ -504,7 +510,9 @@ class BatchedEngine:
         """last: the prompt's last logits [rows, 1, vocab] float32 when the cache already holds the prompt."""
         rows = len(continuations)
         kv_path = self.backend.kv_path
-        if last is None:
+        if last is None and kv_path is not None and kv_path.prefill_chunk:  # the prompt as its generation prefilled it
+            last = self._prefill(ids, mask, positions, cache, step)[:, None]
+        elif last is None:
             last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                               **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
             last = last.logits[:, -1:].float()

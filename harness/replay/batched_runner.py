@@ -207,11 +207,13 @@ class BatchedReplay:
         kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: history)
-        elif kv_path is None or not kv_path.is_fp8:
+        elif kv_path is None or not (kv_path.is_fp8 or kv_path.is_control):
             # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
+            # (the control arm does not: its own batch composition is part of the perturbation it measures)
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: reference[s.id])
         else:
-            # an FP8 path on the reference's history: every turn's prompt is known, so all go in one wave
+            # an FP8 path (or the control arm) on the reference's history: every turn's prompt is known, so all go in
+            # one wave
             # (batches differ from the reference's; the batch-invariance floor says how much that can move)
             asked = [(scenario, turn, tuple(candidate.inner.owner.encode_chat(_messages(scenario, reference[scenario.id], turn))))
                      for scenario in scenarios for turn, spec in enumerate(scenario.turns) if spec.assistant is None]

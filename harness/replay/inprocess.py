@@ -182,6 +182,11 @@ class InProcessModel:
     def scales_for(self, kv_path: KVPath) -> LayerScales | None:
         if kv_path.granularity == "per_token" and kv_path.is_fp8:
             return None
+        if kv_path.emulated:  # the yardstick's twin computes its own (harness/kv_paths/emulated.py)
+            key = ("twin", kv_path.fmt, kv_path.granularity, kv_path.scale_source)
+            if key not in self._scales:
+                self._scales[key] = self._twin_scales(kv_path)
+            return self._scales[key]
         key = (kv_path.fmt, kv_path.granularity, kv_path.scale_source)
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
@@ -256,6 +261,28 @@ class InProcessModel:
             return scales_from_observers(cache, kv_path, "warmup",
                                          "one dummy warm-up pass, recurrent state uninitialised (failure class 2)")
         raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
+
+    def _twin_scales(self, kv_path: KVPath) -> LayerScales:
+        """The twin's scales from its own calibration pass: the same calibration chats through caches of its own
+        layers, which record the amax of what they are given (`emulated.twin_scales`); none of the engine's."""
+        from harness.kv_paths import calibration
+        from harness.kv_paths.emulated import twin_scales
+
+        observed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        chats = self.calibration_chats or calibration.default_calibration_chats()
+        for chat in chats if kv_path.scale_source == "calibrated" else chats[:1]:
+            cache = build_cache(self.model.config, kv_path, None)
+            self._observe(self.encode_chat(chat), cache)
+            self._gather_amax(cache)
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "k_amax", None) is not None:
+                    seen = observed.get(i)
+                    observed[i] = (layer.k_amax, layer.v_amax) if seen is None else (
+                        torch.maximum(seen[0], layer.k_amax), torch.maximum(seen[1], layer.v_amax))
+        scales = twin_scales(observed, kv_path.fmt, kv_path.granularity, kv_path.scale_source, self.is_mla)
+        return LayerScales(k={i: k for i, (k, _) in scales.items()}, v={i: v for i, (_, v) in scales.items()},
+                           source=kv_path.scale_source, provenance=f"the twin's own pass over {len(chats)} "
+                           f"calibration chats (harness/kv_paths/emulated.py)")
 
     def _gather_amax(self, cache) -> None:
         """A tensor-parallel rank's per-head amax (its KV heads) made the whole [H] vector of every rank's heads,

@@ -117,6 +117,8 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
         return "kernels off (CPU, or HARNESS_KERNELS=off)"
     if kv_path is None or not kv_path.is_fp8:
         return "not an FP8 path"
+    if kv_path.emulated:
+        return "emulated outside the engine (the yardstick's twin): torch's attention over its own cache write"
     if kv_path.granularity == "per_token":
         return "per-token scales: the kernels take per-tensor or per-head scales"
     if kv_path.quantizes_attention and name not in FP8_ATTENTION_KERNELS:

@@ -574,13 +574,31 @@ def manifest_view(manifest: dict) -> dict:
     noise = [{"model": m, "metric": k, "value": format_value(v), "zero": not v}
              for m, metrics in (manifest.get("noise_floor") or {}).items() for k, v in (metrics or {}).items()]
     shown = {"paths", "scales", "noise_floor", "models", "scenario_files", "versions", "scenarios", "warnings",
-             "verdicts", "families"}  # verdicts: the headline matrix; families: its own table
+             "verdicts", "families", "control_floor"}  # verdicts: the headline matrix; the rest: their own tables
     fields = [(k, readable(v)) for k, v in manifest.items() if k not in shown]
     return {"scales": scales, "noise": noise, "noise_zero": all(n["zero"] for n in noise), "fields": fields,
             "paths": manifest.get("paths", []), "models": manifest.get("models", []),
             "families": families_view(manifest.get("families") or {}),
+            "control": control_view(manifest.get("control_floor") or {}),
             "scenario_files": manifest.get("scenario_files", []), "scenarios": manifest.get("scenarios", []),
             "warnings": manifest.get("warnings") or [], "versions": manifest.get("versions") or {}}
+
+
+def control_view(floors: dict) -> list[dict]:
+    """Per model, the control arm's floor (harness.analysis.verdicts.control_floors) as table cells."""
+    def cell(value, how="{:.3g}") -> str:
+        return "—" if value is None else how.format(value)
+
+    rows = []
+    for model, floor in sorted(floors.items()):
+        length = floor.get("length") or {}
+        rows.append({"model": model, "path": floor.get("path", ""), "kl_mean": cell(floor.get("kl_mean")),
+                     "exact_match": cell(floor.get("exact_match"), "{:.1%}"),
+                     "top1_agree": cell(floor.get("top1_agree"), "{:.2%}"),
+                     "confident_flips": cell(floor.get("confident_flips")),
+                     "length_ratio": cell(length.get("ratio"), "{:.3f}"), "length_p": cell(length.get("p_value"), "{:.2g}"),
+                     "zero": not floor.get("kl_mean") and floor.get("exact_match") in (None, 1.0)})
+    return rows
 
 
 def families_view(families: dict) -> list[dict]:

@@ -34,6 +34,9 @@ def times_yardstick(numbers: Mapping, fmt: Callable = lambda v: f"{v:.2g}") -> s
     """`3.1x yardstick (0.0042 nats)`: a path's pooled kl_mean against the yardstick's, or "" without one."""
     noise = numbers.get("kl_mean_over_noise")
     beside = f", {noise:.3g}x the fp32 reference noise ({fmt(numbers['noise_kl_mean'])} nats)" if noise is not None else ""
+    twin = numbers.get("yardstick_twin_ratio")
+    if twin is not None:  # the yardstick itself, judged by its twin
+        return f"yardstick: KL {twin:.3g}x its twin ({fmt(numbers['twin_kl_mean'])} nats){beside}"
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
         return beside.removeprefix(", ")

@@ -35,8 +35,12 @@ def final_status(unfinished: list[Unit]) -> str:
 
 
 def failed_verdicts(run_dir: Path) -> int:
-    """Rows of verdicts.jsonl (harness/analysis/verdicts.py) whose verdict is `fail`; 0 before verdicts exist."""
-    return sum(1 for row in RunStore(run_dir).read("verdicts") if row.get("verdict") == "fail")
+    """(model, path) pairs with a failing turn (verdicts.jsonl) or a failing per-path check (path_verdicts.jsonl:
+    pooled divergence, the yardstick's own check, paired recovery, degeneration rate; harness/analysis/verdicts.py);
+    0 before verdicts exist. A path that fails only its per-path checks fails the run too (issue 40)."""
+    store = RunStore(run_dir)
+    return len({(row.get("model"), row.get("path")) for table in ("verdicts", "path_verdicts")
+                for row in store.read(table) if row.get("verdict") == "fail"})
 
 
 UNUSABLE_JUDGEMENT = ("unparsable", "failed")  # harness/judges/verdict.py STATUSES without a score

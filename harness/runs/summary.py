@@ -59,13 +59,15 @@ def _times(path: str, cell: dict) -> str:
     """The path's pooled kl_mean as a multiple of the yardstick's, with the yardstick's value beside it."""
     whole = cell.get("path") or {}
     numbers = whole.get("numbers") or {}
-    if whole.get("role"):  # the float32 reference: its own kl_mean is the reference's precision noise
-        return f"(reference noise: KL mean {numbers['kl_mean']:.2g})" if numbers.get("kl_mean") is not None else \
-            "(reference noise)"
+    role = whole.get("role") or ""
+    if role:  # measured beside the paths: the fp32 reference's noise, the yardstick's twin, the control arm
+        name = role.split(" (")[0].split(":")[0]
+        return f"({name}: KL mean {numbers['kl_mean']:.2g})" if numbers.get("kl_mean") is not None else f"({name})"
     noise = numbers.get("kl_mean_over_noise")
     beside = f"; {noise:.3g}x the fp32 noise" if noise is not None else ""
     if path == whole.get("yardstick"):
-        return "(yardstick" + beside + ")"
+        twin = numbers.get("yardstick_twin_ratio")
+        return "(yardstick" + (f"; {twin:.3g}x its twin" if twin is not None else "") + beside + ")"
     ratio, stick = numbers.get("kl_mean_ratio"), numbers.get("yardstick_kl_mean")
     if ratio is None or stick is None:
         return beside.removeprefix("; ") or "-"
