@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from harness.analysis.strata import length_trend_reasons, path_strata
 from harness.records import METRIC_DIRECTIONS, decode_values
 
 REFERENCE = "reference"
@@ -518,7 +519,9 @@ def compute_path_verdicts(records: Iterable[Mapping], judgements: Iterable[Mappi
     and `unanswered`: the questions this run could not answer for the path and why."""
     values = _index(records)
     findings = _findings(judgements)
+    kl_series = list(kl_series)  # read twice: pooled KL, and the strata (with the flip rows)
     pooled = _pooled_kl(values, kl_series)
+    strata = path_strata(kl_series, values, yardstick)
     noise_models = set(random_weight_models)
     overrides = dict(overrides or {})
     units = sorted({(k[0], k[2]) for k in values if k[2] != REFERENCE})
@@ -534,6 +537,8 @@ def compute_path_verdicts(records: Iterable[Mapping], judgements: Iterable[Mappi
                          "role": "reference noise (measured, not judged)"})
             continue
         reasons += _pooled_divergence_reasons(pooled, model, path, yardstick, overrides, numbers)
+        numbers.update(strata.get((model, path)) or {})  # strata, length_trend (analysis/strata.py)
+        reasons += length_trend_reasons(numbers, yardstick)
         _reference_noise(pooled, model, path, numbers)
         if model not in noise_models:
             reasons += recovery_reasons(values, turns, numbers)
