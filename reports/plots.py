@@ -207,6 +207,50 @@ def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]
                  "Teacher-forced KL per turn against the context length the turn was generated at, per model.")
 
 
+def _trend_label(path: str, trend: dict | None) -> str:
+    trend = trend or {}
+    if trend.get("why") == "the yardstick itself":
+        return f"{path} (yardstick)"
+    if trend.get("p_value") is None:
+        return path
+    if not trend.get("turns"):
+        return f"{path} (length trend: no diverging turn)"
+    return f"{path} (length trend p = {trend['p_value']:.2g}, {trend['turns']} turns)"
+
+
+def kl_by_generation_position(strata: list[dict], out_dir: Path, paths: list[str],
+                              trends: dict[tuple, dict] | None = None) -> dict | None:
+    """One panel per model: pooled teacher-forced KL per reply-position bucket and path (log y), from rows
+    {model, path, bucket, tokens, kl_mean} (analysis/strata.py); buckets holding no token are not drawn. Each
+    legend entry carries the path's length trend p-value when `trends` ((model, path) -> length_trend) has one."""
+    table = pd.DataFrame([r for r in strata if r.get("tokens")])
+    if table.empty:
+        return None
+    buckets = list(dict.fromkeys(r["bucket"] for r in strata))  # the strata's order: shortest first
+    models = sorted(table["model"].unique())
+    lines = table.groupby("model")["path"].nunique().max()
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 1, 3.4 + 0.16 * lines), squeeze=False,
+                             sharey=True)
+    for ax, model in zip(axes[0], models):
+        for path, line in table[table["model"] == model].groupby("path", sort=False):
+            colour = f"C{paths.index(path) % 10}" if path in paths else None
+            xs, kl = [buckets.index(b) for b in line["bucket"]], line["kl_mean"].astype(float)
+            ax.plot(xs, kl.where(np.isfinite(kl)), marker="o", color=colour,
+                    label=_trend_label(path, (trends or {}).get((model, path))))
+            mark_nonfinite(ax, xs, kl, colour)
+        ax.set_xticks(range(len(buckets)), buckets, fontsize=7.5)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("reply token index")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=6.5, frameon=False)  # p per model
+    _kl_axis(axes[0][0], table["kl_mean"])
+    fig.tight_layout()
+    return save_figure(fig, out_dir, "kl_by_generation_position.png", "KL by position in the reply",
+                       "Teacher-forced KL pooled over every token in each bucket of the reply's token index, per "
+                       "model and path; a line that climbs more than the yardstick's is a loss growing with length. "
+                       "Legend: the length trend test's p-value (warns below 0.01).")
+
+
 def verdict_table(verdicts: list[dict]) -> pd.DataFrame:
     """Per (model, path): the worst verdict and the fraction of turns that failed."""
     if not verdicts:

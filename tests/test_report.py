@@ -287,6 +287,15 @@ def test_strata_table_bins_divergence_by_context_position(baseline_report):
     assert "context position" in strata and "fp8_e4m3" in strata
 
 
+def test_kl_by_reply_position_is_drawn_beside_the_strata_table_with_the_trend_test(baseline_report):
+    index = pages(baseline_report)["index.html"]
+    assert (baseline_report.parent / "kl_by_generation_position.png").exists()
+    length = section(index, 'id="length"', "</details>")
+    assert "kl_by_generation_position.png" in length and 'id="length-trend-table"' in length
+    assert "canary-mla" in section(length, 'id="length-strata-table"', "</table>")
+    assert index.index('id="strata-table"') < index.index('id="length"') < index.index('id="kv"')
+
+
 def test_the_report_names_layers_kept_in_bf16_and_what_a_family_turns_off():
     """manifest.families (replay/families.py) becomes one row per model in the report's manifest section."""
     from harness.runs.report import families_view

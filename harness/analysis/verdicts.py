@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from harness.analysis.strata import length_trend_reasons, path_strata
 from harness.records import METRIC_DIRECTIONS, decode_values
 
 REFERENCE = "reference"
@@ -521,12 +522,13 @@ def compute_path_verdicts(records: Iterable[Mapping], judgements: Iterable[Mappi
     numbers, the control arm's floor beside the path's own agreement, and `unanswered`: the questions this run
     could not answer for the path and why."""
     values = _index(records)
+    kl_series = list(kl_series)  # read twice: pooled KL, and the strata (with the flip rows)
     pooled = _pooled_kl(values, kl_series)
     overrides = dict(overrides or {})
     units = sorted({(k[0], k[2]) for k in values if k[2] != REFERENCE})
     context = _PathContext(values, _findings(judgements), pooled, overrides, set(random_weight_models), yardstick,
                            _broken_yardsticks(pooled, {m for m, _ in units}, yardstick, overrides),
-                           control_floors(values, pooled, units))
+                           control_floors(values, pooled, units), path_strata(kl_series, values, yardstick))
     return [_path_row(context, model, path) for model, path in units]
 
 
@@ -542,6 +544,7 @@ class _PathContext:
     yardstick: str
     broken: Mapping[str, float]  # model -> the yardstick's failing ratio to its twin
     floors: Mapping[str, dict]  # model -> the control arm's floor
+    strata: Mapping[tuple, dict]  # (model, path) -> strata and length_trend (analysis/strata.py)
 
 
 def _path_row(c: _PathContext, model: str, path: str) -> dict:
@@ -558,6 +561,8 @@ def _path_row(c: _PathContext, model: str, path: str) -> dict:
         numbers["control"] = floor
     reasons = _pooled_divergence_reasons(c.pooled, model, path, c.yardstick, c.overrides, numbers)
     reasons += yardstick_twin_reasons(c.pooled, model, path, c.yardstick, c.overrides, numbers)
+    numbers.update(c.strata.get((model, path)) or {})  # strata, length_trend (analysis/strata.py)
+    reasons += length_trend_reasons(numbers, c.yardstick)
     _reference_noise(c.pooled, model, path, numbers)
     if model not in c.noise_models:
         reasons += recovery_reasons(c.values, turns, numbers)

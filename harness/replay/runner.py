@@ -108,6 +108,8 @@ class Replay:
             replies.append(TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False))
             texts.append(self._text_row(scenario, REFERENCE, turn, replies[-1], generation))
             records += self._task_records(scenario, REFERENCE, turn, generation)
+            if generation.prompt_tokens is not None:  # the prompt every path's teacher-forced series follows
+                records.append(self._record(scenario, REFERENCE, turn, "context_tokens", generation.prompt_tokens))
         await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, REFERENCE,
                                 {"records": records, "texts": texts})
         return replies

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.strata import STRATA_SERIES, context_tokens_index, path_strata
 from harness.analysis.verdicts import (
     DEFAULT_YARDSTICK,
     Limit,
@@ -292,10 +293,17 @@ class RunView:
 
     def computed_path_verdicts(self, overrides: dict[str, Limit] | None = None) -> list[dict]:
         manifest = self.manifest
-        kl_series = [row for row in self.series if row.get("series") == "kl"]
+        kl_series = [row for row in self.series if row.get("series") in STRATA_SERIES]  # kl, and flip for the strata
         return compute_path_verdicts(self.records, self.judgements, kl_series,
                                      threshold_overrides(manifest) if overrides is None else overrides,
                                      noise_models(manifest), yardstick_label(manifest))
+
+    @cached_property
+    def position_strata(self) -> dict[tuple, dict]:
+        """(model, path) -> {"strata": KL and flips by generation and context position, "length_trend": the trend
+        test against the yardstick} (analysis/strata.py, what path_verdicts' numbers hold), computed from the series
+        and records, so a run written before the strata existed has them too."""
+        return path_strata(self.series, context_tokens_index(self.records), yardstick_label(self.manifest))
 
     @cached_property
     def verdicts(self) -> list[dict]:

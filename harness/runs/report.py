@@ -630,6 +630,23 @@ def strata_view(run: StoredRun) -> list[dict]:
     return [r | {"kl_text": format_value(r["kl_mean"])} for r in rows if r["path"] != REFERENCE]
 
 
+def length_strata_view(run: StoredRun) -> dict:
+    """KL and flips by reply position and the length trend test per model and path (analysis/strata.py, through
+    the run reader): {"generation": rows for the plot and table, "trends": rows of the test, "by_path": (model,
+    path) -> length_trend}."""
+    computed = run.view.position_strata if run.view is not None else {}
+    generation = [{"model": model, "path": path, **row, "kl_text": format_value(row["kl_mean"]),
+                   "flip_text": format_value(row["flip_rate"])}
+                  for (model, path), found in sorted(computed.items())
+                  for row in found["strata"]["generation_position"] if row["tokens"]]
+    trends = [{"model": model, "path": path, **found["length_trend"],
+               "growth_text": format_value(found["length_trend"].get("median_growth")),
+               "p_text": format_value(found["length_trend"].get("p_value"))}
+              for (model, path), found in sorted(computed.items())]
+    return {"generation": generation, "trends": trends,
+            "by_path": {key: found["length_trend"] for key, found in computed.items()}}
+
+
 def kl_mean_limit(verdicts) -> tuple[float, str] | None:
     """The kl_mean limit the verdicts applied (a default or a --threshold), to draw on the plots."""
     for row in verdicts:
@@ -664,11 +681,14 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
     whole = run.view.path_verdicts if run.verdicts else []
+    by_length = length_strata_view(run)
+    length_figures = [f for f in [plots.kl_by_generation_position(by_length["generation"], out, paths,
+                                                                  by_length["by_path"])] if f is not None]
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
                       matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
                       path_checks=path_checks(whole), yardstick=run.manifest.get("yardstick"),
-                      strata=strata_view(run),
+                      strata=strata_view(run), by_length=by_length, length_figures=length_figures,
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=run.view.detection)  # written by `harness zoo`
