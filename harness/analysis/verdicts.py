@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from harness.analysis.self_consistency import turn_reasons as with_self_consistency
 from harness.records import METRIC_DIRECTIONS, decode_values
 
 REFERENCE = "reference"
@@ -477,6 +478,7 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
             + degeneration_reasons(findings.get(key, []), findings.get((model, name, REFERENCE, turn), [])))
         reasons = (text_reasons + limit_reasons(own, limits, yardstick) + scenario_reasons + nonfinite_reasons(own)
                    + unmeasured_reasons(own))
+        reasons = with_self_consistency(reasons, own, reference)  # a server against itself (--self-consistency)
         rows.append(_row(key, reasons, own.get("kl_ratio_yardstick")))
     return rows + _error_rows(errors, {k[:3] for k in values})
 
