@@ -61,6 +61,14 @@ def worst_by_metric(run: Path) -> dict[tuple[str, str], float]:
     return worst
 
 
+def gated_turn_values(run: Path) -> list[float]:
+    """The gated statistic of every turn of the run (the check is per turn: every faulty turn should fail)."""
+    import json
+
+    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
+    return [decode_value(r) for r in rows if r["metric"] == METRICS[0] and decode_value(r) is not None]
+
+
 def print_tables(runs: dict[str, Path]) -> None:
     measured = {spec: worst_by_metric(run) for spec, run in runs.items() if (run / "records.jsonl").exists()}
     print(f"{'path':58s} " + " ".join(f"{m.removeprefix('selfcons_'):>22s}" for m in METRICS))
@@ -77,6 +85,10 @@ def print_tables(runs: dict[str, Path]) -> None:
             (h, hs), (f, fs) = max(healthy), min(faults)
             print(f"{metric}: healthy max {h:.4g} ({hs}), faults' min {f:.4g} ({fs}), "
                   f"fault / healthy {f / h if h else math.inf:.3g}x")
+    for spec in FAULTS:
+        if spec in measured:
+            values = gated_turn_values(runs[spec])
+            print(f"{METRICS[0]} per turn on {spec}: min {min(values):.4g} over {len(values)} turns")
 
 
 def main() -> None:
