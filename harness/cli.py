@@ -184,6 +184,10 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
     live = run.add_argument_group("live endpoints (OpenAI-compatible servers, e.g. vLLM or SGLang)")
     live.add_argument("--reference", metavar="URL", help="server with the reference (BF16) cache")
     live.add_argument("--candidate", action="append", metavar="[LABEL=]URL", help="server(s) to check (repeatable)")
+    live.add_argument("--self-consistency", action="store_true",
+                      help="also check each candidate server against itself: the logprobs of its decode vs its "
+                           "prefill of the same tokens, and a repeated decode (prefix-cache hit); with --candidate "
+                           "alone (no --reference) the run is that check only (docs/VERDICTS.md)")
     live.add_argument("--judge", metavar="URL", help="OpenAI-compatible server whose model grades replies 1-5")
     live.add_argument("--judge-turns", choices=["diverged", "all"], default="diverged",
                       help="turns the LLM judge sees (default: only turns that diverged)")
@@ -371,11 +375,15 @@ def _run(args: argparse.Namespace) -> int:
     from harness.scenarios.select import select_models
 
     warnings, config = [], None
-    if bool(args.reference) != bool(args.candidate):
-        print("error: --reference and --candidate go together (a reference server and at least one candidate)",
-              file=sys.stderr)
+    if bool(args.reference) != bool(args.candidate) and not (args.candidate and args.self_consistency):
+        print("error: --reference and --candidate go together (a reference server and at least one candidate; "
+              "--candidate alone with --self-consistency checks each server against itself)", file=sys.stderr)
         return 2
-    if args.reference:
+    if args.self_consistency and not args.candidate:
+        print("error: --self-consistency checks live servers against themselves: name them with --candidate "
+              "[LABEL=]URL", file=sys.stderr)
+        return 2
+    if args.reference or args.candidate:
         models = ()
     elif args.model:
         models = tuple(args.model)
@@ -400,6 +408,7 @@ def _run(args: argparse.Namespace) -> int:
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
             request_timeout_s=args.request_timeout, concurrency=args.concurrency, shard=args.shard,
+            self_consistency=args.self_consistency,
             **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log

@@ -75,6 +75,9 @@ class RunConfig:
     # "layers": each model's decoder layers split over the GPUs of `device`; "tensor": a process per GPU, each
     # holding its slice of every layer (tensor parallel; `device` may be cpu,cpu,... for gloo ranks) (--shard)
     shard: str | None = None
+    # each candidate server's decode against its own prefill of the same tokens (--self-consistency); with no
+    # reference_url the run is that check alone (harness/replay/self_consistency.py)
+    self_consistency: bool = False
 
     def __post_init__(self):
         if self.batch_size is not None and self.batch_size < 1:
@@ -89,6 +92,12 @@ class RunConfig:
             raise ValueError(f"--device {self.device}: several CPU ranks are for --shard tensor (gloo) only")
         if self.shard is not None:
             self._check_shard()
+        if self.self_consistency and not self.candidate_urls:
+            raise ValueError("--self-consistency checks live servers against themselves: name them with "
+                             "--candidate [LABEL=]URL (an in-process path has no server to ask)")
+        if self.candidate_urls and not self.reference_url and not self.self_consistency:
+            raise ValueError("--candidate needs --reference (a reference server), or --self-consistency to check "
+                             "each candidate against itself with no reference")
 
     def _check_shard(self) -> None:
         from harness.replay.sharding import check_shard
@@ -116,6 +125,11 @@ class RunConfig:
 
             return split_world(self.device)
         return run_devices(self.device)
+
+    @property
+    def endpoints(self) -> bool:
+        """A run against live servers (a reference and candidates, or candidates alone with self-consistency)."""
+        return bool(self.reference_url or self.candidate_urls)
 
     @property
     def batched(self) -> bool:
@@ -244,7 +258,7 @@ def _check_resumable(store: RunStore, config: RunConfig, scenarios: list[Scenari
     if old != new:
         raise RunStoreError(f"cannot resume {config.out}: its scenarios differ from the ones given "
                             f"({len(old ^ new)} differ); start a new run instead")
-    if not config.reference_url and [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
+    if not config.endpoints and [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
         raise RunStoreError(f"cannot resume {config.out}: it ran paths "
                             f"{[p['name'] for p in manifest['paths']]}, not {[p.name for p in config.paths]}")
 
@@ -275,7 +289,7 @@ def run_job(config: RunConfig, progress=None, warn=print) -> Path:
         raise InputError(budget)
     calibration_chats = calibration_chats_from(load_scenarios(list(config.calibration_paths))) \
         if config.calibration_paths else []
-    if config.reference_url:
+    if config.endpoints:
         asyncio.run(preflight_endpoints(config))  # a dead or odd server is refused before a run directory exists
     with hold_run_lock(config.out):
         return _run_locked(config, scenarios, calibration_chats, progress, warn)
@@ -289,11 +303,12 @@ def _run_locked(config: RunConfig, scenarios: list[Scenario], calibration_chats,
     else:
         store = RunStore.create(config.out, _manifest(config, scenarios))
     torch.manual_seed(config.seed)
-    targets = len(config.candidate_urls) if config.reference_url else len(config.paths)
-    total = max(1, len(config.models)) * len(scenarios) * (1 + targets)
+    targets = len(config.candidate_urls) if config.endpoints else len(config.paths)
+    total = max(1, len(config.models)) * len(scenarios) * (targets + (0 if config.endpoints and not config.reference_url
+                                                                       else 1))
     bar = progress(total) if progress else None
     try:
-        if config.reference_url:
+        if config.endpoints:
             asyncio.run(_replay_endpoints(config, scenarios, store, bar))
         else:
             _replay_models(config, scenarios, calibration_chats, store, bar, warn)
@@ -803,16 +818,28 @@ async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) 
     from harness.replay import live
 
     reference, candidates = _open_endpoints(config, store.directory / "http-cache")
+    servers = [b for b in (reference, *candidates) if b is not None]
     try:
-        await live.preflight([reference, *candidates])  # capabilities are known before the manifest is written
-        _note_endpoints(store, config, reference, candidates, live.degraded([reference, *candidates]))
-        replay = Replay(ENDPOINT_MODEL, reference, candidates, store, config.history_mode,
-                        on_unit_done=(bar.update if bar else None))
-        await replay.run(scenarios, concurrency=config.concurrency)
-        _note_endpoints(store, config, reference, candidates, live.degraded([reference, *candidates]))
+        await live.preflight(servers)  # capabilities are known before the manifest is written
+        _note_endpoints(store, config, reference, candidates, live.degraded(servers))
+        await _endpoint_replay(config, reference, candidates, store, bar).run(scenarios,
+                                                                             concurrency=config.concurrency)
+        _note_endpoints(store, config, reference, candidates, live.degraded(servers))
     finally:
-        for backend in [reference, *candidates]:
+        for backend in servers:
             await backend.aclose()
+
+
+def _endpoint_replay(config: RunConfig, reference, candidates, store: RunStore, bar) -> Replay:
+    """Reference and candidates (each candidate turn also against itself with --self-consistency), or with no
+    reference the candidates' self-consistency alone."""
+    done = bar.update if bar else None
+    if reference is None:
+        from harness.replay.self_consistency import SelfConsistencyReplay
+
+        return SelfConsistencyReplay(ENDPOINT_MODEL, candidates, store, on_unit_done=done)
+    return Replay(ENDPOINT_MODEL, reference, candidates, store, config.history_mode, on_unit_done=done,
+                  self_consistency=config.self_consistency)
 
 
 async def preflight_endpoints(config: RunConfig) -> None:
@@ -820,10 +847,11 @@ async def preflight_endpoints(config: RunConfig) -> None:
     from harness.replay import live
 
     reference, candidates = _open_endpoints(config, None)
+    servers = [b for b in (reference, *candidates) if b is not None]
     try:
-        await live.preflight([reference, *candidates])
+        await live.preflight(servers)
     finally:
-        for backend in [reference, *candidates]:
+        for backend in servers:
             await backend.aclose()
     if config.judge_url:
         key = live.api_key_env_for("judge", config.api_key_envs, config.api_key_env)
@@ -831,7 +859,8 @@ async def preflight_endpoints(config: RunConfig) -> None:
 
 
 def _open_endpoints(config: RunConfig, cache_dir: Path | None):
-    """The reference and candidate backends, each with its own model name and API key variable."""
+    """The reference (None in a self-consistency-only run) and candidate backends, each with its own model name
+    and API key variable."""
     from harness.replay.endpoint import open_endpoint
     from harness.replay.live import api_key_env_for, per_label
 
@@ -841,7 +870,7 @@ def _open_endpoints(config: RunConfig, cache_dir: Path | None):
                   timeout_s=config.request_timeout_s)
     reference = open_endpoint(config.reference_url, label="reference", model=config.reference_model,
                               api_key_env=api_key_env_for("reference", config.api_key_envs, config.api_key_env),
-                              **common)
+                              **common) if config.reference_url else None
     key = api_key_env_for("candidate", config.api_key_envs, config.api_key_env)
     candidates = [open_endpoint(url, label=label, model=models.get(label), api_key_env=key, **common)
                   for label, url in labelled]
@@ -865,7 +894,7 @@ def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, d
         earlier = {p.get("name"): p.get("endpoint") for p in manifest.get("paths") or []}
         earlier["reference"] = next((m.get("reference") for m in manifest.get("models") or []
                                      if m.get("label") == ENDPOINT_MODEL), None)
-        described = with_earlier_capabilities(earlier["reference"], reference.describe())
+        described = with_earlier_capabilities(earlier["reference"], reference.describe()) if reference else {}
         manifest["models"] = [{"label": ENDPOINT_MODEL, "path": config.reference_url, "sha256": None,
                                "arch": described.get("model") or "endpoint", "random_weights": False,
                                "reference": described}]
@@ -943,11 +972,12 @@ def _note_scales(store: RunStore, label: str, backends) -> None:
 
 
 def _expected_units(config: RunConfig, scenarios: list[Scenario]) -> list[tuple[str, str, str]]:
-    if config.reference_url:
+    if config.endpoints:
         models, paths = [ENDPOINT_MODEL], [label for label, _ in candidate_labels(config.candidate_urls)]
     else:
         models, paths = [model_label(d) for d in config.models], [p.name for p in config.paths]
-    return expected_units(models, [s.id for s in scenarios], paths)
+    units = expected_units(models, [s.id for s in scenarios], paths)
+    return units if config.reference_url or not config.endpoints else [u for u in units if u[2] != "reference"]
 
 
 def _finish(store: RunStore, status: str, **fields) -> None:

@@ -84,6 +84,18 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "attn_kernel_rows": "none",              # rows the kernel ran on (attention.jsonl: attention = kernel:NAME)
     "attn_kernel_failed": "lower",           # 1: the kernel raised on the sampled rows (errors.jsonl says why)
     "kv_outlier_ratio_max": "none",      # max over layers of channel amax / median channel amax of K (MLA: latent)
+    # self-consistency of a server (harness/analysis/self_consistency.py, `harness run --self-consistency`): the
+    # logprobs it reported while decoding its reply vs its prefill of the same prompt + reply tokens
+    "selfcons_kl_mean": "lower",         # KL(prefill || decode) per token over the listed top-k, nats
+    "selfcons_kl_max": "lower",
+    "selfcons_logprob_delta_mean": "lower",  # |decode - prefill| logprob of the decoded token, nats
+    "selfcons_logprob_delta_max": "lower",   # the verdict input (docs/VERDICTS.md, "Self-consistency")
+    "selfcons_flips": "lower",           # prefill argmax != decoded token where the prefill leads by > 1 nat
+    "selfcons_near_tie_flips": "none",   # the same at near-ties
+    "selfcons_tokens": "none",           # positions compared
+    "selfcons_repeat_delta_max": "lower",  # two identical decodes (prefix-cache hit): max |logprob difference|
+    "selfcons_repeat_diverged": "lower",   # 1.0 when the two decodes' tokens differ
+    "selfcons_history_turns": "none",    # earlier turns in the prompt (multi-turn: > 0)
     # judges (harness/judges): 1-5 scores, pairwise 1 win / 0.5 tie / 0 loss
     "judge_rule": "higher",
     "judge_agreement": "higher",

@@ -33,9 +33,9 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
     """A checked `RunConfig`. Left out: the bundled canaries (random-weight stand-ins with a warning when none
     are trained), the canary scenarios, the default KV paths (`bf16` always added, and the verdicts' yardstick
     path: `DEFAULT_YARDSTICK` unless `yardstick` names another or "none"), a new `runs/<time>-<id>`.
-    An endpoint run (`reference_url`) has no in-process models or paths. Bad values raise ValueError naming
+    An endpoint run (`reference_url`, or `candidate_urls` alone with self-consistency) has no in-process models or paths. Bad values raise ValueError naming
     the flag."""
-    endpoint = bool(fields.get("reference_url"))
+    endpoint = bool(fields.get("reference_url") or fields.get("candidate_urls"))
     if endpoint:
         models, kv_paths = (), ()
     else:

@@ -20,6 +20,9 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -545,3 +548,65 @@ def running_server(app, host: str = "127.0.0.1", port: int = 0, startup_timeout_
         server.should_exit = True
         thread.join(timeout=startup_timeout_s)
         sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's pick; another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_subprocess(path_spec: str, model_dir: str | Path | None = None, startup_timeout_s: float = 300.0,
+                        host: str = "127.0.0.1") -> Iterator[str]:
+    """`harness serve --path SPEC` as a child process on a free loopback port: yields its base URL once /health
+    answers, and stops that process (by its pid) on exit. A server that exits or stays silent first raises
+    RuntimeError with the path spec and the tail of its log."""
+    with serve_in_subprocesses([path_spec], model_dir, startup_timeout_s, host) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def serve_in_subprocesses(path_specs: Sequence[str], model_dir: str | Path | None = None,
+                          startup_timeout_s: float = 300.0, host: str = "127.0.0.1") -> Iterator[list[str]]:
+    """`serve_in_subprocess` for several path specs, started together (each loads and calibrates at once)."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for spec in path_specs:
+            port = free_port(host)
+            args = [sys.executable, "-m", "harness.cli", "serve", "--path", spec, "--host", host, "--port", str(port)]
+            args += ["--model", str(model_dir)] if model_dir is not None else []
+            log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            stack.callback(_stop, process)
+            started.append((spec, f"http://{host}:{port}", process, log))
+        deadline = time.monotonic() + startup_timeout_s
+        for spec, url, process, log in started:
+            _wait_for_health(process, url, deadline, spec, log)
+        yield [url for _, url, _, _ in started]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=20)
+
+
+def _wait_for_health(process: subprocess.Popen, url: str, deadline: float, path_spec: str, log) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    log.seek(0)
+    tail = " | ".join(log.read().strip().splitlines()[-5:])
+    state = f"exited with {process.returncode}" if process.poll() is not None else "not up in time"
+    raise RuntimeError(f"harness serve --path {path_spec} on {url}: {state}; its log ends: {tail}")

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from harness.analysis.strata import length_trend_reasons, path_strata
+from harness.analysis.self_consistency import turn_reasons as with_self_consistency
 from harness.records import METRIC_DIRECTIONS, decode_values
 
 REFERENCE = "reference"
@@ -481,6 +482,7 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
                             if r["metric"] not in overrides and not _shared_with_reference(r, reference)]
         reasons = (limit_reasons(own, limits, yardstick) + scenario_reasons + nonfinite_reasons(own)
                    + unmeasured_reasons(own))
+        reasons = with_self_consistency(reasons, own, reference)  # a server against itself (--self-consistency)
         rows.append(_row(key, reasons, own.get("kl_ratio_yardstick")))
     return rows + _error_rows(errors, {k[:3] for k in values})
 
@@ -852,7 +854,8 @@ def _unanswered(path: str, yardstick: str, model: str, pooled: Mapping, values: 
                        f"in --paths); divergence judged on absolute defaults only")
     fmt = kv_format(path)
     impl = [k for k in turns if "attn_impl_err_ratio" in values[k]]
-    if fmt is None:
+    checked_itself = any(values[k].get("selfcons_logprob_delta_max") is not None for k in turns)
+    if fmt is None and not checked_itself:  # a server checked against itself answers it (--self-consistency)
         missing.append(f"{IMPLEMENTATION}: {path} is not a KV path spec (an endpoint): its declared numerics are unknown")
     elif fmt != "bf16" and not impl:
         missing.append(f"{IMPLEMENTATION}: no attention implementation error measured (attn_impl_err_ratio); only "

@@ -485,6 +485,8 @@ class EndpointBackend:
         if "reply_ids_invalid" in self.capabilities:
             lines.append(f"{self.label}: replies not scored, their token ids disagree with what the server said it "
                          f"produced: {self.capabilities['reply_ids_invalid']}")
+        if self.capabilities.get("self_consistency", "").startswith("unavailable"):
+            lines.append(f"self-consistency {self.capabilities['self_consistency']}")  # it names the server
         if "chat_reply_invalid" in self.capabilities:
             lines.append(f"{self.label}: reply token ids re-tokenised from the text, the server's failed validation: "
                          f"{self.capabilities['chat_reply_invalid']}")
@@ -502,11 +504,13 @@ class EndpointBackend:
         except EndpointError as error:
             raise PreflightError(f"{self.label} {self.client.base_url}: {error}") from None
 
-    async def generate(self, messages: Sequence[Message], max_new_tokens: int) -> Generation:
+    async def generate(self, messages: Sequence[Message], max_new_tokens: int, *, cache: bool = True) -> Generation:
+        """`cache=False`: ask the server again even where the run's response cache holds this request (the
+        self-consistency check's second, identical decode: a prefix-cache hit on the server, not on us)."""
         chat = [_message_json(m) for m in messages]
         body = {"model": await self.model(), "messages": chat, "max_tokens": max_new_tokens, "temperature": 0.0,
                 "seed": self.config.seed, "n": 1}
-        reply, problem = await self._chat_with_best_logprobs(body)
+        reply, problem = await self._chat_with_best_logprobs(body, cache)
         choice = _first_choice(reply, "chat completion")
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
@@ -765,7 +769,7 @@ class EndpointBackend:
 
     # ------------------------------------------------------------ capability detection
 
-    async def _chat_with_best_logprobs(self, body: dict) -> tuple[dict, str | None]:
+    async def _chat_with_best_logprobs(self, body: dict, cache: bool = True) -> tuple[dict, str | None]:
         """A chat completion with the richest token information the server accepts: token ids
         (return_token_ids, and vLLM's return_tokens_as_token_ids in the logprobs), plain top-k
         logprobs, or none. The form that works first is remembered for the server. Returns the reply and
@@ -781,7 +785,7 @@ class EndpointBackend:
                 continue
             try:
                 reply = await self.client.post("/v1/chat/completions", body | extra, validate=_chat_reply_problem,
-                                               probe=chosen is None and bool(fields))
+                                               probe=chosen is None and bool(fields), cache=cache)
             except InvalidReply as error:
                 self.capabilities.setdefault("chat_logprobs", name)
                 self.capabilities["chat_reply_invalid"] = error.problem

@@ -52,13 +52,14 @@ class Replay:
 
     def __init__(self, model: str, reference: Backend, candidates: Sequence[Backend], store: RunStore,
                  history_mode: str = "reference-history", on_unit_done: Callable[[], None] | None = None,
-                 attention=None):
+                 attention=None, self_consistency: bool = False):
         if history_mode not in HISTORY_MODES:
             raise ValueError(f"unknown history mode {history_mode!r}; expected one of {', '.join(HISTORY_MODES)}")
         self.model, self.reference, self.candidates = model, reference, list(candidates)
         self.store, self.history_mode = store, history_mode
         self.on_unit_done = on_unit_done or (lambda: None)
         self.attention = attention  # harness.replay.attention.AttentionOptions, or None: no capture
+        self.self_consistency = self_consistency  # each candidate turn also against the server itself
 
     async def run(self, scenarios: Sequence[Scenario], concurrency: int = 1) -> None:
         gate = asyncio.Semaphore(concurrency)
@@ -128,7 +129,8 @@ class Replay:
                 tables["texts"].append(self._text_row(scenario, backend.label, turn, ref, None))
                 continue
             history = own if self.history_mode == "own-history" else reference
-            generation = await backend.generate(_messages(scenario, history, turn), scenario.max_new_tokens)
+            messages = _messages(scenario, history, turn)
+            generation = await backend.generate(messages, scenario.max_new_tokens)
             reply = TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False)
             own.append(reply)
             values = dict(free_running(ref.token_ids, generation.token_ids))
@@ -142,6 +144,8 @@ class Replay:
             rows = [self._record(scenario, backend.label, turn, metric, value) for metric, value in values.items()]
             rows += [self._record(scenario, backend.label, turn, metric, None) | {"unavailable": unavailable}
                      for metric in (SUMMARY_KEYS if unavailable else ())]
+            if self.self_consistency:
+                rows += await self._self_consistency_rows(scenario, backend, turn, messages, generation)
             tables["records"] += rows + self._task_records(scenario, backend.label, turn, generation)
             tables["series"] += [{**self._key(scenario, backend.label, turn), "series": name, **encode_values(series)}
                                  for name, series in tf_series.items()]
@@ -185,6 +189,15 @@ class Replay:
             path_scores.cancel()
             raise
         return ref_scores, await path_scores
+
+    async def _self_consistency_rows(self, scenario, backend, turn, messages, generation) -> list[dict]:
+        """The turn's self-consistency records (harness/replay/self_consistency.py): the server's decode against its
+        own prefill of the same tokens and against a repeated decode; unmeasured ones null, with the reason."""
+        from harness.replay.self_consistency import measure_turn  # it builds on this module
+
+        measured = await measure_turn(backend, messages, scenario.max_new_tokens, generation)
+        return [self._record(scenario, backend.label, turn, metric, value) | ({"unavailable": why} if why else {})
+                for metric, value, why in measured.records()]
 
     async def _attention(self, scenario, backend, reference, turn, tables) -> dict:
         """Attention-score error of the turn (in-process backends, when asked): per-turn aggregates
