@@ -207,7 +207,7 @@ class BatchedReplay:
         kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: history)
-        elif kv_path is None or not kv_path.is_fp8:
+        elif kv_path is None or not kv_path.is_quantized:
             # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: reference[s.id])
         else:
