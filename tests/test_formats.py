@@ -303,3 +303,40 @@ def test_mx_scales_match_compressed_tensors_except_its_round_up(name, bits):
     rounds_up = mantissa * 2 >= 1.75
     assert torch.equal(ours[~rounds_up], theirs[~rounds_up])
     assert torch.equal(ours[rounds_up] + 1, theirs[rounds_up])
+
+
+# -- the engine flag map (docs/FORMATS.md) ---------------------------------------------------------------------------
+
+VLLM_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+                     "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                     "turboquant_3bit_nc", "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4",
+                     "nvfp4_4over6")  # vllm/config/cache.py CacheDType, read 2026-11
+SGLANG_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16",
+                       "fp4_e2m1")  # sglang.launch_server --help, 0.5.20
+
+
+@pytest.mark.parametrize("engine, values", [("vllm", VLLM_CACHE_DTYPES), ("sglang", SGLANG_CACHE_DTYPES)])
+def test_every_engine_kv_cache_dtype_maps_to_a_path_or_a_refusal(engine, values):
+    from pathlib import Path
+
+    from harness.kv_paths.spec import PathSpecError, parse_path
+
+    table = (Path(__file__).parents[1] / "docs" / "FORMATS.md").read_text()
+    for value in values:
+        assert f"`{value}`" in table, f"docs/FORMATS.md has no row for {engine} {value}"
+        try:
+            path = parse_path(f"{engine}:{value}")
+        except PathSpecError as refusal:
+            assert "refused" in str(refusal) and value in str(refusal)
+            continue
+        assert path.name == f"{engine}:{value}" and path.canonical
+
+
+def test_engine_spelling_keeps_options_and_names_unknown_values():
+    from harness.kv_paths.spec import PathSpecError, parse_path
+
+    assert parse_path("vllm:nvfp4:calibrated").canonical == "nvfp4:per_tensor:calibrated"
+    assert parse_path("vllm:fp8").canonical == parse_path("fp8_e4m3").canonical
+    assert parse_path("sglang:mxfp8").fmt == "mxfp8"
+    with pytest.raises(PathSpecError, match="unknown vllm --kv-cache-dtype 'fp9'"):
+        parse_path("vllm:fp9")

@@ -27,6 +27,7 @@ The FP8 e4m3 / e5m2 formats are `kernels/reference.py`'s quantise / dequantise, 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -320,6 +321,9 @@ def _unblock(blocked: torch.Tensor, length: int) -> torch.Tensor:
 
 _REGISTRY: dict[str, KVFormat] = {}
 _SPELLINGS: dict[str, str] = {}
+# Modules outside this one that registered formats: worker processes (spawned, so fresh interpreters) import them
+# before replaying, so a format a user's module declares is known there too (`harness.job._worker_init`).
+_EXTENSION_MODULES: list[str] = []
 
 
 def register_format(kv_format: KVFormat) -> KVFormat:
@@ -333,7 +337,23 @@ def register_format(kv_format: KVFormat) -> KVFormat:
     _REGISTRY[kv_format.name] = kv_format
     for spelling in kv_format.spellings:
         _SPELLINGS[spelling] = kv_format.name
+    caller = sys._getframe(1).f_globals.get("__name__", "")  # noqa: SLF001 - who declared it
+    if caller not in (__name__, "__main__", "") and caller not in _EXTENSION_MODULES:
+        _EXTENSION_MODULES.append(caller)
     return kv_format
+
+
+def extension_modules() -> tuple[str, ...]:
+    """Modules (besides this one) that registered formats in this process."""
+    return tuple(_EXTENSION_MODULES)
+
+
+def load_extensions(modules: tuple[str, ...]) -> None:
+    """Import the modules that registered formats in the parent process (a worker's start)."""
+    import importlib
+
+    for module in modules:
+        importlib.import_module(module)
 
 
 def get_format(name: str) -> KVFormat:

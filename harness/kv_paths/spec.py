@@ -189,6 +189,46 @@ class KVPath:
                 f"({self.v_format.describe()}){static}")
 
 
+# Engine `--kv-cache-dtype` values (docs/FORMATS.md): `vllm:nvfp4`, `sglang:mxfp8`. A value maps to our spec head,
+# or to a refusal saying what is missing.
+ENGINE_KV_DTYPES: dict[str, dict[str, str]] = {
+    "vllm": {"auto": "bf16", "float16": "bf16", "bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+             "fp8_e5m2": "fp8_e5m2", "fp8_per_token_head": "fp8_per_token_head",
+             "int8_per_token_head": "int8_per_token_head", "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4_4over6"},
+    "sglang": {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+               "mxfp8": "mxfp8", "nvfp4": "nvfp4", "fp4_mx_block16": "fp4_mx_block16", "fp4_e2m1": "fp4_mx_block16",
+               "int8": "int8_per_token_head_asym"},
+}
+ENGINE_REFUSALS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "fp8_inc": "Intel Gaudi's INC-scaled e4m3: its scale rule is not declared here (nearest: fp8_e4m3:calibrated)",
+        "int4_per_token_head": "vLLM's int4 is a 16-level codebook with fp16 group scales, not declared here; "
+                               "int4_per_token_head is our linear symmetric int4",
+        "fp8_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
+        "nvfp4_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
+        **{name: "TurboQuant's rotation and codebooks are not declared here" for name in (
+            "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
+    },
+    "sglang": {},
+}
+
+
+def _engine_head(spec: str, head: str, options: list[str]) -> tuple[str, list[str]]:
+    """`vllm:VALUE[:option...]` / `sglang:VALUE[:option...]` -> (our head, the remaining options)."""
+    if head not in ENGINE_KV_DTYPES:
+        return head, options
+    if not options:
+        raise PathSpecError(f"KV path {spec!r}: {head}: needs the engine's --kv-cache-dtype value, e.g. {head}:nvfp4")
+    value, rest = options[0], options[1:]
+    if value in ENGINE_REFUSALS[head]:
+        raise PathSpecError(f"KV path {spec!r}: {head} --kv-cache-dtype {value} is refused: "
+                            f"{ENGINE_REFUSALS[head][value]} (docs/FORMATS.md)")
+    if value not in ENGINE_KV_DTYPES[head]:
+        raise PathSpecError(f"KV path {spec!r}: unknown {head} --kv-cache-dtype {value!r}; known: "
+                            f"{', '.join([*ENGINE_KV_DTYPES[head], *ENGINE_REFUSALS[head]])}")
+    return ENGINE_KV_DTYPES[head][value], rest
+
+
 def _formats_of_head(spec: str, head: str) -> tuple[str, str]:
     """(fmt, v_fmt) a spec's head names: a format spelling, or `k=A/v=B` (v_fmt "" where V is K's format)."""
     if "=" not in head:
@@ -239,6 +279,7 @@ def parse_path(spec: str) -> KVPath:
     if not text:
         raise PathSpecError("empty KV path spec; expected e.g. 'bf16' or 'fp8_e4m3:per_head:calibrated'")
     head, *options = [part.strip() for part in text.split(":")]
+    head, options = _engine_head(spec, head, options)
     fmt, v_fmt = _formats_of_head(spec, head)
     if fmt == NOISE_FORMAT and options:
         raise PathSpecError(f"KV path {spec!r}: fp32 is the reference in float32 (its precision noise) and takes no "
