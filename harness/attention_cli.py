@@ -104,7 +104,7 @@ def sensitivity(args: argparse.Namespace) -> int:
     from harness.scenarios.load import load_scenarios
 
     kv_path = parse_path(args.path)
-    if not kv_path.is_fp8 and not kv_path.quantizes_attention:
+    if not kv_path.is_quantized and not kv_path.quantizes_attention:
         raise ValueError(f"--path {args.path!r} quantises nothing; scan an FP8 path, e.g. fp8_e4m3")
     scenarios = load_scenarios(list(args.scenarios or job.default_scenarios()))
     from harness.run_config import single_device

@@ -426,7 +426,7 @@ def _replay_tensor_parallel(config: RunConfig, scenarios, calibration_chats, sto
     port = free_port()
     threads = 1 if devices[0] == "cpu" else 0
     with futures.ProcessPoolExecutor(len(devices), mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init, initargs=(config.out, threads)) as pool:
+                                     initializer=_worker_init, initargs=(config.out, threads, _format_modules())) as pool:
         _wait_for_workers(pool, {pool.submit(_tensor_parallel_rank, config, rank, port, scenarios, calibration_chats)
                                  for rank in range(len(devices))}, store, bar)
 
@@ -528,7 +528,7 @@ def _replay_models_in_processes(config: RunConfig, scenarios, calibration_chats,
     import multiprocessing
 
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init, initargs=(config.out,)) as pool:
+                                     initializer=_worker_init, initargs=(config.out, 1, _format_modules())) as pool:
         _wait_for_workers(pool, {pool.submit(_model_worker, config, directory, scenarios, calibration_chats)
                                  for directory in config.models}, store, bar)
 
@@ -570,7 +570,7 @@ def _replay_data_parallel(config: RunConfig, devices: list[str], scenarios, cali
               "differs from one GPU: a model's scenarios are split over GPUs (see noise_floor)"}
     store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout))
     with futures.ProcessPoolExecutor(len(devices), mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init, initargs=(config.out, 0)) as pool:
+                                     initializer=_worker_init, initargs=(config.out, 0, _format_modules())) as pool:
         _wait_for_workers(pool, {pool.submit(_gpu_worker, replace(config, device=device), work, calibration_chats)
                                  for device, work in zip(devices, plan) if work}, store, bar)
 
@@ -603,12 +603,22 @@ def _wait_for_workers(pool, pending: set, store: RunStore, bar) -> None:
         raise
 
 
-def _worker_init(run_dir: Path | None = None, threads: int = 1) -> None:
+def _format_modules() -> tuple[str, ...]:
+    from harness.kv_paths import formats
+
+    return formats.extension_modules()
+
+
+def _worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: tuple[str, ...] | None = None) -> None:
     """Model workers: one intra-op thread each on the CPU (GPU workers keep torch's default: 0), and they die
     with the parent (a killed run leaves no orphan still writing into it). Library noise goes to the run's
-    library.log, as in the parent."""
+    library.log, as in the parent. KV formats registered by other modules in the parent are registered here too."""
     import ctypes
     import signal
+
+    from harness.kv_paths import formats
+
+    formats.load_extensions(format_modules if format_modules is not None else ())
 
     if run_dir is not None:
         from harness.runs.library_log import quiet_libraries
@@ -651,7 +661,7 @@ def _replay_units_in_processes(config: RunConfig, scenarios, calibration_chats, 
     # last would leave one core idle at the end; references (cost not yet known) go first, in the run's order
     ready = [(float("inf"), Path(directory), None, None) for directory in config.models]
     with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_worker_init, initargs=(config.out,)) as pool:
+                                     initializer=_worker_init, initargs=(config.out, 1, _format_modules())) as pool:
         pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
         try:
             while pending or ready:

@@ -143,7 +143,7 @@ def _tensor_parallel_problems(config: RunConfig) -> list[str]:
 def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
     """A `:checkpoint` FP8 path needs k_scale/v_scale tensors: looked up in the safetensors headers now,
     not after the model has loaded (harness/kv_paths/cache.py names any layer still missing later)."""
-    wanted = [p.name for p in paths if p.is_fp8 and p.scale_source == "checkpoint"]
+    wanted = [p.name for p in paths if p.has_static_scale and p.scale_source == "checkpoint"]
     if not wanted:
         return []
     from safetensors import safe_open

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from harness.kv_paths import capabilities
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.spec import KVPath
@@ -180,7 +181,9 @@ class LayerScales:
 
 
 class QuantizedKVLayer(DynamicLayer):
-    """A `DynamicLayer` that stores FP8 (write = quantise, read = dequantise) per a `KVPath`."""
+    """A `DynamicLayer` that stores a KV format (write = encode, read = decode) per a `KVPath`: K in the path's
+    `k_format`, V in its `v_format` (harness/kv_paths/formats.py). A write runs the fused Triton kernel (CUDA) or the
+    C call (CPU) where `capabilities` says they serve the path's formats, else the formats' torch round trip."""
 
     def __init__(self, kv_path: KVPath, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  stats: KVWriteStats):
@@ -192,16 +195,19 @@ class QuantizedKVLayer(DynamicLayer):
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
         self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
         self._c_scales: dict = {}  # id(scale) -> (scale, float32 scales for the CPU write in C, or None)
+        self.k_format, self.v_format = kv_path.k_format, kv_path.v_format
+        self.fused_serves = kv_path.is_quantized and capabilities.FUSED_WRITE.refusal(kv_path) is None
+        self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.kv_path.is_fp8:  # scales may be present; a BF16 cache must ignore them (class 3)
+        if not self.kv_path.is_quantized:  # scales may be present; a BF16 cache must ignore them (class 3)
             return self._store(key_states, value_states)
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
-        if fused_write_on(key_states) and self.stats.on_device(key_states.device):
+        if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
             keys, values = self._store(*self._fused_round_trip(key_states, value_states))
         else:
-            keys, values = self._store(self._round_trip(key_states, self.k_scale),
-                                       self._round_trip(value_states, self.v_scale))
+            keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format),
+                                       self._round_trip(value_states, self.v_scale, self.v_format))
             if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
                 self.paged.write(key_states, value_states)
         chunk = key_states.shape[-2]
@@ -229,10 +235,11 @@ class QuantizedKVLayer(DynamicLayer):
         per_token = self.kv_path.granularity == "per_token"
         targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
         read_back = []
-        for i, (x, name) in enumerate(((key_states, "k_scale"), (value_states, "v_scale"))):
+        for i, (x, name, kv_format) in enumerate(((key_states, "k_scale", self.k_format),
+                                                  (value_states, "v_scale", self.v_format))):
             scale = None if per_token else self._device_scale(name, x.device)
             target = targets[i] if targets is not None else {}
-            read_back.append(quantize_store(x, scale, self.kv_path.fmt, self.kv_path.saturate, counts=counts,
+            read_back.append(quantize_store(x, scale, kv_format.name, self.kv_path.saturate, counts=counts,
                                             amax=amax, live=live, valid=valid, **target))
         if self.paged is not None and targets is None:
             self.paged.write(key_states, value_states)
@@ -246,28 +253,31 @@ class QuantizedKVLayer(DynamicLayer):
             setattr(self, name, scale)
         return scale
 
-    def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
-        fmt = self.kv_path.fmt
-        if (self.stats.step is None and static_scale is not None and x.is_cpu and x.dtype is torch.bfloat16
-                and self.kv_path.granularity != "per_token"):
-            scales = self._c_round_trip_scales(static_scale, x.shape[1])
+    def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
+        """x written in `kv_format` and read back in x's dtype, its write statistics counted."""
+        per_token = self.kv_path.granularity == "per_token"
+        if (self.c_serves and self.stats.step is None and static_scale is not None and x.is_cpu
+                and x.dtype is torch.bfloat16 and not per_token):
+            scales = self._c_round_trip_scales(static_scale, x.shape[1], kv_format.name)
             if scales is not None:
-                read_back, clipped, nonfinite, amax = cpu_kernels.kv_round_trip(x, scales, fmt, self.kv_path.saturate)
+                read_back, clipped, nonfinite, amax = cpu_kernels.kv_round_trip(x, scales, kv_format.name,
+                                                                                self.kv_path.saturate)
                 if x.numel():
                     self.stats.add_counted(x.numel(), clipped, nonfinite, amax, x.device)
                 return read_back
-        if self.kv_path.granularity == "per_token":
-            scale = fp8.per_token_scale(x, fmt)  # [batch, heads, chunk, 1]
-        else:
+        if per_token:
+            scale = fp8.per_token_scale(x, kv_format.name)  # [batch, heads, chunk, 1]
+        elif kv_format.has_static_scale:
             scale = static_scale.to(x.device)
             if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
                 scale = scale.view(-1, 1, 1)
-        codes = fp8.quantize(x, scale, fmt, saturate=self.kv_path.saturate)
-        read_back = fp8.dequantize(codes, scale, out_dtype=x.dtype)
-        self._count(x, scale, read_back)
+        else:  # every scale computed at write (block / per token-head)
+            scale = None
+        read_back, ratio = kv_format.round_trip(x, scale, saturate=self.kv_path.saturate)
+        self.stats.count(x, ratio, read_back)
         return read_back
 
-    def _c_round_trip_scales(self, static_scale: torch.Tensor, heads: int) -> torch.Tensor | None:
+    def _c_round_trip_scales(self, static_scale: torch.Tensor, heads: int, fmt: str) -> torch.Tensor | None:
         """The float32 [1] or [heads] scales for the one-sequence CPU write in C, or None where it does not apply or
         its probe refused these scales (`cpu_round_trip_exact`); decided once per scale tensor (a layer's scales
         are set, never changed in place; an inference tensor has no version counter to tell)."""
@@ -275,13 +285,10 @@ class QuantizedKVLayer(DynamicLayer):
         if found is None or found[0] is not static_scale:
             scales = static_scale.detach().reshape(-1).float().contiguous()  # [] -> [1]; per head: [heads]
             usable = static_scale.is_cpu and scales.numel() in (1, heads)
-            exact = usable and cpu_round_trip_exact(scales, self.kv_path.fmt, self.kv_path.saturate)
+            exact = usable and cpu_round_trip_exact(scales, fmt, self.kv_path.saturate)
             found = self._c_scales[id(static_scale)] = (static_scale, scales if exact else None)
         scales = found[1]
         return scales if scales is not None and scales.numel() in (1, heads) else None
-
-    def _count(self, x: torch.Tensor, scale: torch.Tensor, read_back: torch.Tensor) -> None:
-        self.stats.count(x, (x.float() / scale).abs() / fp8.FP8_MAX[self.kv_path.fmt], read_back)
 
 
 # -- the CPU write in one C call (kernels/cpu_kv_round_trip.c), where its bits are the torch ops' ----------------
@@ -488,8 +495,8 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
-        needs_scales = kv_path.is_fp8 or kv_path.k_scale_on_scores
-        if needs_scales and kv_path.granularity != "per_token" and (k_scale is None or v_scale is None):
+        needs_scales = kv_path.has_static_scale or kv_path.k_scale_on_scores
+        if needs_scales and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
         cache.layers[i] = _of_kind(QuantizedKVLayer, layer, kv_path, k_scale, v_scale, stats)
         if kv_path.quantizes_attention:
@@ -534,15 +541,22 @@ def observer_cache(config) -> DynamicCache:
 
 
 def scales_from_observers(cache: DynamicCache, kv_path: KVPath, source: str, provenance: str) -> LayerScales:
-    """amax / fp8 max per layer; per tensor takes the max over heads. A bf16 path still gets (unused)
-    e4m3 scales, as a checkpoint made for an FP8 cache would carry them."""
-    fmt = kv_path.fmt if kv_path.is_fp8 else "e4m3"
+    """amax / the format's static range per layer (fp8: amax / fp8 max; NVFP4: amax / (448 x 6), its global scale);
+    per tensor takes the max over heads. A bf16 path, and a side whose format has no static scale, still gets
+    (unused) e4m3 scales, as a checkpoint made for an FP8 cache would carry them."""
+    k_scale_of, v_scale_of = (_static_scale_rule(f) for f in (kv_path.k_format, kv_path.v_format))
     k, v = {}, {}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, AmaxObserverLayer) and layer.k_amax is not None:
-            k[i] = _reduce(fp8.amax_scale(layer.k_amax, fmt), kv_path)
-            v[i] = _reduce(fp8.amax_scale(layer.v_amax, fmt), kv_path)
+            k[i] = _reduce(k_scale_of(layer.k_amax), kv_path)
+            v[i] = _reduce(v_scale_of(layer.v_amax), kv_path)
     return LayerScales(k=k, v=v, source=source, provenance=provenance)
+
+
+def _static_scale_rule(kv_format):
+    if kv_format is not None and kv_format.has_static_scale:
+        return kv_format.scale_of_amax
+    return lambda amax: fp8.amax_scale(amax, "e4m3")
 
 
 def _reduce(per_head: torch.Tensor, kv_path: KVPath) -> torch.Tensor:
@@ -570,7 +584,7 @@ def scales_from_checkpoint(tensors: dict[str, torch.Tensor], config, kv_path: KV
         scale = value.max() if kv_path.granularity == "per_tensor" or value.numel() == 1 else value
         (k if parts[-1] == "k_scale" else v)[layer] = scale.reshape(()) if scale.numel() == 1 else scale
     missing = [i for i in attention_layer_indices(config) if i not in k or i not in v]
-    if (kv_path.is_fp8 or kv_path.k_scale_on_scores) and missing:
+    if (kv_path.has_static_scale or kv_path.k_scale_on_scores) and missing:
         raise ValueError(f"KV path {kv_path.name!r}: checkpoint {model_dir} has no k_scale/v_scale for "
                          f"attention layers {missing} (looked for '*.layers.N.*.k_scale' tensors in *.safetensors)")
     return LayerScales(k=k, v=v, source="checkpoint", provenance=f"k_scale/v_scale tensors in {model_dir}")

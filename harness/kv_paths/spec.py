@@ -1,5 +1,8 @@
 """KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`,
 `fp8_e4m3:kernel=dequant` or `fp8_e4m3:kernel=mypkg.attn:decode` (decode through a plug-in kernel).
+A format is any registered `KVFormat` spelling (harness/kv_paths/formats.py: `nvfp4`, `mxfp8`, `mxfp4`,
+`int8_per_token_head`, ...); K and V may differ: `k=fp8_e4m3/v=nvfp4`. Scale options (granularity, scale source)
+apply to a format's static scale; formats whose scales are all computed at write (MX, per token-head) take none.
 
 Beside the cache, a path may quantise the attention computation itself, as engines do with a `q_scale`
 and a `prob_scale`: `fp8_q` (the query in FP8 e4m3) and `fp8_p` (the softmax probabilities in FP8 e4m3),
@@ -17,13 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.kv_paths import formats as kv_formats
 from harness.kv_paths.faults import FAULTS
 
 # `harness run` without --paths: healthy paths only, so a default run exits 0 on a sound install. The known-bad
 # fp8_e4m3:warmup (scales from one dummy pass) is the README's demonstration of a failing path.
 DEFAULT_PATHS = "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e5m2"
 
-FORMATS = {"bf16": "bf16", "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "fp32": "fp32"}
+FORMATS = {"bf16": "bf16", "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "fp32": "fp32",
+           **{spelling: kv_formats.format_of_spelling(spelling).name for spelling in kv_formats.spellings()}}
+UNQUANTISED = ("bf16", "fp32")
 # `fp32`: not a cache format but the reference itself in float32 (weights, activations, cache), replayed as a path:
 # its divergence from the BF16 reference is the reference's own precision noise, a yardstick measured in the same
 # run (docs/VERDICTS.md). It takes no options.
@@ -60,7 +66,7 @@ SCALE_SOURCE_HELP = {
     "calibrated": "amax / fp8 max over the calibration prompts",
     "checkpoint": "k_scale / v_scale tensors stored beside the weights",
     "warmup": "amax from one dummy warm-up pass (recurrent state uninitialised), frozen: failure class 2",
-    "dynamic": "per token, from each token as it is written",
+    "dynamic": "computed at write from the values written (per token, per token-head or per block)",
 }
 
 
@@ -71,7 +77,8 @@ class PathSpecError(ValueError):
 @dataclass(frozen=True, slots=True)
 class KVPath:
     name: str
-    fmt: str = "bf16"  # bf16 | e4m3 | e5m2
+    fmt: str = "bf16"  # bf16 | fp32 | a registered KVFormat's name (e4m3, e5m2, nvfp4, ...): K's format, and V's
+    v_fmt: str = ""  # V's format where it differs from K's (`k=A/v=B`); "" the same
     granularity: str = "per_tensor"
     scale_source: str = "default"
     saturate: bool = True
@@ -93,8 +100,29 @@ class KVPath:
         return self.fp8_q or self.fp8_prob
 
     @property
+    def is_quantized(self) -> bool:
+        """The cache stores a registered format (any), not bf16 (and this is not the float32 reference)."""
+        return self.fmt not in UNQUANTISED
+
+    @property
+    def k_format(self) -> kv_formats.KVFormat | None:
+        return kv_formats.get_format(self.fmt) if self.is_quantized else None
+
+    @property
+    def v_format(self) -> kv_formats.KVFormat | None:
+        return kv_formats.get_format(self.v_fmt or self.fmt) if self.is_quantized else None
+
+    @property
     def is_fp8(self) -> bool:
-        return self.fmt in ("e4m3", "e5m2")
+        """K and V both FP8 e4m3 / e5m2 under static (or per-token) scales alone: the formats our kernels, the
+        fused write and the C write know (harness/kv_paths/capabilities.py says which serve what)."""
+        return self.is_quantized and self.k_format.is_legacy_fp8 and self.v_format.is_legacy_fp8
+
+    @property
+    def has_static_scale(self) -> bool:
+        """Some side's format takes a static scale from the scale source (per_token FP8 computes its own)."""
+        return (self.is_quantized and self.granularity != "per_token"
+                and (self.k_format.has_static_scale or self.v_format.has_static_scale))
 
     @property
     def is_reference_noise(self) -> bool:
@@ -123,13 +151,16 @@ class KVPath:
     def _canonical_kv(self) -> str:
         if self.is_reference_noise:
             return NOISE_FORMAT
-        if not self.is_fp8:
+        if not self.is_quantized:
             base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
             return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
-        parts = [f"fp8_{self.fmt}", self.granularity]
-        if self.granularity != "per_token":  # per-token scales are always dynamic
+        parts = [self._format_head()]
+        if self.has_static_scale or self.granularity == "per_token":
+            parts.append(self.granularity)
+        if self.has_static_scale:  # per-token and block scales are always dynamic
             parts.append(self.scale_source)
-        parts.append("sat" if self.saturate else "nosat")
+        if not (self.k_format.saturating_only or self.v_format.saturating_only):
+            parts.append("sat" if self.saturate else "nosat")
         if not self.quantize_current_chunk:
             parts.append("raw_prefill")
         if self.emulated:
@@ -137,6 +168,11 @@ class KVPath:
         if self.kernel:
             parts.append(f"kernel={self.kernel}")
         return ":".join(parts)
+
+    def _format_head(self) -> str:
+        if not self.v_fmt or self.v_fmt == self.fmt:
+            return self.k_format.spec_name
+        return f"k={self.k_format.spec_name}/v={self.v_format.spec_name}"
 
     def describe(self) -> str:
         extra = [f"prompt prefilled in chunks of {self.prefill_chunk} tokens"] if self.prefill_chunk else []
@@ -162,12 +198,108 @@ class KVPath:
         if self.k_scale_on_scores:
             return (f"bf16 cache with {self.scale_source} k_scale multiplied into the attention scores "
                     f"(fault preset: failure class 3)")
-        if not self.is_fp8:
+        if not self.is_quantized:
             note = "" if self.scale_source == "default" else f"; {self.scale_source} scales present and ignored"
             return f"bf16 cache (no quantisation{note})"
+        if not self.is_fp8:
+            return self._describe_formats()
         return (f"fp8 {self.fmt} cache, {self.granularity} scales from {self.scale_source} "
                 f"({SCALE_SOURCE_HELP[self.scale_source]}), "
                 f"{'saturating' if self.saturate else 'non-saturating'} cast")
+
+
+    def _describe_formats(self) -> str:
+        static = (f"; static scales {self.granularity} from {self.scale_source} ({SCALE_SOURCE_HELP[self.scale_source]})"
+                  if self.has_static_scale else "")
+        if self.k_format is self.v_format:
+            return f"{self.k_format.spec_name} cache: {self.k_format.describe()}{static}"
+        return (f"K {self.k_format.spec_name} ({self.k_format.describe()}), V {self.v_format.spec_name} "
+                f"({self.v_format.describe()}){static}")
+
+
+# Engine `--kv-cache-dtype` values (docs/FORMATS.md): `vllm:nvfp4`, `sglang:mxfp8`. A value maps to our spec head,
+# or to a refusal saying what is missing.
+ENGINE_KV_DTYPES: dict[str, dict[str, str]] = {
+    "vllm": {"auto": "bf16", "float16": "bf16", "bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+             "fp8_e5m2": "fp8_e5m2", "fp8_per_token_head": "fp8_per_token_head",
+             "int8_per_token_head": "int8_per_token_head", "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4_4over6"},
+    "sglang": {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+               "mxfp8": "mxfp8", "nvfp4": "nvfp4", "fp4_mx_block16": "fp4_mx_block16", "fp4_e2m1": "fp4_mx_block16",
+               "int8": "int8_per_token_head_asym"},
+}
+ENGINE_REFUSALS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "fp8_inc": "Intel Gaudi's INC-scaled e4m3: its scale rule is not declared here (nearest: fp8_e4m3:calibrated)",
+        "int4_per_token_head": "vLLM's int4 is a 16-level codebook with fp16 group scales, not declared here; "
+                               "int4_per_token_head is our linear symmetric int4",
+        "fp8_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
+        "nvfp4_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
+        **{name: "TurboQuant's rotation and codebooks are not declared here" for name in (
+            "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
+    },
+    "sglang": {},
+}
+
+
+def _engine_head(spec: str, head: str, options: list[str]) -> tuple[str, list[str]]:
+    """`vllm:VALUE[:option...]` / `sglang:VALUE[:option...]` -> (our head, the remaining options)."""
+    if head not in ENGINE_KV_DTYPES:
+        return head, options
+    if not options:
+        raise PathSpecError(f"KV path {spec!r}: {head}: needs the engine's --kv-cache-dtype value, e.g. {head}:nvfp4")
+    value, rest = options[0], options[1:]
+    if value in ENGINE_REFUSALS[head]:
+        raise PathSpecError(f"KV path {spec!r}: {head} --kv-cache-dtype {value} is refused: "
+                            f"{ENGINE_REFUSALS[head][value]} (docs/FORMATS.md)")
+    if value not in ENGINE_KV_DTYPES[head]:
+        raise PathSpecError(f"KV path {spec!r}: unknown {head} --kv-cache-dtype {value!r}; known: "
+                            f"{', '.join([*ENGINE_KV_DTYPES[head], *ENGINE_REFUSALS[head]])}")
+    return ENGINE_KV_DTYPES[head][value], rest
+
+
+def _formats_of_head(spec: str, head: str) -> tuple[str, str]:
+    """(fmt, v_fmt) a spec's head names: a format spelling, or `k=A/v=B` (v_fmt "" where V is K's format)."""
+    if "=" not in head:
+        found = kv_formats.format_of_spelling(head)
+        if head in ("bf16", NOISE_FORMAT) or found is None:
+            if head not in FORMATS:
+                known = ", ".join(dict.fromkeys(["bf16", NOISE_FORMAT, *kv_formats.spellings()]))
+                raise PathSpecError(f"KV path {spec!r}: unknown cache format {head!r}; expected one of {known}, "
+                                    f"or K and V apart as k=FORMAT/v=FORMAT")
+            return FORMATS[head], ""
+        return found.name, ""
+    sides = dict(part.partition("=")[::2] for part in head.split("/"))
+    if sorted(sides) != ["k", "v"] or head.count("/") != 1:
+        raise PathSpecError(f"KV path {spec!r}: mixed K/V formats are spelled k=FORMAT/v=FORMAT, e.g. "
+                            f"k=fp8_e4m3/v=nvfp4; got {head!r}")
+    chosen = {}
+    for side, spelling in sides.items():
+        found = kv_formats.format_of_spelling(spelling)
+        if found is None:
+            raise PathSpecError(f"KV path {spec!r}: unknown {side.upper()} format {spelling!r}; expected one of "
+                                f"{', '.join(kv_formats.spellings())}")
+        chosen[side] = found.name
+    return chosen["k"], "" if chosen["v"] == chosen["k"] else chosen["v"]
+
+
+def _check_scale_options(spec: str, fmt: str, v_fmt: str, chosen: dict[str, str]) -> None:
+    """Scale options a path's formats cannot take: named with the format and the option."""
+    if fmt in UNQUANTISED:
+        return
+    k_format, v_format = kv_formats.get_format(fmt), kv_formats.get_format(v_fmt or fmt)
+    static = k_format.has_static_scale or v_format.has_static_scale
+    for dimension in ("granularity", "scale_source"):
+        if dimension in chosen and not static:
+            raise PathSpecError(
+                f"KV path {spec!r}: option {chosen[dimension]!r} sets a static scale, and {k_format.spec_name}"
+                f"{'' if k_format is v_format else ' / ' + v_format.spec_name} has none: its scales "
+                f"({k_format.granularity}) are computed at write")
+    if chosen.get("granularity") == "per_token" and not (k_format.is_legacy_fp8 and v_format.is_legacy_fp8):
+        raise PathSpecError(f"KV path {spec!r}: per_token applies to fp8_e4m3 / fp8_e5m2 static scales; for a "
+                            f"per token-head format use fp8_per_token_head, int8_per_token_head or int4_per_token_head")
+    if "cast" in chosen and (k_format.saturating_only or v_format.saturating_only):
+        raise PathSpecError(f"KV path {spec!r}: option {chosen['cast']!r} chooses FP8's overflow cast; "
+                            f"{(v_format if v_format.saturating_only else k_format).spec_name} always saturates")
 
 
 def parse_path(spec: str) -> KVPath:
@@ -175,13 +307,14 @@ def parse_path(spec: str) -> KVPath:
     if not text:
         raise PathSpecError("empty KV path spec; expected e.g. 'bf16' or 'fp8_e4m3:per_head:calibrated'")
     head, *options = [part.strip() for part in text.split(":")]
-    if head not in FORMATS:
-        raise PathSpecError(f"KV path {spec!r}: unknown cache format {head!r}; expected one of {', '.join(FORMATS)}")
-    if FORMATS[head] == NOISE_FORMAT and options:
+    head, options = _engine_head(spec, head, options)
+    fmt, v_fmt = _formats_of_head(spec, head)
+    if fmt == NOISE_FORMAT and options:
         raise PathSpecError(f"KV path {spec!r}: fp32 is the reference in float32 (its precision noise) and takes no "
                             f"options")
     options, kernel = _kernel_option(spec, options)
-    if kernel and (FORMATS[head] == "bf16" or "per_token" in options or "emulated" in options):
+    legacy_fp8 = fmt not in UNQUANTISED and all(kv_formats.get_format(f).is_legacy_fp8 for f in (fmt, v_fmt or fmt))
+    if kernel and (not legacy_fp8 or "per_token" in options or "emulated" in options):
         raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "
                             f"scales (the decode-kernel contract, docs/CONTRACTS.md)")
     chosen: dict[str, str] = {}
@@ -202,6 +335,7 @@ def parse_path(spec: str) -> KVPath:
         if dimension in chosen:
             raise PathSpecError(f"KV path {spec!r} sets {dimension} twice ({chosen[dimension]!r} and {option!r})")
         chosen[dimension] = option
+    _check_scale_options(spec, fmt, v_fmt, chosen)
     granularity = chosen.get("granularity", "per_tensor")
     source = chosen.get("scale_source", "default")
     if granularity == "per_token" and "scale_source" in chosen:
@@ -209,21 +343,24 @@ def parse_path(spec: str) -> KVPath:
             f"KV path {spec!r}: per_token scales are computed from each token as it is written, so they "
             f"cannot also come from {source!r}; use per_tensor or per_head for {source!r} scales")
     if "scores" in chosen:
-        _check_k_scale_on_scores(spec, FORMATS[head], source)
+        _check_k_scale_on_scores(spec, fmt, source)
     if "implementation" in chosen:
-        _check_emulated(spec, FORMATS[head], chosen, bf16_layers)
+        _check_emulated(spec, fmt, chosen, bf16_layers, v_fmt)
     fault = chosen.get("fault", "").removeprefix("fault=")
     if fault:
         from harness.kv_paths.faults import check
 
-        problem = check(text, fault, FORMATS[head], granularity, chosen.get("probs") == "fp8_p")
+        problem = check(text, fault, fmt, granularity, chosen.get("probs") == "fp8_p")
         if problem:
             raise PathSpecError(f"KV path {spec!r}: {problem}")
+    dynamic = fmt not in UNQUANTISED and (granularity == "per_token" or not any(
+        kv_formats.get_format(f).has_static_scale for f in (fmt, v_fmt or fmt)))
     return KVPath(
         name=text,
-        fmt=FORMATS[head],
+        fmt=fmt,
+        v_fmt=v_fmt,
         granularity=granularity,
-        scale_source="dynamic" if granularity == "per_token" and FORMATS[head] != "bf16" else source,
+        scale_source="dynamic" if dynamic else source,
         saturate=chosen.get("cast", "sat") == "sat",
         quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
         k_scale_on_scores="scores" in chosen,
@@ -242,7 +379,7 @@ def twin_of(spec: str) -> str | None:
     numerics written outside the engine; None where the twin cannot compute them alone (no FP8 cache, scales from
     a checkpoint or a warm-up pass, FP8 attention, a kernel or prefill option, a per-layer map, a fault)."""
     stick = parse_path(spec)
-    if not stick.is_fp8 or stick.emulated or stick.scale_source not in ("default", "calibrated", "dynamic"):
+    if not stick.is_fp8 or stick.emulated or stick.v_fmt or stick.scale_source not in ("default", "calibrated", "dynamic"):
         return None
     if stick.kernel or stick.quantizes_attention or stick.bf16_layers or stick.fault or not stick.quantize_current_chunk:
         return None
@@ -264,8 +401,8 @@ def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
 EMULATED_DIMENSIONS = ("granularity", "cast", "implementation")  # with the default or calibrated scale source
 
 
-def _check_emulated(spec: str, fmt: str, chosen: dict[str, str], bf16_layers: tuple[int, ...]) -> None:
-    if fmt not in ("e4m3", "e5m2"):
+def _check_emulated(spec: str, fmt: str, chosen: dict[str, str], bf16_layers: tuple[int, ...], v_fmt: str) -> None:
+    if fmt not in ("e4m3", "e5m2") or (v_fmt and v_fmt != fmt):
         raise PathSpecError(f"KV path {spec!r}: emulated is an fp8 cache written outside the engine (the "
                             f"yardstick's twin); use e.g. 'fp8_e4m3:calibrated:emulated'")
     others = [v for d, v in chosen.items() if d not in EMULATED_DIMENSIONS

@@ -27,7 +27,6 @@ from harness.kv_paths.cache import LayerScales, build_cache, cache_kwargs
 from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
 from harness.kv_paths.decode_kernels import resolve
 from harness.kv_paths.spec import KVPath
-from kernels.reference import FP8_MAX
 
 MODES = ("isolated", "end-to-end")
 # Row elements (rows x keys) compared in one batch: the fp64 temporaries of `row_errors` stay near 32 MiB each
@@ -298,11 +297,12 @@ def channel_rows(cache, kv_path: KVPath | None, scales: LayerScales | None, mla:
 
 
 def _channel_limit(kv_path, scales, layer, side, heads, dim) -> list[float] | None:
-    if kv_path is None or not kv_path.is_fp8 or scales is None:
-        return None
+    kv_format = None if kv_path is None else (kv_path.k_format if side == "k" else kv_path.v_format)
+    if kv_format is None or not kv_path.has_static_scale or not kv_format.has_static_scale or scales is None:
+        return None  # no static scale: block / token scales follow the values, nothing clips a channel up front
     scale = (scales.k if side == "k" else scales.v).get(layer)
     if scale is None:
         return None
     per = scale.float().reshape(-1)
     per = per.expand(heads) if per.numel() == 1 else per
-    return (per.repeat_interleave(dim) * FP8_MAX[kv_path.fmt]).tolist()
+    return (per.repeat_interleave(dim) * kv_format.static_range).tolist()

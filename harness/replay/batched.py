@@ -184,7 +184,7 @@ class BatchedEngine:
         alone = BatchedEngine(self.backend, ONE_SEQUENCE, prefills=self.prefills)
         started = [alone._prefill_one(prompt, remember) for prompt, _ in items]  # noqa: SLF001 - same class
         limits, rows = [n for _, n in items], len(items)
-        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_quantized
         step = StepState(valid=torch.ones(rows, 1, dtype=torch.long, device=self.device))
         stats = KVWriteStats.stacked([s.stats for s in started], step, self.device)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
@@ -256,7 +256,7 @@ class BatchedEngine:
         step = StepState(valid=mask, masked=masked, check=alone)
         stats = KVWriteStats(len(prompts), None if alone else step, self.device)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
-        if self.backend.kv_path is not None and self.backend.kv_path.is_fp8:
+        if self.backend.kv_path is not None and self.backend.kv_path.is_quantized:
             _scales_on_device(cache, self.device)
         return ids, mask, positions, step, stats, cache
 
@@ -318,7 +318,7 @@ class BatchedEngine:
                      agreements: KernelAgreement | None, probe=None) -> list[RowResult]:
         """A finished batch's rows: tokens, finish reason, and (FP8 paths) write statistics and kernel agreement;
         a one-sequence row also the implementation check's `probe`."""
-        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_quantized
         records = stats.row_records() if fp8_path else [None] * len(outputs)
         if agreements is not None:
             for record, agreement in zip(records, agreements.row_records()):
@@ -338,7 +338,7 @@ class BatchedEngine:
         prompts, limits = [p for p, _ in items], [n for _, n in items]
         rows = len(prompts)
         ids, mask, positions, step, stats, cache = self._start_batch(prompts)
-        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_fp8
+        fp8_path = self.backend.kv_path is not None and self.backend.kv_path.is_quantized
         agreements = self._attach_kernels(cache, step, rows, ids.shape[1] + max(limits, default=0))
         probe = self._attach_probe(cache, step, rows)
         outputs: list[list[int]] = [[] for _ in range(rows)]

@@ -207,7 +207,7 @@ class BatchedReplay:
         kv_path = candidate.inner.kv_path
         if self.history_mode == "own-history":
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: history)
-        elif kv_path is None or not (kv_path.is_fp8 or kv_path.is_control):
+        elif kv_path is None or not (kv_path.is_quantized or kv_path.is_control):
             # a BF16 cache runs with the reference's batch composition, turn by turn: its floor stays exactly zero
             # (the control arm does not: its own batch composition is part of the perturbation it measures)
             generate_waves(self._engine(candidate), candidate, scenarios, own, lambda s, history: reference[s.id])

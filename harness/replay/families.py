@@ -90,7 +90,7 @@ def refusals(config, paths) -> list[str]:
         return [f"model family {family!r}: {OWN_CACHE[family]}"]
     routes = layer_routes(config)
     problems = []
-    quantising = [p.name for p in paths if p.is_fp8 or p.k_scale_on_scores]
+    quantising = [p.name for p in paths if p.is_quantized or p.k_scale_on_scores]
     if quantising and not any(r["kv"] == "fp8" for r in routes):
         kept = sorted({f"{r['cache']} ({r['why']})" for r in routes if r["kv"] == "bf16"})
         problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for an "

@@ -180,14 +180,14 @@ class InProcessModel:
 
     # -- scales ---------------------------------------------------------------------------------------
     def scales_for(self, kv_path: KVPath) -> LayerScales | None:
-        if kv_path.granularity == "per_token" and kv_path.is_fp8:
+        if kv_path.is_quantized and not kv_path.has_static_scale:  # every scale computed at write
             return None
         if kv_path.emulated:  # the yardstick's twin computes its own (harness/kv_paths/emulated.py)
             key = ("twin", kv_path.fmt, kv_path.granularity, kv_path.scale_source)
             if key not in self._scales:
                 self._scales[key] = self._twin_scales(kv_path)
             return self._scales[key]
-        key = (kv_path.fmt, kv_path.granularity, kv_path.scale_source)
+        key = (kv_path.fmt, kv_path.v_fmt, kv_path.granularity, kv_path.scale_source)
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
             self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from harness.kv_paths import decode_kernels
+from harness.kv_paths import capabilities, decode_kernels
 from harness.kv_paths.spec import KVPath
 
 DECODE_MODES = ("auto", "dynamic", "static", "graph")
@@ -34,6 +34,7 @@ class ModelFacts:
     mla_dims: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of an MLA model, else None
     static_refusal: str | None  # why the model cannot decode on static storage (None: it can)
     kernel_block: str | None  # why our decode kernels must not run for this family (sinks, soft-capping)
+    head_dim: int | None = None  # K/V head size of a GQA/MHA model (the kernels' capability asks)
 
     @classmethod
     def of(cls, config) -> "ModelFacts":
@@ -41,7 +42,10 @@ class ModelFacts:
 
         rank = getattr(config, "kv_lora_rank", None)
         dims = (int(rank), int(config.qk_rope_head_dim)) if rank is not None else None
-        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), kernel_block=kernel_block(config))
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads
+                                                         if getattr(config, "num_attention_heads", None) else None)
+        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), kernel_block=kernel_block(config),
+                   head_dim=None if dims is not None or head_dim is None else int(head_dim))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +61,12 @@ class Route:
     # a `kernel=` plug-in: every call of it judged and timed, in a batch too (docs/CONTRACTS.md); False: ours, judged
     # every `kernel_check_every`-th decode step of a batch, untimed there
     kernel_every_call: bool = False
+    cache_write: str = ""  # which write the path's K/V take (fused Triton, C, or the torch round trip and why)
 
     def describe(self) -> dict:
         return {"decode_kernel": self.kernel_label, "batched": self.batch_floor is not None,
                 "batch_refusal": self.batch_refusal, "batch_floor": self.batch_floor, "decode": self.decode,
-                "capture": self.capture}
+                "capture": self.capture, "cache_write": self.cache_write}
 
 
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
@@ -91,7 +96,8 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
                  batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
                  decode=_rows(facts, kernel, kv_path) if rows and not batched and device_type == "cpu"
                  else _decode(facts, device_type, batches, decode, every_call),
-                 capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call)
+                 capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call,
+                 cache_write=capabilities.cache_write(kv_path, device_type))
 
 
 def kernel_name(kv_path: KVPath, setting: str) -> str:
@@ -115,12 +121,13 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
     named = kv_path is not None and kv_path.kernel and setting != "off"
     if not use_kernels and not named:  # a path that names a plug-in runs it on any device
         return "kernels off (CPU, or HARNESS_KERNELS=off)"
-    if kv_path is None or not kv_path.is_fp8:
+    if kv_path is None or not kv_path.is_quantized:
         return "not an FP8 path"
     if kv_path.emulated:
         return "emulated outside the engine (the yardstick's twin): torch's attention over its own cache write"
-    if kv_path.granularity == "per_token":
-        return "per-token scales: the kernels take per-tensor or per-head scales"
+    refusal = capabilities.decode_refusal(kv_path, facts.mla_dims is not None, None if named else facts.head_dim)
+    if refusal is not None:  # a plug-in takes the contract's paged FP8 caches: the same formats, any head size
+        return refusal
     if kv_path.quantizes_attention and name not in FP8_ATTENTION_KERNELS:
         return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
                 "mla_decode) take q_scale / prob_scale")
@@ -216,7 +223,7 @@ def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
     """Why attention capture does not measure the kernel's rows for this path (None: it does)."""
     if kernel is None:
         return "no decode kernel"
-    if not kv_path.is_fp8 or kv_path.granularity == "per_token":
+    if not kv_path.is_fp8 or kv_path.granularity == "per_token" or kv_path.k_format is not kv_path.v_format:
         return "the path's decode does not run through a kernel"
     if kv_path.quantizes_attention:
         # decode runs these through our kernels (with q_scale / prob_scale), but capture's kernel rows call the

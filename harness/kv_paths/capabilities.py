@@ -1,0 +1,79 @@
+"""What each of our kernels serves, declared once (as vLLM's AttentionBackend declares its KV-cache dtypes, head
+sizes and layouts): the route (harness/replay/route.py) and the cache write (harness/kv_paths/cache.py) ask
+`refusal(...)` and fall back to the torch round trip and torch attention, with the reason, where a kernel does not
+serve a path. The kernels themselves (kernels/) stay importable without `harness`: this table names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.kv_paths.spec import KVPath
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCapability:
+    """A kernel and what it serves: KV formats (KVFormat names), scale granularities, head sizes (inclusive range;
+    None: any) and model layouts (`gqa`: per-head K/V; `mla`: one compressed latent)."""
+
+    name: str
+    where: str  # the kernel's entry point
+    formats: tuple[str, ...]
+    granularities: tuple[str, ...]
+    layouts: tuple[str, ...] = ("gqa", "mla")
+    head_sizes: tuple[int, int] | None = None
+    mixed: bool = False  # K and V in different formats (one launch per tensor): True; one cache dtype: False
+
+    def refusal(self, kv_path: KVPath, layout: str | None = None, head_size: int | None = None) -> str | None:
+        """Why this kernel does not serve `kv_path` (None: it does)."""
+        if not kv_path.is_quantized:
+            return "not an FP8 path"
+        unserved = [f.spec_name for f in dict.fromkeys((kv_path.k_format, kv_path.v_format))
+                    if f.name not in self.formats]
+        if unserved:
+            return (f"{self.name} ({self.where}) serves {', '.join(self.formats)}; not {', '.join(unserved)}: the torch "
+                    f"round trip of harness/kv_paths/formats.py instead")
+        if not self.mixed and kv_path.k_format is not kv_path.v_format:
+            return (f"{self.name} ({self.where}) reads K and V in one format; this path stores K in "
+                    f"{kv_path.k_format.spec_name} and V in {kv_path.v_format.spec_name}")
+        if kv_path.granularity not in self.granularities:
+            what = "per-token scales" if kv_path.granularity == "per_token" else f"{kv_path.granularity} scales"
+            return f"{what}: {self.name} ({self.where}) takes {' or '.join(self.granularities)} scales"
+        if layout is not None and layout not in self.layouts:
+            return f"{self.name} ({self.where}) serves {' and '.join(self.layouts)} layouts, not {layout}"
+        if head_size is not None and self.head_sizes and not self.head_sizes[0] <= head_size <= self.head_sizes[1]:
+            return f"{self.name} ({self.where}) takes head sizes {self.head_sizes[0]}-{self.head_sizes[1]}, not {head_size}"
+        return None
+
+
+FP8 = ("e4m3", "e5m2")
+# decode: paged FP8 K/V read with a static scale per tensor or head (kernels/decode_attention.py asserts 16-256)
+DECODE_ATTENTION = KernelCapability("decode_attention", "kernels/decode_attention.py", FP8,
+                                    ("per_tensor", "per_head"), ("gqa",), (16, 256))
+MLA_DECODE = KernelCapability("mla_decode", "kernels/mla_decode.py", FP8, ("per_tensor", "per_head"), ("mla",))
+# the CUDA cache write: round trip, paged store and write statistics in one launch (per-token scales computed there)
+FUSED_WRITE = KernelCapability("quantize_store", "kernels/store_kv.py", FP8, ("per_tensor", "per_head", "per_token"),
+                               mixed=True)
+# the CPU cache write in C, used where probed bit-equal to torch (kernels/cpu_kv_round_trip.c): static scales only
+CPU_C_WRITE = KernelCapability("kv_round_trip", "kernels/cpu_kv_round_trip.c", FP8, ("per_tensor", "per_head"),
+                               mixed=True)
+
+DECODE_KERNELS = (DECODE_ATTENTION, MLA_DECODE)
+CACHE_WRITES = (FUSED_WRITE, CPU_C_WRITE)
+
+
+def decode_refusal(kv_path: KVPath, mla: bool, head_size: int | None = None) -> str | None:
+    """Why our decode kernel for this layout does not serve the path (None: it does)."""
+    return (MLA_DECODE if mla else DECODE_ATTENTION).refusal(kv_path, "mla" if mla else "gqa", head_size)
+
+
+def cache_write(kv_path: KVPath | None, device_type: str) -> str:
+    """Which cache write the path's K/V take on this device, or the torch round trip and why."""
+    if kv_path is None or not kv_path.is_quantized:
+        return "none (bf16 cache)"
+    kernel = FUSED_WRITE if device_type == "cuda" else CPU_C_WRITE
+    refusal = kernel.refusal(kv_path)
+    if refusal is None:
+        return (f"{kernel.name} ({kernel.where})" if device_type == "cuda" else
+                f"{kernel.name} ({kernel.where}) where probed bit-equal to the torch round trip, else torch")
+    return f"torch round trip ({refusal})"
