@@ -112,8 +112,8 @@ def test_scale_dropped_in_the_cache_code_from_outside(monkeypatch, tmp_path, cap
 
     original = cache.QuantizedKVLayer._round_trip
 
-    def scale_dropped(self, x, static_scale):
-        read_back = original(self, x, static_scale)
+    def scale_dropped(self, x, static_scale, *rest):
+        read_back = original(self, x, static_scale, *rest)
         if static_scale is None:
             return read_back
         scale = static_scale.float().to(x.device)

@@ -413,3 +413,42 @@ def test_fp32_path_measures_the_reference_noise_end_to_end(tmp_path, capsys):
     assert "(reference noise: KL mean" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
     assert any(p["name"] == "fp32" and "float32" in p["description"] for p in manifest["paths"])
+
+
+def test_the_yardstick_is_judged_by_its_twin_and_a_broken_one_names_itself():
+    """A fault every FP8 path shares moves the yardstick and not its twin (its numerics outside the engine): the
+    yardstick's own row fails on the implementation question, naming it, and the other paths' ratios to it are
+    listed as no evidence. Healthy, the two are equal."""
+    twin = f"{YARD}:emulated"
+    rows = [r for t in range(4) for r in healthy(turn=t, kl_mean=0.02, yard_kl=0.02)]
+    rows += [rec("kl_mean", 0.02, twin, t) for t in range(4)] + [rec("kl_mean", 0.0, "bf16:chunked_prefill", t)
+                                                                  for t in range(4)]
+    whole = {r["path"]: r for r in compute_path_verdicts(rows)}
+    assert whole[YARD]["numbers"]["yardstick_twin_ratio"] == 1.0 and whole[YARD]["verdict"] == "pass"
+    assert whole[twin]["role"].startswith("the yardstick's twin") and whole["bf16:chunked_prefill"]["role"].startswith(
+        "control arm")
+    assert whole["fp8_e4m3"]["numbers"]["control"]["path"] == "bf16:chunked_prefill"
+    broken = [r | {"value": 10.0} if r["path"] in (YARD, "fp8_e4m3") and r["metric"] == "kl_mean" else r for r in rows]
+    whole = {r["path"]: r for r in compute_path_verdicts(broken)}
+    reason = only([r for r in whole[YARD]["reasons"] if r["check"] == "yardstick"])
+    assert (whole[YARD]["verdict"], reason["question"]) == ("fail", "implementation")
+    assert f"the yardstick {YARD} itself" in reason["message"] and "500x its twin" in reason["message"]
+    assert whole["fp8_e4m3"]["numbers"]["kl_mean_ratio"] == 1.0  # 1x a broken yardstick ...
+    assert any("failed its own check" in u for u in whole["fp8_e4m3"]["unanswered"])  # ... is no evidence
+    turn = only([r for r in compute_verdicts(broken) if r["path"] == "bf16:chunked_prefill" and r["turn"] == 0])
+    assert turn["verdict"] == "pass"  # the control arm is measured, never judged
+
+
+def test_a_per_path_only_failure_exits_1(tmp_path):
+    """Every turn passes, the per-path recovery test fails: harness run's exit code is 1 (it counted turns only)."""
+    from harness.runs.gate import write_verdicts
+    from harness.runs.status import EXIT_VERDICT_FAILED, run_exit_code
+    from harness.runs.store import RunStore
+
+    store = RunStore(tmp_path / "run")
+    store.directory.mkdir()
+    store.write_manifest({"status": "complete", "paths": [], "yardstick": YARD})
+    store.append("records", [r for t in range(8) for r in healthy(turn=t, answer_correct=0.0)])
+    matrix = write_verdicts(store)
+    assert matrix["m"]["fp8_e4m3"]["fail"] == 0 and matrix["m"]["fp8_e4m3"]["path"]["verdict"] == "fail"
+    assert run_exit_code(store.directory) == EXIT_VERDICT_FAILED
