@@ -3,6 +3,7 @@ one FP8 path, so CI pays seconds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def test_two_nights_compare_and_render_the_trend(tmp_path, capsys):
     assert (history / "nights" / "2026-01-02" / "compare" / "compare.html").is_file()
     table = trend_table(history)
     assert list(dict.fromkeys(table["night"])) == ["2026-01-01", "2026-01-02"]
-    assert set(table["path"]) == {"bf16", "fp8_e4m3", "fp8_e4m3:calibrated"} and (table["fail"] == 0).all()
+    assert set(table["path"]) == {"bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated",
+                                  "bf16:chunked_prefill"} and (table["fail"] == 0).all()  # the twin, the control arm
     page = (history / "trend" / "index.html").read_text()
     assert "Nightly trend (2 nights)" in page and "trend-gqa.png" in page
     assert (history / "trend" / "trend-gqa.png").stat().st_size > 5000
@@ -40,6 +42,24 @@ def test_two_nights_compare_and_render_the_trend(tmp_path, capsys):
     assert main(argv[:-1] + ["fp8_e4m3,fp8_e4m3:warmup", "--night", "2026-01-03"]) == 1
     printed = capsys.readouterr().out
     assert "VERDICT FAIL: gqa fp8_e4m3:warmup" in printed and "REGRESSION" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (GQA / "config.json").exists(), reason="trained gqa canary not bundled")
+def test_a_per_path_only_failure_fails_the_night(tmp_path, capsys):
+    """No turn fails, a per-path check does (the pooled KL ratio under a --threshold no turn carries): exit 1."""
+    from harness.nightly import run_night
+    from harness.job import parse_kv_paths
+
+    source = yaml.safe_load((ROOT / "scenarios" / "canary" / "default.yaml").read_text())
+    scenarios = tmp_path / "arith.yaml"
+    scenarios.write_text(yaml.safe_dump({"scenarios": [s for s in source["scenarios"] if s["id"] == "canary-arith-3"]}))
+    night = run_night(tmp_path / "history", dict(models=(GQA,), scenario_paths=(scenarios,), jobs=1,
+                                                   paths=parse_kv_paths("fp8_e5m2"), thresholds=("kl_mean_ratio:0",),
+                                                   command="pytest tests/test_nightly.py"), night="n1")
+    matrix = json.loads((night.run_dir / "manifest.json").read_text())["verdicts"]["gqa"]["fp8_e5m2"]
+    assert matrix["fail"] == 0 and matrix["path"]["verdict"] == "fail"
+    assert night.failing == [("gqa", "fp8_e5m2")] and night.exit_code == 1
 
 
 def test_stress_suite_nights_get_their_own_histories(tmp_path, monkeypatch):

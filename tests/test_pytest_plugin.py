@@ -54,11 +54,20 @@ def test_a_broken_path_fails_with_a_diagnosis(pytester, scenario_file):
     assert result.ret == 1
     result.stdout.fnmatch_lines([
         "*gqa::canary-arith-3::fp8_e4m3:warmup turn 0: FAIL",
-        "*[[]warn] task: answer_correct 0: the reference got the answer right, this path did not",
         "*[[]fail] divergence: kl_mean * the yardstick fp8_e4m3:calibrated*",
         "*first divergent token 0: reference * vs path *",
         "*reference reply: '96'*",
     ])
+
+
+@pytest.mark.slow
+def test_a_per_path_only_failure_fails_the_session(pytester, scenario_file):
+    """Every item (turn) passes, a per-path check fails (a --threshold on the pooled KL ratio, a metric no turn
+    has): the session exits 1 and names the path (issue 40: per-path failures belong to no item)."""
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e5m2", "--threshold", "kl_mean_ratio:0")
+    result.assert_outcomes(passed=2)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*VERDICT FAIL (per-path check): gqa fp8_e5m2: pooled kl_mean * the yardstick*"])
 
 
 @pytest.mark.slow

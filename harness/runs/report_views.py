@@ -44,6 +44,15 @@ def times_yardstick(numbers: Mapping, fmt: Callable = lambda v: f"{v:.2g}") -> s
     return f"KL {shown}x yardstick ({fmt(stick)} nats){beside}"
 
 
+def _measured(per_path: Mapping) -> str:
+    """A path measured beside the candidates (the fp32 reference, the yardstick's twin, the control arm): its role and
+    its KL, in place of a ratio to the yardstick it is not judged by; "" for a candidate."""
+    role, kl = per_path.get("role"), (per_path.get("numbers") or {}).get("kl_mean")
+    if not role:
+        return ""
+    return role + (f"; KL {kl:.2g} nats" if isinstance(kl, (int, float)) else "")
+
+
 def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callable[[str, str], str],
                         path_verdicts: Iterable[Mapping] = ()) -> dict:
     """Rows per model, one cell per candidate path: the worst verdict (turns and per-path checks), each question's
@@ -74,7 +83,7 @@ def verdict_matrix_view(verdicts: list[dict], paths: list[str], page_of: Callabl
                                 "reason": reason, "page": page_of(model, worst["scenario"]),
                                 "questions": [{"title": QUESTION_TITLES[q], "verdict": v, "state": STATE[v]}
                                               for q, v in questions.items()],
-                                "times": times_yardstick(per_path.get("numbers") or {}),
+                                "times": _measured(per_path) or times_yardstick(per_path.get("numbers") or {}),
                                 "unanswered": per_path.get("unanswered") or []}
     return {"models": models, "paths": shown, "cells": cells,
             "failing": sum(c["verdict"] == "fail" for c in cells.values()),
