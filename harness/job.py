@@ -229,6 +229,7 @@ def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
         "history_mode": config.history_mode, "seed": config.seed,
         "models": [], "scenario_files": [{"file": f, "sha256": _file_sha256(Path(f))} for f in files],
         "scenarios": [{"id": s.id, "kind": s.kind, "hash": s.content_hash, "source": s.source} for s in scenarios],
+        "units_expected": len(_expected_units(config, scenarios)),
         "paths": [{"name": p.name, "canonical": p.canonical, "kind": "kv_path", "description": p.describe()}
                   for p in config.paths],
         "calibration_files": [str(p) for p in config.calibration_paths] or "built-in (harness/calibration.py)",

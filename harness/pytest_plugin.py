@@ -116,6 +116,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if harness.finish(session) and session.exitstatus == 0:
         session.exitstatus = 1
+    if harness.incomplete:
+        session.exitstatus = 3  # docs/CONTRACTS.md: an incomplete run wins over a failed verdict
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -149,6 +151,7 @@ class HarnessSession:
         self.selected: dict[str, dict] = {}  # model label -> {"scenarios": [...], "paths": [...]}
         self.parts: dict[str, Path] = {}  # model label -> part run directory (this process)
         self.lines: list[str] = []
+        self.incomplete = False  # --baseline (or this session's run) did not finish every unit: exit 3
 
     def items(self, parent: pytest.Collector):
         from harness import job
@@ -243,8 +246,14 @@ class HarnessSession:
         if not baseline:
             return bool(whole)
         from harness.runs.compare import compare_runs
+        from harness.runs.read import IncompleteRunError
 
-        result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
+        try:
+            result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
+        except IncompleteRunError as error:
+            self.lines.append(f"NOT COMPARED with {baseline}: {error}")
+            self.incomplete = True
+            return bool(whole)
         self.lines += [f"compare with {baseline}: {result.summary_line}", f"compare report: {result.report_path}"]
         return result.regressed or bool(whole)
 

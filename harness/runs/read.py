@@ -45,6 +45,11 @@ class RunReadError(ValueError):
     """A run directory's file that cannot be read; the message names the file (and the line)."""
 
 
+class IncompleteRunError(RuntimeError):
+    """A stored run that did not finish every unit (killed, interrupted, units failed): no comparison stands
+    on it (`harness compare` and `harness nightly` exit 3, docs/CONTRACTS.md)."""
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSONL file: a missing file is empty, a torn last line (a killed run) is skipped, any other
     line that is not a JSON object is an error naming `file:line`."""
@@ -238,6 +243,28 @@ class RunView:
     def attention_channels(self) -> list[dict]:
         return self.table("attention_channels")
 
+    def units_done(self) -> int:
+        """Distinct (model, scenario, path) units with a done line."""
+        return len({(r.get("model"), r.get("scenario"), r.get("path")) for r in self.done})
+
+    def units_expected(self) -> int:
+        """The manifest's `units_expected`, else each model x scenario x (the reference and each path) as far as
+        the manifest lists them (a run killed before its models loaded lists none)."""
+        manifest = self.manifest
+        if isinstance(manifest.get("units_expected"), int):
+            return manifest["units_expected"]
+        models, scenarios, paths = (len(manifest.get(key) or []) for key in ("models", "scenarios", "paths"))
+        return models * scenarios * (1 + paths)
+
+    def incomplete(self) -> str | None:
+        """Why this run is not complete (its status and units done of expected), or None when it is."""
+        status = self.manifest.get("status")
+        if status == "complete":
+            return None
+        done, expected = self.units_done(), self.units_expected()
+        return (f"run {self.directory} is incomplete (status {status or 'missing'}): {done} of {expected} units "
+                f"done; finish it with `harness run --resume --out {self.directory}`")
+
     @cached_property
     def sensitivity(self) -> dict | None:
         """`harness sensitivity`'s per-layer map, when this run wrote one."""
@@ -318,6 +345,13 @@ class RunView:
                                             for cell in cells.values()):
             return stored
         return finite_text(verdict_matrix(self.verdicts, self.path_verdicts))
+
+
+def require_complete(view: RunView) -> RunView:
+    """`view`, or `IncompleteRunError` naming the run and its units done of expected."""
+    if problem := view.incomplete():
+        raise IncompleteRunError(problem)
+    return view
 
 
 def read_run(directory: Path | str, renamed: dict[str, str] | None = None) -> RunView:
