@@ -134,6 +134,9 @@ class ResponseCache:
         except (OSError, ValueError, KeyError):
             return None  # absent, or a torn/foreign file: ask the server again
 
+    def drop(self, key: str) -> None:
+        self._file(key).unlink(missing_ok=True)
+
     def put(self, key: str, url: str, body: dict, response: dict) -> None:
         target = self._file(key)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +216,13 @@ class RequestClient:
         if key:
             self.cache.put(key, url, body, response)
         return response
+
+    def forget(self, path: str, body: dict) -> None:
+        """Drop the cached reply to this POST: a reply that a later check refused (its ids disagree with its
+        text, ...) is never replayed from the cache, so a `--resume` asks the server again."""
+        if self.cache is not None:
+            for sent in (body, body | STREAM_FIELDS):  # as asked, and as streamed where the server wants that
+                self.cache.drop(request_key(self.base_url + path, sent))
 
     async def get(self, path: str) -> dict:
         return await self._with_retries("GET", path, None)
@@ -506,7 +516,15 @@ class EndpointBackend:
         chat = [_message_json(m) for m in messages]
         body = {"model": await self.model(), "messages": chat, "max_tokens": max_new_tokens, "temperature": 0.0,
                 "seed": self.config.seed, "n": 1}
-        reply, problem = await self._chat_with_best_logprobs(body)
+        reply, problem, sent = await self._chat_with_best_logprobs(body)
+        try:
+            return await self._generation(chat, reply, problem)
+        except EndpointError:  # a refused reply (InvalidReply included) is not kept: a --resume asks again
+            self.client.forget("/v1/chat/completions", sent)
+            raise
+
+    async def _generation(self, chat: list[dict], reply: dict, problem: str | None) -> Generation:
+        """The reply as a `Generation`, its ids checked against the server's own count and its text."""
         choice = _first_choice(reply, "chat completion")
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
@@ -765,11 +783,11 @@ class EndpointBackend:
 
     # ------------------------------------------------------------ capability detection
 
-    async def _chat_with_best_logprobs(self, body: dict) -> tuple[dict, str | None]:
+    async def _chat_with_best_logprobs(self, body: dict) -> tuple[dict, str | None, dict]:
         """A chat completion with the richest token information the server accepts: token ids
         (return_token_ids, and vLLM's return_tokens_as_token_ids in the logprobs), plain top-k
-        logprobs, or none. The form that works first is remembered for the server. Returns the reply and
-        what failed validation in it (its logprobs or ids are then not to be used), or None."""
+        logprobs, or none. The form that works first is remembered for the server. Returns the reply,
+        what failed validation in it (its logprobs or ids are then not to be used) or None, and the body sent."""
         k = self.config.top_logprobs
         forms = [("token ids", {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True,
                                 "return_token_ids": True}, ("return_tokens_as_token_ids", "return_token_ids")),
@@ -785,13 +803,13 @@ class EndpointBackend:
             except InvalidReply as error:
                 self.capabilities.setdefault("chat_logprobs", name)
                 self.capabilities["chat_reply_invalid"] = error.problem
-                return error.reply, error.problem
+                return error.reply, error.problem, body | extra
             except EndpointError as error:
                 if chosen is not None or not fields or not lacks_capability(error, fields):
                     raise
                 continue
             self.capabilities["chat_logprobs"] = name
-            return reply, None
+            return reply, None, body | extra
         raise AssertionError("unreachable: the last form returns or raises")
 
     async def _scoring_mode(self, ids: list[int]) -> tuple[str, dict | None]:
