@@ -28,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.replay.http1 import Http11Transport
+from harness.replay import http1
+from harness.replay.http1 import Http11Transport, ReplyTooLarge, decode_content
 from harness.types import Generation, Message, Scores
 
 ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
@@ -179,13 +180,17 @@ class RequestClient:
         self._urls: dict[str, httpx.URL] = {}  # path -> parsed absolute URL: httpx's parsing costs ~0.3 ms
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
+        """The response read whole, decoded, each up to `http1.MAX_BODY_BYTES` (`ReplyTooLarge` beyond)."""
         response = await self._transport.handle_async_request(request)
         try:
-            await response.aread()
-        except BaseException:
+            raw = await _raw_body(response)
+        finally:
             await response.aclose()  # hands a pooled connection back (httpx's transport, through a proxy)
-            raise
-        return response
+        decoded = decode_content(raw, response.headers.get("content-encoding", ""))
+        headers = [(name, value) for name, value in response.headers.raw
+                   if name.lower() not in (b"content-encoding", b"content-length")]
+        return httpx.Response(response.status_code, headers=headers, content=decoded, request=request,
+                              extensions=response.extensions)
 
     def _url(self, path: str) -> httpx.URL:
         if path not in self._urls:
@@ -282,11 +287,26 @@ class RequestClient:
             if budget < self.policy.timeout_s:
                 raise _DeadlineReached from None
             raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
+        except ReplyTooLarge as error:  # the same reply again would be as large: the request fails, the run goes on
+            raise EndpointError(f"{method} {self.base_url}{path}", [str(error)]) from None
+        except httpx.DecodingError as error:
+            raise _RetryableError(f"reply body not decodable: {error}") from None
         except httpx.TimeoutException as error:
             raise _RetryableError(f"timed out ({type(error).__name__})") from None
         except httpx.TransportError as error:
             raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
         return _decode(method, self.base_url + path, response)
+
+
+async def _raw_body(response: httpx.Response) -> bytes:
+    """The body as sent (not yet decoded), up to `http1.MAX_BODY_BYTES`: a transport that streams it (httpx's,
+    through a proxy) is stopped there; `Http11Transport` stops there itself."""
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > http1.MAX_BODY_BYTES:
+            raise ReplyTooLarge(f"of more than {http1.MAX_BODY_BYTES:,} bytes (streamed)")
+    return bytes(body)
 
 
 def default_transport(base_url: str) -> httpx.AsyncBaseTransport:
