@@ -101,6 +101,13 @@ def stress_fields(suite, device: str, command: str) -> dict:
                 select=suite.select(device))
 
 
+def check_night_name(night: str) -> None:
+    """A night is one directory of HISTORY/nights: a plain name, never a path that leaves it (`../x`)."""
+    if not night or night in (".", "..") or Path(night).name != night or "\\" in night:
+        raise ValueError(f"--night {night!r}: a night's name is one plain directory name (e.g. 2026-01-02), "
+                         f"not a path")
+
+
 def run_nights(history: Path, default_fields: dict, suite: str = "default",
                night: str | None = None) -> list[tuple[str, NightResult]]:
     """Tonight's runs of `suite` (default, stress or all), each (name, result); one night name for all."""
@@ -108,6 +115,8 @@ def run_nights(history: Path, default_fields: dict, suite: str = "default",
 
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r}: expected one of {', '.join(SUITES)}")
+    if night is not None:
+        check_night_name(night)
     name = night or night_name()
     results = []
     if suite in ("default", "all"):

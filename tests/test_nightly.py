@@ -124,3 +124,14 @@ def test_a_night_is_not_compared_with_an_incomplete_run(tmp_path, monkeypatch, k
     unfinished = history / "nights" / ("n1" if killed == "last night" else "n2")
     units = "0 of 12 units" if killed == "last night" else "3 of 12 units"
     assert "NOT COMPARED" in night.compare_line and str(unfinished) in night.compare_line and units in night.compare_line
+
+
+@pytest.mark.parametrize("night", ["../x", "a/b", "..", ".", "/tmp/abs", ""])
+def test_a_night_name_that_leaves_the_history_is_refused(tmp_path, capsys, night):
+    """Issue 45: `--night ../x` wrote its run outside HISTORY/nights. A night is one plain directory name:
+    anything else exits 2 naming --night and the value, before any run, nothing written."""
+    history = tmp_path / "history"
+    assert main(["nightly", "--history", str(history), "--night", night]) == 2
+    err = capsys.readouterr().err
+    assert f"--night {night!r}" in err and "Traceback" not in err, err
+    assert not history.exists() and not (tmp_path / "x").exists()
