@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.files import UnreadableFile, read_bounded
 from harness.kv_paths.faults import FAULTS
 
 # `harness run` without --paths: healthy paths only, so a default run exits 0 on a sound install. The known-bad
@@ -43,6 +44,7 @@ DIMENSIONS = {
     "fault": tuple(f"fault={name}" for name in FAULTS),
 }
 KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
+LAYER_MAP_BYTES = 16 << 20  # a sensitivity.json of a 1,000-layer model's ranking is well under 1 MiB
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
     "calibrated": "amax / fp8 max over the calibration prompts",
@@ -269,10 +271,12 @@ def read_layer_map(spec: str, file: str) -> list[int]:
 
     path = Path(file)
     try:
-        body = json.loads(path.read_text())
+        body = json.loads(read_bounded(path, LAYER_MAP_BYTES, "layer map"))
         layers = [int(i) for i in body["bf16_layers"]]
     except FileNotFoundError:
         raise PathSpecError(f"KV path {spec!r}: layer map {file} does not exist") from None
+    except UnreadableFile as error:  # a FIFO waits for a writer, /dev/zero never ends: neither is opened
+        raise PathSpecError(f"KV path {spec!r}: layer map {error}") from None
     except (OSError, UnicodeDecodeError) as error:  # a directory, a device, unreadable: found by fuzzing
         raise PathSpecError(f"KV path {spec!r}: cannot read layer map {file} ({error})") from None
     except (ValueError, KeyError, TypeError) as error:
