@@ -20,12 +20,13 @@ import harness
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import REFERENCE, Replay
-from harness.run_inputs import InputError, check_run_inputs, scenario_budget_problems
+from harness.run_inputs import InputError, candidate_labels, check_run_inputs, scenario_budget_problems
 from harness.runs.gate import write_verdicts
 from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
-from harness.scenarios.load import Scenario, load_scenarios
+from harness.scenarios.load import Scenario
 from harness.scenarios.select import select_scenarios
+from harness.scenarios.sources import load_scenarios
 from harness.types import Message, Scores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -248,20 +249,6 @@ def _check_resumable(store: RunStore, config: RunConfig, scenarios: list[Scenari
     if not config.reference_url and [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
         raise RunStoreError(f"cannot resume {config.out}: it ran paths "
                             f"{[p['name'] for p in manifest['paths']]}, not {[p.name for p in config.paths]}")
-
-
-def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
-    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
-    pairs = []
-    for i, item in enumerate(urls, start=1):
-        label, sep, url = item.partition("=")
-        if not sep or "://" in label:
-            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
-        pairs.append((label, url))
-    labels = [label for label, _ in pairs]
-    if len(set(labels)) != len(labels) or "reference" in labels:
-        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
-    return pairs
 
 
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:

@@ -156,7 +156,8 @@ class HarnessSession:
     def items(self, parent: pytest.Collector):
         from harness import job
         from harness.analysis.verdicts import parse_threshold_overrides
-        from harness.scenarios.load import load_scenarios
+        from harness.run_inputs import candidate_labels
+        from harness.scenarios.sources import load_scenarios
 
         try:
             parse_threshold_overrides(self.thresholds)
@@ -164,7 +165,7 @@ class HarnessSession:
                 job.parse_kv_paths(self.config.getoption("yardstick"))  # a bad spec: the same one line as --paths
             scenarios = load_scenarios(list(self.scenario_paths))
             if self.reference:
-                targets = [(ENDPOINT_MODEL, None, [label for label, _ in job.candidate_labels(self.candidates)])]
+                targets = [(ENDPOINT_MODEL, None, [label for label, _ in candidate_labels(self.candidates)])]
             else:
                 paths = [p.name for p in job.parse_kv_paths(self.path_spec)]
                 targets = [(job.model_label(m), m, paths) for m in self.models]

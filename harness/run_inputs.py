@@ -235,8 +235,21 @@ def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
             f"(a checkpoint scale source needs them)"]
 
 
+def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
+    pairs = []
+    for i, item in enumerate(urls, start=1):
+        label, sep, url = item.partition("=")
+        if not sep or "://" in label:
+            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
+        pairs.append((label, url))
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels) or "reference" in labels:
+        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
+    return pairs
+
+
 def _endpoint_problems(config: RunConfig) -> list[str]:
-    from harness.job import candidate_labels  # job imports this module: a call-time import
     from harness.replay.endpoint import normalise_base_url
 
     problems = []

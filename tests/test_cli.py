@@ -45,8 +45,8 @@ import harness
 from harness import cli
 from harness.kv_paths.spec import DEFAULT_PATHS
 from harness.runs.library_log import LOG_NAME, quiet_libraries
-from harness.scenarios.load import load_scenarios
 from harness.scenarios.select import select_models, select_scenarios
+from harness.scenarios.sources import load_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY_SCENARIOS = ROOT / "scenarios" / "canary" / "default.yaml"

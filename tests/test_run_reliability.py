@@ -302,7 +302,8 @@ HUGE_BUDGET = """scenarios:
 
 def test_d1_a_reply_budget_no_context_can_hold_is_refused_by_the_loader(tmp_path):
     """Before: 1,000,000,000 was accepted and the in-process decode looped to it (only an EOS stopped it)."""
-    from harness.scenarios.load import ScenarioError, load_scenarios
+    from harness.scenarios.load import ScenarioError
+    from harness.scenarios.sources import load_scenarios
 
     file = tmp_path / "endless.yaml"
     file.write_text(HUGE_BUDGET % 1_000_000_000)
@@ -361,7 +362,7 @@ def test_a_million_character_filler_is_refused_for_a_4096_token_model_without_to
     """Issue 45: `filler.chars: 1000000` on the 4096-token canary passed 4 GB in 93 s. Its prompt is refused by
     its length alone (a lower bound on its tokens), before any tokenising of a million characters."""
     from harness.run_inputs import scenario_budget_problems
-    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     file = tmp_path / "needle.yaml"
     file.write_text("scenarios:\n  - {id: needle-big, kind: long_context, needle: 'The code is 4711.', question: "

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.scenarios.load import ScenarioError, load_scenarios
+from harness.scenarios.load import ScenarioError
+from harness.scenarios.sources import load_scenarios
 from harness.scenarios.tasks import ARITHMETIC_SYSTEM, final_answer, load_task_file, write_yaml
 
 GSM8K = [

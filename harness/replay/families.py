@@ -114,6 +114,18 @@ def kernel_block(config) -> str | None:
     return None
 
 
+def static_decode_refusal(config) -> str | None:
+    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
+    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    other = kinds - {"full_attention", "linear_attention"}
+    if other:
+        return f"layer types {sorted(other)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding window {config.sliding_window}"
+    return None
+
+
 def route_facts(config, paths) -> dict:
     """What the manifest stores for one model: family, attention kinds, per-layer route, BF16 layers and why."""
     routes = layer_routes(config)
@@ -123,8 +135,6 @@ def route_facts(config, paths) -> dict:
     block = kernel_block(config)
     if block:
         facts["decode_kernels"] = f"off: {block}"
-    from harness.replay.route import static_decode_refusal  # route.py imports this module lazily
-
     static = static_decode_refusal(config)
     if static:  # CUDA graph decode needs static storage; these decode batched on the growing cache
         facts["graph_decode"] = f"off: no static storage for {static} (batched dynamic decode instead)"
