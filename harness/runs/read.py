@@ -97,6 +97,24 @@ def _text(path: Path) -> str:
         raise RunReadError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
+MANIFEST_FIELDS = {"run_id": str, "status": str, "paths": list, "models": list, "scenarios": list,
+                   "warnings": list, "verdicts": dict, "scales": dict, "noise_floor": dict}
+
+
+def check_manifest_shape(file: Path, manifest: dict) -> None:
+    """A RunReadError naming `file` and the field when the manifest is not a run's: none of its identifying fields,
+    or a field the reader uses of the wrong JSON type (null is taken as absent)."""
+    if not {"run_id", "status", "paths"} & set(manifest):
+        raise RunReadError(f"{file}: no run_id, status or paths: not a stored run's manifest")
+    for name, kind in MANIFEST_FIELDS.items():
+        value = manifest.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise RunReadError(f"{file}: field {name!r} is a {type(value).__name__}, not a {kind.__name__}")
+    for number, entry in enumerate(manifest.get("paths") or []):
+        if not isinstance(entry, dict):
+            raise RunReadError(f"{file}: field 'paths[{number}]' is a {type(entry).__name__}, not an object")
+
+
 def path_entry(entry: dict) -> dict:
     """One `manifest.paths[]` entry in the one shape: name, canonical, kind (`kv_path` | `endpoint`), a one-line
     description, and for a server what it was found to do under `endpoint`. Runs stored before that shape kept
@@ -174,6 +192,8 @@ class RunView:
         manifest = read_json(self.directory / MANIFEST)
         if manifest is None:
             raise RunReadError(f"{self.directory} is not a stored run: no {MANIFEST}")
+        check_manifest_shape(self.directory / MANIFEST, manifest)
+        manifest.setdefault("status", None)
         manifest["paths"] = [self._entry(path_entry(p)) for p in manifest.get("paths") or []]
         if self.renamed and isinstance(manifest.get("verdicts"), dict):
             manifest["verdicts"] = {model: {self.label(p): cell for p, cell in (cells or {}).items()}
