@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.files import file_kind
+
 TREND_METRICS = {"kl_max": "KL max (mean over turns)", "kl_mean": "KL mean (mean over turns)",
                  "answer_correct": "answer accuracy"}
 SUITES = ("default", "stress", "all")
@@ -101,6 +103,17 @@ def stress_fields(suite, device: str, command: str) -> dict:
                 select=suite.select(device))
 
 
+def check_history(history: Path) -> None:
+    """ValueError naming the part of a history (the history, nights/, trend/, trend/index.html, stress/) that is
+    there but of the wrong type, before tonight's run: a night must be able to be stored and its trend drawn."""
+    for directory in (history, history / "nights", history / "trend", history / STRESS_HISTORY):
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--history {history}: {directory} is not a directory (a {file_kind(directory)})")
+    page = history / "trend" / "index.html"
+    if page.exists() and not page.is_file():
+        raise ValueError(f"--history {history}: {page} is not a regular file (a {file_kind(page)})")
+
+
 def check_night_name(night: str) -> None:
     """A night is one directory of HISTORY/nights: a plain name, never a path that leaves it (`../x`)."""
     if not night or night in (".", "..") or Path(night).name != night or "\\" in night:
@@ -118,6 +131,10 @@ def run_nights(history: Path, default_fields: dict, suite: str = "default",
     if night is not None:
         check_night_name(night)
     name = night or night_name()
+    histories = ([history] if suite in ("default", "all") else []) + \
+        ([history / STRESS_HISTORY / stress.name for stress in STRESS_SUITES] if suite in ("stress", "all") else [])
+    for kept in histories:
+        check_history(kept)
     results = []
     if suite in ("default", "all"):
         results.append(("default", run_night(history, default_fields, name)))

@@ -135,3 +135,17 @@ def test_a_night_name_that_leaves_the_history_is_refused(tmp_path, capsys, night
     err = capsys.readouterr().err
     assert f"--night {night!r}" in err and "Traceback" not in err, err
     assert not history.exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("planted", ["nights", "trend", "trend/index.html", "."])
+def test_a_history_part_of_the_wrong_type_is_refused_before_work(tmp_path, capsys, planted):
+    """Issue 45: a history whose nights/ or trend/ is a file, or trend/index.html a directory, traced back (exit
+    1), after the night's run. Now exit 2 before any run, naming the part."""
+    history = tmp_path / "history"
+    part = history / planted  # "." is the history itself
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.mkdir() if planted == "trend/index.html" else part.write_text("x")
+    assert main(["nightly", "--history", str(history), "--night", "n1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{part} is not a" in err and "Traceback" not in err, err
+    assert not (history / "nights" / "n1").exists() or not history.is_dir()
