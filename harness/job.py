@@ -791,6 +791,7 @@ async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) 
     from harness.replay import live
 
     reference, candidates = _open_endpoints(config, store.directory / "http-cache")
+    _carry_failed_attempts(store.read_manifest(), reference, candidates)
     try:
         await live.preflight([reference, *candidates])  # capabilities are known before the manifest is written
         _note_endpoints(store, config, reference, candidates, live.degraded([reference, *candidates]))
@@ -843,6 +844,17 @@ def endpoint_path_entry(label: str, described: dict) -> dict:
     return {"name": label, "canonical": label, "kind": "endpoint",
             "description": f"endpoint {described.get('url')} serving {served} (KV cache as the server keeps it)",
             "endpoint": described}
+
+
+def _carry_failed_attempts(manifest: dict, reference, candidates) -> None:
+    """A --resume's servers start from the failed attempts earlier sessions stored: the count accumulates."""
+    stored = {p.get("name"): p.get("endpoint") for p in manifest.get("paths") or [] if isinstance(p, dict)}
+    stored["reference"] = next((m.get("reference") for m in manifest.get("models") or []
+                                if isinstance(m, dict) and m.get("label") == ENDPOINT_MODEL), None)
+    for backend in (reference, *candidates):
+        earlier = stored.get(backend.label)
+        count = earlier.get("failed_attempts") if isinstance(earlier, dict) else None
+        backend.earlier_failed_attempts = count if isinstance(count, int) and count > 0 else 0
 
 
 def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, degraded: list[str]) -> None:

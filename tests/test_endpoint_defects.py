@@ -151,3 +151,22 @@ def test_a_refused_reply_is_not_cached_so_resume_asks_again(tmp_path):
         asyncio.run(run(healthy, garbled))  # the resume
     assert store.is_done("endpoint", "s", "candidate")
     assert [r for r in store.read("records") if r["path"] == "candidate"]
+
+
+def test_failed_attempts_accumulate_across_resumes(tmp_path):
+    """Issue 45: a --resume replaced the manifest's `failed_attempts` with its own session's count, hiding the
+    earlier sessions' failed attempts. The first session's count is planted (a server that fails requests also
+    fails the pre-flight); the resume, with no failure of its own, must keep it, through both of its notes."""
+    args = ["--out", str(tmp_path / "run"), "--scenarios", str(write_scenarios(tmp_path)), "--no-progress"]
+    manifest_file = tmp_path / "run" / "manifest.json"
+    with running_server(fault_app(set()), log_level=QUIET) as healthy, \
+            running_server(fault_app(set()), log_level=QUIET) as candidate:
+        assert cli.main(["run", "--reference", healthy, "--candidate", f"fp8={candidate}", *args]) == 0
+        manifest = json.loads(manifest_file.read_text())
+        manifest["paths"][0]["endpoint"]["failed_attempts"] = 5
+        manifest["models"][0]["reference"]["failed_attempts"] = 2
+        manifest_file.write_text(json.dumps(manifest))
+        assert cli.main(["run", "--reference", healthy, "--candidate", f"fp8={candidate}", *args, "--resume"]) == 0
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["paths"][0]["endpoint"]["failed_attempts"] == 5
+    assert manifest["models"][0]["reference"]["failed_attempts"] == 2

@@ -489,6 +489,7 @@ class EndpointBackend:
         self._model: str | None = config.model
         self._lock = asyncio.Lock()
         self.capabilities: dict[str, str] = {}
+        self.earlier_failed_attempts = 0  # counted by earlier sessions of the same run (--resume)
         self._token_text: dict[int, asyncio.Future[str]] = {}  # token id -> its text, from /detokenize
         self._prompt_counts: dict[str, int] = {}  # chat key -> prompt length the server counted (usage)
         self._prompt_ids: dict[str, list[int]] = {}  # chat key -> prompt ids the server returned (return_token_ids)
@@ -505,7 +506,8 @@ class EndpointBackend:
                 "attention_error": ATTENTION_ERROR_UNAVAILABLE,
                 "policy": {"concurrency": policy.concurrency, "timeout_s": policy.timeout_s,
                            "retries": policy.retries, "deadline_s": policy.deadline_s},
-                "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
+                "failed_attempts": self.earlier_failed_attempts + len(self.client.failures),
+                "cache_hits": self.client.cache_hits}
 
     def degraded(self) -> list[str]:
         """One line per capability the server lacks that costs the run a metric."""
