@@ -96,6 +96,8 @@ def refusals(config, paths) -> list[str]:
         problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for an "
                         f"FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
                         f"path would replay BF16 under an FP8 name")
+    problems += [bf16_layer_problem(path, family, len(routes)) for path in paths
+                 if any(layer >= len(routes) for layer in path.bf16_layers)]
     beyond = beyond_sdpa_features(config)
     fp8_attention = [p.name for p in paths if p.quantizes_attention]
     if beyond and fp8_attention:
@@ -103,6 +105,13 @@ def refusals(config, paths) -> list[str]:
                         f"the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
                         f"kernels.reference.attention_fp8")
     return problems
+
+
+def bf16_layer_problem(path, family: str, layers: int) -> str:
+    """A path keeping in BF16 a layer the model does not have (`keep_bf16=999` on 6 layers)."""
+    beyond = [str(layer) for layer in path.bf16_layers if layer >= layers]
+    return (f"--paths {path.name}: keeps layer {', '.join(beyond)} in BF16, but model family {family!r} has {layers} "
+            f"layers (0-{layers - 1})")
 
 
 def kernel_block(config) -> str | None:
