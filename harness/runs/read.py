@@ -28,6 +28,7 @@ from harness.analysis.verdicts import (
     parse_threshold_overrides,
     verdict_matrix,
 )
+from harness.files import file_kind
 from harness.kv_paths.spec import PathSpecError, parse_path
 from harness.records import decode_values
 
@@ -88,6 +89,8 @@ def read_json(path: Path) -> dict | None:
 
 
 def _text(path: Path) -> str:
+    if (kind := file_kind(path)) != "regular file":  # a FIFO would block the read for a writer that never comes
+        raise RunReadError(f"{path}: not a regular file (a {kind})")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
