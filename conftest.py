@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-# harness.pytest_plugin: `pytest harness` from this checkout, and it owns --gpu (installed, it also comes in as a
-# pytest11 entry point; pytest registers it once); pytester: the plugin's own end-to-end tests.
-pytest_plugins = ["harness.pytest_plugin", "pytester"]
+# The plugins this checkout's tests need (harness.pytest_plugin: `pytest harness`, and it owns --gpu; pytester: the
+# plugin's own end-to-end tests) are named in pyproject.toml's addopts, not in `pytest_plugins` here: `pytest harness`
+# run from another directory loads this file late, as the package's parent, where pytest refuses `pytest_plugins`.
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from harness.kv_paths.spec import parse_path  # noqa: E402
 from harness.replay.batched import BatchedEngine  # noqa: E402
 from harness.replay.inprocess import InProcessModel  # noqa: E402
-from harness.scenarios.load import load_scenarios  # noqa: E402
+from harness.scenarios.sources import load_scenarios  # noqa: E402
 from harness.types import Message  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ import time
 from harness.job import CANARY_WEIGHTS
 from harness.kv_paths.spec import parse_path
 from harness.replay.inprocess import InProcessModel
-from harness.scenarios.load import load_scenarios
 from harness.scenarios.select import select_scenarios
+from harness.scenarios.sources import load_scenarios
 from harness.types import Message
 
 HEALTHY = ("bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibrated", "fp8_e5m2",

@@ -12,8 +12,8 @@ from harness import job  # noqa: E402
 from harness.kv_paths.spec import parse_path  # noqa: E402
 from harness.replay.inprocess import InProcessModel  # noqa: E402
 from harness.replay.runner import _messages  # noqa: E402
-from harness.scenarios.load import load_scenarios  # noqa: E402
 from harness.scenarios.select import select_scenarios  # noqa: E402
+from harness.scenarios.sources import load_scenarios  # noqa: E402
 
 torch.set_num_threads(1)
 arch = sys.argv[1]

@@ -55,7 +55,7 @@ def calibrate(args: argparse.Namespace) -> int:
     from harness.kv_paths import calibration
     from harness.kv_paths.spec import parse_path
     from harness.replay.inprocess import InProcessModel
-    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     from harness.run_config import single_device
 
@@ -101,7 +101,7 @@ def sensitivity(args: argparse.Namespace) -> int:
     from harness.kv_paths.spec import parse_path
     from harness.replay import sensitivity as scan
     from harness.replay.inprocess import InProcessModel
-    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     kv_path = parse_path(args.path)
     if not kv_path.is_quantized and not kv_path.quantizes_attention:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness import job
 from harness.replay.inprocess import InProcessModel
-from harness.scenarios.load import load_scenarios
+from harness.scenarios.sources import load_scenarios
 from harness.types import Message
 
 

@@ -280,9 +280,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from harness.runs.compare import compare_runs, default_compare_dir
+    from harness.runs.read import IncompleteRunError
+    from harness.runs.status import EXIT_INCOMPLETE
 
-    result = compare_runs(args.run_a, args.run_b, out_dir=args.out or default_compare_dir(args.run_a, args.run_b),
-                          thresholds=args.threshold)
+    try:
+        result = compare_runs(args.run_a, args.run_b, thresholds=args.threshold,
+                              out_dir=args.out or default_compare_dir(args.run_a, args.run_b))
+    except IncompleteRunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_INCOMPLETE
     print(result.summary_line)
     print(f"report: {result.report_path}", file=sys.stderr)
     return 1 if result.regressed else 0
@@ -306,6 +312,8 @@ def _nightly(args: argparse.Namespace) -> int:
         for model, path in night.failing:
             print(f"{prefix}VERDICT FAIL: {model} {path}")
         print(prefix + (night.compare_line or "first night: nothing to compare with"))
+        if night.incomplete:
+            print(f"{prefix}INCOMPLETE: {night.incomplete}", file=sys.stderr)
         print(f"{prefix}night: {night.run_dir}\n{prefix}trend: {night.trend_page}")
     return max(night.exit_code for _, night in nights)
 

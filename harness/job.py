@@ -20,12 +20,13 @@ import harness
 from harness.analysis.metrics import noise_floor
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, parse_paths  # noqa: F401 - DEFAULT_PATHS: the CLI's
 from harness.replay.runner import REFERENCE, Replay
-from harness.run_inputs import InputError, check_run_inputs, scenario_budget_problems
+from harness.run_inputs import InputError, candidate_labels, check_run_inputs, scenario_budget_problems
 from harness.runs.gate import write_verdicts
 from harness.runs.status import expected_units, final_status, unfinished_units
 from harness.runs.store import RunStore, RunStoreError, hold_run_lock
-from harness.scenarios.load import Scenario, load_scenarios
+from harness.scenarios.load import Scenario
 from harness.scenarios.select import select_scenarios
+from harness.scenarios.sources import load_scenarios
 from harness.types import Message, Scores
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -243,6 +244,7 @@ def _manifest(config: RunConfig, scenarios: list[Scenario]) -> dict:
         "history_mode": config.history_mode, "seed": config.seed,
         "models": [], "scenario_files": [{"file": f, "sha256": _file_sha256(Path(f))} for f in files],
         "scenarios": [{"id": s.id, "kind": s.kind, "hash": s.content_hash, "source": s.source} for s in scenarios],
+        "units_expected": len(_expected_units(config, scenarios)),
         "paths": [{"name": p.name, "canonical": p.canonical, "kind": "kv_path", "description": p.describe()}
                   for p in config.paths],
         "calibration_files": [str(p) for p in config.calibration_paths] or "built-in (harness/calibration.py)",
@@ -261,20 +263,6 @@ def _check_resumable(store: RunStore, config: RunConfig, scenarios: list[Scenari
     if not config.endpoints and [p["name"] for p in manifest.get("paths", [])] != [p.name for p in config.paths]:
         raise RunStoreError(f"cannot resume {config.out}: it ran paths "
                             f"{[p['name'] for p in manifest['paths']]}, not {[p.name for p in config.paths]}")
-
-
-def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
-    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
-    pairs = []
-    for i, item in enumerate(urls, start=1):
-        label, sep, url = item.partition("=")
-        if not sep or "://" in label:
-            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
-        pairs.append((label, url))
-    labels = [label for label, _ in pairs]
-    if len(set(labels)) != len(labels) or "reference" in labels:
-        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
-    return pairs
 
 
 def run_job(config: RunConfig, progress=None, warn=print) -> Path:
@@ -829,6 +817,7 @@ async def _replay_endpoints(config: RunConfig, scenarios, store: RunStore, bar) 
 
     reference, candidates = _open_endpoints(config, store.directory / "http-cache")
     servers = [b for b in (reference, *candidates) if b is not None]
+    _carry_failed_attempts(store.read_manifest(), reference, candidates)
     try:
         await live.preflight(servers)  # capabilities are known before the manifest is written
         _note_endpoints(store, config, reference, candidates, live.degraded(servers))
@@ -845,7 +834,7 @@ def _endpoint_replay(config: RunConfig, reference, candidates, store: RunStore, 
     reference the candidates' self-consistency alone."""
     done = bar.update if bar else None
     if reference is None:
-        from harness.replay.self_consistency import SelfConsistencyReplay
+        from harness.replay.runner import SelfConsistencyReplay
 
         return SelfConsistencyReplay(ENDPOINT_MODEL, candidates, store, on_unit_done=done)
     return Replay(ENDPOINT_MODEL, reference, candidates, store, config.history_mode, on_unit_done=done,
@@ -894,6 +883,17 @@ def endpoint_path_entry(label: str, described: dict) -> dict:
     return {"name": label, "canonical": label, "kind": "endpoint",
             "description": f"endpoint {described.get('url')} serving {served} (KV cache as the server keeps it)",
             "endpoint": described}
+
+
+def _carry_failed_attempts(manifest: dict, reference, candidates) -> None:
+    """A --resume's servers start from the failed attempts earlier sessions stored: the count accumulates."""
+    stored = {p.get("name"): p.get("endpoint") for p in manifest.get("paths") or [] if isinstance(p, dict)}
+    stored["reference"] = next((m.get("reference") for m in manifest.get("models") or []
+                                if isinstance(m, dict) and m.get("label") == ENDPOINT_MODEL), None)
+    for backend in (reference, *candidates):
+        earlier = stored.get(backend.label)
+        count = earlier.get("failed_attempts") if isinstance(earlier, dict) else None
+        backend.earlier_failed_attempts = count if isinstance(count, int) and count > 0 else 0
 
 
 def _note_endpoints(store: RunStore, config: RunConfig, reference, candidates, degraded: list[str]) -> None:

@@ -3,7 +3,8 @@
 Each call is one night: a run stored under `HISTORY/nights/<night>`, compared with the previous night
 (`<night>/compare/compare.html`), and the trend page `HISTORY/trend/index.html` re-rendered from every night
 kept: each path's verdicts and key metrics over nights, as matplotlib plots. Exit 1 when tonight a path fails
-its verdicts or compare finds a regression against last night (docs/CONTRACTS.md exit codes).
+its verdicts or compare finds a regression against last night; exit 3 when tonight's run or the night it is
+compared with did not finish every unit (docs/CONTRACTS.md exit codes).
 
 `--suite stress` (or `all`) runs the stress suites of `harness/zoo.py` (`STRESS_SUITES`: the outlier-key and
 latent-scale variants on the default canary scenarios, the long-context canary on its 16k-token needles), each
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.files import file_kind
+
 TREND_METRICS = {"kl_max": "KL max (mean over turns)", "kl_mean": "KL mean (mean over turns)",
                  "answer_correct": "answer accuracy"}
 SUITES = ("default", "stress", "all")
@@ -34,10 +37,11 @@ class NightResult:
     compare_line: str | None  # compare's summary line against the previous night; None on the first night
     regressed: bool
     trend_page: Path
+    incomplete: str | None = None  # tonight's run or the night compared with did not finish: what is missing
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failing or self.regressed else 0
+        return 3 if self.incomplete else 1 if self.failing or self.regressed else 0
 
 
 def night_name() -> str:
@@ -56,9 +60,8 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
     """Run tonight (RunConfig fields other than `out`), compare with the last night, re-render the trend."""
     from harness.analysis.verdicts import failing_paths
     from harness.run_config import build_run_config
-    from harness.runs.compare import compare_runs
     from harness.runs.gate import run_matrix
-    from harness.runs.read import RunReadError
+    from harness.runs.read import read_run
 
     previous = nights(history)
     name = night or night_name()
@@ -69,14 +72,25 @@ def run_night(history: Path, config_fields: dict, night: str | None = None) -> N
 
     job.run_job(build_run_config(out=out, **config_fields))
     failing = failing_paths(run_matrix(out))
-    compare_line, regressed = None, False
-    if previous:
-        try:
-            result = compare_runs(previous[-1], out, out_dir=out / "compare")
-            compare_line, regressed = result.summary_line, result.regressed
-        except RunReadError as error:  # tonight's run stays stored and judged; the comparison is named as not made
-            compare_line = f"NOT COMPARED with {previous[-1].name}: {error}"
-    return NightResult(out, failing, compare_line, regressed, render_trend(history))
+    if not previous:
+        return NightResult(out, failing, None, False, render_trend(history), read_run(out).incomplete())
+    compare_line, regressed, incomplete = compare_nights(previous[-1], out)
+    return NightResult(out, failing, compare_line, regressed, render_trend(history), incomplete)
+
+
+def compare_nights(last: Path, tonight: Path) -> tuple[str, bool, str | None]:
+    """(compare's summary line, regressed, what is missing when either night is incomplete) of tonight against
+    the last night; tonight's run stays stored and judged when the comparison cannot be made."""
+    from harness.runs.compare import compare_runs
+    from harness.runs.read import IncompleteRunError, RunReadError
+
+    try:
+        result = compare_runs(last, tonight, out_dir=tonight / "compare")
+    except IncompleteRunError as error:
+        return f"NOT COMPARED with {last.name}: {error}", False, str(error)
+    except RunReadError as error:
+        return f"NOT COMPARED with {last.name}: {error}", False, None
+    return result.summary_line, result.regressed, None
 
 
 def stress_fields(suite, device: str, command: str) -> dict:
@@ -89,6 +103,24 @@ def stress_fields(suite, device: str, command: str) -> dict:
                 select=suite.select(device))
 
 
+def check_history(history: Path) -> None:
+    """ValueError naming the part of a history (the history, nights/, trend/, trend/index.html, stress/) that is
+    there but of the wrong type, before tonight's run: a night must be able to be stored and its trend drawn."""
+    for directory in (history, history / "nights", history / "trend", history / STRESS_HISTORY):
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--history {history}: {directory} is not a directory (a {file_kind(directory)})")
+    page = history / "trend" / "index.html"
+    if page.exists() and not page.is_file():
+        raise ValueError(f"--history {history}: {page} is not a regular file (a {file_kind(page)})")
+
+
+def check_night_name(night: str) -> None:
+    """A night is one directory of HISTORY/nights: a plain name, never a path that leaves it (`../x`)."""
+    if not night or night in (".", "..") or Path(night).name != night or "\\" in night:
+        raise ValueError(f"--night {night!r}: a night's name is one plain directory name (e.g. 2026-01-02), "
+                         f"not a path")
+
+
 def run_nights(history: Path, default_fields: dict, suite: str = "default",
                night: str | None = None) -> list[tuple[str, NightResult]]:
     """Tonight's runs of `suite` (default, stress or all), each (name, result); one night name for all."""
@@ -96,7 +128,13 @@ def run_nights(history: Path, default_fields: dict, suite: str = "default",
 
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r}: expected one of {', '.join(SUITES)}")
+    if night is not None:
+        check_night_name(night)
     name = night or night_name()
+    histories = ([history] if suite in ("default", "all") else []) + \
+        ([history / STRESS_HISTORY / stress.name for stress in STRESS_SUITES] if suite in ("stress", "all") else [])
+    for kept in histories:
+        check_history(kept)
     results = []
     if suite in ("default", "all"):
         results.append(("default", run_night(history, default_fields, name)))

@@ -116,6 +116,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if harness.finish(session) and session.exitstatus == 0:
         session.exitstatus = 1
+    if harness.incomplete:
+        session.exitstatus = 3  # docs/CONTRACTS.md: an incomplete run wins over a failed verdict
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -149,11 +151,13 @@ class HarnessSession:
         self.selected: dict[str, dict] = {}  # model label -> {"scenarios": [...], "paths": [...]}
         self.parts: dict[str, Path] = {}  # model label -> part run directory (this process)
         self.lines: list[str] = []
+        self.incomplete = False  # --baseline (or this session's run) did not finish every unit: exit 3
 
     def items(self, parent: pytest.Collector):
         from harness import job
         from harness.analysis.verdicts import parse_threshold_overrides
-        from harness.scenarios.load import load_scenarios
+        from harness.run_inputs import candidate_labels
+        from harness.scenarios.sources import load_scenarios
 
         try:
             parse_threshold_overrides(self.thresholds)
@@ -161,7 +165,7 @@ class HarnessSession:
                 job.parse_kv_paths(self.config.getoption("yardstick"))  # a bad spec: the same one line as --paths
             scenarios = load_scenarios(list(self.scenario_paths))
             if self.reference:
-                targets = [(ENDPOINT_MODEL, None, [label for label, _ in job.candidate_labels(self.candidates)])]
+                targets = [(ENDPOINT_MODEL, None, [label for label, _ in candidate_labels(self.candidates)])]
             else:
                 paths = [p.name for p in job.parse_kv_paths(self.path_spec)]
                 targets = [(job.model_label(m), m, paths) for m in self.models]
@@ -243,8 +247,14 @@ class HarnessSession:
         if not baseline:
             return bool(whole)
         from harness.runs.compare import compare_runs
+        from harness.runs.read import IncompleteRunError
 
-        result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
+        try:
+            result = compare_runs(baseline, self.run_dir, out_dir=self.run_dir / "compare")
+        except IncompleteRunError as error:
+            self.lines.append(f"NOT COMPARED with {baseline}: {error}")
+            self.incomplete = True
+            return bool(whole)
         self.lines += [f"compare with {baseline}: {result.summary_line}", f"compare report: {result.report_path}"]
         return result.regressed or bool(whole)
 

@@ -35,6 +35,9 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
     path: `DEFAULT_YARDSTICK` unless `yardstick` names another or "none"), a new `runs/<time>-<id>`.
     An endpoint run (`reference_url`, or `candidate_urls` alone with self-consistency) has no in-process models or paths. Bad values raise ValueError naming
     the flag."""
+    if yardstick is not None and not yardstick.strip():
+        raise ValueError(f"--yardstick {yardstick!r}: empty; name a KV path spec (default {DEFAULT_YARDSTICK}) "
+                         f"or 'none' for no yardstick")
     endpoint = bool(fields.get("reference_url") or fields.get("candidate_urls"))
     if endpoint:
         models, kv_paths = (), ()

@@ -71,20 +71,96 @@ def _out_problems(out: Path, resume: bool) -> list[str]:
 
 
 def scenario_budget_problems(scenarios: Sequence, models: Sequence[Path]) -> list[str]:
-    """A scenario whose `generation.max_new_tokens` leaves no room in a model's context (its config.json's
-    max_position_embeddings): refused before the replay, as `harness serve` and vLLM refuse such a request
-    with a 400, rather than decoding until an end-of-sequence token that may never come."""
+    """A scenario whose `generation.max_new_tokens`, or whose prompt with it, does not fit a model's context
+    (its config.json's max_position_embeddings): refused before the replay, as `harness serve` and vLLM refuse
+    such a request with a 400, rather than decoding until an end-of-sequence token that may never come or
+    running positions the model was never built for."""
     problems = []
     for directory in models:
-        context = _context_length(Path(directory))
+        context = _context_length(_weights_directory(Path(directory)))
         if context is None:
             continue
-        for scenario in scenarios:
-            if scenario.max_new_tokens >= context:
-                problems.append(f"{scenario.source}: scenario {scenario.id!r}: field 'generation.max_new_tokens': "
-                                f"{scenario.max_new_tokens} leaves no room for the prompt in model {directory}'s "
-                                f"context of {context} tokens (max_position_embeddings)")
+        no_room = [s for s in scenarios if s.max_new_tokens >= context]
+        problems += [f"{s.source}: scenario {s.id!r}: field 'generation.max_new_tokens': {s.max_new_tokens} leaves "
+                     f"no room for the prompt in model {directory}'s context of {context} tokens "
+                     f"(max_position_embeddings)" for s in no_room]
+        problems += prompt_length_problems([s for s in scenarios if s.max_new_tokens < context], Path(directory),
+                                           context)
     return problems
+
+
+def prompt_length_problems(scenarios: Sequence, directory: Path, context: int) -> list[str]:
+    """Each scenario's first turn whose chat-templated prompt plus `max_new_tokens` is beyond `context`. The
+    prompt is the turn's fixed text with every earlier generated reply counted at its `max_new_tokens`: the
+    most the replay can hand the model."""
+    tokenizer = _tokenizer(_weights_directory(directory))
+    if tokenizer is None:
+        return []  # no tokenizer to count with: the model's own checks name it
+    problems = []
+    count = PromptCounter(tokenizer, context)
+    for scenario in scenarios:
+        turn, prompt = _first_turn_beyond(scenario, count, context)
+        if turn is not None:
+            problems.append(f"{scenario.source}: scenario {scenario.id!r}: turn {turn}: prompt of {prompt} tokens "
+                            f"+ generation.max_new_tokens {scenario.max_new_tokens} is beyond model {directory}'s "
+                            f"context of {context} tokens (max_position_embeddings; earlier generated replies "
+                            f"counted at max_new_tokens)")
+    return problems
+
+
+def _first_turn_beyond(scenario, count: "PromptCounter", context: int) -> tuple[int | None, str]:
+    """(the first turn whose longest prompt + reply is beyond `context`, that prompt's tokens as text), else
+    (None, ""). A turn's prompt holds every earlier one's, so only when the last turn is beyond are the others
+    counted."""
+    if count.longest_prompt(scenario, len(scenario.turns) - 1)[0] + scenario.max_new_tokens <= context:
+        return None, ""
+    for turn in range(len(scenario.turns)):
+        tokens, exact = count.longest_prompt(scenario, turn)
+        if tokens + scenario.max_new_tokens > context:
+            return turn, f"{tokens}" if exact else f"at least {tokens}"
+    return None, ""
+
+
+class PromptCounter:
+    """Tokens of a turn's chat-templated prompt. A text longer than the context could hold even in the widest
+    vocabulary entries is not tokenised (a 1,000,000-character filler took 20 s): its count is a lower bound."""
+
+    def __init__(self, tokenizer, context: int):
+        self.tokenizer, self.context = tokenizer, context
+        self.widest = max(map(len, tokenizer.get_vocab()), default=1)  # characters per token, at most
+
+    def longest_prompt(self, scenario, upto: int) -> tuple[int, bool]:
+        """(tokens of turn `upto`'s prompt: system, earlier turns with a generated reply counted as its
+        `max_new_tokens`, its user text; whether that count is exact rather than a lower bound)."""
+        chat = [{"role": "system", "content": scenario.system}] if scenario.system else []
+        generated = 0
+        for turn in scenario.turns[:upto]:
+            chat += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.assistant or ""}]
+            generated += turn.assistant is None
+        chat.append({"role": "user", "content": scenario.turns[upto].user})
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        replies = generated * scenario.max_new_tokens
+        if len(text) > self.context * self.widest:
+            return -(-len(text) // self.widest) + replies, False
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + replies, True
+
+
+def _weights_directory(directory: Path) -> Path:
+    """Where a model's config and tokenizer are: a stress variant's base canary, else the directory itself."""
+    try:
+        variant = read_variant(directory)
+    except VariantError:
+        return directory  # refused by _model_problems
+    return variant.base if variant is not None else directory
+
+
+def _tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception:  # noqa: BLE001 - any tokenizer that will not load is named when the model loads
+        return None
 
 
 def _context_length(directory: Path) -> int | None:
@@ -159,8 +235,21 @@ def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
             f"(a checkpoint scale source needs them)"]
 
 
+def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
+    pairs = []
+    for i, item in enumerate(urls, start=1):
+        label, sep, url = item.partition("=")
+        if not sep or "://" in label:
+            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
+        pairs.append((label, url))
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels) or "reference" in labels:
+        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
+    return pairs
+
+
 def _endpoint_problems(config: RunConfig) -> list[str]:
-    from harness.job import candidate_labels  # job imports this module: a call-time import
     from harness.replay.endpoint import normalise_base_url
 
     problems = []

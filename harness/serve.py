@@ -16,6 +16,7 @@ decode steps).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -79,12 +80,16 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int) -> tuple[list[StepLogprobs], str]:
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, top_k: int,
+               client_gone: threading.Event | None = None) -> tuple[list[StepLogprobs], str]:
         """The backend's own greedy decoding (`InProcessBackend.greedy_ids`), with each step's logprobs. As
-        vLLM: a reply that stopped on end-of-sequence lists that token too (its text leaves it out)."""
+        vLLM: a reply that stopped on end-of-sequence lists that token too (its text leaves it out). Once
+        `client_gone` is set, the next step raises `ClientGone`: nobody is left to read the reply."""
         steps: list[StepLogprobs] = []
 
         def record(logits: torch.Tensor, next_id: int) -> None:
+            if client_gone is not None and client_gone.is_set():
+                raise ClientGone(f"client left after {len(steps)} of {max_new_tokens} tokens")
             steps.append(_step(torch.log_softmax(logits.float(), dim=-1), next_id, top_k))
 
         with self._lock:
@@ -101,6 +106,31 @@ class ServedModel:
                                 **cache_kwargs(self.model, self.backend.new_cache()), use_cache=True).logits[0, :-1]
         rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
         return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]
+
+
+class ClientGone(Exception):
+    """The request's client disconnected: its generation is stopped, not finished for nobody."""
+
+
+DISCONNECT_POLL_S = 0.05  # how often a generating request checks that its client is still there
+
+
+async def _greedy_while_connected(request: Request, served: "ServedModel", prompt: list[int], max_new: int,
+                                  top_k: int) -> tuple[list["StepLogprobs"], str]:
+    """`served.greedy` in a worker thread, stopped at its next step once the client has disconnected (the
+    model is shared under one lock: a generation for a client that left delays every later request)."""
+    gone = threading.Event()
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await run_in_threadpool(served.greedy, prompt, max_new, top_k, gone)
+    finally:
+        watcher.cancel()
 
 
 def _step(row: torch.Tensor, token_id: int, top_k: int) -> StepLogprobs:
@@ -290,7 +320,7 @@ def build_app(served: ServedModel) -> Starlette:
         prompt = served.encode_chat(_messages(body))
         top_k = _top_k(body.get("top_logprobs"), "top_logprobs") if body.get("logprobs") else 0
         max_new = _max_tokens(body, len(prompt), served.max_model_len, DEFAULT_MAX_TOKENS)
-        steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
+        steps, finish = await _greedy_while_connected(request, served, prompt, max_new, top_k)
         steps, text, finish, stop_reason = _apply_stop(served, steps, finish, stop)
         ids = [s.token_id for s in steps]  # the end-of-sequence token included, as vLLM lists it
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -315,7 +345,7 @@ def build_app(served: ServedModel) -> Starlette:
         wants_logprobs = body.get("logprobs") is not None
         prompt_top_k = _top_k(body.get("prompt_logprobs"), "prompt_logprobs")
         max_new = _max_tokens(body, len(prompt), served.max_model_len, 16)
-        steps, finish = await run_in_threadpool(served.greedy, prompt, max_new, top_k)
+        steps, finish = await _greedy_while_connected(request, served, prompt, max_new, top_k)
         echo = bool(body.get("echo"))
         scored = []
         if echo and wants_logprobs or body.get("prompt_logprobs") is not None:
@@ -365,7 +395,8 @@ def build_app(served: ServedModel) -> Starlette:
               Route("/tokenize", tokenize, methods=["POST"]),
               Route("/detokenize", detokenize, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request, Exception: _server_error})
+    return Starlette(routes=routes, exception_handlers={BadRequest: _bad_request, ClientGone: _client_gone,
+                                                          Exception: _server_error})
 
 
 # ---------------------------------------------------------------- streaming (server-sent events)
@@ -480,6 +511,11 @@ async def _bad_request(request: Request, error: Exception) -> JSONResponse:
     kind = {404: "NotFoundError", 413: "RequestTooLargeError"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": str(error), "type": kind, "param": getattr(error, "param", None),
                                    "code": status}}, status_code=status)
+
+
+async def _client_gone(request: Request, error: Exception) -> JSONResponse:
+    """Nobody reads it: 499, nginx's "client closed request"."""
+    return JSONResponse({"error": {"message": str(error), "type": "client_closed_request"}}, status_code=499)
 
 
 async def _server_error(request: Request, error: Exception) -> JSONResponse:

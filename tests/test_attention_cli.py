@@ -11,7 +11,7 @@ from harness import cli
 from harness.kv_paths.spec import parse_path
 from harness.replay import sensitivity as scan
 from harness.replay.inprocess import InProcessModel
-from harness.scenarios.load import load_scenarios
+from harness.scenarios.sources import load_scenarios
 
 SCENARIO = """\
 scenarios:

@@ -45,8 +45,8 @@ import harness
 from harness import cli
 from harness.kv_paths.spec import DEFAULT_PATHS
 from harness.runs.library_log import LOG_NAME, quiet_libraries
-from harness.scenarios.load import load_scenarios
 from harness.scenarios.select import select_models, select_scenarios
+from harness.scenarios.sources import load_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY_SCENARIOS = ROOT / "scenarios" / "canary" / "default.yaml"
@@ -187,3 +187,17 @@ def test_eta_uses_the_average_rate_of_the_run(monkeypatch):
     ours = eta_swing(cli._progress(len(costs)), costs)
     default = eta_swing(tqdm(total=len(costs), file=cli.sys.stderr, mininterval=0), costs)
     assert ours < 0.1 and default > 3 * ours, (ours, default)  # the predicted run length holds steady
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--models", ","], "--models ','"),            # before: ran no model at all and reported success
+    (["--models", "gqa,,mla"], "--models 'gqa,,mla'"),
+    (["--yardstick="], "--yardstick ''"),           # before: ran no yardstick, the manifest recorded the default
+    (["--yardstick", "  "], "--yardstick '  '"),
+])
+def test_empty_models_or_yardstick_is_refused_before_work(tmp_path, capsys, argv, named):
+    """Issue 45: each exits 2 with one line naming the flag and echoing the value; no run directory."""
+    code = main(["run", *argv, "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

@@ -235,3 +235,34 @@ def test_a_question_newly_failed_in_b_is_a_regression_named_by_question(tmp_path
     assert 'id="question-table"' in table and "pass → <b>fail</b>" in table
     unchanged = compare_runs(RUNS / "baseline", RUNS / "baseline", n_boot=N_BOOT)
     assert not unchanged.new_question_failures
+
+
+def killed_copy(source: Path, run: Path, units_done: int) -> Path:
+    """`source` as a run killed (SIGKILL) after `units_done` units: status still `running`, the rest missing."""
+    import shutil
+
+    shutil.copytree(source, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps(manifest | {"status": "running", "finished_at": None}))
+    done = [json.loads(line) for line in (run / "done.jsonl").read_text().splitlines()][:units_done]
+    kept = {(d["model"], d["scenario"], d["path"]) for d in done}
+    for table in ("done", "records", "series", "texts", "checks", "verdicts"):
+        if (run / f"{table}.jsonl").exists():
+            rows = [json.loads(line) for line in (run / f"{table}.jsonl").read_text().splitlines() if line.strip()]
+            rows = [r for r in rows if (r.get("model"), r.get("scenario"), r.get("path")) in kept]
+            (run / f"{table}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+@pytest.mark.parametrize("killed_side", ["b", "a"])
+def test_compare_refuses_an_incomplete_run_with_exit_3(tmp_path, capsys, killed_side):
+    """A run killed after 3 of its 12 units is no evidence of "no regression": exit 3, naming the run and the
+    units it has."""
+    from harness.cli import main
+
+    killed = killed_copy(RUNS / "baseline", tmp_path / "killed", units_done=3)
+    runs = [RUNS / "baseline", killed] if killed_side == "b" else [killed, RUNS / "baseline"]
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "out")]) == 3
+    printed = capsys.readouterr()
+    assert "OK" not in printed.out and "Traceback" not in printed.err
+    assert str(killed) in printed.err and "3 of 12 units" in printed.err and "running" in printed.err

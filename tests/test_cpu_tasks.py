@@ -6,7 +6,7 @@ from pathlib import Path
 from harness import job
 from harness.replay import inprocess
 from harness.runs.store import RunStore
-from harness.scenarios.load import load_scenarios
+from harness.scenarios.sources import load_scenarios
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
 

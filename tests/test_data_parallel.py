@@ -14,7 +14,7 @@ import torch
 
 from harness import job
 from harness.run_config import build_run_config
-from harness.scenarios.load import load_scenarios
+from harness.scenarios.sources import load_scenarios
 
 TIMING = ("seconds", "ms_per", "tok_per_s", "tokens_per_s", "_time")  # wall-clock metrics differ run to run
 

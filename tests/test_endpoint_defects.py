@@ -124,3 +124,49 @@ def test_a_scoring_request_that_failed_for_now_is_redone_by_resume(tmp_path):
     expected = [{k: r[k] for k in ("scenario", "path", "turn", "metric", "value")} for r in clean.read("records")]
     assert sorted(map(json.dumps, kept)) == sorted(map(json.dumps, expected))
     assert not [r for r in store.read("records") if r.get("unavailable")]
+
+
+def test_a_refused_reply_is_not_cached_so_resume_asks_again(tmp_path):
+    """Issue 45: a reply the wrong-reply checks refused (its text disagrees with its ids) was kept in the run's
+    HTTP cache, so every `--resume` replayed it and those units never finished. Now the server fixed before
+    the resume is asked again and the units complete."""
+    faults = {"garbled_text"}
+    cache = tmp_path / "run" / "http-cache"
+    store = RunStore.create(tmp_path / "run", {"status": "running", "warnings": []})
+
+    async def run(reference_url, candidate_url):
+        reference = endpoint(reference_url, label="reference", cache_dir=cache)
+        candidate = endpoint(candidate_url, label="candidate", cache_dir=cache)
+        try:
+            await Replay("endpoint", reference, [candidate], store).run([scenario()])
+        finally:
+            await reference.aclose()
+            await candidate.aclose()
+
+    with running_server(fault_app(set()), log_level=QUIET) as healthy, \
+            running_server(fault_app(faults), log_level=QUIET) as garbled:
+        asyncio.run(run(healthy, garbled))
+        assert not store.is_done("endpoint", "s", "candidate")
+        faults.clear()
+        asyncio.run(run(healthy, garbled))  # the resume
+    assert store.is_done("endpoint", "s", "candidate")
+    assert [r for r in store.read("records") if r["path"] == "candidate"]
+
+
+def test_failed_attempts_accumulate_across_resumes(tmp_path):
+    """Issue 45: a --resume replaced the manifest's `failed_attempts` with its own session's count, hiding the
+    earlier sessions' failed attempts. The first session's count is planted (a server that fails requests also
+    fails the pre-flight); the resume, with no failure of its own, must keep it, through both of its notes."""
+    args = ["--out", str(tmp_path / "run"), "--scenarios", str(write_scenarios(tmp_path)), "--no-progress"]
+    manifest_file = tmp_path / "run" / "manifest.json"
+    with running_server(fault_app(set()), log_level=QUIET) as healthy, \
+            running_server(fault_app(set()), log_level=QUIET) as candidate:
+        assert cli.main(["run", "--reference", healthy, "--candidate", f"fp8={candidate}", *args]) == 0
+        manifest = json.loads(manifest_file.read_text())
+        manifest["paths"][0]["endpoint"]["failed_attempts"] = 5
+        manifest["models"][0]["reference"]["failed_attempts"] = 2
+        manifest_file.write_text(json.dumps(manifest))
+        assert cli.main(["run", "--reference", healthy, "--candidate", f"fp8={candidate}", *args, "--resume"]) == 0
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["paths"][0]["endpoint"]["failed_attempts"] == 5
+    assert manifest["models"][0]["reference"]["failed_attempts"] == 2

@@ -299,3 +299,18 @@ def test_granite_hybrid_with_mamba2_default_dims_replays_within_memory(tmp_path)
     assert manifest["status"] == "complete" and not batching["one_at_a_time_fallbacks"], batching
     total = torch.cuda.get_device_properties(0).total_memory
     assert batching["largest_batch"] * families.ssm_scan_bytes(config, 512) <= total, batching
+
+
+def test_keep_bf16_beyond_the_models_layers_is_refused_before_work(tmp_path, capsys):
+    """Issue 45: `keep_bf16=999` on the 6-layer canary was accepted (the path replayed as plain fp8 under a name
+    saying otherwise). Refused before work, naming the path, the layer and the model's layer count."""
+    from pathlib import Path
+
+    from harness.cli import main
+
+    gqa = Path(__file__).resolve().parents[1] / "harness" / "canary" / "weights" / "gqa"
+    code = main(["run", "--model", str(gqa), "--paths", "fp8_e4m3:keep_bf16=2+999", "--out", str(tmp_path / "out"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fp8_e4m3:keep_bf16=2+999" in err and "layer 999" in err and "6 layers" in err, err
+    assert not (tmp_path / "out").exists()

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # torch's import maps ~1 GiB
-    from harness.scenarios.load import ScenarioError, load_scenarios
+    from harness.scenarios.load import ScenarioError
+    from harness.scenarios.sources import load_scenarios
     before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # after imports (harness imports torch)
     started = time.perf_counter()
     try:
@@ -80,13 +81,13 @@ def test_sixty_megabyte_file_is_refused_before_parsing(tmp_path):
 
 
 def test_bounds_do_not_refuse_the_bundled_scenarios():
-    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     assert len(load_scenarios([REPO / "scenarios"])) > 100
 
 
 def test_anchors_and_aliases_within_bounds_still_load(tmp_path):
-    from harness.scenarios.load import load_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     file = tmp_path / "aliases.yaml"
     file.write_text(textwrap.dedent("""\

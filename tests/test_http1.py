@@ -176,3 +176,31 @@ def test_environment_proxies_route_through_httpx(monkeypatch, environment, proxi
         monkeypatch.setenv(name, value)
     transport = default_transport("http://example.org:8000")
     assert isinstance(transport, httpx.AsyncHTTPTransport if proxied else Http11Transport)
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 8589934592\r\n\r\n" + b"x" * 4096,  # declares 8 GiB
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"100001\r\n" + b"x" * 0x100001 + b"\r\n",
+    Closing(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * (3 << 20)),  # the body ends at close, 3 MiB of it
+    b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(gzip.compress(b"0" * (3 << 20))), gzip.compress(b"0" * (3 << 20))),  # 3 MiB of JSON in 3 kB
+], ids=["content-length", "chunked", "until-close", "gzip"])
+def test_a_reply_over_the_size_limit_is_one_clear_error_and_not_retried(reply, monkeypatch):
+    """Issue 45: a reply declaring 8 GiB took the run past 3 GB in 10 s. Now a body (raw or decoded) over
+    the limit fails its request at once, naming the URL and the limit; nothing is retried."""
+    monkeypatch.setattr(http1, "MAX_BODY_BYTES", 1 << 20, raising=False)  # 1 MiB here; the default is far above
+
+    async def run():
+        server = ScriptedServer([reply, reply])
+        async with server as url:
+            client = RequestClient(url, policy=RequestPolicy(retries=2, backoff_s=0.0))
+            try:
+                with pytest.raises(EndpointError) as raised:
+                    await asyncio.wait_for(client.post("/v1/completions", {"prompt": "x"}), 10)
+            finally:
+                await client.aclose()
+        return raised.value, len(server.requests)
+
+    error, requests = asyncio.run(run())
+    assert requests == 1
+    assert "POST http://127.0.0.1" in str(error) and "/v1/completions" in str(error) and "over the limit of 1,048,576 bytes" in str(error), str(error)

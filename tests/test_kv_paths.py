@@ -54,3 +54,23 @@ def test_fp32_is_the_reference_in_float32():
     path = parse_path("fp32")
     assert path.is_reference_noise and not path.is_fp8 and path.canonical == "fp32"
     assert "precision noise" in path.describe()
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_a_layer_map_that_is_not_a_regular_file_is_refused(tmp_path, target):
+    """Issue 45: `layers=` on a FIFO waited forever; `layers=/dev/zero` read without bound. Run in a child with a
+    deadline and a 2 GiB address-space cap, as before the fix either never returned."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "map.json" if target == "fifo" else Path(target)
+    if target == "fifo":
+        os.mkfifo(path)
+    code = ("from harness.kv_paths.spec import parse_path, PathSpecError\n"
+            f"try:\n    parse_path('fp8_e4m3:layers={path}')\nexcept PathSpecError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)))
+    assert done.returncode == 0 and f"layer map {path}: not a regular file" in done.stdout, done.stdout + done.stderr

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = {
     "harness.types": 0,
     "harness.records": 0,
+    "harness.files": 0,
     "harness.scenarios": 1,
     "harness.canary": 2,
     "harness.kv_paths": 3,

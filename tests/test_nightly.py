@@ -104,3 +104,68 @@ def test_the_default_night_measures_the_reference_noise(tmp_path, monkeypatch):
     default, chosen = ([p.canonical for p in fields["paths"]] for fields in seen)
     assert "fp32" in default and "fp8_e4m3:per_tensor:calibrated:sat" in default
     assert "fp32" not in chosen
+
+
+def _night_from(source: Path, units_done: int | None = None):
+    """A stand-in for `job.run_job` that stores `source` (killed after `units_done` units when given) as tonight."""
+    import shutil
+
+    from test_compare import killed_copy
+
+    def run_job(config):
+        if units_done is None:
+            shutil.copytree(source, config.out)
+        else:
+            killed_copy(source, config.out, units_done)
+        return config.out
+    return run_job
+
+
+@pytest.mark.parametrize("killed", ["last night", "tonight"])
+def test_a_night_is_not_compared_with_an_incomplete_run(tmp_path, monkeypatch, killed):
+    """A night killed after 3 of 12 units (or one with no records at all) says nothing about a regression:
+    exit 3, naming that night and its units."""
+    from types import SimpleNamespace
+
+    from harness import job, nightly, run_config
+    from test_compare import RUNS, killed_copy
+
+    history = tmp_path / "history"
+    (history / "nights").mkdir(parents=True)
+    monkeypatch.setattr(run_config, "build_run_config", lambda out, **fields: SimpleNamespace(out=out))
+    if killed == "last night":
+        killed_copy(RUNS / "baseline", history / "nights" / "n1", units_done=0)
+    else:
+        monkeypatch.setattr(job, "run_job", _night_from(RUNS / "baseline"))
+        nightly.run_night(history, {}, "n1")
+    monkeypatch.setattr(job, "run_job", _night_from(RUNS / "baseline", 3 if killed == "tonight" else None))
+    night = nightly.run_night(history, {}, "n2")
+    assert night.exit_code == 3 and not night.regressed
+    unfinished = history / "nights" / ("n1" if killed == "last night" else "n2")
+    units = "0 of 12 units" if killed == "last night" else "3 of 12 units"
+    assert "NOT COMPARED" in night.compare_line and str(unfinished) in night.compare_line and units in night.compare_line
+
+
+@pytest.mark.parametrize("night", ["../x", "a/b", "..", ".", "/tmp/abs", ""])
+def test_a_night_name_that_leaves_the_history_is_refused(tmp_path, capsys, night):
+    """Issue 45: `--night ../x` wrote its run outside HISTORY/nights. A night is one plain directory name:
+    anything else exits 2 naming --night and the value, before any run, nothing written."""
+    history = tmp_path / "history"
+    assert main(["nightly", "--history", str(history), "--night", night]) == 2
+    err = capsys.readouterr().err
+    assert f"--night {night!r}" in err and "Traceback" not in err, err
+    assert not history.exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("planted", ["nights", "trend", "trend/index.html", "."])
+def test_a_history_part_of_the_wrong_type_is_refused_before_work(tmp_path, capsys, planted):
+    """Issue 45: a history whose nights/ or trend/ is a file, or trend/index.html a directory, traced back (exit
+    1), after the night's run. Now exit 2 before any run, naming the part."""
+    history = tmp_path / "history"
+    part = history / planted  # "." is the history itself
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.mkdir() if planted == "trend/index.html" else part.write_text("x")
+    assert main(["nightly", "--history", str(history), "--night", "n1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{part} is not a" in err and "Traceback" not in err, err
+    assert not (history / "nights" / "n1").exists() or not history.is_dir()

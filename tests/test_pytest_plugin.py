@@ -141,3 +141,22 @@ def test_endpoint_sessions_take_a_request_timeout_recorded_in_the_manifest(pytes
     assert manifest["request_timeout_s"] == 7.5
     assert manifest["paths"][0]["endpoint"]["policy"]["timeout_s"] == 7.5
     assert refused.ret == 4 and "--request-timeout: must be a positive, finite number of seconds" in refused.stderr.str()
+
+
+def test_pytest_harness_from_outside_the_checkout_collects(tmp_path, scenario_file):
+    """Issue 45: with the README's editable install, `pytest harness` from any other directory exited 4
+    ("Defining 'pytest_plugins' in a non-top-level conftest": the checkout's conftest.py, loaded late as the
+    package's parent). The plugin's own tests pass --noconftest, which hid it; this one runs as a user does."""
+    import os
+    import subprocess
+    import sys
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = os.environ | {"PYTHONPATH": str(ROOT)}  # the package of this checkout, as the editable install maps it
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "harness.pytest_plugin", "harness", "--collect-only",
+                           "-q", "-p", "no:cacheprovider", "--model", str(CANARY / "gqa"), "--scenarios",
+                           str(scenario_file), "--paths", "fp8_e4m3"],
+                          cwd=outside, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "gqa::canary-arith-3::fp8_e4m3" in done.stdout

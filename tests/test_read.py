@@ -188,3 +188,43 @@ def test_all_plotting_lives_in_reports(tmp_path):
     planted.parent.mkdir()
     planted.write_text("def f():\n    import matplotlib.pyplot as plt\n")
     assert matplotlib_imports(tmp_path / "harness") == ["harness/nightly.py:2"]
+
+
+@pytest.mark.parametrize("manifest, named", [
+    ({}, "not a stored run's manifest"),
+    ({"run_id": "r", "status": "complete", "paths": "fp8"}, "field 'paths' is a str, not a list"),
+    ({"run_id": "r", "status": 3}, "field 'status' is a int, not a str"),
+])
+@pytest.mark.parametrize("command", ["report", "compare"])
+def test_a_manifest_of_the_wrong_shape_is_named_exit_2(tmp_path, capsys, manifest, named, command):
+    """Issue 45: `manifest.json` holding `{}` made report and compare trace back (exit 1)."""
+    import shutil
+
+    from harness.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(RUNS / "baseline", run)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["report", str(run), "--out", str(tmp_path / "report")] if command == "report" else \
+        ["compare", str(RUNS / "baseline"), str(run), "--out", str(tmp_path / "cmp")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'manifest.json'}" in err and named in err and "Traceback" not in err, err
+
+
+def test_a_run_file_that_is_not_a_regular_file_is_named_not_waited_on(tmp_path):
+    """Issue 45: every file reader refuses what is not a regular file: a FIFO as records.jsonl blocked the run
+    reader for a writer that never came."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(RUNS / "baseline", run)
+    (run / "records.jsonl").unlink()
+    os.mkfifo(run / "records.jsonl")
+    code = ("from harness.runs.read import read_run, RunReadError\n"
+            f"try:\n    read_run({str(run)!r}).records\nexcept RunReadError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert f"{run / 'records.jsonl'}: not a regular file (a FIFO)" in done.stdout, done.stdout + done.stderr

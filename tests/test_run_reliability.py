@@ -302,7 +302,8 @@ HUGE_BUDGET = """scenarios:
 
 def test_d1_a_reply_budget_no_context_can_hold_is_refused_by_the_loader(tmp_path):
     """Before: 1,000,000,000 was accepted and the in-process decode looped to it (only an EOS stopped it)."""
-    from harness.scenarios.load import ScenarioError, load_scenarios
+    from harness.scenarios.load import ScenarioError
+    from harness.scenarios.sources import load_scenarios
 
     file = tmp_path / "endless.yaml"
     file.write_text(HUGE_BUDGET % 1_000_000_000)
@@ -324,6 +325,51 @@ def test_d1_harness_run_refuses_a_budget_beyond_the_models_context_at_once(tiny_
     assert "field 'generation.max_new_tokens': 4096 leaves no room for the prompt" in done.stderr
     assert "context of 4096 tokens (max_position_embeddings)" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+LONG_PROMPTS = """scenarios:
+  - id: fits
+    kind: chat
+    generation: {max_new_tokens: 8}
+    turns:
+      - user: "Count to ten."
+  - id: too-long
+    kind: chat
+    generation: {max_new_tokens: 8}
+    turns:
+      - user: "Count to ten."
+      - user: "%s"
+"""
+
+
+def test_a_prompt_beyond_the_models_context_is_refused_naming_scenario_and_turn(tmp_path):
+    """Issue 45: a 30,000-word prompt on the 4096-token canary ran unchecked (exit 0, no warning). Now
+    `harness run` refuses it before work (exit 2), naming the file, scenario, turn, the token counts and the
+    model's context; the turn that fits is not named."""
+    file = tmp_path / "long.yaml"
+    file.write_text(LONG_PROMPTS % ("word " * 30_000))
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--model", str(GQA_CANARY), "--scenarios",
+                           str(file), "--paths", "bf16", "--out", str(tmp_path / "out"), "--no-progress"],
+                          capture_output=True, text=True, timeout=60)  # before: replayed the 30k-token prompt
+    err = done.stderr
+    assert done.returncode == 2 and "Traceback" not in err, err
+    assert f"{file}: scenario 'too-long': turn 1: prompt of" in err and "'fits'" not in err
+    assert "+ generation.max_new_tokens 8" in err and "context of 4096 tokens" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_million_character_filler_is_refused_for_a_4096_token_model_without_tokenising_it(tmp_path):
+    """Issue 45: `filler.chars: 1000000` on the 4096-token canary passed 4 GB in 93 s. Its prompt is refused by
+    its length alone (a lower bound on its tokens), before any tokenising of a million characters."""
+    from harness.run_inputs import scenario_budget_problems
+    from harness.scenarios.sources import load_scenarios
+
+    file = tmp_path / "needle.yaml"
+    file.write_text("scenarios:\n  - {id: needle-big, kind: long_context, needle: 'The code is 4711.', question: "
+                    "'What is the code?', answer: '4711', filler: {chars: 1000000, depth: 0.5, seed: 1}}\n")
+    (problem,) = scenario_budget_problems(load_scenarios([file]), [GQA_CANARY])
+    assert problem.startswith(f"{file}: scenario 'needle-big': turn 0: prompt of at least ")
+    assert "context of 4096 tokens" in problem
 
 
 def test_d2_a_fifo_named_as_a_scenario_file_is_not_called_missing(tmp_path, capsys):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.scenarios.filler import filler_text, insert_needle
-from harness.scenarios.load import Scenario, ScenarioError, Turn, load_scenarios
+from harness.scenarios.load import Scenario, ScenarioError, Turn
+from harness.scenarios.sources import load_scenarios
 
 REPO = Path(__file__).resolve().parent.parent
 

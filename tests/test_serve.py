@@ -268,3 +268,33 @@ def test_the_endpoint_client_consumes_a_server_that_only_streams(served):
     assert described["capabilities"]["stream"].startswith("required: the server refused a reply that is not streamed")
     assert "stream" not in plain["capabilities"]
     assert described["capabilities"]["chat_logprobs"] == plain["capabilities"]["chat_logprobs"] == "token ids"
+
+
+def test_a_client_that_left_stops_its_generation(served, monkeypatch):
+    """Issue 45: generation went on for clients that had disconnected (32 dropped streams delayed the next
+    request 24.5 s). The server now stops a generation at its next step once its client has gone."""
+    import socket
+    import threading
+
+    model, url = served
+    steps, ended = [], threading.Event()
+
+    def slow_greedy(prompt_ids, max_new_tokens, on_step=None, remember_prefill=False):
+        try:
+            for _ in range(2000):  # 2000 x 5 ms: 10 s if nobody stops it
+                time.sleep(0.005)
+                on_step(torch.zeros(8), 1)
+                steps.append(1)
+        finally:
+            ended.set()
+        return [1] * len(steps), "length", None
+
+    monkeypatch.setattr(model.backend, "greedy_ids", slow_greedy)
+    host, port = url.removeprefix("http://").split(":")
+    body = b'{"model": "tiny-gqa", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": true}'
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)
+    assert ended.wait(3), f"generation still running {len(steps)} steps after its client left"
+    assert len(steps) < 2000

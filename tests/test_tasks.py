@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.scenarios.load import ScenarioError, load_scenarios
+from harness.scenarios.load import ScenarioError
+from harness.scenarios.sources import load_scenarios
 from harness.scenarios.tasks import ARITHMETIC_SYSTEM, final_answer, load_task_file, write_yaml
 
 GSM8K = [
@@ -128,3 +129,46 @@ def test_run_tasks_flag_refuses_a_file_that_is_not_jsonl_and_a_bad_item(tmp_path
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "x", "answer": "y"}])
     assert main(["run", "--tasks", str(bad), "--out", str(tmp_path / "run2"), "--no-progress"]) == 2
     assert f"{bad}:1: field 'answer': no integer answer" in capsys.readouterr().err
+
+
+def test_a_json_line_holding_u2028_is_one_item(tmp_path):
+    """Issue 45: U+2028 / U+2029 / U+0085 are line breaks to str.splitlines, not to JSON Lines: the item holding
+    one was split into three broken lines. Only \\n ends a line."""
+    file = tmp_path / "seps.jsonl"
+    file.write_text(json.dumps({"question": "What is 2\u2028+ 2?\u2029\x85", "answer": 4}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    (scenario,) = load_task_file(file)
+    assert scenario.turns[0].user == "What is 2\u2028+ 2?\u2029\x85"
+
+
+def test_a_line_nested_200000_deep_is_a_named_problem(tmp_path):
+    """Issue 45: before, json.loads raised RecursionError out of the loader."""
+    file = tmp_path / "deep.jsonl"
+    file.write_text('{"question": "q", "answer": 1, "tags": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    with pytest.raises(ScenarioError, match=r"deep\.jsonl:1: nested too deep"):
+        load_task_file(file)
+
+
+def test_from_jsonl_refuses_duplicate_ids(tmp_path, capsys):
+    """Issue 45: from-jsonl wrote two scenarios with one id, which `--tasks` (and the YAML loader) refuse."""
+    file = tmp_path / "dup.jsonl"
+    file.write_text('{"id": "a", "question": "1+1?", "answer": 2}\n{"id": "a", "question": "2+2?", "answer": 4}\n')
+    assert main(["scenarios", "from-jsonl", str(file), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "dup.jsonl:2: field 'id': 'a' is also the id of line 1" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_task_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """Issue 45: from-jsonl on a FIFO waited forever for a writer. A reader refuses what is not a regular file."""
+    import os
+    import subprocess
+    import sys
+
+    file = tmp_path / "tasks.jsonl"
+    os.mkfifo(file) if kind == "fifo" else file.mkdir()
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "scenarios", "from-jsonl", str(file), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"{file}: not a regular file" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

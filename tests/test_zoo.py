@@ -165,8 +165,8 @@ def test_stress_suites_name_existing_canaries_and_bound_the_cpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     from harness.zoo import LONG_CONTEXT_ENTRIES, LONG_CONTEXT_SUITE, STRESS_SUITES, StressSuite, long_context_config
-    from harness.scenarios.load import load_scenarios
     from harness.scenarios.select import select_scenarios
+    from harness.scenarios.sources import load_scenarios
 
     assert {s.name for s in STRESS_SUITES} == {"variants", "long-context"}
     cpu, gpu = long_context_config(Path("/tmp/unused"), "cpu"), long_context_config(Path("/tmp/unused"), "cuda")

@@ -15,7 +15,7 @@ import torch
 
 from harness.kv_paths.cache import observer_cache
 from harness.replay.inprocess import InProcessModel
-from harness.scenarios.load import load_scenarios
+from harness.scenarios.sources import load_scenarios
 from harness.types import Message
 
 DEFAULT_SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios" / "canary" / "accuracy"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.files import UnreadableFile, read_bounded
 from harness.kv_paths import formats as kv_formats
 from harness.kv_paths.faults import FAULTS
 
@@ -61,6 +62,7 @@ CONTROL_PREFILL_CHUNK = 32  # tokens per prefill chunk (vLLM chunks at max_num_b
 # and, on CUDA, decoded in its own batch composition; its divergence from the reference is the engine's own noise.
 CONTROL_ARM = "bf16:chunked_prefill"
 KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
+LAYER_MAP_BYTES = 16 << 20  # a sensitivity.json of a 1,000-layer model's ranking is well under 1 MiB
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
     "calibrated": "amax / fp8 max over the calibration prompts",
@@ -465,10 +467,12 @@ def read_layer_map(spec: str, file: str) -> list[int]:
 
     path = Path(file)
     try:
-        body = json.loads(path.read_text())
+        body = json.loads(read_bounded(path, LAYER_MAP_BYTES, "layer map"))
         layers = [int(i) for i in body["bf16_layers"]]
     except FileNotFoundError:
         raise PathSpecError(f"KV path {spec!r}: layer map {file} does not exist") from None
+    except UnreadableFile as error:  # a FIFO waits for a writer, /dev/zero never ends: neither is opened
+        raise PathSpecError(f"KV path {spec!r}: layer map {error}") from None
     except (OSError, UnicodeDecodeError) as error:  # a directory, a device, unreadable: found by fuzzing
         raise PathSpecError(f"KV path {spec!r}: cannot read layer map {file} ({error})") from None
     except (ValueError, KeyError, TypeError) as error:

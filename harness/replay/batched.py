@@ -26,7 +26,8 @@ import torch
 from harness.kv_paths import attention, impl_check
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
 from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static, stack_rows
-from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, static_decode_refusal  # noqa: F401 - re-exported
+from harness.replay.families import static_decode_refusal  # noqa: F401 - re-exported
+from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER
 from harness.replay.families import ssm_scan_bytes
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -163,7 +164,7 @@ class BatchedEngine:
         norms, RoPE, routing, the linear-attention update); tests/test_rows.py compares the two over every KV path kind
         and model family. For the CPU replay (route.ROWS), where one-row steps read every weight once per token: a batch
         reads it once for all its rows. remember_prefill: as `generate_one`'s, for each prompt. Raises ValueError for
-        a model whose cache layers cannot be stacked (sliding windows, ...; `route.static_decode_refusal`)."""
+        a model whose cache layers cannot be stacked (sliding windows, ...; `families.static_decode_refusal`)."""
         assert self.backend.route.kernel is None, "rows decode through torch attention (a kernel's copy is per batch)"
         results: list[RowResult | None] = [None] * len(prompts)
         alone = BatchedEngine(self.backend, ONE_SEQUENCE, prefills=self.prefills)

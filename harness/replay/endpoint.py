@@ -28,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.replay.http1 import Http11Transport
+from harness.replay import http1
+from harness.replay.http1 import Http11Transport, ReplyTooLarge, decode_content
 from harness.types import Generation, Message, Scores
 
 ATTENTION_ERROR_UNAVAILABLE = "not available over HTTP"
@@ -134,6 +135,9 @@ class ResponseCache:
         except (OSError, ValueError, KeyError):
             return None  # absent, or a torn/foreign file: ask the server again
 
+    def drop(self, key: str) -> None:
+        self._file(key).unlink(missing_ok=True)
+
     def put(self, key: str, url: str, body: dict, response: dict) -> None:
         target = self._file(key)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,13 +180,17 @@ class RequestClient:
         self._urls: dict[str, httpx.URL] = {}  # path -> parsed absolute URL: httpx's parsing costs ~0.3 ms
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
+        """The response read whole, decoded, each up to `http1.MAX_BODY_BYTES` (`ReplyTooLarge` beyond)."""
         response = await self._transport.handle_async_request(request)
         try:
-            await response.aread()
-        except BaseException:
+            raw = await _raw_body(response)
+        finally:
             await response.aclose()  # hands a pooled connection back (httpx's transport, through a proxy)
-            raise
-        return response
+        decoded = decode_content(raw, response.headers.get("content-encoding", ""))
+        headers = [(name, value) for name, value in response.headers.raw
+                   if name.lower() not in (b"content-encoding", b"content-length")]
+        return httpx.Response(response.status_code, headers=headers, content=decoded, request=request,
+                              extensions=response.extensions)
 
     def _url(self, path: str) -> httpx.URL:
         if path not in self._urls:
@@ -213,6 +221,13 @@ class RequestClient:
         if key:
             self.cache.put(key, url, body, response)
         return response
+
+    def forget(self, path: str, body: dict) -> None:
+        """Drop the cached reply to this POST: a reply that a later check refused (its ids disagree with its
+        text, ...) is never replayed from the cache, so a `--resume` asks the server again."""
+        if self.cache is not None:
+            for sent in (body, body | STREAM_FIELDS):  # as asked, and as streamed where the server wants that
+                self.cache.drop(request_key(self.base_url + path, sent))
 
     async def get(self, path: str) -> dict:
         return await self._with_retries("GET", path, None)
@@ -272,11 +287,26 @@ class RequestClient:
             if budget < self.policy.timeout_s:
                 raise _DeadlineReached from None
             raise _RetryableError(f"timed out after {self.policy.timeout_s:g} s") from None
+        except ReplyTooLarge as error:  # the same reply again would be as large: the request fails, the run goes on
+            raise EndpointError(f"{method} {self.base_url}{path}", [str(error)]) from None
+        except httpx.DecodingError as error:
+            raise _RetryableError(f"reply body not decodable: {error}") from None
         except httpx.TimeoutException as error:
             raise _RetryableError(f"timed out ({type(error).__name__})") from None
         except httpx.TransportError as error:
             raise _RetryableError(f"connection error: {type(error).__name__}: {error}") from None
         return _decode(method, self.base_url + path, response)
+
+
+async def _raw_body(response: httpx.Response) -> bytes:
+    """The body as sent (not yet decoded), up to `http1.MAX_BODY_BYTES`: a transport that streams it (httpx's,
+    through a proxy) is stopped there; `Http11Transport` stops there itself."""
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > http1.MAX_BODY_BYTES:
+            raise ReplyTooLarge(f"of more than {http1.MAX_BODY_BYTES:,} bytes (streamed)")
+    return bytes(body)
 
 
 def default_transport(base_url: str) -> httpx.AsyncBaseTransport:
@@ -459,6 +489,7 @@ class EndpointBackend:
         self._model: str | None = config.model
         self._lock = asyncio.Lock()
         self.capabilities: dict[str, str] = {}
+        self.earlier_failed_attempts = 0  # counted by earlier sessions of the same run (--resume)
         self._token_text: dict[int, asyncio.Future[str]] = {}  # token id -> its text, from /detokenize
         self._prompt_counts: dict[str, int] = {}  # chat key -> prompt length the server counted (usage)
         self._prompt_ids: dict[str, list[int]] = {}  # chat key -> prompt ids the server returned (return_token_ids)
@@ -475,7 +506,8 @@ class EndpointBackend:
                 "attention_error": ATTENTION_ERROR_UNAVAILABLE,
                 "policy": {"concurrency": policy.concurrency, "timeout_s": policy.timeout_s,
                            "retries": policy.retries, "deadline_s": policy.deadline_s},
-                "failed_attempts": len(self.client.failures), "cache_hits": self.client.cache_hits}
+                "failed_attempts": self.earlier_failed_attempts + len(self.client.failures),
+                "cache_hits": self.client.cache_hits}
 
     def degraded(self) -> list[str]:
         """One line per capability the server lacks that costs the run a metric."""
@@ -510,7 +542,15 @@ class EndpointBackend:
         chat = [_message_json(m) for m in messages]
         body = {"model": await self.model(), "messages": chat, "max_tokens": max_new_tokens, "temperature": 0.0,
                 "seed": self.config.seed, "n": 1}
-        reply, problem = await self._chat_with_best_logprobs(body, cache)
+        reply, problem, sent = await self._chat_with_best_logprobs(body, cache)
+        try:
+            return await self._generation(chat, reply, problem)
+        except EndpointError:  # a refused reply (InvalidReply included) is not kept: a --resume asks again
+            self.client.forget("/v1/chat/completions", sent)
+            raise
+
+    async def _generation(self, chat: list[dict], reply: dict, problem: str | None) -> Generation:
+        """The reply as a `Generation`, its ids checked against the server's own count and its text."""
         choice = _first_choice(reply, "chat completion")
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
@@ -769,11 +809,11 @@ class EndpointBackend:
 
     # ------------------------------------------------------------ capability detection
 
-    async def _chat_with_best_logprobs(self, body: dict, cache: bool = True) -> tuple[dict, str | None]:
+    async def _chat_with_best_logprobs(self, body: dict, cache: bool = True) -> tuple[dict, str | None, dict]:
         """A chat completion with the richest token information the server accepts: token ids
         (return_token_ids, and vLLM's return_tokens_as_token_ids in the logprobs), plain top-k
-        logprobs, or none. The form that works first is remembered for the server. Returns the reply and
-        what failed validation in it (its logprobs or ids are then not to be used), or None."""
+        logprobs, or none. The form that works first is remembered for the server. Returns the reply,
+        what failed validation in it (its logprobs or ids are then not to be used) or None, and the body sent."""
         k = self.config.top_logprobs
         forms = [("token ids", {"logprobs": True, "top_logprobs": k, "return_tokens_as_token_ids": True,
                                 "return_token_ids": True}, ("return_tokens_as_token_ids", "return_token_ids")),
@@ -789,13 +829,13 @@ class EndpointBackend:
             except InvalidReply as error:
                 self.capabilities.setdefault("chat_logprobs", name)
                 self.capabilities["chat_reply_invalid"] = error.problem
-                return error.reply, error.problem
+                return error.reply, error.problem, body | extra
             except EndpointError as error:
                 if chosen is not None or not fields or not lacks_capability(error, fields):
                     raise
                 continue
             self.capabilities["chat_logprobs"] = name
-            return reply, None
+            return reply, None, body | extra
         raise AssertionError("unreachable: the last form returns or raises")
 
     async def _scoring_mode(self, ids: list[int]) -> tuple[str, dict | None]:

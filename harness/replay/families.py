@@ -96,6 +96,8 @@ def refusals(config, paths) -> list[str]:
         problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for an "
                         f"FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
                         f"path would replay BF16 under an FP8 name")
+    problems += [bf16_layer_problem(path, family, len(routes)) for path in paths
+                 if any(layer >= len(routes) for layer in path.bf16_layers)]
     beyond = beyond_sdpa_features(config)
     fp8_attention = [p.name for p in paths if p.quantizes_attention]
     if beyond and fp8_attention:
@@ -105,12 +107,31 @@ def refusals(config, paths) -> list[str]:
     return problems
 
 
+def bf16_layer_problem(path, family: str, layers: int) -> str:
+    """A path keeping in BF16 a layer the model does not have (`keep_bf16=999` on 6 layers)."""
+    beyond = [str(layer) for layer in path.bf16_layers if layer >= layers]
+    return (f"--paths {path.name}: keeps layer {', '.join(beyond)} in BF16, but model family {family!r} has {layers} "
+            f"layers (0-{layers - 1})")
+
+
 def kernel_block(config) -> str | None:
     """Why our decode kernels must not run for this model (None: they may), said in the route."""
     beyond = beyond_sdpa_features(config)
     if beyond:
         return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs the model's own "
                 f"eager attention")
+    return None
+
+
+def static_decode_refusal(config) -> str | None:
+    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
+    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    other = kinds - {"full_attention", "linear_attention"}
+    if other:
+        return f"layer types {sorted(other)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding window {config.sliding_window}"
     return None
 
 
@@ -123,8 +144,6 @@ def route_facts(config, paths) -> dict:
     block = kernel_block(config)
     if block:
         facts["decode_kernels"] = f"off: {block}"
-    from harness.replay.route import static_decode_refusal  # route.py imports this module lazily
-
     static = static_decode_refusal(config)
     if static:  # CUDA graph decode needs static storage; these decode batched on the growing cache
         facts["graph_decode"] = f"off: no static storage for {static} (batched dynamic decode instead)"

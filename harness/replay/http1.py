@@ -6,7 +6,9 @@ h11's event machinery, pool bookkeeping, and headers and body sent in two system
 against a local server is bound by that client CPU. This transport implements httpx's one-method
 transport interface with one write per request (head and body together), the status line and headers
 read with one `readuntil`, and the body framed by Content-Length, chunks or connection close
-(RFC 9112 section 6.3). Content decoding (gzip) stays httpx's, in `Response`.
+(RFC 9112 section 6.3), refused once it is over `MAX_BODY_BYTES` (`ReplyTooLarge`, before it is read when its
+Content-Length says so). Content decoding (gzip) stays httpx's, in `Response`; `decode_content` is the bounded
+decoding `RequestClient` reads a reply with.
 
 Deadlines are the caller's (`RequestClient` wraps each request in `asyncio.timeout`). A request that
 fails or is cancelled closes its connection; only a connection whose response was read whole is kept
@@ -19,12 +21,23 @@ import asyncio
 import select
 import ssl
 import time
+import zlib
 
 import httpx
 
 NO_BODY_STATUS = frozenset({204, 304})
 MAX_HEADER_BYTES = 64 * 1024  # the stream's buffer limit: a longer status line + headers is refused
 KEEPALIVE_EXPIRY_S = 4.0  # idle connections older than this are not reused (uvicorn closes them at 5 s)
+# A reply body, raw or decoded: 256 MiB, ~30x the largest reply we measured (32k-token prompt logprobs, top 20)
+MAX_BODY_BYTES = 256 << 20
+READ_BYTES = 1 << 16  # one read of a body that ends at close
+
+
+class ReplyTooLarge(httpx.TransportError):
+    """A reply whose body (as sent, or decoded) is over `MAX_BODY_BYTES`: the request fails, never retried."""
+
+    def __init__(self, what: str):
+        super().__init__(f"reply body {what} is over the limit of {MAX_BODY_BYTES:,} bytes")
 
 
 class _Connection:
@@ -127,14 +140,26 @@ async def _read_response(reader: asyncio.StreamReader,
         return status, reason, headers, b"", keep_alive
     if b"transfer-encoding" in fields:
         if fields[b"transfer-encoding"].lower().rsplit(b",", 1)[-1].strip() != b"chunked":
-            return status, reason, headers, await reader.read(), False  # the body ends at close
+            return status, reason, headers, await _read_until_close(reader), False
         return status, reason, headers, await _read_chunked(reader), keep_alive
     if b"content-length" in fields:
         length = int(fields[b"content-length"])
         if length < 0:
             raise ValueError(f"negative Content-Length {length}")
+        if length > MAX_BODY_BYTES:
+            raise ReplyTooLarge(f"of {length:,} bytes (its Content-Length)")
         return status, reason, headers, await reader.readexactly(length), keep_alive
-    return status, reason, headers, await reader.read(), False
+    return status, reason, headers, await _read_until_close(reader), False
+
+
+async def _read_until_close(reader: asyncio.StreamReader) -> bytes:
+    """A body that ends when the server closes the connection, up to `MAX_BODY_BYTES`."""
+    body = bytearray()
+    while chunk := await reader.read(READ_BYTES):
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ReplyTooLarge("ending at close")
+    return bytes(body)
 
 
 def _parse_head(head: bytes) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -152,14 +177,42 @@ def _parse_head(head: bytes) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    chunks = []
+    chunks, total = [], 0
     while size := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
+        total += size
+        if total > MAX_BODY_BYTES:
+            raise ReplyTooLarge(f"of more than {total - size:,} bytes in chunks")
         chunks.append(await reader.readexactly(size))
         if await reader.readexactly(2) != b"\r\n":
             raise ValueError("chunk not followed by CRLF")
     while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, ignored
         pass
     return b"".join(chunks)
+
+
+def decode_content(body: bytes, content_encoding: str) -> bytes:
+    """`body` decoded as its Content-Encoding says (gzip, deflate, identity; as `DEFAULT_HEADERS` accept), up to
+    `MAX_BODY_BYTES`: a reply that inflates beyond it (a few kB of gzip can hold gigabytes) is `ReplyTooLarge`."""
+    for coding in reversed([c.strip().lower() for c in content_encoding.split(",") if c.strip()]):
+        if coding == "identity":
+            continue
+        if coding not in ("gzip", "x-gzip", "deflate"):
+            raise httpx.DecodingError(f"Content-Encoding {coding!r} is not one the request accepted")
+        body = _inflate(body, zlib.MAX_WBITS | 16 if coding != "deflate" else zlib.MAX_WBITS)
+    return body
+
+
+def _inflate(body: bytes, wbits: int) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    try:
+        decoded = inflater.decompress(body, MAX_BODY_BYTES + 1)
+    except zlib.error as error:
+        if wbits != zlib.MAX_WBITS:
+            raise httpx.DecodingError(f"gzip body: {error}") from None
+        return _inflate(body, -zlib.MAX_WBITS)  # "deflate" sent raw, without its zlib header (as httpx accepts)
+    if len(decoded) > MAX_BODY_BYTES:
+        raise ReplyTooLarge(f"decoded from {len(body):,} bytes")
+    return decoded
 
 
 def _transport_error(error: BaseException) -> httpx.TransportError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from harness.kv_paths import capabilities, decode_kernels
 from harness.kv_paths.spec import KVPath
+from harness.replay.families import kernel_block, static_decode_refusal
 
 DECODE_MODES = ("auto", "dynamic", "static", "graph")
 # Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords), for GQA and MLA layers: ours and its
@@ -38,8 +39,6 @@ class ModelFacts:
 
     @classmethod
     def of(cls, config) -> "ModelFacts":
-        from harness.replay.families import kernel_block
-
         rank = getattr(config, "kv_lora_rank", None)
         dims = (int(rank), int(config.qk_rope_head_dim)) if rank is not None else None
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads
@@ -229,16 +228,4 @@ def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
         # decode runs these through our kernels (with q_scale / prob_scale), but capture's kernel rows call the
         # kernel without them: rows of a different computation would be mislabelled as this path's
         return "capture runs the kernel without the path's q/prob scales: torch's rows only"
-    return None
-
-
-def static_decode_refusal(config) -> str | None:
-    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
-    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    other = kinds - {"full_attention", "linear_attention"}
-    if other:
-        return f"layer types {sorted(other)}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"sliding window {config.sliding_window}"
     return None

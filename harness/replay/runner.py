@@ -18,6 +18,7 @@ from harness.analysis.metrics import SUMMARY_KEYS, free_running, teacher_forced,
 from harness.analysis.thresholds import ThresholdCheck
 from harness.records import encode_value, encode_values, scrub_credentials
 from harness.replay.backend import Backend
+from harness.replay.self_consistency import measure_turn
 from harness.scenarios.checks import check_answer, check_rules
 from harness.scenarios.load import Scenario
 from harness.types import Generation, Message
@@ -193,8 +194,6 @@ class Replay:
     async def _self_consistency_rows(self, scenario, backend, turn, messages, generation) -> list[dict]:
         """The turn's self-consistency records (harness/replay/self_consistency.py): the server's decode against its
         own prefill of the same tokens and against a repeated decode; unmeasured ones null, with the reason."""
-        from harness.replay.self_consistency import measure_turn  # it builds on this module
-
         measured = await measure_turn(backend, messages, scenario.max_new_tokens, generation)
         return [self._record(scenario, backend.label, turn, metric, value) | ({"unavailable": why} if why else {})
                 for metric, value, why in measured.records()]
@@ -254,3 +253,42 @@ class Replay:
         self.store.append("errors", [{**self._key(scenario, path, turn),
                                       "error": scrub_credentials(f"{type(error).__name__}: {error}"),
                                       "traceback": scrub_credentials(traceback.format_exc(limit=6))}])
+
+
+class SelfConsistencyReplay(Replay):
+    """A run with no reference: each candidate server replays every scenario with its own history, and each turn
+    it generates is measured against itself. One unit per (scenario, candidate), as in `Replay`."""
+
+    def __init__(self, model: str, candidates, store, on_unit_done=None):
+        super().__init__(model, None, candidates, store, "own-history", on_unit_done=on_unit_done,
+                         self_consistency=True)
+
+    async def run_scenario(self, scenario: Scenario) -> None:
+        async def candidate(backend) -> None:
+            if not self.store.is_done(self.model, scenario.id, backend.label):
+                try:
+                    await self._alone(scenario, backend)
+                except Exception as error:  # noqa: BLE001 - recorded, and the other units go on
+                    self._record_error(scenario, backend.label, None, error)
+            self.on_unit_done()
+
+        await asyncio.gather(*(candidate(b) for b in self.candidates))
+
+    async def _alone(self, scenario: Scenario, backend) -> None:
+        own: list[TurnReply] = []
+        tables: dict[str, list[dict]] = {"records": [], "texts": []}
+        for turn, spec in enumerate(scenario.turns):
+            if spec.assistant is not None:
+                own.append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
+                tables["texts"].append(self._text_row(scenario, backend.label, turn, own[-1], None))
+                continue
+            messages = _messages(scenario, own, turn)
+            generation = await backend.generate(messages, scenario.max_new_tokens)
+            own.append(TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False))
+            tables["records"] += await self._self_consistency_rows(scenario, backend, turn, messages, generation)
+            tables["records"] += self._task_records(scenario, backend.label, turn, generation)
+            if generation.prompt_tokens is not None:
+                tables["records"].append(self._record(scenario, backend.label, turn, "context_tokens",
+                                                      generation.prompt_tokens))
+            tables["texts"].append(self._text_row(scenario, backend.label, turn, own[-1], generation))
+        await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)

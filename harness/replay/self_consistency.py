@@ -11,19 +11,16 @@ reference the history is the server's own replies, so a server that caches the b
 history from its cache. The statistics are `harness.analysis.self_consistency`; what a server cannot give is a
 named `unavailable` reason on the turn's records and in the manifest (the server's capabilities, its warnings).
 
-Without `--reference`, `SelfConsistencyReplay` replays each candidate alone (own history), stores its replies and
+Without `--reference`, `runner.SelfConsistencyReplay` replays each candidate alone (own history), stores its replies and
 these measurements, and the verdicts judge the implementation question on them.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from harness.analysis.self_consistency import DECODE_VS_PREFILL, REPEAT, decode_vs_prefill, repeat_decode
-from harness.replay.runner import Replay, TurnReply, _messages
-from harness.scenarios.load import Scenario
 from harness.types import Generation, Message
 
 
@@ -87,42 +84,3 @@ async def measure_turn(backend, messages: Sequence[Message], max_new_tokens: int
         why = why or f"unavailable: {_label(backend)}: {(prefill.unavailable or 'no prompt logprobs').removeprefix('unavailable: ')}"
         unavailable |= dict.fromkeys(DECODE_VS_PREFILL, _note(backend, why))
     return SelfConsistency(values, unavailable)
-
-
-class SelfConsistencyReplay(Replay):
-    """A run with no reference: each candidate server replays every scenario with its own history, and each turn
-    it generates is measured against itself. One unit per (scenario, candidate), as in `Replay`."""
-
-    def __init__(self, model: str, candidates, store, on_unit_done=None):
-        super().__init__(model, None, candidates, store, "own-history", on_unit_done=on_unit_done,
-                         self_consistency=True)
-
-    async def run_scenario(self, scenario: Scenario) -> None:
-        async def candidate(backend) -> None:
-            if not self.store.is_done(self.model, scenario.id, backend.label):
-                try:
-                    await self._alone(scenario, backend)
-                except Exception as error:  # noqa: BLE001 - recorded, and the other units go on
-                    self._record_error(scenario, backend.label, None, error)
-            self.on_unit_done()
-
-        await asyncio.gather(*(candidate(b) for b in self.candidates))
-
-    async def _alone(self, scenario: Scenario, backend) -> None:
-        own: list[TurnReply] = []
-        tables: dict[str, list[dict]] = {"records": [], "texts": []}
-        for turn, spec in enumerate(scenario.turns):
-            if spec.assistant is not None:
-                own.append(TurnReply(turn, spec.user, [], spec.assistant, fixed=True))
-                tables["texts"].append(self._text_row(scenario, backend.label, turn, own[-1], None))
-                continue
-            messages = _messages(scenario, own, turn)
-            generation = await backend.generate(messages, scenario.max_new_tokens)
-            own.append(TurnReply(turn, spec.user, generation.token_ids, generation.text, fixed=False))
-            tables["records"] += await self._self_consistency_rows(scenario, backend, turn, messages, generation)
-            tables["records"] += self._task_records(scenario, backend.label, turn, generation)
-            if generation.prompt_tokens is not None:
-                tables["records"].append(self._record(scenario, backend.label, turn, "context_tokens",
-                                                      generation.prompt_tokens))
-            tables["texts"].append(self._text_row(scenario, backend.label, turn, own[-1], generation))
-        await asyncio.to_thread(self.store.finish_unit, self.model, scenario.id, backend.label, tables)

@@ -30,13 +30,22 @@ class ShardError(ValueError):
     """A --shard request that cannot run (said before any model loads)."""
 
 
+def check_devices(devices: list[str]) -> None:
+    """The devices of `--shard tensor`: two or more GPUs (or CPU ranks, for tests), none named twice."""
+    if len(devices) < 2 or not (all(d.startswith("cuda:") for d in devices) or all(d == "cpu" for d in devices)):
+        named = ",".join(devices)
+        raise ShardError(f"--shard tensor runs a process per GPU, but --device resolved to {named}: name the GPUs, "
+                         f"e.g. --device cuda:0,1 or cuda:all on a host with several GPUs (cpu,cpu: two CPU ranks "
+                         f"over gloo, for tests)")
+    if len(set(devices)) != len(devices) and devices[0] != "cpu":
+        raise ShardError(f"--shard tensor: --device names a GPU twice ({','.join(devices)})")
+
+
 def check_shard(shard: str | None, devices: list[str]) -> None:
     """Refuse a --shard value or device list that cannot shard a model (a ShardError naming the flag)."""
     if shard is None:
         return
     if shard == "tensor":
-        from harness.replay.tensor_parallel import check_devices
-
         check_devices(devices)
         return
     if shard not in SHARD_MODES:

@@ -56,16 +56,6 @@ def split_world(device: str) -> list[str]:
     return [device]
 
 
-def check_devices(devices: list[str]) -> None:
-    if len(devices) < 2 or not (all(d.startswith("cuda:") for d in devices) or all(d == "cpu" for d in devices)):
-        named = ",".join(devices)
-        raise ShardError(f"--shard tensor runs a process per GPU, but --device resolved to {named}: name the GPUs, "
-                         f"e.g. --device cuda:0,1 or cuda:all on a host with several GPUs (cpu,cpu: two CPU ranks "
-                         f"over gloo, for tests)")
-    if len(set(devices)) != len(devices) and devices[0] != "cpu":
-        raise ShardError(f"--shard tensor: --device names a GPU twice ({','.join(devices)})")
-
-
 def refusal(config, world: int) -> str | None:
     """Why this model cannot run at tensor-parallel size `world` (None: it can), from its config alone."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

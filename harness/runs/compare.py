@@ -13,8 +13,9 @@ the interval is wide: a regression in one scenario out of three is flagged by wh
 check, a crossed threshold), not by the interval. A case (one turn) fails when its verdict in that run
 fails (`harness.analysis.verdicts`: the one meaning of failure the run, summary and report use) or a
 threshold given here is crossed; failures new in B are regressions. Compare never passes what it cannot
-see: a case only in B (a path new in B or renamed, a new scenario) is judged by B's own verdicts, and a
-path of A that B did not run is a regression (listed as missing).
+see: a case only in B (a path new in B or renamed, a new scenario) is judged by B's own verdicts, a
+path of A that B did not run is a regression (listed as missing), and a run that did not finish every unit is
+refused (`IncompleteRunError`: exit 3).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pandas as pd
 
 from harness.analysis.verdicts import HEALTHY_SPREAD
 from harness.records import METRIC_DIRECTIONS
-from harness.runs.read import RunView, read_run
+from harness.runs.read import RunView, read_run, require_complete
 from harness.runs.report import (
     StoredRun,
     environment,
@@ -466,9 +467,11 @@ def compare_runs(run_a: Path | str, run_b: Path | str, out_dir: Path | str | Non
 
     thresholds: `["kl_max:+0.02", "kl_mean:0.05"]` or `{"kl_max": "+0.02"}` (see `Threshold`).
     alpha: family-wise error rate of the interval flags; rel_tol: smallest relative change that counts.
+    An incomplete run (killed, interrupted, units failed) is refused: `IncompleteRunError`.
     """
+    view_a, view_b = (require_complete(read_run(run)) for run in (run_a, run_b))
     a = load_run(run_a)
-    renamed = same_path_labels(a.view, read_run(run_b))
+    renamed = same_path_labels(view_a, view_b)
     b = load_run(run_b, renamed)
     parsed = parse_thresholds(thresholds)
     pairs, unpaired = pair_records(a, b)

@@ -29,6 +29,7 @@ def merged_manifest(manifests: list[dict], run_id: str, command: str) -> dict:
     merged["started_at"] = min(m["started_at"] for m in manifests)
     merged["finished_at"] = max((m.get("finished_at") or "" for m in manifests), default="") or None
     merged.pop("verdicts", None)
+    merged.pop("units_expected", None)  # parts share reference units: counted from models x scenarios x paths
     return merged
 
 

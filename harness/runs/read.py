@@ -29,6 +29,7 @@ from harness.analysis.verdicts import (
     parse_threshold_overrides,
     verdict_matrix,
 )
+from harness.files import file_kind
 from harness.kv_paths.spec import PathSpecError, parse_path
 from harness.records import decode_values
 
@@ -44,6 +45,11 @@ ZERO_IS_UNMEASURED = ("kernel_ms_per_step",)
 
 class RunReadError(ValueError):
     """A run directory's file that cannot be read; the message names the file (and the line)."""
+
+
+class IncompleteRunError(RuntimeError):
+    """A stored run that did not finish every unit (killed, interrupted, units failed): no comparison stands
+    on it (`harness compare` and `harness nightly` exit 3, docs/CONTRACTS.md)."""
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -84,6 +90,8 @@ def read_json(path: Path) -> dict | None:
 
 
 def _text(path: Path) -> str:
+    if (kind := file_kind(path)) != "regular file":  # a FIFO would block the read for a writer that never comes
+        raise RunReadError(f"{path}: not a regular file (a {kind})")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -91,6 +99,24 @@ def _text(path: Path) -> str:
         raise RunReadError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise RunReadError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+MANIFEST_FIELDS = {"run_id": str, "status": str, "paths": list, "models": list, "scenarios": list,
+                   "warnings": list, "verdicts": dict, "scales": dict, "noise_floor": dict}
+
+
+def check_manifest_shape(file: Path, manifest: dict) -> None:
+    """A RunReadError naming `file` and the field when the manifest is not a run's: none of its identifying fields,
+    or a field the reader uses of the wrong JSON type (null is taken as absent)."""
+    if not {"run_id", "status", "paths"} & set(manifest):
+        raise RunReadError(f"{file}: no run_id, status or paths: not a stored run's manifest")
+    for name, kind in MANIFEST_FIELDS.items():
+        value = manifest.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise RunReadError(f"{file}: field {name!r} is a {type(value).__name__}, not a {kind.__name__}")
+    for number, entry in enumerate(manifest.get("paths") or []):
+        if not isinstance(entry, dict):
+            raise RunReadError(f"{file}: field 'paths[{number}]' is a {type(entry).__name__}, not an object")
 
 
 def path_entry(entry: dict) -> dict:
@@ -170,6 +196,8 @@ class RunView:
         manifest = read_json(self.directory / MANIFEST)
         if manifest is None:
             raise RunReadError(f"{self.directory} is not a stored run: no {MANIFEST}")
+        check_manifest_shape(self.directory / MANIFEST, manifest)
+        manifest.setdefault("status", None)
         manifest["paths"] = [self._entry(path_entry(p)) for p in manifest.get("paths") or []]
         if self.renamed and isinstance(manifest.get("verdicts"), dict):
             manifest["verdicts"] = {model: {self.label(p): cell for p, cell in (cells or {}).items()}
@@ -238,6 +266,28 @@ class RunView:
     @property
     def attention_channels(self) -> list[dict]:
         return self.table("attention_channels")
+
+    def units_done(self) -> int:
+        """Distinct (model, scenario, path) units with a done line."""
+        return len({(r.get("model"), r.get("scenario"), r.get("path")) for r in self.done})
+
+    def units_expected(self) -> int:
+        """The manifest's `units_expected`, else each model x scenario x (the reference and each path) as far as
+        the manifest lists them (a run killed before its models loaded lists none)."""
+        manifest = self.manifest
+        if isinstance(manifest.get("units_expected"), int):
+            return manifest["units_expected"]
+        models, scenarios, paths = (len(manifest.get(key) or []) for key in ("models", "scenarios", "paths"))
+        return models * scenarios * (1 + paths)
+
+    def incomplete(self) -> str | None:
+        """Why this run is not complete (its status and units done of expected), or None when it is."""
+        status = self.manifest.get("status")
+        if status == "complete":
+            return None
+        done, expected = self.units_done(), self.units_expected()
+        return (f"run {self.directory} is incomplete (status {status or 'missing'}): {done} of {expected} units "
+                f"done; finish it with `harness run --resume --out {self.directory}`")
 
     @cached_property
     def sensitivity(self) -> dict | None:
@@ -326,6 +376,13 @@ class RunView:
                                             for cell in cells.values()):
             return stored
         return finite_text(verdict_matrix(self.verdicts, self.path_verdicts))
+
+
+def require_complete(view: RunView) -> RunView:
+    """`view`, or `IncompleteRunError` naming the run and its units done of expected."""
+    if problem := view.incomplete():
+        raise IncompleteRunError(problem)
+    return view
 
 
 def read_run(directory: Path | str, renamed: dict[str, str] | None = None) -> RunView:

@@ -55,7 +55,10 @@ def select_models(models: Sequence[Path], labels: Sequence[str], label_of=lambda
     """The model directories whose label (directory name) is one of `labels` (comma-separated allowed)."""
     if not labels:
         return tuple(models)
-    wanted = [label.strip() for spec in labels for label in spec.split(",") if label.strip()]
+    wanted = [label.strip() for spec in labels for label in spec.split(",")]
+    if not all(wanted):
+        raise ValueError(f"--models {','.join(labels)!r}: an empty label; expected model labels (directory "
+                         f"names), comma-separated, e.g. --models mla,hybrid")
     known = {label_of(m): m for m in models}
     missing = [label for label in wanted if label not in known]
     if missing:

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from harness.files import UnreadableFile, read_bounded
 from harness.scenarios import bounds
 from harness.scenarios.load import Scenario, ScenarioError, _compile, _Where
 
@@ -60,6 +61,7 @@ def _compiled(file: Path, problems: list[str] | None) -> list[tuple[dict, Scenar
     before = len(collected)
     found = []
     filler_left = bounds.MAX_FILE_FILLER_CHARS
+    first_line: dict[str, int] = {}  # id -> the line that gave it first
     for line_no, item in _items(file, collected):
         raw = to_raw(item, file, line_no, _Where(f"{file}:{line_no}", collected))
         if raw is None:
@@ -70,6 +72,9 @@ def _compiled(file: Path, problems: list[str] | None) -> list[tuple[dict, Scenar
             collected.append(f"{file}:{line_no}: field 'chars': the file's needle filler adds up to more than "
                              f"{bounds.MAX_FILE_FILLER_CHARS:,} characters; split the file")
             continue
+        if (duplicate := _duplicate_id(raw["id"], line_no, first_line)) is not None:
+            collected.append(f"{file}:{line_no}: field 'id': {duplicate}")
+            continue
         scenario = _compile(dict(raw), raw["id"], str(file), _Where(f"{file}:{line_no}: scenario {raw['id']!r}",
                                                                     collected))
         if scenario is not None:
@@ -79,19 +84,28 @@ def _compiled(file: Path, problems: list[str] | None) -> list[tuple[dict, Scenar
     return found
 
 
+def _duplicate_id(item_id: Any, line_no: int, first_line: dict[str, int]) -> str | None:
+    """Why `item_id` is refused as one an earlier line gave (the loader, and so `--tasks`, refuses it), or None;
+    records the line that gave it first."""
+    if not isinstance(item_id, str):
+        return None  # a wrong type: the loader names it
+    if item_id in first_line:
+        return f"{item_id!r} is also the id of line {first_line[item_id]}; ids must be unique"
+    first_line[item_id] = line_no
+    return None
+
+
 def _items(file: Path, problems: list[str]):
     try:
-        size = file.stat().st_size
-        if size > bounds.MAX_FILE_BYTES:
-            problems.append(f"{file}: {size:,} bytes, more than the {bounds.MAX_FILE_BYTES:,} a scenario file may "
-                            f"have (limits in harness/scenarios/bounds.py); split it")
-            return
-        text = file.read_text(encoding="utf-8")
+        text = read_bounded(file, bounds.MAX_FILE_BYTES, "task file").decode("utf-8")
+    except UnreadableFile as error:
+        problems.append(f"{error} (limits in harness/scenarios/bounds.py)")
+        return
     except (OSError, UnicodeDecodeError) as error:
         problems.append(f"{file}: cannot read file: {error}")
         return
     found = False
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    for line_no, line in enumerate(text.split("\n"), start=1):  # JSON Lines ends a line at \n only (not U+2028)
         if not line.strip() or line.lstrip().startswith("//"):
             continue
         found = True
@@ -99,6 +113,9 @@ def _items(file: Path, problems: list[str]):
             item = json.loads(line)
         except json.JSONDecodeError as error:
             problems.append(f"{file}:{line_no}: not JSON: {error.msg} at column {error.colno}")
+            continue
+        except RecursionError:
+            problems.append(f"{file}:{line_no}: nested too deep for the JSON parser")
             continue
         if not isinstance(item, dict):
             problems.append(f"{file}:{line_no}: expected a JSON object, got {type(item).__name__}")
