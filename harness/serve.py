@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from harness.kv_paths import attention
 from harness.kv_paths.cache import cache_kwargs
 from harness.types import Message
 
@@ -101,9 +102,16 @@ class ServedModel:
         """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1, from one prefill of the whole prompt."""
         if len(ids) < 2:
             return []
+        cache = self.backend.new_cache()
         with self._lock:
-            logits = self.model(input_ids=torch.tensor([ids], device=self.device),
-                                **cache_kwargs(self.model, self.backend.new_cache()), use_cache=True).logits[0, :-1]
+            # the path's attention-side options (fp8_q / fp8_p, faults, k_scale_on_scores) come from the active
+            # cache: without it the prefill was the reference's attention over the path's cache (issue 45)
+            token = attention.active_cache.set(cache)
+            try:
+                logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                    **cache_kwargs(self.model, cache), use_cache=True).logits[0, :-1]
+            finally:
+                attention.active_cache.reset(token)
         rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
         return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]
 

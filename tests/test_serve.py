@@ -298,3 +298,23 @@ def test_a_client_that_left_stops_its_generation(served, monkeypatch):
         time.sleep(0.3)
     assert ended.wait(3), f"generation still running {len(steps)} steps after its client left"
     assert len(steps) < 2000
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3:calibrated:fp8_q", "fp8_e4m3:calibrated:fault=scale_off"])
+def test_prompt_logprobs_are_the_paths_own_attention(tmp_path, spec):
+    """A path whose attention differs from the reference's (FP8 query, a fault injector): the prompt logprobs serve
+    computes are the engine's teacher-forced scores of the same tokens (its own attention), not the reference's.
+    Before (issue 45) serve's prefill never set the active cache and returned the reference's attention. float32
+    model: both sides sum the same products, so the two agree to float32 rounding (1e-4 nats), while the path moves
+    the scores from the reference's by far more (asserted)."""
+    directory = build_tiny_model("gqa", tmp_path / "tiny-gqa")
+    model = InProcessModel.load(directory, "cpu", torch.float32)
+    ids = model.encode_chat([Message("user", "What is 7 * 8? Tell me in a sentence, please.")])
+    prompt, reply = ids[:4], ids[4:]
+    engine = model.backend(parse_path(spec)).engine().score([prompt], [reply])[0][:len(reply)]
+    reference = model.backend(None).engine().score([prompt], [reply])[0][:len(reply)]
+    served = ServedModel(model.backend(parse_path(spec)), "tiny-gqa").prompt_logprobs(ids, top_k=1)[len(prompt) - 1:]
+    own = torch.tensor([step.logprob for step in served])
+    chosen = lambda rows: rows.gather(1, torch.tensor(reply)[:, None])[:, 0]  # noqa: E731 - the reply's log-probs
+    assert (own - chosen(engine)).abs().max() < 1e-4
+    assert (chosen(engine) - chosen(reference)).abs().max() > 1e-3
