@@ -890,7 +890,7 @@ def _carry_failed_attempts(manifest: dict, reference, candidates) -> None:
     stored = {p.get("name"): p.get("endpoint") for p in manifest.get("paths") or [] if isinstance(p, dict)}
     stored["reference"] = next((m.get("reference") for m in manifest.get("models") or []
                                 if isinstance(m, dict) and m.get("label") == ENDPOINT_MODEL), None)
-    for backend in (reference, *candidates):
+    for backend in (b for b in (reference, *candidates) if b is not None):  # no reference: --self-consistency alone
         earlier = stored.get(backend.label)
         count = earlier.get("failed_attempts") if isinstance(earlier, dict) else None
         backend.earlier_failed_attempts = count if isinstance(count, int) and count > 0 else 0

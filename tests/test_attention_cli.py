@@ -81,13 +81,14 @@ def test_attention_command_stores_table_records_and_views(tiny_models, scenario_
     assert "attention-score error" in printed and "fp8_e4m3" in printed and "its decode kernel" in printed
     rows = [json.loads(line) for line in (run / "attention.jsonl").read_text().splitlines()]
     kernel_path = "fp8_e4m3:kernel=reference"
-    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", kernel_path, "fp8_e4m3:calibrated"} and {r["head"] for r in rows} <= {0, 3}
+    assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", kernel_path, "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated", "bf16:chunked_prefill"} and {r["head"] for r in rows} <= {0, 3}
     assert all(r["attn_out_rel_err"] == 0.0 for r in rows if r["path"] == "bf16")
     # the kernel=reference path decodes through the plug-in on the CPU: its rows are in the same table,
     # named as the kernel's; the CPU's plain fp8_e4m3 decodes in torch and has none
     kinds = {(r["path"], r["attention"]) for r in rows}
     assert kinds == {("bf16", "torch"), ("fp8_e4m3", "torch"), (kernel_path, "torch"), (kernel_path, "kernel:reference"),
-                     ("fp8_e4m3:calibrated", "torch")}  # the last: the verdicts' yardstick path
+                     ("fp8_e4m3:calibrated", "torch"), ("fp8_e4m3:calibrated:emulated", "torch"),
+                     ("bf16:chunked_prefill", "torch")}  # the verdicts' yardstick path, its twin, the control arm
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert {"attn_out_rel_err_max", "attn_worst_layer", "attn_rows_sampled"} <= {r["metric"] for r in records}
     kernel_metrics = {r["path"] for r in records if r["metric"] == "attn_kernel_vs_torch_max"}

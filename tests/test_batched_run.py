@@ -96,7 +96,7 @@ def test_a_failing_batched_phase_falls_back_and_is_named(tiny_models, tmp_path, 
     assert any("simulated kernel failure" in f for f in manifest["batching"]["gqa"]["one_at_a_time_fallbacks"])
     assert any("ran one at a time" in w for w in manifest["warnings"])
     paths = {r["path"] for r in _rows(out, "texts")}
-    assert paths == {"reference", "bf16", "fp8_e4m3", "fp8_e4m3:calibrated"}  # with the yardstick; nothing lost: the path ran one sequence at a time
+    assert paths == {"reference", "bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated", "bf16:chunked_prefill"}  # with the yardstick; nothing lost: the path ran one sequence at a time
 
 
 def test_scale_bench_canary_snippet_is_valid_python():

@@ -64,7 +64,7 @@ def test_corpus_renders_like_the_tokenizer(tokenizer, kind):
 def test_gold_replies_pass_the_harness_checks(kind, tmp_path):
     """The replies the canaries learn keep every rule and contain every answer, by the harness's checks."""
     checks = pytest.importorskip("harness.scenarios.checks")
-    scenarios = pytest.importorskip("harness.scenarios.load")
+    scenarios = pytest.importorskip("harness.scenarios.sources")
     chars = {"chars": 300} if kind == "long_context" else {}
     dialogues = corpus.heldout_set(kind, 20, 5, **chars)
     entries = [corpus.to_scenario(d, f"gold-{n}") for n, d in enumerate(dialogues)]
@@ -80,7 +80,7 @@ def test_gold_replies_pass_the_harness_checks(kind, tmp_path):
 
 
 def test_scenario_files_compile_to_the_training_text():
-    scenarios = pytest.importorskip("harness.scenarios.load")
+    scenarios = pytest.importorskip("harness.scenarios.sources")
     loaded = scenarios.load_scenarios([SCENARIOS])
     assert {s.kind for s in loaded} == set(corpus.KINDS)
     needle = next(s for s in loaded if s.kind == "long_context" and s.id.startswith("canary-acc-"))

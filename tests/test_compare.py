@@ -157,11 +157,12 @@ def test_renamed_scenario_pairs_by_hash_and_missing_ones_are_listed(tmp_path, ma
 
 
 def test_regressed_model_text_is_escaped_in_the_compare_page(tmp_path, make_runs):
-    chat = {("chat-xss-0001", "fp8_e4m3:per_head:calibrated", 2): make_runs.Divergence(9, " <b>Worce</b>!!!", 0.5)}
+    # the turn's KL is inf: a new failure (one lost rule alone is no finding since issue 40), so its text is shown
+    chat = {("chat-xss-0001", "fp8_e4m3:per_head:calibrated", 2): make_runs.Divergence(9, " <b>Worce</b>!!!", math.inf)}
     run = make_runs.write_run(tmp_path / "chat", "chat", divergences=make_runs.baseline_divergences() | chat)
     result = compare_runs(RUNS / "baseline", run, out_dir=tmp_path / "out", n_boot=N_BOOT)
     page = (tmp_path / "out" / "compare.html").read_text()
-    assert result.regressed  # rules_followed 1 -> 0
+    assert result.regressed
     shown = html.unescape(re.sub(r"<[^>]+>", "", page))  # the text a reader sees, tokens joined
     assert "<b>Worce" not in page and " <b>Worce</b>!!!" in shown
     assert "<script>alert" not in page and "<script>alert(1)</script>" in shown

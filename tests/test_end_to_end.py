@@ -40,10 +40,11 @@ def test_every_model_path_and_turn_has_records(full_run):
     frame = _table(full_run)
     assert set(frame["model"]) == {"gqa", "mla", "hybrid"}
     # the verdicts' yardstick path (fp8_e4m3:calibrated, docs/VERDICTS.md) joins the named paths
-    assert set(frame["path"]) == {"reference", *PATHS.split(","), "fp8_e4m3:calibrated"}
+    assert set(frame["path"]) == {"reference", *PATHS.split(","), "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated", "bf16:chunked_prefill"}
     kl = frame[frame["metric"] == "kl_max"]
-    # 4 scenarios; the chat's fixed middle turn generates nothing: 2 + 1 + 2 + 1 generated turns; 5 paths.
-    assert len(kl) == 3 * 5 * 6
+    # 4 scenarios; the chat's fixed middle turn generates nothing: 2 + 1 + 2 + 1 generated turns; 7 paths (5, the
+    # yardstick's twin, the control arm).
+    assert len(kl) == 3 * 6 * 7
     manifest = json.loads((full_run / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert {m["label"] for m in manifest["models"]} == {"gqa", "mla", "hybrid"}
@@ -151,7 +152,7 @@ def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path,
     stdout, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr
     done_rows = [json.loads(line) for line in done.read_text().splitlines()]
-    assert len(done_rows) == len({tuple(r.values()) for r in done_rows}) == 2 * 4 * 6  # nothing done twice (5 paths + the yardstick)
+    assert len(done_rows) == len({tuple(r.values()) for r in done_rows}) == 2 * 4 * 8  # nothing done twice (5 paths, the yardstick, its twin, the control arm)
     expected = _table(full_run)
     expected = expected[expected["model"].isin(["gqa", "mla"])].reset_index(drop=True)
     pd.testing.assert_frame_equal(_table(out), expected)

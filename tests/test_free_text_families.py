@@ -68,6 +68,8 @@ def test_no_failing_cell_on_free_text(free_run):
 def test_implementation_check_answers_every_turn_near_one(free_run):
     frame = records_frame(free_run)
     impl = frame[frame["metric"] == "attn_impl_err_ratio"]
-    generated = frame[(frame["metric"] == "reply_tokens") & (frame["path"] != "reference")]
+    # the yardstick's twin writes its cache outside the engine (kv_paths/emulated.py): no engine code to check there
+    generated = frame[(frame["metric"] == "reply_tokens") & (frame["path"] != "reference")
+                      & ~frame["path"].str.endswith(":emulated")]
     assert len(impl) == len(generated) > 0  # every generated turn of every path
     assert impl["value"].max() <= IMPL.warn, impl.sort_values("value").tail(3)

@@ -49,7 +49,8 @@ from harness.replay.endpoint import (EndpointBackend, EndpointConfig, EndpointEr
                                      assemble_event_stream)
 from harness.runs.compare import parse_threshold
 from harness.scenarios.load import (COMMON_KEYS, DEFAULTS_KEYS, FILLER_KEYS, GENERATION_KEYS, KIND_KEYS, KINDS,
-                                    TURN_KEYS, ScenarioError, load_scenarios)
+                                    TURN_KEYS, ScenarioError)
+from harness.scenarios.sources import load_scenarios
 from harness.types import Generation, Message, Scores
 
 FUZZ_SCALE = os.environ.get("HARNESS_FUZZ_SCALE")
@@ -261,6 +262,9 @@ class CannedClient:
 
     async def get(self, path: str) -> dict:
         return {"data": [{"id": "fuzz"}]}
+
+    def forget(self, path: str, body: dict) -> None:  # a refused reply leaves the run's cache (nothing kept here)
+        return None
 
     async def aclose(self) -> None:
         pass

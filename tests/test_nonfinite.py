@@ -96,7 +96,7 @@ def test_nan_path_stores_every_unit_and_shows_it(nonfinite_runs):
     store = RunStore(broken)
     assert store.read("errors") == []
     # 2 scenarios x (reference, bf16, the broken path, the verdicts' yardstick fp8_e4m3:calibrated)
-    assert len(store.read("done")) == 2 * 4
+    assert len(store.read("done")) == 2 * 6  # + the yardstick's twin and the control arm
     assert store.read_manifest()["status"] == "complete"
     texts = [t for t in store.read("texts") if t["path"] == PATH]
     assert {t["finish_reason"] for t in texts} == {"nonfinite_logits"}

@@ -88,7 +88,7 @@ def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenar
     texts = [json.loads(line) for line in (merged[0] / "texts.jsonl").read_text().splitlines()]
     keys = [(t["model"], t["scenario"], t["path"], t["turn"]) for t in texts]
     # 2 models x (reference, bf16, fp8_e4m3, the verdicts' yardstick fp8_e4m3:calibrated): merged without duplicates
-    assert len(keys) == len(set(keys)) == 8
+    assert len(keys) == len(set(keys)) == 12  # with the yardstick's twin and the control arm
 
 
 def test_yardstick_is_chosen_like_harness_runs(pytester, scenario_file):

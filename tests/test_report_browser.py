@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ def reports(tmp_path_factory) -> dict[str, Path]:
     result = compare_runs(RUNS / "baseline", RUNS / "regressed", out_dir=root / "compare",
                           thresholds=["kl_max:+0.02"], n_boot=500)
     index = render_run_report(RUNS / "baseline", root / "run")
-    chat = {("chat-xss-0001", "fp8_e4m3:per_head:calibrated", 3): make_runs.Divergence(4, XSS[1] + " !!!", 0.5)}
+    # KL inf on the turn: a new failure, so compare shows the case (one lost rule alone is no finding: issue 40)
+    chat = {("chat-xss-0001", "fp8_e4m3:per_head:calibrated", 3): make_runs.Divergence(4, XSS[1] + " !!!", math.inf)}
     chat_run = make_runs.write_run(root / "chat-run", "chat-run", divergences=make_runs.baseline_divergences() | chat)
     chat_compare = compare_runs(RUNS / "baseline", chat_run, out_dir=root / "chat-compare", n_boot=200)
     return {"index": index, "chat": index.parent / scenario_page_name("canary-mla", "chat-xss-0001"),
@@ -117,7 +119,7 @@ def column(page, table: str, header: str) -> list[str]:
 def test_run_report_loads_clean_with_plots(reports, watched):
     page = watched.open(reports["index"])
     images = images_loaded(page)
-    assert len(images) == 4 and all(width > 0 for _, width in images), images
+    assert len(images) == 5 and all(width > 0 for _, width in images), images  # 5th: KL by reply position
     assert page.locator("#headline").is_visible()
     watched.screenshot("run-index.png")
     watched.check_clean()

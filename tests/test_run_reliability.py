@@ -145,7 +145,7 @@ def test_a_second_writer_is_refused_while_the_first_runs(tiny_models, tmp_path):
     _, first_err = first.communicate(timeout=300)
     assert first.returncode == 0, first_err
     done = [tuple(json.loads(line).values()) for line in (out / "done.jsonl").read_text().splitlines()]
-    assert len(done) == len(set(done)) == 4 * 3  # nothing written twice (reference, bf16, the yardstick path)
+    assert len(done) == len(set(done)) == 4 * 5  # nothing written twice (reference, bf16, the yardstick, its twin, the control arm)
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
 
 

@@ -374,7 +374,7 @@ def test_harness_run_exit_code_names_the_failing_path(tmp_path, capsys):
     assert manifest["yardstick"] == "fp8_e4m3:calibrated"  # added to --paths: measured in the same run
     rows = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
     assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup",
-                                         "fp8_e4m3:calibrated"}
+                                         "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated", "bf16:chunked_prefill"}
     assert (out / "path_verdicts.jsonl").exists()
     assert main(argv + ["--out", str(tmp_path / "again"), "--no-fail-on-verdict"]) == 0
 

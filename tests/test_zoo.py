@@ -76,7 +76,7 @@ def test_zoo_detection_matrix_on_cpu(tmp_path):
     print(detection["markdown"])
     faults = [r for r in detection["rows"] if r["expect"] == "fail"]
     healthy = [r for r in detection["rows"] if r["expect"] == "pass"]
-    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3", "attenti"}
+    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3", "attenti", "scales "}
     for row in faults:
         assert (row["failed_turns"] > 0 or row["path_failed"]) and row["families"] and row["questions"], \
             f"missed: {row}"
@@ -151,10 +151,13 @@ def test_zoo_entries_and_config():
     by_model = dict(config.paths_by_model)
     assert set(by_model[str(CANARY_WEIGHTS / "gqa")]) == {
         "bf16", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:fp8_q:fp8_p", "fp8_e4m3:calibrated:fault=scores_bf16",
-        "fp8_e4m3:calibrated:fault=pv_bf16", "fp8_e4m3:per_head:calibrated:fault=k_scale_swap"}
+        "fp8_e4m3:calibrated:fault=pv_bf16", "fp8_e4m3:per_head:calibrated:fault=k_scale_swap",
+        "fp8_e4m3:calibrated:fault=scale_dropped"}
     assert "fp8_e4m3:warmup" in by_model[str(CANARY_WEIGHTS / "hybrid")]
     assert "fp8_e4m3:warmup" not in by_model[str(CANARY_WEIGHTS / "mla")]
-    assert {p.name for p in config.paths} == {"bf16", *(e.path for e in stress)}
+    # the run's controls (the yardstick's twin, the control arm) are declared; each model runs its own presets
+    assert {p.name for p in config.paths} == {"bf16", *(e.path for e in stress), "fp8_e4m3:calibrated:emulated",
+                                              "bf16:chunked_prefill"}
 
 
 def test_stress_suites_name_existing_canaries_and_bound_the_cpu(monkeypatch):

@@ -101,6 +101,8 @@ def _text(path: Path) -> str:
         raise RunReadError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
+# what every run's manifest has from its creation (RunStore.create): one of them makes a JSON object a manifest
+IDENTIFYING = {"run_id", "status", "paths", "command", "versions", "started_at"}
 MANIFEST_FIELDS = {"run_id": str, "status": str, "paths": list, "models": list, "scenarios": list,
                    "warnings": list, "verdicts": dict, "scales": dict, "noise_floor": dict}
 
@@ -108,8 +110,8 @@ MANIFEST_FIELDS = {"run_id": str, "status": str, "paths": list, "models": list, 
 def check_manifest_shape(file: Path, manifest: dict) -> None:
     """A RunReadError naming `file` and the field when the manifest is not a run's: none of its identifying fields,
     or a field the reader uses of the wrong JSON type (null is taken as absent)."""
-    if not {"run_id", "status", "paths"} & set(manifest):
-        raise RunReadError(f"{file}: no run_id, status or paths: not a stored run's manifest")
+    if not IDENTIFYING & set(manifest):
+        raise RunReadError(f"{file}: none of {', '.join(sorted(IDENTIFYING))}: not a stored run's manifest")
     for name, kind in MANIFEST_FIELDS.items():
         value = manifest.get(name)
         if value is not None and not isinstance(value, kind):
