@@ -13,7 +13,7 @@ whose rows join the same matrix. `STRESS_SUITES` names the same models and scena
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.analysis.detection import MatrixEntry, MatrixRow, detection_matrix, format_matrix
@@ -279,28 +279,25 @@ class EngineWideFault:
     moves_kl: bool  # the yardstick's pooled KL moves tenfold or more on free text: the yardstick must be named
 
     def __post_init__(self) -> None:
-        kind, _, value = self.change.partition("=")
-        if kind not in ("fault", "scales", "k_scale_on_scores"):
+        if self.change.partition("=")[0] not in ("fault", "scales", "k_scale_on_scores"):
             raise ValueError(f"EngineWideFault {self.label!r}: change {self.change!r}: expected fault=NAME, "
                              f"scales=SOURCE or k_scale_on_scores")
 
     def applied(self, path: KVPath) -> KVPath:
         """`path` with this fault, under its own name (unchanged where the fault does not apply to it)."""
-        import dataclasses
-
         kind, _, value = self.change.partition("=")
         if kind == "k_scale_on_scores":
             faulty = parse_path("bf16:calibrated:k_scale_on_scores") if path.canonical == "bf16" else path
         elif not path.is_fp8 or path.emulated:
             faulty = path
         elif kind == "scales":  # what calibration hands every calibrated path
-            faulty = dataclasses.replace(path, scale_source=value) if path.scale_source == "calibrated" else path
+            faulty = replace(path, scale_source=value) if path.scale_source == "calibrated" else path
         else:
             try:
                 faulty = parse_path(f"{path.name}:{self.change}")
             except PathSpecError:  # the fault needs what this path lacks (k_scale_swap: per-head scales)
                 faulty = path
-        return dataclasses.replace(faulty, name=path.name)
+        return replace(faulty, name=path.name)
 
 
 ENGINE_WIDE: tuple[EngineWideFault, ...] = (

@@ -17,15 +17,16 @@ Per turn (severity in brackets, question in parentheses):
 - nonfinite [fail] (implementation): a metric stored as NaN/inf, or NaN/inf read back from the cache.
 - bf16 divergence [fail] (implementation): a BF16-cache path's kl_mean beyond `BF16_KL_MEAN_LIMIT`.
 - attention implementation [warn / fail] (implementation): `attn_impl_err_ratio` beyond its default.
-- divergence [warn / fail] (acceptable): `kl_ratio_yardstick`, the turn's kl_mean over the yardstick's (floored
-  by the yardstick's pooled kl_mean and `KL_RATIO_FLOOR`); without a yardstick, absolute limits on kl_p99.
-- task [warn] (acceptable): the reference passed a task check the path failed (the per-path recovery decides).
-- degenerate [warn] (acceptable): a degeneration finding the reference's reply does not share (the per-path
-  rate decides).
-- threshold [fail]: a scenario file's threshold (stored in checks.jsonl) or a `--threshold` override.
+- divergence [fail] (acceptable): `kl_ratio_yardstick`, the turn's kl_mean over the yardstick's (floored by the
+  yardstick's pooled kl_mean and `KL_RATIO_FLOOR`); without a yardstick, absolute limits on kl_p99.
+- threshold [fail]: a scenario file's threshold (stored in checks.jsonl) or a `--threshold` override; a task bar
+  the reference fails too is the model's, not the path's.
 - unmeasured [warn]: the turn has no teacher-forced divergence or its unit errored.
-Per path (`path_verdicts`, acceptable): pooled kl_mean and kl_p999 ratios to the yardstick, paired task recovery
-(>= 99% of the reference, exact binomial test on discordant pairs), reply length ratio, degeneration rate.
+A lost answer or a degenerate reply on one turn is no finding (issue 40): the per-path tests decide.
+Per path (`path_verdicts`): pooled kl_mean and kl_p999 ratios to the yardstick (acceptable), the yardstick against
+its twin (implementation), paired task recovery and degeneration rate (exact McNemar, fail at p < 0.01), the
+length sign test and the KL trend test (warn at p < 0.01), the control arm's floor beside the path's agreement.
+The fp32 reference, the twin and the control arm are measured, not judged.
 
 Precedence for one metric: a `--threshold` override, then the scenario file's threshold, then the default.
 """
@@ -286,8 +287,8 @@ def nonfinite_reasons(values: Mapping[str, float | None]) -> list[dict]:
     return reasons
 
 
-# Degeneration findings of the rule judge (harness/judges/rules.py) not shared by the reference's reply warn per
-# turn; whether a path degenerates more often than the reference is the per-path `degeneration_reasons`.
+# Degeneration findings of the rule judge (harness/judges/rules.py): whether a path degenerates more often than the
+# reference on the same turns is the per-path `degeneration_rate_reasons` (one turn alone is no finding).
 DEGENERATION = ("repetition loop", "non-text output", "early EOS")
 
 

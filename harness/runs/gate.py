@@ -25,7 +25,7 @@ def with_controls(paths: tuple, spec: str | None) -> tuple:
     engine, `harness.kv_paths.emulated`: what the yardstick itself is judged by) and the control arm (`CONTROL_ARM`:
     BF16 against BF16 under a perturbation the engine has, the floor of agreement, flips and length). `spec` None
     or "none": no yardstick, no twin, and still the control arm."""
-    from harness.kv_paths.spec import CONTROL_ARM, parse_path, twin_of
+    from harness.kv_paths.spec import CONTROL_ARM, parse_path
 
     if spec and spec != "none":
         paths = _with_yardstick_and_twin(paths, spec)
