@@ -82,6 +82,8 @@ class EmulatedKVLayer(DynamicLayer):
         return scale.view(-1, 1, 1) if scale.dim() == 1 else scale
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the same storage plumbing as cache.QuantizedKVLayer._store, written here on purpose: the twin imports
+        # nothing of the engine's cache module (which imports this one), so a fault there cannot reach it
         if self.static is not None:
             return self.static.write(self, keys, values)
         return DynamicLayer.update(self, keys, values)
