@@ -27,6 +27,10 @@ import torch
 
 KINDS = ("gqa_fp8", "gqa_fp8_pv", "gqa_bf16", "mla_fp8", "mla_bf16", "mla_fp8_many_heads", "mla_bf16_many_heads")
 KINDS += ("mla_fp8_mma", "mla_fp8_mma_many_heads")   # MLA's fp8_mma option (mla_decode(..., fp8_mma=True))
+# GQA over block-scaled caches (kernels/decode_attention_block_scaled.py), one entry per element: e2m1 (NVFP4, MXFP4),
+# e4m3 with block / per-token scales (MXFP8, FP8 per token-head), int8 and int4 per token-head. Not swept by
+# kernels.tune (its candidates are the FP8 kernel's); asm: the PTX widening (False: plain Triton integer ops).
+BLOCK_SCALED_KINDS = ("gqa_fp4", "gqa_fp8_blocks", "gqa_int8", "gqa_int4")
 
 H100 = {
     # session 8 (kernels.ab, same process, two rounds): only V widened once (widen="v", call 1): 0.2219 vs 0.2292
@@ -80,6 +84,9 @@ H100_MLA = {
 # against split_latent's 0.4594 / 0.4605 ms (batch 8, 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry
 # was set by hand from that A/B (kernels/BENCHMARKS.md).
 H100.update(H100_MLA)
+# Block-scaled GQA (issue 43): set by hand before any measurement; kernels/BENCHMARKS.md has what was measured.
+H100.update({kind: dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True, asm=True)
+             for kind in BLOCK_SCALED_KINDS})
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
 
@@ -91,7 +98,7 @@ def _device_name(index: int) -> str:
 
 def launch_config(kind: str, device: torch.device) -> dict:
     """The recorded configuration of `kind` for this device's GPU (a copy: callers may override keys)."""
-    assert kind in KINDS, f"unknown kernel kind {kind!r}; expected one of {KINDS}"
+    assert kind in KINDS + BLOCK_SCALED_KINDS, f"unknown kernel kind {kind!r}; expected one of {KINDS + BLOCK_SCALED_KINDS}"
     name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
     return dict(TABLE.get(name, DEFAULT)[kind])
 

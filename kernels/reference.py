@@ -335,3 +335,81 @@ def mla_decode_fp8(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         weights, denominator = _fp8_prob_weights(scores, prob_scale, block_n, tokens_per_split)
         out[b] = (weights @ c) / denominator
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block-scaled caches (NVFP4, MXFP8, MXFP4, INT8 / INT4 per token-head): the paged layout our kernels read
+# (kernels/decode_attention_block_scaled.py, kernels/store_kv_block_scaled.py). For each of K and V:
+#   codes:        [num_blocks, block_size, kv_heads, head_dim * bits / 8] uint8: 8-bit elements one a byte (int8
+#                 as its two's-complement byte), 4-bit elements two a byte, the even index in the low nibble (e2m1
+#                 as OCP's sign-magnitude nibble, int4 as a two's-complement nibble)
+#   block scales: [num_blocks, block_size, kv_heads, head_dim / B] uint8 (e4m3 or e8m0 bits, one per B values) or
+#                 [num_blocks, block_size, kv_heads] fp32 (one per token and head: B = head_dim)
+#   scale:        fp32 [] or [kv_heads], static (NVFP4's global scale), or None (1.0)
+# value = element(code) x (block scale x scale), multiplied in fp32 in that order (harness/kv_paths/formats.py's
+# decode, which this layout stores; the harness maps its KVFormat onto (element, block scale, B)).
+# ---------------------------------------------------------------------------------------------------
+
+ELEMENT_BITS = {"e2m1": 4, "e4m3": 8, "int8": 8, "int4": 4}
+BLOCK_SCALE_TYPES = ("e4m3", "e8m0", "fp32")
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value| (OCP MX v1.0)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 -> [..., 2n] uint8 nibbles, the low nibble first."""
+    packed = packed.view(torch.uint8)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def element_values(codes: torch.Tensor, element: str) -> torch.Tensor:
+    """Stored codes [..., bytes] uint8 -> element values [..., head_dim] fp32 (exact)."""
+    assert element in ELEMENT_BITS, f"unknown element {element!r}; expected one of {sorted(ELEMENT_BITS)}"
+    codes = codes.view(torch.uint8)
+    if element == "e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    if element == "int8":
+        return codes.view(torch.int8).float()
+    nibbles = unpack_nibbles(codes)
+    if element == "int4":
+        return ((nibbles ^ 8).float() - 8.0)
+    magnitude = torch.tensor(E2M1_VALUES, device=codes.device)[(nibbles & 7).long()]
+    return torch.where((nibbles & 8).bool(), -magnitude, magnitude)
+
+
+def block_scale_values(block_scales: torch.Tensor, block_scale: str) -> torch.Tensor:
+    """Stored block scales -> fp32: e4m3 bits, e8m0 bits (2^(bits - 127); 255 NaN) or fp32 as stored."""
+    assert block_scale in BLOCK_SCALE_TYPES, f"unknown block scale {block_scale!r}; expected {BLOCK_SCALE_TYPES}"
+    if block_scale == "fp32":
+        return block_scales.float()
+    bits = block_scales.view(torch.uint8)
+    if block_scale == "e4m3":
+        return bits.view(torch.float8_e4m3fn).float()
+    value = torch.ldexp(torch.ones(bits.shape, device=bits.device), bits.int() - 127)   # 2^-127: fp32 subnormal
+    return torch.where(bits == 255, torch.full_like(value, float("nan")), value)
+
+
+def dequantize_block_scaled(codes: torch.Tensor, block_scales: torch.Tensor, scale, element: str,
+                            block_scale: str, block_size: int) -> torch.Tensor:
+    """codes [..., heads, bytes] + block scales [..., heads, D / B] (fp32: [..., heads]) + static scale [] or
+    [heads] (None: 1.0) -> values [..., heads, D] fp32: element x (block scale x scale)."""
+    values = element_values(codes, element)                                     # [..., heads, D]
+    blocks = block_scale_values(block_scales, block_scale)
+    blocks = blocks.unsqueeze(-1) if block_scale == "fp32" else blocks          # [..., heads, D / B]
+    assert values.shape[-1] == blocks.shape[-1] * (values.shape[-1] if block_scale == "fp32" else block_size), \
+        f"{values.shape[-1]} values per head do not make {blocks.shape[-1]} blocks of {block_size}"
+    whole = blocks * _head_scale(scale, 1).to(blocks.device)                    # block scale x scale, fp32
+    per_value = whole.repeat_interleave(values.shape[-1] // whole.shape[-1], dim=-1)
+    return values * per_value
+
+
+def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                                  k_block_scales: torch.Tensor, v_block_scales: torch.Tensor,
+                                  block_table: torch.Tensor, seq_lens: torch.Tensor, k_scale, v_scale,
+                                  sm_scale: float, num_splits: int | None = None, *, element: str,
+                                  block_scale: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention` over a block-scaled paged cache (layout above): the cache dequantised to fp32 values
+    (`dequantize_block_scaled`), then the same fp32 attention. Returns (out [B, Hq, D] q.dtype, lse [B, Hq] fp32)."""
+    layout = dict(element=element, block_scale=block_scale, block_size=block_size)
+    k = dequantize_block_scaled(k_codes, k_block_scales, k_scale, **layout)    # [num_blocks, page, Hkv, D]
+    v = dequantize_block_scaled(v_codes, v_block_scales, v_scale, **layout)
+    return decode_attention(q, k, v, block_table, seq_lens, None, None, sm_scale, num_splits)

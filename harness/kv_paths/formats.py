@@ -120,8 +120,9 @@ UINT8 = ElementType("uint8", 8, 255.0, _int_codes(0, 255, torch.uint8), lambda c
 # -- block scales -------------------------------------------------------------------------------------------------
 
 def _e4m3_block_scale(amax: torch.Tensor, target: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4: e4m3(amax / target), saturating at 448; (stored e4m3, fp32)."""
-    stored = fp8.quantize(amax / target, torch.ones((), device=amax.device), "e4m3")
+    """NVFP4: e4m3(amax / target), saturating at 448; (stored e4m3, fp32). Divided by a tensor: IEEE division on
+    CUDA too, as the fused write (kernels/store_kv_block_scaled.py) and the engines' kernels divide."""
+    stored = fp8.quantize(amax / torch.full_like(amax, target), torch.ones((), device=amax.device), "e4m3")
     return stored, stored.float()
 
 
@@ -136,8 +137,9 @@ def _e8m0_block_scale(amax: torch.Tensor, element: ElementType) -> tuple[torch.T
 
 
 def _fp32_block_scale(amax: torch.Tensor, target: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token-head (vLLM): max(amax / target, floor) in fp32 (NaN stays NaN)."""
-    scale = torch.where(amax.isnan(), amax, (amax / target).clamp_min(floor))
+    """Per token-head / per tile (vLLM): max(amax / target, floor) in fp32 (NaN stays NaN). Divided by a tensor:
+    IEEE division on CUDA too, as the engines' kernels divide (`kernels.reference.amax_scale` says why)."""
+    scale = torch.where(amax.isnan(), amax, (amax / torch.full_like(amax, target)).clamp_min(floor))
     return scale, scale
 
 
