@@ -270,6 +270,8 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--mla-heads", default="16,128", help="MLA head counts ('' for GQA only)")
     parser.add_argument("--no-gqa", action="store_true", help="MLA tables only")
+    parser.add_argument("--no-block-scaled", action="store_true",
+                        help="without the GQA rows over block-scaled caches (kernels/bench_block_scaled.py)")
     args = parser.parse_args()
     batches, contexts = ((8,), (32768,)) if args.quick else (
         tuple(int(x) for x in args.batches.split(",")), tuple(int(x) for x in args.contexts.split(",")))
@@ -303,6 +305,9 @@ def main() -> None:
                 f"{spread[0]:.1%} ({spread[1]})", ""]
         out += fp8_attention_errors(tuned)
         print("\n".join(out[-len(FP8_ATTENTION_OPTIONS) - 6:]), flush=True)
+    if not args.no_block_scaled:
+        from kernels import bench_block_scaled
+        out += bench_block_scaled.table_lines(batches, contexts, tuned, copy_bw)
     for heads in (int(h) for h in args.mla_heads.split(",") if h):
         out += _table(f"MLA decode, {heads} heads, latent {LATENT_DIM} + rope {ROPE_DIM}, e4m3 cache",
                       functools.partial(bench_mla, heads=heads), copy_bw, batches, contexts, tuned)

@@ -1,0 +1,118 @@
+"""How our kernels store a block-scaled KV format (NVFP4, MXFP8, MXFP4, INT8 / INT4 / FP8 per token-head): the
+mapping from a `KVFormat` (harness/kv_paths/formats.py) onto the paged layout the kernels read and write (kernels/
+reference.py, "Block-scaled caches"), which takes plain tensors and names only (kernels/ does not import harness).
+
+A format is served where our kernels compute exactly what its torch decode does: e2m1, e4m3, int8 or int4 values
+under e4m3 scales per 16 or 32 values (e2m1 only: the product of two e4m3 values is not exact in fp16), e8m0 scales
+per 16 or 32 (e2m1, e4m3) or one fp32 scale per token and head, with or without a static scale; no zero point.
+`refusal` says why not, in the format's words. The fused write also needs one candidate block scale (4-over-6's
+choice sums squared errors in torch's reduction order: not reproduced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.kv_paths.formats import Encoded, KVFormat, pack_e2m1
+from kernels import reference as kernel_ref
+
+_ELEMENTS = ("e2m1", "e4m3", "int8", "int4")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockScaledLayout:
+    """One format's paged layout: element, block-scale type, values per block scale (the head size for per
+    token-head, given at use), what the write maps a block's amax to (`target`; e8m0: the element's emax) and the
+    smallest block scale, and whether a static scale multiplies the block scales."""
+
+    element: str
+    block_scale: str
+    block_size: int  # 0: one scale per token and head
+    target: float
+    scale_floor: float
+    static: bool
+    kv_format: KVFormat = field(compare=False, repr=False, default=None)
+
+    @property
+    def kernel_args(self) -> dict:
+        """The keywords of `decode_attention_block_scaled` and `reference.dequantize_block_scaled`."""
+        return dict(element=self.element, block_scale=self.block_scale, block_size=self.block_size)
+
+    @property
+    def write_args(self) -> dict:
+        """The keywords of `store_kv_block_scaled.quantize_store_block_scaled`."""
+        return dict(self.kernel_args, target=self.target, scale_floor=self.scale_floor)
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * kernel_ref.ELEMENT_BITS[self.element] // 8
+
+    def allocate(self, num_blocks: int, page: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed paged (codes [num_blocks, page, heads, bytes] uint8, block scales [..., D / B] uint8 or
+        [num_blocks, page, heads] fp32)."""
+        codes = torch.zeros(num_blocks, page, heads, self.code_bytes(head_dim), dtype=torch.uint8, device=device)
+        if self.block_scale == "fp32":
+            return codes, torch.zeros(num_blocks, page, heads, dtype=torch.float32, device=device)
+        return codes, torch.zeros(num_blocks, page, heads, head_dim // self.block_size, dtype=torch.uint8,
+                                  device=device)
+
+    def pages(self, encoded: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the paged caches hold for an encode of x [..., D]: (codes [..., bytes] uint8, block scales [...,
+        D / B] uint8 bits or [...] fp32)."""
+        codes = encoded.codes
+        if kernel_ref.ELEMENT_BITS[self.element] == 4:
+            codes = pack_e2m1(codes.view(torch.uint8) if codes.dtype == torch.int8 else codes)  # int4: its nibble
+        blocks = encoded.block_scales
+        blocks = blocks[..., 0] if self.block_scale == "fp32" else blocks.view(torch.uint8)
+        return codes.view(torch.uint8), blocks
+
+    def store(self, x: torch.Tensor, scale: torch.Tensor | None, codes: torch.Tensor, block_scales: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """The torch write: x [N, heads, D] encoded by the format (scale: [] or [heads] static, or None) into the
+        paged caches at slots [N] (-1 skips), as the fused write stores it."""
+        static = None if scale is None else (scale.view(-1, 1) if scale.dim() else scale)
+        packed, blocks = self.pages(self.kv_format.encode(x, static))
+        keep = slots >= 0
+        codes.view(-1, *codes.shape[2:])[slots[keep]] = packed[keep]
+        block_scales.view(-1, *block_scales.shape[2:])[slots[keep]] = blocks[keep].to(block_scales.dtype)
+
+
+def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = False) -> str | None:
+    """Why our block-scaled kernels (write=True: the fused write) do not serve `kv_format` (None: they do)."""
+    name = kv_format.spec_name
+    if kv_format.is_legacy_fp8 or not kv_format.block_scale:
+        return f"{name}: not block-scaled (the FP8 kernels' format)"
+    if kv_format.zero_point:
+        return f"{name}: a zero point (the kernels read symmetric formats)"
+    if kv_format.element.name not in _ELEMENTS:
+        return f"{name}: {kv_format.element.name} values (the kernels read e2m1, e4m3, int8 and int4)"
+    if kv_format.block_scale == "e4m3" and kv_format.element.name != "e2m1":
+        return f"{name}: e4m3 block scales over {kv_format.element.name} (not exact in fp16; only over e2m1)"
+    if kv_format.block_scale == "e8m0" and kv_format.element.name not in ("e2m1", "e4m3"):
+        return f"{name}: e8m0 block scales over {kv_format.element.name}"
+    if kv_format.block_scale == "fp32" and kv_format.block_size:
+        return f"{name}: fp32 scales per {kv_format.block_size} values (the kernels take one per token and head)"
+    if kv_format.block_scale != "fp32" and kv_format.block_size not in (16, 32):
+        return f"{name}: blocks of {kv_format.block_size} (the kernels take 16 or 32)"
+    extras = [field for field in ("scale_round_up", "reciprocal", "unscaled") if getattr(kv_format, field, False)]
+    if extras:
+        return f"{name}: {', '.join(extras)} (not in the kernels' numerics)"
+    if head_size is not None:
+        block = kv_format.block_size or head_size
+        if not (16 <= head_size <= 256 and head_size & (head_size - 1) == 0 and head_size % block == 0):
+            return f"{name}: head size {head_size} (the kernels take powers of two 16-256, whole blocks)"
+    if write and len(kv_format.block_targets) > 1:
+        return (f"{name}: {len(kv_format.block_targets)} candidate block scales (the choice sums squared errors in "
+                f"torch's reduction order)")
+    return None
+
+
+def of(kv_format: KVFormat) -> BlockScaledLayout:
+    """The layout of a served format (ValueError naming the reason otherwise)."""
+    why = refusal(kv_format)
+    if why is not None:
+        raise ValueError(f"KV format {kv_format.name!r} has no block-scaled kernel layout: {why}")
+    target = kv_format.block_targets[0] if kv_format.block_targets else 0.0
+    return BlockScaledLayout(kv_format.element.name, kv_format.block_scale, kv_format.block_size, float(target),
+                             float(kv_format.scale_floor), kv_format.has_static_scale, kv_format)

@@ -1,0 +1,73 @@
+"""The block-scaled KV kernels on the CPU: the paged layout against the formats' torch decode (in process), and the
+kernels themselves under Triton's interpreter (tests/block_scaled_interpreted.py, one subprocess for all cases:
+~12 s of CPU). The GPU suite (tests/test_kernels_block_scaled_gpu.py) judges their error and their bits on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.kv_paths import block_layout
+from harness.kv_paths import formats as kv_formats
+from kernels import reference as ref
+
+HERE = Path(__file__).parent
+SERVED = ["nvfp4", "nvfp4_4over6", "mxfp8", "mxfp4", "fp4_mx_block16", "fp8_per_token_head", "int8_per_token_head",
+          "int4_per_token_head"]
+
+
+@pytest.mark.parametrize("fmt", SERVED)
+def test_paged_layout_decodes_as_the_format(fmt):
+    """What the pages hold, read by the kernels' torch mirror, is the format's own decode, bit for bit."""
+    kv_format = kv_formats.get_format(fmt)
+    layout = block_layout.of(kv_format)
+    x = torch.randn(7, 3, 64) * torch.logspace(-3, 3, 64)
+    x[0, 0, :3] = torch.tensor([1e30, float("nan"), float("-inf")])
+    scale = torch.tensor([0.5, 0.02, 3.0]) if layout.static else None
+    encoded = kv_format.encode(x, None if scale is None else scale.view(-1, 1))
+    codes, blocks = layout.pages(encoded)
+    assert codes.dtype == torch.uint8 and codes.shape == (7, 3, layout.code_bytes(64))
+    got = ref.dequantize_block_scaled(codes, blocks, scale, **layout.kernel_args)
+    want = kv_format.decode(encoded)
+    assert ((got == want) | (got.isnan() & want.isnan())).all()
+
+
+@pytest.mark.parametrize("fmt, head_size, write, reason", [
+    ("e4m3", None, False, "not block-scaled"),
+    ("int8_per_token_head_asym", None, False, "zero point"),
+    ("nvfp4", 80, False, "head size 80"),
+    ("nvfp4_4over6", None, True, "2 candidate block scales"),
+])
+def test_unserved_formats_say_why(fmt, head_size, write, reason):
+    why = block_layout.refusal(kv_formats.get_format(fmt), head_size, write)
+    assert why is not None and reason in why, why
+    assert block_layout.refusal(kv_formats.get_format("nvfp4"), 128) is None
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get(
+        "PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE / "block_scaled_interpreted.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CASES = [f"decode-{f}" for f in SERVED if f != "nvfp4_4over6"] + \
+    [f"write-{f}" for f in ("nvfp4", "mxfp4", "fp4_mx_block16", "int8_per_token_head", "int4_per_token_head")]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_the_interpreter(interpreted, case):
+    """Decode within 2 bf16 ulps of the torch mirror (lse 1e-5); the fused write bit for bit against the encode."""
+    assert case in interpreted, f"{case} did not run"
+    assert interpreted[case] is None, interpreted[case]

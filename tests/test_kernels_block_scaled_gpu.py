@@ -1,0 +1,188 @@
+"""GPU tests of the block-scaled KV kernels (run with --gpu): the paged decode over NVFP4, MXFP8, MXFP4, INT8 / INT4
+and FP8 per token-head caches (kernels/decode_attention_block_scaled.py) and their fused cache write
+(kernels/store_kv_block_scaled.py).
+
+Decode is judged against fp64 attention over the stored values (the codes decoded by the torch reference), relative
+to the error of the computation it replaces, "dequantise with the torch reference to bf16, then our BF16 decode
+kernel": err_kernel <= 1.0 x err_dequantised + slack (the tolerances beside the cases say why), plus a magnitude
+check beside it (a uniform scale error keeps every direction). The fused write is compared with the formats' torch
+encode on the same GPU bit for bit (codes, block scales, read-back) and its statistics exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.kv_paths import block_layout
+from harness.kv_paths import formats as kv_formats
+from kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["nvfp4", "nvfp4_4over6", "mxfp8", "mxfp4", "fp4_mx_block16", "fp8_per_token_head", "int8_per_token_head",
+           "int4_per_token_head"]
+# (name, sequence lengths, head_dim, query heads per KV head, KV heads): odd batch with 1-token, sub-tile and ragged
+# rows; one 8k sequence with 16 query heads per KV head; batch 8 up to 8k (a full 8192 among them); batch 32.
+SHAPES = [
+    pytest.param([1, 17, 1000, 4099, 5], 128, 4, 2, id="b5-odd-d128-g4"),
+    pytest.param([8191], 64, 16, 1, id="b1-8k-d64-g16"),
+    pytest.param([8192, 1, 3000, 77, 5000, 64, 4097, 129], 256, 1, 4, id="b8-d256-g1"),
+    pytest.param([int(n) for n in torch.linspace(1, 2047, 32)], 128, 3, 2, id="b32-d128-g3"),
+]
+# err_kernel <= 1.0 x err_dequantised + SLACK x max |truth|. Both outputs are rounded to bf16 once; where the
+# dequantised computation has no error beside that rounding (MX values and e4m3 P products are exact in bf16), which
+# element rounds worst is chance: a quarter of the bf16 half-ulp bound (2^-9 of the largest output) absorbs that.
+SLACK = 2.0 ** -11
+MAGNITUDE_TOLERANCE = 2.0 ** -6   # |norm(out) / norm(truth) - 1| per row: bf16 output rounding is 2^-9 at most
+
+
+@pytest.fixture(scope="module")
+def kern():
+    pytest.importorskip("triton")
+    from kernels.decode_attention import decode_attention
+    from kernels.decode_attention_block_scaled import decode_attention_block_scaled
+    from kernels.store_kv_block_scaled import quantize_store_block_scaled
+
+    return decode_attention, decode_attention_block_scaled, quantize_store_block_scaled
+
+
+def _pages(lengths: list[int], page: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Shuffled pages: (block_table [B, max_pages] int32, the slot of each token of each sequence, num_blocks)."""
+    pages = [-(-n // page) for n in lengths]
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks)
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    slots = []
+    for b, (n, p) in enumerate(zip(lengths, pages)):
+        table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p].int()
+        t = torch.arange(n)
+        slots.append(table[b, t // page].long() * page + t % page)
+    return table.cuda(), torch.cat(slots).cuda(), num_blocks
+
+
+def _case(fmt: str, lengths: list[int], head_dim: int, group: int, kv_heads: int, page: int = 16):
+    """Random K/V encoded by the format's torch encode on the GPU into paged caches, and q."""
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    table, slots, num_blocks = _pages(lengths, page)
+    total = sum(lengths)
+    # heads differ 10x, channels 100x (outlier channels), a few tokens 30x: block scales matter
+    magnitude = torch.logspace(0, 1, kv_heads)[:, None] * torch.logspace(-1, 1, head_dim)[torch.randperm(head_dim)]
+    caches, scales = [], None
+    if layout.static:
+        scales = torch.rand(kv_heads, device="cuda") * 0.02 + 0.005
+    for _ in range(2):
+        x = torch.randn(total, kv_heads, head_dim, device="cuda") * magnitude.cuda()
+        x[torch.randint(0, total, (max(1, total // 100),))] *= 30
+        codes, block_scales = layout.allocate(num_blocks, page, kv_heads, head_dim, "cuda")
+        layout.store(x.bfloat16(), scales, codes, block_scales, slots)
+        caches.append((codes, block_scales))
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, device="cuda", dtype=torch.bfloat16)
+    return layout, table, torch.tensor(lengths, dtype=torch.int32, device="cuda"), caches, scales, q
+
+
+def _truth(layout, caches, scales, q, table, seq_lens):
+    """fp64 attention over the stored values (out [B, Hq, D] fp64, lse [B, Hq]) and the dequantised bf16 caches."""
+    dense = [ref.dequantize_block_scaled(c, s, scales, **layout.kernel_args) for c, s in caches]   # fp32 values
+    group = q.shape[1] // dense[0].shape[2]
+    outs, lses = [], []
+    for b, n in enumerate(seq_lens.tolist()):
+        rows = [d.view(-1, *d.shape[2:])[(table[b, :-(-n // d.shape[1])].long()[:, None] * d.shape[1]
+                                          + torch.arange(d.shape[1], device="cuda")).reshape(-1)[:n]].double()
+                for d in dense]
+        k, v = (r.repeat_interleave(group, 1) for r in rows)                                   # [n, Hq, D]
+        s = torch.einsum("hd,lhd->hl", q[b].double(), k) * q.shape[-1] ** -0.5
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses), [d.bfloat16() for d in dense]
+
+
+def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None:
+    """Per (sequence, head) row: |out| / |truth| within 2^-6 of 1, and cosine >= 1 - 2^-10."""
+    o, t = out.double().flatten(0, 1), truth.flatten(0, 1)
+    ratio = o.norm(dim=-1) / t.norm(dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(o, t, dim=-1)
+    worst = int((ratio - 1).abs().argmax())
+    assert (ratio - 1).abs().max() <= MAGNITUDE_TOLERANCE, f"{what}: row {worst} norm ratio {ratio[worst]:.6f}"
+    assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
+
+
+@pytest.mark.parametrize("asm", [True, False], ids=["asm", "plain"])
+@pytest.mark.parametrize("lengths, head_dim, group, kv_heads", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, asm):
+    decode_bf16, decode_block_scaled, _ = kern
+    layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads)
+    (k_codes, k_blocks), (v_codes, v_blocks) = caches
+    out, lse = decode_block_scaled(q, k_codes, v_codes, k_blocks, v_blocks, table, seq_lens, scales, scales,
+                                   head_dim ** -0.5, asm=asm, **layout.kernel_args)
+    truth, truth_lse, (k_bf16, v_bf16) = _truth(layout, caches, scales, q, table, seq_lens)
+    dequantised = decode_bf16(q, k_bf16, v_bf16, table, seq_lens, None, None, head_dim ** -0.5)[0]
+    err = (out.double() - truth).abs().max().item()
+    err_dequantised = (dequantised.double() - truth).abs().max().item()
+    slack = SLACK * truth.abs().max().item()
+    assert math.isfinite(err) and err <= err_dequantised + slack, \
+        f"{fmt}: kernel max error {err:.3g} > dequantise-then-bf16's {err_dequantised:.3g} + {slack:.2g}"
+    _assert_magnitude(out, truth, fmt)
+    torch.testing.assert_close(lse.double(), truth_lse, atol=1e-3, rtol=1e-4)   # fp32 scores against fp64
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "nvfp4_4over6"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
+@pytest.mark.parametrize("chunk", [1, 37])
+def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
+    """Codes, block scales and read-back bit for bit, the statistics exactly, against the torch encode on this GPU;
+    bf16 input with outliers, NaN and inf, a strided view (as transformers hands K/V to the cache), left padding."""
+    _, _, write = kern
+    kv_format = kv_formats.get_format(fmt)
+    layout = block_layout.of(kv_format)
+    if granularity == "per_head" and not layout.static:
+        pytest.skip(f"{fmt} has no static scale")
+    rows, heads, dim, page = 3, 4, 64, 16
+    g = torch.Generator(device="cuda").manual_seed(chunk)
+    x = torch.randn(rows, chunk, heads, dim, device="cuda", generator=g) * torch.logspace(-2, 2, dim, device="cuda")
+    x[0, 0, 0, :3] = torch.tensor([1e5, float("nan"), float("-inf")])
+    x[-1, -1, -1, 0] = 470.0
+    x = x.to(torch.bfloat16).transpose(1, 2)                                       # [rows, heads, chunk, dim]
+    scale = None
+    if layout.static:
+        scale = torch.tensor(0.3, device="cuda") if granularity == "per_tensor" else \
+            torch.tensor([0.5, 0.02, 1.0, 0.125], device="cuda")
+    valid = torch.ones(rows, chunk + 3, dtype=torch.long, device="cuda")[:, 3:]
+    valid[1, : max(1, chunk // 2)] = 0
+    live = torch.tensor([4, 0, 2], device="cuda")
+    counts = torch.zeros(5, 3, dtype=torch.int64, device="cuda")
+    amax = torch.zeros(5, device="cuda")
+    pages_per_row = -(-chunk // page)
+    codes, blocks = layout.allocate(rows * pages_per_row, page, heads, dim, "cuda")
+    codes.fill_(0xAB)
+    slots = torch.arange(rows, device="cuda")[:, None] * pages_per_row * page + torch.arange(chunk, device="cuda")
+    slots = torch.where(valid.bool(), slots, -1).reshape(-1)
+    out = torch.full(x.shape, -7777.0, dtype=x.dtype, device="cuda")
+    write(x, scale, out=out, codes=codes, block_scales=blocks, slots=slots, page_size=page, counts=counts, amax=amax,
+          live=live, valid=valid, **layout.write_args)
+    static = None if scale is None else (scale.view(-1, 1, 1) if scale.dim() else scale)
+    encoded = kv_format.encode(x, static)
+    read_back, ratio = kv_format.decode(encoded, x.dtype), kv_format.clip_ratio(x, encoded)
+    same = (out == read_back) | (out.isnan() & read_back.isnan())
+    assert same.all(), f"{fmt}: read-back differs at {(~same).nonzero()[:5].tolist()}"
+    want_codes, want_blocks = layout.pages(encoded)                                # [rows, heads, chunk, ...]
+    flat = slots >= 0
+    got_codes = codes.view(-1, heads, codes.shape[-1])[slots[flat]]
+    assert torch.equal(got_codes, want_codes.transpose(1, 2).reshape(-1, heads, codes.shape[-1])[flat]), f"{fmt}: codes"
+    got_blocks = blocks.view(-1, heads, *blocks.shape[3:])[slots[flat]]
+    want = want_blocks.transpose(1, 2).reshape(-1, heads, *want_blocks.shape[3:])[flat]
+    if layout.block_scale == "fp32":   # NaN's payload bits are the GPU's division's, not part of the format
+        assert ((got_blocks == want) | (got_blocks.isnan() & want.isnan())).all(), f"{fmt}: block scales"
+    else:
+        assert torch.equal(got_blocks, want.contiguous()), f"{fmt}: block scales"
+    # statistics, as KVWriteStats.count computes them from the torch round trip
+    real = valid.bool()[:, None, :, None].expand(x.shape)
+    finite = torch.where(real, torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0), 0.0)
+    for i, row in enumerate(live.tolist()):
+        want_counts = [int(real[i].sum()), int(((ratio[i] > 1) & real[i]).sum()),
+                       int((~read_back[i].isfinite() & real[i]).sum())]
+        assert counts[row].tolist() == want_counts, f"{fmt} row {i}: counts {counts[row].tolist()} != {want_counts}"
+        assert amax[row].item() == finite[i].max().item(), f"{fmt} row {i}: amax"
