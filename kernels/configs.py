@@ -84,9 +84,9 @@ H100_MLA = {
 # against split_latent's 0.4594 / 0.4605 ms (batch 8, 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry
 # was set by hand from that A/B (kernels/BENCHMARKS.md).
 H100.update(H100_MLA)
-# Block-scaled GQA (issue 43): set by hand before any measurement; kernels/BENCHMARKS.md has what was measured.
-H100.update({kind: dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True, asm=True)
-             for kind in BLOCK_SCALED_KINDS})
+# Block-scaled GQA (issue 43): kernels/BENCHMARKS.md (session 16) has the H200 sweep these come from.
+H100.update({kind: dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True, asm=True,
+                        prefetch=False) for kind in BLOCK_SCALED_KINDS})
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
 

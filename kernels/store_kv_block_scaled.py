@@ -135,7 +135,7 @@ def _quantize_store_block_scaled_kernel(
         values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:                     # int: round half to even, clamped; NaN -> 0
         rounded = tl.minimum(tl.maximum(tl.where(scaled != scaled, 0.0, scaled), -256.0), 256.0)
-        rounded = (rounded + ROUNDER) - ROUNDER
+        rounded = (rounded + 12582912.0) - 12582912.0      # ROUNDER: ties to even, in fp32
         values = tl.minimum(tl.maximum(rounded, INT_LOW), INT_HIGH)
         codes = values.to(tl.int32)
     value_scale = block_fp32 * s                                                             # [BLOCK_T, NUM_BLOCKS]

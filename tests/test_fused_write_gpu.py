@@ -98,7 +98,10 @@ def test_quantize_store_mla_row_layout():
 
 
 @pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token",
-                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat"])
+                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat",
+                                  # block-scaled: kernels/store_kv_block_scaled.py against the formats' torch encode
+                                  "nvfp4", "nvfp4:per_head:calibrated", "fp4_mx_block16", "int4_per_token_head",
+                                  "int8_per_token_head", "fp8_per_token_head"])
 def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
     """A whole one-sequence reply on CUDA: fused cache writes vs the torch round trip (decode through the
     kernels both times): the same reply and the same write statistics."""
@@ -117,7 +120,7 @@ def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
-@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token", "nvfp4"])
 def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, spec):
     """Batched replay: per-row write statistics from the fused kernel equal the torch per-row counts."""
     import harness.kv_paths.cache as cache

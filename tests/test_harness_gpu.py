@@ -104,3 +104,19 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
     top = torch_logits[first].topk(2).values
     gap = float(top[0] - top[1])
     assert gap <= 2 * spread, (first, gap, spread, ids, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "hybrid"])
+@pytest.mark.parametrize("spec", ["nvfp4:per_head:calibrated", "fp4_mx_block16", "int4_per_token_head",
+                                  "int8_per_token_head", "fp8_per_token_head"])
+def test_block_scaled_decode_in_the_loop(tiny_models, arch, spec):
+    """Block-scaled formats decode through kernels/decode_attention_block_scaled.py over pages the fused write
+    stored (the tiny models' heads hold 16 values: the formats with blocks of 16 or one scale per head), judged as
+    the FP8 paths are: its error against fp64 over the stored values, over SDPA's on the read-back values."""
+    model = InProcessModel.load(tiny_models[arch], device="cuda")
+    backend = model.backend(parse_path(spec))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    generation = backend.generate_sync(CHAT, 16)
+    assert generation.metrics["kernel_steps"] > 0
+    assert generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics

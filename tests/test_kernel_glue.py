@@ -111,3 +111,33 @@ def test_mla_fp8_attention_with_odd_dims_says_why_no_kernel(tiny_models, monkeyp
     monkeypatch.setattr(model.model.config, "kv_lora_rank", 32)
     route = decide(path, model.model.config, "cuda", use_kernels=True)
     assert route.kernel == "triton" and route.kernel_label == "triton (kernels/)"
+
+
+@pytest.mark.parametrize("arch, spec", [("gqa", "nvfp4:per_head:calibrated"), ("gqa", "fp4_mx_block16"),
+                                        ("gqa", "int4_per_token_head"), ("hybrid", "nvfp4")])
+def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, monkeypatch, arch, spec):
+    """A block-scaled format's decode steps go to the built-in's block-scaled decode (its torch mirror here) over
+    pages in the kernels' layout (harness/kv_paths/block_layout.py), judged against fp64 attention over the stored
+    codes. The mirror computes in fp32 over the exact stored values and rounds once; torch's attention reads the
+    read-back rounded to bf16: its error is the larger, so 2x absorbs max-abs noise."""
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    generation = backend.generate_sync(CHAT, 8)
+    layers = 1 if arch == "hybrid" else 2
+    assert generation.metrics["kernel_steps"] == layers * (len(generation.token_ids) - (
+        generation.finish_reason == "length"))
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 2.0, generation.metrics
+
+
+@pytest.mark.parametrize("arch, spec, reason", [
+    ("mla", "nvfp4", "serves e4m3, e5m2; not nvfp4"),
+    ("gqa", "int8_per_token_head_asym", "no decode kernel serves int8_per_token_head_asym (int8_per_token_head_asym: "
+                                        "a zero point"),
+    ("gqa", "k=nvfp4/v=mxfp8", "reads K and V in one format"),
+    ("gqa", "mxfp8", "head size 16"),   # the tiny models' heads hold 16 values: no whole block of 32
+])
+def test_block_scaled_paths_the_kernels_do_not_serve_say_why(tiny_models, monkeypatch, arch, spec, reason):
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
+    assert reason in backend.describe()["decode_kernel"], backend.describe()["decode_kernel"]

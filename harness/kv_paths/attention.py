@@ -19,8 +19,10 @@ from typing import Callable
 
 import torch
 
-from harness.kv_paths import mla
-from harness.kv_paths.decode_kernels import DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa, run_mla
+from harness.kv_paths import block_layout, mla
+from kernels import reference as kernel_reference
+from harness.kv_paths.decode_kernels import (DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa,
+                                             run_gqa_block_scaled, run_mla)
 
 ATTENTION_NAME = "harness"
 # Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
@@ -212,16 +214,19 @@ class PagedKV:
     sequence: one row): row r owns pages [r * pages_per_row, (r + 1) * pages_per_row).
 
     GQA: k/v pages [num_blocks, BLOCK_SIZE, kv_heads, head_dim]; MLA: one page tensor
-    [num_blocks, BLOCK_SIZE, latent + rope] with a single scale, as engines keep it. Written with slot -1 for pads
+    [num_blocks, BLOCK_SIZE, latent + rope] with a single scale, as engines keep it. A block-scaled format (`layout`,
+    harness/kv_paths/block_layout.py; GQA only): pages [K codes, K block scales, V codes, V block scales] in the
+    kernels' layout, read by the built-in's block-scaled decode; k_scale / v_scale are the static scales (None where
+    the format has none). Written with slot -1 for pads
     (by the fused cache write on CUDA, which stores the same codes it reads back, or by `store_kv` /
     `store_latent`); decode runs the path's decode plug-in over all live rows and, on checked steps, checks each row
     against fp64 attention over exactly the stored codes. Slots, lengths and the block table are the step's
     (`StepState`), shared by every layer.
     """
 
-    fmt_dtype: torch.dtype
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
+    fmt_dtype: torch.dtype | None
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
     saturate: bool
     mla: bool
     ops: object  # store_kv / store_latent (ours: the cache layout is the contract's)
@@ -231,13 +236,18 @@ class PagedKV:
     fusable: bool = True  # the layer's round-trip scales are these (MLA: one scale for latent and k_pe)
     pages: list = field(default_factory=list)
     absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
+    layout: object = None  # block_layout.BlockScaledLayout of a block-scaled format; None: FP8 / MLA pages
 
     def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.pages:
             return
-        if self.k_scale.device != key.device:  # a layer-sharded model: the scales go to this layer's GPU, once
+        if self.k_scale is not None and self.k_scale.device != key.device:  # a layer-sharded model: to its GPU, once
             self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
         blocks = self.step.batch_rows * self.step.pages_per_row
+        if self.layout is not None:
+            self.pages = [page for _ in range(2)
+                          for page in self.layout.allocate(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1], key.device)]
+            return
         if self.mla:
             shapes = [(blocks, BLOCK_SIZE, key.shape[-1] + value.shape[-1])]
         else:
@@ -250,6 +260,9 @@ class PagedKV:
             return None
         self._ensure(key, value)
         slots = self.step.slots().to(key.device)  # the step's tensors live on the batch's GPU (sharded: the first)
+        if self.layout is not None:  # block-scaled: codes and block scales of K, then of V
+            return tuple(dict(codes=self.pages[i], block_scales=self.pages[i + 1], slots=slots, page_size=BLOCK_SIZE)
+                         for i in (0, 2))
         pages = [p.view(torch.uint8) for p in self.pages]
         if self.mla:  # one row per token: [latent | k_pe]
             strides = (pages[0].stride(0), pages[0].stride(1), 0)
@@ -264,6 +277,11 @@ class PagedKV:
         rows, _, chunk, _ = key.shape
         self._ensure(key, value)
         slots = self.step.slots().to(key.device)
+        if self.layout is not None:  # the formats' torch encode, stored in the kernels' layout
+            for x, scale, first in ((key, self.k_scale, 0), (value, self.v_scale, 2)):
+                tokens = x.transpose(1, 2).reshape(rows * chunk, x.shape[1], -1)
+                self.layout.store(tokens, scale, self.pages[first], self.pages[first + 1], slots)
+            return
         if self.mla:
             self.ops.store_latent(key[:, 0].reshape(rows * chunk, -1), value[:, 0].reshape(rows * chunk, -1),
                                   self.pages[0], slots, self.k_scale.reshape(()), self.saturate)
@@ -303,6 +321,11 @@ class PagedKV:
         (route.FP8_ATTENTION_KERNELS); on an MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel
         multiplies, as engines' MLA kernels do (the torch reference quantises the model's own query [q_nope | q_pe])."""
         table, lens = self.step.block_table().to(query.device), self.step.lengths_after().to(query.device)
+        if self.layout is not None:
+            out = run_gqa_block_scaled(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[2],
+                                       self.pages[1], self.pages[3], table, lens, self.k_scale, self.v_scale,
+                                       module.scaling, self.layout.kernel_args)
+            return out.unsqueeze(1)
         scales = _attention_scales(quant, query.device)
         if not self.mla:
             out = run_gqa(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
@@ -350,17 +373,22 @@ class PagedKV:
         and torch's attention over the dequantised K/V are judged against."""
         keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
 
-        def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] fp64 codes
+        def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] codes (fp64; block-scaled: as stored)
             per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
-            return per_row[rows, :span].double()
+            return per_row[rows, :span] if self.layout is not None else per_row[rows, :span].double()
 
         def attend(scores: torch.Tensor) -> torch.Tensor:  # [n, H, span] -> softmax over the stored tokens
             return torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
 
         q = query[:, :, 0].double()  # [n, Hq, D]
-        if not self.mla:
+        if self.layout is not None:  # the stored codes x block scales x static scale, as the kernels' mirror reads them
+            k, v = (kernel_reference.dequantize_block_scaled(rows_of(self.pages[i]), rows_of(self.pages[i + 1]),
+                                                             scale, **self.layout.kernel_args).double()
+                    for i, scale in ((0, self.k_scale), (2, self.v_scale)))
+        elif not self.mla:
             k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
             v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
+        if not self.mla:
             group = q.shape[1] // k.shape[2]
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
             weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
@@ -387,20 +415,24 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
     if kernel_name == "triton" and device.type != "cuda":
         raise KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device (run with --device cuda)")
     kernel = resolve(kernel_name)
+    if not kv_path.is_fp8 and kernel.block_scaled is None:
+        raise KernelPluginError(f"kernel {kernel_name!r} has no decode over block-scaled caches ({kv_path.fmt})")
     if (kernel.mla_decode if mla_model else kernel.decode_attention) is None:
         what = "mla_decode (MLA models need one)" if mla_model else "decode_attention (GQA/MHA models need one)"
         raise KernelPluginError(f"kernel {kernel_name!r} has no {what}")
     ops = kernel_ops(device)
-    fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv_path.fmt]
+    layout = None if kv_path.is_fp8 else block_layout.of(kv_path.k_format)  # the route let only these through
+    fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(kv_path.fmt)
     paged = {}
     for index, layer in enumerate(cache.layers):
-        if not hasattr(layer, "paged") or getattr(layer, "is_sliding", False) or layer.k_scale is None:
+        static = layout is None or layout.static
+        if not hasattr(layer, "paged") or getattr(layer, "is_sliding", False) or (static and layer.k_scale is None):
             continue
-        k_scale, v_scale = layer.k_scale.float().to(device), layer.v_scale.float().to(device)
+        k_scale, v_scale = (layer.k_scale.float().to(device), layer.v_scale.float().to(device)) if static else (None, None)
         # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
         fusable = decodes and (not mla_model or bool(torch.equal(k_scale, v_scale)))
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
-                               fusable)
+                               fusable, layout=layout)
         if decodes:
             layer.paged = paged[index]
         else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from harness.kv_paths import capabilities
+from harness.kv_paths import block_layout, capabilities
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.spec import KVPath
@@ -197,6 +197,11 @@ class QuantizedKVLayer(DynamicLayer):
         self._c_scales: dict = {}  # id(scale) -> (scale, float32 scales for the CPU write in C, or None)
         self.k_format, self.v_format = kv_path.k_format, kv_path.v_format
         self.fused_serves = kv_path.is_quantized and capabilities.FUSED_WRITE.refusal(kv_path) is None
+        # block-scaled formats' fused write (kernels/store_kv_block_scaled.py), where it serves both formats and
+        # this layer's head size (decided at the first write: `_block_layouts`)
+        self.fused_block_serves = (kv_path.is_quantized and
+                                   capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(kv_path) is None)
+        self._layouts = None
         self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -205,6 +210,9 @@ class QuantizedKVLayer(DynamicLayer):
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
         if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
             keys, values = self._store(*self._fused_round_trip(key_states, value_states))
+        elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
+              and self._block_layouts(key_states.shape[-1]) is not None):
+            keys, values = self._store(*self._fused_block_round_trip(key_states, value_states))
         else:
             keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format),
                                        self._round_trip(value_states, self.v_scale, self.v_format))
@@ -241,6 +249,31 @@ class QuantizedKVLayer(DynamicLayer):
             target = targets[i] if targets is not None else {}
             read_back.append(quantize_store(x, scale, kv_format.name, self.kv_path.saturate, counts=counts,
                                             amax=amax, live=live, valid=valid, **target))
+        if self.paged is not None and targets is None:
+            self.paged.write(key_states, value_states)
+        return read_back[0], read_back[1]
+
+    def _block_layouts(self, head_dim: int):
+        """(K's, V's) block-scaled layouts where the fused write serves this head size, else None (decided once)."""
+        if self._layouts is None:
+            formats = (self.k_format, self.v_format)
+            served = all(block_layout.refusal(f, head_dim, write=True) is None for f in formats)
+            self._layouts = tuple(block_layout.of(f) for f in formats) if served else ()
+        return self._layouts or None
+
+    def _fused_block_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`_fused_round_trip` for block-scaled formats: block scales, codes, read-back, statistics and (when the
+        paged copy takes fused writes) the paged store in one launch per tensor."""
+        from kernels.store_kv_block_scaled import quantize_store_block_scaled
+
+        counts, amax, live, valid = self.stats.fused_buffers(key_states)
+        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
+        read_back = []
+        for i, (x, name, layout) in enumerate(zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts)):
+            scale = self._device_scale(name, x.device) if layout.static else None
+            target = targets[i] if targets is not None else {}
+            read_back.append(quantize_store_block_scaled(x, scale, counts=counts, amax=amax, live=live, valid=valid,
+                                                         **layout.write_args, **target))
         if self.paged is not None and targets is None:
             self.paged.write(key_states, value_states)
         return read_back[0], read_back[1]

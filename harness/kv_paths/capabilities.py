@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.kv_paths import block_layout
 from harness.kv_paths.spec import KVPath
 
 
@@ -23,6 +24,7 @@ class KernelCapability:
     layouts: tuple[str, ...] = ("gqa", "mla")
     head_sizes: tuple[int, int] | None = None
     mixed: bool = False  # K and V in different formats (one launch per tensor): True; one cache dtype: False
+    power_of_two_heads: bool = False  # head sizes must be powers of two (the block-scaled kernels' tiles)
 
     def refusal(self, kv_path: KVPath, layout: str | None = None, head_size: int | None = None) -> str | None:
         """Why this kernel does not serve `kv_path` (None: it does)."""
@@ -43,6 +45,8 @@ class KernelCapability:
             return f"{self.name} ({self.where}) serves {' and '.join(self.layouts)} layouts, not {layout}"
         if head_size is not None and self.head_sizes and not self.head_sizes[0] <= head_size <= self.head_sizes[1]:
             return f"{self.name} ({self.where}) takes head sizes {self.head_sizes[0]}-{self.head_sizes[1]}, not {head_size}"
+        if head_size is not None and self.power_of_two_heads and head_size & (head_size - 1):
+            return f"{self.name} ({self.where}) takes head sizes that are powers of two, not {head_size}"
         return None
 
 
@@ -58,20 +62,58 @@ FUSED_WRITE = KernelCapability("quantize_store", "kernels/store_kv.py", FP8, ("p
 CPU_C_WRITE = KernelCapability("kv_round_trip", "kernels/cpu_kv_round_trip.c", FP8, ("per_tensor", "per_head"),
                                mixed=True)
 
-DECODE_KERNELS = (DECODE_ATTENTION, MLA_DECODE)
-CACHE_WRITES = (FUSED_WRITE, CPU_C_WRITE)
+# block-scaled formats (harness/kv_paths/block_layout.py maps each onto the kernels' paged layout; its `refusal` says
+# why another is not): paged codes and block scales read and widened in registers (GQA), written in one fused pass
+BLOCK_SCALED = ("nvfp4", "nvfp4_4over6", "mxfp8", "mxfp4", "fp4_mx_block16", "fp8_per_token_head",
+                "int8_per_token_head", "int4_per_token_head")
+DECODE_ATTENTION_BLOCK_SCALED = KernelCapability(
+    "decode_attention_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
+    ("gqa",), (16, 256), power_of_two_heads=True)
+# 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce
+FUSED_WRITE_BLOCK_SCALED = KernelCapability(
+    "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py", tuple(f for f in BLOCK_SCALED if f != "nvfp4_4over6"),
+    ("per_tensor", "per_head"), mixed=True, power_of_two_heads=True, head_sizes=(16, 256))
+
+DECODE_KERNELS = (DECODE_ATTENTION, DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE)
+CACHE_WRITES = (FUSED_WRITE, FUSED_WRITE_BLOCK_SCALED, CPU_C_WRITE)
+
+
+def decode_kernel(kv_path: KVPath, mla: bool) -> KernelCapability:
+    """The decode kernel a path's layout and format family asks (the block-scaled one for block-scaled K)."""
+    if mla:
+        return MLA_DECODE
+    return DECODE_ATTENTION_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else DECODE_ATTENTION
 
 
 def decode_refusal(kv_path: KVPath, mla: bool, head_size: int | None = None) -> str | None:
     """Why our decode kernel for this layout does not serve the path (None: it does)."""
-    return (MLA_DECODE if mla else DECODE_ATTENTION).refusal(kv_path, "mla" if mla else "gqa", head_size)
+    if not kv_path.is_quantized:
+        return "not an FP8 path"
+    kernel = decode_kernel(kv_path, mla)
+    if not mla and kv_path.k_format.name not in BLOCK_SCALED + FP8:
+        why = block_layout.refusal(kv_path.k_format, head_size)
+        return (f"no decode kernel serves {kv_path.k_format.spec_name} ({why}): {DECODE_ATTENTION.name} takes "
+                f"{', '.join(FP8)}, {DECODE_ATTENTION_BLOCK_SCALED.name} {', '.join(BLOCK_SCALED)}; torch attention "
+                f"instead")
+    refusal = kernel.refusal(kv_path, "mla" if mla else "gqa", head_size)
+    if refusal is None and kernel is DECODE_ATTENTION_BLOCK_SCALED:   # the format's blocks against the head size
+        refusal = block_layout.refusal(kv_path.k_format, head_size)
+        refusal = refusal and f"{kernel.name} ({kernel.where}): {refusal}"
+    return refusal
+
+
+def write_kernel(kv_path: KVPath, device_type: str) -> KernelCapability:
+    """The cache write a path's K format asks on this device (the C write on a CPU: FP8 only)."""
+    if device_type != "cuda":
+        return CPU_C_WRITE
+    return FUSED_WRITE_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else FUSED_WRITE
 
 
 def cache_write(kv_path: KVPath | None, device_type: str) -> str:
     """Which cache write the path's K/V take on this device, or the torch round trip and why."""
     if kv_path is None or not kv_path.is_quantized:
         return "none (bf16 cache)"
-    kernel = FUSED_WRITE if device_type == "cuda" else CPU_C_WRITE
+    kernel = write_kernel(kv_path, device_type)
     refusal = kernel.refusal(kv_path)
     if refusal is None:
         return (f"{kernel.name} ({kernel.where})" if device_type == "cuda" else

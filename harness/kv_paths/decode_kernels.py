@@ -27,6 +27,12 @@ BUILTIN = {
     "dequant": "kernels.workaround:decode_attention|kernels.workaround:mla_decode",
     "reference": "kernels.reference:decode_attention|kernels.reference:mla_decode",
 }
+# the built-ins' decode over block-scaled caches (NVFP4, MX, int per token-head: harness/kv_paths/block_layout.py);
+# a plug-in's contract has FP8 caches only (the route refuses block-scaled paths for it)
+BLOCK_SCALED_BUILTIN = {
+    "triton": "kernels.decode_attention_block_scaled:decode_attention_block_scaled",
+    "reference": "kernels.reference:decode_attention_block_scaled",
+}
 DEFAULT = "triton"
 KERNELS_ENV = "HARNESS_KERNELS"
 # auto: our Triton kernels on CUDA; off: torch attention and torch cache writes everywhere; reference: the kernels'
@@ -52,6 +58,7 @@ class DecodeKernel:
     name: str
     decode_attention: Callable | None
     mla_decode: Callable | None
+    block_scaled: Callable | None = None  # built-ins: decode_attention over block-scaled pages
 
     def __post_init__(self):
         if self.decode_attention is None and self.mla_decode is None:
@@ -93,7 +100,8 @@ def resolve(name: str) -> DecodeKernel:
     """The plug-in's functions. Built-ins import their kernels module here (the Triton one needs triton)."""
     if name in BUILTIN:
         gqa, mla = (_load(target, name) for target in BUILTIN[name].split("|"))
-        return DecodeKernel(name, gqa, mla)
+        block_scaled = _load(BLOCK_SCALED_BUILTIN[name], name) if name in BLOCK_SCALED_BUILTIN else None
+        return DecodeKernel(name, gqa, mla, block_scaled)
     target = _load(name, name)
     gqa, mla = getattr(target, "decode_attention", None), getattr(target, "mla_decode", None)
     if gqa is None and mla is None:
@@ -138,6 +146,17 @@ def run_gqa(kernel: DecodeKernel, q, k_cache, v_cache, block_table, seq_lens, k_
     result = kernel.decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale,
                                      **attention_scales)
     return _output(kernel, "decode_attention", result, q, q.shape)
+
+
+def run_gqa_block_scaled(kernel: DecodeKernel, q, k_codes, v_codes, k_block_scales, v_block_scales, block_table,
+                         seq_lens, k_scale, v_scale, sm_scale: float, layout: dict) -> torch.Tensor:
+    """out [B, Hq, D] in q's dtype from the built-in's decode over block-scaled pages (layout: element, block_scale,
+    block_size), checked as `run_gqa` checks its output."""
+    if kernel.block_scaled is None:
+        raise KernelPluginError(f"kernel {kernel.name!r} has no decode over block-scaled caches (only the built-ins)")
+    result = kernel.block_scaled(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens, k_scale,
+                                 v_scale, sm_scale, **layout)
+    return _output(kernel, "decode_attention_block_scaled", result, q, q.shape)
 
 
 def run_mla(kernel: DecodeKernel, q_latent, q_pe, cache, block_table, seq_lens, scale,

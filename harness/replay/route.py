@@ -115,7 +115,7 @@ def _kernel_label(kv_path: KVPath | None) -> str:
 def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool, setting: str,
                     name: str | None) -> str | None:
     """Why decode does not run through a kernel for this path (None: it does)."""
-    if facts.kernel_block and kv_path is not None and kv_path.is_fp8:
+    if facts.kernel_block and kv_path is not None and kv_path.is_quantized:
         return facts.kernel_block
     named = kv_path is not None and kv_path.kernel and setting != "off"
     if not use_kernels and not named:  # a path that names a plug-in runs it on any device
@@ -222,6 +222,8 @@ def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
     """Why attention capture does not measure the kernel's rows for this path (None: it does)."""
     if kernel is None:
         return "no decode kernel"
+    if kv_path.is_quantized and kv_path.k_format.name in capabilities.BLOCK_SCALED:
+        return "capture's kernel rows read FP8 pages, not block-scaled ones: torch's rows only"
     if not kv_path.is_fp8 or kv_path.granularity == "per_token" or kv_path.k_format is not kv_path.v_format:
         return "the path's decode does not run through a kernel"
     if kv_path.quantizes_attention:
