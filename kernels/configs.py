@@ -84,9 +84,17 @@ H100_MLA = {
 # against split_latent's 0.4594 / 0.4605 ms (batch 8, 32k; batch 32: 2.53-2.60 vs 1.79 ms): the split-latent entry
 # was set by hand from that A/B (kernels/BENCHMARKS.md).
 H100.update(H100_MLA)
-# Block-scaled GQA (issue 43): kernels/BENCHMARKS.md (session 16) has the H200 sweep these come from.
-H100.update({kind: dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True, asm=True,
-                        prefetch=False) for kind in BLOCK_SCALED_KINDS})
+# Block-scaled GQA (issue 43), from `python -m kernels.bench_block_scaled --sweep` on an H200 (batch 8, 32k; the table
+# in kernels/BENCHMARKS.md, session 16): ms of each entry against the next best variant there. The e2m1 entry widens
+# with plain Triton ops (0.3230 ms; the PTX widening 0.3404 at 64 tokens, 0.3273 at 128); a register prefetch of the
+# next tile lost in every kind (NVFP4 0.3441, MXFP8 0.5004, INT4 0.3264, INT8 0.4213 ms) and was removed.
+_BLOCK_SCALED = dict(num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True)
+H100.update({
+    "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False),          # NVFP4 0.3230 ms
+    "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True),    # MXFP8 0.3832 (128 tokens: 0.4232)
+    "gqa_int4": dict(_BLOCK_SCALED, block_n=128, asm=True),         # INT4 0.2119 (64 tokens: 0.2652)
+    "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True),         # INT8 0.3021 (64 tokens: 0.3755)
+})
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
 

@@ -91,18 +91,6 @@ def _int8_widen_asm(x):
 
 
 @triton.jit
-def _widen_all(codes, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ELEMENT: tl.constexpr, ASM: tl.constexpr,
-               JOINED: tl.constexpr):
-    """codes -> values [BLOCK_N, HEAD_DIM] fp16 in head_dim order: 8-bit codes, or 4-bit ones joined (JOINED)."""
-    if JOINED:
-        low, high = _widen_nibbles(codes, ELEMENT, ASM)
-        values = tl.reshape(tl.join(low, high), BLOCK_N, HEAD_DIM)
-    else:
-        values = _widen_bytes(codes, ELEMENT, ASM)
-    return values
-
-
-@triton.jit
 def _nibble_values(n, ELEMENT: tl.constexpr):
     """4-bit codes (int32, 0-15) -> fp16 values: e2m1 as fp16 bits (magnitude << 9 is value x 2^-14, subnormals
     included; the sign to bit 15) times 2^14, exact; int4 as (n ^ 8) - 8."""
@@ -208,7 +196,7 @@ def _decode_attention_block_scaled_kernel(
     stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, CODE_BYTES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, ELEMENT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SCALE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ASM: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -217,9 +205,8 @@ def _decode_attention_block_scaled_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     # 4-bit elements, two a byte: q . k = q_even . k_even + q_odd . k_odd, each byte's two values in separate dots
-    # (no shuffle); below 16 bytes a head (head_dim 16, the tiny models'), too short a dot: the values joined
-    PACKED: tl.constexpr = CODE_BYTES < HEAD_DIM and CODE_BYTES >= 16
-    JOINED: tl.constexpr = CODE_BYTES < HEAD_DIM and CODE_BYTES < 16
+    # (no shuffle; head_dim >= 32, so each dot is at least 16 deep)
+    PACKED: tl.constexpr = CODE_BYTES < HEAD_DIM
     NUM_BLOCKS: tl.constexpr = HEAD_DIM // BLOCK
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -242,38 +229,15 @@ def _decode_attention_block_scaled_kernel(
     acc = tl.zeros([BLOCK_G, ACC_D], tl.float32)              # packed: the even head_dim indices
     acc_odd = tl.zeros([BLOCK_G, ACC_D], tl.float32)          # packed: the odd ones (unused otherwise)
     table_row = BLOCK_TABLE + b * stride_tb
-    if PREFETCH:
-        # Software pipeline in registers (as decode_attention's PREFETCH): tile i is computed while tile i+1's codes
-        # and scales and tile i+2's page numbers load, so each program keeps two tiles' bytes in flight.
-        t_mask = start + offs_n < end
-        page = _decode_attention_pages(table_row, start + offs_n, t_mask, PAGE_SIZE)
-        k_codes, k_scales = _load_tile(K_CODES, K_BLOCK_SCALES, page, start + offs_n, t_mask, kv_head, stride_cb,
-                                       stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
-                                       PAGE_SIZE, BLOCK_SCALE)
-        v_codes, v_scales = _load_tile(V_CODES, V_BLOCK_SCALES, page, start + offs_n, t_mask, kv_head, stride_cb,
-                                       stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
-                                       PAGE_SIZE, BLOCK_SCALE)
-        next_mask = start + BLOCK_N + offs_n < end
-        next_page = _decode_attention_pages(table_row, start + BLOCK_N + offs_n, next_mask, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            after_mask = n0 + 2 * BLOCK_N + offs_n < end
-            after_page = _decode_attention_pages(table_row, n0 + 2 * BLOCK_N + offs_n, after_mask, PAGE_SIZE)
-            k_codes_next, k_scales_next = _load_tile(
-                K_CODES, K_BLOCK_SCALES, next_page, n0 + BLOCK_N + offs_n, next_mask, kv_head, stride_cb, stride_cs,
-                stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS, PAGE_SIZE, BLOCK_SCALE)
-            v_codes_next, v_scales_next = _load_tile(
-                V_CODES, V_BLOCK_SCALES, next_page, n0 + BLOCK_N + offs_n, next_mask, kv_head, stride_cb, stride_cs,
-                stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS, PAGE_SIZE, BLOCK_SCALE)
-        else:
-            t_mask = n0 + offs_n < end
-            page = _decode_attention_pages(table_row, n0 + offs_n, t_mask, PAGE_SIZE)
-            k_codes, k_scales = _load_tile(K_CODES, K_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
-                                           stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES,
-                                           NUM_BLOCKS, PAGE_SIZE, BLOCK_SCALE)
-            v_codes, v_scales = _load_tile(V_CODES, V_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
-                                           stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES,
-                                           NUM_BLOCKS, PAGE_SIZE, BLOCK_SCALE)
+        t_mask = n0 + offs_n < end
+        page = _decode_attention_pages(table_row, n0 + offs_n, t_mask, PAGE_SIZE)
+        k_codes, k_scales = _load_tile(K_CODES, K_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
+                                       stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
+                                       PAGE_SIZE, BLOCK_SCALE)
+        v_codes, v_scales = _load_tile(V_CODES, V_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
+                                       stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
+                                       PAGE_SIZE, BLOCK_SCALE)
         k_mult, k_factor = _block_scales(k_scales, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
         if PACKED:
             k_even, k_odd = _widen_nibbles(k_codes, ELEMENT, ASM)                             # [BLOCK_N, D / 2]
@@ -281,8 +245,7 @@ def _decode_attention_block_scaled_kernel(
             k_odd = _scaled(k_odd, k_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
             s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even)))             # [BLOCK_G, BLOCK_N]
         else:
-            k = _scaled(_widen_all(k_codes, BLOCK_N, HEAD_DIM, ELEMENT, ASM, JOINED), k_mult, BLOCK_N, NUM_BLOCKS,
-                        BLOCK_SCALE)
+            k = _scaled(_widen_bytes(k_codes, ELEMENT, ASM), k_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
             s = tl.dot(q, tl.trans(k))
         if BLOCK_SCALE == 0:
             s = s * qk_scale
@@ -307,14 +270,9 @@ def _decode_attention_block_scaled_kernel(
             acc_odd = acc_odd * alpha[:, None] + \
                 tl.dot(p16, _scaled(v_odd, v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)) * tile_max
         else:
-            v = _scaled(_widen_all(v_codes, BLOCK_N, HEAD_DIM, ELEMENT, ASM, JOINED), v_mult, BLOCK_N, NUM_BLOCKS,
-                        BLOCK_SCALE)
+            v = _scaled(_widen_bytes(v_codes, ELEMENT, ASM), v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
             acc = acc * alpha[:, None] + tl.dot(p16, v) * tile_max
         m_i = m_new
-        if PREFETCH:
-            k_codes, k_scales, v_codes, v_scales = k_codes_next, k_scales_next, v_codes_next, v_scales_next
-            t_mask = next_mask
-            next_page, next_mask = after_page, after_mask
 
     if PACKED:
         out = tl.reshape(tl.join(acc, acc_odd), BLOCK_G, HEAD_DIM)
@@ -359,13 +317,12 @@ def _check_layout(codes, block_scales, scale, name: str, element: str, block_sca
 
 def _configuration(element: str, head_dim: int, device: torch.device, overrides: dict) -> dict:
     """The launch configuration: this GPU's entry (kernels/configs.py, measured at head_dim 128), the keywords
-    given over it. Above head_dim 128 the entry's tile shrinks to the same bytes (block_n x head_dim) and the
-    register prefetch is off: at 256 both spill registers (Triton 3.9's sm_90 build of MXFP8's: 1240 bytes of stack
-    at 64 x 256 with prefetch)."""
+    given over it. Above head_dim 128 the entry's tile shrinks to the same bytes (block_n x head_dim): 128 x 256
+    runs out of registers (Triton 3.9's sm_90 build of MXFP8's at 64 x 256 already holds 255)."""
     cfg = launch_config(CONFIG_KINDS[element], device) if device.type == "cuda" else dict(
-        block_n=16, num_warps=4, num_stages=1, programs_per_sm=1, whole_waves=False, asm=False, prefetch=True)
+        block_n=16, num_warps=4, num_stages=1, programs_per_sm=1, whole_waves=False, asm=False)
     if head_dim > 128 and device.type == "cuda":
-        cfg.update(block_n=max(16, cfg["block_n"] * 128 // head_dim), prefetch=False)
+        cfg.update(block_n=max(16, cfg["block_n"] * 128 // head_dim))
     cfg.update({key: value for key, value in overrides.items() if value is not None})
     return cfg
 
@@ -378,8 +335,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                   element: str, block_scale: str, block_size: int, block_n: int | None = None,
                                   num_warps: int | None = None, num_stages: int | None = None,
                                   programs_per_sm: int | None = None, whole_waves: bool | None = None,
-                                  asm: bool | None = None, prefetch: bool | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                                  asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16, D a power of two in [16, 256]; codes / block scales / scales: the layout of
     kernels/reference.py ("Block-scaled caches"), K's and V's of one layout and strides; element: e2m1 | e4m3 |
     int8 | int4; block_scale: e4m3 | e8m0 | fp32 (one per token and head: block_size is D); block_table: [B,
@@ -392,6 +348,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
     assert element in ELEMENTS and block_scale in BLOCK_SCALE_TYPES, \
         f"element {element!r} / block scale {block_scale!r}: expected one of {sorted(ELEMENTS)} / {BLOCK_SCALE_TYPES}"
     assert 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two in [16, 256], got {head_dim}"
+    assert ELEMENT_BITS[element] == 8 or head_dim >= 32, f"4-bit elements need head_dim >= 32, got {head_dim}"
     block = head_dim if block_scale == "fp32" else block_size
     assert block_scale == "fp32" or (block in (16, 32) and head_dim % block == 0), \
         f"block_size must be 16 or 32 and divide head_dim {head_dim}, got {block_size}"
@@ -415,8 +372,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
     assert all(t.device == device for t in (k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
                                             *scales)), "all tensors must be on one device"
     cfg = _configuration(element, head_dim, device, dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                               programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm,
-                                               prefetch=prefetch))
+                                               programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm))
     assert not (cfg["asm"] and interpreting()), "the Triton interpreter runs no inline assembly: asm=False"
     block_n = cfg["block_n"]
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
@@ -441,8 +397,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
         part_lse.stride(1),
         BLOCK_G=16, HEAD_DIM=head_dim, CODE_BYTES=code_bytes(element, head_dim), PAGE_SIZE=page_size,
         BLOCK_N=block_n, ELEMENT=ELEMENTS[element], BLOCK_SCALE=SCALES[block_scale], BLOCK=block,
-        HAS_SCALE=bool(scales), ASM=bool(cfg["asm"]), PREFETCH=bool(cfg.get("prefetch", False)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_SCALE=bool(scales), ASM=bool(cfg["asm"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
 

@@ -107,14 +107,16 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["gqa", "hybrid"])
-@pytest.mark.parametrize("spec", ["nvfp4:per_head:calibrated", "fp4_mx_block16", "int4_per_token_head",
-                                  "int8_per_token_head", "fp8_per_token_head"])
-def test_block_scaled_decode_in_the_loop(tiny_models, arch, spec):
+@pytest.mark.parametrize("arch, spec", [
+    ("head32", "nvfp4:per_head:calibrated"), ("head32", "nvfp4"), ("head32", "mxfp8"), ("head32", "mxfp4"),
+    ("head32", "int4_per_token_head"), ("head32", "int8_per_token_head"), ("head32", "fp8_per_token_head"),
+    ("hybrid", "int8_per_token_head"), ("gqa", "fp8_per_token_head")])
+def test_block_scaled_decode_in_the_loop(tiny_models, head32_model, arch, spec):
     """Block-scaled formats decode through kernels/decode_attention_block_scaled.py over pages the fused write
-    stored (the tiny models' heads hold 16 values: the formats with blocks of 16 or one scale per head), judged as
-    the FP8 paths are: its error against fp64 over the stored values, over SDPA's on the read-back values."""
-    model = InProcessModel.load(tiny_models[arch], device="cuda")
+    stored (a model with heads of 32 values, so MX blocks and 4-bit values fit; the tiny models' 16 for one scale a
+    head), judged as the FP8 paths are: its error against fp64 over the stored values, over SDPA's on the
+    read-back values."""
+    model = InProcessModel.load(head32_model if arch == "head32" else tiny_models[arch], device="cuda")
     backend = model.backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 16)

@@ -113,15 +113,15 @@ def test_mla_fp8_attention_with_odd_dims_says_why_no_kernel(tiny_models, monkeyp
     assert route.kernel == "triton" and route.kernel_label == "triton (kernels/)"
 
 
-@pytest.mark.parametrize("arch, spec", [("gqa", "nvfp4:per_head:calibrated"), ("gqa", "fp4_mx_block16"),
-                                        ("gqa", "int4_per_token_head"), ("hybrid", "nvfp4")])
-def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, monkeypatch, arch, spec):
+@pytest.mark.parametrize("arch, spec", [("head32", "nvfp4:per_head:calibrated"), ("head32", "mxfp8"),
+                                        ("head32", "int4_per_token_head"), ("hybrid", "int8_per_token_head")])
+def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, head32_model, monkeypatch, arch, spec):
     """A block-scaled format's decode steps go to the built-in's block-scaled decode (its torch mirror here) over
     pages in the kernels' layout (harness/kv_paths/block_layout.py), judged against fp64 attention over the stored
     codes. The mirror computes in fp32 over the exact stored values and rounds once; torch's attention reads the
     read-back rounded to bf16: its error is the larger, so 2x absorbs max-abs noise."""
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
-    backend = InProcessModel.load(tiny_models[arch]).backend(parse_path(spec))
+    backend = InProcessModel.load(head32_model if arch == "head32" else tiny_models[arch]).backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 8)
     layers = 1 if arch == "hybrid" else 2
@@ -136,6 +136,7 @@ def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, monkeypat
                                         "a zero point"),
     ("gqa", "k=nvfp4/v=mxfp8", "reads K and V in one format"),
     ("gqa", "mxfp8", "head size 16"),   # the tiny models' heads hold 16 values: no whole block of 32
+    ("gqa", "nvfp4", "heads of 32 values or more"),
 ])
 def test_block_scaled_paths_the_kernels_do_not_serve_say_why(tiny_models, monkeypatch, arch, spec, reason):
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
