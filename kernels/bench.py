@@ -17,6 +17,8 @@ read (for the workaround: its FP8 input); that as a fraction of the measured dev
 configuration) on kernels.tune's check inputs (ragged lengths, shuffled pages): max error against fp64 attention
 of the stored values over torch bf16 SDPA's max error on the same inputs (the GPU tests' measure; the FP8 rows'
 ratio is what FP8 costs against BF16; fp8_mma and FP8 attention rows: against the unquantised Q / P).
+Block-scaled rows (NVFP4, MXFP8, INT4 / INT8 per token-head, MXFP4 against torch SDPA BF16): kernels/bench_block_scaled.py,
+after the GQA table (--no-block-scaled skips them).
 Launch configurations: this GPU's entry in kernels/configs.py (printed before the tables); with --sweep, first
 swept by kernels.tune at batch 8, context 32k (each candidate checked against fp64) and the fastest used.
 """

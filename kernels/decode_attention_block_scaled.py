@@ -20,10 +20,14 @@ P is rounded to fp16 for P.V (underflowing below 2^-24 of the running max, or of
 where V's scales are folded into it); Q is rounded to fp16 (exact for bf16 q in fp16's normal range); scores and
 accumulation are fp32.
 
-Widening (ASM=True, the GPU default): inline PTX, one 32-bit word of codes at a time: e2m1 by a byte-table lookup
-(prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int8 by the fp16 magic-number trick
-((1024 + code) - 1024 as f16x2); e4m3 by cvt.rn.f16x2.e4m3x2 (`decode_attention._widen_fp8`). ASM=False: the same
-values by plain Triton integer ops (the Triton interpreter, which has no inline assembly, and a GPU A/B).
+4-bit values: q . k = q_even . k_even + q_odd . k_odd (and P.V into even / odd accumulators), so each byte's two
+values go to separate dots and are never shuffled together; hence heads of 32 values or more.
+
+Widening, per kernels/configs.py's entry (`asm`): inline PTX, one 32-bit word of codes at a time: e2m1 by a byte-table
+lookup (prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int8 by the fp16 magic-number trick
+((1024 + code) - 1024 as f16x2); e4m3 by cvt.rn.f16x2.e4m3x2 (`decode_attention._widen_fp8`). asm=False: the same
+values by plain Triton integer ops (the Triton interpreter, which has no inline assembly; on an H200 the faster for
+e2m1, kernels/BENCHMARKS.md session 16).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ class QuantizedKVLayer(DynamicLayer):
         if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
             keys, values = self._store(*self._fused_round_trip(key_states, value_states))
         elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
-              and self._block_layouts(key_states.shape[-1]) is not None):
+              and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
             keys, values = self._store(*self._fused_block_round_trip(key_states, value_states))
         else:
             keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format),
@@ -253,11 +253,12 @@ class QuantizedKVLayer(DynamicLayer):
             self.paged.write(key_states, value_states)
         return read_back[0], read_back[1]
 
-    def _block_layouts(self, head_dim: int):
-        """(K's, V's) block-scaled layouts where the fused write serves this head size, else None (decided once)."""
+    def _block_layouts(self, k_dim: int, v_dim: int):
+        """(K's, V's) block-scaled layouts where the fused write serves both sizes (MLA: the latent's and k_pe's),
+        else None (decided once)."""
         if self._layouts is None:
             formats = (self.k_format, self.v_format)
-            served = all(block_layout.refusal(f, head_dim, write=True) is None for f in formats)
+            served = all(block_layout.refusal(f, dim, write=True) is None for f, dim in zip(formats, (k_dim, v_dim)))
             self._layouts = tuple(block_layout.of(f) for f in formats) if served else ()
         return self._layouts or None
 
