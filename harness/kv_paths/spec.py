@@ -385,7 +385,10 @@ def twin_of(spec: str) -> str | None:
         return None
     if stick.kernel or stick.quantizes_attention or stick.bf16_layers or stick.fault or not stick.quantize_current_chunk:
         return None
-    return stick.canonical + ":emulated"
+    try:  # any other option the twin does not take (chunked prefill, ...): no twin, as above
+        return parse_path(stick.canonical + ":emulated").canonical
+    except PathSpecError:
+        return None
 
 
 def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
