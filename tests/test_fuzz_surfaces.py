@@ -5,9 +5,10 @@ stored run whose files were damaged or written by hand). Each ends in a result o
 another exception.
 
 The draw is the gate's fixed one (`fuzz`, derandomized, as in test_fuzz_inputs.py). That a fixed draw is enough is
-itself tested: `test_a_planted_crash_is_caught` plants, for each parser, a crash on one class of hostile input (the
-classes the hostile probe of issue 45 found: an empty field, a number where text goes, a NaN, a field of the wrong
-JSON type, a nested value) and runs the fuzz test against it; the fixed draw must find every plant, on every run.
+itself tested: `test_a_planted_crash_is_caught` plants, for each parser fuzzed here and in test_fuzz_inputs.py, a
+crash on one class of hostile input (a keyed option with no value, a field of the wrong JSON type, a glob, several
+paths in one spec, a negative limit, a repeated end of stream) and runs the fuzz test against it; the fixed draw must
+reach every plant, on every run.
 
 Budget: 200 task files, 300 selections, 400 yardstick specs, 150 damaged runs, plus the plants, each stopping at
 its first failing example.
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+import test_fuzz_inputs as earlier
 from test_fuzz_inputs import fuzz, scalars, values
 
 from harness.kv_paths.spec import PathSpecError, parse_path
@@ -284,7 +286,33 @@ def _plant_reader(monkeypatch, plant):
     monkeypatch.setattr(read, "numbered_rows", planted)
 
 
-PLANTS = [(_plant_tasks, test_any_task_file_loads_or_is_named, True),
+def _plant_in_earlier_suite(name: str, condition):
+    """A plant for a parser test_fuzz_inputs.py fuzzes: `name` (as that module calls it) fails on `condition`."""
+    def plant_in(monkeypatch, plant):
+        original = getattr(earlier, name)
+
+        def planted(first, *args, **kwargs):
+            if condition(first):
+                plant(first)
+            return original(first, *args, **kwargs)
+
+        monkeypatch.setattr(earlier, name, planted)
+    plant_in.__name__ = f"_plant_{name}"
+    return plant_in
+
+
+EARLIER_PLANTS = [
+    # three paths in one spec; a threshold whose limit is negative; a scenario file with an expected answer;
+    # a stream that says [DONE] twice
+    (_plant_in_earlier_suite("parse_paths", lambda spec: spec.count(",") >= 2), earlier.test_any_path_spec_parses_or_is_named, False),
+    (_plant_in_earlier_suite("parse_threshold_overrides", lambda specs: any(":-" in s for s in specs)),
+     earlier.test_any_run_threshold_parses_or_is_named, False),
+    (_plant_in_earlier_suite("load_scenarios", lambda files: "expect" in Path(files[0]).read_text(errors="replace")),
+     earlier.test_any_scenario_document_loads_or_is_named, True),
+    (_plant_in_earlier_suite("assemble_event_stream", lambda stream: stream.count("[DONE]") >= 2),
+     earlier.test_any_event_stream_assembles_or_is_named, False)]
+
+PLANTS = [*EARLIER_PLANTS, (_plant_tasks, test_any_task_file_loads_or_is_named, True),
           (_plant_selection, test_any_selection_picks_or_is_named, False),
           (_plant_yardstick, test_any_yardstick_spec_parses_or_is_named, False),
           (_plant_reader, test_any_damaged_run_reads_or_is_named, True)]
