@@ -239,7 +239,7 @@ class QuantizedKVLayer(DynamicLayer):
                             prefill) -> torch.Tensor:
         if self.kv_path.granularity == "per_token" and prefill.is_legacy_fp8:
             scale = fp8.per_token_scale(x, prefill.name)
-        elif prefill.has_static_scale:
+        elif prefill.has_static_scale and self.kv_path.scale_source != "default":  # default: 1.0, as engines
             scale = prefill_static_scale(static_scale, cache_format, prefill, x.device)
         else:
             scale = None
@@ -319,9 +319,10 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 def prefill_static_scale(cache_scale: torch.Tensor | None, cache_format, prefill, device) -> torch.Tensor | None:
-    """The prefill format's static scale, from the layer's (the path's scale source calibrated the cache's, or 1.0):
-    the amax the cache scale stands for (scale x the cache format's static range; e4m3's 448 where the cache format
-    has none, as `scales_from_observers` gives such sides) over the prefill format's range. None: 1.0."""
+    """The prefill format's static scale from the layer's, where the path's scale source measured one (calibrated,
+    checkpoint, warm-up; the default source gives every format 1.0, as engines do): the amax the cache scale stands
+    for (scale x the cache format's static range; e4m3's 448 where the cache format has none, as
+    `scales_from_observers` gives such sides) over the prefill format's range. None: 1.0."""
     if cache_scale is None:
         return None
     static_range = cache_format.static_range if cache_format is not None and cache_format.has_static_scale else E4M3_MAX
@@ -566,6 +567,8 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
                 cache.layers[i] = _of_kind(EmulatedKVLayer, layer, kv_path.fmt, kv_path.granularity,
                                            kv_path.saturate, pair)
         return cache
+    if kv_path.hadamard and getattr(config, "kv_lora_rank", None):  # families.layout_problems says it before work
+        raise ValueError(f"KV path {kv_path.name!r}: hadamard rotates per-head K; an MLA model caches a latent")
     stats = stats if stats is not None else KVWriteStats()
     kept = bf16_layer_set(config, kv_path) if kv_path.keeps_layers_bf16 else set()
     for i, layer in enumerate(cache.layers):
