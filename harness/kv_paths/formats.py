@@ -291,10 +291,18 @@ class KVFormat:
         return self.decode(encoded, x.dtype), self.clip_ratio(x, encoded)
 
     def clip_ratio(self, x: torch.Tensor, encoded: Encoded) -> torch.Tensor:
-        """|x / scale| / element max per value (FP8: the ops the write statistics always used, same bits)."""
+        """|x / scale| / element max per value (FP8: the ops the write statistics always used, same bits). An fp32
+        block scale (amax / target, computed at write) puts the block's top at the element max within the fp32
+        roundings of amax / target and x / scale: such a ratio (up to 1 + 2^-21, four fp32 ulps) is the max itself,
+        not a clipped value (fp8_per_token_head and fp8_ds_mla read kv_clipped_frac 0.004 on healthy writes
+        before)."""
         if encoded.value_zero is not None:
-            return ((x.float() - encoded.value_zero) / encoded.value_scale).abs() / self.element.max_value
-        return (x.float() / encoded.value_scale).abs() / self.element.max_value
+            ratio = ((x.float() - encoded.value_zero) / encoded.value_scale).abs() / self.element.max_value
+        else:
+            ratio = (x.float() / encoded.value_scale).abs() / self.element.max_value
+        if self.block_scale == "fp32":
+            ratio = torch.where((ratio > 1) & (ratio <= 1 + 2.0 ** -21), torch.ones_like(ratio), ratio)
+        return ratio
 
     def _block_codes(self, blocks: torch.Tensor, s_blocks: torch.Tensor):
         """Per block: (fp32 block scale [..., nblocks], stored block scale, codes [..., nblocks, B])."""
