@@ -339,7 +339,7 @@ def _formats_of_head(spec: str, head: str) -> tuple[str, str]:
                             f"k=fp8_e4m3/v=nvfp4 (v=bf16: V unquantised); got {head!r}")
     chosen = {}
     for side, spelling in sides.items():
-        found = kv_formats.get_format(UNQUANTISED_SIDE) if spelling == "bf16" else kv_formats.format_of_spelling(spelling)
+        found = kv_formats.format_of_spelling(UNQUANTISED_SIDE if spelling == "bf16" else spelling)
         if found is None:
             raise PathSpecError(f"KV path {spec!r}: unknown {side.upper()} format {spelling!r}; expected one of "
                                 f"bf16, {', '.join(kv_formats.spellings())}")
