@@ -98,7 +98,7 @@ def test_quantize_store_mla_row_layout():
 
 
 @pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token",
-                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat"])
+                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat", "fp8_e4m3:calibrated:prefill=nvfp4"])
 def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
     """A whole one-sequence reply on CUDA: fused cache writes vs the torch round trip (decode through the
     kernels both times): the same reply and the same write statistics."""
