@@ -158,6 +158,9 @@ def _print_sensitivity(body: dict, turns: int) -> None:
     print(f"budget kl_mean <= {body['budget']['limit']:.4g} ({body['budget']['source']})")
     print(f"all FP8: kl_mean {every['kl_mean']:.4g}; keep in BF16 {body['bf16_layers'] or 'none'}: "
           f"kl_mean {mixed['kl_mean']:.4g} (measured)")
+    print("per-layer format: " + ", ".join(f"{layer} {fmt}" for layer, fmt in body["layers"].items()))
+    for engine, flags in body.get("engine_flags", {}).items():
+        print(f"{engine}: {flags}")
 
 
 # ---------------------------------------------------------------- attention

@@ -19,13 +19,17 @@ examples:
   harness run --paths bf16,fp8_e4m3:per_head:calibrated --model path/to/hf_model --scenarios scenarios/general
   harness run --out runs/nightly --resume       # finish an interrupted run without redoing finished work
 
-KV path specs:  format[:granularity][:scale source][:cast][:prefill]
-  format        bf16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+KV path specs:  format[:granularity][:scale source][:cast][:prefill][:option...]
+  format        bf16 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp8 | fp8_ds_mla | ... (docs/FORMATS.md);
+                k=FORMAT/v=FORMAT (v=bf16: V unquantised); an engine's value: vllm:VALUE | sglang:VALUE
   granularity   per_tensor (default) | per_head | per_token (dynamic, from each token)
   scale source  default (1.0) | calibrated (amax/max over prompts) | checkpoint (k_scale/v_scale) |
                 warmup (one dummy pass, recurrent state uninitialised)
   cast          sat (default, clamp to +-max) | nosat (torch's plain cast: e4m3 overflow -> NaN)
-  prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V)
+  prefill       quantized_prefill (default) | raw_prefill (a prefill chunk attends to its raw K/V) |
+                prefill=FORMAT (a prefill chunk attends to its K/V in FORMAT; decode reads the cache's)
+  keep_bf16=    layer indices and/or sliding_window joined by '+' (vLLM's --kv-cache-dtype-skip-layers)
+  hadamard      K (and Q at attention) rotated over head_dim before K is quantised
   fault preset  k_scale_on_scores (bf16 cache only, with calibrated/checkpoint scales: failure class 3,
                 k_scale multiplied into the attention scores; `harness zoo` runs every preset)
   kernel=NAME   decode through: triton (default on CUDA) | dequant (dequantise-everything workaround) |

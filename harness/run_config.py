@@ -14,7 +14,7 @@ from pathlib import Path
 from harness.analysis.verdicts import DEFAULT_YARDSTICK
 from harness.job import (DEFAULT_PATHS, RunConfig, default_models, default_scenarios, new_run_dir, parse_kv_paths,
                          resolve_device)
-from harness.kv_paths.spec import KVPath
+from harness.kv_paths.spec import KVPath, PathSpecError
 from harness.records import scrub_credentials
 from harness.runs.gate import with_controls
 
@@ -47,7 +47,10 @@ def build_run_config(*, command: str | Sequence[str], out: Path | None = None, d
             if warning and warn:
                 warn(warning)
         if paths is None or isinstance(paths, str):
-            kv_paths = parse_kv_paths(DEFAULT_PATHS if paths is None else paths)  # "" is refused, not defaulted
+            try:
+                kv_paths = parse_kv_paths(DEFAULT_PATHS if paths is None else paths)  # "" is refused, not defaulted
+            except PathSpecError as error:  # one line naming the flag, then the spec and what is wrong with it
+                raise PathSpecError(f"--paths: {error}") from None
         else:
             kv_paths = tuple(paths)
         kv_paths = with_controls(kv_paths, DEFAULT_YARDSTICK if yardstick is None else yardstick)

@@ -13,7 +13,8 @@ under a static scale s (1.0 where the format has none), all in fp32:
     codes = element(v / block scale), 0 where the block scale is 0: e2m1 round to nearest, ties to the even code,
             saturating at 6 (NaN -> +0); e4m3 saturating (NaN kept); int round half to even, clamped (NaN -> 0)
     read back = (element value x (block scale x s)) in x's dtype
-    ratio = |x / (block scale x s)| / element max: > 1 clipped (CUDA torch multiplies by the fp32 1 / max, as here)
+    ratio = |x / (block scale x s)| / element max: > 1 clipped (CUDA torch multiplies by the fp32 1 / max, as here);
+            fp32 block scales: a ratio up to 1 + 2^-21 is 1 (the rounding of amax / target, not a clip)
 Divisions are IEEE (div_rn), as torch divides tensor by tensor. e2m1 and int rounding are integer comparisons and
 the fp32 round-to-nearest of (v + 1.5 x 2^23) - 1.5 x 2^23, so the Triton interpreter gives the GPU's bits; e4m3
 block scales and MXFP8 codes are the hardware cast (store_kv's `_store_kv_codes`), which the interpreter
@@ -170,6 +171,8 @@ def _quantize_store_block_scaled_kernel(
         counted = real[:, None, None] & (tl.zeros([BLOCK_T, NUM_BLOCKS, BLOCK], tl.int32) == 0)
         whole = tl.broadcast_to(value_scale[:, :, None], (BLOCK_T, NUM_BLOCKS, BLOCK))
         ratio = tl.abs(tl.math.div_rn(tl.reshape(x, BLOCK_T, NUM_BLOCKS, BLOCK), whole)) * INV_MAX
+        if BLOCK_SCALE == 2:   # the block's top within 4 fp32 ulps of the max is the max (formats' clip_ratio)
+            ratio = tl.where((ratio > 1.0) & (ratio <= 1.000000476837158203125), 1.0, ratio)   # 1 + 2^-21
         back = tl.reshape(read, BLOCK_T, NUM_BLOCKS, BLOCK).to(tl.float32)
         finite_back = (back == back) & (tl.abs(back) != float("inf"))
         finite_ratio = tl.where(counted & (ratio == ratio) & (ratio != float("inf")), ratio, 0.0)

@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a display
 
+import matplotlib.image
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -76,10 +77,14 @@ def outside_boxes(fig) -> list[str]:
 
 
 def save_figure(fig, out_dir: Path, name: str, title: str, caption: str, **extra) -> dict:
-    fig.savefig(out_dir / name, dpi=DPI)
+    """Draw `fig` once at the saved resolution, check its boxes on that drawing and write its pixels as the PNG
+    (`savefig` would draw it a second time: half of a report's plotting time, profiled on an H200 box)."""
+    fig.set_dpi(DPI)
+    outside = outside_boxes(fig)  # draws the canvas
+    pixels = np.asarray(fig.canvas.buffer_rgba())  # [height, width, 4] uint8, what savefig would encode
+    matplotlib.image.imsave(out_dir / name, pixels, format="png", dpi=DPI)
     header = (out_dir / name).read_bytes()[16:24]  # the PNG's IHDR: width, height (big-endian)
     size = [int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")]
-    outside = outside_boxes(fig)
     texts = sorted({t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text().strip()})
     plt.close(fig)
     return {"file": name, "title": title, "caption": caption, "size": size, "outside": outside, "texts": texts,

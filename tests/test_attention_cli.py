@@ -47,6 +47,25 @@ def test_sensitivity_scan_ranks_layers_and_budget_zero_keeps_all_in_bf16(tiny_mo
     assert bf16 == [] and mixed.fp8_layers == (0, 1)
 
 
+def test_the_precision_map_names_each_layers_format_and_the_engines_flags(capsys):
+    """The map says, per layer, bf16 or the path's format, and the engines' launch flags for the same map: vLLM's
+    --kv-cache-dtype-skip-layers takes the kept layers; SGLang has no per-layer flag, and the map says so."""
+    from harness.attention_cli import _print_sensitivity
+
+    mixed = scan.Measured((1, 3), 0.01, 0.1, None, 0, 2)
+    body = scan.precision_map("m", parse_path("nvfp4:calibrated"), 0.02, [0, 2], [0, 1, 2, 3], mixed, mixed, [mixed],
+                              "--budget")
+    assert body["layers"] == {"0": "bf16", "1": "nvfp4", "2": "bf16", "3": "nvfp4"}
+    assert body["engine_flags"]["vllm"] == "--kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 2"
+    assert "no per-layer KV dtype flag" in body["engine_flags"]["sglang"]
+    assert "no vllm --kv-cache-dtype value stores mxfp8" in scan.engine_flags(parse_path("mxfp8"), [])["vllm"]
+    assert scan.engine_flags(parse_path("fp8"), [])["sglang"] == "--kv-cache-dtype fp8_e4m3"
+    _print_sensitivity(body, 2)
+    printed = capsys.readouterr().out
+    assert "per-layer format: 0 bf16, 1 nvfp4, 2 bf16, 3 nvfp4" in printed
+    assert "vllm: --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 2" in printed
+
+
 @pytest.mark.slow
 def test_calibrate_and_sensitivity_commands(tiny_models, scenario_file, tmp_path, capsys):
     out = tmp_path / "cal"
@@ -61,6 +80,8 @@ def test_calibrate_and_sensitivity_commands(tiny_models, scenario_file, tmp_path
                      "--path", "fp8_e4m3:checkpoint", "--scales", str(out / "kv_scales.safetensors")]) == 0
     body = json.loads((sens / "sensitivity.json").read_text())
     assert set(body["layers"]) == {"0", "1"} and len(body["ranking"]) == 2
+    assert set(body["layers"].values()) <= {"bf16", "fp8_e4m3"}
+    assert body["engine_flags"]["vllm"].startswith("--kv-cache-dtype fp8_e4m3")
     assert (sens / "sensitivity_layers.png").is_file()
     # the map is a path option
     assert parse_path(f"fp8_e4m3:layers={sens / 'sensitivity.json'}").bf16_layers == tuple(body["bf16_layers"])

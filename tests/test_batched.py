@@ -15,7 +15,7 @@ from harness.types import Message
 USERS = ["What is 7 * 8?", "Name three colours, then describe the sea in one long sentence.", "Hi",
          "What is 12 + 30 + 5? Explain each step."]
 SPECS = [None, "bf16", "fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token", "fp8_e4m3:raw_prefill",
-         "fp8_e4m3:nosat"]
+         "fp8_e4m3:nosat", "fp8_e4m3:calibrated:prefill=nvfp4", "nvfp4:prefill=fp8_e4m3"]
 
 
 def _prompts(model: InProcessModel) -> list[list[int]]:
@@ -258,7 +258,8 @@ def test_plug_in_kernel_in_a_batch_judges_and_times_every_call(cpu_models, arch,
 
 
 # -- static storage (the CUDA-graph decode's cache), checked on the CPU ------------------------------------
-STATIC_CASES = [("gqa", None), ("gqa", "fp8_e4m3:raw_prefill"), ("gqa", "fp8_e5m2:per_head:calibrated"),
+STATIC_CASES = [("gqa", None), ("gqa", "fp8_e4m3:raw_prefill"), ("gqa", "nvfp4:prefill=fp8_e4m3"),
+                ("gqa", "fp8_e5m2:per_head:calibrated"),
                 ("mla", "fp8_e4m3"), ("hybrid", "fp8_e4m3:per_token"), ("hybrid", None)]
 
 
@@ -391,8 +392,24 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "hybrid"])  # hadamard rotates per-head K: not on the MLA latent
+@pytest.mark.parametrize("spec", ["bf16:hadamard", "int4_per_token_head:hadamard", "fp8_e4m3:calibrated:hadamard"])
+def test_gpu_hadamard_paths_in_a_batch(gpu_models, arch, spec):
+    """Rotated K and Q through the torch round trip and torch attention (no kernel serves them), batched and graph
+    decode: the replies are one sequence's at a time (near ties aside)."""
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec))
+    assert backend.route.kernel is None
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    rows = BatchedEngine(backend).generate(prompts, limits)
+    for limit, prompt, row in zip(limits, prompts, rows):
+        _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
-@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token", "fp8_e5m2:per_head:calibrated"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token", "fp8_e5m2:per_head:calibrated",
+                                  "fp8_e4m3:calibrated:prefill=nvfp4"])
 def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, monkeypatch, arch, spec):
     """The default on CUDA: each decode step after the first is a CUDA graph replay (captured once per batch);
     replies as the growing cache's, rows finishing at different steps, kernel checks on their steps."""

@@ -231,3 +231,96 @@ def test_a_refused_probe_keeps_the_torch_ops(monkeypatch):
     key = torch.randn(1, 2, 3, 16, dtype=torch.bfloat16)
     keys, _ = layer.update(key, key)
     assert torch.equal(keys, fp8.dequantize(fp8.quantize(key, 1.0, "e4m3"), 1.0, torch.bfloat16))
+
+
+# -- a prefill format distinct from the cache's (`prefill=FORMAT`) ---------------------------------------------------
+
+def _prefill_layer(spec: str, scale: float = 1.0):
+    from harness.kv_paths.cache import KVWriteStats
+
+    return QuantizedKVLayer(parse_path(spec), torch.tensor(scale), torch.tensor(scale), KVWriteStats())
+
+
+def test_a_prefill_chunk_attends_in_its_format_and_decode_reads_the_caches():
+    """nvfp4 cache, fp8 prefill: the first chunk reads itself in fp8_e4m3; the next chunk reads the first from the
+    cache (nvfp4) and itself in fp8; a decode step reads everything, itself included, as nvfp4. Bits: the formats'
+    own round trips (formats.py, tested against their definitions in test_formats.py)."""
+    nvfp4, e4m3 = (parse_path(s).k_format for s in ("nvfp4", "fp8_e4m3"))
+    layer = _prefill_layer("nvfp4:prefill=fp8_e4m3")
+    first, second, step = (torch.randn(1, 2, n, 16, dtype=torch.bfloat16) * 3 for n in (5, 3, 1))
+    keys, values = layer.update(first, first * 2)
+    assert torch.equal(keys, e4m3.round_trip(first, 1.0)[0]) and torch.equal(values, e4m3.round_trip(first * 2, 1.0)[0])
+    keys, _ = layer.update(second, second)
+    assert torch.equal(keys[..., :5, :], nvfp4.round_trip(first, 1.0)[0])
+    assert torch.equal(keys[..., 5:, :], e4m3.round_trip(second, 1.0)[0])
+    keys, _ = layer.update(step, step)
+    assert torch.equal(keys[..., -1:, :], nvfp4.round_trip(step, 1.0)[0])
+    assert torch.equal(keys[..., 5:8, :], nvfp4.round_trip(second, 1.0)[0])
+    # the write statistics are the cache's: K and V of 9 tokens x 2 heads x 16 values counted once (no prefill copy)
+    assert layer.stats.counts[0, 0].item() == 2 * 9 * 2 * 16
+
+
+def test_a_prefill_format_takes_its_static_scale_from_the_calibrated_amax():
+    """The cache's calibrated nvfp4 scale s stands for amax = s x 448 x 6; the fp8 prefill scale is amax / 448."""
+    from harness.kv_paths.cache import prefill_static_scale
+
+    path = parse_path("nvfp4:calibrated:prefill=fp8_e4m3")
+    scale = prefill_static_scale(torch.tensor(0.01), path.k_format, path.prefill_format, torch.device("cpu"))
+    assert scale.item() == pytest.approx(0.01 * 6, rel=2 ** -23)
+    per_head = prefill_static_scale(torch.tensor([0.01, 0.02]), path.k_format, path.prefill_format, "cpu")
+    assert per_head.shape == (2, 1, 1)
+    mx = parse_path("mxfp8:calibrated:prefill=fp8_e4m3")  # no static scale of its own: e4m3 scales, as calibrated
+    assert prefill_static_scale(torch.tensor(0.5), mx.k_format, mx.prefill_format, "cpu").item() == 0.5
+
+
+def test_a_prefill_format_on_static_storage_fills_this_passs_columns():
+    """The batched engine's static storage (CUDA graphs): the prefill chunk's own columns hold the prefill
+    format's read-back, the cache keeps the cache format's."""
+    from harness.kv_paths.cache import StaticColumns
+
+    nvfp4, e4m3 = (parse_path(s).k_format for s in ("nvfp4", "fp8_e4m3"))
+    layer = _prefill_layer("nvfp4:prefill=fp8_e4m3")
+    layer.static = StaticColumns(8)
+    layer.static.columns = torch.arange(4)
+    chunk = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16) * 3
+    keys, _ = layer.update(chunk, chunk)
+    assert torch.equal(keys[..., :4, :], e4m3.round_trip(chunk, 1.0)[0]) and not keys[..., 4:, :].any()
+    assert torch.equal(layer.keys[..., :4, :], nvfp4.round_trip(chunk, 1.0)[0])  # what decode will read
+
+
+def test_prefill_bf16_is_raw_prefill_and_the_caches_own_format_is_no_prefill_format(loaded):
+    assert parse_path("fp8_e4m3:prefill=bf16").canonical == parse_path("fp8_e4m3:raw_prefill").canonical
+    assert parse_path("nvfp4:prefill=nvfp4").canonical == parse_path("nvfp4").canonical
+    assert parse_path("sglang:nvfp4:prefill=fp8_e4m3").canonical == "nvfp4:per_tensor:default:prefill=fp8_e4m3"
+    model = loaded["gqa"]
+    raw = model.backend(parse_path("nvfp4:prefill=bf16")).score_sync(CHAT, [30, 31, 32])
+    assert torch.equal(raw.logprobs, model.backend(parse_path("nvfp4:raw_prefill")).score_sync(CHAT, [30, 31, 32]).logprobs)
+
+
+# -- keep_bf16=sliding_window (vLLM's --kv-cache-dtype-skip-layers sliding_window) ------------------------------------
+
+@pytest.mark.parametrize("family, sliding", [("gemma2", [0, 2]), ("cohere2", [0, 2]), ("mistral_sliding", [0, 1, 2, 3]),
+                                             ("llama4_text", []), ("llama", []), ("qwen3_next", [])])
+def test_sliding_window_layers_are_read_per_layer(family, sliding):
+    """From the cache transformers builds for each layer: llama4's chunked attention keeps a window cache too, but
+    it is not a sliding-window layer (vLLM's chunked local attention has no sliding_window)."""
+    from harness.canary.tiny_models import family_config
+    from harness.kv_paths.cache import sliding_window_layers
+
+    assert sliding_window_layers(family_config(family)) == sliding
+
+
+def test_keep_bf16_sliding_window_leaves_those_layers_and_is_refused_without_them():
+    from harness.canary.tiny_models import family_config
+    from harness.replay.families import refusals, route_facts
+
+    config, path = family_config("gemma2"), parse_path("fp8_e4m3:keep_bf16=sliding_window")
+    cache = build_cache(config, path, unit_scales(config))
+    assert [isinstance(layer, QuantizedKVLayer) for layer in cache.layers] == [False, True, False, True]
+    assert refusals(config, [path]) == []
+    assert set(route_facts(config, [path])["kept_bf16"]) >= {"0 (fp8_e4m3:keep_bf16=sliding_window)"}
+    llama = family_config("llama")
+    problem = "keep_bf16=sliding_window keeps the sliding-window attention layers in BF16"
+    assert any(problem in p and "'llama' has none" in p for p in refusals(llama, [path]))
+    with pytest.raises(ValueError, match="'llama' has none"):
+        build_cache(llama, path, unit_scales(llama))

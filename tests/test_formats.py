@@ -310,26 +310,48 @@ def test_mx_scales_match_compressed_tensors_except_its_round_up(name, bits):
 VLLM_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
                      "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                      "turboquant_3bit_nc", "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4",
-                     "nvfp4_4over6")  # vllm/config/cache.py CacheDType, read 2026-11
+                     "nvfp4_4over6")  # vllm/config/cache.py CacheDType, read at 002f10e0
 SGLANG_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16",
-                       "fp4_e2m1")  # sglang.launch_server --help, 0.5.20
+                       "fp4_e2m1")  # python/sglang/srt/server_args.py kv_cache_dtype choices, read at 001067ff
+ENGINE_FLAGS = ("--kv-cache-dtype-skip-layers", "--prefill-kv-cache-dtype")  # the skip and prefill flags
+
+
+def _docs_table() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).parents[1] / "docs" / "FORMATS.md").read_text()
 
 
 @pytest.mark.parametrize("engine, values", [("vllm", VLLM_CACHE_DTYPES), ("sglang", SGLANG_CACHE_DTYPES)])
 def test_every_engine_kv_cache_dtype_maps_to_a_path_or_a_refusal(engine, values):
-    from pathlib import Path
+    """Each value of the release's list: a row in docs/FORMATS.md, and `ENGINE:VALUE` parses to a path, or is refused
+    with the documented reason (the table's words, in the error); the same as a prefill format."""
+    from harness.kv_paths.spec import ENGINE_KV_DTYPES, ENGINE_REFUSALS, PathSpecError, parse_path
 
-    from harness.kv_paths.spec import PathSpecError, parse_path
-
-    table = (Path(__file__).parents[1] / "docs" / "FORMATS.md").read_text()
+    table = _docs_table()
     for value in values:
         assert f"`{value}`" in table, f"docs/FORMATS.md has no row for {engine} {value}"
+        assert (value in ENGINE_KV_DTYPES[engine]) != (value in ENGINE_REFUSALS[engine]), (engine, value)
         try:
             path = parse_path(f"{engine}:{value}")
         except PathSpecError as refusal:
-            assert "refused" in str(refusal) and value in str(refusal)
+            assert f"{engine} --kv-cache-dtype {value} is refused: {ENGINE_REFUSALS[engine][value]}" in str(refusal)
+            assert "refused" in table[table.index(f"`{value}`"):].split("\n")[0]  # the docs row says refused too
             continue
         assert path.name == f"{engine}:{value}" and path.canonical
+        try:
+            prefill = parse_path(f"{engine}:{values[-1] if value == values[0] else values[0]}:prefill={value}")
+        except PathSpecError as refusal:  # a latent layout is not a prefill format; a refused value stays refused
+            assert "--prefill-kv-cache-dtype" in str(refusal) or "latent layout" in str(refusal), str(refusal)
+            continue
+        assert prefill.canonical
+
+
+def test_the_skip_and_prefill_flags_have_rows():
+    table = _docs_table()
+    for flag in ENGINE_FLAGS:
+        assert f"`{flag}" in table, f"docs/FORMATS.md has no row for {flag}"
+    assert "keep_bf16=sliding_window" in table and "prefill=X" in table
 
 
 def test_engine_spelling_keeps_options_and_names_unknown_values():
@@ -340,3 +362,8 @@ def test_engine_spelling_keeps_options_and_names_unknown_values():
     assert parse_path("sglang:mxfp8").fmt == "mxfp8"
     with pytest.raises(PathSpecError, match="unknown vllm --kv-cache-dtype 'fp9'"):
         parse_path("vllm:fp9")
+    assert parse_path("sglang:nvfp4:prefill=bfloat16").canonical == parse_path("nvfp4:raw_prefill").canonical
+    with pytest.raises(PathSpecError, match="unknown sglang --prefill-kv-cache-dtype 'nvfp4_4over6'"):
+        parse_path("sglang:nvfp4:prefill=nvfp4_4over6")  # under an engine head, the engine's own values
+    with pytest.raises(PathSpecError, match="vllm --prefill-kv-cache-dtype turboquant_k8v4 is refused"):
+        parse_path("vllm:nvfp4:prefill=turboquant_k8v4")

@@ -98,7 +98,7 @@ def test_quantize_store_mla_row_layout():
 
 
 @pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token",
-                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat",
+                                  "fp8_e4m3:raw_prefill", "fp8_e5m2:nosat", "fp8_e4m3:calibrated:prefill=nvfp4",
                                   # block-scaled: kernels/store_kv_block_scaled.py against the formats' torch encode
                                   "nvfp4", "nvfp4:per_head:calibrated", "fp4_mx_block16", "int4_per_token_head",
                                   "int8_per_token_head", "fp8_per_token_head"])

@@ -96,6 +96,9 @@ documents = st.one_of(st.fixed_dictionaries({"scenarios": st.lists(scenario | va
 spec_words = st.one_of(st.sampled_from([*FORMATS, *(v for vs in DIMENSIONS.values() for v in vs), "kernel=dequant",
                                         "kernel=triton", "kernel=", "kernel=no.such:fn", *(f"{k}=" for k in KEYED_OPTIONS),
                                         "keep_bf16=3+7", "keep_bf16=-1", "keep_bf16=1+x", "layers=/",
+                                        "keep_bf16=sliding_window", "keep_bf16=0+sliding_window+sliding_window",
+                                        "prefill=fp8_e4m3", "prefill=bf16", "prefill=bfloat16", "prefill=k=x/v=y",
+                                        "prefill=fp8_ds_mla", "vllm", "sglang", "k=fp8_e4m3/v=bf16", "k=bf16/v=bf16",
                                         "layers=/nonexistent.json", "layers=/proc/self/status", ""]),
                        st.text(alphabet=":,=+ _.-/abcdefp8ykt0123456789", max_size=12))
 specs = st.lists(spec_words, max_size=6).flatmap(
@@ -203,6 +206,9 @@ def test_any_bytes_as_a_scenario_file_load_or_are_named(scratch, raw):
 @example(spec="fp8:layers=/")  # a directory as the layer map: was IsADirectoryError, a traceback
 @example(spec="fp8:keep_bf16=99999999999999999999999")
 @example(spec="bf16:kernel=dequant")
+@example(spec="vllm:nvfp4_ds_mla:prefill=auto:hadamard")
+@example(spec="sglang:prefill=fp8_e4m3")
+@example(spec="fp8:keep_bf16=+")
 def test_any_path_spec_parses_or_is_named(spec):
     try:
         paths = parse_paths(spec)

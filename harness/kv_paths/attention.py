@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 
 from harness.kv_paths import block_layout, mla
-from kernels import reference as kernel_reference
 from harness.kv_paths.decode_kernels import (DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa,
                                              run_gqa_block_scaled, run_mla)
+from harness.kv_paths.rotation import rotate
+from kernels import reference as kernel_reference
 
 ATTENTION_NAME = "harness"
 # Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
@@ -626,6 +627,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         return attend(module, query, key, value, attention_mask, layer, getattr(layer, "impl_probe", None), kwargs)
 
     def attend(module, query, key, value, attention_mask, layer, probe, kwargs):
+        if getattr(getattr(layer, "kv_path", None), "hadamard", False):  # its cache holds rotated K (rotation.py)
+            query = rotate(query).to(query.dtype)
         model_query, scaling = query, kwargs.get("scaling") or module.scaling  # before any path changes them
         fault = getattr(getattr(layer, "kv_path", None), "fault", "")  # a fault injector (kv_paths/faults.py)
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):

@@ -7,8 +7,11 @@ the same layer quantises the latent. Linear-attention layers of hybrid models ke
 layer and dtype.
 
 Write: codes = fp8(x / s); read: codes * s, cast to the model dtype. Every token is written before it is
-read, so a chunk attends to its own quantised K/V, unless the path says `raw_prefill`, in which case a
-prefill chunk (more than one token) attends to its raw K/V and only earlier tokens come from the cache.
+read, so a chunk attends to its own quantised K/V, unless the path names a prefill format: then a prefill chunk
+(more than one token) attends to its own K/V in that format (`prefill=FORMAT`; raw for `raw_prefill`), and only
+earlier tokens come from the cache. A `hadamard` path writes (and the attention function reads) K rotated over
+head_dim (harness/kv_paths/rotation.py). `keep_bf16=sliding_window` leaves the model's sliding-window layers'
+caches as they are (`sliding_window_layers`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from harness.kv_paths import block_layout, capabilities
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
+from harness.kv_paths.formats import E4M3_MAX
+from harness.kv_paths.rotation import rotate
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
 from kernels import reference as fp8
@@ -205,10 +210,12 @@ class QuantizedKVLayer(DynamicLayer):
         self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.kv_path.is_quantized:  # scales may be present; a BF16 cache must ignore them (class 3)
-            return self._store(key_states, value_states)
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
-        if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
+        if self.kv_path.hadamard:  # K stored rotated; the attention function rotates Q (rotation.py)
+            key_states = rotate(key_states).to(key_states.dtype)
+        if not self.kv_path.is_quantized:  # scales may be present; a BF16 cache must ignore them (class 3)
+            keys, values = self._store(key_states, value_states)
+        elif self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
             keys, values = self._store(*self._fused_round_trip(key_states, value_states))
         elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
               and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
@@ -221,10 +228,30 @@ class QuantizedKVLayer(DynamicLayer):
         chunk = key_states.shape[-2]
         if self.kv_path.quantize_current_chunk or chunk == 1:
             return keys, values
+        own_keys, own_values = self._prefill_view(key_states, value_states)
         if self.static is not None:  # the chunk sits at this pass's columns, not at the end
-            return self.static.with_raw(keys, key_states), self.static.with_raw(values, value_states)
-        return (torch.cat([keys[..., :-chunk, :], key_states], dim=-2),
-                torch.cat([values[..., :-chunk, :], value_states], dim=-2))
+            return self.static.with_raw(keys, own_keys), self.static.with_raw(values, own_values)
+        return (torch.cat([keys[..., :-chunk, :], own_keys], dim=-2),
+                torch.cat([values[..., :-chunk, :], own_values], dim=-2))
+
+    def _prefill_view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a prefill chunk attends to its own K/V as: raw (`raw_prefill`), or written in the path's prefill
+        format and read back (`prefill=FORMAT`; not counted in the write statistics, which are the cache's)."""
+        prefill = self.kv_path.prefill_format
+        if prefill is None:
+            return key_states, value_states
+        return (self._prefill_round_trip(key_states, self.k_scale, self.k_format, prefill),
+                self._prefill_round_trip(value_states, self.v_scale, self.v_format, prefill))
+
+    def _prefill_round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None, cache_format,
+                            prefill) -> torch.Tensor:
+        if self.kv_path.granularity == "per_token" and prefill.is_legacy_fp8:
+            scale = fp8.per_token_scale(x, prefill.name)
+        elif prefill.has_static_scale and self.kv_path.scale_source != "default":  # default: 1.0, as engines
+            scale = prefill_static_scale(static_scale, cache_format, prefill, x.device)
+        else:
+            scale = None
+        return prefill.round_trip(x, scale, saturate=self.kv_path.saturate or prefill.saturating_only)[0]
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.static is not None:
@@ -325,6 +352,18 @@ class QuantizedKVLayer(DynamicLayer):
         return scales if scales is not None and scales.numel() in (1, heads) else None
 
 
+def prefill_static_scale(cache_scale: torch.Tensor | None, cache_format, prefill, device) -> torch.Tensor | None:
+    """The prefill format's static scale from the layer's, where the path's scale source measured one (calibrated,
+    checkpoint, warm-up; the default source gives every format 1.0, as engines do): the amax the cache scale stands
+    for (scale x the cache format's static range; e4m3's 448 where the cache format has none, as
+    `scales_from_observers` gives such sides) over the prefill format's range. None: 1.0."""
+    if cache_scale is None:
+        return None
+    static_range = cache_format.static_range if cache_format is not None and cache_format.has_static_scale else E4M3_MAX
+    scale = prefill.scale_of_amax(cache_scale.to(device).float() * static_range)
+    return scale.view(-1, 1, 1) if scale.dim() == 1 else scale
+
+
 # -- the CPU write in one C call (kernels/cpu_kv_round_trip.c), where its bits are the torch ops' ----------------
 
 _EXACT_ROUND_TRIPS: dict[tuple, bool] = {}  # (fmt, saturate, scale bits): the C call gave the torch ops' bits
@@ -417,7 +456,8 @@ class StaticColumns:
         return layer.keys, layer.values
 
     def with_raw(self, stored: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        """`stored` with this pass's columns holding `raw` instead (a `raw_prefill` chunk attends to itself raw)."""
+        """`stored` with this pass's columns holding `raw` instead (a prefill chunk attends to itself raw, or in its
+        prefill format)."""
         return stored.clone().index_copy_(2, self.columns, raw)
 
 
@@ -482,15 +522,17 @@ def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
 
 
 class AmaxObserverLayer(DynamicLayer):
-    """A plain `DynamicLayer` that records the running per-head amax of what it stores (calibration)."""
+    """A plain `DynamicLayer` that records the running per-head amax of what it stores (calibration). `rotated`:
+    the amax of K as a `hadamard` path stores it (rotated over head_dim); the layer stores K as it is."""
 
-    def __init__(self):
+    def __init__(self, rotated: bool = False):
         super().__init__()
+        self.rotated = rotated
         self.k_amax: torch.Tensor | None = None  # [heads] fp32
         self.v_amax: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.k_amax = _running_amax(self.k_amax, key_states)
+        self.k_amax = _running_amax(self.k_amax, rotate(key_states) if self.rotated else key_states)
         self.v_amax = _running_amax(self.v_amax, value_states)
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -505,6 +547,42 @@ def attention_layer_indices(config) -> list[int]:
     """Indices of the layers whose cache holds attention K/V (`holds_kv`: the ones a path quantises)."""
     cache = DynamicCache(config=config)
     return [i for i, layer in enumerate(cache.layers) if holds_kv(layer)]
+
+
+def sliding_window_layers(config) -> list[int]:
+    """The attention layers with a sliding window: the ones `keep_bf16=sliding_window` keeps in BF16, as vLLM's
+    `--kv-cache-dtype-skip-layers sliding_window` skips every layer whose (per-layer, else model-level) sliding
+    window is set. Read per layer from the cache transformers builds for the config (a sliding-window cache layer,
+    `is_sliding`, from config.layer_types or the sliding_window attributes), not from one global attribute: a
+    chunked-attention layer (llama4's `chunked_attention`, a window cache too) is not a sliding-window layer."""
+    layer_types = _decoder_layer_types(config)
+    return [i for i, layer in enumerate(DynamicCache(config=config).layers)
+            if holds_kv(layer) and getattr(layer, "is_sliding", False)
+            and not (i < len(layer_types) and layer_types[i] == "chunked_attention")]
+
+
+def _decoder_layer_types(config) -> list:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return list(getattr(text, "layer_types", None) or [])
+
+
+def bf16_layer_set(config, kv_path: KVPath) -> set[int]:
+    """Every attention layer the path keeps in BF16: its indices, and the sliding-window layers where it says so.
+    Raises ValueError for `keep_bf16=sliding_window` on a model without sliding-window layers."""
+    kept = set(kv_path.bf16_layers)
+    if kv_path.bf16_sliding:
+        sliding = sliding_window_layers(config)
+        if not sliding:
+            raise ValueError(no_sliding_window_problem(kv_path, config))
+        kept.update(sliding)
+    return kept
+
+
+def no_sliding_window_problem(kv_path: KVPath, config) -> str:
+    types = sorted(set(_decoder_layer_types(config))) or ["no layer_types; no sliding_window"]
+    return (f"--paths {kv_path.name}: keep_bf16=sliding_window keeps the sliding-window attention layers in BF16 "
+            f"(vLLM's --kv-cache-dtype-skip-layers sliding_window), but model family "
+            f"{getattr(config, 'model_type', '?')!r} has none (layer types: {', '.join(map(str, types))})")
 
 
 def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
@@ -523,9 +601,12 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
                 cache.layers[i] = _of_kind(EmulatedKVLayer, layer, kv_path.fmt, kv_path.granularity,
                                            kv_path.saturate, pair)
         return cache
+    if kv_path.hadamard and getattr(config, "kv_lora_rank", None):  # families.layout_problems says it before work
+        raise ValueError(f"KV path {kv_path.name!r}: hadamard rotates per-head K; an MLA model caches a latent")
     stats = stats if stats is not None else KVWriteStats()
+    kept = bf16_layer_set(config, kv_path) if kv_path.keeps_layers_bf16 else set()
     for i, layer in enumerate(cache.layers):
-        if not holds_kv(layer) or i in kv_path.bf16_layers:
+        if not holds_kv(layer) or i in kept:
             continue
         k_scale = scales.k.get(i) if scales else None
         v_scale = scales.v.get(i) if scales else None
@@ -566,11 +647,13 @@ def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> 
     return AttentionQuant(q_scale=q, prob_scale=prob)
 
 
-def observer_cache(config) -> DynamicCache:
+def observer_cache(config, rotated: bool = False) -> DynamicCache:
+    """The model's cache with every attention layer observed (`AmaxObserverLayer`; `rotated`: K's amax as a
+    `hadamard` path stores it)."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if holds_kv(layer):
-            cache.layers[i] = _of_kind(AmaxObserverLayer, layer)
+            cache.layers[i] = _of_kind(AmaxObserverLayer, layer, rotated)
     return cache
 
 

@@ -35,6 +35,9 @@ class KernelCapability:
         if unserved:
             return (f"{self.name} ({self.where}) serves {', '.join(self.formats)}; not {', '.join(unserved)}: the torch "
                     f"round trip of harness/kv_paths/formats.py instead")
+        if kv_path.hadamard:
+            return (f"{self.name} ({self.where}) reads K as written, against the model's query; this path rotates "
+                    f"K and Q (hadamard): the torch round trip and torch attention instead")
         if not self.mixed and kv_path.k_format is not kv_path.v_format:
             return (f"{self.name} ({self.where}) reads K and V in one format; this path stores K in "
                     f"{kv_path.k_format.spec_name} and V in {kv_path.v_format.spec_name}")

@@ -23,6 +23,13 @@ The FP8 e4m3 / e5m2 formats are `kernels/reference.py`'s quantise / dequantise, 
   (vLLM's "global scale" is 1 / s: amax / (448 x 6) calibrated, 1.0 by default); a zero block scale writes zeros.
   4-over-6 (arXiv 2512.02010): each block tries amax -> 6 and amax -> 4 and keeps the one with the smaller squared
   error (ties: 6); its static scale leaves room for the larger block scale (amax / (256 x 6)).
+- DeepSeek's MLA latent layouts (vLLM `fp8_ds_mla`, `nvfp4_ds_mla`; the byte records are harness/kv_paths/mla.py's):
+  fp8_ds_mla stores the latent as e4m3 in tiles of 128, an fp32 scale per tile = max(amax / 448, FLT_MIN), and
+  k_pe unquantised; nvfp4_ds_mla the latent as e2m1 under an e4m3 scale per 16 = e4m3(max(amax / 6, 2^-9)) rounded
+  up to the next e4m3 value where nearest fell below (so a block's top never clips), values multiplied by the fp32
+  reciprocal of that scale (vLLM's writer), no global scale, and k_pe as plain e4m3 with no scale at all.
+- A format may be `unscaled`: values cast as they are (scale 1, no scale of any kind): nvfp4_ds_mla's k_pe, and the
+  `unquantised` side (a K or V kept in the model's dtype: `k=fp8_e4m3/v=bf16`, fp8_ds_mla's k_pe).
 """
 
 from __future__ import annotations
@@ -112,6 +119,8 @@ class ElementType:
 E4M3 = ElementType("e4m3", 8, E4M3_MAX, _fp8_codes("e4m3"), lambda c: c.float(), -E4M3_MAX)
 E5M2 = ElementType("e5m2", 8, fp8.FP8_MAX["e5m2"], _fp8_codes("e5m2"), lambda c: c.float(), -fp8.FP8_MAX["e5m2"])
 E2M1 = ElementType("e2m1", 4, E2M1_MAX, e2m1_codes, e2m1_values, -E2M1_MAX)
+# the model's own dtype (bf16 here; 16 bits): the values as they are, for a side a format leaves unquantised
+MODEL_DTYPE = ElementType("model dtype", 16, float("inf"), lambda x: x, lambda c: c.float(), float("-inf"))
 INT8 = ElementType("int8", 8, 127.0, _int_codes(-128, 127, torch.int8), lambda c: c.float(), -128.0)
 INT4 = ElementType("int4", 4, 7.0, _int_codes(-7, 7, torch.int8), lambda c: c.float(), -7.0)  # symmetric: no -8
 UINT8 = ElementType("uint8", 8, 255.0, _int_codes(0, 255, torch.uint8), lambda c: c.float(), 0.0)
@@ -119,10 +128,18 @@ UINT8 = ElementType("uint8", 8, 255.0, _int_codes(0, 255, torch.uint8), lambda c
 
 # -- block scales -------------------------------------------------------------------------------------------------
 
-def _e4m3_block_scale(amax: torch.Tensor, target: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4: e4m3(amax / target), saturating at 448; (stored e4m3, fp32). Divided by a tensor: IEEE division on
-    CUDA too, as the fused write (kernels/store_kv_block_scaled.py) and the engines' kernels divide."""
-    stored = fp8.quantize(amax / torch.full_like(amax, target), torch.ones((), device=amax.device), "e4m3")
+def _e4m3_block_scale(amax: torch.Tensor, target: float, floor: float = 0.0,
+                      round_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4: e4m3(max(amax / target, floor)), saturating at 448; (stored e4m3, fp32). `round_up` (vLLM
+    nvfp4_ds_mla): where the nearest e4m3 value fell below, the next one up (not past 448), so amax / scale never
+    exceeds the element range. NaN stays NaN (vLLM's fmaxf would drop it; here a NaN block reads back NaN)."""
+    wanted = amax / torch.full_like(amax, target)
+    wanted = torch.where(wanted.isnan(), wanted, wanted.clamp_min(floor)) if floor else wanted
+    stored = fp8.quantize(wanted, torch.ones((), device=amax.device), "e4m3")
+    if round_up:
+        bits = stored.view(torch.uint8)
+        below = (stored.float() < wanted) & (bits < 0x7E)  # 0x7E = 448, the largest finite e4m3
+        stored = torch.where(below, bits + 1, bits).view(torch.float8_e4m3fn)  # positive e4m3 bits are monotonic
     return stored, stored.float()
 
 
@@ -171,9 +188,15 @@ class KVFormat:
     # the largest |x / s| a static scale s covers (s = amax / static_range); 0: no static scale, all computed at write
     static_range: float = 0.0
     block_targets: tuple[float, ...] = ()  # e4m3 / fp32 block scales: the block amax maps to these (4-over-6: 6, 4)
-    scale_floor: float = 0.0  # fp32 block scales: the smallest scale handed out (vLLM: 1e-6)
+    scale_floor: float = 0.0  # fp32 / e4m3 block scales: the smallest scale handed out (vLLM: 1e-6)
     zero_point: bool = False  # asymmetric: codes = (x - min) / scale, read = code x scale + min
     saturating_only: bool = True  # False: the path's cast option (sat / nosat) applies (FP8 only)
+    scale_round_up: bool = False  # e4m3 block scales: round up where nearest fell below (vLLM nvfp4_ds_mla)
+    reciprocal: bool = False  # values multiplied by the fp32 reciprocal of their block scale, not divided by it
+    unscaled: bool = False  # values cast as they are: no static, block or computed scale (scale 1)
+    # named alone, V (MLA: k_pe) takes this format instead of this one (fp8_ds_mla: k_pe unquantised)
+    pairs_with: str = ""
+    layouts: tuple[str, ...] = ("gqa", "mla")  # model layouts it applies to (`mla`: one compressed latent)
     engines: str = ""  # which engine flag spells it, and where they differ
     description: str = ""
 
@@ -184,8 +207,11 @@ class KVFormat:
             raise ValueError(f"KV format {self.name!r}: block_scale {self.block_scale!r}; expected e4m3, e8m0 or fp32")
         if self.block_scale in ("e4m3", "fp32") and not self.block_targets:
             raise ValueError(f"KV format {self.name!r}: an {self.block_scale} block scale needs block_targets")
-        if not self.block_scale and not self.static_range:
-            raise ValueError(f"KV format {self.name!r}: no block scale and no static scale: nothing scales it")
+        if not self.block_scale and not self.static_range and not self.unscaled:
+            raise ValueError(f"KV format {self.name!r}: no block scale and no static scale: nothing scales it "
+                             f"(unscaled=True stores values as they are)")
+        if self.unscaled and (self.block_scale or self.static_range):
+            raise ValueError(f"KV format {self.name!r}: unscaled, yet it declares a scale")
         if self.zero_point and (self.block_size or self.block_scale != "fp32"):
             raise ValueError(f"KV format {self.name!r}: a zero point is per token and head here (block_size 0, "
                              f"fp32 block scale)")
@@ -202,10 +228,12 @@ class KVFormat:
     @property
     def is_legacy_fp8(self) -> bool:
         """FP8 e4m3 / e5m2 under a static scale alone: what our kernels, the fused write and the C write serve."""
-        return self.element in (E4M3, E5M2) and not self.block_scale
+        return self.element in (E4M3, E5M2) and not self.block_scale and not self.unscaled
 
     @property
     def granularity(self) -> str:
+        if self.unscaled:
+            return "unscaled"
         if not self.block_scale:
             return "per tensor / per head (static)"
         return "per token-head" if self.block_size == 0 else f"block of {self.block_size}"
@@ -233,6 +261,9 @@ class KVFormat:
     # -- numerics --
     def encode(self, x: torch.Tensor, scale: torch.Tensor | float | None = None, saturate: bool = True) -> Encoded:
         """x [..., D] (any float dtype) -> Encoded. `scale`: the static scale (None: 1.0), [] or broadcastable."""
+        if self.unscaled:  # values cast as they are (an e4m3 cast at scale 1, or the model dtype kept)
+            one = torch.ones((), dtype=torch.float32, device=x.device)
+            return Encoded(self.element.to_codes(x), None, None, one, one)
         s = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32, device=x.device)
         if self.is_legacy_fp8:
             codes = fp8.quantize(x, s, self.element.name, saturate=saturate)
@@ -260,10 +291,18 @@ class KVFormat:
         return self.decode(encoded, x.dtype), self.clip_ratio(x, encoded)
 
     def clip_ratio(self, x: torch.Tensor, encoded: Encoded) -> torch.Tensor:
-        """|x / scale| / element max per value (FP8: the ops the write statistics always used, same bits)."""
+        """|x / scale| / element max per value (FP8: the ops the write statistics always used, same bits). An fp32
+        block scale (amax / target, computed at write) puts the block's top at the element max within the fp32
+        roundings of amax / target and x / scale: such a ratio (up to 1 + 2^-21, four fp32 ulps) is the max itself,
+        not a clipped value (fp8_per_token_head and fp8_ds_mla read kv_clipped_frac 0.004 on healthy writes
+        before)."""
         if encoded.value_zero is not None:
-            return ((x.float() - encoded.value_zero) / encoded.value_scale).abs() / self.element.max_value
-        return (x.float() / encoded.value_scale).abs() / self.element.max_value
+            ratio = ((x.float() - encoded.value_zero) / encoded.value_scale).abs() / self.element.max_value
+        else:
+            ratio = (x.float() / encoded.value_scale).abs() / self.element.max_value
+        if self.block_scale == "fp32":
+            ratio = torch.where((ratio > 1) & (ratio <= 1 + 2.0 ** -21), torch.ones_like(ratio), ratio)
+        return ratio
 
     def _block_codes(self, blocks: torch.Tensor, s_blocks: torch.Tensor):
         """Per block: (fp32 block scale [..., nblocks], stored block scale, codes [..., nblocks, B])."""
@@ -275,7 +314,7 @@ class KVFormat:
         best = None
         for target in self.block_targets:  # 4-over-6: the candidate with the smaller squared error wins (ties: first)
             if self.block_scale == "e4m3":
-                stored, block_fp32 = _e4m3_block_scale(amax, target)
+                stored, block_fp32 = _e4m3_block_scale(amax, target, self.scale_floor, self.scale_round_up)
             else:
                 stored, block_fp32 = _fp32_block_scale(amax, target, self.scale_floor)
             codes = self._codes(per_static, block_fp32)
@@ -291,7 +330,9 @@ class KVFormat:
     def _codes(self, per_static: torch.Tensor, block_fp32: torch.Tensor) -> torch.Tensor:
         """element(x / s / block scale); a zero block scale writes zeros (nothing to divide by)."""
         divisor = block_fp32.unsqueeze(-1)
-        scaled = torch.where(divisor == 0, torch.zeros_like(per_static), per_static / divisor)
+        # vLLM's nvfp4_ds_mla writer multiplies by the fp32 reciprocal (a tie of x / scale may round the other way)
+        divided = per_static * (torch.ones_like(divisor) / divisor) if self.reciprocal else per_static / divisor
+        scaled = torch.where(divisor == 0, torch.zeros_like(per_static), divided)
         return self.element.to_codes(scaled)
 
     def _encode_affine(self, x: torch.Tensor, blocks: torch.Tensor, s: torch.Tensor) -> Encoded:
@@ -422,3 +463,28 @@ register_format(KVFormat(
     scale_floor=1e-6, engines="vLLM int4_per_token_head: theirs is a 16-level codebook with fp16 group scales; "
                               "ours is linear symmetric int4",
     description="int4 values ([-7, 7], linear), an fp32 scale per token and head (amax / 7)"))
+
+# -- sides kept (nearly) as they are -------------------------------------------------------------------------------
+
+register_format(KVFormat(
+    "unquantised", ("unquantised",), MODEL_DTYPE, unscaled=True,
+    engines="a side an engine leaves in the model dtype (fp8_ds_mla's k_pe); spelled bf16 in k=/v=",
+    description="values kept in the model's dtype (bf16), unquantised"))
+register_format(KVFormat(
+    "e4m3_unscaled", ("fp8_e4m3_unscaled",), E4M3, unscaled=True,
+    engines="vLLM nvfp4_ds_mla's k_pe (plain e4m3, no scale)",
+    description="fp8 e4m3 values cast as they are (scale 1, never calibrated)"))
+
+# -- DeepSeek's MLA latent layouts (vLLM; byte records in harness/kv_paths/mla.py) ----------------------------------
+
+register_format(KVFormat(
+    "ds_mla_e4m3", ("fp8_ds_mla",), E4M3, block_size=128, block_scale="fp32", block_targets=(E4M3_MAX,),
+    scale_floor=2.0 ** -126, pairs_with="unquantised", layouts=("mla",),  # 2^-126 = FLT_MIN, vLLM's floor
+    engines="vLLM fp8_ds_mla (FlashMLA sparse): 512 e4m3 + 4 fp32 tile scales + 64 bf16 RoPE = 656 bytes a token",
+    description="MLA latent as e4m3 in tiles of 128, an fp32 scale per tile (amax / 448); k_pe unquantised"))
+register_format(KVFormat(
+    "ds_mla_nvfp4", ("nvfp4_ds_mla",), E2M1, block_size=16, block_scale="e4m3", block_targets=(E2M1_MAX,),
+    scale_floor=2.0 ** -9, scale_round_up=True, reciprocal=True, pairs_with="e4m3_unscaled", layouts=("mla",),
+    engines="vLLM nvfp4_ds_mla (SM100): 256 e2m1 bytes + 64 e4m3 RoPE + 32 permuted e4m3 scales = 352 bytes a token",
+    description="MLA latent as e2m1 with an e4m3 scale per 16 (amax / 6 rounded up, no global scale); k_pe plain "
+                "e4m3"))

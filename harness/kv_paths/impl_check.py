@@ -28,12 +28,11 @@ every canary, its min down to 1.05 on the hybrid's short turns.
 
 Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill chunk, every
 `decode_every`-th decode step: one small fp64 attention and one small SDPA call per probed layer call.
-A batch (the batched replay) is probed row by row: each row's real query positions (the engine's `StepState.valid`;
-rows are left-padded) against its own mask row, pooled per row, so every sequence gets its own ratio and fault
-injectors replay batched (tests/test_detection.py). A decode step replayed as a CUDA graph runs no Python and is
-not probed (graph decode: prefill and the eager steps). A batch observed without the engine's step (no row map) is
-not probed (`skipped_batched`). Decode steps
-served by a decode kernel are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`);
+A batch (the batched replay) is probed all rows at once on a GPU (in groups under `CHECK_ELEMENTS`): each row's real query
+positions (the engine's `StepState.valid`; rows are left-padded) against its own mask row, pooled per row, so every
+sequence gets its own ratio and fault injectors replay batched (tests/test_detection.py). A decode step replayed as a
+CUDA graph runs no Python and is not probed (graph decode: prefill and the eager steps). A batch observed without the
+engine's step (no row map) is not probed (`skipped_batched`). Decode steps served by a decode kernel are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`);
 on CUDA the check covers prefill and the torch-served steps.
 """
 
@@ -45,6 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import reference as fp8
+
+# fp64 K (and V) elements gathered for one group of a batch's rows (128 MiB each): a long context probes in groups
+CHECK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,50 +103,68 @@ class ImplProbe:
             if calls % self.options.decode_every:
                 return
         real = [chunk] if self.step is None else self.step.valid.sum(1).tolist()  # real queries per row
-        measured = [(b, self._measure(module, b, query, key, value, mask, scaling, output, chunk - n, n))
-                    for b, n in enumerate(real) if n]  # left-padded: a row's real queries end the chunk
-        if not measured:
+        probed = [(b, n) for b, n in enumerate(real) if n]
+        if not probed:
             return
-        pooled = torch.stack([errors for _, errors in measured]).cpu().tolist()  # one host sync per call
-        for (b, _), errors in zip(measured, pooled):
+        # rows at once on a GPU (launch-bound: one set of small kernels for the batch); one row at a time on a CPU,
+        # where a row's fp64 K/V stays in cache (the batched gather measured 1.6x slower there, 16 rows x 40 queries)
+        group = 1 if not query.is_cuda else max(
+            1, CHECK_ELEMENTS // (min(query.shape[1], self.options.max_heads) * key.shape[2] * key.shape[3]))
+        pooled = torch.cat([self._measure(module, probed[i:i + group], query, key, value, mask, scaling, output)
+                            for i in range(0, len(probed), group)]).cpu().tolist()  # one host sync per call
+        for (b, n), errors in zip(probed, pooled):
             heads = errors.pop()
             for i, head in enumerate(heads):
                 entry = self.sums.setdefault((self.live[b], layer, int(head)), [0.0, 0.0, 0.0, 0])
                 entry[0] += errors[0][i]
                 entry[1] += errors[1][i]
                 entry[2] += errors[2][i]
-                entry[3] += min(real[b], self.options.rows)
+                entry[3] += min(n, self.options.rows)
 
     @torch.inference_mode()
-    def _measure(self, module, b: int, query, key, value, mask, scaling, output, first: int,
-                 real: int) -> torch.Tensor:
-        """Row b's sampled queries (of its `real` queries from position `first` of the chunk) -> [4, Hs] fp64:
-        path error^2, torch error^2, floor^2, and the sampled heads."""
+    def _measure(self, module, rows: list[tuple[int, int]], query, key, value, mask, scaling, output) -> torch.Tensor:
+        """Batch rows `rows` ((b, its n real queries, which end the chunk: rows are left-padded)), each row's sampled
+        queries at once -> [rows, 4, Hs] fp64: path error^2, torch error^2, floor^2 (summed over the row's sampled
+        queries), and the sampled heads. Rows sampling fewer queries repeat their last one at weight 0."""
         from harness.kv_paths.capture import spread
 
-        chunk, length, heads = query.shape[2], key.shape[2], query.shape[1]
-        rows = torch.tensor([first + r for r in spread(real, self.options.rows)], device=query.device)
-        head_idx = torch.tensor(spread(heads, self.options.max_heads), device=query.device)
-        valid = _valid(mask, b, rows, length, chunk, query.device)  # [R, L]
-        group = heads // key.shape[1]
-        kv_idx = head_idx // group
-        q = query[b].index_select(0, head_idx).index_select(1, rows)  # [Hs, R, D] model dtype
-        k = key[b].index_select(0, kv_idx)  # [Hs, L, D]
-        v = value[b].index_select(0, kv_idx)
+        chunk, length, heads, device = query.shape[2], key.shape[2], query.shape[1], query.device
+        picks = [[chunk - n + p for p in spread(n, self.options.rows)] for _, n in rows]
+        width = max(len(pick) for pick in picks)
+        index = torch.tensor([pick + pick[-1:] * (width - len(pick)) for pick in picks], device=device)  # [B, W]
+        sampled = None if all(len(pick) == width for pick in picks) else torch.tensor(
+            [[True] * len(pick) + [False] * (width - len(pick)) for pick in picks], device=device)[:, None, :]  # [B, 1, W]
+        batch = torch.tensor([b for b, _ in rows], device=device)
+        head_idx = torch.tensor(spread(heads, self.options.max_heads), device=device)
+        kv_idx = head_idx // (heads // key.shape[1])
+        valid = _valid(mask, batch, index, length, chunk, device).unsqueeze(1)  # [B, 1, W, L]
+        q = _rows(query, rows).index_select(1, head_idx).gather(
+            2, index[:, None, :, None].expand(-1, len(head_idx), -1, query.shape[3]))  # [B, Hs, W, D]
+        k, v = (_rows(t, rows).index_select(1, kv_idx) for t in (key, value))  # [B, Hs, L, D] model dtype
         k64, v64 = k.double(), v.double()
-        declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling)  # [Hs, R, Dv]
+        declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling)  # [B, Hs, W, Dv]
         plain = _attention64(q.double(), k64, v64, valid, scaling)
-        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
-        actual = output[b].index_select(0, rows).index_select(1, head_idx).transpose(0, 1).double()
-        path_err = (actual - declared).square().sum(dim=(-1, -2))  # [Hs]
+        # SDPA row by row, at the shapes torch sees for one sequence: its rounding depends on the batch it is given,
+        # and its error is the yardstick the thresholds were measured on
+        sdpa = torch.nn.utils.rnn.pad_sequence([torch.nn.functional.scaled_dot_product_attention(
+            q[i, :, :len(pick)].contiguous(), k[i], v[i], attn_mask=valid[i, 0, :len(pick)], scale=scaling
+        ).transpose(0, 1) for i, pick in enumerate(picks)], batch_first=True).transpose(1, 2).double()  # [B, Hs, W, Dv]
+        actual = _rows(output, rows).gather(1, index[..., None, None].expand(-1, -1, *output.shape[2:])).index_select(
+            2, head_idx).transpose(1, 2).double()  # [B, Hs, W, Dv]
+
+        def pooled(difference: torch.Tensor) -> torch.Tensor:  # [B, Hs, W, Dv] -> [B, Hs], padded queries left out
+            squares = difference.square().sum(-1)
+            return (squares if sampled is None else torch.where(sampled, squares, 0.0)).sum(-1)
+
+        path_err = pooled(actual - declared)
         # the error the declared numerics themselves produce in the attention dtype: an implementation that computes
         # them exactly still rounds its output once. With FP8 P the declared output sits elsewhere on the dtype's grid
         # than plain attention's (healthy FP8 attention read 1.69x SDPA's error on the hybrid canary, all of it this
         # one rounding), so the yardstick is the larger of SDPA's error and that rounding
-        rounding = (declared.to(query.dtype).double() - declared).square().sum(dim=(-1, -2))
-        torch_err = torch.maximum((sdpa - plain).square().sum(dim=(-1, -2)), rounding)
-        floor = plain.square().sum(dim=(-1, -2)) * (torch.finfo(query.dtype).eps / 8) ** 2
-        return torch.stack([path_err, torch_err, floor, head_idx.to(path_err.device, torch.float64)])
+        rounding = pooled(declared.to(query.dtype).double() - declared)
+        torch_err = torch.maximum(pooled(sdpa - plain), rounding)
+        floor = pooled(plain) * (torch.finfo(query.dtype).eps / 8) ** 2
+        return torch.stack([path_err, torch_err, floor, head_idx.to(torch.float64).expand_as(path_err)], dim=1)
 
     def declared_output(self, module, layer, q, k, v, valid, scaling) -> torch.Tensor:
         return _attention64(q.double(), k, v, valid, scaling)
@@ -214,17 +234,26 @@ def attach(cache, options: ProbeOptions = ProbeOptions(), step=None, rows: int =
     return probe
 
 
-def _valid(mask, b: int, rows: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
-    """[R, L] bool: the keys each sampled query row of batch row b attends (the mask's, else causal)."""
+def _rows(tensor: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """The batch rows `rows` ((b, _)) of `tensor` [B, ...]: a view for one row, else a copy."""
+    if len(rows) == 1:
+        return tensor[rows[0][0]:rows[0][0] + 1]
+    return tensor.index_select(0, torch.tensor([b for b, _ in rows], device=tensor.device))
+
+
+def _valid(mask, batch: torch.Tensor, index: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
+    """[B, W, L] bool: the keys each sampled query (index [B, W] of the chunk) of batch rows `batch` [B] attends
+    (the mask's, else causal)."""
     if isinstance(mask, torch.Tensor):
-        picked = mask[min(b, mask.shape[0] - 1), 0].index_select(0, rows)[..., :length]
+        rows = mask[batch.clamp(max=mask.shape[0] - 1), 0]  # [B, T, L']: a mask of one row serves every row
+        picked = rows.gather(1, index[..., None].expand(-1, -1, rows.shape[-1]))[..., :length]
         return picked if picked.dtype == torch.bool else picked > -math.inf
-    positions = rows + (length - chunk)
-    return torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)
+    positions = index + (length - chunk)
+    return torch.arange(length, device=device) <= positions.unsqueeze(-1)
 
 
 def _attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
-    """fp64 softmax(q k^T * scaling) v for q [Hs, R, D], k/v [Hs, L, D] fp64, valid [R, L]."""
+    """fp64 softmax(q k^T * scaling) v for q [B, Hs, R, D], k/v [B, Hs, L, D] fp64, valid [B, 1, R, L]."""
     logits = (q @ k.transpose(-1, -2)) * scaling
     return torch.softmax(logits.masked_fill(~valid, -math.inf), dim=-1) @ v
 

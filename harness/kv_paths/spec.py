@@ -1,8 +1,17 @@
 """KV-cache path specs: `format[:option...]`, e.g. `bf16`, `fp8_e4m3:per_head:calibrated`, `fp8_e5m2:per_token`,
 `fp8_e4m3:kernel=dequant` or `fp8_e4m3:kernel=mypkg.attn:decode` (decode through a plug-in kernel).
 A format is any registered `KVFormat` spelling (harness/kv_paths/formats.py: `nvfp4`, `mxfp8`, `mxfp4`,
-`int8_per_token_head`, ...); K and V may differ: `k=fp8_e4m3/v=nvfp4`. Scale options (granularity, scale source)
-apply to a format's static scale; formats whose scales are all computed at write (MX, per token-head) take none.
+`int8_per_token_head`, `fp8_ds_mla`, ...); K and V may differ: `k=fp8_e4m3/v=nvfp4` (`v=bf16`: V unquantised).
+Scale options (granularity, scale source) apply to a format's static scale; formats whose scales are all computed
+at write (MX, per token-head) take none. An engine's own `--kv-cache-dtype` value is a head too: `vllm:nvfp4`,
+`sglang:fp4_mx_block16` (docs/FORMATS.md maps each, or says why it is refused).
+
+The prefill may attend in another format than the cache stores (SGLang's `--prefill-kv-cache-dtype`; a
+disaggregated prefill worker whose cache format is not the decode worker's): `nvfp4:prefill=fp8_e4m3` attends each
+prefill chunk to its own K/V written in fp8_e4m3, while the cache (earlier chunks, every decode step) holds nvfp4;
+`raw_prefill` is `prefill=bf16`. `hadamard` rotates K (and Q, at attention) over head_dim before quantising
+(harness/kv_paths/rotation.py). `keep_bf16=sliding_window` keeps every sliding-window attention layer in BF16
+(vLLM's `--kv-cache-dtype-skip-layers sliding_window`), resolved against the model's layers when it loads.
 
 Beside the cache, a path may quantise the attention computation itself, as engines do with a `q_scale`
 and a `prob_scale`: `fp8_q` (the query in FP8 e4m3) and `fp8_p` (the softmax probabilities in FP8 e4m3),
@@ -55,13 +64,16 @@ DIMENSIONS = {
     # The prompt prefilled in chunks of CONTROL_PREFILL_CHUNK tokens, as engines chunk long prefills: with `bf16`,
     # the run's control arm (CONTROL_ARM), BF16 against BF16 under a perturbation the engine really has.
     "chunking": ("chunked_prefill",),
+    # K (and Q) rotated over head_dim before K is quantised (harness/kv_paths/rotation.py)
+    "rotation": ("hadamard",),
 }
 CONTROL_PREFILL_CHUNK = 32  # tokens per prefill chunk (vLLM chunks at max_num_batched_tokens, 2048+; this small so
 # the canaries' short prompts are chunked too)
 # The control arm every in-process run adds (harness/runs/gate.py): the reference's numerics, prefilled in chunks
 # and, on CUDA, decoded in its own batch composition; its divergence from the reference is the engine's own noise.
 CONTROL_ARM = "bf16:chunked_prefill"
-KEYED_OPTIONS = ("layers", "keep_bf16")  # key=value options: a per-layer precision map
+KEYED_OPTIONS = ("layers", "keep_bf16", "prefill")  # key=value options: a per-layer precision map, a prefill format
+SLIDING_WINDOW = "sliding_window"  # keep_bf16's word for every sliding-window attention layer (vLLM's)
 LAYER_MAP_BYTES = 16 << 20  # a sensitivity.json of a 1,000-layer model's ranking is well under 1 MiB
 SCALE_SOURCE_HELP = {
     "default": "scale 1.0, as vLLM and SGLang use when none is given",
@@ -84,15 +96,18 @@ class KVPath:
     granularity: str = "per_tensor"
     scale_source: str = "default"
     saturate: bool = True
-    # False: the chunk being prefilled attends to its own unquantised K/V (engines that run prefill
-    # attention before the cache write); earlier tokens are always read back quantised.
-    quantize_current_chunk: bool = True
+    # The format a prefill chunk (more than one token) attends to its own K/V in: "" the cache's (written, then
+    # read); "bf16" raw (`raw_prefill`: engines that run prefill attention before the cache write); a KVFormat name
+    # (`prefill=FORMAT`). Earlier tokens, and every decode step, always read the cache's format.
+    prefill_fmt: str = ""
     k_scale_on_scores: bool = False  # failure class 3 reproduced: bf16 cache, scores times k_scale
     # Decode-kernel plug-in (`kernel=NAME`): "" is our Triton kernel on CUDA (harness/kv_paths/decode_kernels.py)
     kernel: str = ""
     fp8_q: bool = False  # the query quantised to e4m3 with a q_scale before QK^T
     fp8_prob: bool = False  # the softmax probabilities quantised to e4m3 with a prob_scale before PV
     bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
+    bf16_sliding: bool = False  # every sliding-window attention layer left unquantised too (`keep_bf16=sliding_window`)
+    hadamard: bool = False  # K (and Q at attention) rotated over head_dim before quantising (kv_paths/rotation.py)
     fault: str = ""  # an attention-arithmetic fault injector (`fault=NAME`, harness/kv_paths/faults.py); "" none
     emulated: bool = False  # the format emulated outside the engine: the yardstick's twin (kv_paths/emulated.py)
     prefill_chunk: int = 0  # tokens per prefill chunk (`chunked_prefill`); 0: the engine's own chunking
@@ -100,6 +115,21 @@ class KVPath:
     @property
     def quantizes_attention(self) -> bool:
         return self.fp8_q or self.fp8_prob
+
+    @property
+    def quantize_current_chunk(self) -> bool:
+        """A prefill chunk attends to its own K/V as the cache reads them back (no prefill format of its own)."""
+        return not self.prefill_fmt
+
+    @property
+    def prefill_format(self) -> kv_formats.KVFormat | None:
+        """The format a prefill chunk attends to its own K/V in, where it is one (None: the cache's, or raw)."""
+        return kv_formats.get_format(self.prefill_fmt) if self.prefill_fmt not in ("", "bf16") else None
+
+    @property
+    def keeps_layers_bf16(self) -> bool:
+        """Some attention layers stay unquantised (indices, or the model's sliding-window layers)."""
+        return bool(self.bf16_layers) or self.bf16_sliding
 
     @property
     def is_quantized(self) -> bool:
@@ -122,9 +152,12 @@ class KVPath:
 
     @property
     def has_static_scale(self) -> bool:
-        """Some side's format takes a static scale from the scale source (per_token FP8 computes its own)."""
+        """Some side's format (or the prefill's) takes a static scale from the scale source (per_token FP8 computes
+        its own)."""
+        prefill = self.prefill_format
         return (self.is_quantized and self.granularity != "per_token"
-                and (self.k_format.has_static_scale or self.v_format.has_static_scale))
+                and (self.k_format.has_static_scale or self.v_format.has_static_scale
+                     or (prefill is not None and prefill.has_static_scale)))
 
     @property
     def is_reference_noise(self) -> bool:
@@ -144,8 +177,8 @@ class KVPath:
         extra = [":chunked_prefill"] if self.prefill_chunk else []
         extra += [":fp8_q"] if self.fp8_q else []
         extra += [":fp8_p"] if self.fp8_prob else []
-        if self.bf16_layers:
-            extra.append(":keep_bf16=" + "+".join(str(i) for i in self.bf16_layers))
+        if self.keeps_layers_bf16:
+            extra.append(":keep_bf16=" + "+".join([*map(str, self.bf16_layers)] + [SLIDING_WINDOW] * self.bf16_sliding))
         if self.fault:
             extra.append(f":fault={self.fault}")
         return extra
@@ -155,7 +188,8 @@ class KVPath:
             return NOISE_FORMAT
         if not self.is_quantized:
             base = "bf16" if self.scale_source == "default" else f"bf16:{self.scale_source}"
-            return base + (":k_scale_on_scores" if self.k_scale_on_scores else "")
+            return base + (":k_scale_on_scores" if self.k_scale_on_scores else "") + "".join(
+                f":{option}" for option in self._prefill_and_rotation())
         parts = [self._format_head()]
         if self.has_static_scale or self.granularity == "per_token":
             parts.append(self.granularity)
@@ -163,18 +197,26 @@ class KVPath:
             parts.append(self.scale_source)
         if not (self.k_format.saturating_only or self.v_format.saturating_only):
             parts.append("sat" if self.saturate else "nosat")
-        if not self.quantize_current_chunk:
-            parts.append("raw_prefill")
+        parts += self._prefill_and_rotation()
         if self.emulated:
             parts.append("emulated")
         if self.kernel:
             parts.append(f"kernel={self.kernel}")
         return ":".join(parts)
 
+    def _prefill_and_rotation(self) -> list[str]:
+        parts = []
+        if self.prefill_fmt:
+            parts.append("raw_prefill" if self.prefill_fmt == "bf16" else f"prefill={self.prefill_format.spec_name}")
+        return parts + (["hadamard"] if self.hadamard else [])
+
     def _format_head(self) -> str:
-        if not self.v_fmt or self.v_fmt == self.fmt:
+        """The head that parses back to (fmt, v_fmt): one spelling where V takes what K's format names for it (its
+        own format, or its `pairs_with`: fp8_ds_mla), else k=/v= (an unquantised side spelled bf16)."""
+        v_fmt = self.v_fmt or self.fmt
+        if v_fmt == (self.k_format.pairs_with or self.fmt):
             return self.k_format.spec_name
-        return f"k={self.k_format.spec_name}/v={self.v_format.spec_name}"
+        return f"k={_side_name(self.k_format)}/v={_side_name(self.v_format)}"
 
     def describe(self) -> str:
         extra = [f"prompt prefilled in chunks of {self.prefill_chunk} tokens"] if self.prefill_chunk else []
@@ -183,8 +225,16 @@ class KVPath:
         if self.quantizes_attention:
             parts = [n for n, on in (("query (q_scale)", self.fp8_q), ("probabilities (prob_scale)", self.fp8_prob)) if on]
             extra.append(f"fp8 e4m3 attention {' and '.join(parts)}, scales from {self.scale_source}")
-        if self.bf16_layers:
-            extra.append(f"attention layers {', '.join(map(str, self.bf16_layers))} kept in bf16")
+        if self.keeps_layers_bf16:
+            kept = [f"attention layers {', '.join(map(str, self.bf16_layers))}"] * bool(self.bf16_layers) + \
+                ["every sliding-window attention layer"] * self.bf16_sliding
+            extra.append(f"{' and '.join(kept)} kept in bf16")
+        if self.prefill_fmt:
+            extra.append("a prefill chunk attends to its own K/V " + (
+                "raw (before the cache write)" if self.prefill_fmt == "bf16" else
+                f"in {self.prefill_format.spec_name} ({self.prefill_format.describe()}); decode reads the cache's"))
+        if self.hadamard:
+            extra.append("K and Q rotated by a normalised Hadamard transform over head_dim before K is quantised")
         if self.fault:
             extra.append(f"fault injector: {FAULTS[self.fault]}")
         return "; ".join([self._describe_kv(), *extra])
@@ -213,7 +263,7 @@ class KVPath:
     def _describe_formats(self) -> str:
         static = (f"; static scales {self.granularity} from {self.scale_source} ({SCALE_SOURCE_HELP[self.scale_source]})"
                   if self.has_static_scale else "")
-        if self.k_format is self.v_format:
+        if self.k_format is self.v_format or self.v_format.name == self.k_format.pairs_with:
             return f"{self.k_format.spec_name} cache: {self.k_format.describe()}{static}"
         return (f"K {self.k_format.spec_name} ({self.k_format.describe()}), V {self.v_format.spec_name} "
                 f"({self.v_format.describe()}){static}")
@@ -224,7 +274,8 @@ class KVPath:
 ENGINE_KV_DTYPES: dict[str, dict[str, str]] = {
     "vllm": {"auto": "bf16", "float16": "bf16", "bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
              "fp8_e5m2": "fp8_e5m2", "fp8_per_token_head": "fp8_per_token_head",
-             "int8_per_token_head": "int8_per_token_head", "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4_4over6"},
+             "int8_per_token_head": "int8_per_token_head", "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4_4over6",
+             "fp8_ds_mla": "fp8_ds_mla", "nvfp4_ds_mla": "nvfp4_ds_mla"},
     "sglang": {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
                "mxfp8": "mxfp8", "nvfp4": "nvfp4", "fp4_mx_block16": "fp4_mx_block16", "fp4_e2m1": "fp4_mx_block16",
                "int8": "int8_per_token_head_asym"},
@@ -234,8 +285,6 @@ ENGINE_REFUSALS: dict[str, dict[str, str]] = {
         "fp8_inc": "Intel Gaudi's INC-scaled e4m3: its scale rule is not declared here (nearest: fp8_e4m3:calibrated)",
         "int4_per_token_head": "vLLM's int4 is a 16-level codebook with fp16 group scales, not declared here; "
                                "int4_per_token_head is our linear symmetric int4",
-        "fp8_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
-        "nvfp4_ds_mla": "DeepSeek's tile-scaled latent with bf16 RoPE values needs a latent layout we do not model",
         **{name: "TurboQuant's rotation and codebooks are not declared here" for name in (
             "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
     },
@@ -243,24 +292,36 @@ ENGINE_REFUSALS: dict[str, dict[str, str]] = {
 }
 
 
-def _engine_head(spec: str, head: str, options: list[str]) -> tuple[str, list[str]]:
-    """`vllm:VALUE[:option...]` / `sglang:VALUE[:option...]` -> (our head, the remaining options)."""
+def _engine_head(spec: str, head: str, options: list[str]) -> tuple[str, str, list[str]]:
+    """`vllm:VALUE[:option...]` / `sglang:VALUE[:option...]` -> (the engine or "", our head, the other options)."""
     if head not in ENGINE_KV_DTYPES:
-        return head, options
+        return "", head, options
     if not options:
         raise PathSpecError(f"KV path {spec!r}: {head}: needs the engine's --kv-cache-dtype value, e.g. {head}:nvfp4")
-    value, rest = options[0], options[1:]
-    if value in ENGINE_REFUSALS[head]:
-        raise PathSpecError(f"KV path {spec!r}: {head} --kv-cache-dtype {value} is refused: "
-                            f"{ENGINE_REFUSALS[head][value]} (docs/FORMATS.md)")
-    if value not in ENGINE_KV_DTYPES[head]:
-        raise PathSpecError(f"KV path {spec!r}: unknown {head} --kv-cache-dtype {value!r}; known: "
-                            f"{', '.join([*ENGINE_KV_DTYPES[head], *ENGINE_REFUSALS[head]])}")
-    return ENGINE_KV_DTYPES[head][value], rest
+    return head, _engine_value(spec, head, "--kv-cache-dtype", options[0]), options[1:]
+
+
+def _engine_value(spec: str, engine: str, flag: str, value: str) -> str:
+    """An engine's KV dtype value (of --kv-cache-dtype or --prefill-kv-cache-dtype) -> our spelling, or the refusal."""
+    if value in ENGINE_REFUSALS[engine]:
+        raise PathSpecError(f"KV path {spec!r}: {engine} {flag} {value} is refused: "
+                            f"{ENGINE_REFUSALS[engine][value]} (docs/FORMATS.md)")
+    if value not in ENGINE_KV_DTYPES[engine]:
+        raise PathSpecError(f"KV path {spec!r}: unknown {engine} {flag} {value!r}; known: "
+                            f"{', '.join([*ENGINE_KV_DTYPES[engine], *ENGINE_REFUSALS[engine]])}")
+    return ENGINE_KV_DTYPES[engine][value]
+
+
+UNQUANTISED_SIDE = "unquantised"  # the KVFormat of a K or V side kept in the model dtype (`v=bf16`)
+
+
+def _side_name(kv_format: kv_formats.KVFormat) -> str:
+    return "bf16" if kv_format.name == UNQUANTISED_SIDE else kv_format.spec_name
 
 
 def _formats_of_head(spec: str, head: str) -> tuple[str, str]:
-    """(fmt, v_fmt) a spec's head names: a format spelling, or `k=A/v=B` (v_fmt "" where V is K's format)."""
+    """(fmt, v_fmt) a spec's head names: a format spelling (V in its `pairs_with` where it names one: fp8_ds_mla), or
+    `k=A/v=B` (`bf16` for a side left unquantised); v_fmt "" where V is K's format, bf16 where neither is quantised."""
     if "=" not in head:
         found = kv_formats.format_of_spelling(head)
         if head in ("bf16", NOISE_FORMAT) or found is None:
@@ -269,27 +330,52 @@ def _formats_of_head(spec: str, head: str) -> tuple[str, str]:
                 raise PathSpecError(f"KV path {spec!r}: unknown cache format {head!r}; expected one of {known}, "
                                     f"or K and V apart as k=FORMAT/v=FORMAT")
             return FORMATS[head], ""
-        return found.name, ""
+        if found.name == UNQUANTISED_SIDE:
+            return "bf16", ""
+        return found.name, found.pairs_with
     sides = dict(part.partition("=")[::2] for part in head.split("/"))
     if sorted(sides) != ["k", "v"] or head.count("/") != 1:
         raise PathSpecError(f"KV path {spec!r}: mixed K/V formats are spelled k=FORMAT/v=FORMAT, e.g. "
-                            f"k=fp8_e4m3/v=nvfp4; got {head!r}")
+                            f"k=fp8_e4m3/v=nvfp4 (v=bf16: V unquantised); got {head!r}")
     chosen = {}
     for side, spelling in sides.items():
-        found = kv_formats.format_of_spelling(spelling)
+        found = kv_formats.format_of_spelling(UNQUANTISED_SIDE if spelling == "bf16" else spelling)
         if found is None:
             raise PathSpecError(f"KV path {spec!r}: unknown {side.upper()} format {spelling!r}; expected one of "
-                                f"{', '.join(kv_formats.spellings())}")
+                                f"bf16, {', '.join(kv_formats.spellings())}")
         chosen[side] = found.name
+    if chosen["k"] == chosen["v"] == UNQUANTISED_SIDE:
+        return "bf16", ""
     return chosen["k"], "" if chosen["v"] == chosen["k"] else chosen["v"]
 
 
-def _check_scale_options(spec: str, fmt: str, v_fmt: str, chosen: dict[str, str]) -> None:
+def _prefill_option(spec: str, engine: str, value: str, fmt: str, v_fmt: str) -> str:
+    """`prefill=FORMAT` (under an engine head, the engine's own value: `sglang:nvfp4:prefill=fp8_e4m3`) -> the
+    path's `prefill_fmt`: "bf16" (raw), "" (the cache's own format: nothing to say), or a KVFormat name."""
+    flag = "--prefill-kv-cache-dtype"
+    if not value:
+        raise PathSpecError(f"KV path {spec!r}: prefill= needs the format a prefill chunk attends in, e.g. "
+                            f"prefill=fp8_e4m3 (prefill=bf16: its raw K/V)")
+    spelling = _engine_value(spec, engine, flag, value) if engine else value
+    if spelling in ("bf16", "unquantised"):
+        return "" if fmt == "bf16" else "bf16"
+    found = kv_formats.format_of_spelling(spelling)
+    if found is None:
+        raise PathSpecError(f"KV path {spec!r}: unknown prefill format {value!r} ({flag}); expected bf16 or one of "
+                            f"{', '.join(s for s in kv_formats.spellings() if s != 'unquantised')}")
+    if found.pairs_with:
+        raise PathSpecError(f"KV path {spec!r}: prefill={value}: a prefill format is one format for K and V; "
+                            f"{found.spec_name} is a latent layout with its own k_pe format")
+    return "" if found.name == fmt and v_fmt in ("", fmt) else found.name
+
+
+def _check_scale_options(spec: str, fmt: str, v_fmt: str, chosen: dict[str, str], prefill_fmt: str = "") -> None:
     """Scale options a path's formats cannot take: named with the format and the option."""
     if fmt in UNQUANTISED:
         return
     k_format, v_format = kv_formats.get_format(fmt), kv_formats.get_format(v_fmt or fmt)
-    static = k_format.has_static_scale or v_format.has_static_scale
+    prefill = kv_formats.get_format(prefill_fmt) if prefill_fmt not in ("", "bf16") else None
+    static = k_format.has_static_scale or v_format.has_static_scale or (prefill is not None and prefill.has_static_scale)
     for dimension in ("granularity", "scale_source"):
         if dimension in chosen and not static:
             raise PathSpecError(
@@ -309,7 +395,7 @@ def parse_path(spec: str) -> KVPath:
     if not text:
         raise PathSpecError("empty KV path spec; expected e.g. 'bf16' or 'fp8_e4m3:per_head:calibrated'")
     head, *options = [part.strip() for part in text.split(":")]
-    head, options = _engine_head(spec, head, options)
+    engine, head, options = _engine_head(spec, head, options)
     fmt, v_fmt = _formats_of_head(spec, head)
     if fmt == NOISE_FORMAT and options:
         raise PathSpecError(f"KV path {spec!r}: fp32 is the reference in float32 (its precision noise) and takes no "
@@ -319,16 +405,27 @@ def parse_path(spec: str) -> KVPath:
     if kernel and (not legacy_fp8 or "per_token" in options or "emulated" in options):
         raise PathSpecError(f"KV path {spec!r}: kernel={kernel} needs an fp8 cache with per_tensor or per_head "
                             f"scales (the decode-kernel contract, docs/CONTRACTS.md)")
+    if kernel and "hadamard" in options:
+        raise PathSpecError(f"KV path {spec!r}: kernel={kernel} decodes the cache against the model's own query "
+                            f"(docs/CONTRACTS.md); hadamard stores rotated K, read with a rotated query")
     chosen: dict[str, str] = {}
-    bf16_layers: tuple[int, ...] = ()
+    bf16_layers: tuple[int, ...] | None = None
+    bf16_sliding = False
+    prefill_fmt = ""
     for option in options:
         if option.startswith("fault=") and option not in DIMENSIONS["fault"]:
             raise PathSpecError(f"KV path {spec!r}: unknown fault {option.removeprefix('fault=')!r}; fault "
                                 f"injectors are {', '.join(FAULTS)} (harness/kv_paths/faults.py)")
+        if option.startswith("prefill="):
+            if "prefill" in chosen:
+                raise PathSpecError(f"KV path {spec!r} sets prefill twice ({chosen['prefill']!r} and {option!r})")
+            chosen["prefill"] = option
+            prefill_fmt = _prefill_option(spec, engine, option.removeprefix("prefill="), fmt, v_fmt)
+            continue
         if "=" in option and not option.startswith("fault="):
-            if bf16_layers:
+            if bf16_layers is not None:
                 raise PathSpecError(f"KV path {spec!r} sets the per-layer precision map twice")
-            bf16_layers = _keyed_option(spec, option)
+            bf16_layers, bf16_sliding = _keyed_option(spec, option)
             continue
         dimension = next((d for d, values in DIMENSIONS.items() if option in values), None)
         if dimension is None:
@@ -337,7 +434,10 @@ def parse_path(spec: str) -> KVPath:
         if dimension in chosen:
             raise PathSpecError(f"KV path {spec!r} sets {dimension} twice ({chosen[dimension]!r} and {option!r})")
         chosen[dimension] = option
-    _check_scale_options(spec, fmt, v_fmt, chosen)
+    bf16_layers = bf16_layers or ()
+    if chosen.get("prefill") == "raw_prefill":
+        prefill_fmt = "" if fmt == "bf16" else "bf16"
+    _check_scale_options(spec, fmt, v_fmt, chosen, prefill_fmt)
     granularity = chosen.get("granularity", "per_tensor")
     source = chosen.get("scale_source", "default")
     if granularity == "per_token" and "scale_source" in chosen:
@@ -347,7 +447,7 @@ def parse_path(spec: str) -> KVPath:
     if "scores" in chosen:
         _check_k_scale_on_scores(spec, fmt, source)
     if "implementation" in chosen:
-        _check_emulated(spec, fmt, chosen, bf16_layers, v_fmt)
+        _check_emulated(spec, fmt, chosen, bf16_layers or bf16_sliding, v_fmt)
     fault = chosen.get("fault", "").removeprefix("fault=")
     if fault:
         from harness.kv_paths.faults import check
@@ -356,7 +456,7 @@ def parse_path(spec: str) -> KVPath:
         if problem:
             raise PathSpecError(f"KV path {spec!r}: {problem}")
     dynamic = fmt not in UNQUANTISED and (granularity == "per_token" or not any(
-        kv_formats.get_format(f).has_static_scale for f in (fmt, v_fmt or fmt)))
+        kv_formats.get_format(f).has_static_scale for f in (fmt, v_fmt or fmt, prefill_fmt) if f not in ("", "bf16")))
     return KVPath(
         name=text,
         fmt=fmt,
@@ -364,12 +464,14 @@ def parse_path(spec: str) -> KVPath:
         granularity=granularity,
         scale_source="dynamic" if dynamic else source,
         saturate=chosen.get("cast", "sat") == "sat",
-        quantize_current_chunk=chosen.get("prefill", "quantized_prefill") == "quantized_prefill",
+        prefill_fmt=prefill_fmt,
         k_scale_on_scores="scores" in chosen,
         kernel=kernel,
         fp8_q=chosen.get("query") == "fp8_q",
         fp8_prob=chosen.get("probs") == "fp8_p",
         bf16_layers=bf16_layers,
+        bf16_sliding=bf16_sliding,
+        hadamard="rotation" in chosen,
         fault=fault,
         emulated="implementation" in chosen,
         prefill_chunk=CONTROL_PREFILL_CHUNK if "chunking" in chosen else 0,
@@ -383,9 +485,13 @@ def twin_of(spec: str) -> str | None:
     stick = parse_path(spec)
     if not stick.is_fp8 or stick.emulated or stick.v_fmt or stick.scale_source not in ("default", "calibrated", "dynamic"):
         return None
-    if stick.kernel or stick.quantizes_attention or stick.bf16_layers or stick.fault or not stick.quantize_current_chunk:
+    if (stick.kernel or stick.quantizes_attention or stick.keeps_layers_bf16 or stick.fault or stick.hadamard
+            or not stick.quantize_current_chunk):
         return None
-    return stick.canonical + ":emulated"
+    try:  # any other option the twin does not take (chunked prefill, ...): no twin, as above
+        return parse_path(stick.canonical + ":emulated").canonical
+    except PathSpecError:
+        return None
 
 
 def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
@@ -403,7 +509,7 @@ def _check_k_scale_on_scores(spec: str, fmt: str, source: str) -> None:
 EMULATED_DIMENSIONS = ("granularity", "cast", "implementation")  # with the default or calibrated scale source
 
 
-def _check_emulated(spec: str, fmt: str, chosen: dict[str, str], bf16_layers: tuple[int, ...], v_fmt: str) -> None:
+def _check_emulated(spec: str, fmt: str, chosen: dict[str, str], bf16_layers, v_fmt: str) -> None:
     if fmt not in ("e4m3", "e5m2") or (v_fmt and v_fmt != fmt):
         raise PathSpecError(f"KV path {spec!r}: emulated is an fp8 cache written outside the engine (the "
                             f"yardstick's twin); use e.g. 'fp8_e4m3:calibrated:emulated'")
@@ -443,22 +549,29 @@ def _is_option(word: str) -> bool:
     return any(word in values for values in DIMENSIONS.values())
 
 
-def _keyed_option(spec: str, option: str) -> tuple[int, ...]:
-    """`keep_bf16=3+7` or `layers=FILE` (JSON with "bf16_layers": [..], as `harness sensitivity` writes)."""
+def _keyed_option(spec: str, option: str) -> tuple[tuple[int, ...], bool]:
+    """`keep_bf16=3+7+sliding_window` or `layers=FILE` (JSON with "bf16_layers": [..], as `harness sensitivity`
+    writes) -> (layer indices, whether every sliding-window layer is kept too)."""
     key, _, value = option.partition("=")
     if key not in KEYED_OPTIONS:
         raise PathSpecError(f"KV path {spec!r}: unknown option {key!r}; key=value options are {', '.join(KEYED_OPTIONS)}")
+    parts = [part.strip() for part in value.split("+")] if key == "keep_bf16" else []
+    sliding = SLIDING_WINDOW in parts
     if key == "keep_bf16":
         try:
-            layers = [int(part) for part in value.split("+") if part.strip()]
+            layers = [int(part) for part in parts if part and part != SLIDING_WINDOW]
         except ValueError:
-            raise PathSpecError(f"KV path {spec!r}: keep_bf16 takes layer indices joined by '+', e.g. keep_bf16=3+7; "
+            raise PathSpecError(f"KV path {spec!r}: keep_bf16 takes layer indices and {SLIDING_WINDOW} joined by '+', "
+                                f"e.g. keep_bf16=3+7 or keep_bf16={SLIDING_WINDOW} (vLLM's --kv-cache-dtype-skip-layers); "
                                 f"got {value!r}") from None
+        if not layers and not sliding:
+            raise PathSpecError(f"KV path {spec!r}: keep_bf16= names no layer; e.g. keep_bf16=3+7 or "
+                                f"keep_bf16={SLIDING_WINDOW}")
     else:
         layers = read_layer_map(spec, value)
     if any(i < 0 for i in layers):
         raise PathSpecError(f"KV path {spec!r}: negative layer index in {option!r}")
-    return tuple(sorted(set(layers)))
+    return tuple(sorted(set(layers))), sliding
 
 
 def read_layer_map(spec: str, file: str) -> list[int]:

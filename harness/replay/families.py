@@ -98,12 +98,36 @@ def refusals(config, paths) -> list[str]:
                         f"path would replay BF16 under an FP8 name")
     problems += [bf16_layer_problem(path, family, len(routes)) for path in paths
                  if any(layer >= len(routes) for layer in path.bf16_layers)]
+    problems += layout_problems(config, paths)
     beyond = beyond_sdpa_features(config)
     fp8_attention = [p.name for p in paths if p.quantizes_attention]
     if beyond and fp8_attention:
         problems.append(f"--paths {','.join(fp8_attention)}: model family {family!r} has {' and '.join(beyond)}, which "
                         f"the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
                         f"kernels.reference.attention_fp8")
+    return problems
+
+
+def layout_problems(config, paths) -> list[str]:
+    """Paths whose options the model's layout cannot take: keep_bf16=sliding_window without sliding-window layers,
+    a format declared for another layout (fp8_ds_mla on a GQA model), a Hadamard rotation of an MLA latent."""
+    from harness.kv_paths.cache import no_sliding_window_problem, sliding_window_layers
+
+    layout = "mla" if getattr(config, "kv_lora_rank", None) else "gqa"
+    family, problems = config.model_type, []
+    for path in paths:
+        if path.bf16_sliding and not sliding_window_layers(config):
+            problems.append(no_sliding_window_problem(path, config))
+        formats = dict.fromkeys(f for f in (path.k_format, path.v_format, path.prefill_format) if f is not None)
+        for kv_format in formats:
+            if layout not in kv_format.layouts:
+                problems.append(f"--paths {path.name}: {kv_format.spec_name} is a cache layout for "
+                                f"{'/'.join(kv_format.layouts).upper()} models ({kv_format.describe()}); model family "
+                                f"{family!r} is {layout.upper()}")
+        if path.hadamard and layout == "mla":
+            problems.append(f"--paths {path.name}: hadamard rotates per-head K over head_dim; model family {family!r} "
+                            f"caches an MLA latent that kv_b_proj expands before attention (rotating it would need "
+                            f"kv_b_proj's columns rotated too, which this option does not do)")
     return problems
 
 
@@ -150,6 +174,11 @@ def route_facts(config, paths) -> dict:
     for path in paths:
         if path.bf16_layers:
             facts["kept_bf16"].update({f"{i} ({path.name})": "the path's layers= option" for i in path.bf16_layers})
+        if path.bf16_sliding:
+            from harness.kv_paths.cache import sliding_window_layers
+
+            facts["kept_bf16"].update({f"{i} ({path.name})": "the path's keep_bf16=sliding_window (a sliding-window "
+                                                             "layer)" for i in sliding_window_layers(config)})
     return facts
 
 

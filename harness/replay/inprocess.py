@@ -187,7 +187,7 @@ class InProcessModel:
             if key not in self._scales:
                 self._scales[key] = self._twin_scales(kv_path)
             return self._scales[key]
-        key = (kv_path.fmt, kv_path.v_fmt, kv_path.granularity, kv_path.scale_source)
+        key = (kv_path.fmt, kv_path.v_fmt, kv_path.granularity, kv_path.scale_source, kv_path.hadamard)
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
             self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales
@@ -246,12 +246,12 @@ class InProcessModel:
         if kv_path.scale_source == "checkpoint":
             where = self.scales_file or self.directory
             return scales_from_checkpoint(calibration.checkpoint_tensors(where), config, kv_path, str(where))
-        cache = observer_cache(config)
+        cache = observer_cache(config, rotated=kv_path.hadamard)  # a hadamard path's scales: rotated K's amax
         if kv_path.scale_source == "calibrated":
             chats = self.calibration_chats or calibration.default_calibration_chats()
             for chat in chats:  # one observer cache shared by all prompts: amax over all of them
                 self._observe(self.encode_chat(chat), cache)
-                cache = _carry_amax(cache, observer_cache(config))
+                cache = _carry_amax(cache, observer_cache(config, rotated=kv_path.hadamard))
             self._gather_amax(cache)
             return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats")
         if kv_path.scale_source == "warmup":

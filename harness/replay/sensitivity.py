@@ -1,7 +1,8 @@
 """Layer sensitivity scan: FP8 on one attention layer at a time (bisection over groups for deep models),
 the token divergence and teacher-forced KL each causes, a ranking, and a recommended per-layer precision
 map (which layers to keep in BF16) for a divergence budget. The map is a file a path takes
-(`fp8_e4m3:layers=MAP`), so a run can show the mixed-precision path beside the others.
+(`fp8_e4m3:layers=MAP`), so a run can show the mixed-precision path beside the others, and it says the same in
+the engines' own flags (`engine_flags`: vLLM's `--kv-cache-dtype X --kv-cache-dtype-skip-layers 0 3`).
 
 Every measurement replays the same turns: each scenario turn's reference reply (greedy, on the reference's
 history) is scored teacher-forced by the path (KL(ref || path) per token) and the path's own greedy reply
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 
 from harness.analysis.metrics import free_running, teacher_forced
 from harness.kv_paths.cache import attention_layer_indices
-from harness.kv_paths.spec import KVPath
+from harness.kv_paths.spec import ENGINE_KV_DTYPES, KVPath
 from harness.scenarios.load import Scenario
 from harness.types import Message
 
@@ -71,7 +72,7 @@ def reference_turns(owner, scenarios: Sequence[Scenario], max_turns: int) -> lis
 
 def with_fp8_layers(kv_path: KVPath, fp8_layers: Sequence[int], all_layers: Sequence[int]) -> KVPath:
     keep = tuple(i for i in all_layers if i not in set(fp8_layers))
-    return dataclasses.replace(kv_path, bf16_layers=keep, name=f"{kv_path.name}@fp8={'+'.join(map(str, fp8_layers))}")
+    return dataclasses.replace(kv_path, bf16_layers=keep, bf16_sliding=False, name=f"{kv_path.name}@fp8={'+'.join(map(str, fp8_layers))}")
 
 
 def measure(owner, kv_path: KVPath, turns: Sequence[ReferenceTurn], fp8_layers: Sequence[int]) -> Measured:
@@ -146,12 +147,41 @@ def recommend(owner, kv_path: KVPath, turns: Sequence[ReferenceTurn], ranking: S
 
 def precision_map(model: str, kv_path: KVPath, budget: float, bf16_layers: list[int], layers: list[int],
                   mixed: Measured, all_fp8: Measured, ranking: Sequence[Measured], budget_source: str) -> dict:
-    """The file `harness sensitivity` writes and `...:layers=FILE` reads (`bf16_layers`)."""
+    """The file `harness sensitivity` writes and `...:layers=FILE` reads (`bf16_layers`): per layer, its format
+    (bf16 or the path's), and the engines' flags that serve the same map."""
+    head = cache_head(kv_path)
     return {
         "model": model, "kv_path": kv_path.canonical,
         "budget": {"metric": BUDGET_METRIC, "limit": budget, "source": budget_source},
         "bf16_layers": bf16_layers,
-        "layers": {str(i): "bf16" if i in bf16_layers else "fp8" for i in layers},
+        "layers": {str(i): "bf16" if i in bf16_layers else head for i in layers},
+        "engine_flags": engine_flags(kv_path, bf16_layers),
         "measured": {"mixed": mixed.as_row(), "all_fp8": all_fp8.as_row()},
         "ranking": [m.as_row() for m in ranking],
     }
+
+
+def cache_head(kv_path: KVPath) -> str:
+    """The path's cache format as its spec spells it (`fp8_e4m3`, `nvfp4`, `k=fp8_e4m3/v=nvfp4`)."""
+    return kv_path.canonical.split(":")[0]
+
+
+def engine_flags(kv_path: KVPath, bf16_layers: Sequence[int]) -> dict[str, str]:
+    """Per engine, the launch flags that give the path's cache format with `bf16_layers` kept in the model dtype,
+    or why none do: vLLM's `--kv-cache-dtype-skip-layers` takes layer indices (space-separated, as its docs spell
+    it); SGLang has no per-layer KV dtype flag."""
+    head, flags = cache_head(kv_path), {}
+    for engine, table in ENGINE_KV_DTYPES.items():
+        values = [value for value, ours in table.items() if ours == head]
+        if not values:
+            flags[engine] = f"no {engine} --kv-cache-dtype value stores {head} (docs/FORMATS.md)"
+            continue
+        value = head if head in values else values[0]
+        if not bf16_layers:
+            flags[engine] = f"--kv-cache-dtype {value}"
+        elif engine == "vllm":
+            flags[engine] = f"--kv-cache-dtype {value} --kv-cache-dtype-skip-layers {' '.join(map(str, bf16_layers))}"
+        else:
+            flags[engine] = (f"--kv-cache-dtype {value} quantises every layer: {engine} has no per-layer KV dtype flag "
+                             f"to keep layers {', '.join(map(str, bf16_layers))} in BF16")
+    return flags

@@ -23,6 +23,7 @@ import pandas as pd
 from harness.analysis.strata import STRATA_SERIES, context_tokens_index, path_strata
 from harness.analysis.verdicts import (
     DEFAULT_YARDSTICK,
+    VERDICTS,
     Limit,
     compute_path_verdicts,
     compute_verdicts,
@@ -55,6 +56,11 @@ class IncompleteRunError(RuntimeError):
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSONL file: a missing file is empty, a torn last line (a killed run) is skipped, any other
     line that is not a JSON object is an error naming `file:line`."""
+    return [row for _, row in numbered_rows(path)]
+
+
+def numbered_rows(path: Path) -> list[tuple[int, dict]]:
+    """`read_jsonl`'s rows with their line numbers."""
     path = Path(path)
     if not path.exists():
         return []
@@ -71,8 +77,81 @@ def read_jsonl(path: Path) -> list[dict]:
             raise RunReadError(f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(row, dict):
             raise RunReadError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
-        rows.append(row)
+        rows.append((number, row))
     return rows
+
+
+NUMBER_OR_NULL = (int, float, type(None))
+NONFINITE_WORDS = ("nan", "inf", "-inf")  # what `records.encode_value` writes beside a null
+UNIT = {"model": str, "scenario": str, "path": str}
+# What the reader uses of each table's rows: field -> JSON types; a row without a field of ROW_FIELDS, or with any
+# field here of another type, is a RunReadError naming file:line (a hand-edited or damaged run, never a traceback)
+ROW_FIELDS = {"records": {**UNIT, "turn": int, "metric": str, "value": NUMBER_OR_NULL},
+              "series": {**UNIT, "turn": int, "series": str, "values": list},
+              "done": UNIT,
+              "verdicts": {**UNIT, "turn": int, "verdict": str},
+              "path_verdicts": {"model": str, "path": str},
+              "judgements": {**UNIT, "turn": int, "metric": str, "value": NUMBER_OR_NULL},
+              "checks": {**UNIT, "turn": int},
+              "errors": UNIT}
+OPTIONAL_FIELDS = {"value_text": (str, type(None)), "values_text": dict, "kind": (str, type(None)),
+                   "tags": (list, type(None)), "reasons": list, "status": (str, type(None))}
+
+
+def check_rows(path: Path, name: str, rows: list[tuple[int, dict]]) -> None:
+    """RunReadError at the first row of table `name` that lacks a field the reader uses or holds one of another
+    JSON type (a bool is not a number here)."""
+    required = ROW_FIELDS.get(name)
+    if required is None:
+        return
+    for number, row in rows:
+        for field, kinds in required.items():
+            if field not in row:
+                raise RunReadError(f"{path}:{number}: no field {field!r}")
+        for field, kinds in (*required.items(), *((f, k) for f, k in OPTIONAL_FIELDS.items() if f in row)):
+            value = row[field]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _types(kinds)):
+                raise RunReadError(f"{path}:{number}: field {field!r} is {_json_type(value)}, not "
+                                   f"{' or '.join(_json_type_name(k) for k in _types(kinds))}")
+        if row.get("value_text") not in (None, *NONFINITE_WORDS):
+            raise RunReadError(f"{path}:{number}: field 'value_text' is {row['value_text']!r}, not nan, inf or -inf")
+        if name == "series":
+            _check_series(path, number, row)
+        if name in ("verdicts", "path_verdicts"):
+            _check_verdict(path, number, row)
+
+
+def _check_series(path: Path, number: int, row: dict) -> None:
+    values = row["values"]
+    if not all(isinstance(v, NUMBER_OR_NULL) and not isinstance(v, bool) for v in values):
+        raise RunReadError(f"{path}:{number}: field 'values' holds something other than numbers and nulls")
+    for index, text in (row.get("values_text") or {}).items():
+        if not (isinstance(index, str) and index.isdigit() and int(index) < len(values)) or \
+                text not in NONFINITE_WORDS:
+            raise RunReadError(f"{path}:{number}: field 'values_text' entry {index!r}: {text!r} is not nan, inf or "
+                               f"-inf at an index of 'values'")
+
+
+def _check_verdict(path: Path, number: int, row: dict) -> None:
+    if row.get("verdict", "pass") not in VERDICTS:
+        raise RunReadError(f"{path}:{number}: field 'verdict' is {row['verdict']!r}, not one of {', '.join(VERDICTS)}")
+    for index, reason in enumerate(row.get("reasons") or []):
+        if not isinstance(reason, dict) or reason.get("severity") not in VERDICTS:
+            raise RunReadError(f"{path}:{number}: field 'reasons[{index}]' is not an object with a severity of "
+                               f"{', '.join(VERDICTS)}")
+
+
+def _types(kinds) -> tuple:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _json_type(value) -> str:
+    return "null" if value is None else f"a {_json_type_name(type(value))}"
+
+
+def _json_type_name(kind: type) -> str:
+    return {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+            type(None): "null"}.get(kind, kind.__name__)
 
 
 def read_json(path: Path) -> dict | None:
@@ -104,7 +183,11 @@ def _text(path: Path) -> str:
 # what every run's manifest has from its creation (RunStore.create): one of them makes a JSON object a manifest
 IDENTIFYING = {"run_id", "status", "paths", "command", "versions", "started_at"}
 MANIFEST_FIELDS = {"run_id": str, "status": str, "paths": list, "models": list, "scenarios": list,
-                   "warnings": list, "verdicts": dict, "scales": dict, "noise_floor": dict}
+                   "warnings": list, "verdicts": dict, "scales": dict, "noise_floor": dict, "verdict_thresholds": list,
+                   "yardstick": str}
+
+
+ENTRY_KEYS = {"paths": "name", "models": "label", "scenarios": "id"}  # what names each entry of these lists
 
 
 def check_manifest_shape(file: Path, manifest: dict) -> None:
@@ -116,9 +199,24 @@ def check_manifest_shape(file: Path, manifest: dict) -> None:
         value = manifest.get(name)
         if value is not None and not isinstance(value, kind):
             raise RunReadError(f"{file}: field {name!r} is a {type(value).__name__}, not a {kind.__name__}")
-    for number, entry in enumerate(manifest.get("paths") or []):
-        if not isinstance(entry, dict):
-            raise RunReadError(f"{file}: field 'paths[{number}]' is a {type(entry).__name__}, not an object")
+    if isinstance(manifest.get("verdicts"), dict):
+        _check_matrix(file, manifest["verdicts"])
+    for field, kind in (("paths", dict), ("models", dict), ("scenarios", dict), ("verdict_thresholds", str)):
+        for number, entry in enumerate(manifest.get(field) or []):
+            if not isinstance(entry, kind):
+                raise RunReadError(f"{file}: field '{field}[{number}]' is {_json_type(entry)}, not "
+                                   f"{_json_type_name(kind)}")
+            key = ENTRY_KEYS.get(field)
+            if key is not None and not isinstance(entry.get(key), str):
+                raise RunReadError(f"{file}: field '{field}[{number}].{key}' is {_json_type(entry.get(key))}, not "
+                                   f"a string")
+
+
+def _check_matrix(file: Path, verdicts: dict) -> None:
+    """manifest.verdicts is {model: {path: {verdict fields}}}."""
+    for model, cells in verdicts.items():
+        if not isinstance(cells, dict) or not all(isinstance(cell, dict) for cell in cells.values()):
+            raise RunReadError(f"{file}: field 'verdicts.{model}' is not an object of one object per path")
 
 
 def path_entry(entry: dict) -> dict:
@@ -199,6 +297,9 @@ class RunView:
         if manifest is None:
             raise RunReadError(f"{self.directory} is not a stored run: no {MANIFEST}")
         check_manifest_shape(self.directory / MANIFEST, manifest)
+        for name in MANIFEST_FIELDS:  # a null field is an absent one (check_manifest_shape), for every reader after
+            if name in manifest and manifest[name] is None:
+                del manifest[name]
         manifest.setdefault("status", None)
         manifest["paths"] = [self._entry(path_entry(p)) for p in manifest.get("paths") or []]
         if self.renamed and isinstance(manifest.get("verdicts"), dict):
@@ -221,7 +322,9 @@ class RunView:
     def table(self, name: str) -> list[dict]:
         """The rows of `<name>.jsonl` ([] when the run has none), path labels renamed."""
         if name not in self._tables:
-            rows = read_jsonl(self.directory / f"{name}.jsonl")
+            numbered = numbered_rows(self.directory / f"{name}.jsonl")
+            check_rows(self.directory / f"{name}.jsonl", name, numbered)
+            rows = [row for _, row in numbered]
             if self.renamed:
                 rows = [r | {"path": self.label(r["path"])} if r.get("path") in self.renamed else r for r in rows]
             self._tables[name] = rows

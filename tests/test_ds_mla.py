@@ -1,0 +1,155 @@
+"""DeepSeek's MLA latent layouts (vLLM `fp8_ds_mla`, `nvfp4_ds_mla`): our formats (harness/kv_paths/formats.py) and
+byte records (harness/kv_paths/mla.py) against an independent definition written here in numpy from the engine's
+layout comments (vLLM csrc cache_kernels.cu `concat_and_cache_ds_mla_kernel`, nvfp4_ds_mla_cache_kernels.cu):
+every byte of every token's record, bit for bit, and the bytes a token takes (656 and 352)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harness.kv_paths import formats as F
+from harness.kv_paths import mla
+from harness.kv_paths.spec import parse_path
+
+FLT_MIN = np.float32(2.0 ** -126)
+
+
+# -- element types from their bit fields ------------------------------------------------------------------------------
+
+def e4m3_table() -> np.ndarray:
+    """Value of every e4m3 code 0..0x7E (positive, finite): 4 exponent bits (bias 7), 3 mantissa bits, exponent 0
+    subnormal; 0x7F is NaN (OCP FP8 E4M3)."""
+    values = []
+    for code in range(0x7F):
+        exponent, mantissa = code >> 3, code & 7
+        values.append(mantissa / 8 * 2.0 ** -6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.array(values, dtype=np.float64)
+
+
+E4M3 = e4m3_table()
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0..7 (1 sign, 2 exponent bias 1, 1 mantissa)
+
+
+def nearest_code(table: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Round |values| to the nearest entry of an increasing table, ties to the even code, saturating at its top
+    (CUDA's satfinite conversions); the sign bit above the magnitude bits. No NaN here (inputs are finite)."""
+    magnitude = np.minimum(np.abs(values.astype(np.float64)), table[-1])
+    upper = np.clip(np.searchsorted(table, magnitude), 1, len(table) - 1)
+    lower = upper - 1
+    below, above = magnitude - table[lower], table[upper] - magnitude
+    code = np.where(below < above, lower, np.where(above < below, upper, np.where(lower % 2 == 0, lower, upper)))
+    sign_bit = 0x80 if len(table) == len(E4M3) else 0x8
+    return np.where(np.signbit(values), code | sign_bit, code).astype(np.uint8)
+
+
+# -- the records, from the engine's layout comments ---------------------------------------------------------------------
+
+def fp8_ds_mla_record(latent: np.ndarray, rope_bits: np.ndarray) -> np.ndarray:
+    """latent fp32 [T, 512] (bf16 values), rope [T, 64] bf16 bit patterns -> [T, 656] bytes: per tile of 128,
+    scale = max(amax / 448, FLT_MIN) in fp32, codes = e4m3_satfinite(x / scale); 4 fp32 scales; the bf16 rope."""
+    tiles = latent.reshape(-1, 4, 128).astype(np.float32)
+    scale = np.maximum(np.abs(tiles).max(-1) / np.float32(448.0), FLT_MIN).astype(np.float32)  # [T, 4]
+    codes = nearest_code(E4M3, (tiles / scale[..., None]).astype(np.float32)).reshape(-1, 512)
+    return np.concatenate([codes, scale.astype("<f4").view(np.uint8), rope_bits.astype("<u2").view(np.uint8)], -1)
+
+
+def nvfp4_ds_mla_record(latent: np.ndarray, rope: np.ndarray) -> np.ndarray:
+    """latent fp32 [T, 512], rope fp32 [T, 64] -> [T, 352] bytes: per block of 16, sf = e4m3(max(amax / 6, 2^-9)),
+    bumped to the next e4m3 value where it fell below; codes = e2m1_rn(x * (1 / sf)), two a byte, even element low;
+    the rope as e4m3 with no scale; the 32 scales at byte 8 (s & 3) + (s >> 2)."""
+    blocks = latent.reshape(-1, 32, 16).astype(np.float32)
+    wanted = np.maximum(np.abs(blocks).max(-1) / np.float32(6.0), np.float32(2.0 ** -9)).astype(np.float32)
+    sf = nearest_code(E4M3, wanted)
+    sf = np.where((E4M3[sf] < wanted) & (sf < 0x7E), sf + 1, sf).astype(np.uint8)
+    inverse = (np.float32(1.0) / E4M3[sf].astype(np.float32)).astype(np.float32)
+    codes = nearest_code(E2M1, (blocks * inverse[..., None]).astype(np.float32)).reshape(-1, 512)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    scales = np.empty_like(sf)
+    s = np.arange(32)
+    scales[:, 8 * (s & 3) + (s >> 2)] = sf
+    return np.concatenate([packed, nearest_code(E4M3, rope.astype(np.float32)), scales], -1)
+
+
+def ds_inputs(tokens: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 latent [T, 512] and k_pe [T, 64] with magnitudes over 2^-24..2^12 per tile and block (the e4m3 scale
+    floor, its round-up, subnormal codes and saturation all run), some exact zeros, and one all-zero tile."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-24, 12, (tokens, 32, 1), generator=gen).float())
+    latent = (torch.randn(tokens, 32, 16, generator=gen) * spread).reshape(tokens, 512)
+    latent[torch.rand(tokens, 512, generator=gen) < 0.05] = 0.0
+    latent[0, :128] = 0.0
+    rope = torch.randn(tokens, 64, generator=gen) * torch.exp2(torch.randint(-12, 9, (tokens, 1), generator=gen).float())
+    return latent.bfloat16(), rope.bfloat16()
+
+
+def test_fp8_ds_mla_record_is_the_engines_bit_for_bit():
+    latent, rope = ds_inputs()
+    k_format, v_format = F.get_format("ds_mla_e4m3"), F.get_format("unquantised")
+    record = mla.pack_ds_mla("ds_mla_e4m3", k_format.encode(latent), v_format.encode(rope))
+    want = fp8_ds_mla_record(latent.float().numpy(), rope.view(torch.int16).numpy().view(np.uint16))
+    assert record.shape == (latent.shape[0], 656) and record.dtype == torch.uint8
+    mismatch = np.argwhere(record.numpy() != want)
+    assert mismatch.size == 0, f"{len(mismatch)} bytes differ, first (token, byte): {mismatch[:5].tolist()}"
+
+
+def test_nvfp4_ds_mla_record_is_the_engines_bit_for_bit():
+    latent, rope = ds_inputs(seed=1)
+    k_format, v_format = F.get_format("ds_mla_nvfp4"), F.get_format("e4m3_unscaled")
+    record = mla.pack_ds_mla("ds_mla_nvfp4", k_format.encode(latent), v_format.encode(rope))
+    want = nvfp4_ds_mla_record(latent.float().numpy(), rope.float().numpy())
+    assert record.shape == (latent.shape[0], 352) and record.dtype == torch.uint8
+    mismatch = np.argwhere(record.numpy() != want)
+    assert mismatch.size == 0, f"{len(mismatch)} bytes differ, first (token, byte): {mismatch[:5].tolist()}"
+
+
+@pytest.mark.parametrize("fmt, companion", [("ds_mla_e4m3", "unquantised"), ("ds_mla_nvfp4", "e4m3_unscaled")])
+def test_a_record_reads_back_what_the_cache_write_reads_back(fmt, companion):
+    """unpack(pack(encode)) decodes to the formats' own round trip, bit for bit: the record loses nothing."""
+    latent, rope = ds_inputs(seed=2)
+    k_format, v_format = F.get_format(fmt), F.get_format(companion)
+    got_latent, got_rope = mla.unpack_ds_mla(fmt, mla.pack_ds_mla(fmt, k_format.encode(latent), v_format.encode(rope)))
+    assert torch.equal(k_format.decode(got_latent, torch.bfloat16), k_format.round_trip(latent)[0])
+    assert torch.equal(v_format.decode(got_rope, torch.bfloat16), v_format.round_trip(rope)[0])
+
+
+def test_decode_is_code_times_scale_as_the_engines_upconvert():
+    """fp8_ds_mla: e4m3 x the tile's fp32 scale in fp32; nvfp4_ds_mla: e2m1 x e4m3 scale (exact in fp32), from the
+    record's own bytes (the numpy definition's decoding of them)."""
+    latent, rope = ds_inputs(tokens=16, seed=3)
+    record = fp8_ds_mla_record(latent.float().numpy(), rope.view(torch.int16).numpy().view(np.uint16))
+    codes, scales = record[:, :512], record[:, 512:528].copy().view("<f4")
+    signs = np.where(codes & 0x80, -1.0, 1.0)
+    want = (signs * E4M3[codes & 0x7F]).astype(np.float32) * np.repeat(scales, 128, axis=-1)
+    got_latent, _ = mla.unpack_ds_mla("ds_mla_e4m3", torch.from_numpy(record))
+    assert np.array_equal(F.get_format("ds_mla_e4m3").decode(got_latent).numpy(), want.astype(np.float32))
+
+
+def test_bytes_per_token_are_the_engines():
+    assert F.get_format("ds_mla_e4m3").bytes_per_token(512) + F.get_format("unquantised").bytes_per_token(64) == 656
+    assert F.get_format("ds_mla_nvfp4").bytes_per_token(512) + F.get_format("e4m3_unscaled").bytes_per_token(64) == 352
+    assert mla.DS_MLA_RECORD_BYTES == {"ds_mla_e4m3": 656, "ds_mla_nvfp4": 352}
+
+
+def test_the_scale_permutation_is_the_engines_transpose():
+    """vLLM's static_assert: thread q's scale groups {4c + q} land on the contiguous bytes 8q + c."""
+    assert sorted(mla.nvfp4_scale_byte(s) for s in range(32)) == list(range(32))
+    assert all(mla.nvfp4_scale_byte(4 * c + q) == 8 * q + c for q in range(4) for c in range(8))
+
+
+def test_a_path_names_the_layout_and_the_rope_part_stays_as_the_engine_keeps_it():
+    fp8_path, nvfp4_path = parse_path("vllm:fp8_ds_mla"), parse_path("vllm:nvfp4_ds_mla")
+    assert (fp8_path.fmt, fp8_path.v_fmt, fp8_path.canonical) == ("ds_mla_e4m3", "unquantised", "fp8_ds_mla")
+    assert (nvfp4_path.fmt, nvfp4_path.v_fmt, nvfp4_path.canonical) == ("ds_mla_nvfp4", "e4m3_unscaled", "nvfp4_ds_mla")
+    rope = torch.randn(2, 1, 3, 64).bfloat16()  # on an MLA model the cache's "value" is k_pe
+    assert torch.equal(fp8_path.v_format.round_trip(rope)[0], rope)  # bf16: untouched
+    # both sides quantised is another path, and says so
+    assert parse_path("k=fp8_ds_mla/v=fp8_ds_mla").canonical == "k=fp8_ds_mla/v=fp8_ds_mla"
+
+
+def test_a_record_of_another_shape_is_refused_with_the_shapes():
+    latent, rope = torch.randn(2, 32).bfloat16(), torch.randn(2, 16).bfloat16()
+    with pytest.raises(ValueError, match="latent 32 \\+ k_pe 16; vLLM's writer takes 512 \\+ 64"):
+        mla.pack_ds_mla("ds_mla_e4m3", F.get_format("ds_mla_e4m3").encode(latent),
+                        F.get_format("unquantised").encode(rope))
