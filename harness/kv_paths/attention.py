@@ -21,6 +21,7 @@ import torch
 
 from harness.kv_paths import mla
 from harness.kv_paths.decode_kernels import DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa, run_mla
+from harness.kv_paths.faults import attention_fault
 
 ATTENTION_NAME = "harness"
 # Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
@@ -595,7 +596,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
 
     def attend(module, query, key, value, attention_mask, layer, probe, kwargs):
         model_query, scaling = query, kwargs.get("scaling") or module.scaling  # before any path changes them
-        fault = getattr(getattr(layer, "kv_path", None), "fault", "")  # a fault injector (kv_paths/faults.py)
+        fault = attention_fault(getattr(layer, "kv_path", None))  # an arithmetic fault injector (kv_paths/faults.py)
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
         quant = getattr(layer, "attn_quant", None)

@@ -93,7 +93,8 @@ class KVPath:
     fp8_q: bool = False  # the query quantised to e4m3 with a q_scale before QK^T
     fp8_prob: bool = False  # the softmax probabilities quantised to e4m3 with a prob_scale before PV
     bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
-    fault: str = ""  # an attention-arithmetic fault injector (`fault=NAME`, harness/kv_paths/faults.py); "" none
+    fault: str = ""  # a fault injector (`fault=NAME`: attention arithmetic, kv_paths/faults.py; a cache format's,
+    # kv_paths/format_faults.py); "" none
     emulated: bool = False  # the format emulated outside the engine: the yardstick's twin (kv_paths/emulated.py)
     prefill_chunk: int = 0  # tokens per prefill chunk (`chunked_prefill`); 0: the engine's own chunking
 
@@ -352,7 +353,7 @@ def parse_path(spec: str) -> KVPath:
     if fault:
         from harness.kv_paths.faults import check
 
-        problem = check(text, fault, fmt, granularity, chosen.get("probs") == "fp8_p")
+        problem = check(text, fault, fmt, granularity, chosen.get("probs") == "fp8_p", v_fmt)
         if problem:
             raise PathSpecError(f"KV path {spec!r}: {problem}")
     dynamic = fmt not in UNQUANTISED and (granularity == "per_token" or not any(
