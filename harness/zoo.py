@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.analysis.detection import MatrixEntry, MatrixRow, detection_matrix, format_matrix
 from harness.job import CANARY_WEIGHTS, REPO_ROOT, RunConfig, model_label, run_job
 from harness.run_config import build_run_config
+from harness.kv_paths.format_faults import FORMAT_FAULTS
 from harness.kv_paths.spec import KVPath, PathSpecError, parse_path
 
 DETECTION_FILE = "detection.json"
@@ -67,6 +68,61 @@ ARITHMETIC_FAULTS: tuple[ZooEntry, ...] = (
     ZooEntry("attention arithmetic: P in e5m2, e4m3 declared", "mla", "fp8_e4m3:calibrated:fp8_p:fault=p_e5m2",
              "fail", "FP8 probabilities cast to the wrong format"),
 )
+# The healthy new-format paths (issue 41's done-when set, docs/FORMATS.md): each must pass on every canary, and the
+# cache-format faults below are judged beside them, as their own paths and under their names.
+HEALTHY_FORMAT_PATHS = ("nvfp4", "mxfp8", "mxfp4", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
+                        "k=fp8_e4m3/v=nvfp4")
+
+
+@dataclass(frozen=True, slots=True)
+class FormatFaultClass:
+    """A cache-format fault (harness/kv_paths/format_faults.py), the bug it reproduces, and where it applies: its zoo
+    preset is `FMT:fault=NAME` on each canary of `models`; engine-wide (`engine_wide`), every healthy new-format path
+    whose format it reaches gets it under its own name."""
+
+    label: str
+    fault: str
+    fmt: str  # the preset's format, a path-spec head
+    models: tuple[str, ...]  # the canaries where it applies
+    source: str  # the bug it reproduces
+    not_applied: str = ""  # why a canary is not in `models`
+
+    def __post_init__(self) -> None:
+        if self.fault not in FORMAT_FAULTS:
+            raise ValueError(f"FormatFaultClass {self.label!r}: {self.fault!r} is not a cache-format fault")
+        parse_path(self.path)
+
+    @property
+    def path(self) -> str:
+        return f"{self.fmt}:fault={self.fault}"
+
+    def entries(self) -> list[ZooEntry]:
+        return [ZooEntry(self.label, model, self.path, "fail", self.source) for model in self.models]
+
+    def engine_wide(self, model: str) -> "EngineWideFault":
+        return EngineWideFault(f"{self.label}, every new-format path", model, f"fault={self.fault}", moves_kl=False)
+
+
+FORMAT_FAULT_CLASSES: tuple[FormatFaultClass, ...] = (
+    FormatFaultClass("format: block scales read in the wrong layout", "scale_layout", "nvfp4", ("gqa", "mla", "hybrid"),
+                     "vllm#49012 (NVFP4 scales swizzled across the wrong dimension); vllm#50084 (V scales "
+                     "swizzled for trtllm-gen, read linearly on SM120)"),
+    FormatFaultClass("format: V block scales written for the first blocks only", "v_scale_first_blocks", "nvfp4",
+                     ("gqa", "hybrid"), "vllm#49011 / #50084: the NVFP4 V block-scale writer stored scales 0-3 four "
+                     "times and never 4-15",
+                     not_applied="mla: the latent cache has no V; its second tensor (the RoPE key) has one slot"),
+    FormatFaultClass("format: e8m0 exponent bias off by one", "e8m0_bias", "mxfp8", ("gqa", "mla", "hybrid"),
+                     "an MX reader decoding e8m0 as 2^(bits - 128) (OCP MX: bias 127)"),
+    FormatFaultClass("format: FP4 nibble order swapped", "nibble_swap", "nvfp4", ("gqa", "mla", "hybrid"),
+                     "an FP4 unpack taking the even index from the high nibble (OCP, NVIDIA and torch's "
+                     "float4_e2m1fn_x2 keep it in the low one)"),
+    FormatFaultClass("format: block scales from a dummy pass", "dummy_block_scales", "nvfp4", ("hybrid",),
+                     "block scales frozen from the engine's dummy warm-up pass (recurrent state uninitialised, as "
+                     "failure class 2)",
+                     not_applied="gqa, mla: a pure-attention model's dummy pass writes sane values (as class 2); "
+                                 "measured, not asserted"),
+)
+FORMAT_FAULT_ENTRIES: tuple[ZooEntry, ...] = tuple(e for c in FORMAT_FAULT_CLASSES for e in c.entries())
 # Class 4 is a cost difference with the same replies: both decode kernels must pass; kernel_ms_per_step differs.
 GPU_ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry("class 4: our Triton MLA FP8 kernel", "mla", "fp8_e4m3:calibrated:kernel=triton", "pass", gpu_only=True),
@@ -183,8 +239,10 @@ def zoo_entries(device: str, stress: bool = False) -> list[ZooEntry]:
     healthy = [ZooEntry("healthy", model, path, "pass") for model in HEALTHY_MODELS for path in HEALTHY_PATHS]
     healthy += [ZooEntry("healthy FP8 attention", model, HEALTHY_FP8_ATTENTION, "pass")
                 for model in ("gqa", "mla", "hybrid")]
-    return (list(FAULTS) + list(ARITHMETIC_FAULTS) + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy
-            + (list(STRESS_ENTRIES) if stress else []))
+    healthy += [ZooEntry("healthy new format", model, path, "pass") for model in ("gqa", "mla", "hybrid")
+                for path in HEALTHY_FORMAT_PATHS]
+    return (list(FAULTS) + list(ARITHMETIC_FAULTS) + list(FORMAT_FAULT_ENTRIES)
+            + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy + (list(STRESS_ENTRIES) if stress else []))
 
 
 def zoo_config(out: Path, scenario_paths: tuple[Path, ...], entries: list[ZooEntry], device: str = "cpu",
@@ -288,15 +346,16 @@ class EngineWideFault:
         kind, _, value = self.change.partition("=")
         if kind == "k_scale_on_scores":
             faulty = parse_path("bf16:calibrated:k_scale_on_scores") if path.canonical == "bf16" else path
-        elif not path.is_fp8 or path.emulated:
+        elif path.emulated or not path.is_quantized:
+            faulty = path
+        elif kind == "fault" and value in FORMAT_FAULTS:  # a cache-format fault: every path whose format it reaches
+            faulty = _with_option(path, self.change)
+        elif not path.is_fp8:
             faulty = path
         elif kind == "scales":  # what calibration hands every calibrated path
             faulty = replace(path, scale_source=value) if path.scale_source == "calibrated" else path
         else:
-            try:
-                faulty = parse_path(f"{path.name}:{self.change}")
-            except PathSpecError:  # the fault needs what this path lacks (k_scale_swap: per-head scales)
-                faulty = path
+            faulty = _with_option(path, self.change)
         return replace(faulty, name=path.name)
 
 
@@ -309,6 +368,13 @@ ENGINE_WIDE: tuple[EngineWideFault, ...] = (
     *(EngineWideFault(f"{e.label}, every FP8 path", e.model, f"fault={parse_path(e.path).fault}", moves_kl=False)
       for e in ARITHMETIC_FAULTS if parse_path(e.path).fault != "p_e5m2"),  # p_e5m2 needs fp8_p paths
 )
+
+
+def _with_option(path: KVPath, option: str) -> KVPath:
+    try:
+        return parse_path(f"{path.name}:{option}")
+    except PathSpecError:  # the fault needs what this path lacks (k_scale_swap: per-head scales; nibble_swap: FP4)
+        return path
 
 
 def under_healthy_names(paths: tuple[KVPath, ...], fault: EngineWideFault) -> tuple[KVPath, ...]:

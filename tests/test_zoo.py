@@ -76,7 +76,7 @@ def test_zoo_detection_matrix_on_cpu(tmp_path):
     print(detection["markdown"])
     faults = [r for r in detection["rows"] if r["expect"] == "fail"]
     healthy = [r for r in detection["rows"] if r["expect"] == "pass"]
-    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3", "attenti", "scales "}
+    assert {r["label"][:7] for r in faults} == {"class 1", "class 2", "class 3", "attenti", "scales ", "format:"}
     for row in faults:
         assert (row["failed_turns"] > 0 or row["path_failed"]) and row["families"] and row["questions"], \
             f"missed: {row}"
@@ -88,8 +88,8 @@ def test_zoo_detection_matrix_on_cpu(tmp_path):
     for row in healthy:
         assert row["turns"] > 0 and row["failed_turns"] == 0 and not row["path_failed"], f"false alarm: {row}"
     # bf16 and calibrated fp8_e4m3 on gqa, mla, hybrid and the latent variant; FP8 attention (q/prob scales) on
-    # gqa, mla and hybrid
-    assert len(healthy) == 11
+    # gqa, mla and hybrid; the seven healthy new-format paths on gqa, mla and hybrid
+    assert len(healthy) == 11 + 21
     assert all(case["ok"] for case in detection["spec_cases"]), detection["spec_cases"]
     assert detection["ok"]
     stored = json.loads((tmp_path / "zoo" / "detection.json").read_text())
@@ -137,7 +137,7 @@ def test_zoo_entries_and_config():
     """Every preset names a valid spec and an existing canary; the run gives each model only its own paths."""
     from harness.zoo import STRESS_ENTRIES, zoo_config, zoo_entries
 
-    from harness.zoo import ARITHMETIC_FAULTS
+    from harness.zoo import ARITHMETIC_FAULTS, FORMAT_FAULT_CLASSES, HEALTHY_FORMAT_PATHS
 
     cpu, gpu, stress = zoo_entries("cpu"), zoo_entries("cuda"), zoo_entries("cpu", stress=True)
     assert all(e.expect == "fail" and parse_path(e.path).fault for e in ARITHMETIC_FAULTS)
@@ -152,7 +152,8 @@ def test_zoo_entries_and_config():
     assert set(by_model[str(CANARY_WEIGHTS / "gqa")]) == {
         "bf16", "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:fp8_q:fp8_p", "fp8_e4m3:calibrated:fault=scores_bf16",
         "fp8_e4m3:calibrated:fault=pv_bf16", "fp8_e4m3:per_head:calibrated:fault=k_scale_swap",
-        "fp8_e4m3:calibrated:fault=scale_dropped"}
+        "fp8_e4m3:calibrated:fault=scale_dropped", *HEALTHY_FORMAT_PATHS,
+        *(c.path for c in FORMAT_FAULT_CLASSES if "gqa" in c.models)}
     assert "fp8_e4m3:warmup" in by_model[str(CANARY_WEIGHTS / "hybrid")]
     assert "fp8_e4m3:warmup" not in by_model[str(CANARY_WEIGHTS / "mla")]
     # the run's controls (the yardstick's twin, the control arm) are declared; each model runs its own presets

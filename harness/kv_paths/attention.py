@@ -22,6 +22,7 @@ import torch
 from harness.kv_paths import block_layout, mla
 from harness.kv_paths.decode_kernels import (DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa,
                                              run_gqa_block_scaled, run_mla)
+from harness.kv_paths.faults import attention_fault
 from harness.kv_paths.rotation import rotate
 from kernels import reference as kernel_reference
 
@@ -630,7 +631,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         if getattr(getattr(layer, "kv_path", None), "hadamard", False):  # its cache holds rotated K (rotation.py)
             query = rotate(query).to(query.dtype)
         model_query, scaling = query, kwargs.get("scaling") or module.scaling  # before any path changes them
-        fault = getattr(getattr(layer, "kv_path", None), "fault", "")  # a fault injector (kv_paths/faults.py)
+        fault = attention_fault(getattr(layer, "kv_path", None))  # an arithmetic fault injector (kv_paths/faults.py)
         if getattr(getattr(layer, "kv_path", None), "k_scale_on_scores", False):
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
         quant = getattr(layer, "attn_quant", None)

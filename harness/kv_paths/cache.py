@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from harness.kv_paths import block_layout, capabilities
+from harness.kv_paths import block_layout, capabilities, format_faults
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.formats import E4M3_MAX
@@ -168,6 +168,9 @@ class LayerScales:
     # FP8 attention paths: per-layer 0-d q_scale / prob_scale (empty when the path does not quantise them)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     prob: dict[int, torch.Tensor] = field(default_factory=dict)
+    # fault=dummy_block_scales: per-layer [2, heads, head_dim] fp32, each channel's (min, max) over a dummy pass
+    k_dummy_range: dict[int, torch.Tensor] = field(default_factory=dict)
+    v_dummy_range: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def summary(self) -> dict:
         def stats(scales: dict[int, torch.Tensor]) -> dict:
@@ -185,13 +188,45 @@ class LayerScales:
                 **({"q_scale": stats(self.q)} if self.q else {}), **({"prob_scale": stats(self.prob)} if self.prob else {})}
 
 
+def latent_row_formats(kv_path: KVPath) -> tuple:
+    """The formats an MLA cache row takes: (the latent's, its RoPE part k_pe's; None: k_pe stays bf16). transformers
+    writes the row as `cache.update(latent, k_pe)`, so the latent comes as "K" and k_pe as "V".
+
+    FP8 under a static scale stores both, with one scale, as vLLM's fp8 MLA cache (`concat_and_cache_mla`) does. A
+    format with block scales stores the latent and leaves k_pe in bf16, as every engine that ships such a cache for
+    MLA keeps it: vLLM's fp8_ds_mla / nvfp4_ds_mla (vLLM refuses plain nvfp4 on an MLA model), SGLang's and
+    TensorRT-LLM's DeepSeek FP8 / FP4 caches. Measured (BENCHMARKS.md, session 17): k_pe in NVFP4 on the MLA canary
+    is 500x the KL of the latent in NVFP4. K and V in different formats: the row takes K's (an MLA cache holds no V:
+    the latent is read as K and as V; vLLM's fp8_k_nvfp4_v excludes MLA). A DeepSeek layout (`pairs_with`) names its
+    k_pe format itself."""
+    latent = kv_path.k_format
+    if latent.pairs_with:  # a DeepSeek layout declares its RoPE part's format itself (fp8_ds_mla, nvfp4_ds_mla)
+        return latent, kv_path.v_format
+    return latent, (latent if latent.is_legacy_fp8 else None)
+
+
+def latent_row_note(kv_path: KVPath | None) -> str:
+    """How an MLA model's cache row stores this path's formats, for the route ("" for bf16 and plain FP8 rows)."""
+    if kv_path is None or not kv_path.is_quantized or kv_path.emulated:
+        return ""
+    latent, rope = latent_row_formats(kv_path)
+    if rope is not None and kv_path.k_format is kv_path.v_format:
+        return ""
+    parts = [f"MLA: the latent in {latent.spec_name}, its RoPE part (k_pe) in "
+             f"{'bf16 (as engines keep it beside a block-scaled latent)' if rope is None else rope.spec_name}"]
+    if kv_path.k_format is not kv_path.v_format:
+        parts.append(f"V's format {kv_path.v_format.spec_name} unused (an MLA cache holds no V)")
+    return "; ".join(parts)
+
+
 class QuantizedKVLayer(DynamicLayer):
     """A `DynamicLayer` that stores a KV format (write = encode, read = decode) per a `KVPath`: K in the path's
-    `k_format`, V in its `v_format` (harness/kv_paths/formats.py). A write runs the fused Triton kernel (CUDA) or the
-    C call (CPU) where `capabilities` says they serve the path's formats, else the formats' torch round trip."""
+    `k_format`, V in its `v_format` (harness/kv_paths/formats.py); on an MLA model (`mla`) the latent row as
+    `latent_row_formats` says. A write runs the fused Triton kernel (CUDA) or the C call (CPU) where `capabilities`
+    says they serve the path's formats, else the formats' torch round trip."""
 
     def __init__(self, kv_path: KVPath, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                 stats: KVWriteStats):
+                 stats: KVWriteStats, mla: bool = False):
         super().__init__()
         self.kv_path = kv_path
         self.k_scale, self.v_scale = k_scale, v_scale
@@ -200,7 +235,9 @@ class QuantizedKVLayer(DynamicLayer):
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
         self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
         self._c_scales: dict = {}  # id(scale) -> (scale, float32 scales for the CPU write in C, or None)
-        self.k_format, self.v_format = kv_path.k_format, kv_path.v_format
+        # K's and V's formats (MLA: the latent's and k_pe's; None: stored as given, bf16)
+        self.k_format, self.v_format = (latent_row_formats(kv_path) if mla and kv_path.is_quantized
+                                        else (kv_path.k_format, kv_path.v_format))
         self.fused_serves = kv_path.is_quantized and capabilities.FUSED_WRITE.refusal(kv_path) is None
         # block-scaled formats' fused write (kernels/store_kv_block_scaled.py), where it serves both formats and
         # this layer's head size (decided at the first write: `_block_layouts`)
@@ -208,6 +245,13 @@ class QuantizedKVLayer(DynamicLayer):
                                    capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(kv_path) is None)
         self._layouts = None
         self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
+        # a cache-format fault injector (kv_paths/format_faults.py) and the sides it reaches; "" none
+        self.format_fault = kv_path.fault if kv_path.fault in format_faults.FORMAT_FAULTS else ""
+        self.faulty_sides = (format_faults.sides(self.format_fault, self.k_format, self.v_format or self.k_format)
+                             if self.format_fault else ())
+        if self.v_format is None:
+            self.faulty_sides = tuple(side for side in self.faulty_sides if side == "k")
+        self.dummy_ranges: dict[str, torch.Tensor] = {}  # fault=dummy_block_scales: "k" / "v" -> [2, heads, D]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
@@ -221,8 +265,8 @@ class QuantizedKVLayer(DynamicLayer):
               and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
             keys, values = self._store(*self._fused_block_round_trip(key_states, value_states))
         else:
-            keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format),
-                                       self._round_trip(value_states, self.v_scale, self.v_format))
+            keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format, "k"),
+                                       self._round_trip(value_states, self.v_scale, self.v_format, "v"))
             if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
                 self.paged.write(key_states, value_states)
         chunk = key_states.shape[-2]
@@ -314,8 +358,11 @@ class QuantizedKVLayer(DynamicLayer):
             setattr(self, name, scale)
         return scale
 
-    def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
-        """x written in `kv_format` and read back in x's dtype, its write statistics counted."""
+    def _round_trip(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format, side: str = "k") -> torch.Tensor:
+        """x (the path's `side`, "k" or "v") written in `kv_format` and read back in x's dtype, its write statistics
+        counted; `kv_format` None: x as given (an MLA row's bf16 RoPE part)."""
+        if kv_format is None:
+            return x
         per_token = self.kv_path.granularity == "per_token"
         if (self.c_serves and self.stats.step is None and static_scale is not None and x.is_cpu
                 and x.dtype is torch.bfloat16 and not per_token):
@@ -334,7 +381,11 @@ class QuantizedKVLayer(DynamicLayer):
                 scale = scale.view(-1, 1, 1)
         else:  # every scale computed at write (block / per token-head)
             scale = None
-        read_back, ratio = kv_format.round_trip(x, scale, saturate=self.kv_path.saturate)
+        if side in self.faulty_sides:
+            read_back, ratio = format_faults.round_trip(self.format_fault, side, kv_format, x, scale,
+                                                        self.kv_path.saturate, self.dummy_ranges.get(side))
+        else:
+            read_back, ratio = kv_format.round_trip(x, scale, saturate=self.kv_path.saturate)
         self.stats.count(x, ratio, read_back)
         return read_back
 
@@ -537,6 +588,29 @@ class AmaxObserverLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+class ChannelRangeObserverLayer(AmaxObserverLayer):
+    """An `AmaxObserverLayer` that also records each channel's running (min, max) of what it stores: [2, heads, D]
+    fp32 (a dummy pass's, for fault=dummy_block_scales)."""
+
+    def __init__(self, rotated: bool = False):
+        super().__init__(rotated)
+        self.k_range: torch.Tensor | None = None
+        self.v_range: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.k_range = _running_range(self.k_range, key_states)
+        self.v_range = _running_range(self.v_range, value_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def _running_range(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    # x: [batch, heads, chunk, head_dim] -> [2, heads, head_dim]
+    x = x.detach().float()
+    seen = torch.stack([x.amin(dim=(0, 2)), x.amax(dim=(0, 2))]).cpu()
+    return seen if current is None else torch.stack([torch.minimum(current[0], seen[0]),
+                                                     torch.maximum(current[1], seen[1])])
+
+
 def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     # x: [batch, heads, chunk, head_dim] -> [heads]
     amax = x.detach().float().abs().amax(dim=(0, 2, 3)).cpu()
@@ -605,6 +679,7 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         raise ValueError(f"KV path {kv_path.name!r}: hadamard rotates per-head K; an MLA model caches a latent")
     stats = stats if stats is not None else KVWriteStats()
     kept = bf16_layer_set(config, kv_path) if kv_path.keeps_layers_bf16 else set()
+    mla = getattr(config, "kv_lora_rank", None) is not None
     for i, layer in enumerate(cache.layers):
         if not holds_kv(layer) or i in kept:
             continue
@@ -613,7 +688,12 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
         needs_scales = kv_path.has_static_scale or kv_path.k_scale_on_scores
         if needs_scales and (k_scale is None or v_scale is None):
             raise ValueError(f"KV path {kv_path.name!r}: no {kv_path.scale_source} scale for layer {i}")
-        cache.layers[i] = _of_kind(QuantizedKVLayer, layer, kv_path, k_scale, v_scale, stats)
+        cache.layers[i] = _of_kind(QuantizedKVLayer, layer, kv_path, k_scale, v_scale, stats, mla)
+        if scales is not None and i in scales.k_dummy_range:
+            cache.layers[i].dummy_ranges = {"k": scales.k_dummy_range[i], "v": scales.v_dummy_range[i]}
+        if kv_path.fault in format_faults.DUMMY_PASS_FAULTS and not cache.layers[i].dummy_ranges:
+            raise ValueError(f"KV path {kv_path.name!r}: fault={kv_path.fault} needs the dummy pass's channel "
+                             f"ranges for layer {i}")
         if kv_path.quantizes_attention:
             cache.layers[i].attn_quant = attention_quant(kv_path, scales, i)
     return cache
@@ -647,21 +727,24 @@ def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> 
     return AttentionQuant(q_scale=q, prob_scale=prob)
 
 
-def observer_cache(config, rotated: bool = False) -> DynamicCache:
-    """The model's cache with every attention layer observed (`AmaxObserverLayer`; `rotated`: K's amax as a
-    `hadamard` path stores it)."""
+def observer_cache(config, observer: type | None = None, rotated: bool = False) -> DynamicCache:
+    """The model's cache with every attention layer observed (`observer`, default `AmaxObserverLayer`; `rotated`:
+    K's amax as a `hadamard` path stores it)."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if holds_kv(layer):
-            cache.layers[i] = _of_kind(AmaxObserverLayer, layer, rotated)
+            cache.layers[i] = _of_kind(observer or AmaxObserverLayer, layer, rotated)
     return cache
 
 
-def scales_from_observers(cache: DynamicCache, kv_path: KVPath, source: str, provenance: str) -> LayerScales:
+def scales_from_observers(cache: DynamicCache, kv_path: KVPath, source: str, provenance: str,
+                          mla: bool = False) -> LayerScales:
     """amax / the format's static range per layer (fp8: amax / fp8 max; NVFP4: amax / (448 x 6), its global scale);
     per tensor takes the max over heads. A bf16 path, and a side whose format has no static scale, still gets
-    (unused) e4m3 scales, as a checkpoint made for an FP8 cache would carry them."""
-    k_scale_of, v_scale_of = (_static_scale_rule(f) for f in (kv_path.k_format, kv_path.v_format))
+    (unused) e4m3 scales, as a checkpoint made for an FP8 cache would carry them. MLA: each part of the latent row
+    by the format `latent_row_formats` gives it."""
+    formats = latent_row_formats(kv_path) if mla and kv_path.is_quantized else (kv_path.k_format, kv_path.v_format)
+    k_scale_of, v_scale_of = (_static_scale_rule(f) for f in formats)
     k, v = {}, {}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, AmaxObserverLayer) and layer.k_amax is not None:

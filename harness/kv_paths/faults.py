@@ -1,4 +1,5 @@
-"""Attention-arithmetic fault injectors (path option `fault=NAME`): the zoo's subtlest faults.
+"""Fault injectors (path option `fault=NAME`): the attention-arithmetic ones here, the zoo's subtlest faults; the
+cache-format ones (a block-scaled or FP4 cache written or read wrong) in harness/kv_paths/format_faults.py.
 
 Each one is a plausible kernel bug in the attention arithmetic itself, not in the cache or its scales, and
 each is small: on short text its token-level divergence sits inside a healthy path's noise, so the default
@@ -17,10 +18,12 @@ import math
 
 import torch
 
+from harness.kv_paths.format_faults import FORMAT_FAULTS
+from harness.kv_paths.format_faults import check as check_format_fault
 from kernels import reference as fp8
 
 # name -> what goes wrong (shown in the path's description and the zoo)
-FAULTS: dict[str, str] = {
+ATTENTION_FAULTS: dict[str, str] = {
     "scores_bf16": "attention scores rounded to bf16 before the softmax's max subtraction (a kernel that keeps "
                    "S in the input dtype)",
     "scale_off": "softmax scale 1/sqrt(d) off by 1% (a head dim or a folded constant slightly wrong)",
@@ -32,14 +35,17 @@ FAULTS: dict[str, str] = {
     "scale_dropped": "K and V read as codes x 1.0: the k_scale / v_scale not delivered to the read (TensorRT-LLM#16916, "
                      "vllm#34863)",
 }
+FAULTS: dict[str, str] = {**ATTENTION_FAULTS, **FORMAT_FAULTS}
 SCALE_ERROR = 2.0 ** -7  # scale_off: the softmax scale times (1 + 2^-7), 0.8%
 PV_TILE = 1  # pv_bf16: keys per fp32 partial sum (1: the running sum is rounded to bf16 after every key)
 
 
-def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool) -> str | None:
+def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool, v_fmt: str = "") -> str | None:
     """Why `fault=name` cannot apply to this path (None: it can)."""
     if name not in FAULTS:
         return f"unknown fault {name!r}; fault injectors are {', '.join(FAULTS)}"
+    if name in FORMAT_FAULTS:
+        return check_format_fault(spec, name, fmt, v_fmt)
     if name == "p_e5m2" and not fp8_prob:
         return (f"fault=p_e5m2 changes how FP8 probabilities are cast and needs a path that declares them: "
                 f"add fp8_p, e.g. '{spec}:fp8_p'")
@@ -50,6 +56,13 @@ def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool) -> s
         return ("fault=k_scale_swap swaps per-head k_scales and needs an fp8 cache with per_head scales, e.g. "
                 "'fp8_e4m3:per_head:calibrated:fault=k_scale_swap'")
     return None
+
+
+def attention_fault(kv_path) -> str:
+    """The path's attention-arithmetic fault ("" none: no fault, or a cache-format one, which attention reads
+    through the cache as it is)."""
+    name = getattr(kv_path, "fault", "")
+    return name if name in ATTENTION_FAULTS else ""
 
 
 def faulty_attention(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

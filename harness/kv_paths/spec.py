@@ -108,7 +108,8 @@ class KVPath:
     bf16_layers: tuple[int, ...] = ()  # attention layers left unquantised (a per-layer precision map)
     bf16_sliding: bool = False  # every sliding-window attention layer left unquantised too (`keep_bf16=sliding_window`)
     hadamard: bool = False  # K (and Q at attention) rotated over head_dim before quantising (kv_paths/rotation.py)
-    fault: str = ""  # an attention-arithmetic fault injector (`fault=NAME`, harness/kv_paths/faults.py); "" none
+    fault: str = ""  # a fault injector (`fault=NAME`: attention arithmetic, kv_paths/faults.py; a cache format's,
+    # kv_paths/format_faults.py); "" none
     emulated: bool = False  # the format emulated outside the engine: the yardstick's twin (kv_paths/emulated.py)
     prefill_chunk: int = 0  # tokens per prefill chunk (`chunked_prefill`); 0: the engine's own chunking
 
@@ -452,7 +453,7 @@ def parse_path(spec: str) -> KVPath:
     if fault:
         from harness.kv_paths.faults import check
 
-        problem = check(text, fault, fmt, granularity, chosen.get("probs") == "fp8_p")
+        problem = check(text, fault, fmt, granularity, chosen.get("probs") == "fp8_p", v_fmt)
         if problem:
             raise PathSpecError(f"KV path {spec!r}: {problem}")
     dynamic = fmt not in UNQUANTISED and (granularity == "per_token" or not any(

@@ -25,14 +25,17 @@ from harness.canary.variants import apply_variant, read_variant
 from harness.kv_paths import attention, decode_kernels
 from harness.kv_paths.attention import ATTENTION_NAME
 from harness.kv_paths.cache import (
+    ChannelRangeObserverLayer,
     LayerScales,
     build_cache,
     cache_kwargs,
+    latent_row_formats,
     observer_cache,
     scales_from_checkpoint,
     scales_from_observers,
     unit_scales,
 )
+from harness.kv_paths.format_faults import DUMMY_PASS_FAULTS
 from harness.kv_paths.spec import KVPath
 from harness.replay import cpu_exact
 from harness.replay.batched import ONE_SEQUENCE, BatchedEngine
@@ -180,6 +183,8 @@ class InProcessModel:
 
     # -- scales ---------------------------------------------------------------------------------------
     def scales_for(self, kv_path: KVPath) -> LayerScales | None:
+        if kv_path.fault in DUMMY_PASS_FAULTS:
+            return self._dummy_pass_scales(kv_path)
         if kv_path.is_quantized and not kv_path.has_static_scale:  # every scale computed at write
             return None
         if kv_path.emulated:  # the yardstick's twin computes its own (harness/kv_paths/emulated.py)
@@ -190,7 +195,9 @@ class InProcessModel:
         key = (kv_path.fmt, kv_path.v_fmt, kv_path.granularity, kv_path.scale_source, kv_path.hadamard)
         if key not in self._scales:
             scales = self._compute_scales(kv_path)
-            self._scales[key] = _one_scale_per_latent(scales) if self.is_mla else scales
+            # one scale for the latent and k_pe where both take it (FP8; a bf16 path's unused, or class 3's, scales)
+            one_row = self.is_mla and (not kv_path.is_quantized or latent_row_formats(kv_path)[1] is not None)
+            self._scales[key] = _one_scale_per_latent(scales) if one_row else scales
         if kv_path.quantizes_attention and self._scales[key] is not None:
             return self._with_attention_scales(kv_path, self._scales[key])
         return self._scales[key]
@@ -233,6 +240,27 @@ class InProcessModel:
         extra = self._scales[key]
         return dataclasses.replace(scales, q=extra.q, prob=extra.prob)
 
+    def _dummy_pass_scales(self, kv_path: KVPath) -> LayerScales:
+        """The path's scales from its own source, with each channel's (min, max) over one dummy warm-up pass (the
+        recurrent state uninitialised, as failure class 2's): fault=dummy_block_scales freezes block scales there."""
+        import dataclasses
+
+        from harness.kv_paths import calibration
+
+        key = ("dummy pass", kv_path.fmt, kv_path.v_fmt, kv_path.granularity, kv_path.scale_source)
+        if key not in self._scales:
+            static = self.scales_for(dataclasses.replace(kv_path, fault=""))
+            cache = observer_cache(self.model.config, ChannelRangeObserverLayer)
+            with calibration.uninitialised_recurrent_state(self.model):
+                self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
+            observed = [(i, layer) for i, layer in enumerate(cache.layers) if getattr(layer, "k_range", None) is not None]
+            base = static or LayerScales(k={}, v={}, source=kv_path.scale_source, provenance="computed at write")
+            self._scales[key] = dataclasses.replace(
+                base, k_dummy_range={i: layer.k_range for i, layer in observed},
+                v_dummy_range={i: layer.v_range for i, layer in observed},
+                provenance=base.provenance + "; block scales frozen from one dummy warm-up pass (fault injector)")
+        return self._scales[key]
+
     @property
     def is_mla(self) -> bool:
         return getattr(self.model.config, "kv_lora_rank", None) is not None
@@ -253,13 +281,15 @@ class InProcessModel:
                 self._observe(self.encode_chat(chat), cache)
                 cache = _carry_amax(cache, observer_cache(config, rotated=kv_path.hadamard))
             self._gather_amax(cache)
-            return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats")
+            return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats",
+                                         self.is_mla)
         if kv_path.scale_source == "warmup":
             with calibration.uninitialised_recurrent_state(self.model):
                 self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
             self._gather_amax(cache)
             return scales_from_observers(cache, kv_path, "warmup",
-                                         "one dummy warm-up pass, recurrent state uninitialised (failure class 2)")
+                                         "one dummy warm-up pass, recurrent state uninitialised (failure class 2)",
+                                         self.is_mla)
         raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
 
     def _twin_scales(self, kv_path: KVPath) -> LayerScales:

@@ -96,7 +96,15 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
                  decode=_rows(facts, kernel, kv_path) if rows and not batched and device_type == "cpu"
                  else _decode(facts, device_type, batches, decode, every_call),
                  capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call,
-                 cache_write=capabilities.cache_write(kv_path, device_type))
+                 cache_write=_cache_write(kv_path, facts, device_type))
+
+
+def _cache_write(kv_path: KVPath | None, facts: ModelFacts, device_type: str) -> str:
+    """The write the path's K/V take, and on an MLA model how its latent row holds the path's formats."""
+    from harness.kv_paths.cache import latent_row_note
+
+    note = latent_row_note(kv_path) if facts.mla_dims is not None else ""
+    return capabilities.cache_write(kv_path, device_type) + (f"; {note}" if note else "")
 
 
 def kernel_name(kv_path: KVPath, setting: str) -> str:
