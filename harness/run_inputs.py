@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 from harness.canary.variants import VARIANT_FILE, VariantError, read_variant
 from harness.records import scrub_credentials
+from harness.replay.live import candidate_labels  # noqa: F401 - where `harness run` reads --candidate
 
 if TYPE_CHECKING:
-    from harness.job import RunConfig
+    from harness.run_config import RunConfig
 
 
 class InputError(ValueError):
@@ -233,20 +234,6 @@ def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
             return [f"--model {directory}: cannot read {file.name} ({type(error).__name__}: {error})"]
     return [f"--paths {','.join(wanted)}: model {directory} has no k_scale/v_scale tensors in its *.safetensors "
             f"(a checkpoint scale source needs them)"]
-
-
-def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
-    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
-    pairs = []
-    for i, item in enumerate(urls, start=1):
-        label, sep, url = item.partition("=")
-        if not sep or "://" in label:
-            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
-        pairs.append((label, url))
-    labels = [label for label, _ in pairs]
-    if len(set(labels)) != len(labels) or "reference" in labels:
-        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
-    return pairs
 
 
 def _endpoint_problems(config: RunConfig) -> list[str]:
