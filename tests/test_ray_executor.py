@@ -33,7 +33,8 @@ def ray_cluster():
 
 
 def run_args(tiny_models, out: Path, *extra: str) -> list[str]:
-    return ["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--paths", "fp8_e4m3", "--yardstick", "none",
+    return ["run", "--out", str(out), "--scenarios", str(SCENARIOS), "--select", "id:smoke-chat,id:smoke-arith",
+            "--paths", "fp8_e4m3", "--yardstick", "none",
             "--model", str(tiny_models["gqa"]), "--model", str(tiny_models["mla"]), "--no-progress",
             "--no-fail-on-verdict", *extra]
 
