@@ -8,6 +8,7 @@ never leaving a "failed" run directory that blocks the same `--out`. Scenario fi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
@@ -50,6 +51,9 @@ def check_run_inputs(config: RunConfig) -> None:
                             f"calibrate 'calibrated' scales)")
     if config.jobs < 1:
         problems.append(f"--jobs {config.jobs}: must be at least 1")
+    if config.executor == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("--executor ray: Ray is not installed here (pip install 'fp8-harness[ray]', on every node "
+                        "of the cluster too)")
     if problems:
         raise InputError(problems)
 

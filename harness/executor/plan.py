@@ -24,9 +24,9 @@ CHARS_PER_TOKEN = 4  # a prompt's tokens estimated from its text (English BPE av
 # capture. Measured 10.4-11.8 s per worker in benchmarks/scale_bench.py (2 and 4 H100s, BENCHMARKS.md sessions 7-10).
 WORKER_START_S = 11.0
 # Seconds of one GPU's work per unit of cost, from one measurement: the default canary set on one H200 (issue 42, at
-# 3a67195) took 25.0 s, ~11 s of it start-up (above), so ~14 s of work for its cost of 751_360 (`plan_cost` of the
-# three canaries x scenarios/canary/default.yaml at this commit). A prior for deciding how many GPUs pay off, to be
-# replaced by the lead's measurement on a 4-GPU host (docs/MULTI_GPU.md).
+# 3a67195) took 25.0 s, ~11 s of it start-up (above), so ~14 s of work for its estimated cost of 751_360 (`plan_cost`
+# of the three canaries x the 12 scenarios of scenarios/canary/default.yaml x the reference and 7 default paths). A
+# prior for deciding how many GPUs pay off, to be replaced by a measurement on a 4-GPU host (docs/MULTI_GPU.md).
 SECONDS_PER_COST = 14.0 / 751_360
 
 

@@ -159,7 +159,7 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool = False, shard: str | N
     """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None. The one place
     such a refusal is decided: a refused path runs one sequence at a time (the same engine, a batch of one row:
     `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
-    reference's keeps the whole model so (`executor.model_replay.replay_loaded`).
+    reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
     Refused today: every path of a model laid out over several devices (`layout_batch_refusal`). Batched since,
     each with what was measured: fault injectors (the implementation check that
