@@ -54,8 +54,28 @@ def check_run_inputs(config: RunConfig) -> None:
     if config.executor == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("--executor ray: Ray is not installed here (pip install 'fp8-harness[ray]', on every node "
                         "of the cluster too)")
+    problems += _ray_address_problems(config.ray_address)
     if problems:
         raise InputError(problems)
+
+
+def _ray_address_problems(address: str | None) -> list[str]:
+    """A HOST:PORT that nothing answers on is refused at once: Ray itself waits minutes for a cluster that is not
+    there. `auto` and `ray://` addresses are left to Ray."""
+    import socket
+
+    if address is None or address == "auto" or "://" in address:
+        return []
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return [f"--ray-address {address}: expected HOST:PORT (the head node's GCS, e.g. 10.0.0.1:6379), auto, or "
+                f"ray://HOST:PORT"]
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, OverflowError) as error:
+        return [f"--ray-address {address}: no Ray cluster answers there ({error}); start one with "
+                f"`ray start --head --port {port}` on {host}"]
+    return []
 
 
 def _out_problems(out: Path, resume: bool) -> list[str]:

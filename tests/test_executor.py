@@ -56,6 +56,20 @@ def test_executor_ray_without_ray_installed_is_refused_before_the_run(tmp_path, 
     assert not (tmp_path / "run" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "no Ray cluster answers there"),
+    ("10.0.0.1", "expected HOST:PORT"),
+    ("host:99999999", "no Ray cluster answers there"),
+])
+def test_a_ray_address_nothing_answers_on_is_refused_at_once(tmp_path, capsys, tiny_models, address, message):
+    """Ray itself waits minutes for a cluster that is not there; the run is refused before its directory is made."""
+    code = main(["run", "--out", str(tmp_path / "run"), "--model", str(tiny_models["gqa"]), "--executor", "ray",
+                 "--ray-address", address])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and f"--ray-address {address}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
 def test_the_run_options_choose_the_executor(tmp_path):
     def chosen(**fields):
         return executor_for(job.RunConfig(models=(Path("a"), Path("b")), scenario_paths=(), paths=(), out=tmp_path,
