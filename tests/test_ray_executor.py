@@ -103,3 +103,22 @@ def _actor_mid_task(run_dir: Path) -> int | None:
         if models and 1 <= mine <= per_model * len(models) // 2:
             return workers[name]["pid"]
     return None
+
+
+@pytest.mark.multigpu
+def test_ray_actors_on_every_gpu_store_what_the_local_pool_stores(tmp_path):
+    """One actor per GPU (a local Ray cluster of this host's GPUs) against the local per-GPU pool on as many GPUs:
+    the same plan, so the same records, replies and verdicts (the default canary set, --batch-size pinned so free
+    memory does not size the batches differently)."""
+    pytest.importorskip("ray", reason="pip install 'fp8-harness[ray]'")
+    import torch
+
+    from test_data_parallel import comparable as comparable_with_verdicts
+
+    gpus = str(torch.cuda.device_count())
+    common = ["--device", "cuda:all", "--workers", gpus, "--batch-size", "16", "--no-progress", "--no-fail-on-verdict"]
+    assert main(["run", "--out", str(tmp_path / "local"), *common]) == 0
+    assert main(["run", "--out", str(tmp_path / "ray"), "--executor", "ray", *common]) == 0
+    layout = json.loads((tmp_path / "ray" / "manifest.json").read_text())["executor"]
+    assert len(layout["workers"]) == int(gpus) and not layout.get("failures")
+    assert comparable_with_verdicts(tmp_path / "ray") == comparable_with_verdicts(tmp_path / "local")
