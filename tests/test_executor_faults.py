@@ -156,6 +156,27 @@ def test_a_stalled_pool_worker_is_stopped_named_and_resume_completes(tiny_models
     resume_and_check(replace(config, stall_timeout_s=None), undisturbed)
 
 
+@pytest.mark.slow
+def test_a_pool_worker_that_raises_is_named_and_its_error_raised(tiny_models, tmp_path):
+    """A worker's own error (here its model directory vanished after the run's checks; on a GPU, CUDA out of
+    memory) stops the pool: the error is raised as in one process, and the manifest names the worker."""
+    import shutil
+
+    from harness.executor.local import RunWork
+    from harness.runs.store import RunStore
+
+    model = tmp_path / "gone"
+    shutil.copytree(tiny_models["gqa"], model)
+    config = replace(config_for(tiny_models, tmp_path / "run"), models=(model, Path(tiny_models["mla"])))
+    store = RunStore.create(config.out, job._manifest(config, scenarios_of(config)))
+    pool = cpu_pool(config)
+    shutil.rmtree(model)
+    with pytest.raises(FileNotFoundError, match="gone"):
+        pool.run(RunWork(config, tuple(scenarios_of(config)), ()), store, None, lambda message: None)
+    [failure] = store.read_manifest()["executor"]["failures"]
+    assert failure["worker"].startswith("cpu#") and failure["what"].startswith("raised FileNotFoundError")
+
+
 def test_a_worker_failure_is_exit_3_with_the_resume_command(tiny_models, tmp_path, capsys, monkeypatch):
     """The CLI's side: a stopped pool is not a traceback but exit 3, naming the worker and how to continue."""
     from harness import cli

@@ -3,9 +3,11 @@
 tensor-parallel rank).
 
 Workers write into the run directory themselves (the store's group commit and flock take rows from several
-processes). A worker that dies, raises or finishes no unit for `--stall-timeout` seconds stops the others at once;
-its failure is named in the manifest (`executor.failures`) and the run stops resumable (`WorkerFailure`): finished
-units are kept, a unit a killed worker was writing has no done line and is dropped and redone by `--resume`.
+processes). A worker that dies, raises, or stores no unit for `--stall-timeout` seconds after its first stops the
+others at once, and is named in the manifest (`executor.failures`). A death or stall stops the run resumable
+(`WorkerFailure`: status interrupted, exit 3); a worker's own error (CUDA out of memory, a bug) is raised as it
+would be in this process (status failed). Either way finished units are kept, and a unit a killed worker was
+writing has no done line: `--resume` drops its rows and redoes it.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ def note_worker(store: RunStore, name: str, device: str) -> None:
 
 def fail(store: RunStore, worker: str, what: str) -> WorkerFailure:
     """The failure named in the manifest (`executor.failures` and a warning); the error to raise."""
-    message = f"worker {worker}: {what}"
-    note_executor(store, failures=[{"worker": worker, "what": what}])
-    store.edit_manifest(lambda m: m["warnings"].append(message[:300]))
+    message = name_failure(store, worker, what)
     return WorkerFailure(f"{message}; finished units are stored, the rest run with --resume")
+
+
+def name_failure(store: RunStore, worker: str, what: str) -> str:
+    """`executor.failures` and the run's warnings name what happened to `worker`; returns the warning."""
+    message = f"worker {worker}: {what}"
+    note_executor(store, failures=[{"worker": worker, "what": what[:300]}])
+    store.edit_manifest(lambda m: m["warnings"].append(message[:300]))
+    return message
 
 
 # ---------------------------------------------------------------- in this process
@@ -199,11 +207,14 @@ def wait_for_workers(pool, pending: dict, store: RunStore, bar, owed: dict[str, 
             if stalled is not None:
                 raise fail(store, stalled, f"finished no unit for {stall_s:g} s (--stall-timeout): stopped")
             for future in finished:
-                pending.pop(future)
+                name = pending.pop(future)
                 try:
                     future.result()  # a worker's exception stops the run here, its finished units kept
                 except futures.process.BrokenProcessPool:
                     raise fail(store, *watch.dead()) from None
+                except Exception as error:  # its own error (CUDA out of memory, a bug): named, then raised as is
+                    name_failure(store, name, f"raised {type(error).__name__}: {error}")
+                    raise
         watch.poll()
     except BaseException:  # Ctrl-C, SIGTERM, a worker's error, death or stall: stop the other workers now
         stop_pool(pool)
@@ -266,11 +277,14 @@ class CpuTasks:
                     watch.poll()
                     for future in finished:
                         directory, path_name, started = pending.pop(future)
+                        task = f"task {model_label(directory)}/{path_name or REFERENCE}"
                         try:
                             scores = future.result()  # a worker's exception stops the run, finished units kept
                         except futures.process.BrokenProcessPool:
-                            task = f"task {model_label(directory)}/{path_name or REFERENCE}"
                             raise fail(store, task, watch.dead()[1]) from None
+                        except Exception as error:  # named, then raised as is
+                            name_failure(store, task, f"raised {type(error).__name__}: {error}")
+                            raise
                         if path_name is None:  # a reference task: its model's paths may start
                             took = time.monotonic() - started
                             ready += [(took, directory, path.name, scores) for path in model_paths(config, directory)]
