@@ -170,6 +170,20 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                           "layers split in blocks across them in this process, for a model too big for one GPU "
                           "(one sequence at a time); 'tensor': a process per GPU, each holding its slice of every "
                           "layer (transformers' tensor-parallel plan; docs/MULTI_GPU.md)")
+    run.add_argument("--executor", choices=("auto", "local", "ray"), default="auto",
+                     help="where units run: auto/local on this host (this process, CPU worker processes, a process "
+                          "per GPU of a GPU list, or the --shard layout), ray: one actor per GPU (or CPU slot) of a Ray "
+                          "cluster, this process the only writer of the run (pip install 'fp8-harness[ray]'; "
+                          "docs/MULTI_GPU.md)")
+    run.add_argument("--ray-address", metavar="ADDR",
+                     help="the Ray cluster of --executor ray (e.g. 10.0.0.1:6379, or auto: the one `ray start` "
+                          "made on this host); default: a local cluster for this run")
+    run.add_argument("--workers", type=_bounded_int(1, None), default=None, metavar="N",
+                     help="GPUs of a GPU list (or Ray actors) to use; default: as many as pay off for the run's "
+                          "estimated work (the manifest's parallel.why says how many and why)")
+    run.add_argument("--stall-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                     help="stop a worker that has stored units and then stores none for this long: a local pool stops "
+                          "the run (resumable), Ray retries its tasks on the other actors (default: no limit)")
     run.add_argument("--history-mode", default="reference-history", choices=["reference-history", "own-history"],
                      help="what earlier turns a path sees: the reference's replies or its own")
     run.add_argument("--calibration", action="append", type=Path, metavar="PATH",
@@ -378,6 +392,7 @@ def _scenarios(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
+    from harness.executor.local import WorkerFailure
     from harness.run_config import build_run_config
     from harness.runs.status import run_exit_code
     from harness.runs.library_log import quiet_libraries
@@ -420,7 +435,8 @@ def _run(args: argparse.Namespace) -> int:
             thresholds=tuple(args.threshold or ()), attention=_attention_options(args), scales_file=args.scales,
             batch_size=args.batch_size, kernel_check_every=args.kernel_check_every, decode=args.decode,
             request_timeout_s=args.request_timeout, concurrency=args.concurrency, shard=args.shard,
-            self_consistency=args.self_consistency,
+            self_consistency=args.self_consistency, executor=args.executor, ray_address=args.ray_address,
+            workers=args.workers, stall_timeout_s=args.stall_timeout,
             **_endpoint_config(args))
         started = time.perf_counter()
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
@@ -428,6 +444,10 @@ def _run(args: argparse.Namespace) -> int:
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
         return 2
+    except WorkerFailure as error:
+        print(f"error: {error}; continue with harness run --out {config.out} --resume (same arguments)",
+              file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         where = f"--out {config.out} " if config else ""
         print(f"\ninterrupted: finished work is stored; continue with "

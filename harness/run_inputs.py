@@ -8,6 +8,7 @@ never leaving a "failed" run directory that blocks the same `--out`. Scenario fi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from harness.canary.variants import VARIANT_FILE, VariantError, read_variant
 from harness.records import scrub_credentials
+from harness.replay.live import candidate_labels  # noqa: F401 - where `harness run` reads --candidate
 
 if TYPE_CHECKING:
-    from harness.job import RunConfig
+    from harness.run_config import RunConfig
 
 
 class InputError(ValueError):
@@ -49,8 +51,31 @@ def check_run_inputs(config: RunConfig) -> None:
                             f"calibrate 'calibrated' scales)")
     if config.jobs < 1:
         problems.append(f"--jobs {config.jobs}: must be at least 1")
+    if config.executor == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("--executor ray: Ray is not installed here (pip install 'fp8-harness[ray]', on every node "
+                        "of the cluster too)")
+    problems += _ray_address_problems(config.ray_address)
     if problems:
         raise InputError(problems)
+
+
+def _ray_address_problems(address: str | None) -> list[str]:
+    """A HOST:PORT that nothing answers on is refused at once: Ray itself waits minutes for a cluster that is not
+    there. `auto` and `ray://` addresses are left to Ray."""
+    import socket
+
+    if address is None or address == "auto" or "://" in address:
+        return []
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return [f"--ray-address {address}: expected HOST:PORT (the head node's GCS, e.g. 10.0.0.1:6379), auto, or "
+                f"ray://HOST:PORT"]
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, OverflowError) as error:
+        return [f"--ray-address {address}: no Ray cluster answers there ({error}); start one with "
+                f"`ray start --head --port {port}` on {host}"]
+    return []
 
 
 def _out_problems(out: Path, resume: bool) -> list[str]:
@@ -233,20 +258,6 @@ def _checkpoint_scale_problems(directory: Path, paths) -> list[str]:
             return [f"--model {directory}: cannot read {file.name} ({type(error).__name__}: {error})"]
     return [f"--paths {','.join(wanted)}: model {directory} has no k_scale/v_scale tensors in its *.safetensors "
             f"(a checkpoint scale source needs them)"]
-
-
-def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
-    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
-    pairs = []
-    for i, item in enumerate(urls, start=1):
-        label, sep, url = item.partition("=")
-        if not sep or "://" in label:
-            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
-        pairs.append((label, url))
-    labels = [label for label, _ in pairs]
-    if len(set(labels)) != len(labels) or "reference" in labels:
-        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
-    return pairs
 
 
 def _endpoint_problems(config: RunConfig) -> list[str]:

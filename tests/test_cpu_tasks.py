@@ -1,9 +1,10 @@
-"""The CPU replay's tasks (harness/job.py `_replay_units_in_processes`): a model's reference task stores the
+"""The CPU replay's tasks (harness/executor/local.py `CpuTasks`): a model's reference task stores the
 reference and scores its turns once; each path task replays one path on the stored reference and those scores."""
 
 from pathlib import Path
 
 from harness import job
+from harness.executor.model_replay import unit_task
 from harness.replay import inprocess
 from harness.runs.store import RunStore
 from harness.scenarios.sources import load_scenarios
@@ -24,12 +25,12 @@ def test_path_tasks_use_the_reference_tasks_scores(tiny_models, tmp_path, monkey
                            out=tmp_path / "run", jobs=2)
     scenarios = load_scenarios([SCENARIOS])
     RunStore.create(config.out, job._manifest(config, scenarios))
-    shared = job._unit_worker(config, model, None, scenarios, [])
+    shared = unit_task(config, model, None, scenarios, [])
     generated = sum(1 for s in scenarios for t in s.turns if t.assistant is None)
     assert scored.count("reference") == generated == len(shared)
     scored.clear()
     for path in ("bf16", "fp8_e4m3"):
-        job._unit_worker(config, model, path, scenarios, [], shared)
+        unit_task(config, model, path, scenarios, [], shared)
     assert scored == ["bf16"] * generated + ["fp8_e4m3"] * generated  # no reference turn scored again
     store = RunStore.attach(config.out)
     assert all(store.is_done("gqa", s.id, p) for s in scenarios for p in ("reference", "bf16", "fp8_e4m3"))

@@ -41,11 +41,49 @@ def test_one_model_is_split_over_every_gpu_and_each_scenario_runs_once():
     assert sorted(ids) == sorted(s.id for s in scenarios) and all(len(work) == 1 for work in plan)
 
 
-def test_more_gpus_than_models_keeps_models_whole():
-    """3 models on 4 GPUs: 4 // 3 = 1 shard a model, one GPU idle (a split would change batch composition)."""
-    plan = job.data_parallel_shards(tuple(Path(m) for m in ("a", "b", "c")), scenario_list(4),
-                                    [f"cuda:{i}" for i in range(4)])
-    assert sorted(len(work) for work in plan) == [0, 1, 1, 1]
+def test_more_gpus_than_models_cuts_models_into_equal_cost_segments():
+    """3 models on 4 GPUs (the pay-off check, `plan.workers_that_pay_off`, already chose 4): every GPU works, every
+    (model, scenario) runs once, a model spans at most two neighbouring GPUs, and the GPUs' costs are within one
+    scenario of each other."""
+    from harness.executor.plan import scenario_tokens
+
+    models, scenarios = tuple(Path(m) for m in ("a", "b", "c")), scenario_list(12)
+    plan = job.data_parallel_shards(models, scenarios, [f"cuda:{i}" for i in range(4)])
+    placed = [(model, s.id) for work in plan for model, chunk in work for s in chunk]
+    assert sorted(placed) == sorted((m, s.id) for m in models for s in scenarios)
+    assert all(len(work) >= 1 for work in plan)
+    assert all(len({i for i, work in enumerate(plan) if any(m == model for m, _ in work)}) <= 2 for model in models)
+    loads = [sum(scenario_tokens(s) for _, chunk in work for s in chunk) for work in plan]
+    assert max(loads) - min(loads) <= 2 * max(scenario_tokens(s) for s in scenarios), loads
+
+
+def test_a_model_with_more_layers_costs_more_and_is_placed_by_cost(tmp_path):
+    """Work is split by cost (tokens x layers), not by count: a 12-layer model against two 2-layer ones on 2 GPUs
+    sits alone on one GPU (its scenarios whole), the two light ones share the other."""
+    for name, layers in (("deep", 12), ("light1", 2), ("light2", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    models = tuple(tmp_path / name for name in ("light1", "deep", "light2"))
+    plan = job.data_parallel_shards(models, scenario_list(6), ["cuda:0", "cuda:1"])
+    assert sorted(sorted(m.name for m, _ in work) for work in plan) == [["deep"], ["light1", "light2"]]
+
+
+def test_a_small_run_uses_one_gpu_and_a_large_one_every_gpu_and_says_why():
+    """The default set's estimated work is about one worker's start-up: one GPU (in this process); 8 copies of it
+    pay off on 4 GPUs. The manifest keeps the reason."""
+    import dataclasses
+
+    from harness.executor.plan import plan_data_parallel
+
+    models = job.default_models()[0]
+    scenarios = scenario_list(12)
+    devices = [f"cuda:{i}" for i in range(4)]
+    small = plan_data_parallel(models, scenarios, devices, paths=7)
+    assert small.devices == ("cuda:0",) and "1 of 4 device(s)" in small.reason
+    eight = [dataclasses.replace(s, id=f"{s.id}-{i}") for i in range(8) for s in scenarios]
+    large = plan_data_parallel(models, eight, devices, paths=7)
+    assert large.devices == tuple(devices) and "4 of 4 device(s)" in large.reason
+    assert plan_data_parallel(models, scenarios, devices, paths=7, workers=3).devices == tuple(devices[:3])
 
 
 @pytest.mark.parametrize("spec, count, expected", [
@@ -93,8 +131,9 @@ def comparable(run_dir: Path) -> dict[str, list]:
                                for r in rows(run_dir, "verdicts"))}
 
 
-def canary_run(out: Path, device: str) -> Path:
-    run_dir = job.run_job(build_run_config(command=["pytest", "data-parallel", device], out=out, device=device))
+def canary_run(out: Path, device: str, **fields) -> Path:
+    run_dir = job.run_job(build_run_config(command=["pytest", "data-parallel", device], out=out, device=device,
+                                           **fields))
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete", manifest
     return run_dir
@@ -114,9 +153,16 @@ def test_the_last_gpu_runs_the_default_canary_set_as_the_first(one_gpu_run, tmp_
 
 @pytest.mark.multigpu
 def test_a_data_parallel_run_stores_what_one_gpu_stores(one_gpu_run, tmp_path):
-    """3 canaries over every GPU (at most 3 used, models whole): identical records, replies and verdicts; the
-    layout is in the manifest."""
+    """3 canaries over every GPU: the default set pays off on one GPU (run in this process, the reason stored);
+    forced onto at most 3 worker processes (--workers), models stay whole: identical records, replies and
+    verdicts either way; the layout is in the manifest."""
     spread = canary_run(tmp_path / "all", "cuda:all")
     layout = json.loads((spread / "manifest.json").read_text())["parallel"]
     assert layout["kind"] == "data-parallel" and len(layout["devices"]) == torch.cuda.device_count()
+    assert layout["used"] == ["cuda:0"] and "1 of" in layout["why"]
     assert comparable(spread) == comparable(one_gpu_run)
+    workers = min(3, torch.cuda.device_count())
+    forced = canary_run(tmp_path / "forced", "cuda:all", workers=workers)
+    layout = json.loads((forced / "manifest.json").read_text())["parallel"]
+    assert len(layout["used"]) == workers and layout["batch_composition"].startswith("as on one GPU")
+    assert comparable(forced) == comparable(one_gpu_run)

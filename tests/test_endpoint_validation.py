@@ -279,6 +279,7 @@ def test_a_hanging_server_fails_within_the_overall_deadline():
 
 def test_models_and_api_keys_per_endpoint(monkeypatch, tmp_path):
     from harness import job
+    from harness.executor.endpoints import open_endpoints
 
     monkeypatch.setenv("KEY_ALL", "k-all")
     monkeypatch.setenv("KEY_CAND", "k-cand")
@@ -286,13 +287,13 @@ def test_models_and_api_keys_per_endpoint(monkeypatch, tmp_path):
                            candidate_urls=("a=http://127.0.0.1:2", "b=http://127.0.0.1:3"), api_key_env="KEY_ALL",
                            api_key_envs=(("candidate", "KEY_CAND"),), reference_model="ref",
                            candidate_models=("gqa", "b=other"))
-    reference, candidates = job._open_endpoints(config, None)
+    reference, candidates = open_endpoints(config, None)
     assert reference.client._headers["POST"]["Authorization"] == "Bearer k-all" and reference._model == "ref"
     assert [c.client._headers["POST"]["Authorization"] for c in candidates] == ["Bearer k-cand"] * 2
     assert [c._model for c in candidates] == ["gqa", "other"]
     with pytest.raises(ValueError, match="no candidate is labelled 'c'"):
-        job._open_endpoints(job.RunConfig(**{**{f: getattr(config, f) for f in config.__slots__},
-                                             "candidate_models": ("c=x",)}), None)
+        open_endpoints(job.RunConfig(**{**{f: getattr(config, f) for f in config.__slots__},
+                                        "candidate_models": ("c=x",)}), None)
 
 
 def test_waiting_behind_the_concurrency_gate_is_not_counted_against_the_deadline():

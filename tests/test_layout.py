@@ -31,6 +31,7 @@ STAGES = {
     "harness.replay": 5,
     "harness.judges": 6,
     "harness.runs": 7,
+    "harness.executor": 8,
 }
 # reports/ sits beside harness/runs (stage 7) but only reads plain data: it may import up to stage 4.
 REPORTS_STAGE = 4

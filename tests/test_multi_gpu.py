@@ -122,11 +122,13 @@ def test_the_cli_refuses_a_bad_shard_without_a_traceback(tmp_path, capsys, argv,
 
 
 def test_the_manifest_records_each_models_layer_blocks(tmp_path):
+    from harness.executor.model_replay import note_shards
+
     store = RunStore.create(tmp_path / "run", {"models": [], "warnings": [], "scales": {}})
     said = []
     for label in ("gqa", "mla"):
         plan = sharding.plan_for(meta_model(directory=CANARIES / label), ["cuda:0", "cuda:1"])
-        job._note_shards(store, label, plan, said.append)
+        note_shards(store, label, plan, said.append)
     manifest = store.read_manifest()
     parallel = manifest["parallel"]
     assert parallel["kind"] == "layer-sharded" and parallel["devices"] == ["cuda:0", "cuda:1"]

@@ -365,7 +365,7 @@ def _unblock(blocked: torch.Tensor, length: int) -> torch.Tensor:
 _REGISTRY: dict[str, KVFormat] = {}
 _SPELLINGS: dict[str, str] = {}
 # Modules outside this one that registered formats: worker processes (spawned, so fresh interpreters) import them
-# before replaying, so a format a user's module declares is known there too (`harness.job._worker_init`).
+# before replaying, so a format a user's module declares is known there too (`harness.executor.local.worker_init`).
 _EXTENSION_MODULES: list[str] = []
 
 

@@ -6,7 +6,7 @@ sliding windows, chunked attention, sinks, soft-capping, hybrid layers) and whet
 `refusals(config, paths)` says, before any weights load, why a (family, path) cannot be replayed: one line
 each, in the harness's words (which layer type, which feature, what would be needed). Both read only the
 transformers config: `harness run` checks every model before the run directory exists (run_inputs.py), and
-stores the facts beside the model in the manifest (job.py).
+stores the facts beside the model in the manifest (executor/model_replay.py).
 """
 
 from __future__ import annotations

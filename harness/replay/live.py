@@ -89,3 +89,17 @@ def with_earlier_capabilities(earlier: dict | None, described: dict) -> dict:
         return described
     merged = {**earlier["capabilities"], **described.get("capabilities", {})}
     return {**described, "capabilities": merged}
+
+
+def candidate_labels(urls: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`LABEL=URL` or `URL` -> (label, url); unnamed candidates are `candidate`, `candidate-2`, ..."""
+    pairs = []
+    for i, item in enumerate(urls, start=1):
+        label, sep, url = item.partition("=")
+        if not sep or "://" in label:
+            label, url = ("candidate" if len(urls) == 1 else f"candidate-{i}"), item
+        pairs.append((label, url))
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels) or "reference" in labels:
+        raise ValueError(f"--candidate labels must be unique and not 'reference', got {labels}")
+    return pairs

@@ -69,20 +69,21 @@ class Route:
 
 
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
-           decode: str = "auto", capture: bool = False, rows: bool = False) -> Route:
+           decode: str = "auto", capture: bool = False, rows: bool = False, shard: str | None = None) -> Route:
     """The route of `kv_path` (None: the reference) on a model with `config` on a `device_type` device;
     use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference); rows: a CPU
-    replay that is not batched generates in rows (ROWS) where it can."""
+    replay that is not batched generates in rows (ROWS) where it can; shard: the model's layout over several
+    devices (--shard layers | tensor; None: one device)."""
     return _decide(kv_path, ModelFacts.of(config), device_type, use_kernels, decode_kernels.kernels_setting(),
-                   batched, decode, capture, rows)
+                   batched, decode, capture, rows and shard is None, shard)
 
 
 @functools.lru_cache(maxsize=256)
 def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_kernels: bool, setting: str,
-            batched: bool, decode: str, capture: bool, rows: bool = False) -> Route:
+            batched: bool, decode: str, capture: bool, rows: bool = False, shard: str | None = None) -> Route:
     name = kernel_name(kv_path, setting) if kv_path is not None else None
     refusal = _kernel_refusal(kv_path, facts, use_kernels, setting, name)
-    batch_refusal = _batch_refusal(kv_path, capture)
+    batch_refusal = _batch_refusal(kv_path, capture, shard)
     kernel = name if refusal is None else None
     capture_kernel, measured = None, None
     if capture and kv_path is not None:
@@ -146,20 +147,37 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
     return None
 
 
-def _batch_refusal(kv_path: KVPath | None, capture: bool) -> str | None:
+# Why a model laid out over several devices replays one sequence at a time, by --shard value
+LAYOUT_BATCH_REFUSALS = {
+    "layers": ("layer-sharded over several GPUs: one sequence at a time (the batched engine keeps its per-row state "
+               "and CUDA graphs on one GPU)"),
+    "tensor": ("tensor parallel: one sequence at a time (the batched engine's per-row state, static columns and CUDA "
+               "graphs are not built for a rank's slice of the model)"),
+}
+
+
+def layout_batch_refusal(shard: str | None) -> str | None:
+    """Why a model laid out as `shard` (--shard layers | tensor) cannot replay in batches (None: one device, it
+    can). The run's options check (`--batch-size` with --shard), the manifest's `batching[model].off` and
+    `parallel.batch_composition` all quote this."""
+    return LAYOUT_BATCH_REFUSALS.get(shard) if shard is not None else None
+
+
+def _batch_refusal(kv_path: KVPath | None, capture: bool = False, shard: str | None = None) -> str | None:
     """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None. The one place
     such a refusal is decided: a refused path runs one sequence at a time (the same engine, a batch of one row:
     `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
-    reference's keeps the whole model so (`job._replay_model`).
+    reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
-    None refused today. Batched since, each with what was measured: fault injectors (the implementation check that
+    Refused today: every path of a model laid out over several devices (`layout_batch_refusal`). Batched since,
+    each with what was measured: fault injectors (the implementation check that
     catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
     `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
     tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the
     same tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention capture (its own teacher-forced pass,
     `replay/attention._run_chunks`, still runs one sequence at a time, on the reference replies the batches made:
     `batched_runner.PrecomputedBackend.attention_error`)."""
-    return None
+    return layout_batch_refusal(shard)
 
 
 OWN_FLOOR = "own"  # `batch_floor` of a path whose batch-invariance floor the batched replay measures on the path

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from harness.replay.devices import device_list
+from harness.replay.route import layout_batch_refusal
+
 SHARD_MODES = ("layers", "tensor")  # --shard values; tensor: harness.replay.tensor_parallel (a process per GPU)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -57,10 +60,8 @@ def check_shard(shard: str | None, devices: list[str]) -> None:
 
 
 def split_devices(device: str) -> list[str]:
-    """`cuda:0,1` -> [cuda:0, cuda:1]; one device -> [it]."""
-    if re.fullmatch(r"cuda:\d+(,\d+)+", device):
-        return [f"cuda:{i}" for i in device[5:].split(",")]
-    return [device]
+    """`cuda:0,1` -> [cuda:0, cuda:1]; one device -> [it] (`devices.device_list`, the one reader of a spec)."""
+    return device_list(device)
 
 
 def layer_blocks(num_layers: int, devices: list[str]) -> list[range]:
@@ -230,4 +231,4 @@ def layout(plans: dict[str, ShardPlan]) -> dict:
     devices = next(iter(plans.values())).devices if plans else ()
     return {"kind": "layer-sharded", "devices": list(devices),
             "models": {label: plan.describe() for label, plan in plans.items()},
-            "batch_composition": "one sequence at a time (the batched engine keeps its per-row state on one GPU)"}
+            "batch_composition": layout_batch_refusal("layers")}

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from harness.replay.route import layout_batch_refusal
 from harness.replay.sharding import ShardError
 
 NO_PLAN = ("{family}: transformers has no tensor-parallel plan (base_model_tp_plan) for this family; "
@@ -45,15 +46,11 @@ def free_port() -> int:
 
 
 def split_world(device: str) -> list[str]:
-    """The ranks' devices of `--device` for `--shard tensor`: `cuda:0,1` -> [cuda:0, cuda:1]; `cpu,cpu` (N
-    times) -> N CPU ranks (gloo: tests and machines without GPUs)."""
-    import re
+    """The ranks' devices of `--device` for `--shard tensor`: `cuda:0,1` (or `cuda:0,cuda:1`) -> [cuda:0, cuda:1];
+    `cpu,cpu` (N times) -> N CPU ranks (gloo: tests and machines without GPUs) (`devices.device_list`)."""
+    from harness.replay.devices import device_list
 
-    if re.fullmatch(r"cuda:\d+(,(cuda:)?\d+)+", device):  # cuda:0,1 or cuda:0,cuda:1 (what rank processes get)
-        return [part if part.startswith("cuda:") else f"cuda:{part}" for part in device.split(",")]
-    if re.fullmatch(r"cpu(,cpu)+", device):
-        return device.split(",")
-    return [device]
+    return device_list(device)
 
 
 def refusal(config, world: int) -> str | None:
@@ -200,7 +197,7 @@ def layout(devices: list[str], models: dict[str, dict]) -> dict:
     return {"kind": "tensor-parallel", "world_size": len(devices), "devices": list(devices),
             "backend": "gloo" if devices[0] == "cpu" else "nccl", "models": models,
             "writer": "rank 0 (every rank replays every unit in lockstep)",
-            "batch_composition": "one sequence at a time",
+            "batch_composition": layout_batch_refusal("tensor"),
             "noise": "reductions split over ranks change bf16 rounding: tokens and log-probs may differ from a "
                      "one-GPU run by the floor tests/test_tensor_parallel.py measures"}
 

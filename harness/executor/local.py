@@ -1,0 +1,359 @@
+"""Executors on this host: everything in this process, a pool of CPU worker processes, one worker per GPU
+(data-parallel), and the layouts of one model over several devices (layer-sharded in this process, a process per
+tensor-parallel rank).
+
+Workers write into the run directory themselves (the store's group commit and flock take rows from several
+processes). A worker that dies, raises, or stores no unit for `--stall-timeout` seconds after its first stops the
+others at once, and is named in the manifest (`executor.failures`). A death or stall stops the run resumable
+(`WorkerFailure`: status interrupted, exit 3); a worker's own error (CUDA out of memory, a bug) is raised as it
+would be in this process (status failed). Either way finished units are kept, and a unit a killed worker was
+writing has no done line: `--resume` drops its rows and redoes it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from harness.executor.model_replay import model_label, model_paths, replay_model, say_on_stderr, unit_task
+from harness.executor.plan import Plan
+from harness.replay.runner import REFERENCE
+from harness.runs.store import RunStore
+
+
+class WorkerFailure(RuntimeError):
+    """A worker (process, GPU worker or Ray actor) died, raised or stalled: the run stopped, resumable."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunWork:
+    """What every executor is handed: the run's configuration, its scenarios and calibration chats."""
+
+    config: object  # harness.run_config.RunConfig
+    scenarios: tuple
+    calibration_chats: tuple
+
+
+def note_executor(store: RunStore, **fields) -> None:
+    """`manifest.executor`: the strategy, its workers (name -> pid, host, device) and failures."""
+    def edit(manifest: dict) -> None:
+        entry = manifest.setdefault("executor", {})
+        for key, value in fields.items():
+            if isinstance(value, dict):
+                entry.setdefault(key, {}).update(value)
+            elif isinstance(value, list):
+                entry.setdefault(key, []).extend(value)
+            else:
+                entry[key] = value
+
+    store.edit_manifest(edit)
+
+
+def note_worker(store: RunStore, name: str, device: str) -> None:
+    note_executor(store, workers={name: {"pid": os.getpid(), "host": socket.gethostname(), "device": device}})
+
+
+def fail(store: RunStore, worker: str, what: str) -> WorkerFailure:
+    """The failure named in the manifest (`executor.failures` and a warning); the error to raise."""
+    message = name_failure(store, worker, what)
+    return WorkerFailure(f"{message}; finished units are stored, the rest run with --resume")
+
+
+def name_failure(store: RunStore, worker: str, what: str) -> str:
+    """`executor.failures` and the run's warnings name what happened to `worker`; returns the warning."""
+    message = f"worker {worker}: {what}"
+    note_executor(store, failures=[{"worker": worker, "what": what[:300]}])
+    store.edit_manifest(lambda m: m["warnings"].append(message[:300]))
+    return message
+
+
+# ---------------------------------------------------------------- in this process
+
+
+class InProcess:
+    """Every model in this process, one after another (one device, or one model's layers over several GPUs)."""
+
+    strategy = "in-process"
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        for directory in work.config.models:
+            replay_model(work.config, directory, work.scenarios, work.calibration_chats, store,
+                         bar.update if bar else None, warn)
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+def format_modules() -> tuple[str, ...]:
+    from harness.kv_paths import formats
+
+    return formats.extension_modules()
+
+
+def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: tuple[str, ...] | None = None) -> None:
+    """Model workers: one intra-op thread each on the CPU (GPU workers keep torch's default: 0), and they die
+    with the parent (a killed run leaves no orphan still writing into it). Library noise goes to the run's
+    library.log, as in the parent. KV formats registered by other modules in the parent are registered here too."""
+    import ctypes
+
+    from harness.kv_paths import formats
+
+    formats.load_extensions(format_modules if format_modules is not None else ())
+    if run_dir is not None:
+        from harness.runs.library_log import quiet_libraries
+
+        quiet_libraries(run_dir)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn_pool(workers: int, run_dir: Path, threads: int) -> futures.ProcessPoolExecutor:
+    return futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=worker_init, initargs=(run_dir, threads, format_modules()))
+
+
+def stop_pool(pool: futures.ProcessPoolExecutor) -> None:
+    """Stop every worker now (SIGKILL: a stopped or hung worker does not act on SIGTERM)."""
+    for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def ended(processes: dict) -> dict[int, str]:
+    """{pid: how it ended} of the processes that ended with an error (`killed by SIGKILL`, `exit 1`)."""
+    found = {}
+    for pid, process in processes.items():
+        code = process.exitcode
+        if code:
+            found[pid] = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    return found
+
+
+def done_units(store: RunStore) -> set[tuple[str, str, str]]:
+    return {(r["model"], r["scenario"], r["path"]) for r in store.read("done")}
+
+
+class Watch:
+    """A pool's workers: progress from the store's done lines (the bar, and per worker the units its tasks owe),
+    their processes (pid -> worker name from `manifest.executor.workers`), and the stall check: a worker that has
+    stored units, has units left, and stored none for `stall_s` seconds. Its clock starts at its first unit: before
+    that it loads its model and generates its first replies, which take as long as the model and scenarios make
+    them (minutes for a 70B load), so a hang before the first unit is not caught."""
+
+    def __init__(self, pool, store: RunStore, bar, owed: dict[str, set], stall_s: float | None):
+        self.pool, self.store, self.bar, self.owed, self.stall_s = pool, store, bar, owed, stall_s
+        self.before = len(store.read("done"))
+        started = done_units(store)  # a resumed run's units do not start a worker's clock
+        self.progress: dict[str, tuple[int, float]] = {name: (len(units & started), 0.0)
+                                                       for name, units in owed.items()}
+        self.processes: dict = {}  # pid -> process, every one the pool has had
+        self.names: dict[int, str] = {}  # pid -> worker name, as the workers noted themselves
+
+    def poll(self) -> str | None:
+        """Update the bar; the name of a stalled worker, or None."""
+        self.processes.update(getattr(self.pool, "_processes", None) or {})  # noqa: SLF001 - no public list
+        rows = self.store.read("done")
+        if self.bar and len(rows) - self.before != self.bar.n:
+            self.bar.update(len(rows) - self.before - self.bar.n)
+        if not self.owed:
+            return None
+        if len(self.names) < len(self.owed):
+            workers = (self.store.read_manifest().get("executor") or {}).get("workers") or {}
+            self.names = {entry["pid"]: name for name, entry in workers.items() if name in self.owed}
+        done, now = {(r["model"], r["scenario"], r["path"]) for r in rows}, time.monotonic()
+        for name, (count, since) in self.progress.items():
+            finished = len(self.owed[name] & done)
+            if finished != count:
+                self.progress[name] = (finished, now)
+            elif self.stall_s is not None and since and finished < len(self.owed[name]) and now - since > self.stall_s:
+                return name
+        return None
+
+    def dead(self) -> tuple[str, str]:
+        """(worker, how its process ended) of a broken pool: the one killed or failed, not those the pool then
+        stopped (SIGTERM). The pool can break as the dead process's pipe closes, a moment before its exit status
+        can be read: up to 2 s are given for it."""
+        self.processes.update(getattr(self.pool, "_processes", None) or {})  # noqa: SLF001
+        deadline = time.monotonic() + 2
+        while not (gone := ended(self.processes)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = next((pid for pid, how in gone.items() if how != "killed by SIGTERM"), next(iter(gone), None))
+        if first is None:
+            return "a worker process", "its process died"
+        return self.names.get(first, f"pid {first}"), f"its process (pid {first}) died: {gone[first]}"
+
+
+def wait_for_workers(pool, pending: dict, store: RunStore, bar, owed: dict[str, set] | None = None,
+                     stall_s: float | None = None) -> None:
+    """Wait for every future of `pending` (future -> worker name); a worker's error, death or stall, Ctrl-C or
+    SIGTERM stops the others at once (their finished units are kept for --resume)."""
+    watch = Watch(pool, store, bar, owed or {}, stall_s)
+    try:
+        while pending:
+            finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
+            stalled = watch.poll()
+            if stalled is not None:
+                raise fail(store, stalled, f"finished no unit for {stall_s:g} s (--stall-timeout): stopped")
+            for future in finished:
+                name = pending.pop(future)
+                try:
+                    future.result()  # a worker's exception stops the run here, its finished units kept
+                except futures.process.BrokenProcessPool:
+                    raise fail(store, *watch.dead()) from None
+                except Exception as error:  # its own error (CUDA out of memory, a bug): named, then raised as is
+                    name_failure(store, name, f"raised {type(error).__name__}: {error}")
+                    raise
+        watch.poll()
+    except BaseException:  # Ctrl-C, SIGTERM, a worker's error, death or stall: stop the other workers now
+        stop_pool(pool)
+        raise
+
+
+class ModelProcesses:
+    """One worker process per model (at most `jobs` at once): CPU decoding of small models is bound by per-op
+    overhead on one core, so models in parallel use the machine's cores; all write one run."""
+
+    strategy = "model-processes"
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        config = work.config
+        with spawn_pool(self.jobs, config.out, 1) as pool:
+            pending = {pool.submit(model_worker, config, directory, work.scenarios, work.calibration_chats):
+                       model_label(directory) for directory in config.models}
+            wait_for_workers(pool, pending, store, bar, stall_s=config.stall_timeout_s)
+
+
+def model_worker(config, directory: Path, scenarios, calibration_chats) -> None:
+    store = RunStore.attach(config.out)
+    replay_model(config, directory, scenarios, calibration_chats, store, None, say_on_stderr)
+
+
+class CpuTasks:
+    """One-at-a-time CPU replay as tasks of one model's reference, then one task per (model, path) once that
+    model's reference is stored, on `jobs` worker processes. A task per model left cores idle while the last model
+    ran alone (3 canaries on 2 cores: 167 s of CPU in a 168 s run); every task computes what the model's own worker
+    computed for that backend (same code, one intra-op thread), so the stored rows are the same. The reference task
+    also scores the reference's turns (teacher-forced log-probs, which every path compares against) and hands them
+    to its model's path tasks, as one process scored them once for all paths."""
+
+    strategy = "cpu-tasks"
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        config = work.config
+        jobs = min(self.jobs, sum(1 + len(model_paths(config, d)) for d in config.models))
+        # tasks wait here, not in the pool's queue, so a free worker takes the longest one ready: a path task costs
+        # about what its model's reference task took (the same turns through one backend), and the heaviest model's
+        # paths last would leave one core idle at the end; references (cost not yet known) go first, in run order
+        ready = [(float("inf"), Path(directory), None, None) for directory in config.models]
+        with spawn_pool(jobs, config.out, 1) as pool:
+            watch = Watch(pool, store, bar, {}, None)
+            pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
+            try:
+                while pending or ready:
+                    while ready and len(pending) < jobs:
+                        _, directory, path_name, scores = ready.pop(0)
+                        future = pool.submit(unit_task, config, directory, path_name, work.scenarios,
+                                             work.calibration_chats, scores)
+                        pending[future] = (directory, path_name, time.monotonic())
+                    finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_COMPLETED)
+                    watch.poll()
+                    for future in finished:
+                        directory, path_name, started = pending.pop(future)
+                        task = f"task {model_label(directory)}/{path_name or REFERENCE}"
+                        try:
+                            scores = future.result()  # a worker's exception stops the run, finished units kept
+                        except futures.process.BrokenProcessPool:
+                            raise fail(store, task, watch.dead()[1]) from None
+                        except Exception as error:  # named, then raised as is
+                            name_failure(store, task, f"raised {type(error).__name__}: {error}")
+                            raise
+                        if path_name is None:  # a reference task: its model's paths may start
+                            took = time.monotonic() - started
+                            ready += [(took, directory, path.name, scores) for path in model_paths(config, directory)]
+                            ready.sort(key=lambda task: -task[0])
+                watch.poll()
+                store.edit_manifest(lambda m: in_config_order(m, config))
+            except BaseException:  # Ctrl-C, SIGTERM or a worker's error: stop the other workers now
+                stop_pool(pool)
+                raise
+
+
+def in_config_order(manifest: dict, config) -> None:
+    """Models and each model's scales in the order the run names them (tasks note them as they finish)."""
+    labels = [model_label(d) for d in config.models]
+    manifest["models"].sort(key=lambda m: labels.index(m["label"]) if m["label"] in labels else len(labels))
+    names = [p.name for p in config.paths]
+    for label, scales in manifest["scales"].items():
+        manifest["scales"][label] = dict(sorted(scales.items(), key=lambda kv: names.index(kv[0])
+                                                if kv[0] in names else len(names)))
+
+
+# ---------------------------------------------------------------- one worker per GPU
+
+
+def owed_units(config, tasks) -> set[tuple[str, str, str]]:
+    """The units a worker's tasks owe: each task's scenarios x the reference and the model's paths."""
+    return {(model_label(t.model), scenario, path) for t in tasks for scenario in t.scenario_ids
+            for path in (REFERENCE, *(p.name for p in model_paths(config, t.model)))}
+
+
+class DataParallel:
+    """One worker process per device of `plan` (a GPU each; `cpu` devices run the same pool on the CPU), each
+    replaying its tasks into the one run directory; a plan of one device runs in this process on it."""
+
+    strategy = "data-parallel"
+
+    def __init__(self, plan: Plan, requested: tuple[str, ...]):
+        self.plan, self.requested = plan, requested
+
+    def layout(self, scenario_count: int) -> dict:
+        whole = all(len(t.scenario_ids) == scenario_count for tasks in self.plan.work for t in tasks)
+        return {"kind": "data-parallel", "devices": list(self.requested), "used": list(self.plan.devices),
+                "why": self.plan.reason, "shards": self.plan.describe(model_label),
+                "batch_composition": "as on one GPU: every model whole on one GPU" if whole else
+                "differs from one GPU: a model's scenarios are split over GPUs (see noise_floor)"}
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        config = work.config
+        layout = self.layout(len(work.scenarios))
+        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout))
+        warn(f"data-parallel: {self.plan.reason}")
+        if len(self.plan.devices) == 1:  # no worker pays off: this process, on the first device
+            InProcess().run(replace(work, config=replace(config, device=self.plan.devices[0])), store, bar, warn)
+            return
+        threads = 1 if self.plan.devices[0] == "cpu" else 0
+        names = self.plan.names
+        with spawn_pool(len(self.plan.devices), config.out, threads) as pool:
+            pending = {pool.submit(device_worker, replace(config, device=device), name, tasks, work.scenarios,
+                                   work.calibration_chats): name
+                       for name, device, tasks in zip(names, self.plan.devices, self.plan.work) if tasks}
+            owed = {name: owed_units(config, tasks) for name, tasks in zip(names, self.plan.work) if tasks}
+            wait_for_workers(pool, pending, store, bar, owed, config.stall_timeout_s)
+
+
+def device_worker(config, name: str, tasks, scenarios, calibration_chats) -> None:
+    store = RunStore.attach(config.out)
+    note_worker(store, name, config.device)
+    by_id = {s.id: s for s in scenarios}
+    cache: dict = {}  # each model loaded once by this worker
+    for task in tasks:
+        chunk = [by_id[i] for i in task.scenario_ids]
+        replay_model(config, task.model, chunk, calibration_chats, store, None, say_on_stderr, cache)

@@ -1,0 +1,61 @@
+"""One model over several devices: its layers split over the GPUs of this process (`--shard layers`, run by
+`local.InProcess`: the layout is the model's, `harness/replay/sharding.py`), or a process per tensor-parallel rank
+(`--shard tensor`, here)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.executor.local import RunWork, spawn_pool, wait_for_workers
+from harness.executor.model_replay import replay_model
+from harness.runs.store import RunStore
+
+
+class TensorParallel:
+    """One process per rank (`harness.replay.tensor_parallel`), every rank replaying every unit of every model in
+    lockstep (the collectives of each forward pass keep them there); rank 0 writes the run directory, the others
+    a private copy of it (so their resume state is the same) that is deleted when they finish."""
+
+    strategy = "tensor-parallel"
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        from harness.replay.tensor_parallel import free_port, layout
+
+        config = work.config
+        devices = config.shard_devices
+        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {})))
+        port = free_port()
+        threads = 1 if devices[0] == "cpu" else 0
+        with spawn_pool(len(devices), config.out, threads) as pool:
+            pending = {pool.submit(tensor_parallel_rank, config, rank, port, work.scenarios,
+                                   work.calibration_chats): f"rank {rank} ({device})"
+                       for rank, device in enumerate(devices)}
+            wait_for_workers(pool, pending, store, bar, stall_s=config.stall_timeout_s)
+
+
+def tensor_parallel_rank(config, rank: int, port: int, scenarios, calibration_chats) -> None:
+    import torch.distributed as dist
+
+    from harness.replay import tensor_parallel
+
+    devices = config.shard_devices
+    tensor_parallel.init_rank(rank, devices, port)
+    scratch = None
+    try:
+        if rank == 0:
+            store = RunStore.attach(config.out)
+        else:  # the same units, resume state and reads as rank 0; its rows are rank 0's, so they are dropped
+            scratch = Path(tempfile.mkdtemp(prefix=f"tp-rank{rank}-"))
+            shutil.copytree(config.out, scratch / "run")
+            store = RunStore.attach(scratch / "run")
+        say = (lambda message: print(message, file=sys.stderr)) if rank == 0 else (lambda message: None)
+        for directory in config.models:
+            replay_model(config, directory, scenarios, calibration_chats, store, None, say)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,191 @@
+"""Distributed faults of the local per-GPU worker pool (`harness/executor/local.py` `DataParallel`), run on the CPU:
+two workers on the `cpu` device, the pool and its checks exactly as on GPUs. A worker killed (SIGKILL) or stalled
+(SIGSTOP, with --stall-timeout) mid-run: the run stops resumable, the failure named in the manifest, and after
+`--resume` every unit is stored once (0 lost, 0 duplicated) with the records of an undisturbed run in one process.
+One scenario keeps them short: each worker stores a unit every few seconds (a stall stands out) and the run's time
+is mostly its two workers' start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from harness import job
+from harness.executor.local import DataParallel, WorkerFailure
+from harness.executor.plan import plan_data_parallel
+from harness.scenarios.sources import load_scenarios
+
+SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+TIMING = ("seconds", "ms_per", "tok_per_s", "tokens_per_s", "_time")  # wall-clock metrics differ run to run
+
+
+def rows(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def comparable(run_dir: Path, scenarios: tuple[str, ...] = ()) -> dict:
+    """Records (timings left out) and replies, sorted (of `scenarios` only, if named): what must not change with
+    where units ran."""
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    kept = lambda r: not scenarios or r["scenario"] in scenarios  # noqa: E731
+    return {"records": sorted(key(r) for r in rows(run_dir, "records")
+                              if kept(r) and not any(t in r["metric"] for t in TIMING)),
+            "texts": sorted(key({k: r[k] for k in ("model", "scenario", "path", "turn", "text")})
+                            for r in rows(run_dir, "texts") if kept(r))}
+
+
+def config_for(tiny_models, out: Path, **fields) -> job.RunConfig:
+    return job.RunConfig(models=(Path(tiny_models["gqa"]), Path(tiny_models["mla"])), scenario_paths=(SCENARIOS,),
+                         paths=job.parse_kv_paths("fp8_e4m3"), out=out, jobs=1, scenario_ids=("smoke-chat",),
+                         **fields)
+
+
+def scenarios_of(config) -> list:
+    return [s for s in load_scenarios([SCENARIOS]) if not config.scenario_ids or s.id in config.scenario_ids]
+
+
+def cpu_pool(config) -> DataParallel:
+    """Two pool workers on the CPU, each a whole model (what two GPUs would get)."""
+    plan = plan_data_parallel(config.models, scenarios_of(config), ["cpu", "cpu"], len(config.paths), workers=2)
+    return DataParallel(plan, ("cpu", "cpu"))
+
+
+def expected_units(config) -> set:
+    return {(m.name, s.id, p) for m in config.models for s in scenarios_of(config)
+            for p in ("reference", *(path.name for path in config.paths))}
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_models, tmp_path_factory) -> Path:
+    return job.run_job(config_for(tiny_models, tmp_path_factory.mktemp("pool") / "undisturbed"),
+                       warn=lambda message: None)
+
+
+def disturb(config, signal_number: int) -> tuple[BaseException | None, int]:
+    """Run `config` on the CPU pool in a thread; once a worker has stored a unit and has units left, send it
+    `signal_number`. Returns what the run raised and the victim's pid."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run_job(config, warn=lambda message: None, executor=cpu_pool(config))
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            raised.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    victim, deadline = None, time.monotonic() + 240
+    while victim is None and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+        victim = _busy_worker(config.out)
+    assert victim is not None, f"no worker was mid-run to disturb (the run raised {raised})"
+    os.kill(victim, signal_number)
+    thread.join(timeout=240)
+    if signal_number == signal.SIGSTOP and _alive(victim):  # the pool kills it; never leave one stopped
+        os.kill(victim, signal.SIGKILL)
+    return (raised[0] if raised else None), victim
+
+
+def _busy_worker(run_dir: Path) -> int | None:
+    """A worker's pid once it has stored at least one unit of its model and has some left."""
+    try:
+        workers = json.loads((run_dir / "manifest.json").read_text()).get("executor", {}).get("workers", {})
+    except (OSError, ValueError):
+        return None
+    done = rows(run_dir, "done")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    shards = manifest.get("parallel", {}).get("shards", {})
+    per_model = len(manifest["scenarios"]) * (1 + len(manifest["paths"]))  # reference, bf16, fp8_e4m3
+    for name, entry in workers.items():
+        model = shards[name][0]["model"] if shards.get(name) else None
+        mine = [r for r in done if r["model"] == model]
+        if 1 <= len(mine) <= per_model - 1 - per_model // 3:
+            return entry["pid"]
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def resume_and_check(config, undisturbed: Path) -> None:
+    """--resume: every unit once, the records of the undisturbed run."""
+    run_dir = job.run_job(replace(config, resume=True), warn=lambda message: None)  # in one process: same units
+    done = [(r["model"], r["scenario"], r["path"]) for r in rows(run_dir, "done")]
+    assert len(done) == len(set(done)), "a unit stored twice"
+    assert set(done) == expected_units(config), "units lost"
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"
+    assert comparable(run_dir) == comparable(undisturbed)
+
+
+@pytest.mark.slow
+def test_a_killed_pool_worker_stops_the_run_resumable_and_resume_loses_and_duplicates_nothing(
+        tiny_models, tmp_path, undisturbed):
+    config = config_for(tiny_models, tmp_path / "killed")
+    raised, victim = disturb(config, signal.SIGKILL)
+    assert isinstance(raised, WorkerFailure) and f"pid {victim}" in str(raised) and "SIGKILL" in str(raised)
+    manifest = json.loads((config.out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    [failure] = manifest["executor"]["failures"]
+    assert manifest["executor"]["workers"][failure["worker"]]["pid"] == victim and "SIGKILL" in failure["what"]
+    resume_and_check(config, undisturbed)
+
+
+@pytest.mark.slow
+def test_a_stalled_pool_worker_is_stopped_named_and_resume_completes(tiny_models, tmp_path, undisturbed):
+    # a unit every few seconds even on a busy 2-core box, so 15 s without one after the first is a stall
+    config = config_for(tiny_models, tmp_path / "stalled", stall_timeout_s=15.0)
+    raised, victim = disturb(config, signal.SIGSTOP)
+    assert isinstance(raised, WorkerFailure) and "--stall-timeout" in str(raised)
+    manifest = json.loads((config.out / "manifest.json").read_text())
+    [failure] = manifest["executor"]["failures"]
+    assert manifest["executor"]["workers"][failure["worker"]]["pid"] == victim
+    assert "finished no unit for 15 s" in failure["what"] and manifest["status"] == "interrupted"
+    resume_and_check(replace(config, stall_timeout_s=None), undisturbed)
+
+
+@pytest.mark.slow
+def test_a_pool_worker_that_raises_is_named_and_its_error_raised(tiny_models, tmp_path):
+    """A worker's own error (here its model directory vanished after the run's checks; on a GPU, CUDA out of
+    memory) stops the pool: the error is raised as in one process, and the manifest names the worker."""
+    import shutil
+
+    from harness.executor.local import RunWork
+    from harness.runs.store import RunStore
+
+    model = tmp_path / "gone"
+    shutil.copytree(tiny_models["gqa"], model)
+    config = replace(config_for(tiny_models, tmp_path / "run"), models=(model, Path(tiny_models["mla"])))
+    store = RunStore.create(config.out, job._manifest(config, scenarios_of(config)))
+    pool = cpu_pool(config)
+    shutil.rmtree(model)
+    with pytest.raises(FileNotFoundError, match="gone"):
+        pool.run(RunWork(config, tuple(scenarios_of(config)), ()), store, None, lambda message: None)
+    [failure] = store.read_manifest()["executor"]["failures"]
+    assert failure["worker"].startswith("cpu#") and failure["what"].startswith("raised FileNotFoundError")
+
+
+def test_a_worker_failure_is_exit_3_with_the_resume_command(tiny_models, tmp_path, capsys, monkeypatch):
+    """The CLI's side: a stopped pool is not a traceback but exit 3, naming the worker and how to continue."""
+    from harness import cli
+
+    def failing(config, progress=None, warn=print, executor=None):
+        raise WorkerFailure("worker cuda:1: its process (pid 7) died: killed by SIGKILL; finished units are stored, "
+                            "the rest run with --resume")
+
+    monkeypatch.setattr(job, "run_job", failing)
+    code = cli.main(["run", "--out", str(tmp_path / "run"), "--model", str(tiny_models["gqa"]), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 3 and "worker cuda:1" in err and "--resume" in err and "Traceback" not in err
