@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from harness.kv_paths import attention
-from harness.kv_paths import layers as model_layers
+from harness import model_layers
 from harness.kv_paths.cache import cache_kwargs
 from harness.types import Message
 

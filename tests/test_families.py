@@ -95,7 +95,7 @@ def test_the_matrix_enumerates_the_registry():
 def test_a_tiny_config_keeps_each_kind_of_layer_and_per_layer_sizes():
     """Gemma 4: sliding and full-attention layers, the last one full (the family requires it), and the full layers'
     own head size (512 over 256 in the default: 32 over 16 here), read per layer, never globally (which raises)."""
-    from harness.kv_paths.layers import layer_shapes
+    from harness.model_layers import layer_shapes
 
     config = tiny_config("gemma4_text")
     shapes = layer_shapes(config)

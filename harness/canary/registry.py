@@ -165,7 +165,7 @@ def _own_causal_classes(mapped: frozenset[str]) -> dict[str, str]:
 
 
 def _config_type_of_class(name: str) -> str | None:
-    from harness.replay.families import transformers_class
+    from harness.model_layers import transformers_class
 
     found = transformers_class(name)
     return getattr(getattr(found, "config_class", None), "model_type", None)
@@ -178,7 +178,7 @@ def build_model(model_type: str, config):
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from harness.replay.families import transformers_class
+    from harness.model_layers import transformers_class
 
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return AutoModelForCausalLM.from_config(config)

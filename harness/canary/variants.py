@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from harness.kv_paths.layers import field, layer_shape
+from harness.model_layers import field, layer_shape
 
 VARIANT_FILE = "variant.json"
 TRANSFORMS = ("mla_latent_scale", "rope_key_outlier")

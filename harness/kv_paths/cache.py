@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from harness.kv_paths import capabilities
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
-from harness.kv_paths.layers import model_cache
+from harness.model_layers import model_cache
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
 from kernels import reference as fp8

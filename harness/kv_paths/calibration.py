@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from harness.kv_paths.layers import layer_count
+from harness.model_layers import layer_count
 from harness.scenarios.filler import filler_text
 from harness.types import Message
 

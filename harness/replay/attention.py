@@ -23,7 +23,7 @@ import torch
 
 from harness.analysis import attention_error as ae
 from harness.kv_paths import attention as attn
-from harness.kv_paths import layers as model_layers
+from harness import model_layers
 from harness.kv_paths.cache import LayerScales, build_cache, cache_kwargs
 from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
 from harness.kv_paths.decode_kernels import resolve

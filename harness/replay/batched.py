@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from harness.kv_paths import attention, impl_check
-from harness.kv_paths import layers as model_layers
+from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
 from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static, stack_rows
 from harness.replay.families import static_decode_refusal  # noqa: F401 - re-exported
@@ -690,7 +690,7 @@ def _free_cuda() -> None:
 
 def kv_bytes_per_token(config) -> int:
     """Bytes of bf16 KV per token over all layers, each at its own KV heads and head size (MLA: latent + rope; an
-    upper bound for hybrids): `harness.kv_paths.layers.kv_bytes_per_token`."""
+    upper bound for hybrids): `harness.model_layers.kv_bytes_per_token`."""
     return model_layers.kv_bytes_per_token(config)
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from harness.kv_paths import layers as model_layers
+from harness import model_layers
 from harness.replay.batched import BatchedEngine, BatchSettings
 from harness.replay.route import OWN_FLOOR, batch_floor
 from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.kv_paths.layers import field, layer_shape, layer_shapes, layer_types, model_cache
+from harness.model_layers import field, layer_shape, layer_shapes, layer_types, model_cache, transformers_class
 
 # Families whose cache is their own class, not transformers' DynamicCache that `kv_paths.cache.build_cache`
 # edits: what each would need.
@@ -210,27 +210,6 @@ def route_facts(config, paths) -> dict:
         if path.bf16_layers:
             facts["kept_bf16"].update({f"{i} ({path.name})": "the path's layers= option" for i in path.bf16_layers})
     return facts
-
-
-def transformers_class(name: str, model_type: str | None = None):
-    """transformers' class `name` (exported, or from `model_type`'s modelling module), or None."""
-    import importlib
-
-    import transformers
-
-    try:
-        return getattr(transformers, name)
-    except (AttributeError, ImportError, RuntimeError):
-        pass
-    if model_type is None:
-        return None
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    module = model_type_to_module_name(model_type)
-    try:
-        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None)
-    except ImportError:
-        return None
 
 
 def causal_lm_class(config):

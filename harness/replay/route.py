@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from harness.kv_paths import capabilities, decode_kernels
-from harness.kv_paths.layers import field, layer_shapes
+from harness.model_layers import field, layer_shapes
 from harness.kv_paths.spec import KVPath
 from harness.replay.families import kernel_block, static_decode_refusal
 

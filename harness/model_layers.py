@@ -138,3 +138,24 @@ def model_cache(config):
 
     import_modelling(config)
     return DynamicCache(config=config)
+
+
+def transformers_class(name: str, model_type: str | None = None):
+    """transformers' class `name` (exported, or from `model_type`'s modelling module), or None."""
+    import importlib
+
+    import transformers
+
+    try:
+        return getattr(transformers, name)
+    except (AttributeError, ImportError, RuntimeError):
+        pass
+    if model_type is None:
+        return None
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None)
+    except ImportError:
+        return None
