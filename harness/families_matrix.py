@@ -51,12 +51,12 @@ def all_families() -> list[str]:
 
 
 def rotating_sample(families: list[str], count: int = SAMPLE, day: datetime.date | None = None) -> list[str]:
-    """`count` families spread over the list, shifted by the day: every family runs within len/count days, and
-    two runs on one day run the same ones."""
+    """Up to `count` families spread over the list, shifted by the day: every family runs within ceil(len / count)
+    days, and two runs on one day run the same ones."""
     day = day or datetime.date.today()
-    stride = max(1, len(families) // count)
+    stride = -(-len(families) // count)
     start = day.toordinal() % stride
-    return [families[(start + i * stride) % len(families)] for i in range(count)]
+    return [families[i] for i in range(start, len(families), stride)]
 
 
 # -- one family -------------------------------------------------------------------------------------------------

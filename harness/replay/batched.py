@@ -724,7 +724,8 @@ def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> in
     widest = model_layers.field(config, "intermediate_size")  # a list where each layer has its own (Gemma 3n)
     widest = max(widest) if isinstance(widest, (list, tuple)) else widest
     mlp = max(widest or 4 * hidden,
-              (model_layers.field(config, "num_experts_per_tok") or 0) * (model_layers.field(config, "moe_intermediate_size") or 0))
+              (model_layers.field(config, "num_experts_per_tok") or 0)
+              * (model_layers.field(config, "moe_intermediate_size") or 0))
     activations = 2 * (2 * hidden + 4 * hidden + 3 * mlp)
     per_token = kv_bytes_per_token(config) * 2 + activations + vocab * 4 // 64
     per_sequence = max(1, max_len) * per_token + vocab * 8 + ssm_scan_bytes(config, max_len)

@@ -28,13 +28,23 @@ OWN_CACHE = {
 # for these (bit-identical to transformers' eager), but neither our decode kernels nor the FP8-attention
 # reference (fp8_q / fp8_p) compute them.
 def beyond_sdpa_features(config) -> list[str]:
+    """What the family's attention computes beyond SDPA: from its config (gpt-oss's sinks, a soft-capping value),
+    and what the loaded model handed the attention function in `check_model`'s probe (Inkling's sinks and
+    position bias), as the probe recorded it on the config."""
+    from harness.kv_paths.attention import BEYOND_SDPA
+
     features = []
     if getattr(config, "model_type", None) == "gpt_oss":
         features.append("attention sinks")
     softcap = field(config, "attn_logit_softcapping")
     if softcap is not None:
         features.append(f"logit soft-capping ({softcap})")
+    seen = [BEYOND_SDPA[name] for name in getattr(config, SEEN_BEYOND_SDPA, ()) or ()]
+    features += [f for f in dict.fromkeys(seen) if not any(have.startswith(f) for have in features)]
     return features
+
+
+SEEN_BEYOND_SDPA = "harness_attention_beyond_sdpa"  # the config attribute `check_model` records them in
 
 
 def layer_routes(config) -> list[dict]:
@@ -101,18 +111,24 @@ def refusals(config, paths) -> list[str]:
     quantising = [p.name for p in paths if p.is_quantized or p.k_scale_on_scores]
     if quantising and not any(r["kv"] == "fp8" for r in routes):
         kept = sorted({f"{r['cache']} ({r['why']})" for r in routes if r["kv"] == "bf16"})
-        problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for an "
-                        f"FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
+        problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for "
+                        f"an FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
                         f"path would replay BF16 under an FP8 name")
     problems += [bf16_layer_problem(path, family, len(routes)) for path in paths
                  if any(layer >= len(routes) for layer in path.bf16_layers)]
+    problems += [p for p in [fp8_attention_refusal(config, paths)] if p]
+    return problems
+
+
+def fp8_attention_refusal(config, paths) -> str | None:
+    """FP8-attention paths (fp8_q / fp8_p) on a family whose attention computes more than SDPA (None: fine)."""
     beyond = beyond_sdpa_features(config)
     fp8_attention = [p.name for p in paths if p.quantizes_attention]
     if beyond and fp8_attention:
-        problems.append(f"--paths {','.join(fp8_attention)}: model family {family!r} has {' and '.join(beyond)}, which "
-                        f"the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
-                        f"kernels.reference.attention_fp8")
-    return problems
+        return (f"--paths {','.join(fp8_attention)}: model family {config.model_type!r} has {' and '.join(beyond)}, "
+                f"which the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
+                f"kernels.reference.attention_fp8")
+    return None
 
 
 def model_refusal(config) -> str | None:
@@ -131,7 +147,7 @@ def model_refusal(config) -> str | None:
         return (f"model family {family!r}: transformers {_version()} has no class that generates text for it "
                 f"({auto}; no ...ForCausalLM / ...ForConditionalGeneration class taking it in config.json's "
                 f"architectures {getattr(config, 'architectures', None)})")
-    concrete = _concrete_class(model_class, config)
+    concrete = concrete_class(model_class, config)
     if concrete is not None and cache_keyword(concrete) is None:
         return (f"model family {family!r}: {concrete.__name__}.forward takes no cache (neither `cache` nor "
                 f"`past_key_values`), so there is no KV cache for a path to replace")
@@ -143,7 +159,8 @@ def model_refusal(config) -> str | None:
     return None
 
 
-def _concrete_class(model_class, config):
+def concrete_class(model_class, config):
+    """The class AutoModelForCausalLM builds for `config` (itself for a family's own class)."""
     from transformers import AutoModelForCausalLM
 
     if model_class is not AutoModelForCausalLM:
@@ -293,6 +310,14 @@ def load_model(weights: Path, **kwargs):
                          f"load it ({type(error).__name__}: {str(error).strip()[:300]})") from None
 
 
+def model_from_config(config, **kwargs):
+    """A model of `config` with fresh weights, through `causal_lm_class` (the meta-device skeletons and random
+    weights of the sharded loads)."""
+    model_class = causal_lm_class(config)
+    build = getattr(model_class, "from_config", None) if model_class.__name__.startswith("Auto") else None
+    return build(config, **kwargs) if build is not None else model_class._from_config(config, **kwargs)
+
+
 # -- what the loaded model holds -------------------------------------------------------------------------------
 # a chat as short as a scenario's first turn: a forward of it shows where the model keeps its state
 PROBE_CHAT = [{"role": "system", "content": "End every answer with the word Thanks."},
@@ -307,6 +332,7 @@ def check_model(model, tokenizer, label: str) -> None:
     replays alone). Refusals name the family and where its state is."""
     import torch
 
+    from harness.kv_paths.attention import seen_beyond_sdpa
     from harness.kv_paths.cache import build_cache, cache_kwargs, holds_kv
 
     family = model.config.model_type
@@ -319,11 +345,16 @@ def check_model(model, tokenizer, label: str) -> None:
     ids = torch.tensor([_probe_ids(tokenizer)]).to(model.device)
     cache = build_cache(model.config, None, None)
     before = _module_state(model)
+    seen: set[str] = set()
+    token = seen_beyond_sdpa.set(seen)
     try:
         with torch.inference_mode():
             out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     except Exception as error:  # noqa: BLE001 - the family's forward, said in our words
         raise ValueError(f"model {label}: model family {family!r}: {_forward_failure(model, ids, error)}") from None
+    finally:
+        seen_beyond_sdpa.reset(token)
+    setattr(model.config, SEEN_BEYOND_SDPA, sorted(seen))  # route and refusals read it (`beyond_sdpa_features`)
     returned = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     moved = sorted(name for name, value in _module_state(model).items() if before.get(name) is not value)
     held = [i for i, layer in enumerate(cache.layers)

@@ -140,6 +140,11 @@ class InProcessModel:
         return described
 
     def backend(self, kv_path: KVPath | None, label: str | None = None) -> "InProcessBackend":
+        from harness.replay.families import fp8_attention_refusal
+
+        refusal = fp8_attention_refusal(self.model.config, [kv_path]) if kv_path is not None else None
+        if refusal:  # what the loaded model's attention showed (families.check_model): before any work
+            raise ValueError(f"model {self.directory}: {refusal}")
         if kv_path is not None and kv_path.is_reference_noise:
             return InProcessBackend(self.in_float32(), kv_path, None, label or kv_path.name)
         scales = self.scales_for(kv_path) if kv_path is not None else None
