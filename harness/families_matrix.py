@@ -41,6 +41,7 @@ PATHS = "fp8_e4m3,fp8_e4m3:per_head:calibrated"  # bf16 is always added; the cal
 FP8_PATHS = tuple(PATHS.split(","))
 SAMPLE = 3  # families in the rotating sample
 OUTCOMES = ("pass", "refused", "failing", "not built")
+SEEDS = 4  # random-weight seeds tried for a model whose first reply is not EOS at once
 
 
 # -- which families ---------------------------------------------------------------------------------------------
@@ -88,13 +89,16 @@ def _build(model_type: str, out: Path) -> tuple[Path, dict]:
     config = None
     try:
         config = registry.tiny_config(model_type)
-        torch.manual_seed(0)
-        model = registry.build_model(model_type, config).to(torch.bfloat16).eval()
+        for seed in range(SEEDS):  # random weights that end the first reply at once measure nothing: the next seed
+            torch.manual_seed(seed)
+            model = registry.build_model(model_type, config).to(torch.bfloat16).eval()
+            if not _replies_eos_first(model):
+                break
     except Exception as error:  # noqa: BLE001 - recorded as the reason it was not built
         facts.update(built=False, build_error=_short(error))
         _write_config(model_type, config, out)
         return out, facts
-    facts.update(built=True, parameters=sum(p.numel() for p in model.parameters()),
+    facts.update(built=True, seed=seed, parameters=sum(p.numel() for p in model.parameters()),
                  transformers_generates=_generates(model))
     model.save_pretrained(str(out))
     return out, facts
@@ -112,6 +116,24 @@ def _write_config(model_type: str, config, out: Path) -> None:
     except Exception:  # noqa: BLE001 - even the default config will not build: its bare model type
         (out / "config.json").write_text(json.dumps({"model_type": model_type}) + "\n")
     save_file({}, str(out / "model.safetensors"))
+
+
+def _replies_eos_first(model) -> bool:
+    """Whether the model's greedy first token after the scenario's first prompt is the tokenizer's EOS."""
+    import torch
+
+    from harness.canary.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    chat = [{"role": "system", "content": "End every answer with the word Thanks."},
+            {"role": "user", "content": "What plans do you offer?"}]  # tests/data/scenarios/families.yaml, turn 1
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([list(ids)])).logits
+    except Exception:  # noqa: BLE001 - a forward that fails is the harness's to refuse, not the seed's
+        return False
+    return int(logits[0, -1].argmax()) == tokenizer.eos_token_id
 
 
 def _generates(model) -> str:
@@ -180,8 +202,10 @@ def _judge_run(out: Path, code: int) -> dict:
     problems += [f"verdict fail: {v['path']} turn {v['turn']}: {v['reasons']}"[:300] for v in failed]
     records = store.read("records")
     for path in FP8_PATHS:
-        kl = [r["value"] for r in records if r["path"] == path and r["metric"] == "kl_max"]
-        if not kl or not max(v or 0 for v in kl) > 0:
+        kl = [r["value"] for r in records if r["path"] == path and r["metric"] == "kl_max" and r["value"] is not None]
+        if not kl:
+            problems.append(f"{path}: no KL measured (no generated token to compare)")
+        elif not max(kl) > 0:
             problems.append(f"{path}: KL to the reference is 0 on every turn: BF16 under an FP8 name")
     facts = (manifest.get("families") or {}).get(label, {})
     return {"outcome": "failing" if problems else "pass", "problems": problems,
