@@ -367,6 +367,11 @@ def check_model(model, tokenizer, label: str) -> None:
         raise ValueError(f"model {label}: model family {family!r} keeps its state in its own cache "
                          f"({type(returned).__name__}), not in the cache a path builds, which stays empty: an FP8 "
                          f"path would replay BF16 under an FP8 name")
+    lengths = sorted({cache.layers[i].keys.shape[-2] for i in held if type(cache.layers[i]).__name__ == "DynamicLayer"})
+    if lengths and lengths != [ids.shape[1]]:  # CPM-Ant prepends its own prompt positions to every input
+        raise ValueError(f"model {label}: model family {family!r}: after a {ids.shape[1]}-token prompt its cache holds "
+                         f"{', '.join(map(str, lengths))} positions: it adds positions of its own, and the harness's "
+                         f"masks and positions count the prompt's tokens")
     if not held:
         raise ValueError(f"model {label}: model family {family!r}: after a forward pass no layer of its cache holds "
                          f"attention K/V ({', '.join(sorted({type(layer).__name__ for layer in cache.layers}))}): "
