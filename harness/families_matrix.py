@@ -9,8 +9,8 @@ built tiny from its config class and replayed by `harness run` as a user runs it
 - **not built**: transformers could not build the tiny model (the reason is shown); the harness is still given
   the family's config.json and must refuse it by name (else the family is failing).
 
-    python -m harness.families_matrix [--families T,...|--sample N] [--slow] [--device cpu|cuda] [--jobs N]
-                                      [--results DIR] [--write-doc]
+    python -m harness.families_matrix [--families T,...|--sample N] [--slow] [--part I/N] [--device cpu|cuda]
+                                      [--jobs N] [--timeout S] [--results DIR] [--write-doc]
 
 Each family's result is DIR/<device>-<model type>.json (default DIR: docs/families); `--write-doc` renders
 docs/FAMILIES.md from every result there (`render`). Without --families/--sample/--slow it runs the rotating
@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="comma-separated model types (default: the rotating sample)")
     parser.add_argument("--sample", type=int, default=SAMPLE, help="families in the rotating sample")
     parser.add_argument("--slow", action="store_true", help="every family")
+    parser.add_argument("--part", default="1/1", help="I/N: the I-th of N equal slices of the families (one per GPU, "
+                                                      "each process under its own CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--timeout", type=int, default=600, help="wall-clock seconds per family")
@@ -368,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         families = known if args.slow else rotating_sample(known, args.sample)
+    try:
+        part, parts = (int(x) for x in args.part.split("/"))
+        assert 1 <= part <= parts
+    except (ValueError, AssertionError):
+        print(f"error: --part: expected I/N with 1 <= I <= N, got {args.part!r}", file=sys.stderr)
+        return 2
+    families = families[part - 1::parts]
     rows = run_matrix(families, args.device, args.jobs, args.timeout, args.results)
     counts = {o: sum(1 for r in rows if r["outcome"] == o) for o in OUTCOMES}
     print(", ".join(f"{n} {o}" for o, n in counts.items()) + f" of {len(rows)}")

@@ -110,6 +110,20 @@ def test_a_tiny_config_keeps_each_kind_of_layer_and_per_layer_sizes():
         config.head_dim  # noqa: B018 - transformers' own refusal, which the harness must never trigger
 
 
+def test_per_layer_head_sizes_reach_the_route_and_the_bytes_per_token():
+    """Issue 44 item 2: Gemma 4's route asked the kernels' capability about one global head_dim (which raises);
+    now about each layer's, and its bytes per token add each layer's own K/V heads x head size."""
+    from harness.model_layers import kv_bytes_per_token, layer_shapes
+    from harness.replay.route import ModelFacts
+
+    config = tiny_config("gemma4_text")
+    assert ModelFacts.of(config).head_dims == (16, 32)
+    expected = sum(2 * s.kv_heads * s.head_dim * 2 for s in layer_shapes(config))  # K and V, bf16
+    assert kv_bytes_per_token(config) == expected
+    uniform = tiny_config("llama")  # its defaults are MHA: 4 layers x 4 KV heads x 16 dims x (K, V) x 2 bytes
+    assert kv_bytes_per_token(uniform) == 4 * 4 * 16 * 2 * 2
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "gemma4_text"])
 def test_harness_attention_computes_the_models_own_attention(family):
     """Our registered attention (SDPA, or the model's eager attention for sinks / soft-capping) against the model's
