@@ -598,6 +598,10 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         if getattr(module, "layer_idx", None) is None:  # attention over no cache layer (Inkling 2's residual
             return attend(module, query, key, value, attention_mask, None, None, kwargs)  # blocks): as it is
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        if attention_mask is None and not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
+            # our mask function (transformers' sdpa_mask) returns no mask only for a purely causal one; a decoder
+            # self-attention module built with is_causal=False (BigBird-Pegasus's) would attend both ways there
+            kwargs = {**kwargs, "is_causal": True}
         rows = getattr(cache, "row_keys", None)
         if rows is not None and query.shape[2] == 1:  # a decode step of a rows batch: each row as it would run alone
             outputs = [attend(module, query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], None,
