@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from harness.kv_paths import attention
+from harness import model_layers
 from harness.kv_paths.cache import cache_kwargs
 from harness.types import Message
 
@@ -239,7 +240,7 @@ def _top_k(value, name: str) -> int:
 
 
 def _known_ids(served: "ServedModel", tokens, param: str) -> list[int]:
-    vocab = int(served.model.config.vocab_size)
+    vocab = int(model_layers.field(served.model.config, "vocab_size"))
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise BadRequest(f"'{param}' must be a list of token ids", param)
     bad = [t for t in tokens if not 0 <= t < vocab]
@@ -254,7 +255,7 @@ def _prompt_ids(served: ServedModel, prompt) -> list[int]:
     if isinstance(prompt, str):
         return list(served.tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        vocab = int(served.model.config.vocab_size)
+        vocab = int(model_layers.field(served.model.config, "vocab_size"))
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")

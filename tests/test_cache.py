@@ -324,3 +324,41 @@ def test_keep_bf16_sliding_window_leaves_those_layers_and_is_refused_without_the
     assert any(problem in p and "'llama' has none" in p for p in refusals(llama, [path]))
     with pytest.raises(ValueError, match="'llama' has none"):
         build_cache(llama, path, unit_scales(llama))
+
+
+def test_our_cache_layers_leave_transformers_registries_as_they_were():
+    """Issue 44: DeepSeek-V4's compressed-sparse cache layers register themselves in transformers' global layer-type
+    mapping when its modelling module is imported (`_layer_type`, `CacheLayerMixin.__init_subclass__`). Our
+    observer / FP8 / emulated layers are built over such a kind by subclassing it, and inherited `_layer_type`:
+    building them re-registered our class under the family's layer type, so every later DeepSeek-V4 cache in the
+    process (another model, the reference) was made of our layers. After building every kind of cache of ours for
+    family A, transformers' layer-type and attention-function registries hold what they held, and a fresh cache of
+    family A (a second model) and of family B (Llama) is transformers' own."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from harness.canary.registry import tiny_config
+    from harness.kv_paths import attention
+    from harness.kv_paths.cache import observer_cache
+    from harness.replay.families import model_cache
+
+    family_a, family_b = tiny_config("deepseek_v4"), tiny_config("llama")
+    own_a = [type(layer) for layer in model_cache(family_a).layers]  # imports the modelling module: registers
+    assert any(kind.__module__.endswith("modeling_deepseek_v4") for kind in own_a), own_a
+    registries = {"dynamic": dict(DYNAMIC_LAYER_TYPE_MAPPING), "static": dict(STATIC_LAYER_TYPE_MAPPING),
+                  "attention": dict(ALL_ATTENTION_FUNCTIONS._global_mapping),
+                  "mask": dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping)}
+    attention.register()  # ours: a name of its own, added once
+    observer_cache(family_a)
+    for spec in ("fp8_e4m3", "fp8_e4m3:per_head", "fp8_e4m3:emulated"):
+        build_cache(family_a, parse_path(spec), None if "emulated" in spec else unit_scales(family_a))
+    assert dict(DYNAMIC_LAYER_TYPE_MAPPING) == registries["dynamic"]
+    assert dict(STATIC_LAYER_TYPE_MAPPING) == registries["static"]
+    for name, registry in (("attention", ALL_ATTENTION_FUNCTIONS), ("mask", ALL_MASK_ATTENTION_FUNCTIONS)):
+        now = dict(registry._global_mapping)
+        assert {k: v for k, v in now.items() if k != attention.ATTENTION_NAME} == \
+               {k: v for k, v in registries[name].items() if k != attention.ATTENTION_NAME}, name
+    assert [type(layer) for layer in DynamicCache(config=family_a).layers] == own_a
+    assert all(type(layer).__module__.startswith("transformers.") for layer in DynamicCache(config=family_b).layers)

@@ -24,6 +24,7 @@ STAGES = {
     "harness.types": 0,
     "harness.records": 0,
     "harness.files": 0,
+    "harness.model_layers": 0,
     "harness.scenarios": 1,
     "harness.canary": 2,
     "harness.kv_paths": 3,
@@ -39,7 +40,8 @@ ENTRY = 99
 ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
                  "harness.pytest_plugin", "harness.nightly", "harness.zoo", "harness.canary.train",
                  "harness.canary.retrain", "harness.canary.record_accuracy", "harness.canary.make_scenarios",
-                 "harness.canary.check_variant", "harness.attention_cli", "harness.run_config")
+                 "harness.canary.check_variant", "harness.attention_cli", "harness.run_config",
+                 "harness.families_matrix")
 
 
 def stage_of(module: str) -> int | None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from harness.model_layers import field, layer_shape
+
 VARIANT_FILE = "variant.json"
 TRANSFORMS = ("mla_latent_scale", "rope_key_outlier")
 
@@ -98,8 +100,8 @@ def _mla_latent_scale(model: torch.nn.Module, variant: Variant) -> None:
 
 def _rope_key_outlier(model: torch.nn.Module, variant: Variant) -> None:
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads, q_heads = config.num_key_value_heads, config.num_attention_heads
+    shape = layer_shape(config, 0)  # the canaries' layers are all alike
+    head_dim, kv_heads, q_heads = shape.head_dim, shape.kv_heads, field(config, "num_attention_heads")
     half = head_dim // 2
     pair = variant.pair % half
     if not 0 <= variant.kv_head < kv_heads:

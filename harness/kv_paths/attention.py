@@ -35,6 +35,13 @@ BLOCK_SIZE = 16  # tokens per page of the paged cache
 CHECK_ELEMENTS = 1 << 26
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
+# Attention arguments SDPA does not compute, by the name models hand them to the attention function: gpt-oss's sinks
+# (`s_aux`), Inkling's sinks and relative position bias, Gemma 2's logit soft-capping. A call with any of them runs
+# the model's own eager attention; our decode kernels and the FP8-attention reference compute none of them.
+BEYOND_SDPA = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a position bias",
+               "softcap": "logit soft-capping"}
+# the names of BEYOND_SDPA arguments seen while set (a set): the load-time probe's record of what the model passes
+seen_beyond_sdpa: contextvars.ContextVar = contextvars.ContextVar("seen_beyond_sdpa", default=None)
 
 
 def kernel_ops(device: torch.device | None = None):
@@ -511,8 +518,12 @@ def _no_empty_rows(mask, length: int):
 
 
 def _beyond_sdpa(kwargs: dict) -> bool:
-    """A call SDPA does not compute: attention sinks (gpt-oss `s_aux`) or logit soft-capping (Gemma 2)."""
-    return kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
+    """A call SDPA does not compute (BEYOND_SDPA: sinks, a position bias, logit soft-capping)."""
+    beyond = [name for name in BEYOND_SDPA if kwargs.get(name) is not None]
+    seen = seen_beyond_sdpa.get()
+    if seen is not None:
+        seen.update(beyond)
+    return bool(beyond)
 
 
 def _model_eager_attention(module, query, key, value, mask, kwargs: dict):
@@ -618,7 +629,13 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
 
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
         cache = active_cache.get()
+        if getattr(module, "layer_idx", None) is None:  # attention over no cache layer (Inkling 2's residual
+            return attend(module, query, key, value, attention_mask, None, None, kwargs)  # blocks): as it is
         layer = cache.layers[module.layer_idx] if cache is not None else None
+        if attention_mask is None and not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
+            # our mask function (transformers' sdpa_mask) returns no mask only for a purely causal one; a decoder
+            # self-attention module built with is_causal=False (BigBird-Pegasus's) would attend both ways there
+            kwargs = {**kwargs, "is_causal": True}
         rows = getattr(cache, "row_keys", None)
         if rows is not None and query.shape[2] == 1:  # a decode step of a rows batch: each row as it would run alone
             outputs = [attend(module, query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], None,

@@ -28,6 +28,7 @@ from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.formats import E4M3_MAX
 from harness.kv_paths.rotation import rotate
+from harness.model_layers import model_cache
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
 from kernels import reference as fp8
@@ -466,7 +467,12 @@ def _of_kind(mixin: type, layer: DynamicLayer, *args):
     if kind is DynamicLayer:
         return made
     name = f"{mixin.__name__}Over{kind.__name__}"
-    made_kind = _KINDS.setdefault(name, type(name, (mixin, kind), {"_store": _kind_store(kind)}))
+    if name not in _KINDS:
+        # `_layer_type = None`: a kind defined in a modelling file registers itself in transformers' global
+        # layer-type mapping by its `_layer_type` when subclassed (`CacheLayerMixin.__init_subclass__`); ours
+        # inherited it and replaced the family's own class there for every model of the process
+        _KINDS[name] = type(name, (mixin, kind), {"_store": _kind_store(kind), "_layer_type": None})
+    made_kind = _KINDS[name]
     over = made_kind.__new__(made_kind)
     over.__dict__.update({**made.__dict__, **layer.__dict__})  # the kind's own fields over DynamicLayer's
     return over
@@ -619,7 +625,7 @@ def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor
 
 def attention_layer_indices(config) -> list[int]:
     """Indices of the layers whose cache holds attention K/V (`holds_kv`: the ones a path quantises)."""
-    cache = DynamicCache(config=config)
+    cache = model_cache(config)
     return [i for i, layer in enumerate(cache.layers) if holds_kv(layer)]
 
 
@@ -665,7 +671,7 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
 
     `kv_path=None` is the reference: the model's cache untouched.
     """
-    cache = DynamicCache(config=config)
+    cache = model_cache(config)
     if kv_path is None or kv_path.is_reference_noise:  # the float32 reference keeps the model's own cache
         return cache
     if kv_path.emulated:  # the yardstick's twin: its own write and scales (harness/kv_paths/emulated.py)
@@ -730,7 +736,7 @@ def attention_quant(kv_path: KVPath, scales: LayerScales | None, layer: int) -> 
 def observer_cache(config, observer: type | None = None, rotated: bool = False) -> DynamicCache:
     """The model's cache with every attention layer observed (`observer`, default `AmaxObserverLayer`; `rotated`:
     K's amax as a `hadamard` path stores it)."""
-    cache = DynamicCache(config=config)
+    cache = model_cache(config)
     for i, layer in enumerate(cache.layers):
         if holds_kv(layer):
             cache.layers[i] = _of_kind(observer or AmaxObserverLayer, layer, rotated)

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from harness.model_layers import layer_count
 from harness.scenarios.filler import filler_text
 from harness.types import Message
 
@@ -176,7 +177,7 @@ def write_scale_files(out_dir: Path, scales: dict[str, dict[int, torch.Tensor]],
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     save_file(scale_tensors(scales, shape), str(written[0]), metadata=meta)
     if fmt == "e4m3":
-        body = quant_param_json(scales["k_scale"], scales["v_scale"], int(config.num_hidden_layers),
+        body = quant_param_json(scales["k_scale"], scales["v_scale"], int(layer_count(config)),
                                 str(config.model_type), fmt)
         written.append(out_dir / JSON_NAME)
         written[-1].write_text(json.dumps(body, indent=1) + "\n")

@@ -23,6 +23,7 @@ import torch
 
 from harness.analysis import attention_error as ae
 from harness.kv_paths import attention as attn
+from harness import model_layers
 from harness.kv_paths.cache import LayerScales, build_cache, cache_kwargs
 from harness.kv_paths.capture import CaptureSample, CaptureSession, KernelRows, LayerRows
 from harness.kv_paths.decode_kernels import resolve
@@ -82,7 +83,7 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     if not prompt or not continuation:
         return AttentionTurn(summary={}, rows=[], channels=[], sampled={})
     config = model.config
-    heads = options.sample.heads(int(config.num_attention_heads))
+    heads = options.sample.heads(int(model_layers.field(config, "num_attention_heads")))
     positions = options.sample.positions(len(prompt) - 1, len(prompt) + len(continuation) - 2)
     chunks = chunks_for(kv_path, prompt, continuation)
     isolated = options.mode == "isolated"
@@ -114,7 +115,7 @@ def measure_turn(model: torch.nn.Module, device: torch.device, kv_path: KVPath, 
     channels = channel_rows(ref_cache, kv_path, scales, _is_mla(config))
     summary = _summary(rows, kernel_table, channels, len(heads), len(positions), bool(errors))
     sampled = {"mode": options.mode, "heads": heads, "query_positions": positions,
-               "num_heads": int(config.num_attention_heads), "context_tokens": len(prompt) + len(continuation) - 1,
+               "num_heads": int(model_layers.field(config, "num_attention_heads")), "context_tokens": len(prompt) + len(continuation) - 1,
                "layers": sorted(reference.rows)}
     if kernel is not None:
         sampled["kernel"] = label or f"not measured: {kernel_note}"
@@ -265,7 +266,7 @@ def _tidy(members, hs: int, r: int, names: tuple[str, ...], metrics: dict, label
 
 
 def _is_mla(config) -> bool:
-    return getattr(config, "kv_lora_rank", None) is not None
+    return model_layers.field(config, "kv_lora_rank") is not None
 
 
 def channel_rows(cache, kv_path: KVPath | None, scales: LayerScales | None, mla: bool) -> list[dict]:

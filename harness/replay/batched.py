@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from harness.kv_paths import attention, impl_check
+from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
 from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static, stack_rows
 from harness.replay.families import static_decode_refusal  # noqa: F401 - re-exported
@@ -484,7 +485,7 @@ class BatchedEngine:
     def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Log-probs [T, V] float32 (CPU) of each continuation given its prompt, as `score_sync` computes them:
         prompt and continuation in two chunks (one token at a time for a `raw_prefill` path)."""
-        vocab = self.model.config.vocab_size
+        vocab = model_layers.field(self.model.config, "vocab_size")
         items = [(i, list(p), list(c)) for i, (p, c) in enumerate(zip(prompts, continuations)) if len(c)]
         longest = max((len(p) + len(c) for _, p, c in items), default=0)
         scored = dict(zip([i for i, _, _ in items], self._in_batches(items, self._score_batch, longest)))
@@ -630,7 +631,7 @@ def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None):
     """The `attention_mask` a static pass hands the model: the 4D bool mask (transformers uses a 4D mask as
     given); a hybrid model also gets its linear-attention layers' padding mask [rows, chunk] (None when
     decoding: a generated token is never padding)."""
-    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+    if "linear_attention" not in model_layers.layer_types(config):
         return attend
     return {"full_attention": attend, "linear_attention": linear_mask}
 
@@ -688,12 +689,9 @@ def _free_cuda() -> None:
 
 
 def kv_bytes_per_token(config) -> int:
-    """Bytes of bf16 KV per token over all layers (MLA: latent + rope; an upper bound for hybrids)."""
-    layers = config.num_hidden_layers
-    if getattr(config, "kv_lora_rank", None):
-        return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return layers * 2 * config.num_key_value_heads * head_dim * 2
+    """Bytes of bf16 KV per token over all layers, each at its own KV heads and head size (MLA: latent + rope; an
+    upper bound for hybrids): `harness.model_layers.kv_bytes_per_token`."""
+    return model_layers.kv_bytes_per_token(config)
 
 
 def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> int:
@@ -722,10 +720,13 @@ def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> in
         return max(1, items)
     free, _ = torch.cuda.mem_get_info(device)
     config = model.config
-    hidden = config.hidden_size
-    mlp = max(getattr(config, "intermediate_size", None) or 4 * hidden,
-              (getattr(config, "num_experts_per_tok", None) or 0) * (getattr(config, "moe_intermediate_size", None) or 0))
+    hidden, vocab = model_layers.field(config, "hidden_size"), model_layers.field(config, "vocab_size")
+    widest = model_layers.field(config, "intermediate_size")  # a list where each layer has its own (Gemma 3n)
+    widest = max(widest) if isinstance(widest, (list, tuple)) else widest
+    mlp = max(widest or 4 * hidden,
+              (model_layers.field(config, "num_experts_per_tok") or 0)
+              * (model_layers.field(config, "moe_intermediate_size") or 0))
     activations = 2 * (2 * hidden + 4 * hidden + 3 * mlp)
-    per_token = kv_bytes_per_token(config) * 2 + activations + config.vocab_size * 4 // 64
-    per_sequence = max(1, max_len) * per_token + config.vocab_size * 8 + ssm_scan_bytes(config, max_len)
+    per_token = kv_bytes_per_token(config) * 2 + activations + vocab * 4 // 64
+    per_sequence = max(1, max_len) * per_token + vocab * 8 + ssm_scan_bytes(config, max_len)
     return max(1, min(items, MAX_AUTO_BATCH, int(free * 0.5 // per_sequence)))

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from harness import model_layers
 from harness.replay.batched import BatchedEngine, BatchSettings
 from harness.replay.route import OWN_FLOOR, batch_floor
 from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages
@@ -80,7 +81,7 @@ class PrecomputedBackend:
         return found if found is not None else await self.inner.score(messages, continuation_ids)
 
     def _score_chunk(self, start: int) -> None:
-        vocab = self.inner.owner.model.config.vocab_size
+        vocab = model_layers.field(self.inner.owner.model.config, "vocab_size")
         end, size = start, 0
         while end < len(self.score_queue) and (end == start or size + _score_bytes(self.score_queue[end], vocab)
                                                <= HOST_SCORE_BYTES):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.model_layers import field, layer_shape, layer_shapes, layer_types, model_cache, transformers_class
+
 # Families whose cache is their own class, not transformers' DynamicCache that `kv_paths.cache.build_cache`
 # edits: what each would need.
 OWN_CACHE = {
@@ -26,20 +28,29 @@ OWN_CACHE = {
 # for these (bit-identical to transformers' eager), but neither our decode kernels nor the FP8-attention
 # reference (fp8_q / fp8_p) compute them.
 def beyond_sdpa_features(config) -> list[str]:
+    """What the family's attention computes beyond SDPA: from its config (gpt-oss's sinks, a soft-capping value),
+    and what the loaded model handed the attention function in `check_model`'s probe (Inkling's sinks and
+    position bias), as the probe recorded it on the config."""
+    from harness.kv_paths.attention import BEYOND_SDPA
+
     features = []
     if getattr(config, "model_type", None) == "gpt_oss":
         features.append("attention sinks")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        features.append(f"logit soft-capping ({config.attn_logit_softcapping})")
+    softcap = field(config, "attn_logit_softcapping")
+    if softcap is not None:
+        features.append(f"logit soft-capping ({softcap})")
+    seen = [BEYOND_SDPA[name] for name in getattr(config, SEEN_BEYOND_SDPA, ()) or ()]
+    features += [f for f in dict.fromkeys(seen) if not any(have.startswith(f) for have in features)]
     return features
+
+
+SEEN_BEYOND_SDPA = "harness_attention_beyond_sdpa"  # the config attribute `check_model` records them in
 
 
 def layer_routes(config) -> list[dict]:
     """One row per layer: {layer, cache (transformers' cache layer class), kv: fp8 | bf16 | state | none, why}."""
-    from transformers import DynamicCache
-
     rows = []
-    for i, layer in enumerate(DynamicCache(config=config).layers):
+    for i, layer in enumerate(model_cache(config).layers):
         kind = type(layer).__name__
         rows.append({"layer": i, "cache": kind, **_route_of(kind, layer)})
     return rows
@@ -67,18 +78,22 @@ def _route_of(kind: str, layer) -> dict:
 def attention_kinds(config, routes: list[dict]) -> list[str]:
     """The matrix's attention kind: GQA / MHA / MLA, SWA, chunked, sinks, soft-capping, hybrid."""
     kinds = []
-    if getattr(config, "kv_lora_rank", None):
+    shapes = [layer_shape(config, r["layer"]) for r in routes if r["kv"] == "fp8"] or layer_shapes(config)[:1]
+    if field(config, "kv_lora_rank"):
         kinds.append("MLA")
     else:
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-        kinds.append("GQA" if kv_heads and kv_heads < heads else "MHA")
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    if any(r["cache"] == "DynamicSlidingWindowLayer" for r in routes) and "chunked_attention" not in layer_types:
+        grouped = any(s.kv_heads and s.kv_heads < (field(config, "num_attention_heads", layer=s.layer) or 0)
+                      for s in shapes)
+        kinds.append("GQA" if grouped else "MHA")
+    if len({(s.kv_heads, s.head_dim) for s in shapes}) > 1:
+        kinds.append("per-layer heads")
+    types = layer_types(config)
+    if any(r["cache"] == "DynamicSlidingWindowLayer" for r in routes) and "chunked_attention" not in types:
         kinds.append("SWA")
-    if "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None):
+    if "chunked_attention" in types or field(config, "attention_chunk_size"):
         kinds.append("chunked")
     kinds += ["sinks" if f == "attention sinks" else "softcap" for f in beyond_sdpa_features(config)]
-    if any(r["kv"] == "state" or "FullAttention" in r["cache"] for r in routes):
+    if any(r["kv"] == "state" or "LinearAttention" in r["cache"] for r in routes):
         kinds.append("hybrid")
     return kinds
 
@@ -88,24 +103,85 @@ def refusals(config, paths) -> list[str]:
     family = config.model_type
     if family in OWN_CACHE:
         return [f"model family {family!r}: {OWN_CACHE[family]}"]
+    unloadable = model_refusal(config)
+    if unloadable:
+        return [unloadable]
     routes = layer_routes(config)
     problems = []
     quantising = [p.name for p in paths if p.is_quantized or p.k_scale_on_scores]
     if quantising and not any(r["kv"] == "fp8" for r in routes):
         kept = sorted({f"{r['cache']} ({r['why']})" for r in routes if r["kv"] == "bf16"})
-        problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for an "
-                        f"FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
+        problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for "
+                        f"an FP8 path to quantise (its layers: {'; '.join(kept) or 'no attention KV cache'}); such a "
                         f"path would replay BF16 under an FP8 name")
     problems += [bf16_layer_problem(path, family, len(routes)) for path in paths
                  if any(layer >= len(routes) for layer in path.bf16_layers)]
     problems += layout_problems(config, paths)
+    problems += [p for p in [fp8_attention_refusal(config, paths)] if p]
+    return problems
+
+
+def fp8_attention_refusal(config, paths) -> str | None:
+    """FP8-attention paths (fp8_q / fp8_p) on a family whose attention computes more than SDPA (None: fine)."""
     beyond = beyond_sdpa_features(config)
     fp8_attention = [p.name for p in paths if p.quantizes_attention]
     if beyond and fp8_attention:
-        problems.append(f"--paths {','.join(fp8_attention)}: model family {family!r} has {' and '.join(beyond)}, which "
-                        f"the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
-                        f"kernels.reference.attention_fp8")
-    return problems
+        return (f"--paths {','.join(fp8_attention)}: model family {config.model_type!r} has {' and '.join(beyond)}, "
+                f"which the FP8-attention reference (fp8_q / fp8_p) does not compute; needed: those features in "
+                f"kernels.reference.attention_fp8")
+    return None
+
+
+def model_refusal(config) -> str | None:
+    """Why no model of this config can be replayed at all, from the config and transformers' classes (None: it
+    may be; `check_model` decides on the loaded model): no class that generates text for it, a forward that takes
+    no cache, a cache transformers cannot build for it."""
+    family = config.model_type
+    model_class = causal_lm_class(config)
+    if model_class is None:
+        from transformers import AutoModelForCausalLM
+
+        mapped = AutoModelForCausalLM._model_mapping.get(type(config), None)  # noqa: SLF001
+        auto = (f"AutoModelForCausalLM maps it to {mapped.__name__}, which takes a "
+                f"{getattr(mapped.config_class, '__name__', '?')}, not a {type(config).__name__}" if mapped is not None
+                else f"no AutoModelForCausalLM mapping for {type(config).__name__}")
+        return (f"model family {family!r}: transformers {_version()} has no class that generates text for it "
+                f"({auto}; no ...ForCausalLM / ...ForConditionalGeneration class taking it in config.json's "
+                f"architectures {getattr(config, 'architectures', None)})")
+    concrete = concrete_class(model_class, config)
+    if concrete is not None and cache_keyword(concrete) is None:
+        return (f"model family {family!r}: {concrete.__name__}.forward takes no cache (neither `cache` nor "
+                f"`past_key_values`), so there is no KV cache for a path to replace")
+    try:
+        model_cache(config)
+    except Exception as error:  # noqa: BLE001 - any failure is the family's, said in our words
+        return (f"model family {family!r}: transformers {_version()} cannot build its cache from its config "
+                f"(DynamicCache(config=...) raised {type(error).__name__}: {error})")
+    return None
+
+
+def concrete_class(model_class, config):
+    """The class AutoModelForCausalLM builds for `config` (itself for a family's own class)."""
+    from transformers import AutoModelForCausalLM
+
+    if model_class is not AutoModelForCausalLM:
+        return model_class
+    return AutoModelForCausalLM._model_mapping.get(type(config), None)  # noqa: SLF001
+
+
+def cache_keyword(model_class) -> str | None:
+    """The keyword the model's forward takes its cache under (transformers 5.2x: `cache`; 5.17: `past_key_values`),
+    or None for a forward that takes none."""
+    import inspect
+
+    parameters = inspect.signature(model_class.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def layout_problems(config, paths) -> list[str]:
@@ -150,12 +226,12 @@ def kernel_block(config) -> str | None:
 def static_decode_refusal(config) -> str | None:
     """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
     attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    other = kinds - {"full_attention", "linear_attention"}
+    other = set(layer_types(config)) - {"full_attention", "linear_attention"}
     if other:
         return f"layer types {sorted(other)}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"sliding window {config.sliding_window}"
+    windows = sorted({s.window for s in layer_shapes(config) if s.window})
+    if windows:
+        return f"sliding window {windows[0]}" if len(windows) == 1 else f"sliding windows {windows}"
     return None
 
 
@@ -180,6 +256,32 @@ def route_facts(config, paths) -> dict:
             facts["kept_bf16"].update({f"{i} ({path.name})": "the path's keep_bf16=sliding_window (a sliding-window "
                                                              "layer)" for i in sliding_window_layers(config)})
     return facts
+
+
+def causal_lm_class(config):
+    """The class that generates text for `config`: AutoModelForCausalLM where its mapping lists the config's type,
+    else the `...ForCausalLM` / `...ForConditionalGeneration` class the config names (`architectures`, as
+    save_pretrained writes it) when that class takes this config (Mistral 4, Mllama's text model, a Musicgen
+    decoder have no Auto mapping); None when neither."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - the mapping from_pretrained consults
+    if type(config) in mapping and _takes(mapping[type(config)], config):
+        return AutoModelForCausalLM
+    for name in getattr(config, "architectures", None) or ():
+        found = transformers_class(name, config.model_type)
+        if (found is not None and name.endswith(("ForCausalLM", "ForConditionalGeneration"))
+                and isinstance(config, getattr(found, "config_class", ()) or ())):
+            return found
+    return None
+
+
+def _takes(model_class, config) -> bool:
+    """Whether `model_class` builds from `config`: its own config class, or (as AutoModelForCausalLM.from_config
+    does for a composite config) its text config's."""
+    wanted = getattr(model_class, "config_class", None)
+    text = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    return wanted is None or isinstance(config, wanted) or (text is not None and text == wanted)
 
 
 def config_of(directory: Path):
@@ -219,4 +321,130 @@ def check_loadable(weights: Path) -> str | None:
         return None
     if config.model_type in OWN_CACHE:
         raise ValueError(f"model {weights}: model family {config.model_type!r}: {OWN_CACHE[config.model_type]}")
+    refusal = model_refusal(config)
+    if refusal:
+        raise ValueError(f"model {weights}: {refusal}")
     return kernel_block(config)
+
+
+def load_model(weights: Path, **kwargs):
+    """`from_pretrained` through `causal_lm_class`; transformers' failure to build or load the family (a package it
+    needs, weights it cannot read) raises ValueError naming the family (exit 2, before any work)."""
+    config = config_of(weights)
+    model_class = causal_lm_class(config)
+    try:
+        return model_class.from_pretrained(str(weights), **kwargs)
+    except Exception as error:  # noqa: BLE001 - said in our words, transformers' own in brackets
+        raise ValueError(f"model {weights}: model family {config.model_type!r}: transformers {_version()} cannot "
+                         f"load it ({type(error).__name__}: {str(error).strip()[:300]})") from None
+
+
+def model_from_config(config, **kwargs):
+    """A model of `config` with fresh weights, through `causal_lm_class` (the meta-device skeletons and random
+    weights of the sharded loads)."""
+    model_class = causal_lm_class(config)
+    build = getattr(model_class, "from_config", None) if model_class.__name__.startswith("Auto") else None
+    return build(config, **kwargs) if build is not None else model_class._from_config(config, **kwargs)
+
+
+# -- what the loaded model holds -------------------------------------------------------------------------------
+# a chat as short as a scenario's first turn: a forward of it shows where the model keeps its state
+PROBE_CHAT = [{"role": "system", "content": "End every answer with the word Thanks."},
+              {"role": "user", "content": "What plans do you offer, and at what price?"}]
+
+
+def check_model(model, tokenizer, label: str) -> None:
+    """Raise ValueError (exit 2, before any work) for a loaded model whose state the KV paths cannot hold: a
+    forward of PROBE_CHAT (through the tokenizer's chat template, as a scenario's prompt) with the cache a path
+    would use must work, fill at least one cache layer with attention K/V, return that same cache, and leave no
+    tensor state on the model's modules (state there is shared by the reference and every path, so no path
+    replays alone). Refusals name the family and where its state is."""
+    import torch
+
+    from harness.kv_paths.attention import seen_beyond_sdpa
+    from harness.kv_paths.cache import build_cache, cache_kwargs, holds_kv
+
+    family = model.config.model_type
+    shared = sorted({name for name, module in model.named_modules() if "Attention" in type(module).__name__
+                     and hasattr(module, "layer_idx") and module.layer_idx is None})
+    if shared:  # Zamba's one attention block, called at several layers with the layer's index as an argument
+        raise ValueError(f"model {label}: model family {family!r}: its attention modules {', '.join(shared[:3])} "
+                         f"have no layer index of their own (one block shared by several layers), and the harness "
+                         f"finds a layer's cache by its attention module's layer_idx")
+    ids = torch.tensor([_probe_ids(tokenizer)]).to(model.device)
+    cache = build_cache(model.config, None, None)
+    before = _module_state(model)
+    seen: set[str] = set()
+    token = seen_beyond_sdpa.set(seen)
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    except Exception as error:  # noqa: BLE001 - the family's forward, said in our words
+        raise ValueError(f"model {label}: model family {family!r}: {_forward_failure(model, ids, error)}") from None
+    finally:
+        seen_beyond_sdpa.reset(token)
+    setattr(model.config, SEEN_BEYOND_SDPA, sorted(seen))  # route and refusals read it (`beyond_sdpa_features`)
+    returned = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    moved = sorted(name for name, value in _module_state(model).items() if before.get(name) is not value)
+    held = [i for i, layer in enumerate(cache.layers)
+            if holds_kv(layer) and getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    if moved:
+        raise ValueError(f"model {label}: model family {family!r} keeps state on its modules ({', '.join(moved[:4])}"
+                         f"{', ...' if len(moved) > 4 else ''}), not in the cache a path builds: the reference and "
+                         f"every path would share it, so no path replays alone")
+    if returned is not None and returned is not cache:
+        raise ValueError(f"model {label}: model family {family!r} keeps its state in its own cache "
+                         f"({type(returned).__name__}), not in the cache a path builds, which stays empty: an FP8 "
+                         f"path would replay BF16 under an FP8 name")
+    lengths = sorted({cache.layers[i].keys.shape[-2] for i in held if type(cache.layers[i]).__name__ == "DynamicLayer"})
+    if lengths and lengths != [ids.shape[1]]:  # CPM-Ant prepends its own prompt positions to every input
+        raise ValueError(f"model {label}: model family {family!r}: after a {ids.shape[1]}-token prompt its cache holds "
+                         f"{', '.join(map(str, lengths))} positions: it adds positions of its own, and the harness's "
+                         f"masks and positions count the prompt's tokens")
+    if not held:
+        raise ValueError(f"model {label}: model family {family!r}: after a forward pass no layer of its cache holds "
+                         f"attention K/V ({', '.join(sorted({type(layer).__name__ for layer in cache.layers}))}): "
+                         f"its state is recurrent / SSM state the FP8 KV paths do not quantise, so an FP8 path would "
+                         f"replay BF16 under an FP8 name")
+
+
+def _forward_failure(model, ids, error: Exception) -> str:
+    """Why the probe's forward failed: the family's own cache class when a forward without ours works (xLSTM),
+    else transformers' error itself."""
+    import torch
+
+    said = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+        own = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    except Exception:  # noqa: BLE001 - it fails either way: transformers' own error is the reason
+        own = None
+    if own is not None:
+        return (f"it keeps its state in its own cache ({type(own).__name__}) and its forward fails with the cache a "
+                f"path builds ({said})")
+    return f"its forward on a {ids.shape[1]}-token prompt fails in transformers {_version()} ({said})"
+
+
+def _probe_ids(tokenizer) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without a chat template: the messages' text
+        text = "\n".join(m["content"] for m in PROBE_CHAT)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _module_state(model) -> dict[str, object]:
+    """Tensors (and lists / tuples / dicts holding them) set as plain attributes on the model's modules, by name:
+    not parameters or buffers, which the weights own."""
+    import torch
+
+    state = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple, dict)) and any(
+                    isinstance(v, torch.Tensor) for v in (value.values() if isinstance(value, dict) else value))):
+                state[f"{prefix}.{name}" if prefix else name] = value
+    return state

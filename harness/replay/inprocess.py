@@ -90,7 +90,7 @@ class InProcessModel:
         """`shard="layers"` with several GPUs (`device="cuda:0,1"`): the decoder layers split over them in one
         process (`harness.replay.sharding`); input ids go to the first GPU, each layer's cache and kernels stay on
         its own."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from harness.replay import families
 
@@ -116,13 +116,14 @@ class InProcessModel:
             sharding.check_shard(shard, devices)
             model, plan = sharding.load_sharded(weights, devices, dtype, ATTENTION_NAME, random_weights)
             device = devices[0]  # where input ids go: the embeddings' GPU
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=ATTENTION_NAME)
+        else:  # AutoModelForCausalLM, or the family's own class where transformers maps none (Mistral 4, ...)
+            model = families.load_model(weights, dtype=dtype, attn_implementation=ATTENTION_NAME)
         if variant is not None:
             apply_variant(model, variant)
         if plan is None and shard != "tensor":  # a tensor-parallel rank's slices are on its device already
             model.to(device)
         model.eval()
+        families.check_model(model, tokenizer, str(directory))  # state the KV paths cannot hold: refused before work
         exact = cpu_exact.install(model)  # bit-exact CPU shortcuts, each probed on this machine first
         wanted = decode_kernels.kernels_setting()  # auto | off | reference (torch stand-ins, any device)
         use_kernels = wanted == "reference" or (wanted == "auto" and torch.device(device).type == "cuda")
@@ -142,6 +143,11 @@ class InProcessModel:
         return described
 
     def backend(self, kv_path: KVPath | None, label: str | None = None) -> "InProcessBackend":
+        from harness.replay.families import fp8_attention_refusal
+
+        refusal = fp8_attention_refusal(self.model.config, [kv_path]) if kv_path is not None else None
+        if refusal:  # what the loaded model's attention showed (families.check_model): before any work
+            raise ValueError(f"model {self.directory}: {refusal}")
         if kv_path is not None and kv_path.is_reference_noise:
             return InProcessBackend(self.in_float32(), kv_path, None, label or kv_path.name)
         scales = self.scales_for(kv_path) if kv_path is not None else None

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from harness.kv_paths import capabilities, decode_kernels
+from harness.model_layers import field, layer_shapes
 from harness.kv_paths.spec import KVPath
 from harness.replay.families import kernel_block, static_decode_refusal
 
@@ -35,16 +36,17 @@ class ModelFacts:
     mla_dims: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of an MLA model, else None
     static_refusal: str | None  # why the model cannot decode on static storage (None: it can)
     kernel_block: str | None  # why our decode kernels must not run for this family (sinks, soft-capping)
-    head_dim: int | None = None  # K/V head size of a GQA/MHA model (the kernels' capability asks)
+    # K/V head sizes of a GQA/MHA model's attention layers, each once (the kernels' capability asks of each: Gemma 4
+    # has two); empty for MLA
+    head_dims: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, config) -> "ModelFacts":
-        rank = getattr(config, "kv_lora_rank", None)
-        dims = (int(rank), int(config.qk_rope_head_dim)) if rank is not None else None
-        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads
-                                                         if getattr(config, "num_attention_heads", None) else None)
+        rank = field(config, "kv_lora_rank")
+        dims = (int(rank), int(field(config, "qk_rope_head_dim"))) if rank is not None else None
+        sizes = () if dims is not None else tuple(sorted({s.head_dim for s in layer_shapes(config) if s.head_dim}))
         return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), kernel_block=kernel_block(config),
-                   head_dim=None if dims is not None or head_dim is None else int(head_dim))
+                   head_dims=sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +135,10 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
         return "not an FP8 path"
     if kv_path.emulated:
         return "emulated outside the engine (the yardstick's twin): torch's attention over its own cache write"
-    refusal = capabilities.decode_refusal(kv_path, facts.mla_dims is not None, None if named else facts.head_dim)
-    if refusal is not None:  # a plug-in takes the contract's paged FP8 caches: the same formats, any head size
-        return refusal
+    for head_dim in (facts.head_dims or (None,)) if not named else (None,):
+        refusal = capabilities.decode_refusal(kv_path, facts.mla_dims is not None, head_dim)
+        if refusal is not None:  # a plug-in takes the contract's paged FP8 caches: the same formats, any head size
+            return refusal
     if kv_path.quantizes_attention and name not in FP8_ATTENTION_KERNELS:
         return ("FP8 attention (fp8_q / fp8_p) runs in the torch reference: only our kernels (decode_attention, "
                 "mla_decode) take q_scale / prob_scale")

@@ -162,17 +162,19 @@ def load_sharded(weights: Path, devices: list[str], dtype: torch.dtype, attn_imp
     """The model of `weights`, its layers over `devices` (ShardPlan). A directory with weight files loads them
     straight onto each module's GPU (transformers' `device_map`); a random-weights directory without them is built
     on the meta device and initialised on the GPUs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from harness.replay.families import load_model, model_from_config
 
     _need_accelerate()
     config = AutoConfig.from_pretrained(str(weights))
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        skeleton = model_from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     plan = plan_for(skeleton, devices)
     if has_weight_files(weights):
         del skeleton
-        model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=attn_implementation,
-                                                     device_map=dict(plan.device_map))
+        model = load_model(weights, dtype=dtype, attn_implementation=attn_implementation,
+                           device_map=dict(plan.device_map))
     elif random_weights:
         model = _random_on_devices(config, plan, dtype, attn_implementation, seed)
     else:
@@ -187,10 +189,11 @@ def _random_on_devices(config, plan: ShardPlan, dtype: torch.dtype, attn_impleme
     `dispatch_model` places the buffers and adds the hooks that move activations between GPUs."""
     from accelerate import dispatch_model, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
-    from transformers import AutoModelForCausalLM
+
+    from harness.replay.families import model_from_config
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = model_from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     std = float(getattr(config, "initializer_range", 0.02))
     generators: dict[str, torch.Generator] = {}
     for name, param in list(model.named_parameters()):

@@ -95,9 +95,10 @@ def world() -> tuple[int, int]:
 def load(weights: Path, dtype: torch.dtype, attn_implementation: str, random_weights: bool, device: str,
          seed: int = 0) -> torch.nn.Module:
     """This rank's slice of the model of `weights` (a process group of the tensor-parallel size must exist)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
+    from harness.replay.families import load_model
     from harness.replay.sharding import has_weight_files
 
     _, size = world()
@@ -107,8 +108,8 @@ def load(weights: Path, dtype: torch.dtype, attn_implementation: str, random_wei
         raise ShardError(why)
     distributed = DistributedConfig(tp_size=size)
     if has_weight_files(weights):
-        model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype, attn_implementation=attn_implementation,
-                                                     distributed_config=distributed)
+        model = load_model(weights, dtype=dtype, attn_implementation=attn_implementation,
+                           distributed_config=distributed)
     elif random_weights:
         model = _random_on_rank(config, dtype, attn_implementation, device, seed, distributed)
     else:
@@ -119,15 +120,15 @@ def load(weights: Path, dtype: torch.dtype, attn_implementation: str, random_wei
 def _random_on_rank(config, dtype, attn_implementation, device, seed, distributed):
     """The whole model made on this rank's device from `seed` (every rank the same weights), then cut by the plan
     (transformers' `maybe_distribute_model`, as `from_pretrained` applies it before loading weights)."""
-    from transformers import AutoModelForCausalLM
+    from harness.replay.families import causal_lm_class, concrete_class, model_from_config
 
-    cls = AutoModelForCausalLM._model_mapping[type(config)]  # noqa: SLF001 - the class from_config would build
+    cls = concrete_class(causal_lm_class(config), config)  # the class from_config builds
     distributed, _, mesh = cls.prepare_distribute_model(distributed)
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = model_from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return cls.maybe_distribute_model(model, distributed, mesh)
 
 
