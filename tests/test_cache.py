@@ -299,19 +299,45 @@ def test_prefill_bf16_is_raw_prefill_and_the_caches_own_format_is_no_prefill_for
 
 # -- keep_bf16=sliding_window (vLLM's --kv-cache-dtype-skip-layers sliding_window) ------------------------------------
 
+# tiny configs of the families the sliding-window tests read (hidden 64, 4 layers, a 16-token window)
+_SLIDING_FULL = ["sliding_attention", "full_attention"] * 2
+SLIDING_FAMILIES = {
+    "gemma2": ("gemma2", dict(sliding_window=16, layer_types=_SLIDING_FULL, query_pre_attn_scalar=16)),
+    "cohere2": ("cohere2", dict(sliding_window=16, layer_types=_SLIDING_FULL)),
+    "mistral_sliding": ("mistral", dict(sliding_window=16)),
+    "llama4_text": ("llama4_text", dict(attention_chunk_size=16, num_local_experts=4, num_experts_per_tok=1,
+                                        intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0],
+                                        layer_types=["chunked_attention"] * 3 + ["full_attention"])),
+    "llama": ("llama", {}),
+    "qwen3_next": ("qwen3_next", dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, num_experts=4, shared_expert_intermediate_size=32,
+                                      num_experts_per_tok=2, moe_intermediate_size=32)),
+}
+
+
+def family_config(family: str):
+    from transformers import AutoConfig
+
+    from harness.canary.tokenizer import VOCAB_SIZE
+
+    model_type, overrides = SLIDING_FAMILIES[family]
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_hidden_layers=4, max_position_embeddings=4096,
+                  bos_token_id=None, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    return AutoConfig.for_model(model_type, **{**common, **overrides})
+
+
 @pytest.mark.parametrize("family, sliding", [("gemma2", [0, 2]), ("cohere2", [0, 2]), ("mistral_sliding", [0, 1, 2, 3]),
                                              ("llama4_text", []), ("llama", []), ("qwen3_next", [])])
 def test_sliding_window_layers_are_read_per_layer(family, sliding):
     """From the cache transformers builds for each layer: llama4's chunked attention keeps a window cache too, but
     it is not a sliding-window layer (vLLM's chunked local attention has no sliding_window)."""
-    from harness.canary.tiny_models import family_config
     from harness.kv_paths.cache import sliding_window_layers
 
     assert sliding_window_layers(family_config(family)) == sliding
 
 
 def test_keep_bf16_sliding_window_leaves_those_layers_and_is_refused_without_them():
-    from harness.canary.tiny_models import family_config
     from harness.replay.families import refusals, route_facts
 
     config, path = family_config("gemma2"), parse_path("fp8_e4m3:keep_bf16=sliding_window")
