@@ -194,8 +194,8 @@ def kernel_block(config) -> str | None:
     """Why our decode kernels must not run for this model (None: they may), said in the route."""
     beyond = beyond_sdpa_features(config)
     if beyond:
-        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs the model's own "
-                f"eager attention")
+        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs torch attention as the "
+                f"model defines it")
     return None
 
 
@@ -275,9 +275,9 @@ def ssm_scan_bytes(config, max_len: int) -> int:
     d_state 256) that is 8 GiB per 256-token chunk and sequence, whatever the hidden size: 24 GiB is 3 of them,
     the allocation a hidden-64 Granite-MoE-hybrid asked for on an H100 with transformers 5.17 (not re-measured
     here: no GPU). Counted as a worst case whatever the version. Zero for a model without Mamba-2 layers."""
-    heads = getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
-    state = getattr(config, "mamba_d_state", None) or getattr(config, "ssm_state_size", None)
-    chunk = getattr(config, "mamba_chunk_size", None) or getattr(config, "chunk_size", None)
+    heads = field(config, "mamba_n_heads") or field(config, "mamba_num_heads")
+    state = field(config, "mamba_d_state") or field(config, "ssm_state_size")
+    chunk = field(config, "mamba_chunk_size") or field(config, "chunk_size")
     if not (heads and state and chunk) or not isinstance(chunk, int):
         return 0
     chunks = -(-max(1, max_len) // chunk)
