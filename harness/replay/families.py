@@ -248,11 +248,13 @@ def causal_lm_class(config):
 
 
 def _takes(model_class, config) -> bool:
-    """Whether `model_class` builds from `config`: its own config class, or (as AutoModelForCausalLM.from_config
-    does for a composite config) its text config's."""
+    """Whether `model_class` builds from `config`, as AutoModelForCausalLM.from_config would: not when the class
+    takes one of the config's sub-configs other than its text config (Musicgen's composite config maps to
+    MusicgenForCausalLM, which takes the decoder sub-config); a family whose config another family's class takes
+    (EXAONE's, LlamaForCausalLM) builds."""
     wanted = getattr(model_class, "config_class", None)
-    text = (getattr(config, "sub_configs", None) or {}).get("text_config")
-    return wanted is None or isinstance(config, wanted) or (text is not None and text == wanted)
+    subs = dict(getattr(config, "sub_configs", None) or {})
+    return wanted is None or subs.get("text_config") == wanted or wanted not in subs.values()
 
 
 def config_of(directory: Path):
@@ -305,6 +307,14 @@ def load_model(weights: Path, **kwargs):
     model_class = causal_lm_class(config)
     try:
         return model_class.from_pretrained(str(weights), **kwargs)
+    except KeyError as error:
+        if error.args and error.args[0] == kwargs.get("attn_implementation"):  # Falcon: attention classes by name
+            raise ValueError(f"model {weights}: model family {config.model_type!r}: its attention takes no registered "
+                             f"attention function (transformers {_version()} picks its attention classes by name: "
+                             f"KeyError {error.args[0]!r}), and the harness's paths, capture and kernels attach "
+                             f"through one") from None
+        raise ValueError(f"model {weights}: model family {config.model_type!r}: transformers {_version()} cannot "
+                         f"load it (KeyError: {error})") from None
     except Exception as error:  # noqa: BLE001 - said in our words, transformers' own in brackets
         raise ValueError(f"model {weights}: model family {config.model_type!r}: transformers {_version()} cannot "
                          f"load it ({type(error).__name__}: {str(error).strip()[:300]})") from None
