@@ -103,16 +103,16 @@ def _int(value) -> int | None:
 
 def kv_bytes_per_token(config, layers: list[int] | None = None) -> int:
     """Bytes of bf16 K/V one token takes in the given layers (default: all), each layer at its own KV heads and
-    head size (MLA: latent + rope, one vector per token)."""
-    text = decoder_config(config)
-    rank = getattr(text, "kv_lora_rank", None)
-    wanted = range(layer_count(config)) if layers is None else layers
-    if rank:
-        return len(wanted) * (int(rank) + int(field(config, "qk_rope_head_dim"))) * 2
+    head size (MLA: its latent + rope, one vector per token; dots3's layers each have their own rank)."""
     total = 0
-    for i in wanted:
-        shape = layer_shape(config, i)
-        total += 2 * (shape.kv_heads or 0) * (shape.head_dim or 0) * 2  # K and V, 2 bytes each (bf16)
+    for i in range(layer_count(config)) if layers is None else layers:
+        seen = layer_config(config, i)
+        rank = getattr(seen, "kv_lora_rank", None)
+        if rank:
+            total += (int(rank) + int(getattr(seen, "qk_rope_head_dim", 0) or 0)) * 2
+        else:
+            shape = layer_shape(config, i)
+            total += 2 * (shape.kv_heads or 0) * (shape.head_dim or 0) * 2  # K and V, 2 bytes each (bf16)
     return total
 
 

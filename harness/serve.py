@@ -73,7 +73,7 @@ class ServedModel:
         self.backend, self.name = backend, name
         self.model, self.tokenizer = backend.owner.model, backend.owner.tokenizer
         self.device = backend.owner.device
-        self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.max_model_len = int(model_layers.field(self.model.config, "max_position_embeddings", 4096) or 4096)
         self._lock = threading.Lock()  # one forward at a time: the model and its observers are shared
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:

@@ -35,11 +35,12 @@ BLOCK_SIZE = 16  # tokens per page of the paged cache
 CHECK_ELEMENTS = 1 << 26
 # The cache whose layers the running forward pass uses; set around each model call by the backend.
 active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
+ADDITIVE_MASK = "additive_mask"  # a float mask the model built itself (Doge's dynamic mask): SDPA adds it as given
 # Attention arguments SDPA does not compute, by the name models hand them to the attention function: gpt-oss's sinks
 # (`s_aux`), Inkling's sinks and relative position bias, Gemma 2's logit soft-capping. A call with any of them runs
 # the model's own eager attention; our decode kernels and the FP8-attention reference compute none of them.
 BEYOND_SDPA = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a position bias",
-               "softcap": "logit soft-capping"}
+               "softcap": "logit soft-capping", ADDITIVE_MASK: "an additive bias in its attention mask"}
 # the names of BEYOND_SDPA arguments seen while set (a set): the load-time probe's record of what the model passes
 seen_beyond_sdpa: contextvars.ContextVar = contextvars.ContextVar("seen_beyond_sdpa", default=None)
 
@@ -526,6 +527,16 @@ def _beyond_sdpa(kwargs: dict) -> bool:
     return bool(beyond)
 
 
+def _additive_mask(mask) -> bool:
+    """A float mask: the model's own additive bias (our mask function's are boolean), which SDPA adds as given but
+    the implementation check's exact attention and our decode kernels do not."""
+    additive = isinstance(mask, torch.Tensor) and mask.is_floating_point()
+    seen = seen_beyond_sdpa.get()
+    if additive and seen is not None:
+        seen.add(ADDITIVE_MASK)
+    return additive
+
+
 def _model_eager_attention(module, query, key, value, mask, kwargs: dict):
     """The model's own eager attention (its modeling file's `eager_attention_forward`, which computes sinks and
     soft-capping as the model defines them) under our mask: SDPA's boolean mask (True = attend) becomes the
@@ -653,6 +664,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             query, kwargs = _k_scale_on_scores(module, query, layer.k_scale, kwargs)
         quant = getattr(layer, "attn_quant", None)
         raw_query = query
+        additive = _additive_mask(attention_mask)  # before any path's changes to the mask
         paged = getattr(layer, "paged", None) if not fault else None
         kernel_decodes = paged is not None and query.shape[2] == 1  # an FP8 decode step served by the kernel
         if kernel_alone(module, layer, query.shape[2], observer_attr):
@@ -692,7 +704,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
         # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
         # bf16 included: the check's definition, not the path)
-        if probe is not None and not _beyond_sdpa(kwargs):
+        if probe is not None and not _beyond_sdpa(kwargs) and not additive:
             probe.observe(module, model_query, key, value, attention_mask, scaling, output)
         observer: Callable | None = getattr(module, observer_attr, None)
         if observer is not None:

@@ -218,8 +218,8 @@ def kernel_block(config) -> str | None:
     """Why our decode kernels must not run for this model (None: they may), said in the route."""
     beyond = beyond_sdpa_features(config)
     if beyond:
-        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs the model's own "
-                f"eager attention")
+        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs torch attention as the "
+                f"model defines it")
     return None
 
 
@@ -277,11 +277,13 @@ def causal_lm_class(config):
 
 
 def _takes(model_class, config) -> bool:
-    """Whether `model_class` builds from `config`: its own config class, or (as AutoModelForCausalLM.from_config
-    does for a composite config) its text config's."""
+    """Whether `model_class` builds from `config`, as AutoModelForCausalLM.from_config would: not when the class
+    takes one of the config's sub-configs other than its text config (Musicgen's composite config maps to
+    MusicgenForCausalLM, which takes the decoder sub-config); a family whose config another family's class takes
+    (EXAONE's, LlamaForCausalLM) builds."""
     wanted = getattr(model_class, "config_class", None)
-    text = (getattr(config, "sub_configs", None) or {}).get("text_config")
-    return wanted is None or isinstance(config, wanted) or (text is not None and text == wanted)
+    subs = dict(getattr(config, "sub_configs", None) or {})
+    return wanted is None or subs.get("text_config") == wanted or wanted not in subs.values()
 
 
 def config_of(directory: Path):
@@ -304,9 +306,9 @@ def ssm_scan_bytes(config, max_len: int) -> int:
     d_state 256) that is 8 GiB per 256-token chunk and sequence, whatever the hidden size: 24 GiB is 3 of them,
     the allocation a hidden-64 Granite-MoE-hybrid asked for on an H100 with transformers 5.17 (not re-measured
     here: no GPU). Counted as a worst case whatever the version. Zero for a model without Mamba-2 layers."""
-    heads = getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
-    state = getattr(config, "mamba_d_state", None) or getattr(config, "ssm_state_size", None)
-    chunk = getattr(config, "mamba_chunk_size", None) or getattr(config, "chunk_size", None)
+    heads = field(config, "mamba_n_heads") or field(config, "mamba_num_heads")
+    state = field(config, "mamba_d_state") or field(config, "ssm_state_size")
+    chunk = field(config, "mamba_chunk_size") or field(config, "chunk_size")
     if not (heads and state and chunk) or not isinstance(chunk, int):
         return 0
     chunks = -(-max(1, max_len) // chunk)
@@ -334,6 +336,14 @@ def load_model(weights: Path, **kwargs):
     model_class = causal_lm_class(config)
     try:
         return model_class.from_pretrained(str(weights), **kwargs)
+    except KeyError as error:
+        if error.args and error.args[0] == kwargs.get("attn_implementation"):  # Falcon: attention classes by name
+            raise ValueError(f"model {weights}: model family {config.model_type!r}: its attention takes no registered "
+                             f"attention function (transformers {_version()} picks its attention classes by name: "
+                             f"KeyError {error.args[0]!r}), and the harness's paths, capture and kernels attach "
+                             f"through one") from None
+        raise ValueError(f"model {weights}: model family {config.model_type!r}: transformers {_version()} cannot "
+                         f"load it (KeyError: {error})") from None
     except Exception as error:  # noqa: BLE001 - said in our words, transformers' own in brackets
         raise ValueError(f"model {weights}: model family {config.model_type!r}: transformers {_version()} cannot "
                          f"load it ({type(error).__name__}: {str(error).strip()[:300]})") from None

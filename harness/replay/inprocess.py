@@ -22,6 +22,7 @@ import torch
 
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
+from harness import model_layers
 from harness.kv_paths import attention, decode_kernels
 from harness.kv_paths.attention import ATTENTION_NAME
 from harness.kv_paths.cache import (
@@ -269,7 +270,7 @@ class InProcessModel:
 
     @property
     def is_mla(self) -> bool:
-        return getattr(self.model.config, "kv_lora_rank", None) is not None
+        return model_layers.field(self.model.config, "kv_lora_rank") is not None
 
     def _compute_scales(self, kv_path: KVPath) -> LayerScales | None:
         from harness.kv_paths import calibration
