@@ -10,6 +10,7 @@ from transformers import AutoConfig
 from transformers.cache_utils import DynamicCache
 
 from harness import job
+from harness.executor import model_replay
 from harness.kv_paths.cache import stack_rows
 from harness.kv_paths.spec import parse_path
 from harness.replay import batched_runner
@@ -101,7 +102,7 @@ def test_a_run_in_rows_stores_what_one_at_a_time_stores(tiny_models, tmp_path, m
     in_rows = _run(tiny_models, tmp_path / "rows", history)
     routes = [route["decode"] for path in in_rows.read_manifest()["paths"] for route in path["routes"].values()]
     assert routes == [ROWS, ROWS]
-    monkeypatch.setattr(job, "_in_rows", lambda config, store, label, loaded, path, *rest: (loaded.backend(path), None))
+    monkeypatch.setattr(model_replay, "in_rows", lambda config, store, label, loaded, path, *rest: (loaded.backend(path), None))
     alone = _run(tiny_models, tmp_path / "alone", history)
     assert _stored(in_rows) == _stored(alone)
 
