@@ -113,12 +113,19 @@ def test_per_head_static_scale_broadcasts_over_heads():
 
 # -- block formats against the OCP MX / NVFP4 definitions, value by value ------------------------------------------
 
-def mx_reference(block: list[float], element_max: float, element_cast) -> list[float]:
-    """OCP MX 6.3 for one block, in float64: X = 2^(floor(log2 amax) - floor(log2 element max)), clamp to e8m0."""
+def mx_reference(block: list[float], element_max: float, element_cast, rounding: str = "floor") -> list[float]:
+    """One block, in float64, clamped to e8m0. OCP MX 6.3 ("floor"): X = 2^(floor(log2 amax) - floor(log2 element
+    max)). SGLang's MX KV caches ("ceil"): X = 2^ceil(log2(amax / element max)) (kernels/ops/quantization/
+    mxfp8_quant.py: ceil(log2(amax / 448.0)); kvfp4_tensor.py: ceil(log2(amax / 6)))."""
     amax = max(abs(v) for v in block)
     if amax == 0:
         return [0.0] * len(block)
-    exponent = max(-127, min(127, math.floor(math.log2(amax)) - math.floor(math.log2(element_max))))
+    if rounding == "floor":
+        exponent = math.floor(math.log2(amax)) - math.floor(math.log2(element_max))
+    else:  # amax / element max as the engines divide it, in fp32; its log2 ceiled exactly
+        ratio = torch.tensor(amax, dtype=torch.float32) / torch.tensor(element_max, dtype=torch.float32)
+        exponent = math.ceil(math.log2(ratio.item()))
+    exponent = max(-127, min(127, exponent))
     x = 2.0 ** exponent
     return [element_cast(v / x) * x for v in block]
 
@@ -134,10 +141,14 @@ def e4m3_cast(v: float) -> float:
     return torch.tensor(max(-448.0, min(448.0, v))).to(torch.float8_e4m3fn).item()
 
 
-@pytest.mark.parametrize("name, element_max, cast", [("mxfp4", 6.0, e2m1_cast), ("mxfp8", 448.0, e4m3_cast),
-                                                     ("fp4_mx_block16", 6.0, e2m1_cast)])
-def test_mx_formats_follow_the_ocp_definition(name, element_max, cast):
+@pytest.mark.parametrize("name, element_max, cast, rounding", [
+    ("mxfp4", 6.0, e2m1_cast, "floor"),  # OCP MX, no engine KV flag
+    ("mxfp8", 448.0, e4m3_cast, "ceil"),  # SGLang mxfp8
+    ("fp4_mx_block16", 6.0, e2m1_cast, "ceil"),  # SGLang fp4_mx_block16
+])
+def test_mx_formats_follow_their_definition(name, element_max, cast, rounding):
     kv_format = F.get_format(name)
+    assert kv_format.scale_rounding == rounding
     torch.manual_seed(1)
     # awkward row: 3 blocks and a short tail; magnitudes over 12 binades, a zero block, exact powers of two
     x = (torch.randn(4, 3 * kv_format.block_size + 5) * torch.logspace(-6, 6, 4).unsqueeze(-1)).to(torch.bfloat16)
@@ -148,7 +159,7 @@ def test_mx_formats_follow_the_ocp_definition(name, element_max, cast):
         values = x[row].double().tolist()
         want = []
         for start in range(0, len(values), kv_format.block_size):
-            want += mx_reference(values[start:start + kv_format.block_size], element_max, cast)
+            want += mx_reference(values[start:start + kv_format.block_size], element_max, cast, rounding)
         assert got[row].tolist() == want, (name, row)
 
 
@@ -298,11 +309,22 @@ def test_mx_scales_match_compressed_tensors_except_its_round_up(name, bits):
     amax = every_bf16().float()
     amax = amax[amax.isfinite() & (amax > 2.0 ** -100) & (amax < 2.0 ** 100)]
     theirs = mxfp.generate_mx_scales(amax.clone(), bits).long()
-    ours = F._e8m0_block_scale(amax, F.get_format(name).element)[0].long()  # noqa: SLF001 - the block-scale rule
+    ours = F._e8m0_block_scale(amax, F.get_format(name).element, "floor")[0].long()  # noqa: SLF001 - OCP's rule
     mantissa, _ = torch.frexp(amax)
     rounds_up = mantissa * 2 >= 1.75
     assert torch.equal(ours[~rounds_up], theirs[~rounds_up])
     assert torch.equal(ours[rounds_up] + 1, theirs[rounds_up])
+
+
+@pytest.mark.parametrize("element", [F.E2M1, F.E4M3])
+def test_rounded_up_mx_scale_is_the_smallest_power_of_two_that_does_not_clip(element):
+    """The engines' rule on every finite positive bf16 amax: amax / X <= element max (nothing clips), and with X / 2
+    it would clip (the smallest such power of two), where X is inside e8m0's range."""
+    amax = every_bf16().float()
+    amax = amax[amax.isfinite() & (amax > 2.0 ** -100) & (amax < 2.0 ** 100)]
+    _, scale = F._e8m0_block_scale(amax, element, "ceil")  # noqa: SLF001 - the block-scale rule
+    assert bool((amax / scale <= element.max_value).all())
+    assert bool((amax / (scale / 2) > element.max_value).all())
 
 
 # -- the engine flag map (docs/FORMATS.md) ---------------------------------------------------------------------------

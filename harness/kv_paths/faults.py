@@ -45,7 +45,7 @@ def check(spec: str, name: str, fmt: str, granularity: str, fp8_prob: bool, v_fm
     if name not in FAULTS:
         return f"unknown fault {name!r}; fault injectors are {', '.join(FAULTS)}"
     if name in FORMAT_FAULTS:
-        return check_format_fault(spec, name, fmt, v_fmt)
+        return check_format_fault(name, fmt, v_fmt)
     if name == "p_e5m2" and not fp8_prob:
         return (f"fault=p_e5m2 changes how FP8 probabilities are cast and needs a path that declares them: "
                 f"add fp8_p, e.g. '{spec}:fp8_p'")

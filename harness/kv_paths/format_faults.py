@@ -56,20 +56,17 @@ def sides(name: str, k_format: kv_formats.KVFormat, v_format: kv_formats.KVForma
     return tuple(reached)
 
 
-def check(spec: str, name: str, fmt: str, v_fmt: str) -> str | None:
+def check(name: str, fmt: str, v_fmt: str) -> str | None:
     """Why the cache fault `name` cannot apply to a path storing K in `fmt` and V in `v_fmt` (None: it can)."""
     if fmt in ("bf16", "fp32"):
         return f"fault={name} is a fault of a quantised cache's format; {fmt} stores none"
     k_format, v_format = kv_formats.get_format(fmt), kv_formats.get_format(v_fmt or fmt)
     if sides(name, k_format, v_format):
         return None
-    need = {"scale_layout": "a format with block scales (nvfp4, mxfp8, mxfp4, fp4_mx_block16, *_per_token_head)",
-            "dummy_block_scales": "a format with block scales (nvfp4, mxfp8, mxfp4, fp4_mx_block16, *_per_token_head)",
-            "v_scale_first_blocks": "V in a format with block scales, e.g. 'nvfp4' or 'k=fp8_e4m3/v=nvfp4'",
-            "e8m0_bias": "a format with e8m0 block scales (mxfp8, mxfp4, fp4_mx_block16)",
-            "nibble_swap": "an FP4 (e2m1) format (nvfp4, nvfp4_4over6, mxfp4, fp4_mx_block16)"}[name]
+    reached = ", ".join(f.spec_name for f in kv_formats.registered() if sides(name, f, f))
+    need = "V in a format with block scales" if name == "v_scale_first_blocks" else "a format it reaches"
     stored = k_format.spec_name if k_format is v_format else f"K as {k_format.spec_name}, V as {v_format.spec_name}"
-    return f"fault={name} needs {need}; this path stores {stored}"
+    return f"fault={name} needs {need} ({reached}); this path stores {stored}"
 
 
 def round_trip(name: str, side: str, kv_format: kv_formats.KVFormat, x: torch.Tensor,

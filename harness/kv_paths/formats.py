@@ -18,7 +18,9 @@ The FP8 e4m3 / e5m2 formats are `kernels/reference.py`'s quantise / dequantise, 
 - e8m0 (OCP MX 5.4.1): a biased exponent, 2^(bits - 127), bits 0..254; 255 is NaN; no zero, no sign.
 - MX block scale (OCP MX 6.3): X = 2^(floor(log2 amax) - emax_element), emax 8 for e4m3, 2 for e2m1, clamped to the
   e8m0 range; elements = element(x / X), saturating (so the top of a block may clip: the spec's floor); a block
-  holding NaN or inf gets a NaN scale.
+  holding NaN or inf gets a NaN scale. The engines' MX KV caches round up instead (`scale_rounding="ceil"`):
+  X = 2^ceil(log2(amax / element max)), so nothing clips (SGLang's mxfp8 `ceil(log2(amax / 448))` and
+  fp4_mx_block16 `ceil(log2(amax / 6))`; torchao's RCEIL).
 - NVFP4 (NVIDIA): e2m1 values, an e4m3 scale per 16 values = e4m3(amax / 6 / s), s an fp32 per-tensor scale
   (vLLM's "global scale" is 1 / s: amax / (448 x 6) calibrated, 1.0 by default); a zero block scale writes zeros.
   4-over-6 (arXiv 2512.02010): each block tries amax -> 6 and amax -> 4 and keeps the one with the smaller squared
@@ -143,11 +145,18 @@ def _e4m3_block_scale(amax: torch.Tensor, target: float, floor: float = 0.0,
     return stored, stored.float()
 
 
-def _e8m0_block_scale(amax: torch.Tensor, element: ElementType) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MX: 2^(floor(log2 amax) - emax_element), clamped to e8m0; a zero block gets 2^-127, a block with NaN or
-    inf a NaN scale. (stored uint8 bits, fp32)."""
-    emax = floor_log2(torch.tensor(element.max_value))
-    exponent = torch.where(amax > 0, floor_log2(amax) - emax, torch.full_like(amax, -E8M0_BIAS, dtype=torch.int32))
+def _e8m0_block_scale(amax: torch.Tensor, element: ElementType,
+                      rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX ("floor"): 2^(floor(log2 amax) - emax_element); "ceil": 2^ceil(log2(amax / element max)), the
+    smallest power of two that leaves amax unclipped (amax / element max in fp32, then its exact ceil log2). Clamped
+    to e8m0; a zero block gets 2^-127, a block with NaN or inf a NaN scale. (stored uint8 bits, fp32)."""
+    if rounding == "floor":
+        exponent = floor_log2(amax) - floor_log2(torch.tensor(element.max_value))
+    else:  # frexp: r = m 2^e, m in [0.5, 1); ceil(log2 r) is e - 1 when r is a power of two (m = 0.5), else e
+        amax = amax.float()
+        mantissa, exponent = torch.frexp(amax / torch.full_like(amax, element.max_value))  # IEEE division anywhere
+        exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    exponent = torch.where(amax > 0, exponent, torch.full_like(amax, -E8M0_BIAS, dtype=torch.int32))
     bits = (exponent.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
     bits = torch.where(amax.isfinite(), bits, torch.full_like(bits, E8M0_NAN))
     return bits, e8m0_values(bits)
@@ -188,6 +197,7 @@ class KVFormat:
     # the largest |x / s| a static scale s covers (s = amax / static_range); 0: no static scale, all computed at write
     static_range: float = 0.0
     block_targets: tuple[float, ...] = ()  # e4m3 / fp32 block scales: the block amax maps to these (4-over-6: 6, 4)
+    scale_rounding: str = "floor"  # e8m0 block scales: "floor" (OCP MX 6.3, may clip) or "ceil" (engines: no clip)
     scale_floor: float = 0.0  # fp32 / e4m3 block scales: the smallest scale handed out (vLLM: 1e-6)
     zero_point: bool = False  # asymmetric: codes = (x - min) / scale, read = code x scale + min
     saturating_only: bool = True  # False: the path's cast option (sat / nosat) applies (FP8 only)
@@ -205,6 +215,8 @@ class KVFormat:
             raise ValueError(f"KV format {self.name!r}: needs at least one spelling (a path-spec head)")
         if self.block_scale not in ("", "e4m3", "e8m0", "fp32"):
             raise ValueError(f"KV format {self.name!r}: block_scale {self.block_scale!r}; expected e4m3, e8m0 or fp32")
+        if self.scale_rounding not in ("floor", "ceil"):
+            raise ValueError(f"KV format {self.name!r}: scale_rounding {self.scale_rounding!r}; expected floor or ceil")
         if self.block_scale in ("e4m3", "fp32") and not self.block_targets:
             raise ValueError(f"KV format {self.name!r}: an {self.block_scale} block scale needs block_targets")
         if not self.block_scale and not self.static_range and not self.unscaled:
@@ -309,7 +321,7 @@ class KVFormat:
         per_static = blocks / s_blocks  # x / s
         amax = per_static.abs().amax(dim=-1)  # NaN propagates: amax of a block with NaN is NaN
         if self.block_scale == "e8m0":
-            stored, block_fp32 = _e8m0_block_scale(amax, self.element)
+            stored, block_fp32 = _e8m0_block_scale(amax, self.element, self.scale_rounding)
             return block_fp32, stored, self._codes(per_static, block_fp32)
         best = None
         for target in self.block_targets:  # 4-over-6: the candidate with the smaller squared error wins (ties: first)
@@ -437,15 +449,16 @@ register_format(KVFormat(
     block_targets=(E2M1_MAX, 4.0), engines="vLLM nvfp4_4over6",
     description="NVFP4 with 4-over-6 block scales: each block maps its amax to 6 or to 4, whichever errs less"))
 register_format(KVFormat(
-    "mxfp8", ("mxfp8",), E4M3, block_size=32, block_scale="e8m0", engines="SGLang mxfp8",
-    description="MXFP8 (OCP MX): e4m3 values, an e8m0 (power-of-two) scale per 32 values"))
+    "mxfp8", ("mxfp8",), E4M3, block_size=32, block_scale="e8m0", scale_rounding="ceil",
+    engines="SGLang mxfp8 (kernels/ops/quantization/mxfp8_quant.py: scale 2^ceil(log2(amax / 448)))",
+    description="MXFP8: e4m3 values, an e8m0 (power-of-two) scale per 32 values, rounded up (no clipping)"))
 register_format(KVFormat(
     "mxfp4", ("mxfp4",), E2M1, block_size=32, block_scale="e8m0", engines="none as a KV flag (OCP MX, weights)",
     description="MXFP4 (OCP MX): e2m1 values, an e8m0 (power-of-two) scale per 32 values"))
 register_format(KVFormat(
-    "fp4_mx_block16", ("fp4_mx_block16",), E2M1, block_size=16, block_scale="e8m0",
-    engines="SGLang fp4_mx_block16 (formerly fp4_e2m1)",
-    description="e2m1 values, an e8m0 (power-of-two) scale per 16 values (SGLang's MX-style FP4)"))
+    "fp4_mx_block16", ("fp4_mx_block16",), E2M1, block_size=16, block_scale="e8m0", scale_rounding="ceil",
+    engines="SGLang fp4_mx_block16, formerly fp4_e2m1 (kvfp4_tensor.py: scale 2^ceil(log2(amax / 6)))",
+    description="e2m1 values, an e8m0 (power-of-two) scale per 16 values, rounded up (SGLang's MX-style FP4)"))
 register_format(KVFormat(
     "fp8_per_token_head", ("fp8_per_token_head",), E4M3, block_scale="fp32", block_targets=(E4M3_MAX,),
     scale_floor=1e-6, engines="vLLM fp8_per_token_head",
