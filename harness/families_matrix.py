@@ -10,7 +10,7 @@ built tiny from its config class and replayed by `harness run` as a user runs it
   the family's config.json and must refuse it by name (else the family is failing).
 
     python -m harness.families_matrix [--families T,...|--sample N] [--slow] [--part I/N] [--device cpu|cuda]
-                                      [--jobs N] [--timeout S] [--results DIR] [--write-doc]
+                                      [--jobs N] [--timeout S] [--results DIR] [--write-doc | --render-only]
 
 Each family's result is DIR/<device>-<model type>.json (default DIR: docs/families); `--write-doc` renders
 docs/FAMILIES.md from every result there (`render`). Without --families/--sample/--slow it runs the rotating
@@ -249,8 +249,20 @@ def _quiet_worker() -> None:
     transformers.logging.set_verbosity_error()
 
 
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def run_matrix(families: list[str], device: str, jobs: int, timeout: int, results: Path) -> list[dict]:
     results.mkdir(parents=True, exist_ok=True)
+    commit = _commit()
     rows = []
     context = multiprocessing.get_context("spawn")
     pool = context.Pool(jobs, initializer=_quiet_worker, maxtasksperchild=25)
@@ -261,7 +273,7 @@ def run_matrix(families: list[str], device: str, jobs: int, timeout: int, result
                 row = result.get(timeout + 120)
             except Exception as error:  # noqa: BLE001 - a worker that died (segfault, out of memory)
                 row = {"family": family, "outcome": "failing", "problems": [f"worker died: {_short(error)}"]}
-            row["device"] = device
+            row["device"], row["commit"] = device, commit
             (results / f"{device}-{family}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
             rows.append(row)
             print(f"{family:32s} {row['outcome']:9s} {row.get('cpu_s', '?'):>6} s  "
@@ -359,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="wall-clock seconds per family")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--write-doc", action="store_true", help="render docs/FAMILIES.md from --results")
+    parser.add_argument("--render-only", action="store_true", help="only render docs/FAMILIES.md from --results")
     args = parser.parse_args(argv)
+    if args.render_only:
+        print(f"wrote {write_doc(args.results)}")
+        return 0
     known = all_families()
     if args.families:
         families = args.families.split(",")

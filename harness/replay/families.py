@@ -1,4 +1,5 @@
-"""Model families: what the harness does with each layer of a model, and what it refuses, from the config alone.
+"""Model families: the class that generates text for a model, what the harness does with each of its layers, and what
+it refuses: from the config before any work, and from what the loaded model holds (`check_model`).
 
 `route_facts(config, paths)` names, per layer, whether a KV path quantises it (`fp8`), keeps it in BF16 (and
 why), or leaves a linear-attention / SSM state as the model keeps it; plus the attention features (GQA, MLA,
@@ -218,8 +219,8 @@ def kernel_block(config) -> str | None:
     """Why our decode kernels must not run for this model (None: they may), said in the route."""
     beyond = beyond_sdpa_features(config)
     if beyond:
-        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs torch attention as the "
-                f"model defines it")
+        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs torch attention as "
+                f"the model defines it")
     return None
 
 
@@ -366,56 +367,69 @@ PROBE_CHAT = [{"role": "system", "content": "End every answer with the word Than
 def check_model(model, tokenizer, label: str) -> None:
     """Raise ValueError (exit 2, before any work) for a loaded model whose state the KV paths cannot hold: a
     forward of PROBE_CHAT (through the tokenizer's chat template, as a scenario's prompt) with the cache a path
-    would use must work, fill at least one cache layer with attention K/V, return that same cache, and leave no
-    tensor state on the model's modules (state there is shared by the reference and every path, so no path
-    replays alone). Refusals name the family and where its state is."""
+    would use must work, fill at least one cache layer with attention K/V (one position per token), return that
+    same cache, and leave no tensor state on the model's modules (state there is shared by the reference and every
+    path, so no path replays alone). Refusals name the family and where its state is. What the model handed the
+    attention function beyond SDPA is recorded on its config (`beyond_sdpa_features` reads it)."""
+    problem = _shared_attention(model) or _probe(model, tokenizer)
+    if problem:
+        raise ValueError(f"model {label}: model family {model.config.model_type!r}: {problem}")
+
+
+def _shared_attention(model) -> str | None:
+    """Zamba's one attention block, called at several layers with the layer's index as an argument."""
+    shared = sorted({name for name, module in model.named_modules() if "Attention" in type(module).__name__
+                     and hasattr(module, "layer_idx") and module.layer_idx is None})
+    if shared:
+        return (f"its attention modules {', '.join(shared[:3])} have no layer index of their own (one block shared by "
+                f"several layers), and the harness finds a layer's cache by its attention module's layer_idx")
+    return None
+
+
+def _probe(model, tokenizer) -> str | None:
     import torch
 
     from harness.kv_paths.attention import seen_beyond_sdpa
-    from harness.kv_paths.cache import build_cache, cache_kwargs, holds_kv
+    from harness.kv_paths.cache import build_cache, cache_kwargs
 
-    family = model.config.model_type
-    shared = sorted({name for name, module in model.named_modules() if "Attention" in type(module).__name__
-                     and hasattr(module, "layer_idx") and module.layer_idx is None})
-    if shared:  # Zamba's one attention block, called at several layers with the layer's index as an argument
-        raise ValueError(f"model {label}: model family {family!r}: its attention modules {', '.join(shared[:3])} "
-                         f"have no layer index of their own (one block shared by several layers), and the harness "
-                         f"finds a layer's cache by its attention module's layer_idx")
     ids = torch.tensor([_probe_ids(tokenizer)]).to(model.device)
     cache = build_cache(model.config, None, None)
-    before = _module_state(model)
-    seen: set[str] = set()
+    before, seen = _module_state(model), set()
     token = seen_beyond_sdpa.set(seen)
     try:
         with torch.inference_mode():
             out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     except Exception as error:  # noqa: BLE001 - the family's forward, said in our words
-        raise ValueError(f"model {label}: model family {family!r}: {_forward_failure(model, ids, error)}") from None
+        return _forward_failure(model, ids, error)
     finally:
         seen_beyond_sdpa.reset(token)
     setattr(model.config, SEEN_BEYOND_SDPA, sorted(seen))  # route and refusals read it (`beyond_sdpa_features`)
-    returned = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     moved = sorted(name for name, value in _module_state(model).items() if before.get(name) is not value)
-    held = [i for i, layer in enumerate(cache.layers)
-            if holds_kv(layer) and getattr(layer, "keys", None) is not None and layer.keys.numel()]
     if moved:
-        raise ValueError(f"model {label}: model family {family!r} keeps state on its modules ({', '.join(moved[:4])}"
-                         f"{', ...' if len(moved) > 4 else ''}), not in the cache a path builds: the reference and "
-                         f"every path would share it, so no path replays alone")
+        return (f"it keeps state on its modules ({', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}), not in "
+                f"the cache a path builds: the reference and every path would share it, so no path replays alone")
+    returned = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     if returned is not None and returned is not cache:
-        raise ValueError(f"model {label}: model family {family!r} keeps its state in its own cache "
-                         f"({type(returned).__name__}), not in the cache a path builds, which stays empty: an FP8 "
-                         f"path would replay BF16 under an FP8 name")
-    lengths = sorted({cache.layers[i].keys.shape[-2] for i in held if type(cache.layers[i]).__name__ == "DynamicLayer"})
-    if lengths and lengths != [ids.shape[1]]:  # CPM-Ant prepends its own prompt positions to every input
-        raise ValueError(f"model {label}: model family {family!r}: after a {ids.shape[1]}-token prompt its cache holds "
-                         f"{', '.join(map(str, lengths))} positions: it adds positions of its own, and the harness's "
-                         f"masks and positions count the prompt's tokens")
+        return (f"it keeps its state in its own cache ({type(returned).__name__}), not in the cache a path builds, "
+                f"which stays empty: an FP8 path would replay BF16 under an FP8 name")
+    return _held_problem(cache, ids.shape[1])
+
+
+def _held_problem(cache, tokens: int) -> str | None:
+    """What is wrong with what the probe left in the cache (None: K/V in some layer, one position per token)."""
+    from harness.kv_paths.cache import holds_kv
+
+    held = [layer for layer in cache.layers
+            if holds_kv(layer) and getattr(layer, "keys", None) is not None and layer.keys.numel()]
     if not held:
-        raise ValueError(f"model {label}: model family {family!r}: after a forward pass no layer of its cache holds "
-                         f"attention K/V ({', '.join(sorted({type(layer).__name__ for layer in cache.layers}))}): "
-                         f"its state is recurrent / SSM state the FP8 KV paths do not quantise, so an FP8 path would "
-                         f"replay BF16 under an FP8 name")
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in cache.layers}))
+        return (f"after a forward pass no layer of its cache holds attention K/V ({kinds}): its state is recurrent / "
+                f"SSM state the FP8 KV paths do not quantise, so an FP8 path would replay BF16 under an FP8 name")
+    lengths = sorted({layer.keys.shape[-2] for layer in held if type(layer).__name__ == "DynamicLayer"})
+    if lengths and lengths != [tokens]:  # CPM-Ant prepends its own prompt positions to every input
+        return (f"after a {tokens}-token prompt its cache holds {', '.join(map(str, lengths))} positions: it adds "
+                f"positions of its own, and the harness's masks and positions count the prompt's tokens")
+    return None
 
 
 def _forward_failure(model, ids, error: Exception) -> str:
