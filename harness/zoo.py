@@ -72,6 +72,13 @@ ARITHMETIC_FAULTS: tuple[ZooEntry, ...] = (
 # cache-format faults below are judged beside them, as their own paths and under their names.
 HEALTHY_FORMAT_PATHS = ("nvfp4", "mxfp8", "mxfp4", "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
                         "k=fp8_e4m3/v=nvfp4")
+# Measured, not asserted: a new-format path whose loss on a canary is the format's own, not a fault (docs/FORMATS.md,
+# "Measured"). OCP MXFP4 on gqa (head_dim 32: one power-of-two scale per head and token, the OCP floor clipping the
+# top of 2.5% of blocks) fails canary-recall-1 turn 1 (kl_mean 0.152 nats, 152x the yardstick's floor) and its
+# pooled p99.9 (370x); rounded up instead of floored it still fails (0.050 against 0.064 nats on those turns).
+FORMAT_MEASURED: dict[tuple[str, str], str] = {
+    ("gqa", "mxfp4"): "OCP MXFP4's own loss on gqa: one failing turn (0.152 nats), p99.9 370x the yardstick",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +246,9 @@ def zoo_entries(device: str, stress: bool = False) -> list[ZooEntry]:
     healthy = [ZooEntry("healthy", model, path, "pass") for model in HEALTHY_MODELS for path in HEALTHY_PATHS]
     healthy += [ZooEntry("healthy FP8 attention", model, HEALTHY_FP8_ATTENTION, "pass")
                 for model in ("gqa", "mla", "hybrid")]
-    healthy += [ZooEntry("healthy new format", model, path, "pass") for model in ("gqa", "mla", "hybrid")
-                for path in HEALTHY_FORMAT_PATHS]
+    healthy += [ZooEntry("new format, measured", model, path, "measure", FORMAT_MEASURED[(model, path)])
+                if (model, path) in FORMAT_MEASURED else ZooEntry("healthy new format", model, path, "pass")
+                for model in ("gqa", "mla", "hybrid") for path in HEALTHY_FORMAT_PATHS]
     return (list(FAULTS) + list(ARITHMETIC_FAULTS) + list(FORMAT_FAULT_ENTRIES)
             + [e for e in GPU_ENTRIES if device.startswith("cuda")] + healthy + (list(STRESS_ENTRIES) if stress else []))
 

@@ -92,10 +92,12 @@ class InProcess:
 # ---------------------------------------------------------------- worker processes
 
 
-def format_modules() -> tuple[str, ...]:
+def format_modules(paths) -> tuple[str, ...]:
+    """The modules a worker imports so that every format `paths` use is registered there."""
     from harness.kv_paths import formats
 
-    return formats.extension_modules()
+    used = {f.name for path in paths for f in (path.k_format, path.v_format, path.prefill_format) if f is not None}
+    return formats.extension_modules(used)
 
 
 def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: tuple[str, ...] | None = None) -> None:
@@ -119,9 +121,10 @@ def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: t
         pass
 
 
-def spawn_pool(workers: int, run_dir: Path, threads: int) -> futures.ProcessPoolExecutor:
+def spawn_pool(workers: int, config, threads: int) -> futures.ProcessPoolExecutor:
     return futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=worker_init, initargs=(run_dir, threads, format_modules()))
+                                       initializer=worker_init,
+                                       initargs=(config.out, threads, format_modules(config.paths)))
 
 
 def stop_pool(pool: futures.ProcessPoolExecutor) -> None:
@@ -232,7 +235,7 @@ class ModelProcesses:
 
     def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
         config = work.config
-        with spawn_pool(self.jobs, config.out, 1) as pool:
+        with spawn_pool(self.jobs, config, 1) as pool:
             pending = {pool.submit(model_worker, config, directory, work.scenarios, work.calibration_chats):
                        model_label(directory) for directory in config.models}
             wait_for_workers(pool, pending, store, bar, stall_s=config.stall_timeout_s)
@@ -263,7 +266,7 @@ class CpuTasks:
         # about what its model's reference task took (the same turns through one backend), and the heaviest model's
         # paths last would leave one core idle at the end; references (cost not yet known) go first, in run order
         ready = [(float("inf"), Path(directory), None, None) for directory in config.models]
-        with spawn_pool(jobs, config.out, 1) as pool:
+        with spawn_pool(jobs, config, 1) as pool:
             watch = Watch(pool, store, bar, {}, None)
             pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
             try:
@@ -341,7 +344,7 @@ class DataParallel:
             return
         threads = 1 if self.plan.devices[0] == "cpu" else 0
         names = self.plan.names
-        with spawn_pool(len(self.plan.devices), config.out, threads) as pool:
+        with spawn_pool(len(self.plan.devices), config, threads) as pool:
             pending = {pool.submit(device_worker, replace(config, device=device), name, tasks, work.scenarios,
                                    work.calibration_chats): name
                        for name, device, tasks in zip(names, self.plan.devices, self.plan.work) if tasks}

@@ -101,7 +101,8 @@ class RayActors:
     def _start(self, ray, work: RunWork, plan, store: RunStore) -> dict:
         gpu = work.config.device.startswith("cuda")
         cls = ray.remote(num_gpus=1, num_cpus=0)(ReplayActor) if gpu else ray.remote(num_cpus=1)(ReplayActor)
-        actors = {name: cls.remote(work.config, work.scenarios, work.calibration_chats, format_modules())
+        actors = {name: cls.remote(work.config, work.scenarios, work.calibration_chats,
+                                      format_modules(work.config.paths))
                   for name in plan.devices}
         where = dict(zip(actors, ray.get([actor.where.remote() for actor in actors.values()])))
         note_executor(store, workers=where, plan=plan.reason, shards=plan.describe())

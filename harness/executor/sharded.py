@@ -29,7 +29,7 @@ class TensorParallel:
         store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {})))
         port = free_port()
         threads = 1 if devices[0] == "cpu" else 0
-        with spawn_pool(len(devices), config.out, threads) as pool:
+        with spawn_pool(len(devices), config, threads) as pool:
             pending = {pool.submit(tensor_parallel_rank, config, rank, port, work.scenarios,
                                    work.calibration_chats): f"rank {rank} ({device})"
                        for rank, device in enumerate(devices)}

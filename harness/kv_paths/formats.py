@@ -378,7 +378,7 @@ _REGISTRY: dict[str, KVFormat] = {}
 _SPELLINGS: dict[str, str] = {}
 # Modules outside this one that registered formats: worker processes (spawned, so fresh interpreters) import them
 # before replaying, so a format a user's module declares is known there too (`harness.executor.local.worker_init`).
-_EXTENSION_MODULES: list[str] = []
+_EXTENSION_MODULES: dict[str, str] = {}  # format name -> the module that registered it
 
 
 def register_format(kv_format: KVFormat) -> KVFormat:
@@ -393,14 +393,17 @@ def register_format(kv_format: KVFormat) -> KVFormat:
     for spelling in kv_format.spellings:
         _SPELLINGS[spelling] = kv_format.name
     caller = sys._getframe(1).f_globals.get("__name__", "")  # noqa: SLF001 - who declared it
-    if caller not in (__name__, "__main__", "") and caller not in _EXTENSION_MODULES:
-        _EXTENSION_MODULES.append(caller)
+    if caller not in (__name__, "__main__", ""):
+        _EXTENSION_MODULES[kv_format.name] = caller
     return kv_format
 
 
-def extension_modules() -> tuple[str, ...]:
-    """Modules (besides this one) that registered formats in this process."""
-    return tuple(_EXTENSION_MODULES)
+def extension_modules(names=None) -> tuple[str, ...]:
+    """Modules (besides this one) that registered formats in this process: those of the formats `names` (every one
+    when None). A worker imports only the modules of the formats its run uses, so a module the parent imported
+    and the worker cannot (a test file, a notebook) costs a run that does not use its formats nothing."""
+    return tuple(dict.fromkeys(module for name, module in _EXTENSION_MODULES.items()
+                               if names is None or name in names))
 
 
 def load_extensions(modules: tuple[str, ...]) -> None:
@@ -408,7 +411,11 @@ def load_extensions(modules: tuple[str, ...]) -> None:
     import importlib
 
     for module in modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ImportError(f"KV formats registered by module {module!r} in the parent process: this worker cannot "
+                              f"import it ({error}); put the module on the workers' PYTHONPATH") from error
 
 
 def get_format(name: str) -> KVFormat:
