@@ -5,7 +5,8 @@
 bytes per token (one attention layer's cache, K and V over every KV head; MLA: the latent row as
 `cache.latent_row_formats` stores it), the path's pooled kl_mean and its ratio to the yardstick (raw, and as the
 gate reads it, floored at KL_RATIO_FLOOR), task recovery (reference-right items the path kept, over every task
-check), failing / warning turns, and the per-path verdict with its failing checks."""
+check), the write check's worst turn (`kv_write_err_ratio`: 1 = the format's own write), failing / warning turns,
+and the per-path verdict with its failing checks."""
 
 from __future__ import annotations
 
@@ -52,12 +53,17 @@ def _lines(run_dir: Path) -> list[str]:
     run = read_run(run_dir)
     manifest = run.manifest
     configs = {m["label"]: AutoConfig.from_pretrained(m["path"]) for m in manifest["models"]}
+    writes: dict[tuple, float] = {}
+    for row in run.records:
+        if row.get("metric") == "kv_write_err_ratio" and isinstance(row.get("value"), (int, float)):
+            key = (row["model"], row["path"])
+            writes[key] = max(writes.get(key, 0.0), row["value"])
     turns: dict[tuple, list[str]] = {}
     for row in run.verdicts:
         turns.setdefault((row["model"], row["path"]), []).append(row["verdict"])
     out = [f"## {run_dir} ({manifest.get('device')}, {manifest.get('cpu', '')}, yardstick {manifest.get('yardstick')})",
            "| model | path | bytes/token/layer | x bf16 | kl_mean (nats) | / yardstick | gate ratio | task kept | "
-           "turns fail / warn | path verdict |", "|---|---|---:|---:|---:|---:|---:|---|---|---|"]
+           "write check | turns fail / warn | path verdict |", "|---|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for row in sorted(run.path_verdicts, key=lambda r: (r["model"], r["path"])):
         if row.get("role"):  # the twin, the control arm, the fp32 reference: measured beside, not candidates
             continue
@@ -68,9 +74,10 @@ def _lines(run_dir: Path) -> list[str]:
         gate = f"{numbers['kl_mean_ratio']:.3g}" if numbers.get("kl_mean_ratio") is not None else "-"
         failing = [r.get("metric") or r["check"] for r in row.get("reasons", []) if r["severity"] == "fail"]
         verdicts = turns.get((model, path), [])
+        write = f"{writes[(model, path)]:.4g}" if (model, path) in writes else "-"
         out.append(f"| {model} | `{path}` | {size:g} | {size / bf16:.3f} | {kl if kl is None else f'{kl:.3g}'} | "
-                   f"{raw} | {gate} | {recovery(numbers)} | {verdicts.count('fail')} / {verdicts.count('warn')} | "
-                   f"{row['verdict']}{' (' + ', '.join(failing) + ')' if failing else ''} |")
+                   f"{raw} | {gate} | {recovery(numbers)} | {write} | {verdicts.count('fail')} / "
+                   f"{verdicts.count('warn')} | {row['verdict']}{' (' + ', '.join(failing) + ')' if failing else ''} |")
     return out
 
 

@@ -46,6 +46,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "kv_clipped_frac": "lower",          # fraction of values with |x / scale| > fp8 max
     "kv_nonfinite": "lower",             # NaN/inf values read back from the cache
     "kv_amax_over_max": "lower",         # largest |x / scale| / fp8 max; > 1 means the scale is too small
+    "kv_write_err_ratio": "lower",       # the write check: cache read-back RMS error / the format definition's
     # our decode kernel against an fp64 computation over the same cache (GPU runs)
     "kernel_max_abs_err": "lower",       # max |kernel - fp64| over the turn's decode steps and layers
     "kernel_err_ratio": "lower",         # that error / SDPA bf16's own error on the same inputs

@@ -25,7 +25,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "rule judge": ("judge_rule",),
     "agreement judge": ("judge_agreement",),
     "LLM judge": ("judge_llm", "judge_llm_reference", "judge_pairwise"),
-    "cache cast": ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max"),
+    "cache cast": ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kv_write_err_ratio"),
     "attention error": ("kernel_err_ratio", "kernel_max_abs_err", "attention_err", "attention_err_ratio",
                         "attn_impl_err_ratio"),
 }

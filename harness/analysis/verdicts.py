@@ -123,6 +123,19 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "tokens; CPU canaries, 4 rows, tests/test_detection.py --slow -k batched): healthy max 1.12, as "
                  "alone; faults 1.3-183, exp_poly on the hybrid caught on 1 of 6 turns, as alone"),
     DefaultThreshold(
+        "kv_write_err_ratio", warn=1.1, fail=1.25, question=IMPLEMENTATION,
+        measured="the write check (harness/kv_paths/cache.py `_check_write`): on each prefill write, the RMS error of "
+                 "what the cache read back over that of the format's own definition (`KVFormat.round_trip`) on the "
+                 "same values and scales, the larger of K and V. CPU, the default canary scenarios' zoo subset "
+                 "(tests/data/zoo_scenarios.yaml, 6 turns a canary), session 18: every healthy path (fp8_e4m3, "
+                 "e5m2, calibrated, per-head, nvfp4, mxfp8, mxfp4, int8/int4/fp8 per token-head, k=fp8/v=nvfp4) "
+                 "exactly 1 on gqa, mla and hybrid (the torch write is the definition; the C write is probed "
+                 "bit-equal); per-turn min of the format faults gqa / mla / hybrid: e8m0_bias 18.9 / 18.6 / 18.9, "
+                 "nibble_swap 14.2 / 14.7 / 14.2, scale_layout 4.11 / 5.16 / 3.14, v_scale_first_blocks 3.78 / - "
+                 "/ 1.81 (the hybrid's one attention layer: its outputs moved 0.0025 nats, below the yardstick's "
+                 "0.007, and no output check fired), dummy_block_scales - / - / 5.61. CUDA (fused Triton writes): "
+                 "docs/VERDICTS.md. warn = 1.1, fail = 1.25: 0.69x the smallest fault"),
+    DefaultThreshold(
         "yardstick_twin_ratio", warn=None, fail=2.0, question=IMPLEMENTATION,
         measured="the yardstick's pooled kl_mean over its twin's (its cache numerics written outside the engine, "
                  "harness/kv_paths/emulated.py): healthy exactly 1 (the same bits: CPU, gqa/mla/hybrid canaries; "
@@ -130,7 +143,7 @@ DEFAULT_THRESHOLDS: tuple[DefaultThreshold, ...] = (
                  "yardstick: docs/VERDICTS.md. fail = 2: the yardstick twice as far from the reference as its "
                  "own declared numerics; no warn level (healthy is exact, anything else is a fault)"),
 )
-TURN_DEFAULTS = ("kl_ratio_yardstick", "attn_impl_err_ratio")  # per turn, with a yardstick in the run
+TURN_DEFAULTS = ("kl_ratio_yardstick", "attn_impl_err_ratio", "kv_write_err_ratio")  # per turn, with a yardstick
 NO_YARDSTICK_DEFAULTS = ("kl_p99",)  # per turn, in place of the ratio, where the run has no yardstick path
 # A BF16-cache path computes what the reference computes: its kl_mean must stay at the noise the bf16 path
 # measures: exactly 0 on every turn of the three sets (CPU; on CUDA the batched replay keeps the reference and the

@@ -28,6 +28,7 @@ from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.formats import E4M3_MAX
 from harness.kv_paths.rotation import rotate
+from harness import model_layers
 from harness.model_layers import model_cache
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
@@ -65,6 +66,9 @@ class KVWriteStats:
     counts: torch.Tensor | None = None  # [rows, 3] int64: values, clipped (|x / s| > fp8 max), nonfinite read back
     amax_over_max: torch.Tensor | None = None  # [rows] fp32: largest |x / s| / fp8 max; > 1: the scale is too small
     live: torch.Tensor | None = None  # [live rows] int64: the original row of each batch position (with a step)
+    # the write check: [rows, 4] float64, per side (K, V) the squared error of what the cache read back and of the
+    # format's own definition (`KVFormat.round_trip`) on the same values, summed over the checked (prefill) writes
+    write_err: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.device is not None:
@@ -75,6 +79,8 @@ class KVWriteStats:
             self.counts = torch.zeros(self.rows, 3, dtype=torch.int64, device=device)
             self.amax_over_max = torch.zeros(self.rows, dtype=torch.float32, device=device)
             self.live = torch.arange(self.rows, device=device)
+        if self.write_err is None:
+            self.write_err = torch.zeros(self.rows, 4, dtype=torch.float64, device=device)
 
     def _rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """The original row each batch position of x counts into."""
@@ -124,6 +130,22 @@ class KVWriteStats:
         if amax > self.amax_over_max[0]:
             self.amax_over_max[0] = amax
 
+    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor) -> None:
+        """The write check of one side ("k" / "v"): x, what the cache read back and what the format's definition
+        reads back for x, [batch, heads, chunk, dim]; pads count nowhere."""
+        if x.numel() == 0:
+            return
+        self._buffers(x.device)
+        valid = self.step.row_masks(x.device)[0] if self.step is not None else None
+        sums = []
+        for read in (read_back, reference):  # float32, one tensor at a time: a long prefill's write is large
+            error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)  # NaN: nonfinite's
+            error = error if valid is None else torch.where(valid, error, 0.0)
+            sums.append(error.sum((1, 2, 3), dtype=torch.float64))
+        home = self.write_err.device
+        column = 0 if side == "k" else 2
+        self.write_err[:, column:column + 2].index_add_(0, self._rows_of(x).to(home), torch.stack(sums, 1).to(home))
+
     @classmethod
     def stacked(cls, parts: list["KVWriteStats"], step, device) -> "KVWriteStats":
         """The statistics of a batch whose rows are one-sequence writes so far (`stack_rows`), counting on per row."""
@@ -132,6 +154,7 @@ class KVWriteStats:
             if part.counts is not None:
                 stats.counts[row] = part.counts[0]
                 stats.amax_over_max[row] = part.amax_over_max[0]
+                stats.write_err[row] = part.write_err[0].to(stats.write_err.device)
         return stats
 
     def select(self, live: torch.Tensor) -> None:
@@ -143,13 +166,32 @@ class KVWriteStats:
         if self.counts is None:
             return [{"kv_clipped_frac": 0.0, "kv_nonfinite": 0.0, "kv_amax_over_max": 0.0} for _ in range(self.rows)]
         counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
-        return [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
-                for (v, c, n), a in zip(counts, amax)]
+        records = [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
+                   for (v, c, n), a in zip(counts, amax)]
+        for record, errors in zip(records, self.write_err.tolist()):
+            ratio = write_err_ratio(errors)
+            if ratio is not None:
+                record["kv_write_err_ratio"] = ratio
+        return records
 
     def as_record(self) -> dict[str, float]:
         """The one sequence's record (a batch of one row)."""
         assert self.rows == 1, f"as_record is one sequence's; this batch has {self.rows} rows (row_records)"
         return self.row_records()[0]
+
+
+def write_err_ratio(errors: list[float]) -> float | None:
+    """The write check's number from [K path, K format, V path, V format] squared errors: the larger over K and V
+    of the RMS error of what the cache read back over the RMS error the format's own definition makes on the same
+    values (1: the write is the format's; None: no write checked). A side whose format is exact on these values
+    (error 0) and whose cache is not reads inf."""
+    ratios = []
+    for path, own in ((errors[0], errors[1]), (errors[2], errors[3])):
+        if own > 0:
+            ratios.append((path / own) ** 0.5)
+        elif path > 0:
+            ratios.append(float("inf"))
+    return max(ratios) if ratios else None
 
 
 def fused_write_on(x: torch.Tensor) -> bool:
@@ -258,19 +300,23 @@ class QuantizedKVLayer(DynamicLayer):
         # key_states, value_states: [batch, kv_heads, chunk, head_dim] (MLA: [batch, 1, chunk, latent])
         if self.kv_path.hadamard:  # K stored rotated; the attention function rotates Q (rotation.py)
             key_states = rotate(key_states).to(key_states.dtype)
+        chunk = key_states.shape[-2]
         if not self.kv_path.is_quantized:  # scales may be present; a BF16 cache must ignore them (class 3)
             keys, values = self._store(key_states, value_states)
-        elif self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
-            keys, values = self._store(*self._fused_round_trip(key_states, value_states))
-        elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
-              and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
-            keys, values = self._store(*self._fused_block_round_trip(key_states, value_states))
         else:
-            keys, values = self._store(self._round_trip(key_states, self.k_scale, self.k_format, "k"),
-                                       self._round_trip(value_states, self.v_scale, self.v_format, "v"))
-            if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
-                self.paged.write(key_states, value_states)
-        chunk = key_states.shape[-2]
+            if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
+                read_back = self._fused_round_trip(key_states, value_states)
+            elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
+                  and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
+                read_back = self._fused_block_round_trip(key_states, value_states)
+            else:
+                read_back = (self._round_trip(key_states, self.k_scale, self.k_format, "k"),
+                             self._round_trip(value_states, self.v_scale, self.v_format, "v"))
+                if self.paged is not None:  # the kernel's own paged FP8 copy, written by its store kernel
+                    self.paged.write(key_states, value_states)
+            if chunk > 1:  # the write check on prefill writes (a decode step's one token: no cost in the loop)
+                self._check_write(key_states, value_states, *read_back)
+            keys, values = self._store(*read_back)
         if self.kv_path.quantize_current_chunk or chunk == 1:
             return keys, values
         own_keys, own_values = self._prefill_view(key_states, value_states)
@@ -278,6 +324,29 @@ class QuantizedKVLayer(DynamicLayer):
             return self.static.with_raw(keys, own_keys), self.static.with_raw(values, own_values)
         return (torch.cat([keys[..., :-chunk, :], own_keys], dim=-2),
                 torch.cat([values[..., :-chunk, :], own_values], dim=-2))
+
+    def _check_write(self, key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """The write check: what the cache read back against the format's own definition (`KVFormat.round_trip`,
+        torch) on the same values and scales. Whatever wrote the cache (the torch ops, the C or Triton round trip, a
+        format fault) is held to the format declared in one place; a scale layout or scale delivery bug shows here
+        even where the model's outputs barely move."""
+        for side, x, read, scale, kv_format in (("k", key_states, keys, self.k_scale, self.k_format),
+                                                ("v", value_states, values, self.v_scale, self.v_format)):
+            if kv_format is not None:
+                self.stats.check_write(side, x, read, self._reference_read(x, scale, kv_format))
+
+    def _reference_read(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
+        """x written in `kv_format` and read back by the format's definition, with the scale the cache uses."""
+        if self.kv_path.granularity == "per_token":
+            scale = fp8.per_token_scale(x, kv_format.name)
+        elif kv_format.has_static_scale:
+            scale = static_scale.to(x.device)
+            if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
+                scale = scale.view(-1, 1, 1)
+        else:
+            scale = None
+        return kv_format.round_trip(x, scale, saturate=self.kv_path.saturate)[0]
 
     def _prefill_view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a prefill chunk attends to its own K/V as: raw (`raw_prefill`), or written in the path's prefill
@@ -681,11 +750,11 @@ def build_cache(config, kv_path: KVPath | None, scales: LayerScales | None,
                 cache.layers[i] = _of_kind(EmulatedKVLayer, layer, kv_path.fmt, kv_path.granularity,
                                            kv_path.saturate, pair)
         return cache
-    if kv_path.hadamard and getattr(config, "kv_lora_rank", None):  # families.layout_problems says it before work
+    if kv_path.hadamard and model_layers.field(config, "kv_lora_rank"):  # families.layout_problems says it before work
         raise ValueError(f"KV path {kv_path.name!r}: hadamard rotates per-head K; an MLA model caches a latent")
     stats = stats if stats is not None else KVWriteStats()
     kept = bf16_layer_set(config, kv_path) if kv_path.keeps_layers_bf16 else set()
-    mla = getattr(config, "kv_lora_rank", None) is not None
+    mla = model_layers.field(config, "kv_lora_rank") is not None
     for i, layer in enumerate(cache.layers):
         if not holds_kv(layer) or i in kept:
             continue

@@ -11,9 +11,11 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
+from harness.analysis.verdicts import default_threshold
+
 VERDICTS = ("pass", "warn", "fail")
 STATE = {"pass": "good", "warn": "warn", "fail": "bad"}  # verdict -> the report's colour class
-KV_METRICS = ("kv_clipped_frac", "kv_amax_over_max", "kv_nonfinite")
+KV_METRICS = ("kv_clipped_frac", "kv_amax_over_max", "kv_nonfinite", "kv_write_err_ratio")
 
 
 def worst_verdict(verdicts: Iterable[str]) -> str | None:
@@ -151,7 +153,8 @@ def kv_rows(records, scales: Mapping, fmt: Callable) -> list[dict]:
     for (model, path), group in kv.groupby(["model", "path"], sort=True):
         worst = group.groupby("metric")["value"].max()
         cells = {}
-        for metric, bad_above in (("kv_clipped_frac", 0.0), ("kv_amax_over_max", 1.0), ("kv_nonfinite", 0.0)):
+        for metric, bad_above in (("kv_clipped_frac", 0.0), ("kv_amax_over_max", 1.0), ("kv_nonfinite", 0.0),
+                                  ("kv_write_err_ratio", default_threshold("kv_write_err_ratio").warn)):
             value = worst.get(metric)
             missing = value is None or (isinstance(value, float) and math.isnan(value))
             state = "none" if missing else "bad" if value > bad_above else "good"
