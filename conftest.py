@@ -1,6 +1,7 @@
 """Project-wide pytest options: `--gpu` enables CUDA tests (and is an error without a CUDA device: the
 harness plugin refuses to start), `--slow` enables slow CPU tests, `--peer` tests against real servers (vLLM,
-transformers serve). `pytest harness` comes from the plugin."""
+transformers serve), `--matrix` the family matrix's replay of every family (tests/test_families.py; CI runs its
+rotating sample). `pytest harness` comes from the plugin."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="run tests marked slow")
+    parser.addoption("--matrix", action="store_true",
+                     help="run tests marked matrix: every family transformers ships, replayed (CPU: ~50 min, 2 cores)")
     parser.addoption("--peer", action="store_true",
                      help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; tests/test_peer.py)")
 
@@ -44,6 +47,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                         f"host, torch sees {_cuda_devices()}"))
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --slow to run it"))
+        if "matrix" in item.keywords and not config.getoption("--matrix"):
+            item.add_marker(pytest.mark.skip(reason="family matrix test: pass --matrix to replay every family"))
         if "peer" in item.keywords and not config.getoption("--peer"):
             item.add_marker(pytest.mark.skip(reason="peer-server test: pass --peer to run it"))
 

@@ -26,6 +26,7 @@ import datetime
 import io
 import json
 import multiprocessing
+import re
 import signal
 import sys
 import tempfile
@@ -128,8 +129,10 @@ def _replies_eos_first(model) -> bool:
     chat = [{"role": "system", "content": "End every answer with the word Thanks."},
             {"role": "user", "content": "What plans do you offer?"}]  # tests/data/scenarios/families.yaml, turn 1
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    from harness.forward_context import forward_context
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), forward_context():
             logits = model(input_ids=torch.tensor([list(ids)])).logits
     except Exception:  # noqa: BLE001 - a forward that fails is the harness's to refuse, not the seed's
         return False
@@ -140,8 +143,10 @@ def _generates(model) -> str:
     """'yes', or transformers' own error generating 4 tokens after a 40-token prompt (its default attention)."""
     import torch
 
+    from harness.forward_context import forward_context
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), forward_context():
             model.generate(torch.arange(3, 43)[None] % 100 + 3, max_new_tokens=4, do_sample=False)
         return "yes"
     except Exception as error:  # noqa: BLE001
@@ -176,7 +181,9 @@ def _classify(model_type: str, code: int, said: str, out: Path, built: bool) -> 
     errors = said.splitlines()
     reason = next((line.removeprefix("error: ") for line in errors if line.startswith("error: ")), said[-300:])
     if code == 2:
-        ours = f"model family {model_type!r}" in reason and "Traceback" not in said
+        # a composite model's refusal may name its decoder's config (mllama -> 'mllama_text_model')
+        named = re.search(rf"model family '{re.escape(model_type)}[a-z_]*'", reason) is not None
+        ours = named and "Traceback" not in said
         if ours and not records:
             return {"outcome": "not built" if not built else "refused", "exit": 2, "reason": reason}
         return {"outcome": "failing", "exit": 2, "reason": reason,

@@ -38,8 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from harness.kv_paths import attention
 from harness import model_layers
+from harness.forward_context import forward_context
 from harness.kv_paths.cache import cache_kwargs
 from harness.types import Message
 
@@ -105,14 +105,11 @@ class ServedModel:
             return []
         cache = self.backend.new_cache()
         with self._lock:
-            # the path's attention-side options (fp8_q / fp8_p, faults, k_scale_on_scores) come from the active
-            # cache: without it the prefill was the reference's attention over the path's cache (issue 45)
-            token = attention.active_cache.set(cache)
-            try:
+            # the path's attention-side options (fp8_q / fp8_p, faults, k_scale_on_scores) come from the forward
+            # context's cache: without it the prefill was the reference's attention over the path's cache (issue 45)
+            with forward_context(cache=cache):
                 logits = self.model(input_ids=torch.tensor([ids], device=self.device),
                                     **cache_kwargs(self.model, cache), use_cache=True).logits[0, :-1]
-            finally:
-                attention.active_cache.reset(token)
         rows = torch.log_softmax(logits.float(), dim=-1)  # [N-1, V]
         return [_step(rows[i], ids[i + 1], top_k) for i in range(len(ids) - 1)]
 

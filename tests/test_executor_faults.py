@@ -2,6 +2,8 @@
 two workers on the `cpu` device, the pool and its checks exactly as on GPUs. A worker killed (SIGKILL) or stalled
 (SIGSTOP, with --stall-timeout) mid-run: the run stops resumable, the failure named in the manifest, and after
 `--resume` every unit is stored once (0 lost, 0 duplicated) with the records of an undisturbed run in one process.
+A worker whose GPU errors (CUDA out of memory, planted) ends the units it hit as named unit errors, and `--resume`
+completes them.
 One scenario keeps them short: each worker stores a unit every few seconds (a stall stands out) and the run's time
 is mostly its two workers' start."""
 
@@ -189,3 +191,44 @@ def test_a_worker_failure_is_exit_3_with_the_resume_command(tiny_models, tmp_pat
     code = cli.main(["run", "--out", str(tmp_path / "run"), "--model", str(tiny_models["gqa"]), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 3 and "worker cuda:1" in err and "--resume" in err and "Traceback" not in err
+
+
+# What a worker's process imports first (Python's `sitecustomize`, found on the PYTHONPATH the spawned workers inherit):
+# its engine's decode forward raises CUDA's out-of-memory error once the worker has stored a unit. A plant in the test
+# only: the pool and the engine run as shipped.
+OOM_PLANT = r'''
+import torch
+import harness.replay.batched as batched
+
+_forward, calls = batched.BatchedEngine._forward, []
+
+def _forward_out_of_memory(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) > 12:  # of the ~26 a worker makes on its model (tests/data smoke-chat): mid-run
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted by the test)")
+    return _forward(self, *args, **kwargs)
+
+batched.BatchedEngine._forward = _forward_out_of_memory
+'''
+
+
+@pytest.mark.slow
+def test_a_pool_worker_out_of_memory_is_named_and_resume_loses_and_duplicates_nothing(
+        tiny_models, tmp_path, undisturbed, monkeypatch):
+    """A GPU that errors in one worker (CUDA out of memory mid-run, planted in the spawned workers): the units it hit
+    end as unit errors named in the run (errors.jsonl: model, scenario, path, the error), the rest complete, the run
+    is `complete_with_errors`; --resume (in one process, no plant) replays the missing units: every unit once, the
+    undisturbed run's records."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(OOM_PLANT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]))
+    config = config_for(tiny_models, tmp_path / "oom")
+    job.run_job(config, warn=lambda message: None, executor=cpu_pool(config))
+    errors = rows(config.out, "errors")
+    assert errors and all(e["error"].startswith("OutOfMemoryError: CUDA out of memory") for e in errors), errors
+    assert json.loads((config.out / "manifest.json").read_text())["status"] == "complete_with_errors"
+    done = {(r["model"], r["scenario"], r["path"]) for r in rows(config.out, "done")}
+    assert done and not done & {(e["model"], e["scenario"], e["path"]) for e in errors}, "an errored unit counted done"
+    monkeypatch.delenv("PYTHONPATH")
+    resume_and_check(config, undisturbed)

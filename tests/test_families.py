@@ -5,8 +5,9 @@ harness's words, no traceback.
 
 Tiers: default CI runs the config-level checks of one family of each kind (KINDS) and the replay of the rotating
 sample (`rotating_sample`: a few families, shifted daily, so every family runs within len/SAMPLE days) plus the
-families whose entries the last commit changed in the registry or the family rules; `--slow` replays every
-family on the CPU (the matrix); `--gpu --slow` every family on CUDA (batched, graph decode, our kernels). The
+families whose entries the last commit changed in the registry or the family rules; `--slow` adds the by-name
+routing of every family; `--matrix` replays every family on the CPU (the matrix: ~50 min on 2 cores, past CI's
+budget); `--gpu --matrix` every family on CUDA (batched, graph decode, our kernels), as the nightly does. The
 matrix page (docs/FAMILIES.md) is rendered from the stored results (`python -m harness.families_matrix --slow
 --write-doc`).
 """
@@ -203,14 +204,14 @@ def test_state_on_modules_is_refused_and_a_family_without_auto_mapping_replays(f
         assert row["outcome"] == "pass" and row["model_class"] == "Mistral4ForCausalLM", row
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", ALL)
 def test_every_family_replays_or_is_refused_on_cpu(family, tmp_path):
     _assert_probed(families_matrix.probe_family(family, "cpu", tmp_path))
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", ALL)
 def test_every_family_replays_or_is_refused_on_cuda(family, tmp_path):
     _assert_probed(families_matrix.probe_family(family, "cuda", tmp_path))

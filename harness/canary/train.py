@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from harness.canary import corpus, delta_rule
 from harness.canary.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, save_tokenizer
+from harness.forward_context import forward_context
 
 PAD_ID = SPECIAL_TOKENS.index("<|pad|>")
 EOS_ID = SPECIAL_TOKENS.index("<|end|>")
@@ -260,10 +261,11 @@ def generate(model, prompts: list[list[dict]], max_new_tokens: int, device: str)
     for row, ids in enumerate(encoded):
         input_ids[row, width - len(ids):] = torch.tensor(ids)
         attention_mask[row, width - len(ids):] = 1
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )
+    with forward_context():  # every model call enters one (harness/forward_context.py); none of ours applies here
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )
     return [corpus.decode_reply(row[width:].tolist()) for row in out]
 
 
@@ -437,7 +439,7 @@ def train_steps(model, args: argparse.Namespace) -> float:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         losses = []
         for input_ids, labels, row_weight in step_batch(next(batches), args.device):  # gradients accumulate
-            with autocast:
+            with autocast, forward_context():
                 logits = forward(input_ids=input_ids).logits
             token_loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), reduction="none")
             bucket_loss = (token_loss.view(labels.shape) * row_weight[:, None]).sum()

@@ -11,7 +11,6 @@ attached to a cache.
 
 from __future__ import annotations
 
-import contextvars
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from harness.forward_context import current as forward_context_now
+from harness.forward_context import note as note_forward
 from harness.kv_paths import block_layout, mla
 from harness.kv_paths.decode_kernels import (DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa,
                                              run_gqa_block_scaled, run_mla)
@@ -27,22 +28,15 @@ from harness.kv_paths.rotation import rotate
 from kernels import reference as kernel_reference
 
 ATTENTION_NAME = "harness"
-# Attribute an attention module may carry: a callable (module, query, key, value, output) that observes
-# each call and may return a tensor to use as the output instead (attention capture, isolated mode).
-ATTENTION_OBSERVER = "harness_observer"
 BLOCK_SIZE = 16  # tokens per page of the paged cache
 # fp64 cache elements a kernel-agreement check reads back at once (rows are checked in groups under it)
 CHECK_ELEMENTS = 1 << 26
-# The cache whose layers the running forward pass uses; set around each model call by the backend.
-active_cache: contextvars.ContextVar = contextvars.ContextVar("active_cache", default=None)
 ADDITIVE_MASK = "additive_mask"  # a float mask the model built itself (Doge's dynamic mask): SDPA adds it as given
 # Attention arguments SDPA does not compute, by the name models hand them to the attention function: gpt-oss's sinks
 # (`s_aux`), Inkling's sinks and relative position bias, Gemma 2's logit soft-capping. A call with any of them runs
 # the model's own eager attention; our decode kernels and the FP8-attention reference compute none of them.
 BEYOND_SDPA = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a position bias",
                "softcap": "logit soft-capping", ADDITIVE_MASK: "an additive bias in its attention mask"}
-# the names of BEYOND_SDPA arguments seen while set (a set): the load-time probe's record of what the model passes
-seen_beyond_sdpa: contextvars.ContextVar = contextvars.ContextVar("seen_beyond_sdpa", default=None)
 
 
 def kernel_ops(device: torch.device | None = None):
@@ -193,7 +187,7 @@ class RowKeys:
     were stacked, left-padded to the longest; each decode step's attention then runs once per row, over that row's
     own keys (from `starts[b]`, no mask) with that row's own implementation-check probe, so a row computes exactly
     what it computes alone. (SDPA over padded keys under a mask gives other bits: its blocks, and so its sums,
-    depend on the key length it is handed.) The cache carries it as `row_keys`."""
+    depend on the key length it is handed.) The forward context carries it as `rows` (harness/forward_context.py)."""
 
     starts: list[int]  # per live row: its first real key in the stacked cache
     probes: list  # per live row: its `impl_check` probe, or None
@@ -521,7 +515,7 @@ def _no_empty_rows(mask, length: int):
 def _beyond_sdpa(kwargs: dict) -> bool:
     """A call SDPA does not compute (BEYOND_SDPA: sinks, a position bias, logit soft-capping)."""
     beyond = [name for name in BEYOND_SDPA if kwargs.get(name) is not None]
-    seen = seen_beyond_sdpa.get()
+    seen = forward_context_now().seen_beyond_sdpa
     if seen is not None:
         seen.update(beyond)
     return bool(beyond)
@@ -531,7 +525,7 @@ def _additive_mask(mask) -> bool:
     """A float mask: the model's own additive bias (our mask function's are boolean), which SDPA adds as given but
     the implementation check's exact attention and our decode kernels do not."""
     additive = isinstance(mask, torch.Tensor) and mask.is_floating_point()
-    seen = seen_beyond_sdpa.get()
+    seen = forward_context_now().seen_beyond_sdpa
     if additive and seen is not None:
         seen.add(ADDITIVE_MASK)
     return additive
@@ -583,14 +577,14 @@ def sdpa_backends(query: torch.Tensor):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def kernel_alone(module, layer, query_tokens: int, observer_attr: str = ATTENTION_OBSERVER) -> bool:
+def kernel_alone(module, layer, query_tokens: int) -> bool:
     """Whether an attention call's output is the decode kernel's alone: an FP8 decode step (one query token) of a
     layer with a paged copy, unchecked, with no fault injector and no observer. Torch's attention is then not run,
     so the K/V it would read are not needed (`harness_attention`, `skip_unread_expansion`)."""
     paged = getattr(layer, "paged", None)
     return (paged is not None and query_tokens == 1 and not paged.step.check
             and not getattr(getattr(layer, "kv_path", None), "fault", "")
-            and getattr(module, observer_attr, None) is None)
+            and forward_context_now().observe is None)
 
 
 def skip_unread_expansion(model) -> int:
@@ -616,14 +610,14 @@ def skip_unread_expansion(model) -> int:
 
 def _note_query_tokens(module, args, kwargs) -> None:
     hidden = args[0] if args else kwargs["hidden_states"]  # [rows, query tokens, hidden]
-    module.harness_query_tokens = hidden.shape[1]
+    note_forward("query_tokens", hidden.shape[1])
 
 
 def _expanding_when_read(module, expand: Callable) -> Callable:
     def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = active_cache.get()
-        layer = cache.layers[module.layer_idx] if cache is not None else None
-        if not kernel_alone(module, layer, getattr(module, "harness_query_tokens", 0)):
+        context = forward_context_now()
+        layer = context.cache.layers[module.layer_idx] if context.cache is not None else None
+        if not kernel_alone(module, layer, (context.notes or {}).get("query_tokens", 0)):
             return expand(kv_nope, k_rot)
         rows, heads = kv_nope.shape[0], module.num_heads
         return (kv_nope.new_empty(rows, heads, 0, module.qk_nope_head_dim + module.qk_rope_head_dim),
@@ -633,13 +627,14 @@ def _expanding_when_read(module, expand: Callable) -> Callable:
     return expand_kv
 
 
-def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
+def register() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def harness_attention(module, query, key, value, attention_mask, **kwargs):
-        cache = active_cache.get()
+        context = forward_context_now()
+        cache = context.cache
         if getattr(module, "layer_idx", None) is None:  # attention over no cache layer (Inkling 2's residual
             return attend(module, query, key, value, attention_mask, None, None, kwargs)  # blocks): as it is
         layer = cache.layers[module.layer_idx] if cache is not None else None
@@ -647,7 +642,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
             # our mask function (transformers' sdpa_mask) returns no mask only for a purely causal one; a decoder
             # self-attention module built with is_causal=False (BigBird-Pegasus's) would attend both ways there
             kwargs = {**kwargs, "is_causal": True}
-        rows = getattr(cache, "row_keys", None)
+        rows = context.rows
         if rows is not None and query.shape[2] == 1:  # a decode step of a rows batch: each row as it would run alone
             outputs = [attend(module, query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], None,
                               layer, rows.probe(b, module.layer_idx), _row_of(kwargs, b))[0]
@@ -667,7 +662,7 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         additive = _additive_mask(attention_mask)  # before any path's changes to the mask
         paged = getattr(layer, "paged", None) if not fault else None
         kernel_decodes = paged is not None and query.shape[2] == 1  # an FP8 decode step served by the kernel
-        if kernel_alone(module, layer, query.shape[2], observer_attr):
+        if kernel_alone(module, layer, query.shape[2]):
             # an unchecked step: the kernel's output is the output; torch's attention is only the yardstick of a
             # checked step, so it is not computed here (nor, on MLA, the K/V it reads: `skip_unread_expansion`)
             return paged.decode(module, raw_query, None, quant), None
@@ -706,8 +701,8 @@ def register(observer_attr: str = ATTENTION_OBSERVER) -> None:
         # bf16 included: the check's definition, not the path)
         if probe is not None and not _beyond_sdpa(kwargs) and not additive:
             probe.observe(module, model_query, key, value, attention_mask, scaling, output)
-        observer: Callable | None = getattr(module, observer_attr, None)
-        if observer is not None:
+        observer: Callable | None = forward_context_now().observe
+        if observer is not None and getattr(module, "layer_idx", None) is not None:
             replaced = observer(module, query, key, value, output)
             output = output if replaced is None else replaced
         return output, weights

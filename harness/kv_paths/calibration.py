@@ -59,7 +59,7 @@ def dummy_warmup_ids(tokenizer) -> list[int]:
 def query_amax(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
     """Record the running amax of the (post-RoPE) query of every attention layer while entered:
     {layer: 0-d fp32 tensor}, the statistic a calibrated q_scale is made from."""
-    from harness.kv_paths.attention import ATTENTION_OBSERVER
+    from harness.forward_context import forward_context
 
     found: dict[int, torch.Tensor] = {}
 
@@ -68,14 +68,8 @@ def query_amax(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
         layer = int(module.layer_idx)
         found[layer] = amax if layer not in found else torch.maximum(found[layer], amax)
 
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-    for module in modules:
-        setattr(module, ATTENTION_OBSERVER, observe)
-    try:
+    with forward_context(observe=observe):  # every model call entered inside inherits it
         yield found
-    finally:
-        for module in modules:
-            delattr(module, ATTENTION_OBSERVER)
 
 
 def attention_scales_from_checkpoint(tensors: dict[str, torch.Tensor], layers: list[int], where: str,

@@ -1,8 +1,8 @@
 """Attention capture: the logits, probabilities and outputs of sampled (head, query position) rows of
 every attention layer, observed in the registered `harness` attention function.
 
-Capture is off unless a `CaptureSession` is entered: it sets `harness_observer` on the model's attention
-modules for its duration and removes it after, so plain runs pay one `getattr` per layer call.
+Capture is off unless a `CaptureSession` is entered: its observer is the forward context's (harness/forward_context.py)
+for the model calls inside, and no other call sees it.
 
 What the observer sees is what the model attends with: post-RoPE query and keys as read back from the
 cache (FP8 paths: dequantised), and for MLA the keys and values up-projected from the (dequantised)
@@ -28,8 +28,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from harness.forward_context import forward_context
 from harness.kv_paths import mla
-from harness.kv_paths.attention import ATTENTION_OBSERVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +182,8 @@ class CaptureSession:
 
     @contextlib.contextmanager
     def attached(self) -> Iterator["CaptureSession"]:
-        modules = [m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-        for module in modules:
-            setattr(module, ATTENTION_OBSERVER, self.observe)
-        try:
+        with forward_context(observe=self.observe):  # the model calls entered inside inherit it
             yield self
-        finally:
-            for module in modules:
-                if hasattr(module, ATTENTION_OBSERVER):
-                    delattr(module, ATTENTION_OBSERVER)
 
     def observe(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 output: torch.Tensor) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from harness.analysis import attention_error as ae
+from harness.forward_context import forward_context
 from harness.kv_paths import attention as attn
 from harness import model_layers
 from harness.kv_paths.cache import LayerScales, build_cache, cache_kwargs
@@ -182,8 +183,7 @@ def _prob_rounding(quants: dict[int, object]):
 
 def _run_chunks(model, device, chunks: list[list[int]], cache, step=None) -> None:
     """step: the paged copies' `StepState` when a kernel's copy is written beside the cache (advanced per chunk)."""
-    token = attn.active_cache.set(cache)
-    try:
+    with forward_context(cache=cache):
         for chunk in chunks:
             attn.chunk_of(step, len(chunk), device)
             # capture needs no next-token logits: keep one row, not [chunk, vocab]
@@ -191,8 +191,6 @@ def _run_chunks(model, device, chunks: list[list[int]], cache, step=None) -> Non
                   logits_to_keep=1)
             if step is not None:
                 step.advance()
-    finally:
-        attn.active_cache.reset(token)
 
 
 def compare_rows(ref: dict[int, list[LayerRows]], path: dict[int, list[LayerRows]], top_k: int,

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from harness.forward_context import forward_context
 from harness.kv_paths import attention, impl_check
 from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
@@ -194,7 +195,7 @@ class BatchedEngine:
         for start in started:  # a row's decode call is one real query, as alone (the prefill's step is done)
             if start.probe is not None:
                 start.probe.step = None
-        cache.row_keys = RowKeys(starts, [s.probe for s in started])
+        rows_keys = RowKeys(starts, [s.probe for s in started])
         longest = max(len(prompt) for prompt, _ in items)
         first = torch.tensor(starts, device=self.device)[:, None]
         mask = (torch.arange(longest, device=self.device)[None, :] >= first).long()
@@ -203,8 +204,7 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))
-        token = attention.active_cache.set(cache)
-        try:
+        with forward_context(cache=cache, rows=rows_keys):
             for _ in range(max(limits, default=0)):
                 step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
                 if not keep:
@@ -212,15 +212,13 @@ class BatchedEngine:
                 if len(keep) < len(live):
                     index = torch.tensor(keep, device=self.device)
                     _select_rows(cache, index, stats, step, fp8_path)
-                    cache.row_keys.select(keep)
+                    rows_keys.select(keep)
                     mask, positions, step_ids = mask[index], positions[index], step_ids[index]
                     live = [live[i] for i in keep]
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                 positions = positions + 1
                 step.valid = mask[:, -1:]
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
-        finally:
-            attention.active_cache.reset(token)
         records = stats.row_records() if fp8_path else [None] * rows
         records = [record if s.probe is None else {**(record or {}), **s.probe.as_record(0)}
                    for record, s in zip(records, started)]
@@ -235,11 +233,8 @@ class BatchedEngine:
         assert self.settings.one_sequence, "_prefill_one is a one-sequence engine's"
         ids, mask, positions, step, stats, cache = self._start_batch([prompt])
         probe = self._attach_probe(cache, step, 1)
-        token = attention.active_cache.set(cache)
-        try:
+        with forward_context(cache=cache):
             logits = self._prefill(ids, mask, positions, cache, step)
-        finally:
-            attention.active_cache.reset(token)
         if remember and self.prefills is not None and self.device.type == "cpu":
             self._remember(prompt, cache, logits)
         return RowStart(cache, stats, probe, logits)
@@ -346,8 +341,7 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
-        token = attention.active_cache.set(cache)
-        try:
+        with forward_context(cache=cache):
             logits = self._prefill(ids, mask, positions, cache, step)
             if remember is not None:
                 remember(prompts[0], cache, logits)
@@ -366,8 +360,6 @@ class BatchedEngine:
                 step.valid = mask[:, -1:]
                 step.check = agreements is not None and decode_step % self._check_every() == 0
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
-        finally:
-            attention.active_cache.reset(token)
         return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _generate_static(self, items: list[tuple[list[int], int]], graph: bool) -> list[RowResult]:
@@ -393,8 +385,7 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))
-        token = attention.active_cache.set(cache)
-        try:
+        with forward_context(cache=cache):
             logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
             decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
             for decode_step in range(max(limits, default=0)):
@@ -405,8 +396,6 @@ class BatchedEngine:
                 check = agreements is not None and decode_step % self._check_every() == 0
                 logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
                 live = kept
-        finally:
-            attention.active_cache.reset(token)
         return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
@@ -501,12 +490,9 @@ class BatchedEngine:
             kept, last = self.prefills.take(tuple(prompts[0]))
             cache = kept if kept is not None else cache
         # the attention function reads the path's attention-side options (k_scale_on_scores, FP8 q/P, faults)
-        # from the active cache: without it, teacher-forced scoring of such a path was the reference's
-        token = attention.active_cache.set(cache)
-        try:
+        # from the forward context: without its cache, teacher-forced scoring of such a path was the reference's
+        with forward_context(cache=cache):
             return self._score_rows(ids, mask, positions, step, cache, continuations, last)
-        finally:
-            attention.active_cache.reset(token)
 
     def _score_rows(self, ids, mask, positions, step, cache, continuations, last=None) -> list[torch.Tensor]:
         """last: the prompt's last logits [rows, 1, vocab] float32 when the cache already holds the prompt."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.model_layers import field, layer_shape, layer_shapes, layer_types, model_cache, transformers_class
+from harness.model_layers import (field, layer_count, layer_shape, layer_shapes, layer_types, model_cache,
+                                  transformers_class)
 
 # Families whose cache is their own class, not transformers' DynamicCache that `kv_paths.cache.build_cache`
 # edits: what each would need.
@@ -24,6 +25,16 @@ OWN_CACHE = {
                 "layers, so replaying it needs build_cache to start from MiniMaxCache and place FP8 layers by "
                 "config.layer_types"),
 }
+
+# Families whose forward cannot prefill a turn's prompt onto the cache of the turns before it (measured with
+# transformers 5.17 and 5.24: a second cached call of more than one token raises), so no multi-turn replay runs.
+NO_CACHED_PREFILL = {
+    "prophetnet": "its decoder takes one new token per cached call (transformers asserts that `use_cache` is only "
+                  "supported for decoder_input_ids of length 1)",
+    "xlm": "its attention mask is built for the cache's first call: a second cached call of more than one token "
+           "fails on the mask's shape",
+}
+
 
 # Attention computed beyond plain SDPA: the registered attention function runs the model's own eager attention
 # for these (bit-identical to transformers' eager), but neither our decode kernels nor the FP8-attention
@@ -104,12 +115,22 @@ def refusals(config, paths) -> list[str]:
     family = config.model_type
     if family in OWN_CACHE:
         return [f"model family {family!r}: {OWN_CACHE[family]}"]
+    if family in NO_CACHED_PREFILL:
+        return [f"model family {family!r}: {NO_CACHED_PREFILL[family]}, so a turn's prompt cannot be prefilled onto "
+                f"the cache of the turns before it (every multi-turn replay does); needed: its forward taking a "
+                f"prompt of several tokens with a cache"]
     unloadable = model_refusal(config)
     if unloadable:
         return [unloadable]
+    cross = [layer for layer in field(config, "cross_attention_layers") or () if layer < layer_count(config)]
+    quantising = [p.name for p in paths if p.is_quantized or p.k_scale_on_scores]
+    if cross and quantising:
+        return [f"--paths {','.join(quantising)}: model family {family!r}: layers {list(cross)} are cross-attention "
+                f"layers, whose cache holds the image encoder's K/V, which a text scenario never writes: no scale "
+                f"can be calibrated for them and an FP8 path would quantise nothing there; needed: a route that keeps "
+                f"cross-attention layers as the model keeps them"]
     routes = layer_routes(config)
     problems = []
-    quantising = [p.name for p in paths if p.is_quantized or p.k_scale_on_scores]
     if quantising and not any(r["kv"] == "fp8" for r in routes):
         kept = sorted({f"{r['cache']} ({r['why']})" for r in routes if r["kv"] == "bf16"})
         problems.append(f"--paths {','.join(quantising)}: model family {family!r} has no full-attention KV layer for "
@@ -190,7 +211,7 @@ def layout_problems(config, paths) -> list[str]:
     a format declared for another layout (fp8_ds_mla on a GQA model), a Hadamard rotation of an MLA latent."""
     from harness.kv_paths.cache import no_sliding_window_problem, sliding_window_layers
 
-    layout = "mla" if getattr(config, "kv_lora_rank", None) else "gqa"
+    layout = "mla" if field(config, "kv_lora_rank") else "gqa"
     family, problems = config.model_type, []
     for path in paths:
         if path.bf16_sliding and not sliding_window_layers(config):
@@ -389,20 +410,19 @@ def _shared_attention(model) -> str | None:
 def _probe(model, tokenizer) -> str | None:
     import torch
 
-    from harness.kv_paths.attention import seen_beyond_sdpa
     from harness.kv_paths.cache import build_cache, cache_kwargs
+    from harness.forward_context import forward_context
 
     ids = torch.tensor([_probe_ids(tokenizer)]).to(model.device)
     cache = build_cache(model.config, None, None)
     before, seen = _module_state(model), set()
-    token = seen_beyond_sdpa.set(seen)
     try:
-        with torch.inference_mode():
+        # no cache in the context: the model's own attention over a plain cache, recording what it hands the
+        # attention function beyond SDPA
+        with torch.inference_mode(), forward_context(seen_beyond_sdpa=seen):
             out = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     except Exception as error:  # noqa: BLE001 - the family's forward, said in our words
         return _forward_failure(model, ids, error)
-    finally:
-        seen_beyond_sdpa.reset(token)
     setattr(model.config, SEEN_BEYOND_SDPA, sorted(seen))  # route and refusals read it (`beyond_sdpa_features`)
     moved = sorted(name for name, value in _module_state(model).items() if before.get(name) is not value)
     if moved:
@@ -438,8 +458,10 @@ def _forward_failure(model, ids, error: Exception) -> str:
     import torch
 
     said = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    from harness.forward_context import forward_context
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), forward_context():
             out = model(input_ids=ids, use_cache=True)
         own = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     except Exception:  # noqa: BLE001 - it fails either way: transformers' own error is the reason

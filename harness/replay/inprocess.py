@@ -23,6 +23,7 @@ import torch
 from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER
 from harness.canary.variants import apply_variant, read_variant
 from harness import model_layers
+from harness.forward_context import forward_context
 from harness.kv_paths import attention, decode_kernels
 from harness.kv_paths.attention import ATTENTION_NAME
 from harness.kv_paths.cache import (
@@ -333,13 +334,15 @@ class InProcessModel:
     def _observe(self, ids: list[int], cache) -> None:
         """A forward pass for what the cache (or the attention observers) see; only the last position's
         logits are computed (an 8B model's [T, 128k] fp32 logits of a 4k-token chat would be 2 GiB)."""
-        self.model(input_ids=torch.tensor([ids], device=self.device), **cache_kwargs(self.model, cache), use_cache=True,
-                   logits_to_keep=1)
+        with forward_context(cache=cache):
+            self.model(input_ids=torch.tensor([ids], device=self.device), **cache_kwargs(self.model, cache),
+                       use_cache=True, logits_to_keep=1)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], cache) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=self.device)
-        return self.model(input_ids=input_ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0].float()
+        with forward_context(cache=cache):
+            return self.model(input_ids=input_ids, **cache_kwargs(self.model, cache), use_cache=True).logits[0].float()
 
 
 class EncodingCache:
