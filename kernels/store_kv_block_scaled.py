@@ -7,8 +7,9 @@ The numerics are harness/kv_paths/formats.py's encode and decode, op for op, for
 under a static scale s (1.0 where the format has none), all in fp32:
     v = x / s;  amax = max |v| over the block (NaN if the block holds one)
     block scale:  e4m3: e4m3(amax / target) (saturating; NVFP4's target 6)
-                  e8m0: 2^clamp(floor(log2 amax) - emax, -127, 127) (emax 2 for e2m1, 8 for e4m3; 0 -> 2^-127,
-                        inf / NaN -> the NaN code 255)
+                  e8m0: 2^clamp(floor(log2 amax) - emax, -127, 127) (OCP's floor; emax 2 for e2m1, 8 for e4m3;
+                        0 -> 2^-127, inf / NaN -> the NaN code 255), or with scale_rounding "ceil" (SGLang's mxfp8
+                        and fp4_mx_block16) 2^clamp(ceil(log2(amax / element max)), -127, 127): nothing clips
                   fp32: max(amax / target, floor), NaN kept (per token-head: B = D; int8 127, int4 7)
     codes = element(v / block scale), 0 where the block scale is 0: e2m1 round to nearest, ties to the even code,
             saturating at 6 (NaN -> +0); e4m3 saturating (NaN kept); int round half to even, clamped (NaN -> 0)
@@ -70,6 +71,20 @@ def _e8m0_bits(amax, EMAX: tl.constexpr):
 
 
 @triton.jit
+def _e8m0_bits_ceil(amax, ELEMENT_MAX: tl.constexpr):
+    """The engines' MX scale bits (SGLang's mxfp8 / fp4_mx_block16): clamp(ceil(log2(amax / element max)), -127,
+    127) + 127, the smallest power of two that leaves amax unclipped; ceil(log2 r) from r's fields: its exponent, plus
+    one unless the mantissa is zero (a subnormal r first scaled by 2^64, exactly); zero -> 0, inf and NaN -> 255."""
+    ratio = tl.math.div_rn(amax, tl.full(amax.shape, ELEMENT_MAX, tl.float32))
+    field = (ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    normal = tl.where(field == 0, ratio * 18446744073709551616.0, ratio).to(tl.int32, bitcast=True)  # x 2^64
+    exponent = ((normal >> 23) & 0xFF) - 127 + ((normal & 0x7FFFFF) != 0).to(tl.int32) - tl.where(field == 0, 64, 0)
+    exponent = tl.where(ratio > 0, exponent, -127)
+    bits = tl.minimum(tl.maximum(exponent, -127), 127) + 127
+    return tl.where(field == 255, 255, bits)
+
+
+@triton.jit
 def _e8m0_value(bits):
     """e8m0 bits (int32) -> fp32 2^(bits - 127); 0 -> 2^-127 (a subnormal: 0x00400000), 255 -> NaN."""
     value = tl.where(bits == 0, 0x00400000, bits << 23).to(tl.float32, bitcast=True)
@@ -89,7 +104,8 @@ def _quantize_store_block_scaled_kernel(
     stride_xr, stride_xh, stride_xc, stride_xd, stride_vr,
     page_size, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
     D: tl.constexpr, BLOCK_T: tl.constexpr, ELEMENT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    TARGET: tl.constexpr, FLOOR: tl.constexpr, EMAX: tl.constexpr, INV_MAX: tl.constexpr,
+    TARGET: tl.constexpr, FLOOR: tl.constexpr, EMAX: tl.constexpr, CEIL: tl.constexpr, ELEMENT_MAX_: tl.constexpr,
+    INV_MAX: tl.constexpr,
     INT_LOW: tl.constexpr, INT_HIGH: tl.constexpr, HAS_SCALE: tl.constexpr, STORE: tl.constexpr,
     STATS: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
@@ -119,8 +135,11 @@ def _quantize_store_block_scaled_kernel(
             wanted = tl.where(wanted != wanted, wanted, tl.maximum(wanted, FLOOR))
         stored = _store_kv_codes(wanted, 1.0, tl.float8e4nv, 448.0, True, True)             # uint8 bits
         block_fp32 = stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif BLOCK_SCALE == 1:    # e8m0
-        stored = _e8m0_bits(amax, EMAX)
+    elif BLOCK_SCALE == 1:    # e8m0: OCP's floor, or the engines' ceil (CEIL)
+        if CEIL:
+            stored = _e8m0_bits_ceil(amax, ELEMENT_MAX_)
+        else:
+            stored = _e8m0_bits(amax, EMAX)
         block_fp32 = _e8m0_value(stored)
         stored = stored.to(tl.uint8)
     else:                     # fp32: max(amax / target, floor), NaN kept
@@ -191,7 +210,7 @@ def _inverse(value: float) -> float:
 @on_tensor_device
 def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, element: str, block_scale: str,
                                 block_size: int, target: float = 0.0, scale_floor: float = 0.0,
-                                out: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                                scale_rounding: str = "floor", out: torch.Tensor | None = None, codes: torch.Tensor | None = None,
                                 block_scales: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                                 page_size: int = 16, counts: torch.Tensor | None = None,
                                 amax: torch.Tensor | None = None, live: torch.Tensor | None = None,
@@ -202,7 +221,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
     x: [R, H, C, D] bf16/fp16 (any strides), D a power of two in [16, 256]; scale: fp32 [] or [H] static, or None;
     element: e2m1 | e4m3 | int8 | int4; block_scale: e4m3 | e8m0 | fp32 (per token-head: block_size ignored);
     target: what the block amax maps to (e4m3 / fp32 block scales); scale_floor: the smallest fp32 (or e4m3)
-    block scale. codes [num_blocks, page_size, H, D * bits / 8] uint8, block_scales [num_blocks, page_size, H,
+    block scale; scale_rounding: e8m0 block scales by OCP's "floor" or the engines' "ceil" (module docstring). codes [num_blocks, page_size, H, D * bits / 8] uint8, block_scales [num_blocks, page_size, H,
     D / B] uint8 (or [num_blocks, page_size, H] fp32) + slots [R * C] int64 (-1 skip, row-major over (r, c));
     counts [rows, 3] int64 (+= values, clipped, nonfinite), amax [rows] fp32 (max= largest finite ratio),
     live [R] int64 (the stats row of each batch row), valid [R, C] int (0 = pad, not counted; None: all real).
@@ -218,6 +237,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         f"block_size must be 16 or 32 and divide head_dim {dim}, got {block_size}"
     assert block_scale == "e8m0" or target > 0, f"an {block_scale} block scale needs a target, got {target}"
     assert block_scale != "e8m0" or element in ELEMENT_EMAX, f"e8m0 block scales take e2m1 or e4m3, not {element}"
+    assert scale_rounding in ("floor", "ceil"), f"scale_rounding must be floor or ceil, got {scale_rounding!r}"
     assert element not in INT_RANGE or block_scale == "fp32", "int elements take fp32 per token-head scales"
     if scale is not None:
         assert scale.dtype == torch.float32 and scale.shape in ((), (heads,)) and scale.is_contiguous(), \
@@ -260,6 +280,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         page_size, *(codes.stride()[:3] if store else (0, 0, 0)), *(block_scales.stride()[:3] if store else (0, 0, 0)),
         D=dim, BLOCK_T=block_t, ELEMENT=ELEMENTS[element], BLOCK_SCALE=SCALES[block_scale], BLOCK=block,
         TARGET=float(target), FLOOR=float(scale_floor), EMAX=ELEMENT_EMAX.get(element, 0),
+        CEIL=scale_rounding == "ceil", ELEMENT_MAX_=float(ELEMENT_MAX[element]),
         INV_MAX=_inverse(ELEMENT_MAX[element]), INT_LOW=float(low), INT_HIGH=float(high), HAS_SCALE=scale is not None,
         STORE=store, STATS=stats, HAS_VALID=valid is not None,
         num_warps=4 if block_t * dim >= 2048 else 2,

@@ -33,6 +33,7 @@ class BlockScaledLayout:
     target: float
     scale_floor: float
     static: bool
+    scale_rounding: str  # e8m0 block scales: OCP's "floor" or the engines' "ceil" (`KVFormat.scale_rounding`)
     kv_format: KVFormat = field(compare=False, repr=False, default=None)
 
     @property
@@ -43,7 +44,8 @@ class BlockScaledLayout:
     @property
     def write_args(self) -> dict:
         """The keywords of `store_kv_block_scaled.quantize_store_block_scaled`."""
-        return dict(self.kernel_args, target=self.target, scale_floor=self.scale_floor)
+        return dict(self.kernel_args, target=self.target, scale_floor=self.scale_floor,
+                    scale_rounding=self.scale_rounding)
 
     def code_bytes(self, head_dim: int) -> int:
         return head_dim * kernel_ref.ELEMENT_BITS[self.element] // 8
@@ -120,4 +122,5 @@ def of(kv_format: KVFormat) -> BlockScaledLayout:
         raise ValueError(f"KV format {kv_format.name!r} has no block-scaled kernel layout: {why}")
     target = kv_format.block_targets[0] if kv_format.block_targets else 0.0
     return BlockScaledLayout(kv_format.element.name, kv_format.block_scale, kv_format.block_size, float(target),
-                             float(kv_format.scale_floor), kv_format.has_static_scale, kv_format)
+                             float(kv_format.scale_floor), kv_format.has_static_scale, kv_format.scale_rounding,
+                             kv_format)
