@@ -122,3 +122,25 @@ def test_ray_actors_on_every_gpu_store_what_the_local_pool_stores(tmp_path):
     layout = json.loads((tmp_path / "ray" / "manifest.json").read_text())["executor"]
     assert len(layout["workers"]) == int(gpus) and not layout.get("failures")
     assert comparable_with_verdicts(tmp_path / "ray") == comparable_with_verdicts(tmp_path / "local")
+
+
+def test_an_actors_own_error_is_named_in_the_run_and_raised(tiny_models, tmp_path):
+    """An actor's replay that raises (CUDA out of memory on a GPU) stops the run with that error, and the manifest
+    names the actor and the error, as the local pool does (tests/test_executor_faults.py). No Ray needed: the
+    driver's handling of the actor's event."""
+    import queue
+
+    from harness import job
+    from harness.executor.ray_executor import Driver
+    from harness.runs.store import RunStore
+    from test_executor_faults import config_for, scenarios_of
+
+    config = config_for(tiny_models, tmp_path / "run")
+    store = RunStore.create(config.out, job._manifest(config, scenarios_of(config)))  # noqa: SLF001
+    driver = Driver(None, store, None, lambda message: None, None)
+    driver.events = queue.Queue()
+    driver.events.put(("actor-1", ("raised", MemoryError("CUDA out of memory (planted)"))))
+    with pytest.raises(MemoryError, match="planted"):
+        driver._handle({"actor-1": None}, {}, {"actor-1": ("task", time.monotonic())})  # noqa: SLF001
+    [failure] = store.read_manifest()["executor"]["failures"]
+    assert failure == {"worker": "actor-1", "what": "raised MemoryError: CUDA out of memory (planted)"}

@@ -17,7 +17,8 @@ import queue
 import threading
 import time
 
-from harness.executor.local import RunWork, WorkerFailure, fail, format_modules, in_config_order, note_executor
+from harness.executor.local import (RunWork, WorkerFailure, fail, format_modules, in_config_order, name_failure,
+                                    note_executor)
 from harness.executor.plan import plan_data_parallel
 from harness.executor.remote import Snapshot, merge_notes, replay_task
 from harness.runs.store import RunStore
@@ -174,7 +175,8 @@ class Driver:
             del running[name]
         elif kind == "died":
             self._lost(name, event[1], actors, queues, running)
-        elif kind == "raised":
+        elif kind == "raised":  # named in the run, as the local pool names it, then raised as in one process
+            name_failure(self.store, name, f"raised {type(event[1]).__name__}: {event[1]}")
             raise event[1]
 
     def _check_stalls(self, actors: dict, running: dict) -> None:
