@@ -144,3 +144,34 @@ def test_an_actors_own_error_is_named_in_the_run_and_raised(tiny_models, tmp_pat
         driver._handle({"actor-1": None}, {}, {"actor-1": ("task", time.monotonic())})  # noqa: SLF001
     [failure] = store.read_manifest()["executor"]["failures"]
     assert failure == {"worker": "actor-1", "what": "raised MemoryError: CUDA out of memory (planted)"}
+
+
+def test_a_stalled_actor_is_killed_named_and_its_tasks_go_to_the_actors_left(tiny_models, tmp_path):
+    """--stall-timeout on Ray: an actor that sent nothing for the limit is killed (its stream then ends as died), the
+    manifest names it as stalled, and its running and queued tasks move to the actors left. The driver's side,
+    without Ray (the actor-killed test above runs the died path on a real cluster)."""
+    import queue
+    from types import SimpleNamespace
+
+    from harness import job
+    from harness.executor.ray_executor import Driver
+    from harness.runs.store import RunStore
+    from test_executor_faults import config_for, scenarios_of
+
+    config = config_for(tiny_models, tmp_path / "run")
+    store = RunStore.create(config.out, job._manifest(config, scenarios_of(config)))  # noqa: SLF001
+    killed, warnings = [], []
+    driver = Driver(SimpleNamespace(kill=killed.append), store, None, warnings.append, 10.0)
+    driver.events = queue.Queue()
+    task = lambda name: SimpleNamespace(name=name, cost=1.0)  # noqa: E731
+    actors = {"actor-1": "handle-1", "actor-2": "handle-2"}
+    queues = {"actor-1": [task("queued")], "actor-2": []}
+    running = {"actor-1": (task("running"), time.monotonic() - 11), "actor-2": (task("other"), time.monotonic())}
+    driver._handle(actors, queues, running)  # noqa: SLF001 - no event within its wait: the stall check
+    assert killed == ["handle-1"] and "10 s" in warnings[0]
+    driver.events.put(("actor-1", ("died", "the actor was killed")))
+    driver._handle(actors, queues, running)  # noqa: SLF001
+    assert list(actors) == ["actor-2"] and [t.name for t in queues["actor-2"]] == ["running", "queued"]
+    [failure] = store.read_manifest()["executor"]["failures"]
+    assert failure["worker"] == "actor-1" and failure["what"].startswith("stalled") and \
+        failure["retried_on"] == ["actor-2"]
