@@ -124,13 +124,12 @@ def _replies_eos_first(model) -> bool:
     import torch
 
     from harness.canary.tokenizer import build_tokenizer
+    from harness.forward_context import forward_context
 
     tokenizer = build_tokenizer()
     chat = [{"role": "system", "content": "End every answer with the word Thanks."},
             {"role": "user", "content": "What plans do you offer?"}]  # tests/data/scenarios/families.yaml, turn 1
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-    from harness.forward_context import forward_context
-
     try:
         with torch.inference_mode(), forward_context():
             logits = model(input_ids=torch.tensor([list(ids)])).logits

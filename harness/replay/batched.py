@@ -195,7 +195,7 @@ class BatchedEngine:
         for start in started:  # a row's decode call is one real query, as alone (the prefill's step is done)
             if start.probe is not None:
                 start.probe.step = None
-        rows_keys = RowKeys(starts, [s.probe for s in started])
+        row_keys = RowKeys(starts, [s.probe for s in started])
         longest = max(len(prompt) for prompt, _ in items)
         first = torch.tensor(starts, device=self.device)[:, None]
         mask = (torch.arange(longest, device=self.device)[None, :] >= first).long()
@@ -204,7 +204,7 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))
-        with forward_context(cache=cache, rows=rows_keys):
+        with forward_context(cache=cache, rows=row_keys):
             for _ in range(max(limits, default=0)):
                 step_ids, keep = self._finish_rows(logits, live, range(len(live)), outputs, finish, limits)
                 if not keep:
@@ -212,7 +212,7 @@ class BatchedEngine:
                 if len(keep) < len(live):
                     index = torch.tensor(keep, device=self.device)
                     _select_rows(cache, index, stats, step, fp8_path)
-                    rows_keys.select(keep)
+                    row_keys.select(keep)
                     mask, positions, step_ids = mask[index], positions[index], step_ids[index]
                     live = [live[i] for i in keep]
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)

@@ -27,7 +27,7 @@ OWN_CACHE = {
 }
 
 # Families whose forward cannot prefill a turn's prompt onto the cache of the turns before it (measured with
-# transformers 5.17 and 5.24: a second cached call of more than one token raises), so no multi-turn replay runs.
+# transformers 5.24: a second cached call of more than one token raises), so no multi-turn replay runs.
 NO_CACHED_PREFILL = {
     "prophetnet": "its decoder takes one new token per cached call (transformers asserts that `use_cache` is only "
                   "supported for decoder_input_ids of length 1)",
