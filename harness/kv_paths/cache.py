@@ -338,15 +338,18 @@ class QuantizedKVLayer(DynamicLayer):
 
     def _reference_read(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
         """x written in `kv_format` and read back by the format's definition, with the scale the cache uses."""
+        return kv_format.round_trip(x, self._write_scale(x, static_scale, kv_format), saturate=self.kv_path.saturate)[0]
+
+    def _write_scale(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor | None:
+        """The scale a write of x divides by: per token (legacy FP8 `per_token`, [batch, heads, chunk, 1]), the
+        layer's static scale ([] or per head [heads, 1, 1]), or None where every scale is computed at write (block /
+        per token-head formats)."""
         if self.kv_path.granularity == "per_token":
-            scale = fp8.per_token_scale(x, kv_format.name)
-        elif kv_format.has_static_scale:
+            return fp8.per_token_scale(x, kv_format.name)
+        if kv_format.has_static_scale:
             scale = static_scale.to(x.device)
-            if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
-                scale = scale.view(-1, 1, 1)
-        else:
-            scale = None
-        return kv_format.round_trip(x, scale, saturate=self.kv_path.saturate)[0]
+            return scale.view(-1, 1, 1) if scale.dim() == 1 else scale
+        return None
 
     def _prefill_view(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a prefill chunk attends to its own K/V as: raw (`raw_prefill`), or written in the path's prefill
@@ -443,14 +446,7 @@ class QuantizedKVLayer(DynamicLayer):
                 if x.numel():
                     self.stats.add_counted(x.numel(), clipped, nonfinite, amax, x.device)
                 return read_back
-        if per_token:
-            scale = fp8.per_token_scale(x, kv_format.name)  # [batch, heads, chunk, 1]
-        elif kv_format.has_static_scale:
-            scale = static_scale.to(x.device)
-            if scale.dim() == 1:  # per head: [heads] -> [heads, 1, 1]
-                scale = scale.view(-1, 1, 1)
-        else:  # every scale computed at write (block / per token-head)
-            scale = None
+        scale = self._write_scale(x, static_scale, kv_format)
         if side in self.faulty_sides:
             read_back, ratio = format_faults.round_trip(self.format_fault, side, kv_format, x, scale,
                                                         self.kv_path.saturate, self.dummy_ranges.get(side))
