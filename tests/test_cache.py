@@ -388,3 +388,15 @@ def test_our_cache_layers_leave_transformers_registries_as_they_were():
                {k: v for k, v in registries[name].items() if k != attention.ATTENTION_NAME}, name
     assert [type(layer) for layer in DynamicCache(config=family_a).layers] == own_a
     assert all(type(layer).__module__.startswith("transformers.") for layer in DynamicCache(config=family_b).layers)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"])
+def test_an_mla_row_with_a_block_scaled_latent_takes_the_fused_write_for_the_latent_alone(spec):
+    """On MLA a block-scaled latent is written by the fused kernel and k_pe, kept in bf16, is stored as given: its
+    side has no layout (a None format once reached `block_layout.refusal` and raised on CUDA only, session 19)."""
+    from harness.kv_paths.cache import KVWriteStats, QuantizedKVLayer
+
+    layer = QuantizedKVLayer(parse_path(spec), None, None, KVWriteStats(), mla=True)
+    assert layer.v_format is None
+    layouts = layer._block_layouts(64, 16)  # the canary's latent 64, rope 16
+    assert layouts is not None and layouts[1] is None and layouts[0].kv_format is layer.k_format

@@ -102,25 +102,30 @@ def test_quantize_store_mla_row_layout():
                                   # block-scaled: kernels/store_kv_block_scaled.py against the formats' torch encode
                                   "nvfp4", "nvfp4:per_head:calibrated", "fp4_mx_block16", "int4_per_token_head",
                                   "int8_per_token_head", "fp8_per_token_head"])
-def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec):
+@pytest.mark.parametrize("arch", ["gqa", pytest.param("mla", id="mla")])
+def test_layer_fused_equals_torch_path(tiny_models, monkeypatch, spec, arch):
     """A whole one-sequence reply on CUDA: fused cache writes vs the torch round trip (decode through the
-    kernels both times): the same reply and the same write statistics."""
+    kernels both times): the same reply and the same write statistics, the write check's included (exactly 1
+    both ways: the fused write is held to the format's torch definition). On MLA a block-scaled latent is written
+    fused and its k_pe kept in bf16 beside it."""
     import harness.kv_paths.cache as cache
     from harness.replay.inprocess import InProcessModel
 
-    model = InProcessModel.load(tiny_models["gqa"], device="cuda")
+    model = InProcessModel.load(tiny_models[arch], device="cuda")
     backend = model.backend(parse_path(spec))
     prompt = model.encode_chat([Message("user", "Name three colours and count to five.")])
     fused = backend.greedy_ids(prompt, 12)
     monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
     plain = backend.greedy_ids(prompt, 12)
     assert fused[0] == plain[0]
-    for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_err_ratio"):
+    for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_err_ratio", "kv_write_err_ratio"):
         assert fused[2].get(key) == plain[2].get(key), key  # per-token paths have no kernel metrics
+    assert fused[2].get("kv_write_err_ratio") == 1.0
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
-@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token", "nvfp4"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token", "nvfp4", "mxfp8",
+                                  "int4_per_token_head"])
 def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, spec):
     """Batched replay: per-row write statistics from the fused kernel equal the torch per-row counts."""
     import harness.kv_paths.cache as cache
@@ -136,5 +141,6 @@ def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, s
     plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [4, 12, 8])
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
-        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio"):
+        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
+                    "kv_write_err_ratio"):
             assert a.metrics.get(key) == b.metrics.get(key), key

@@ -228,3 +228,23 @@ def test_a_run_file_that_is_not_a_regular_file_is_named_not_waited_on(tmp_path):
             f"try:\n    read_run({str(run)!r}).records\nexcept RunReadError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert f"{run / 'records.jsonl'}: not a regular file (a FIFO)" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", [["report", "{run}", "--out", "{out}"], ["compare", "{base}", "{run}", "--out", "{out}"],
+                                     ["export", "{run}", "--format", "csv", "--out", "{out}"]])
+def test_a_unit_that_errored_whole_has_a_verdict_row_every_reader_takes(baseline, tmp_path, capsys, command):
+    """A unit that errored before any turn gets a warn row with turn null (`verdicts._error_rows`, as the run writes
+    it); report, compare and export read it (the reader once refused its own writer's row: found on CUDA, session
+    19, where an MLA format's units all errored and the run's report was not written)."""
+    from harness.analysis.verdicts import _error_rows
+
+    first = json.loads((baseline / "verdicts.jsonl").read_text().splitlines()[0])
+    error = {"model": first["model"], "scenario": "never-ran", "path": first["path"], "turn": None, "error": "boom"}
+    (row,) = _error_rows([error], set())
+    assert row["turn"] is None
+    with (baseline / "verdicts.jsonl").open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+    argv = [a.format(run=baseline, base=RUNS / "baseline", out=tmp_path / "out") for a in command]
+    assert main(argv) in (0, 1)  # 1: compare reads the new warn as a change
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "error:" not in captured.err

@@ -398,12 +398,14 @@ class QuantizedKVLayer(DynamicLayer):
         return read_back[0], read_back[1]
 
     def _block_layouts(self, k_dim: int, v_dim: int):
-        """(K's, V's) block-scaled layouts where the fused write serves both sizes (MLA: the latent's and k_pe's),
-        else None (decided once)."""
+        """(K's, V's) block-scaled layouts where the fused write serves both sizes (MLA: the latent's and k_pe's;
+        a side whose format is None, an MLA row's bf16 k_pe, is stored as given and has no layout), else None
+        (decided once)."""
         if self._layouts is None:
             formats = (self.k_format, self.v_format)
-            served = all(block_layout.refusal(f, dim, write=True) is None for f, dim in zip(formats, (k_dim, v_dim)))
-            self._layouts = tuple(block_layout.of(f) for f in formats) if served else ()
+            served = all(f is None or block_layout.refusal(f, dim, write=True) is None
+                         for f, dim in zip(formats, (k_dim, v_dim)))
+            self._layouts = tuple(None if f is None else block_layout.of(f) for f in formats) if served else ()
         return self._layouts or None
 
     def _fused_block_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -412,9 +414,13 @@ class QuantizedKVLayer(DynamicLayer):
         from kernels.store_kv_block_scaled import quantize_store_block_scaled
 
         counts, amax, live, valid = self.stats.fused_buffers(key_states)
-        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
+        whole = None not in self._layouts  # else one side is stored as given (an MLA row's bf16 k_pe)
+        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None and whole else None
         read_back = []
         for i, (x, name, layout) in enumerate(zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts)):
+            if layout is None:
+                read_back.append(x)
+                continue
             scale = self._device_scale(name, x.device) if layout.static else None
             target = targets[i] if targets is not None else {}
             read_back.append(quantize_store_block_scaled(x, scale, counts=counts, amax=amax, live=live, valid=valid,

@@ -89,7 +89,7 @@ UNIT = {"model": str, "scenario": str, "path": str}
 ROW_FIELDS = {"records": {**UNIT, "turn": int, "metric": str, "value": NUMBER_OR_NULL},
               "series": {**UNIT, "turn": int, "series": str, "values": list},
               "done": UNIT,
-              "verdicts": {**UNIT, "turn": int, "verdict": str},
+              "verdicts": {**UNIT, "turn": (int, type(None)), "verdict": str},  # null: a unit that errored whole
               "path_verdicts": {"model": str, "path": str},
               "judgements": {**UNIT, "turn": int, "metric": str, "value": NUMBER_OR_NULL},
               "checks": {**UNIT, "turn": int},
