@@ -158,3 +158,20 @@ def test_the_cache_layer_puts_the_fault_on_its_side_only():
     assert torch.equal(keys, nvfp4.round_trip(k, torch.tensor(1.0))[0])
     assert torch.equal(values, FF.round_trip("v_scale_first_blocks", "v", nvfp4, v, torch.tensor(1.0), True)[0])
     assert not torch.equal(values, nvfp4.round_trip(v, torch.tensor(1.0))[0])
+
+
+def test_no_kernel_takes_a_format_fault_path_so_the_fault_reaches_the_cache_on_cuda():
+    """A cache-format fault lives in the torch round trip. On CUDA the fused write and the block-scaled decode kernel
+    served these paths, so the healthy format was written and read under the fault's name. Every fault of the zoo
+    was MISSED on an H200 in session 19, and caught on the CPU. Each kernel now refuses the fault path and still
+    serves the healthy one."""
+    from harness.kv_paths import capabilities
+    from harness.zoo import FORMAT_FAULT_CLASSES
+
+    for case in FORMAT_FAULT_CLASSES:
+        healthy, faulty = parse_path(case.fmt), parse_path(case.path)
+        assert capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(healthy) is None, case.path
+        assert capabilities.decode_refusal(healthy, False, 64) is None, case.path
+        assert f"fault={case.fault}" in capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(faulty)
+        assert f"fault={case.fault}" in capabilities.decode_refusal(faulty, False, 64)
+        assert "torch round trip" in capabilities.cache_write(faulty, "cuda")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.kv_paths import block_layout
+from harness.kv_paths.format_faults import FORMAT_FAULTS
 from harness.kv_paths.spec import KVPath
 
 
@@ -35,6 +36,9 @@ class KernelCapability:
         if unserved:
             return (f"{self.name} ({self.where}) serves {', '.join(self.formats)}; not {', '.join(unserved)}: the torch "
                     f"round trip of harness/kv_paths/formats.py instead")
+        if kv_path.fault in FORMAT_FAULTS:  # on CUDA the fused write and the decode kernel once bypassed it (session 19)
+            return (f"fault={kv_path.fault} is a cache-format fault injected in the torch round trip "
+                    f"(harness/kv_paths/format_faults.py); {self.name} would write and read the healthy format")
         if kv_path.hadamard:
             return (f"{self.name} ({self.where}) reads K as written, against the model's query; this path rotates "
                     f"K and Q (hadamard): the torch round trip and torch attention instead")
