@@ -281,9 +281,18 @@ def test_static_decode_replies_as_the_growing_cache(cpu_models, arch, spec):
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
             continue
         assert row.finish_reason == other.finish_reason
-        # the same values were written, so the same counts and amax: exactly (equal in every case on the CPU)
+        # the same tokens, so nearly the same values written: the same amax, non-finite count and write check
+        # exactly. The clipped fraction is exact on this project's 2-core EPYC; on the H200 host's CPU (session 19)
+        # static decode's bf16 GEMMs over more columns rounded a few K/V values differently, and values at the clip
+        # boundary flipped: gqa nvfp4:prefill=fp8_e4m3 read 0.031844 vs 0.031929 (0.27% apart). A wrong column or a
+        # stale row moves it by whole tokens' worth of values (>= 1/24 of a row's writes)
         stats = {k: v for k, v in (row.metrics or {}).items() if not k.startswith("attn_impl_")}
-        assert {k: v for k, v in (other.metrics or {}).items() if not k.startswith("attn_impl_")} == stats
+        got = {k: v for k, v in (other.metrics or {}).items() if not k.startswith("attn_impl_")}
+        assert got.keys() == stats.keys()
+        assert {k: v for k, v in got.items() if k != "kv_clipped_frac"} == {
+            k: v for k, v in stats.items() if k != "kv_clipped_frac"}
+        if "kv_clipped_frac" in stats:
+            assert got["kv_clipped_frac"] == pytest.approx(stats["kv_clipped_frac"], rel=0.01, abs=1e-6)
         # the implementation check probes both; static attention runs over every column (masked), so SDPA's bf16
         # error, the check's yardstick, comes from other reductions and the ratio moves (gqa raw_prefill: 1.071 vs
         # 1.077): both must sit in the healthy band, below the warn limit 1.4 (harness/analysis/verdicts.py)
