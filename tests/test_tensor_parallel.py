@@ -105,6 +105,21 @@ def test_tp2_on_two_cpu_ranks_replays_what_one_device_replays_within_the_noise_f
     assert all(tensor[k].numel() == 1 for k in tensor)
 
 
+def test_tensor_parallel_ranks_replay_the_paths_own_attention():
+    """The forward context on tensor-parallel ranks (issue 45): a path whose attention is not the reference's
+    (class 3, the K scale on a BF16 cache's scores) replays at TP=2 what it replays on one device, and not what
+    the reference replays. The first next-token distribution after the prompt has the same context on every side:
+    at TP=2 the path sits far from the reference there (KL above 0.05 nats) and within the TP noise of its own
+    one-device run (the KL_MEAN_LIMIT above)."""
+    spec = "bf16:calibrated:k_scale_on_scores"
+    one, many, rows = _compare(CANARIES / "gqa", ["cpu", "cpu"], (None, spec))
+    assert rows[spec]["kl_mean"] < KL_MEAN_LIMIT, rows[spec]
+    path, reference = many[(spec, 0)]["logprobs"][0], many[(None, 0)]["logprobs"][0]
+    apart = float((reference.exp() * (reference - path)).sum())
+    print(f"\nTP=2: KL(reference || {spec}) at the first position = {apart:.4f} nats; TP=2 vs TP=1: {rows[spec]}")
+    assert apart > 0.05, "the ranks replayed the reference's attention under the path's name"
+
+
 def _compare(model: Path, devices: list[str], specs):
     from harness.replay.inprocess import InProcessModel
 

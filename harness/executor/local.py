@@ -172,9 +172,7 @@ class Watch:
             self.bar.update(len(rows) - self.before - self.bar.n)
         if not self.owed:
             return None
-        if len(self.names) < len(self.owed):
-            workers = (self.store.read_manifest().get("executor") or {}).get("workers") or {}
-            self.names = {entry["pid"]: name for name, entry in workers.items() if name in self.owed}
+        self._read_names()
         done, now = {(r["model"], r["scenario"], r["path"]) for r in rows}, time.monotonic()
         for name, (count, since) in self.progress.items():
             finished = len(self.owed[name] & done)
@@ -184,6 +182,12 @@ class Watch:
                 return name
         return None
 
+    def _read_names(self) -> None:
+        """pid -> worker name, from the workers that noted themselves (read until each process has a name)."""
+        if len(self.names) < max(len(self.owed), len(self.processes)):
+            workers = (self.store.read_manifest().get("executor") or {}).get("workers") or {}
+            self.names = {entry["pid"]: name for name, entry in workers.items()}
+
     def dead(self) -> tuple[str, str]:
         """(worker, how its process ended) of a broken pool: the one killed or failed, not those the pool then
         stopped (SIGTERM). The pool can break as the dead process's pipe closes, a moment before its exit status
@@ -192,7 +196,14 @@ class Watch:
         deadline = time.monotonic() + 2
         while not (gone := ended(self.processes)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        first = next((pid for pid, how in gone.items() if how != "killed by SIGTERM"), next(iter(gone), None))
+        self._read_names()
+        # a process that named its own error before it ended is the cause (a tensor-parallel rank: `end_rank`);
+        # its peers end after it, when their collectives lose it
+        named = [f["worker"] for f in (self.store.read_manifest().get("executor") or {}).get("failures") or []]
+        order = sorted(gone, key=lambda pid: (gone[pid] == "killed by SIGTERM",
+                                              named.index(self.names[pid]) if self.names.get(pid) in named
+                                              else len(named)))
+        first = order[0] if order else None
         if first is None:
             return "a worker process", "its process died"
         return self.names.get(first, f"pid {first}"), f"its process (pid {first}) died: {gone[first]}"

@@ -232,6 +232,7 @@ def in_rows(config, store: RunStore, label: str, loaded, path: KVPath | None, sc
     If the rows engine fails, the run names why and `Replay` generates what is missing one sequence at a time."""
     from harness.replay.batched_runner import PrecomputedBackend, rows_replies
     from harness.replay.route import ROWS, decide
+    from harness.replay.runner import end_in_lockstep, in_lockstep
 
     inner = loaded.backend(path)
     route = decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, decode=config.decode,
@@ -245,6 +246,8 @@ def in_rows(config, store: RunStore, label: str, loaded, path: KVPath | None, sc
     try:
         return backend, rows_replies(backend, todo, history)
     except Exception as error:  # noqa: BLE001 - named in the run; what was generated stays, Replay makes the rest
+        if in_lockstep():  # a tensor-parallel rank: the others wait in this rank's collectives (runner.in_lockstep)
+            end_in_lockstep(error)
         why = f"model {label}: {name} replayed one sequence at a time, rows failed: {type(error).__name__}: {error}"
         store.edit_manifest(lambda m: m["warnings"].append(why[:300]))
         return backend, None

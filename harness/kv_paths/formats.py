@@ -36,6 +36,7 @@ The FP8 e4m3 / e5m2 formats are `kernels/reference.py`'s quantise / dequantise, 
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -68,9 +69,12 @@ def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (uint8, one a byte) -> fp32 values."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 7).long()]
+    """e2m1 codes (uint8, one a byte) -> fp32 values. The magnitude from the code's fields (exponent e = bits 1-2,
+    mantissa m = bit 0: m/2 if e = 0, else 2^(e-1) (1 + m/2)), exact in fp32 and made on the codes' device: a table
+    built from a Python list would be copied from host memory, which a CUDA graph capture refuses."""
+    fields = (codes & 7).to(torch.int32)
+    exponent, mantissa = fields >> 1, (fields & 1).float()
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.exp2((exponent - 1).float()) * (1.0 + mantissa * 0.5))
     return torch.where((codes & 8).bool(), -magnitude, magnitude)
 
 
@@ -151,7 +155,7 @@ def _e8m0_block_scale(amax: torch.Tensor, element: ElementType,
     smallest power of two that leaves amax unclipped (amax / element max in fp32, then its exact ceil log2). Clamped
     to e8m0; a zero block gets 2^-127, a block with NaN or inf a NaN scale. (stored uint8 bits, fp32)."""
     if rounding == "floor":
-        exponent = floor_log2(amax) - floor_log2(torch.tensor(element.max_value))
+        exponent = floor_log2(amax) - (math.frexp(element.max_value)[1] - 1)  # floor log2 of the max, in Python
     else:  # frexp: r = m 2^e, m in [0.5, 1); ceil(log2 r) is e - 1 when r is a power of two (m = 0.5), else e
         amax = amax.float()
         mantissa, exponent = torch.frexp(amax / torch.full_like(amax, element.max_value))  # IEEE division anywhere
@@ -276,7 +280,8 @@ class KVFormat:
         if self.unscaled:  # values cast as they are (an e4m3 cast at scale 1, or the model dtype kept)
             one = torch.ones((), dtype=torch.float32, device=x.device)
             return Encoded(self.element.to_codes(x), None, None, one, one)
-        s = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32, device=x.device)
+        s = (scale.to(device=x.device, dtype=torch.float32) if isinstance(scale, torch.Tensor) else
+             torch.full((), 1.0 if scale is None else float(scale), dtype=torch.float32, device=x.device))  # no host copy
         if self.is_legacy_fp8:
             codes = fp8.quantize(x, s, self.element.name, saturate=saturate)
             return Encoded(codes, None, None, s, s)

@@ -162,6 +162,8 @@ class Replay:
         try:
             scored = await self._scores(scenario, backend, reference, turn, reference_scores)
         except Exception as error:  # noqa: BLE001 - a scoring failure never costs the free-running metrics...
+            if in_lockstep():
+                end_in_lockstep(error)
             if getattr(error, "retry_later", False):  # ...unless a server failed for now: the unit fails and
                 raise  # `--resume` redoes it whole, rather than keeping its teacher-forced metrics null for good
             return {}, {}, f"scoring failed: {type(error).__name__}: {error}", None
@@ -250,9 +252,33 @@ class Replay:
         return rows
 
     def _record_error(self, scenario: Scenario, path: str, turn: int | None, error: BaseException) -> None:
+        if in_lockstep():
+            end_in_lockstep(error)
         self.store.append("errors", [{**self._key(scenario, path, turn),
                                       "error": scrub_credentials(f"{type(error).__name__}: {error}"),
                                       "traceback": scrub_credentials(traceback.format_exc(limit=6))}])
+
+
+def in_lockstep() -> bool:
+    """This process is a tensor-parallel rank of several (harness/replay/tensor_parallel.py). Every rank runs each
+    unit's collectives in step, so a rank cannot record a unit's error and go on to the next unit while the others
+    wait inside the failed one (their collectives would meet another unit's: a gloo size mismatch, or worse, a sum
+    of two sequences' partials stored as a result). The rank's error ends the run instead (`end_in_lockstep`)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# How a tensor-parallel rank ends on an error (set by `harness.executor.sharded.tensor_parallel_rank`: the error named
+# in the run's manifest, then the process exits at once, before any other unit's collective; its executor stops the
+# other ranks). Unset: the error is raised.
+ON_LOCKSTEP_ERROR: Callable[[BaseException], None] | None = None
+
+
+def end_in_lockstep(error: BaseException) -> None:
+    if ON_LOCKSTEP_ERROR is not None:
+        ON_LOCKSTEP_ERROR(error)
+    raise error
 
 
 class SelfConsistencyReplay(Replay):
