@@ -326,7 +326,13 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize(("arch", "spec"), [("gqa", "fp8_e4m3"), ("mla", None), ("hybrid", "fp8_e4m3:per_head"),
                                             # the torch round trip of block-scaled formats (no fused write on CPU)
                                             ("gqa", "k=fp8_e4m3/v=nvfp4"), ("gqa", "mxfp4"), ("mla", "nvfp4"),
-                                            ("hybrid", "int4_per_token_head"), ("gqa", "fp8_per_token_head")])
+                                            ("hybrid", "int4_per_token_head"), ("gqa", "fp8_per_token_head"),
+                                            ("gqa", "int8_per_token_head"), ("mla", "mxfp8"),
+                                            ("gqa", "bf16:chunked_prefill"),
+                                            # the yardstick's twin (its own cache write, outside the engine)
+                                            ("gqa", "fp8_e4m3:calibrated:emulated"),
+                                            ("mla", "fp8_e4m3:calibrated:emulated"),
+                                            ("hybrid", "fp8_e4m3:per_token:emulated")])
 def test_static_decode_step_never_reads_back_to_the_host(cpu_models, monkeypatch, arch, spec):
     """What a CUDA graph replays (a static decode step's forward pass, kernel checks aside) reads nothing back
     to the host: on CUDA every such read is a sync, and capture fails on it."""

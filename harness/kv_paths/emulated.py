@@ -65,8 +65,15 @@ class EmulatedKVLayer(DynamicLayer):
         self.static = None  # StaticColumns (harness.kv_paths.cache.make_static): storage written in place
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.k_amax = _running_amax(self.k_amax, key_states)
-        self.v_amax = _running_amax(self.v_amax, value_states)
+        # Observing (no static scales: the twin's calibration pass, or per-token scales) records the running amax on
+        # the device. Static scales are moved to the device once, at the first (eager) write: a decode step that
+        # copies from host memory or syncs is refused by a CUDA graph capture (session 19: every model's graph
+        # decode fell back to eager for the twin)
+        if self.scales is None or self.granularity == "per_token":
+            self.k_amax = _running_amax(self.k_amax, key_states)
+            self.v_amax = _running_amax(self.v_amax, value_states)
+        elif self.scales[0].device != key_states.device or self.scales[1].device != key_states.device:
+            self.scales = tuple(s.to(device=key_states.device, dtype=torch.float32) for s in self.scales)
         if self.granularity == "per_token":
             keys = fake_quantize(key_states, token_scale(key_states, self.fmt), self.fmt, self.saturate)
             values = fake_quantize(value_states, token_scale(value_states, self.fmt), self.fmt, self.saturate)
@@ -93,7 +100,7 @@ class EmulatedKVLayer(DynamicLayer):
 
 
 def _running_amax(current: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    amax = x.detach().float().abs().amax(dim=(0, 2, 3)).cpu()  # [batch, heads, tokens, dim] -> [heads]
+    amax = x.detach().float().abs().amax(dim=(0, 2, 3))  # [batch, heads, tokens, dim] -> [heads], on x's device
     return amax if current is None else torch.maximum(current, amax)
 
 
