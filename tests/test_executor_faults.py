@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness import job
+from harness.executor import executor_for
 from harness.executor.local import DataParallel, WorkerFailure
 from harness.executor.plan import plan_data_parallel
 from harness.scenarios.sources import load_scenarios
@@ -120,6 +121,13 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture(scope="module")
+def undisturbed_batched(tiny_models, tmp_path_factory) -> Path:
+    """The model pool batches (--batch-size 4): its records are a batched run's, not one process's one at a time."""
+    return job.run_job(replace(config_for(tiny_models, tmp_path_factory.mktemp("pool") / "batched"), jobs=2,
+                               batch_size=4), warn=lambda message: None)
 
 
 def resume_and_check(config, undisturbed: Path) -> None:
@@ -232,3 +240,109 @@ def test_a_pool_worker_out_of_memory_is_named_and_resume_loses_and_duplicates_no
     assert done and not done & {(e["model"], e["scenario"], e["path"]) for e in errors}, "an errored unit counted done"
     monkeypatch.delenv("PYTHONPATH")
     resume_and_check(config, undisturbed)
+
+
+# ---------------------------------------------------------------- the CPU default: one task per (model, path)
+
+
+def cpu_task_workers(run_dir: Path) -> list[int]:
+    """The CPU task workers' pids once the run has stored a unit and has units left: the pool's processes are this
+    test's process's children (the run is in a thread of it), found in /proc."""
+    done = rows(run_dir, "done")
+    if not 1 <= len(done) <= 6:  # of the 8 units (2 models x reference, bf16, its control, fp8_e4m3)
+        return []
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def disturb_cpu_tasks(config, signal_number: int) -> tuple[BaseException | None, int]:
+    """SIGKILL: one worker (any death breaks the pool). SIGSTOP: every worker, since which one holds a task is not
+    visible from outside, and a stopped worker that holds none only idles while the other finishes the run."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run_job(config, warn=lambda message: None)  # jobs=2 on the CPU: the CpuTasks executor
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            raised.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    workers, deadline = [], time.monotonic() + 240
+    while not workers and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+        workers = cpu_task_workers(config.out)
+    assert workers, f"no task worker was mid-run to disturb (the run raised {raised})"
+    victims = workers if signal_number == signal.SIGSTOP else workers[:1]
+    for victim in victims:
+        os.kill(victim, signal_number)
+    thread.join(timeout=240)
+    assert not thread.is_alive(), "the run hung after a worker was disturbed"
+    for victim in victims:
+        if signal_number == signal.SIGSTOP and _alive(victim):
+            os.kill(victim, signal.SIGKILL)
+    return (raised[0] if raised else None), victims[0]
+
+
+# the CPU's two pools: a task per (model, path) (the default with --jobs 2), a process per model (--batch-size set)
+CPU_POOLS = [pytest.param("cpu-tasks", {}, id="cpu-tasks"),
+             pytest.param("model-processes", {"batch_size": 4}, id="model-processes")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, fields", CPU_POOLS)
+def test_a_killed_cpu_pool_worker_is_named_and_resume_loses_and_duplicates_nothing(
+        tiny_models, tmp_path, request, strategy, fields):
+    config = replace(config_for(tiny_models, tmp_path / "killed"), jobs=2, **fields)
+    assert executor_for(config, scenarios_of(config)).strategy == strategy
+    raised, victim = disturb_cpu_tasks(config, signal.SIGKILL)
+    assert isinstance(raised, WorkerFailure) and f"pid {victim}" in str(raised) and "SIGKILL" in str(raised), raised
+    if strategy == "cpu-tasks":
+        assert "tasks in flight" in str(raised)
+    else:  # a model's worker notes itself: its death names the model
+        assert str(raised).startswith(("worker gqa:", "worker mla:")), raised
+    assert json.loads((config.out / "manifest.json").read_text())["status"] == "interrupted"
+    resume_and_check(config, request.getfixturevalue("undisturbed_batched" if fields else "undisturbed"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, fields", CPU_POOLS)
+def test_a_stalled_cpu_pool_is_stopped_named_and_resume_completes(tiny_models, tmp_path, request, strategy, fields):
+    """The CPU pools had no stall check: stopped workers hung the run for good, --stall-timeout or not. The task
+    pool storing no unit for the timeout now stops the run, naming the tasks in flight; the model pool names the
+    model whose worker stored none."""
+    config = replace(config_for(tiny_models, tmp_path / "stalled"), jobs=2, stall_timeout_s=20.0, **fields)
+    raised, victim = disturb_cpu_tasks(config, signal.SIGSTOP)
+    assert isinstance(raised, WorkerFailure) and "--stall-timeout" in str(raised), raised
+    manifest = json.loads((config.out / "manifest.json").read_text())
+    [failure] = manifest["executor"]["failures"]
+    assert failure["worker"].startswith("tasks " if strategy == "cpu-tasks" else ("gqa", "mla")), failure
+    assert "finished no unit for 20 s" in failure["what"] and manifest["status"] == "interrupted"
+    resume_and_check(replace(config, stall_timeout_s=None),
+                     request.getfixturevalue("undisturbed_batched" if fields else "undisturbed"))
+
+
+def test_a_worker_that_will_not_exit_does_not_hang_the_end_of_a_run(tmp_path, monkeypatch):
+    """A stopped worker that held no task never reads the pool's shutdown sentinel, and `ProcessPoolExecutor`'s
+    exit joined it for good: a CPU task run that had stored every unit hung (session 19). The pool now gives each
+    worker CLOSE_GRACE_S after the work, then kills it."""
+    from harness.executor import local
+
+    monkeypatch.setattr(local, "CLOSE_GRACE_S", 3.0)
+    config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path)
+    started = time.monotonic()
+    with local.spawn_pool(2, config, 1) as pool:
+        assert sorted(pool.map(abs, [-1, -2, -3, -4])) == [1, 2, 3, 4]
+        processes = list(pool._processes.values())  # noqa: SLF001
+        os.kill(processes[0].pid, signal.SIGSTOP)
+    assert time.monotonic() - started < 60
+    processes[0].join(10)
+    assert not processes[0].is_alive() and processes[0].exitcode == -signal.SIGKILL

@@ -121,15 +121,43 @@ def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: t
         pass
 
 
-def spawn_pool(workers: int, config, threads: int) -> futures.ProcessPoolExecutor:
-    return futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=worker_init,
-                                       initargs=(config.out, threads, format_modules(config.paths)))
+class WorkerPool(futures.ProcessPoolExecutor):
+    """The spawned worker processes of a run. Leaving its `with` block never waits on a worker that will not exit
+    (stopped, hung): `ProcessPoolExecutor.__exit__` joins every worker, and a stopped worker that held no task hung
+    a run that had stored every unit (session 19). On an error every worker is killed; after the work, each gets
+    CLOSE_GRACE_S to exit, then is killed."""
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc_type is not None:
+            stop_pool(self)
+        else:
+            close_pool(self)
+        return False
+
+
+CLOSE_GRACE_S = 30.0  # a worker exits within seconds of the pool's shutdown (torch's teardown on a slow CPU included)
+
+
+def spawn_pool(workers: int, config, threads: int) -> WorkerPool:
+    return WorkerPool(workers, mp_context=multiprocessing.get_context("spawn"), initializer=worker_init,
+                      initargs=(config.out, threads, format_modules(config.paths)))
+
+
+def close_pool(pool: futures.ProcessPoolExecutor, grace_s: float = CLOSE_GRACE_S) -> None:
+    """Shut the pool down once its work is done; a worker still alive `grace_s` later is killed."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # noqa: SLF001 - no public list
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
 
 
 def stop_pool(pool: futures.ProcessPoolExecutor) -> None:
     """Stop every worker now (SIGKILL: a stopped or hung worker does not act on SIGTERM)."""
-    for process in list(pool._processes.values()):  # noqa: SLF001 - the executor has no public kill
+    for process in list((pool._processes or {}).values()):  # noqa: SLF001 - no public kill; None once shut down
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
@@ -197,10 +225,11 @@ class Watch:
         while not (gone := ended(self.processes)) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._read_names()
-        # a process that named its own error before it ended is the cause (a tensor-parallel rank: `end_rank`);
-        # its peers end after it, when their collectives lose it
+        # the cause first: a process killed by a signal from outside (SIGKILL, a segfault), then one that named its
+        # own error before it ended (a tensor-parallel rank: `end_rank`), in the order they named them; peers that
+        # lost it in a collective end after it, and those the pool stopped (SIGTERM) last
         named = [f["worker"] for f in (self.store.read_manifest().get("executor") or {}).get("failures") or []]
-        order = sorted(gone, key=lambda pid: (gone[pid] == "killed by SIGTERM",
+        order = sorted(gone, key=lambda pid: (gone[pid] == "killed by SIGTERM", not gone[pid].startswith("killed"),
                                               named.index(self.names[pid]) if self.names.get(pid) in named
                                               else len(named)))
         first = order[0] if order else None
@@ -249,11 +278,16 @@ class ModelProcesses:
         with spawn_pool(self.jobs, config, 1) as pool:
             pending = {pool.submit(model_worker, config, directory, work.scenarios, work.calibration_chats):
                        model_label(directory) for directory in config.models}
-            wait_for_workers(pool, pending, store, bar, stall_s=config.stall_timeout_s)
+            # each model's worker owes its model's units (the stall check had nothing to watch here before)
+            owed = {model_label(d): {(model_label(d), s.id, p) for s in work.scenarios
+                                     for p in (REFERENCE, *(path.name for path in model_paths(config, d)))}
+                    for d in config.models}
+            wait_for_workers(pool, pending, store, bar, owed, config.stall_timeout_s)
 
 
 def model_worker(config, directory: Path, scenarios, calibration_chats) -> None:
     store = RunStore.attach(config.out)
+    note_worker(store, model_label(directory), "cpu")  # its pid, so a death names the model
     replay_model(config, directory, scenarios, calibration_chats, store, None, say_on_stderr)
 
 
@@ -277,9 +311,14 @@ class CpuTasks:
         # about what its model's reference task took (the same turns through one backend), and the heaviest model's
         # paths last would leave one core idle at the end; references (cost not yet known) go first, in run order
         ready = [(float("inf"), Path(directory), None, None) for directory in config.models]
+        # the stall check watches the run's units as a whole: tasks start as others finish, so no worker owes a
+        # fixed set; a stall is the whole pool storing no unit for --stall-timeout, named by the tasks in flight
+        everything = {(model_label(d), s.id, p) for d in config.models for s in work.scenarios
+                      for p in (REFERENCE, *(path.name for path in model_paths(config, d)))}
         with spawn_pool(jobs, config, 1) as pool:
-            watch = Watch(pool, store, bar, {}, None)
+            watch = Watch(pool, store, bar, {"cpu tasks": everything}, config.stall_timeout_s)
             pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
+            in_flight = lambda: ", ".join(f"{model_label(d)}/{p or REFERENCE}" for d, p, _ in pending.values())  # noqa: E731
             try:
                 while pending or ready:
                     while ready and len(pending) < jobs:
@@ -288,14 +327,18 @@ class CpuTasks:
                                              work.calibration_chats, scores)
                         pending[future] = (directory, path_name, time.monotonic())
                     finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_COMPLETED)
-                    watch.poll()
+                    if watch.poll() is not None:
+                        raise fail(store, f"tasks {in_flight()}", f"finished no unit for "
+                                   f"{config.stall_timeout_s:g} s (--stall-timeout): stopped")
                     for future in finished:
                         directory, path_name, started = pending.pop(future)
                         task = f"task {model_label(directory)}/{path_name or REFERENCE}"
                         try:
                             scores = future.result()  # a worker's exception stops the run, finished units kept
                         except futures.process.BrokenProcessPool:
-                            raise fail(store, task, watch.dead()[1]) from None
+                            worker, how = watch.dead()
+                            raise fail(store, worker, f"{how}; tasks in flight: {task}"
+                                       f"{', ' + in_flight() if pending else ''}") from None
                         except Exception as error:  # named, then raised as is
                             name_failure(store, task, f"raised {type(error).__name__}: {error}")
                             raise
