@@ -318,7 +318,10 @@ class CpuTasks:
         with spawn_pool(jobs, config, 1) as pool:
             watch = Watch(pool, store, bar, {"cpu tasks": everything}, config.stall_timeout_s)
             pending: dict = {}  # future -> (model directory, path name or None for its reference, start time)
-            in_flight = lambda: ", ".join(f"{model_label(d)}/{p or REFERENCE}" for d, p, _ in pending.values())  # noqa: E731
+
+            def in_flight() -> str:
+                return ", ".join(f"{model_label(d)}/{p or REFERENCE}" for d, p, _ in pending.values())
+
             try:
                 while pending or ready:
                     while ready and len(pending) < jobs:
