@@ -143,11 +143,11 @@ def spawn_pool(workers: int, config, threads: int) -> WorkerPool:
                       initargs=(config.out, threads, format_modules(config.paths)))
 
 
-def close_pool(pool: futures.ProcessPoolExecutor, grace_s: float = CLOSE_GRACE_S) -> None:
-    """Shut the pool down once its work is done; a worker still alive `grace_s` later is killed."""
+def close_pool(pool: futures.ProcessPoolExecutor, grace_s: float | None = None) -> None:
+    """Shut the pool down once its work is done; a worker still alive `grace_s` (CLOSE_GRACE_S) later is killed."""
     processes = list((getattr(pool, "_processes", None) or {}).values())  # noqa: SLF001 - no public list
     pool.shutdown(wait=False)
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + (CLOSE_GRACE_S if grace_s is None else grace_s)
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
