@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -75,26 +76,37 @@ def undisturbed(tiny_models, tmp_path_factory) -> Path:
 def disturb(config, signal_number: int) -> tuple[BaseException | None, int]:
     """Run `config` on the CPU pool in a thread; once a worker has stored a unit and has units left, send it
     `signal_number`. Returns what the run raised and the victim's pid."""
+    return run_and_disturb(lambda: job.run_job(config, warn=lambda message: None, executor=cpu_pool(config)),
+                           lambda: [pid] if (pid := _busy_worker(config.out)) is not None else [], signal_number)
+
+
+def run_and_disturb(run: Callable[[], object], victims: Callable[[], list[int]],
+                    signal_number: int) -> tuple[BaseException | None, int]:
+    """`run` in a thread; as soon as `victims()` names processes, send each `signal_number`. Returns what the run
+    raised and the first victim's pid. A run still going 240 s later hung; a process left stopped is killed."""
     raised: list[BaseException] = []
 
-    def run() -> None:
+    def in_thread() -> None:
         try:
-            job.run_job(config, warn=lambda message: None, executor=cpu_pool(config))
+            run()
         except BaseException as error:  # noqa: BLE001 - the test reads it
             raised.append(error)
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=in_thread)
     thread.start()
-    victim, deadline = None, time.monotonic() + 240
-    while victim is None and thread.is_alive() and time.monotonic() < deadline:
+    found, deadline = [], time.monotonic() + 240
+    while not found and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
-        victim = _busy_worker(config.out)
-    assert victim is not None, f"no worker was mid-run to disturb (the run raised {raised})"
-    os.kill(victim, signal_number)
+        found = victims()
+    assert found, f"no worker was mid-run to disturb (the run raised {raised})"
+    for pid in found:
+        os.kill(pid, signal_number)
     thread.join(timeout=240)
-    if signal_number == signal.SIGSTOP and _alive(victim):  # the pool kills it; never leave one stopped
-        os.kill(victim, signal.SIGKILL)
-    return (raised[0] if raised else None), victim
+    assert not thread.is_alive(), "the run hung after a worker was disturbed"
+    for pid in found:
+        if signal_number == signal.SIGSTOP and _alive(pid):  # the executor kills it; never leave one stopped
+            os.kill(pid, signal.SIGKILL)
+    return (raised[0] if raised else None), found[0]
 
 
 def _busy_worker(run_dir: Path) -> int | None:
@@ -266,30 +278,11 @@ def cpu_task_workers(run_dir: Path) -> list[int]:
 def disturb_cpu_tasks(config, signal_number: int) -> tuple[BaseException | None, int]:
     """SIGKILL: one worker (any death breaks the pool). SIGSTOP: every worker, since which one holds a task is not
     visible from outside, and a stopped worker that holds none only idles while the other finishes the run."""
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run_job(config, warn=lambda message: None)  # jobs=2 on the CPU: the CpuTasks executor
-        except BaseException as error:  # noqa: BLE001 - the test reads it
-            raised.append(error)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    workers, deadline = [], time.monotonic() + 240
-    while not workers and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    def victims() -> list[int]:
         workers = cpu_task_workers(config.out)
-    assert workers, f"no task worker was mid-run to disturb (the run raised {raised})"
-    victims = workers if signal_number == signal.SIGSTOP else workers[:1]
-    for victim in victims:
-        os.kill(victim, signal_number)
-    thread.join(timeout=240)
-    assert not thread.is_alive(), "the run hung after a worker was disturbed"
-    for victim in victims:
-        if signal_number == signal.SIGSTOP and _alive(victim):
-            os.kill(victim, signal.SIGKILL)
-    return (raised[0] if raised else None), victims[0]
+        return workers if signal_number == signal.SIGSTOP else workers[:1]
+
+    return run_and_disturb(lambda: job.run_job(config, warn=lambda message: None), victims, signal_number)
 
 
 # the CPU's two pools: a task per (model, path) (the default with --jobs 2), a process per model (--batch-size set)
