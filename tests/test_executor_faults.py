@@ -339,3 +339,69 @@ def test_a_worker_that_will_not_exit_does_not_hang_the_end_of_a_run(tmp_path, mo
     assert time.monotonic() - started < local.CLOSE_GRACE_S + 30  # the pool's start-up, then the grace; unbounded before
     processes[0].join(10)
     assert not processes[0].is_alive() and processes[0].exitcode == -signal.SIGKILL
+
+
+# What a pool worker imports first (see OOM_PLANT): after its second commit to the run, still holding the store's lock
+# (`RunStore._exclusive`: a thread lock and an flock on the run's .lock), it stops itself (SIGSTOP). In CI a SIGSTOP
+# from the tests above landed inside a worker's fsync: the parent's stall check fired, then blocked for good taking the
+# same lock to name the failure. Here the stop lands inside the lock every time.
+STOP_IN_LOCK_PLANT = r'''
+import os
+import signal
+
+from harness.runs.store import RunStore
+
+_commit, commits = RunStore._commit, []
+
+def _commit_then_stop(self, group):
+    _commit(self, group)
+    commits.append(1)
+    if len(commits) == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the lock is still held: _commit runs inside _exclusive
+
+RunStore._commit = _commit_then_stop
+'''
+
+
+def stopped_children() -> list[int]:
+    """This process's spawned children that are stopped (state T)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if fields[0] == "T" and int(fields[1]) == os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["cpu-tasks", "data-parallel"])
+def test_a_worker_stopped_while_it_holds_the_run_lock_is_stopped_and_named(tiny_models, tmp_path, monkeypatch, pool):
+    """Both failure loops (the CPU task pool's own, and `wait_for_workers` under the model, data-parallel and
+    tensor-parallel pools) kill the pool before they take the store's lock to name the failure."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(STOP_IN_LOCK_PLANT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]))
+    config = replace(config_for(tiny_models, tmp_path / "stopped"), jobs=2, stall_timeout_s=10.0)
+    executor = cpu_pool(config) if pool == "data-parallel" else None
+    raised: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            job.run_job(config, warn=lambda message: None, executor=executor)
+        except BaseException as error:  # noqa: BLE001 - read below
+            raised.append(error)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join(timeout=240)  # the workers' start and two units each, then 10 s of stall: well under a minute here
+    hung = thread.is_alive()
+    for pid in stopped_children():  # never leave one stopped (a hung run's workers are still ours)
+        os.kill(pid, signal.SIGKILL)
+    assert not hung, "the run hung naming the failure (a stopped worker holds the run's lock)"
+    assert raised and isinstance(raised[0], WorkerFailure) and "--stall-timeout" in str(raised[0]), raised
+    manifest = json.loads((config.out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and "finished no unit for 10 s" in manifest["executor"]["failures"][0]["what"]

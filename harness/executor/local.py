@@ -67,6 +67,14 @@ def fail(store: RunStore, worker: str, what: str) -> WorkerFailure:
     return WorkerFailure(f"{message}; finished units are stored, the rest run with --resume")
 
 
+def stop_and_fail(pool, store: RunStore, worker: str, what: str) -> WorkerFailure:
+    """`fail`, after every worker of `pool` is killed: naming the failure takes the store's lock, and a worker
+    stopped or hung while it held that lock (mid-commit) blocked the naming, so the run hung for good (CI, session
+    19's stall tests: a SIGSTOP that landed inside a worker's fsync)."""
+    stop_pool(pool)
+    return fail(store, worker, what)
+
+
 def name_failure(store: RunStore, worker: str, what: str) -> str:
     """`executor.failures` and the run's warnings name what happened to `worker`; returns the warning."""
     message = f"worker {worker}: {what}"
@@ -248,14 +256,16 @@ def wait_for_workers(pool, pending: dict, store: RunStore, bar, owed: dict[str, 
             finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_EXCEPTION)
             stalled = watch.poll()
             if stalled is not None:
-                raise fail(store, stalled, f"finished no unit for {stall_s:g} s (--stall-timeout): stopped")
+                raise stop_and_fail(pool, store, stalled, f"finished no unit for {stall_s:g} s (--stall-timeout): "
+                                    "stopped")
             for future in finished:
                 name = pending.pop(future)
                 try:
                     future.result()  # a worker's exception stops the run here, its finished units kept
                 except futures.process.BrokenProcessPool:
-                    raise fail(store, *watch.dead()) from None
+                    raise stop_and_fail(pool, store, *watch.dead()) from None  # who died read before the kill
                 except Exception as error:  # its own error (CUDA out of memory, a bug): named, then raised as is
+                    stop_pool(pool)
                     name_failure(store, name, f"raised {type(error).__name__}: {error}")
                     raise
         watch.poll()
@@ -331,8 +341,8 @@ class CpuTasks:
                         pending[future] = (directory, path_name, time.monotonic())
                     finished, _ = futures.wait(pending, timeout=0.5, return_when=futures.FIRST_COMPLETED)
                     if watch.poll() is not None:
-                        raise fail(store, f"tasks {in_flight()}", f"finished no unit for "
-                                   f"{config.stall_timeout_s:g} s (--stall-timeout): stopped")
+                        raise stop_and_fail(pool, store, f"tasks {in_flight()}", f"finished no unit for "
+                                            f"{config.stall_timeout_s:g} s (--stall-timeout): stopped")
                     for future in finished:
                         directory, path_name, started = pending.pop(future)
                         task = f"task {model_label(directory)}/{path_name or REFERENCE}"
@@ -340,9 +350,10 @@ class CpuTasks:
                             scores = future.result()  # a worker's exception stops the run, finished units kept
                         except futures.process.BrokenProcessPool:
                             worker, how = watch.dead()
-                            raise fail(store, worker, f"{how}; tasks in flight: {task}"
-                                       f"{', ' + in_flight() if pending else ''}") from None
+                            raise stop_and_fail(pool, store, worker, f"{how}; tasks in flight: {task}"
+                                                f"{', ' + in_flight() if pending else ''}") from None
                         except Exception as error:  # named, then raised as is
+                            stop_pool(pool)
                             name_failure(store, task, f"raised {type(error).__name__}: {error}")
                             raise
                         if path_name is None:  # a reference task: its model's paths may start
