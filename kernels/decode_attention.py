@@ -13,6 +13,15 @@ exact for bf16 q in fp16's normal range, |q| < 65504), P is rounded to fp16 for 
 A BF16/FP16 cache runs the same code in its own dtype and never reads the scales (failure class 3).
 The torch mirror is `reference.decode_attention`.
 
+Attention beyond SDPA (what gpt-oss, Gemma 2 and windowed layers compute; vLLM's and FlashInfer's decode kernels
+take the same three):
+- soft-capping: s_j = softcap * tanh(s_j / softcap) before the softmax (Gemma 2's attn_logit_softcapping);
+- sinks: a learned logit per query head in the softmax's denominator only (gpt-oss):
+      out = sum_j exp(s_j) V_j / (exp(sink_h) + sum_j exp(s_j)),  lse = log(exp(sink_h) + sum_j exp(s_j)),
+  added once, by the merge kernel (a split-KV program never sees it);
+- a window: row b attends to tokens first_key[b] .. seq_lens[b] - 1 (sliding: seq_len - window; chunked: the
+  start of the query's chunk), the tokens before it read by no program.
+
 FP8 attention options (engines' q_scale / prob_scale; FP8 FlashAttention-3), always in e4m3:
 - Q: q8 = e4m3(q / q_scale) (IEEE division, RTNE, saturating), q_scale given ([] or [Hq]) or "dynamic" (per
   head: amax / 448); the scores use q8 * q_scale. On an e4m3 cache in the swap layout Q.K then runs on fp8
@@ -34,6 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 import functools
 
@@ -115,7 +125,9 @@ def _decode_attention_kernel(
     K_SCALE, V_SCALE,        # fp32 [] or [Hkv] (unread for a bf16/fp16 cache)
     Q_SCALE, PROB_SCALE,     # fp32 [] or [Hq] (read when Q_QUANT == 2), fp32 [] (read when P_FP8)
     PART_OUT, PART_LSE,      # [B, Hq, splits, D] fp32 normalised partial outputs, [B, Hq, splits] fp32 base-2 lse
+    FIRST_KEY,               # [B] int32: the first token each row attends to (read when WINDOWED)
     sm_scale_log2,           # sm_scale * log2(e)
+    softcap_log2,            # softcap * log2(e) (read when SOFTCAP)
     tokens_per_split,        # multiple of BLOCK_N
     k_scale_stride, v_scale_stride,               # 0 per tensor, 1 per KV head
     q_scale_stride,                               # 0 per tensor, 1 per query head
@@ -127,7 +139,8 @@ def _decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE_IS_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     PREFETCH: tl.constexpr, SWAP: tl.constexpr, Q_QUANT: tl.constexpr, P_FP8: tl.constexpr,
     K_AS_FP8: tl.constexpr, V_AS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, QK_ACC: tl.constexpr,
-    PV_ACC: tl.constexpr, WIDEN: tl.constexpr = 0, WIDEN_V: tl.constexpr = 0,
+    PV_ACC: tl.constexpr, WIDEN: tl.constexpr = 0, WIDEN_V: tl.constexpr = 0, SOFTCAP: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
 ):
     # Q_QUANT: 0 Q as is, 1 dynamic per-head e4m3, 2 e4m3 under Q_SCALE. P_FP8: P quantised to e4m3 under
     # PROB_SCALE. K_AS_FP8 / V_AS_FP8: the cache tile goes to the MMA as fp8 codes (e4m3 cache with Q / P in fp8).
@@ -140,6 +153,8 @@ def _decode_attention_kernel(
     seq_len = tl.load(SEQ_LENS + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if WINDOWED:  # tokens before the row's window: read by no program (a split wholly before it is empty)
+        start = tl.maximum(start, tl.load(FIRST_KEY + b))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -212,6 +227,8 @@ def _decode_attention_kernel(
         if SWAP:
             # Tokens as the MMA's M dimension (128 rows: Hopper wgmma), the group's heads as N (padded to 16).
             s = tl.dot(k_op, q_t, max_num_imprecise_acc=QK_ACC) * s_scale[None, :]               # [BLOCK_N, BLOCK_G]
+            if SOFTCAP:  # base 2 throughout: softcap * log2e * tanh(s_nat / softcap) = c2 * tanh(s / c2)
+                s = softcap_log2 * libdevice.tanh(s / softcap_log2)
             s = tl.where(t_mask[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.math.exp2(m_i - m_new)
@@ -226,6 +243,8 @@ def _decode_attention_kernel(
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v_op), p_op, max_num_imprecise_acc=PV_ACC)
         else:
             s = tl.dot(q, tl.trans(k_op), max_num_imprecise_acc=QK_ACC) * s_scale[:, None]       # [BLOCK_G, BLOCK_N]
+            if SOFTCAP:
+                s = softcap_log2 * libdevice.tanh(s / softcap_log2)
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
@@ -257,9 +276,10 @@ def _decode_attention_kernel(
 def _decode_attention_merge_kernel(
     PART_OUT, PART_LSE,      # [B, H, splits, D] fp32, [B, H, splits] fp32 (base 2, split stride 1)
     OUT, LSE,                # [B, H, D] q.dtype, [B, H] fp32 (natural log)
+    SINKS,                   # [H] fp32 natural-log sink logits (read when HAS_SINKS)
     num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -269,8 +289,13 @@ def _decode_attention_merge_kernel(
     lse_row = PART_LSE + b * stride_lb + head * stride_lh
     lse_all = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_all, axis=0)
+    if HAS_SINKS:  # the sink: a term of the denominator with no value (base 2, as the splits' lse)
+        sink = tl.load(SINKS + head) * 1.4426950408889634                                   # log2(e)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)                  # every split empty: weights 0, lse -inf
     denom = tl.sum(tl.math.exp2(lse_all - m), axis=0)
+    if HAS_SINKS:
+        denom += tl.math.exp2(sink - m)
     acc = tl.zeros([BLOCK_D], tl.float32)
     out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d
     for s in range(0, num_splits):
@@ -290,7 +315,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      programs_per_sm: int | None = None, q_scale: torch.Tensor | str | None = None,
                      prob_scale: torch.Tensor | None = None,
                      widen: bool | str | None = None,
-                     whole_waves: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     whole_waves: bool | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None,
+                     first_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
@@ -305,7 +332,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (session 8): only the V tile so, K by the compiler's cast (K-contiguous: no byte gathers); with prob_scale over an
     e4m3 cache, widen True or "v" also widens the e4m3 P (exact) so P.V runs on the fp16 tile instead of the fp8 codes.
     whole_waves (session 8): the split count rounded down to whole waves of programs_per_sm programs per SM
-    (plan_splits), as the MLA launcher always does."""
+    (plan_splits), as the MLA launcher always does. sinks: fp32 [Hq] sink logits (natural log); softcap: the
+    soft-capping value (> 0); first_key: [B] int32, the first token each row attends to (its window's start)."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -354,6 +382,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scales = [s for s in (k_scale, v_scale) if s is not None and fp8]
     assert all(t.device == device for t in (k_cache, v_cache, block_table, seq_lens, *scales)), \
         "all tensors must be on one device"
+    assert softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}"
+    assert first_key is None or (first_key.shape == (batch,) and first_key.dtype == torch.int32
+                                 and first_key.device == device), \
+        f"first_key must be [{batch}] int32 on {device}, got {first_key!r:.80}"
 
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, block_n,
                                                cfg["programs_per_sm"], device, num_splits,
@@ -371,7 +403,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_table, seq_lens,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         q_scale if q_quant == 2 else seq_lens, prob_scale if prob_scale is not None else seq_lens, part_out, part_lse,
-        sm_scale * LOG2E, tokens_per_split,
+        first_key if first_key is not None else seq_lens, sm_scale * LOG2E, (softcap or 1.0) * LOG2E, tokens_per_split,
         int(fp8 and k_scale.dim() == 1), int(fp8 and v_scale.dim() == 1), int(q_quant == 2 and q_scale.dim() == 1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -384,9 +416,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PV_ACC=min(FP8_ACC_CHUNK, block_n) if v_as_fp8 else None,
         WIDEN=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) is True else 0,
         WIDEN_V=(1 if e4m3 else 2) if fp8 and cfg.get("widen", False) in (True, "v") else 0,
+        SOFTCAP=softcap is not None, WINDOWED=first_key is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out, merge_splits(part_out, part_lse, out)
+    return out, merge_splits(part_out, part_lse, out, sinks)
 
 
 def _check_attention_scales(q_scale, prob_scale, q_heads: int, device: torch.device) -> int:
@@ -428,15 +461,20 @@ def partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Te
 
 
 @on_tensor_device
-def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Combine the splits into `out` (written in place); returns the natural-log lse [B, H] fp32."""
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine the splits into `out` (written in place), with each head's sink logit (fp32 [H], natural log) in
+    the denominator where given; returns the natural-log lse [B, H] fp32."""
     batch, heads, num_splits, dim = part_out.shape
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
+                             and sinks.device == out.device), \
+        f"sinks must be a contiguous fp32 [{heads}] tensor on {out.device}, got {sinks!r:.80}"
     lse = torch.empty(batch, heads, dtype=torch.float32, device=out.device)
     _decode_attention_merge_kernel[(heads, batch)](
-        part_out, part_lse, out, lse, num_splits,
+        part_out, part_lse, out, lse, sinks if sinks is not None else lse, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
     )
     return lse

@@ -129,15 +129,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, k_scale, v_scale, sm_scale: float,
                      num_splits: int | None = None, *, q_scale: torch.Tensor | str | None = None,
                      prob_scale: torch.Tensor | None = None, block_n: int = 128,
-                     tokens_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged GQA decode: for query head h of sequence b, over its seq_lens[b] cached tokens,
-        s_j = sm_scale * q[b, h] . K_j[h // group],   out = sum_j softmax(s)_j V_j[h // group],
-        lse = log sum_j exp(s_j)   (natural log; -inf for an empty sequence).
+                     tokens_per_split: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None,
+                     first_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged GQA decode: for query head h of sequence b, over its cached tokens j in first_key[b] .. seq_lens[b] - 1
+    (first_key None: 0),
+        s_j = sm_scale * q[b, h] . K_j[h // group]   (softcap: softcap * tanh(s_j / softcap)),
+        out = sum_j exp(s_j - lse) V_j[h // group],
+        lse = log(exp(sinks[h]) + sum_j exp(s_j))   (natural log; no sink term without sinks; -inf for no token).
     q: [B, Hq, D] -> (out [B, Hq, D] in q.dtype, lse [B, Hq] fp32). num_splits is a kernel knob only.
     With q_scale / prob_scale: the FP8 attention of `kernels/decode_attention.py` (`decode_attention_fp8`),
     whose P quantisation depends on the kernel's tiles (block_n) and splits (tokens_per_split; None: one)."""
     del num_splits
     if q_scale is not None or prob_scale is not None:
+        assert sinks is None and softcap is None and first_key is None, \
+            "the FP8 attention mirror has no sinks, soft-capping or window"
         out, lse = decode_attention_fp8(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale,
                                         q_scale, prob_scale, block_n, tokens_per_split)
         return out.to(q.dtype), lse.float()
@@ -146,12 +152,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.zeros_like(q)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     for b in range(batch):
-        seq_len = int(seq_lens[b])
-        k = _read_sequence(k_cache, block_table[b], seq_len, k_scale, 1).repeat_interleave(group, dim=1)
-        v = _read_sequence(v_cache, block_table[b], seq_len, v_scale, 1).repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float().to(k.device), k) * sm_scale  # [Hq, seq_len]
-        lse[b] = torch.logsumexp(scores, dim=-1).to(lse.device)
-        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype).to(q.device)
+        seq_len, first = int(seq_lens[b]), int(first_key[b]) if first_key is not None else 0
+        k = _read_sequence(k_cache, block_table[b], seq_len, k_scale, 1).repeat_interleave(group, dim=1)[first:]
+        v = _read_sequence(v_cache, block_table[b], seq_len, v_scale, 1).repeat_interleave(group, dim=1)[first:]
+        scores = torch.einsum("hd,lhd->hl", q[b].float().to(k.device), k) * sm_scale  # [Hq, tokens]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        total = scores if sinks is None else torch.cat([scores, sinks.float().to(k.device)[:, None]], dim=-1)
+        row_lse = torch.logsumexp(total, dim=-1, keepdim=True)  # [Hq, 1]
+        lse[b] = row_lse[:, 0].to(lse.device)
+        weights = torch.exp(scores - row_lse).nan_to_num(0.0)  # no token: -inf - -inf, an empty sum
+        out[b] = torch.einsum("hl,lhd->hd", weights, v).to(q.dtype).to(q.device)
     return out, lse
 
 

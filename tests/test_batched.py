@@ -357,28 +357,146 @@ def test_static_decode_step_never_reads_back_to_the_host(cpu_models, monkeypatch
 
 
 def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
-    """A sliding-window model decodes with the growing cache, and the engine says why."""
+    """A layer kind without static storage (an attention layer beside an SSM state, a KV-sharing layer) decodes with
+    the growing cache, and the engine says why; windowed layers have it, rows stacking does not."""
     from types import SimpleNamespace
 
     from harness.replay.batched import static_decode_refusal
+    from harness.replay.families import stack_refusal
 
-    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) \
-        == "layer types ['sliding_attention']"
-    assert static_decode_refusal(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) == "sliding window 4096"
-    assert static_decode_refusal(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None
+    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "hybrid"])) == "layer types ['hybrid']"
+    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) is None
+    assert stack_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"], sliding_window=64,
+                                         num_hidden_layers=2)) == "sliding window 64"
+    assert static_decode_refusal(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) is None
     assert static_decode_refusal(cpu_models["hybrid"].model.config) is None
     model = cpu_models["gqa"]
     engine = BatchedEngine(model.backend(None), BatchSettings(decode="static"))
     config = model.model.config
-    config.sliding_window, config.use_sliding_window = 64, True
+    config.layer_types = ["full_attention", "hybrid"] + ["full_attention"] * (config.num_hidden_layers - 2)
     try:
         rows = engine.generate(_prompts(model), 4)
     finally:
-        del config.sliding_window, config.use_sliding_window
+        del config.layer_types
     assert engine.decode_batches == {"dynamic": 1} and len(rows) == len(USERS)
-    assert engine.decode_fallbacks == ["static decode refused for this model: sliding window 64"]
+    assert engine.decode_fallbacks == ["static decode refused for this model: layer types ['hybrid']"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         BatchedEngine(model.backend(None), BatchSettings(decode="graph")).generate(_prompts(model), 2)
+
+
+# Families whose attention layers hold a window (the tiny configs': 16 tokens, under the prompts' 24-85): one window
+# over every layer without layer types (Mistral), sliding beside full layers with soft-capping (Gemma 2) or sinks
+# (gpt-oss), chunked beside full layers (Llama 4)
+WINDOWED_FAMILIES = ["mistral", "gemma2", "gpt_oss", "llama4_text"]
+
+
+@pytest.fixture(scope="module")
+def windowed_models(tmp_path_factory):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from harness.canary.registry import build_registry_model
+
+    root = tmp_path_factory.mktemp("windowed")
+    for family in WINDOWED_FAMILIES:
+        build_registry_model(family, root / family)
+    # Gemma 2 with scores of several units and soft-capping at 2: the tiny random model's scores are ~0.01, which
+    # 50 * tanh(s / 50) (its default) leaves unbent, and so did caps down to 0.1 (a kernel without soft-capping read
+    # 1.0x torch's error there). Its queries x100 and a cap of 2 bend them: without soft-capping the mirror read 37x
+    gemma = root / "gemma2"
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 2.0}))
+    loud = AutoModelForCausalLM.from_pretrained(str(gemma), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in loud.model.layers:
+            layer.self_attn.q_proj.weight.mul_(100)
+    loud.save_pretrained(str(gemma))
+    return {family: InProcessModel.load(root / family) for family in WINDOWED_FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "spec"), [("mistral", None), ("mistral", "fp8_e4m3"), ("gemma2", None),
+                                              ("gemma2", "fp8_e4m3:per_token"), ("gpt_oss", None),
+                                              ("gpt_oss", "fp8_e4m3"), ("llama4_text", None)])
+def test_static_decode_over_windowed_layers_replies_as_the_growing_cache(windowed_models, family, spec):
+    """Sliding-window and chunked layers on static storage keep every token and attend to their window through the
+    mask: the growing cache's replies (it keeps the last window - 1 tokens), rows finishing at different steps. The
+    window moves these replies: without it (the mask of full attention) the static replies part from them."""
+    import harness.replay.batched as batched
+
+    model = windowed_models[family]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    static = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == []
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
+        if row.token_ids != other.token_ids:  # a flip only at a near tie (the tiny Llama 4 has many), as batching
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+    if spec is None:
+        real = batched.window_masks
+        try:
+            batched.window_masks = lambda *args: {}
+            unwindowed = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, limits)
+        finally:
+            batched.window_masks = real
+        assert any(a.token_ids != b.token_ids for a, b in zip(static, unwindowed)), "the window moved no reply"
+
+
+def _drops(keyword: str):
+    """kernels.reference.decode_attention that ignores one of its keywords: a kernel that forgot the feature."""
+    from kernels import reference
+
+    real = reference.decode_attention
+
+    def dropped(*args, **kwargs):
+        kwargs.pop(keyword, None)
+        return real(*args, **kwargs)
+
+    return dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "limits"), [("gpt_oss", [3, 8, 16, 24]), ("gemma2", [3, 8, 16, 24]),
+                                                ("mistral", [3, 8, 16, 24]), ("llama4_text", [3, 6, 8, 12])])
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_decode_kernels_compute_sinks_softcap_and_windows(windowed_models, monkeypatch, family, limits, decode):
+    """The kernel glue (paged copies of windowed layers read from each row's first key, the call's sinks and
+    soft-capping handed to the kernel, the fp64 check with all three) through the kernels' torch mirror on the
+    CPU (HARNESS_KERNELS=reference, every step checked): the replies of torch's attention, every attention layer
+    served, each row within 2x torch's bf16 error (the mirror rounds once from fp32, torch's eager attention
+    rounds scores and probabilities to bf16). A kernel that drops the window, the sinks or the soft-capping is
+    caught by the check (ratio > 2) on the family that needs it."""
+    from kernels import reference
+
+    plain = windowed_models[family]  # loaded with the CPU's default: kernels off, torch's attention
+    prompts = _prompts(plain)
+    torch_rows = BatchedEngine(plain.backend(parse_path("fp8_e4m3")), BatchSettings(decode=decode)).generate(
+        prompts, limits)
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")  # kernels on for any device, as on CUDA
+    model = InProcessModel.load(plain.directory)
+    backend = model.backend(parse_path("fp8_e4m3"))
+    assert backend.route.kernel == "reference", backend.route
+    settings = BatchSettings(decode=decode, kernel_check_every=1)
+    rows = BatchedEngine(backend, settings).generate(prompts, limits)
+    layers = model.model.config.num_hidden_layers
+    for prompt, limit, want, row in zip(prompts, limits, torch_rows, rows):
+        if want.token_ids != row.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
+            continue
+        # a decode step per token after the prefill's first, and one for the stop token a reply does not keep
+        steps = len(row.token_ids) - (row.finish_reason == "length")
+        assert row.metrics["kernel_steps"] == steps * layers, (row.metrics, steps, layers)
+        assert row.metrics["kernel_err_ratio"] <= 2.0, row.metrics
+    needs = {"gpt_oss": ["sinks", "first_key"], "gemma2": ["softcap", "first_key"], "mistral": ["first_key"],
+             "llama4_text": ["first_key"]}[family]
+    for keyword in needs:
+        monkeypatch.setattr(reference, "decode_attention", _drops(keyword))
+        broken = BatchedEngine(backend, settings).generate(prompts, limits)
+        monkeypatch.setattr(reference, "decode_attention", _drops(None))
+        assert max(r.metrics["kernel_err_ratio"] for r in broken) > 2.0, (keyword, [r.metrics for r in broken])
 
 
 # -- GPU ----------------------------------------------------------------------------------------------------
@@ -462,6 +580,42 @@ def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, m
         elif backend.route.kernel is not None:
             assert other.metrics["kernel_steps"] == row.metrics["kernel_steps"]
             assert other.metrics["kernel_err_ratio"] <= 4.0, other.metrics
+
+
+@pytest.fixture(scope="module")
+def windowed_gpu_models(windowed_models):
+    return {family: InProcessModel.load(model.directory, device="cuda") for family, model in windowed_models.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token"])
+def test_gpu_graph_decode_over_windowed_layers_replies_as_the_growing_cache(windowed_gpu_models, monkeypatch, family,
+                                                                            spec):
+    """Sliding-window and chunked families decode in CUDA graphs (each layer type's window mask rewritten in place
+    before every replay), with the growing cache's replies; their windowed layers decode through torch attention,
+    the full-attention layers of an FP8 path through our kernels where the family allows them."""
+    import harness.replay.batched as batched
+
+    model = windowed_gpu_models[family]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    replays, real = [], batched.StaticDecodeStep.run
+
+    def run(self, *args):
+        out = real(self, *args)
+        replays.append(self.captured is not None and not args[3] and self.eager_steps > 0)
+        return out
+
+    monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(kernel_check_every=4))
+    graph = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == []
+    assert sum(replays) >= 16, replays
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, graph):
+        if row.token_ids != other.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
 
 
 @pytest.mark.gpu

@@ -230,14 +230,18 @@ def test_matrix_page_is_what_the_stored_results_give():
 
 
 @pytest.mark.parametrize("family, feature", [("gpt_oss", "attention sinks"), ("gemma2", "soft-capping")])
-def test_decode_kernels_stay_off_for_attention_they_do_not_compute(family, feature, tmp_path, monkeypatch):
-    """Our decode kernels compute plain softmax attention: a family with sinks or soft-capping keeps torch's (the
-    model's eager) attention, and each FP8 path's route says why; FP8-attention paths are refused by name."""
+def test_decode_kernels_run_where_they_compute_the_attention_and_stay_off_elsewhere(family, feature, tmp_path,
+                                                                                   monkeypatch):
+    """Our GQA decode over FP8 pages computes sinks and soft-capping: an FP8 path of such a family decodes through
+    it. The decodes that do not (block-scaled pages, a plug-in's contract) keep torch's (the model's eager)
+    attention, and the route says why; FP8-attention paths are refused by name."""
     from harness.replay.inprocess import InProcessModel
 
     monkeypatch.setenv("HARNESS_KERNELS", "reference")  # kernels on for any device, as on CUDA
     loaded = InProcessModel.load(build_registry_model(family, tmp_path / family))
-    assert feature in loaded.backend(parse_path("fp8_e4m3")).describe()["decode_kernel"]
+    assert loaded.backend(parse_path("fp8_e4m3")).describe()["decode_kernel"] == "triton (kernels/)"
+    for spec in ("nvfp4", "fp8_e4m3:kernel=dequant"):
+        assert feature in loaded.backend(parse_path(spec)).describe()["decode_kernel"], spec
     assert loaded.backend(parse_path("bf16")).describe()["decode_kernel"] == "not an FP8 path"
     refused = families.refusals(loaded.model.config, [parse_path("fp8_e4m3:fp8_q")])
     assert len(refused) == 1 and feature in refused[0] and "fp8_q" in refused[0]

@@ -161,6 +161,67 @@ def test_decode_attention_matches_fp64(kern, fmt, k_tol, per_head, q_heads, kv_h
     _check_gqa(kern, case, k_tol, f"decode {fmt} {q_heads}/{kv_heads}x{head_dim}")
 
 
+def _beyond_sdpa_truth_and_torch(case, sinks, softcap, first_key):
+    """fp64 attention with sinks / soft-capping / each row's window, and torch's eager attention in q's dtype over
+    K/V rounded to q's dtype (the model's own eager path for these: bf16 scores, softcap, sink column, fp32
+    softmax), per sequence."""
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    outs, lses, torch_outs = [], [], []
+    for b, (k, v) in enumerate(zip(case.k_dense, case.v_dense)):
+        first = int(first_key[b]) if first_key is not None else 0
+        k, v = (x.cuda().repeat_interleave(group, 1)[first:] for x in (k, v))        # [L, Hq, D]
+        sink = None if sinks is None else sinks.double()[:, None]
+
+        def attend(q, k, v, dtype):
+            s = torch.einsum("hd,lhd->hl", q.to(dtype), k.to(dtype)) * case.sm_scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            total = s if sink is None else torch.cat([s, sink.to(s.dtype)], -1)
+            lse = torch.logsumexp(total.double(), -1, keepdim=True)
+            return torch.einsum("hl,lhd->hd", torch.exp(s.double() - lse).to(dtype), v.to(dtype)), lse[:, 0]
+
+        out, lse = attend(case.q[b], k, v, torch.float64)
+        outs.append(out)
+        lses.append(lse)
+        torch_outs.append(attend(case.q[b], k, v, case.q.dtype)[0])
+    return torch.stack(outs), torch.stack(lses), torch.stack(torch_outs)
+
+
+# the features gpt-oss (sinks, a 128-token window), Gemma 2 (soft-capping 50, a 4096 window; 20 at the tiny size) and
+# Llama 4 (chunks) ask of a decode step; each alone and all three. The error bound is the plain decode's (2x torch's
+# bf16 error on the same values: the kernel adds tanh in fp32 and the sink in the fp32 merge)
+BEYOND_SDPA = [pytest.param(dict(sinks=True), id="sinks"), pytest.param(dict(softcap=20.0), id="softcap"),
+               pytest.param(dict(window=128), id="window"), pytest.param(dict(chunk=256), id="chunked"),
+               pytest.param(dict(sinks=True, softcap=20.0, window=128), id="all")]
+
+
+@pytest.mark.parametrize("features", BEYOND_SDPA)
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_attention_sinks_softcap_and_windows_match_fp64(kern, features, fmt, num_splits):
+    case = _gqa_case(MIXED_LENGTHS, 16, 32, 8, 64, fmt, per_head=True)
+    lengths = case.seq_lens.long()
+    sinks = torch.randn(32, device="cuda") * 2 if features.get("sinks") else None
+    first_key = None
+    if "window" in features:
+        first_key = (lengths - features["window"]).clamp(min=0).int()
+    elif "chunk" in features:
+        first_key = ((lengths - 1).clamp(min=0) // features["chunk"] * features["chunk"]).int()
+    softcap = features.get("softcap")
+    out, lse = kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                     case.k_scale, case.v_scale, case.sm_scale, num_splits=num_splits, sinks=sinks,
+                                     softcap=softcap, first_key=first_key)
+    truth, truth_lse, torch_out = _beyond_sdpa_truth_and_torch(case, sinks, softcap, first_key)
+    what = f"decode {fmt} {features} splits={num_splits}"
+    _assert_error_ratio(out, truth, torch_out, 2.0, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")   # fp32 scores vs fp64
+    ref_out, ref_lse = ref.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                            case.k_scale, case.v_scale, case.sm_scale, sinks=sinks, softcap=softcap,
+                                            first_key=first_key)
+    _assert_error_ratio(ref_out, truth, torch_out, 1.0, f"{what} (reference itself)")
+    assert_close_verbose(lse, ref_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse vs reference")
+
+
 @pytest.mark.parametrize("page_size", [1, 32, 48])
 def test_decode_attention_page_sizes(kern, page_size):
     case = _gqa_case(MIXED_LENGTHS, page_size, 32, 8, 128, "e4m3", per_head=True)

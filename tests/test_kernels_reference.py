@@ -153,6 +153,34 @@ def test_decode_attention_reference_vs_naive_fp64(cache_dtype, q_heads, kv_heads
         torch.testing.assert_close(lse[b].double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sinks, softcap, window", [(True, None, None), (False, 3.0, None), (False, None, 9),
+                                                   (True, 3.0, 9)], ids=["sinks", "softcap", "window", "all"])
+def test_decode_attention_reference_sinks_softcap_window_vs_naive_fp64(sinks, softcap, window):
+    """The mirror's attention beyond SDPA, against loops written from the definitions: a window drops the tokens
+    before it, soft-capping bends each score, a sink adds exp(sink) to the denominator and nothing to the sum."""
+    lengths, dim, sm_scale, heads = [1, 17, 40], 16, 0.25, 4
+    k_cache, table, k_dense = _paged(lengths, 8, (heads, dim), torch.float8_e4m3fn, 0.02)
+    v_cache, _, v_dense = _paged(lengths, 8, (heads, dim), torch.float8_e4m3fn, 0.01, table)
+    q = torch.randn(len(lengths), heads, dim) * 20  # scores of several units: soft-capping at 3 bends them
+    sink = torch.randn(heads) if sinks else None
+    first = torch.tensor([max(0, n - window) for n in lengths], dtype=torch.int32) if window else None
+    out, lse = ref.decode_attention(q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32),
+                                    torch.tensor(0.02), torch.tensor(0.01), sm_scale, sinks=sink, softcap=softcap,
+                                    first_key=first)
+    for b in range(len(lengths)):
+        begin = int(first[b]) if first is not None else 0
+        for h in range(heads):
+            scores = [float(k_dense[b][j, h].double() @ q[b, h].double()) * sm_scale for j in range(begin, lengths[b])]
+            if softcap:
+                scores = [softcap * math.tanh(x / softcap) for x in scores]
+            terms = scores + ([float(sink[h])] if sinks else [])
+            top = max(terms)
+            denominator = sum(math.exp(x - top) for x in terms)
+            want = sum(math.exp(x - top) * v_dense[b][begin + j, h].double() for j, x in enumerate(scores)) / denominator
+            torch.testing.assert_close(out[b, h].double(), want, atol=1e-5, rtol=1e-5)   # fp32 math vs fp64
+            assert abs(float(lse[b, h]) - (top + math.log(denominator))) < 1e-5
+
+
 def test_decode_attention_reference_bf16_cache_ignores_scales():
     k_cache, table, _ = _paged([9, 30], 4, (2, 16), torch.bfloat16, None)
     v_cache = torch.randn_like(k_cache)

@@ -38,15 +38,18 @@ def test_batch_and_decode_mode_and_their_refusals(monkeypatch):
     monkeypatch.delenv("HARNESS_KERNELS", raising=False)
     assert decide(parse_path("fp8_e4m3"), GQA, "cuda", True, batched=True).decode == "graph"
     assert decide(parse_path("fp8_e4m3"), GQA, "cpu", False, batched=True).decode == "dynamic"
+    # a sliding window keeps static storage (its mask windows it); a layer kind without it decodes dynamically
     windowed = SimpleNamespace(sliding_window=4096, use_sliding_window=True)
-    assert decide(parse_path("fp8_e4m3"), windowed, "cuda", True, batched=True, decode="static").decode == \
-        "dynamic (static decode refused for this model: sliding window 4096)"
+    assert decide(parse_path("fp8_e4m3"), windowed, "cuda", True, batched=True).decode == "graph"
+    hybrid_attention = SimpleNamespace(layer_types=["full_attention", "hybrid"], num_hidden_layers=2)
+    assert decide(parse_path("fp8_e4m3"), hybrid_attention, "cuda", True, batched=True, decode="static").decode == \
+        "dynamic (static decode refused for this model: layer types ['hybrid'])"
     # a kernel= plug-in batches with every call judged and timed: eagerly, on static storage, where graphs were asked
     plugin = decide(parse_path("fp8_e4m3:kernel=reference"), GQA, "cuda", True, batched=True)
     assert plugin.batch_refusal is None and plugin.kernel_every_call and plugin.decode == EVERY_CALL_EAGER
     assert decide(parse_path("fp8_e4m3:kernel=dequant"), GQA, "cpu", False, batched=True).decode == "dynamic"
-    assert decide(parse_path("fp8_e4m3:kernel=dequant"), windowed, "cuda", True, batched=True).decode.startswith(
-        "dynamic (static decode refused")
+    assert decide(parse_path("fp8_e4m3:kernel=dequant"), hybrid_attention, "cuda", True,
+                  batched=True).decode.startswith("dynamic (static decode refused")
     ours = decide(parse_path("fp8_e4m3"), GQA, "cuda", True, batched=True)
     assert ours.kernel == "triton" and not ours.kernel_every_call  # ours: checked every kernel_check_every-th step
     # FP8 attention and fault injectors batch; FP8 attention is bounded by its own measured floor, not the reference's

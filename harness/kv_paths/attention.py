@@ -21,8 +21,8 @@ import torch
 from harness.forward_context import current as forward_context_now
 from harness.forward_context import note as note_forward
 from harness.kv_paths import block_layout, mla
-from harness.kv_paths.decode_kernels import (DecodeKernel, KernelPluginError, kernels_setting, resolve, run_gqa,
-                                             run_gqa_block_scaled, run_mla)
+from harness.kv_paths.decode_kernels import (BEYOND_SDPA_COMPUTED, DecodeKernel, KernelPluginError, kernels_setting,
+                                             resolve, run_gqa, run_gqa_block_scaled, run_mla)
 from harness.kv_paths.faults import attention_fault
 from harness.kv_paths.rotation import rotate
 from kernels import reference as kernel_reference
@@ -241,6 +241,9 @@ class PagedKV:
     pages: list = field(default_factory=list)
     absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
     layout: object = None  # block_layout.BlockScaledLayout of a block-scaled format; None: FP8 / MLA pages
+    # a windowed layer's (layer type, window): each row attends from its window's first key (sliding: the last
+    # `window` tokens; chunked: the query's chunk of `window` positions), as transformers' masks do
+    window: tuple[str, int] | None = None
 
     def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.pages:
@@ -294,33 +297,58 @@ class PagedKV:
                               value.transpose(1, 2).reshape(rows * chunk, value.shape[1], -1).contiguous(),
                               self.pages[0], self.pages[1], slots, self.k_scale, self.v_scale, self.saturate)
 
-    def decode(self, module, query: torch.Tensor, torch_out: torch.Tensor | None, quant=None) -> torch.Tensor:
+    def first_keys(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """[rows] int32: the first cached token each row attends to, for rows holding `lengths` tokens (the query's
+        included); None without a window. On the device: a captured graph recomputes it every replay."""
+        if self.window is None:
+            return None
+        kind, size = self.window
+        if kind == "chunked_attention":  # the query (position length - 1) attends to its chunk's positions
+            return (torch.div(lengths - 1, size, rounding_mode="floor") * size).clamp(min=0).int()
+        return (lengths - size).clamp(min=0).int()  # transformers' sliding window: kv_idx > q_idx - window
+
+    @staticmethod
+    def beyond_sdpa(kwargs: dict) -> dict:
+        """The decode kernel's keywords for what the model's attention computes beyond SDPA: gpt-oss's sinks (its
+        `s_aux` [Hq] logits, fp32) and Gemma 2's soft-capping (the route let a kernel through only where it computes
+        them: `route._beyond_sdpa_missing`)."""
+        found = {}
+        if kwargs.get("s_aux") is not None:
+            found["sinks"] = kwargs["s_aux"].float().contiguous()
+        if kwargs.get("softcap") is not None:
+            found["softcap"] = float(kwargs["softcap"])
+        return found
+
+    def decode(self, module, query: torch.Tensor, torch_out: torch.Tensor | None, quant=None,
+               kwargs: dict | None = None) -> torch.Tensor:
         """query [rows, Hq, 1, D] -> the kernel's output [rows, 1, Hq, Dv]; on a checked step, `torch_out` (torch's
         attention of the same step, same shape) is the yardstick of the agreement check. The kernel gets the raw
         query (it quantises Q itself, `quant`: an AttentionQuant of an FP8 attention path) and is judged, as torch's
-        output is, against fp64 attention of the raw query over the stored codes."""
+        output is, against fp64 attention of the raw query over the stored codes. kwargs: the attention call's (sinks,
+        soft-capping: `beyond_sdpa`)."""
+        beyond = self.beyond_sdpa(kwargs or {})
         if self.agreement.timed:
-            out = self._timed(module, query, quant)
+            out = self._timed(module, query, quant, beyond)
         else:
-            out = self._kernel(module, query, quant)
+            out = self._kernel(module, query, quant, beyond)
         if self.step.check:
-            self._check(module, query, out, torch_out)
+            self._check(module, query, out, torch_out, beyond)
         return out
 
-    def _timed(self, module, query: torch.Tensor, quant) -> torch.Tensor:
+    def _timed(self, module, query: torch.Tensor, quant, beyond: dict) -> torch.Tensor:
         """`_kernel`, its wall time (device synchronised before and after) added to the agreement."""
         cuda = query.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(query.device)
         start = time.perf_counter()
-        out = self._kernel(module, query, quant)
+        out = self._kernel(module, query, quant, beyond)
         if cuda:
             torch.cuda.synchronize(query.device)
         # per row: the call's time over the rows it computed (one sequence alone: the call's time)
         self.agreement.step_s.append((time.perf_counter() - start) / query.shape[0])
         return out
 
-    def _kernel(self, module, query: torch.Tensor, quant) -> torch.Tensor:
+    def _kernel(self, module, query: torch.Tensor, quant, beyond: dict) -> torch.Tensor:
         """The plug-in over the paged copy. `quant` goes to our kernels as q_scale / prob_scale
         (route.FP8_ATTENTION_KERNELS); on an MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel
         multiplies, as engines' MLA kernels do (the torch reference quantises the model's own query [q_nope | q_pe])."""
@@ -332,8 +360,10 @@ class PagedKV:
             return out.unsqueeze(1)
         scales = _attention_scales(quant, query.device)
         if not self.mla:
+            first_key = self.first_keys(lens)
+            window = {} if first_key is None else {"first_key": first_key}
             out = run_gqa(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[1], table, lens,
-                          self.k_scale, self.v_scale, module.scaling, **scales)
+                          self.k_scale, self.v_scale, module.scaling, **scales, **beyond, **window)
             return out.unsqueeze(1)
         # Absorbed MLA (harness/kv_paths/mla.py): q_latent = q_nope W_UK, out = (softmax . c) W_UV
         nope, heads = module.qk_nope_head_dim, query.shape[1]
@@ -347,7 +377,7 @@ class PagedKV:
         out = mla.expand_latent(out_latent.float(), w_uv).to(query.dtype)
         return out.view(query.shape[0], 1, heads, -1)
 
-    def _check(self, module, query: torch.Tensor, out: torch.Tensor, torch_out: torch.Tensor) -> None:
+    def _check(self, module, query: torch.Tensor, out: torch.Tensor, torch_out: torch.Tensor, beyond: dict) -> None:
         """The agreement check of every live row at once: fp64 attention over the stored codes of groups of rows
         (padded to the longest, masked); results stay on the device (one host sync per checked step, for the span,
         shared by every layer)."""
@@ -362,7 +392,8 @@ class PagedKV:
             part = slice(begin, begin + group)
             # one group: the step's span; several: each group's own (as before, so the same fp64 sums)
             part_span = span if group >= rows.shape[0] else int(lengths[part].max())
-            exact = self._exact_rows(module, query[part], lengths[part], rows[part], part_span)  # [n, 1, Hq, Dv]
+            exact = self._exact_rows(module, query[part], lengths[part], rows[part], part_span,
+                                     beyond)  # [n, 1, Hq, Dv]
             kernel_err = (out[part].double() - exact).abs().amax((1, 2, 3))
             torch_err = (torch_out[part].double() - exact).abs().amax((1, 2, 3))
             # bf16 output rounding: never call torch's error smaller than half an ulp of the output's scale
@@ -371,18 +402,30 @@ class PagedKV:
             self.agreement.add(rows[part], kernel_err, ratio)
 
     def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
-                    span: int) -> torch.Tensor:
+                    span: int, beyond: dict | None = None) -> torch.Tensor:
         """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
-        tokens of each, masked to its length; never rounded to bf16) -> [n, 1, Hq, Dv]: the truth both the kernel
-        and torch's attention over the dequantised K/V are judged against."""
-        keep = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [n, span]
+        tokens of each, masked to its length and window; never rounded to bf16; with the call's soft-capping and
+        sinks) -> [n, 1, Hq, Dv]: the truth both the kernel and torch's attention over the dequantised K/V are
+        judged against."""
+        beyond = beyond or {}
+        positions = torch.arange(span, device=lengths.device)[None, :]
+        keep = positions < lengths[:, None]  # [n, span]
+        first_key = self.first_keys(lengths)
+        if first_key is not None:
+            keep &= positions >= first_key[:, None]
 
         def rows_of(pages: torch.Tensor) -> torch.Tensor:  # [n, span, ...] codes (fp64; block-scaled: as stored)
             per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
             return per_row[rows, :span] if self.layout is not None else per_row[rows, :span].double()
 
         def attend(scores: torch.Tensor) -> torch.Tensor:  # [n, H, span] -> softmax over the stored tokens
-            return torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+            if beyond.get("softcap") is not None:
+                scores = beyond["softcap"] * torch.tanh(scores / beyond["softcap"])
+            scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+            if beyond.get("sinks") is None:
+                return torch.softmax(scores, dim=-1)
+            sinks = beyond["sinks"].double().view(1, -1, 1).expand(scores.shape[0], -1, 1)  # in the denominator only
+            return torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
 
         q = query[:, :, 0].double()  # [n, Hq, D]
         if self.layout is not None:  # the stored codes x block scales x static scale, as the kernels' mirror reads them
@@ -408,14 +451,17 @@ class PagedKV:
 
 
 def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_model: bool, step: StepState,
-                 agreement: KernelAgreement, *, decodes: bool = True) -> dict[int, PagedKV]:
+                 agreement: KernelAgreement, *, decodes: bool = True,
+                 windows: dict[int, tuple[str, int]] | None = None) -> dict[int, PagedKV]:
     """The one kernel attacher: a paged FP8 copy (`PagedKV`) of every quantised full-attention layer of `cache`,
     read by the decode plug-in `kernel_name` (the route's kernel: harness/replay/route.py), over `step`'s pages.
 
     decodes=True: the copy is the layer's `paged` (the layer's write stores into it; FP8 decode steps return the
     kernel's output). decodes=False (attention capture): the model keeps running torch attention; the copy is written
     beside the layer (its `update` wrapped; `detach_paged` undoes it) and read by capture's `KernelRows`.
-    Sliding-window layers get none (the kernels read no window). {layer index: PagedKV}."""
+    windows: {layer index: (layer type, window)} of the model's sliding-window and chunked layers: each gets a copy
+    read from its window's first key where the plug-in computes windows (`decode_kernels.BEYOND_SDPA_COMPUTED`) and
+    the copy decodes; else none (torch attention over the layer's own window). {layer index: PagedKV}."""
     if kernel_name == "triton" and device.type != "cuda":
         raise KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device (run with --device cuda)")
     kernel = resolve(kernel_name)
@@ -428,15 +474,21 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
     layout = None if kv_path.is_fp8 else block_layout.of(kv_path.k_format)  # the route let only these through
     fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(kv_path.fmt)
     paged = {}
+    windows = windows or {}
+    reads_windows = (decodes and layout is None and not mla_model
+                     and "window" in BEYOND_SDPA_COMPUTED.get(kernel_name, ()))
     for index, layer in enumerate(cache.layers):
         static = layout is None or layout.static
-        if not hasattr(layer, "paged") or getattr(layer, "is_sliding", False) or (static and layer.k_scale is None):
+        windowed = getattr(layer, "is_sliding", False) or index in windows
+        if windowed and not (reads_windows and index in windows):
+            continue
+        if not hasattr(layer, "paged") or (static and layer.k_scale is None):
             continue
         k_scale, v_scale = (layer.k_scale.float().to(device), layer.v_scale.float().to(device)) if static else (None, None)
         # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
         fusable = decodes and (not mla_model or bool(torch.equal(k_scale, v_scale)))
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
-                               fusable, layout=layout)
+                               fusable, layout=layout, window=windows.get(index) if windowed else None)
         if decodes:
             layer.paged = paged[index]
         else:
@@ -665,7 +717,7 @@ def register() -> None:
         if kernel_alone(module, layer, query.shape[2]):
             # an unchecked step: the kernel's output is the output; torch's attention is only the yardstick of a
             # checked step, so it is not computed here (nor, on MLA, the K/V it reads: `skip_unread_expansion`)
-            return paged.decode(module, raw_query, None, quant), None
+            return paged.decode(module, raw_query, None, quant, kwargs), None
         if key.shape[2] == 0:
             raise RuntimeError(f"attention layer {module.layer_idx}: its K/V were not expanded (skip_unread_expansion) "
                                f"but this call reads them")
@@ -695,7 +747,7 @@ def register() -> None:
                                           q_scale, prob_scale, quant.fmt)
             weights = None
         if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
-            output = paged.decode(module, raw_query, output, quant)
+            output = paged.decode(module, raw_query, output, quant, kwargs)
         # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
         # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
         # bf16 included: the check's definition, not the path)

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from harness.kv_paths import block_layout, capabilities, format_faults
 from harness.kv_paths.decode_kernels import kernels_setting
@@ -551,6 +551,8 @@ def _of_kind(mixin: type, layer: DynamicLayer, *args):
 
 def _kind_store(kind: type):
     def _store(self, keys: torch.Tensor, values: torch.Tensor):  # the layer kind's own update: its window, ...
+        if self.static is not None:  # a window on static storage keeps every token; the mask windows it
+            return self.static.write(self, keys, values)
         return kind.update(self, keys, values)
     return _store
 
@@ -604,17 +606,25 @@ class StaticKVLayer(DynamicLayer):
 
 
 def make_static(cache: DynamicCache, static: StaticColumns) -> None:
-    """Put every full-attention layer of `cache` on `static` storage (the reference's layers become
-    `StaticKVLayer`s, a path's `QuantizedKVLayer`s keep their round trip and store in place). Linear-attention
-    layers already keep fixed-shape states updated in place. Raises ValueError for a layer kind that grows
-    another way (sliding windows, ...): the caller then decodes with the growing cache."""
+    """Put every attention layer of `cache` on `static` storage (the reference's layers become `StaticKVLayer`s, a
+    path's `QuantizedKVLayer`s keep their round trip and store in place). A sliding-window or chunked layer keeps
+    every token there: its window is the mask's (`batched.static_mask`), so it attends to the keys its growing cache
+    keeps. Linear-attention layers already keep fixed-shape states updated in place. Raises ValueError for a layer
+    kind that grows another way (an attention layer with an SSM state, ...): the caller then decodes with the
+    growing cache."""
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
             cache.layers[i] = StaticKVLayer(static)
-        elif type(layer) in (QuantizedKVLayer, EmulatedKVLayer):  # windowed / combined kinds: refused below
+        elif type(layer) in (QuantizedKVLayer, EmulatedKVLayer) or _over_window(layer):
             layer.static = static
         elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
+
+
+def _over_window(layer) -> bool:
+    """A path's layer over transformers' sliding-window kind (`_of_kind`): sliding-window and chunked layers."""
+    kind = type(layer)
+    return kind in _KINDS.values() and kind.__bases__[1] is DynamicSlidingWindowLayer  # (mixin, kind)
 
 
 def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:

@@ -34,6 +34,11 @@ BLOCK_SCALED_BUILTIN = {
     "reference": "kernels.reference:decode_attention_block_scaled",
 }
 DEFAULT = "triton"
+# What each built-in's GQA decode computes beyond SDPA (keywords the model hands its attention function, and "window":
+# a sliding-window or chunked layer's first key per row): kernels/decode_attention.py and its mirror. Their MLA,
+# block-scaled and FP8-attention (q_scale / prob_scale) decodes compute none; a plug-in's contract has none.
+BEYOND_SDPA_COMPUTED = {"triton": frozenset({"s_aux", "softcap", "window"}),
+                        "reference": frozenset({"s_aux", "softcap", "window"})}
 KERNELS_ENV = "HARNESS_KERNELS"
 # auto: our Triton kernels on CUDA; off: torch attention and torch cache writes everywhere; reference: the kernels'
 # torch mirror (kernels/reference.py) on any device, to test the glue on a CPU

@@ -166,7 +166,7 @@ class BatchedEngine:
         norms, RoPE, routing, the linear-attention update); tests/test_rows.py compares the two over every KV path kind
         and model family. For the CPU replay (route.ROWS), where one-row steps read every weight once per token: a batch
         reads it once for all its rows. remember_prefill: as `generate_one`'s, for each prompt. Raises ValueError for
-        a model whose cache layers cannot be stacked (sliding windows, ...; `families.static_decode_refusal`)."""
+        a model whose cache layers cannot be stacked (sliding windows, ...; `families.stack_refusal`)."""
         assert self.backend.route.kernel is None, "rows decode through torch attention (a kernel's copy is per batch)"
         results: list[RowResult | None] = [None] * len(prompts)
         alone = BatchedEngine(self.backend, ONE_SEQUENCE, prefills=self.prefills)
@@ -413,8 +413,9 @@ class BatchedEngine:
             attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
             static.columns, static.length = queries, end
             step.valid = mask[:, begin:end]
-            logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end]),
-                                   positions[:, begin:end], cache, step)
+            windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end])
+            logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
+                                                                   windowed), positions[:, begin:end], cache, step)
         return logits
 
     def _prefill(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
@@ -464,7 +465,10 @@ class BatchedEngine:
         agreement = KernelAgreement(rows, self.device,
                                     timed=self.settings.one_sequence or self.backend.route.kernel_every_call)
         step.start_paged(rows, -(-max_len // BLOCK_SIZE), self.device)
-        attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement)
+        windows = {shape.layer: (shape.kind, shape.window) for shape in model_layers.layer_shapes(self.model.config)
+                   if shape.window}
+        attach_paged(cache, self.backend.kv_path, kernel, self.device, self.backend.owner.is_mla, step, agreement,
+                     windows=windows)
         if self.backend.owner.is_mla:  # the model's own latent expansion, unread on the kernel's unchecked steps
             attention.skip_unread_expansion(self.model)
         return agreement
@@ -545,7 +549,12 @@ class StaticDecodeStep:
         self.positions = last_positions
         self.valid = torch.ones(rows, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.mask = static_mask(engine.model.config, seen[:, None, None, :], None)
+        # a windowed layer type's mask: a buffer rewritten before each step (the window moves), read in place by a
+        # captured graph; the full-attention mask is a view of `seen`
+        self.keys = torch.arange(seen.shape[1], device=device)
+        self.windowed = window_masks(engine.model.config, seen[:, None, None, :], self.keys, self.column,
+                                     self.positions)
+        self.mask = static_mask(engine.model.config, seen[:, None, None, :], None, self.windowed)
         self.graph = graph
         self.captured: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the captured pass's output buffer
@@ -563,6 +572,11 @@ class StaticDecodeStep:
             self.valid.copy_(flags)
         self.static.columns, self.static.length = self.column, column + 1
         self.step.valid, self.step.check = self.valid, check
+        if self.windowed:
+            moved = window_masks(self.engine.model.config, self.seen[:, None, None, :], self.keys, self.column,
+                                 self.positions)
+            for kind, buffer in self.windowed.items():
+                buffer.copy_(moved[kind])
         if not self.graph or check or not (self.eager_steps or self.engine.decode_warm):
             self.eager_steps += 1
             out = self._forward()
@@ -613,13 +627,51 @@ def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
     return _CAPTURE_STREAMS[device]
 
 
-def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None):
+def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
+                windowed: dict[str | None, torch.Tensor] | None = None):
     """The `attention_mask` a static pass hands the model: the 4D bool mask (transformers uses a 4D mask as
-    given); a hybrid model also gets its linear-attention layers' padding mask [rows, chunk] (None when
-    decoding: a generated token is never padding)."""
-    if "linear_attention" not in model_layers.layer_types(config):
+    given); windowed: each windowed layer type's mask (`window_masks`); a model with several layer types gets one
+    mask per type (a hybrid model's linear-attention layers their padding mask [rows, chunk], None when decoding: a
+    generated token is never padding)."""
+    windowed = windowed or {}
+    if None in windowed:  # one window over every layer (Mistral's): the model takes one mask
+        return windowed[None]
+    types = set(model_layers.layer_types(config))
+    if types <= {"full_attention"}:
         return attend
-    return {"full_attention": attend, "linear_attention": linear_mask}
+    masks = {kind: windowed.get(kind, attend) for kind in types if kind != "linear_attention"}
+    if "linear_attention" in types:
+        masks["linear_attention"] = linear_mask
+    return masks
+
+
+def window_masks(config, attend: torch.Tensor, keys: torch.Tensor, query_columns: torch.Tensor,
+                 query_positions: torch.Tensor) -> dict[str | None, torch.Tensor]:
+    """`attend` [rows, 1, queries, columns] narrowed to each windowed layer type's keys (None: the one window of a
+    model without layer types), as transformers' masks narrow them (`masking_utils`: a sliding window keeps keys with
+    kv_idx > q_idx - window; a chunk keeps keys of the query's chunk of positions, `chunked_overlay`). A row's tokens
+    sit in consecutive columns, so a key's position is its column's offset from the query's: keys [columns],
+    query_columns [queries], query_positions [rows, queries]. A pad query keeps itself (`attend`'s diagonal)."""
+    found: dict[str | None, torch.Tensor] = {}
+    for kind, window in window_kinds(config).items():
+        query = query_positions[:, None, :, None]
+        key = keys - query_columns[:, None] + query  # [rows, 1, queries, columns]
+        if (kind or "sliding_attention") == "sliding_attention":
+            kept = key > query - window
+        else:
+            kept = torch.div(key, window, rounding_mode="floor") == torch.div(query, window, rounding_mode="floor")
+        found[kind] = attend & kept
+    return found
+
+
+def window_kinds(config) -> dict[str | None, int]:
+    """{windowed layer type: its window} (None: a model without layer types whose every layer has one window)."""
+    shapes = [s for s in model_layers.layer_shapes(config) if s.window]
+    if not shapes:
+        return {}
+    if not model_layers.field(config, "layer_types"):
+        return {None: shapes[0].window}
+    return {s.kind: s.window for s in shapes}
 
 
 # -- helpers ------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.model_layers import (field, layer_count, layer_shape, layer_shapes, layer_types, model_cache,
-                                  transformers_class)
+from harness.kv_paths.decode_kernels import BEYOND_SDPA_COMPUTED, DEFAULT
+from harness.model_layers import (WINDOWED, field, layer_count, layer_shape, layer_shapes, layer_types,
+                                  model_cache, transformers_class)
 
 # Families whose cache is their own class, not transformers' DynamicCache that `kv_paths.cache.build_cache`
 # edits: what each would need.
@@ -37,23 +38,29 @@ NO_CACHED_PREFILL = {
 
 
 # Attention computed beyond plain SDPA: the registered attention function runs the model's own eager attention
-# for these (bit-identical to transformers' eager), but neither our decode kernels nor the FP8-attention
-# reference (fp8_q / fp8_p) compute them.
-def beyond_sdpa_features(config) -> list[str]:
-    """What the family's attention computes beyond SDPA: from its config (gpt-oss's sinks, a soft-capping value),
-    and what the loaded model handed the attention function in `check_model`'s probe (Inkling's sinks and
-    position bias), as the probe recorded it on the config."""
+# for these (bit-identical to transformers' eager); our GQA decode kernels compute gpt-oss's sinks and soft-capping
+# (`decode_kernels.BEYOND_SDPA_COMPUTED`), the FP8-attention reference (fp8_q / fp8_p) none of them.
+def beyond_sdpa_needs(config) -> dict[str, str]:
+    """{the attention function's keyword: what it computes} beyond SDPA for this family: from its config (gpt-oss's
+    sinks, `s_aux`; a soft-capping value) and what the loaded model handed the attention function in
+    `check_model`'s probe (Inkling's sinks and position bias), as the probe recorded it on the config."""
     from harness.kv_paths.attention import BEYOND_SDPA
 
-    features = []
+    needs = {}
     if getattr(config, "model_type", None) == "gpt_oss":
-        features.append("attention sinks")
+        needs["s_aux"] = "attention sinks"
     softcap = field(config, "attn_logit_softcapping")
     if softcap is not None:
-        features.append(f"logit soft-capping ({softcap})")
-    seen = [BEYOND_SDPA[name] for name in getattr(config, SEEN_BEYOND_SDPA, ()) or ()]
-    features += [f for f in dict.fromkeys(seen) if not any(have.startswith(f) for have in features)]
-    return features
+        needs["softcap"] = f"logit soft-capping ({softcap})"
+    for name in getattr(config, SEEN_BEYOND_SDPA, ()) or ():
+        if name not in needs and not any(have.startswith(BEYOND_SDPA[name]) for have in needs.values()):
+            needs[name] = BEYOND_SDPA[name]
+    return needs
+
+
+def beyond_sdpa_features(config) -> list[str]:
+    """What the family's attention computes beyond SDPA, in words (`beyond_sdpa_needs`)."""
+    return list(dict.fromkeys(beyond_sdpa_needs(config).values()))
 
 
 SEEN_BEYOND_SDPA = "harness_attention_beyond_sdpa"  # the config attribute `check_model` records them in
@@ -236,21 +243,40 @@ def bf16_layer_problem(path, family: str, layers: int) -> str:
             f"layers (0-{layers - 1})")
 
 
-def kernel_block(config) -> str | None:
-    """Why our decode kernels must not run for this model (None: they may), said in the route."""
-    beyond = beyond_sdpa_features(config)
-    if beyond:
-        return (f"{' and '.join(beyond)}: our decode kernels do not compute them, so decode runs torch attention as "
-                f"the model defines it")
+def kernel_block(config, computed: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """Why a decode kernel that computes `computed` (keywords of `beyond_sdpa_needs`) must not run for this model
+    (None: it may), said in the route."""
+    missing = [text for name, text in beyond_sdpa_needs(config).items() if name not in computed]
+    if missing:
+        return (f"{' and '.join(dict.fromkeys(missing))}: the decode kernel does not compute them, so decode runs "
+                f"torch attention as the model defines it")
     return None
 
 
 def static_decode_refusal(config) -> str | None:
-    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not a full
-    attention cache or a fixed-shape linear-attention state (sliding windows, chunked attention, ...)."""
-    other = set(layer_types(config)) - {"full_attention", "linear_attention"}
+    """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not an attention
+    cache (full, sliding-window or chunked) or a fixed-shape linear-attention state. A sliding-window or chunked
+    layer keeps every token on static storage and attends to its window through the mask
+    (`batched.static_mask`): the same keys its growing cache keeps (the last window - 1 tokens and the new one)."""
+    other = set(layer_types(config)) - {"full_attention", "linear_attention", *WINDOWED}
     if other:
         return f"layer types {sorted(other)}"
+    windows: dict[str, set] = {}
+    for shape in layer_shapes(config):
+        if shape.window:
+            windows.setdefault(shape.kind, set()).add(shape.window)
+    several = {kind: sorted(sizes) for kind, sizes in windows.items() if len(sizes) > 1}
+    if several:  # the model takes one mask per layer type
+        return f"several windows for one layer type {several}"
+    return None
+
+
+def stack_refusal(config) -> str | None:
+    """Why one-sequence caches of this model cannot be stacked into rows (`cache.stack_rows`; None: they can): a
+    static-storage refusal, or a window (a row's window cache holds its last window - 1 tokens, not its prompt)."""
+    refusal = static_decode_refusal(config)
+    if refusal is not None:
+        return refusal
     windows = sorted({s.window for s in layer_shapes(config) if s.window})
     if windows:
         return f"sliding window {windows[0]}" if len(windows) == 1 else f"sliding windows {windows}"
@@ -263,7 +289,7 @@ def route_facts(config, paths) -> dict:
     facts = {"family": config.model_type, "attention": attention_kinds(config, routes), "layers": routes,
              "fp8_layers": [r["layer"] for r in routes if r["kv"] == "fp8"],
              "kept_bf16": {str(r["layer"]): r["why"] for r in routes if r["kv"] == "bf16"}}
-    block = kernel_block(config)
+    block = kernel_block(config, BEYOND_SDPA_COMPUTED[DEFAULT])
     if block:
         facts["decode_kernels"] = f"off: {block}"
     static = static_decode_refusal(config)
@@ -348,7 +374,7 @@ def check_loadable(weights: Path) -> str | None:
     refusal = model_refusal(config)
     if refusal:
         raise ValueError(f"model {weights}: {refusal}")
-    return kernel_block(config)
+    return kernel_block(config, BEYOND_SDPA_COMPUTED[DEFAULT])
 
 
 def load_model(weights: Path, **kwargs):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from harness.kv_paths import capabilities, decode_kernels
 from harness.model_layers import field, layer_shapes
 from harness.kv_paths.spec import KVPath
-from harness.replay.families import kernel_block, static_decode_refusal
+from harness.replay.families import beyond_sdpa_needs, stack_refusal, static_decode_refusal
 
 DECODE_MODES = ("auto", "dynamic", "static", "graph")
 # Decode plug-ins that take FP8 attention (q_scale / prob_scale keywords), for GQA and MLA layers: ours and its
@@ -35,7 +35,9 @@ class ModelFacts:
 
     mla_dims: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of an MLA model, else None
     static_refusal: str | None  # why the model cannot decode on static storage (None: it can)
-    kernel_block: str | None  # why our decode kernels must not run for this family (sinks, soft-capping)
+    stack_refusal: str | None  # why its one-sequence caches cannot be stacked into rows (None: they can)
+    # (attention keyword, in words) of what the family's attention computes beyond SDPA (sinks, soft-capping, ...)
+    beyond_sdpa: tuple[tuple[str, str], ...]
     # K/V head sizes of a GQA/MHA model's attention layers, each once (the kernels' capability asks of each: Gemma 4
     # has two); empty for MLA
     head_dims: tuple[int, ...] = ()
@@ -45,8 +47,8 @@ class ModelFacts:
         rank = field(config, "kv_lora_rank")
         dims = (int(rank), int(field(config, "qk_rope_head_dim"))) if rank is not None else None
         sizes = () if dims is not None else tuple(sorted({s.head_dim for s in layer_shapes(config) if s.head_dim}))
-        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), kernel_block=kernel_block(config),
-                   head_dims=sizes)
+        return cls(mla_dims=dims, static_refusal=static_decode_refusal(config), stack_refusal=stack_refusal(config),
+                   beyond_sdpa=tuple(beyond_sdpa_needs(config).items()), head_dims=sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +128,10 @@ def _kernel_label(kv_path: KVPath | None) -> str:
 def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool, setting: str,
                     name: str | None) -> str | None:
     """Why decode does not run through a kernel for this path (None: it does)."""
-    if facts.kernel_block and kv_path is not None and kv_path.is_quantized:
-        return facts.kernel_block
+    if facts.beyond_sdpa and kv_path is not None and kv_path.is_quantized:
+        missing = _beyond_sdpa_missing(kv_path, facts, name)
+        if missing:
+            return missing
     named = kv_path is not None and kv_path.kernel and setting != "off"
     if not use_kernels and not named:  # a path that names a plug-in runs it on any device
         return "kernels off (CPU, or HARNESS_KERNELS=off)"
@@ -148,6 +152,20 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
                     f"prob_scale in its tile kernel, for power-of-two latent and RoPE dims (this model: "
                     f"{facts.mla_dims})")
     return None
+
+
+def _beyond_sdpa_missing(kv_path: KVPath, facts: ModelFacts, name: str | None) -> str | None:
+    """Why the path's decode kernel cannot compute the family's attention (sinks, soft-capping, ...; None: it can):
+    our GQA decode over FP8 pages computes sinks and soft-capping (`decode_kernels.BEYOND_SDPA_COMPUTED`); MLA,
+    block-scaled, FP8-attention decodes and plug-ins none."""
+    computed = decode_kernels.BEYOND_SDPA_COMPUTED.get(name, frozenset())
+    if facts.mla_dims is not None or kv_path.quantizes_attention or kv_path.k_format.name in capabilities.BLOCK_SCALED:
+        computed = frozenset()
+    missing = [text for key, text in facts.beyond_sdpa if key not in computed]
+    if not missing:
+        return None
+    return (f"{' and '.join(dict.fromkeys(missing))}: the decode kernel does not compute them for this path, so decode "
+            f"runs torch attention as the model defines it")
 
 
 # Why a model laid out over several devices replays one sequence at a time, by --shard value
@@ -226,8 +244,8 @@ def _rows(facts: ModelFacts, kernel: str | None, kv_path: KVPath | None) -> str:
     alone alike in any batch; the GEMMs are the ones to doubt."""
     if kernel is not None:
         why = "decode runs through a kernel (its paged copy, checks and timings are kept per sequence)"
-    elif facts.static_refusal is not None:
-        why = f"cache layers that cannot be stacked ({facts.static_refusal})"
+    elif facts.stack_refusal is not None:
+        why = f"cache layers that cannot be stacked ({facts.stack_refusal})"
     elif kv_path is not None and kv_path.is_reference_noise:
         why = "the float32 model's GEMMs (MKL's) are not shown to give a row the same bits in every batch size"
     elif onednn_bf16():
