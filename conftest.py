@@ -1,7 +1,7 @@
 """Project-wide pytest options: `--gpu` enables CUDA tests (and is an error without a CUDA device: the
 harness plugin refuses to start), `--slow` enables slow CPU tests, `--peer` tests against real servers (vLLM,
-transformers serve), `--matrix` the family matrix's replay of every family (tests/test_families.py; CI runs its
-rotating sample). `pytest harness` comes from the plugin."""
+transformers serve), `--matrix` the full matrices (every family replayed, every format fault on every canary, every
+pool, rank and Ray fault; CI runs a sample of each, the nightly all). `pytest harness` comes from the plugin."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="run tests marked slow")
     parser.addoption("--matrix", action="store_true",
-                     help="run tests marked matrix: every family transformers ships, replayed (CPU: ~50 min, 2 cores)")
+                     help="run tests marked matrix: the full matrices (every family transformers ships, every format "
+                          "fault x canary, every pool / rank / Ray fault); CI runs a sample of each (CPU: ~90 min, 2 "
+                          "cores, with --slow)")
     parser.addoption("--peer", action="store_true",
                      help="run tests marked peer: real vLLM / transformers serve on loopback (minutes; tests/test_peer.py)")
 

@@ -460,7 +460,8 @@ def _drops(keyword: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "limits"), [("gpt_oss", [3, 8, 16, 24]), ("gemma2", [3, 8, 16, 24]),
-                                                ("mistral", [3, 8, 16, 24]), ("llama4_text", [3, 6, 8, 12])])
+                                                ("mistral", [3, 8, 16, 24]),
+                                                pytest.param("llama4_text", [3, 6, 8, 12], marks=pytest.mark.matrix)])
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_decode_kernels_compute_sinks_softcap_and_windows(windowed_models, monkeypatch, family, limits, decode):
     """The kernel glue (paged copies of windowed layers read from each row's first key, the call's sinks and

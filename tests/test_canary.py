@@ -262,6 +262,7 @@ def test_canary_weights_fit_the_budget():
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("arch", ARCHS)
 def test_canary_answers_heldout_scenarios_in_bf16(arch):
     """A handful of the default scenarios' dialogues, replayed greedily in bf16 on the CPU."""

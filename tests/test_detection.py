@@ -43,7 +43,7 @@ def entries(name: str) -> list[ZooEntry]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
-@pytest.mark.parametrize("name", list(SETS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if n == "canary" else n for n in SETS])
 def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
     chosen = entries(name)
     run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=2, command="test_detection"))

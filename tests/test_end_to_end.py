@@ -126,7 +126,8 @@ def _harness(*args: str, ignore_sigint: bool = False) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, jobs", [(signal.SIGKILL, "2"), (signal.SIGINT, "2"), (signal.SIGTERM, "1")])
+@pytest.mark.parametrize("how, jobs", [(signal.SIGKILL, "2"), pytest.param(signal.SIGINT, "2", marks=pytest.mark.matrix),
+                                       pytest.param(signal.SIGTERM, "1", marks=pytest.mark.matrix)])
 def test_resume_after_kill_gives_the_same_table(tiny_models, full_run, tmp_path, how, jobs):
     # Two of the three families keep this test short; the models are independent within a run. SIGTERM goes
     # to a one-process run (the replay's event loop is in the main process) started, as a shell's background

@@ -166,6 +166,7 @@ def test_a_killed_pool_worker_stops_the_run_resumable_and_resume_loses_and_dupli
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_a_stalled_pool_worker_is_stopped_named_and_resume_completes(tiny_models, tmp_path, undisturbed):
     # a unit every few seconds even on a busy 2-core box, so 15 s without one after the first is a stall
     config = config_for(tiny_models, tmp_path / "stalled", stall_timeout_s=15.0)
@@ -287,7 +288,7 @@ def disturb_cpu_tasks(config, signal_number: int) -> tuple[BaseException | None,
 
 # the CPU's two pools: a task per (model, path) (the default with --jobs 2), a process per model (--batch-size set)
 CPU_POOLS = [pytest.param("cpu-tasks", {}, id="cpu-tasks"),
-             pytest.param("model-processes", {"batch_size": 4}, id="model-processes")]
+             pytest.param("model-processes", {"batch_size": 4}, id="model-processes", marks=pytest.mark.matrix)]
 
 
 @pytest.mark.slow
@@ -377,7 +378,7 @@ def stopped_children() -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool", ["cpu-tasks", "data-parallel"])
+@pytest.mark.parametrize("pool", ["cpu-tasks", pytest.param("data-parallel", marks=pytest.mark.matrix)])
 def test_a_worker_stopped_while_it_holds_the_run_lock_is_stopped_and_named(tiny_models, tmp_path, monkeypatch, pool):
     """Both failure loops (the CPU task pool's own, and `wait_for_workers` under the model, data-parallel and
     tensor-parallel pools) kill the pool before they take the store's lock to name the failure."""

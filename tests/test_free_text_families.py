@@ -57,6 +57,7 @@ def free_run(tiny_models, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_no_failing_cell_on_free_text(free_run):
     verdicts = run_verdicts(free_run)
     assert {v["model"] for v in verdicts} == {"gqa", "mla", "qwen3moe"}
@@ -65,6 +66,7 @@ def test_no_failing_cell_on_free_text(free_run):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_implementation_check_answers_every_turn_near_one(free_run):
     frame = records_frame(free_run)
     impl = frame[frame["metric"] == "attn_impl_err_ratio"]

@@ -71,6 +71,7 @@ def test_a_per_path_only_failure_fails_the_session(pytester, scenario_file):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenario_file):
     first = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", models=("gqa", "mla"))
     first.assert_outcomes(passed=4)
@@ -126,6 +127,7 @@ def test_a_bad_path_spec_is_a_usage_error(pytester, scenario_file):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_endpoint_sessions_take_a_request_timeout_recorded_in_the_manifest(pytester, scenario_file):
     """Issue 28: `--request-timeout` for endpoint sessions, as for `harness run`; a bad value is a usage error."""
     from harness.serve import running_server

@@ -47,6 +47,7 @@ def in_process(tiny_models, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_two_ray_actors_store_the_records_of_the_in_process_run(tiny_models, tmp_path, ray_cluster, in_process):
     out = tmp_path / "ray"
     assert main(run_args(tiny_models, out, "--executor", "ray", "--ray-address", ray_cluster, "--workers", "2")) == 0
@@ -61,6 +62,7 @@ def test_two_ray_actors_store_the_records_of_the_in_process_run(tiny_models, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_an_actor_killed_mid_run_loses_and_duplicates_no_unit(tiny_models, tmp_path, ray_cluster, in_process):
     """SIGKILL one actor once the run has stored units and has units left: the other actor takes its tasks, the
     run completes, the failure is in the manifest; --resume finds nothing missing and stores nothing twice."""

@@ -98,6 +98,7 @@ def test_a_killed_rank_stops_every_rank_named_and_resume_loses_and_duplicates_no
     resume_and_check(config, undisturbed)
 
 
+@pytest.mark.matrix
 def test_a_stalled_rank_is_stopped_with_the_others_and_resume_completes(tmp_path, undisturbed):
     # the undisturbed run stores a unit every few seconds on the 2-core box; 20 s without one is a stall
     config = tp_config(tmp_path / "stalled", stall_timeout_s=20.0)
@@ -130,6 +131,7 @@ batched.BatchedEngine._forward = _forward_out_of_memory
 '''
 
 
+@pytest.mark.matrix
 def test_a_rank_out_of_memory_stops_the_run_named_and_resume_loses_and_duplicates_nothing(
         tmp_path, undisturbed, monkeypatch):
     plant = tmp_path / "plant"
