@@ -384,6 +384,27 @@ def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
         BatchedEngine(model.backend(None), BatchSettings(decode="graph")).generate(_prompts(model), 2)
 
 
+def test_a_write_static_storage_cannot_hold_decodes_with_the_growing_cache(cpu_models, monkeypatch):
+    """A layer that writes another number of tokens than the pass has columns (Dory's looped layers write one token
+    of a 46-token prefill) is no static storage's: the batch decodes again with the growing cache, named, with its
+    replies. It raised an index_copy_ error before (every windowed family's static decode checked: only Dory)."""
+    from harness.kv_paths.cache import StaticColumns
+
+    model = cpu_models["gqa"]
+    backend = model.backend(parse_path("fp8_e4m3"))
+    prompts = _prompts(model)
+    growing = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, 4)
+    real = StaticColumns.write
+    monkeypatch.setattr(StaticColumns, "write", lambda self, layer, keys, values: real(
+        self, layer, keys[:, :, -1:], values[:, :, -1:]))  # one token a pass, whatever the pass
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    rows = engine.generate(prompts, 4)
+    assert engine.decode_batches == {"dynamic": 1}
+    [fallback] = engine.decode_fallbacks
+    assert fallback.startswith("a cache layer wrote 1 tokens in a pass of ") and "no static storage" in fallback
+    assert [r.token_ids for r in rows] == [r.token_ids for r in growing]
+
+
 # Families whose attention layers hold a window (the tiny configs': 16 tokens, under the prompts' 24-85): one window
 # over every layer without layer types (Mistral), sliding beside full layers with soft-capping (Gemma 2) or sinks
 # (gpt-oss), chunked beside full layers (Llama 4)
@@ -418,7 +439,8 @@ def windowed_models(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "spec"), [("mistral", None), ("mistral", "fp8_e4m3"), ("gemma2", None),
                                               ("gemma2", "fp8_e4m3:per_token"), ("gpt_oss", None),
-                                              ("gpt_oss", "fp8_e4m3"), ("llama4_text", None)])
+                                              ("gpt_oss", "fp8_e4m3"),
+                                              pytest.param("llama4_text", None, marks=pytest.mark.matrix)])
 def test_static_decode_over_windowed_layers_replies_as_the_growing_cache(windowed_models, family, spec):
     """Sliding-window and chunked layers on static storage keep every token and attend to their window through the
     mask: the growing cache's replies (it keeps the last window - 1 tokens), rows finishing at different steps. The

@@ -21,7 +21,7 @@ def _key(row: dict) -> tuple:
 
 
 @pytest.mark.slow  # two whole runs: ~75 s each on the shared 2-core machine
-@pytest.mark.parametrize("history", ["reference-history", "own-history"])
+@pytest.mark.parametrize("history", ["reference-history", pytest.param("own-history", marks=pytest.mark.matrix)])
 def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
     common = ["--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3", "--no-progress",
               "--model", str(tiny_models["gqa"]), "--history-mode", history]

@@ -60,7 +60,8 @@ def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.matrix),  # CI: the zoo's attention faults
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_attention_faults_fail_and_healthy_paths_pass_batched(tmp_path, device):
     """The attention-arithmetic faults replayed batched (4 rows, left-padded; the implementation check probes each
     row; on CUDA with graph decode, where it probes prefill and the eager steps): every fault still fails on the

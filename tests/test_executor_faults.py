@@ -292,6 +292,7 @@ CPU_POOLS = [pytest.param("cpu-tasks", {}, id="cpu-tasks"),
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # CI: the data-parallel pool's killed worker, and the CPU task pool's stall
 @pytest.mark.parametrize("strategy, fields", CPU_POOLS)
 def test_a_killed_cpu_pool_worker_is_named_and_resume_loses_and_duplicates_nothing(
         tiny_models, tmp_path, request, strategy, fields):

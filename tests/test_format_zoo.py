@@ -24,8 +24,8 @@ from harness.zoo import (FORMAT_FAULT_CLASSES, FORMAT_FAULT_ENTRIES, FORMAT_MEAS
 SCENARIOS = REPO_ROOT / "tests" / "data" / "zoo_scenarios.yaml"  # 3 of the default canary scenarios, 6 turns
 MODELS = ("gqa", "mla", "hybrid")
 CASES = [(c, m) for c in FORMAT_FAULT_CLASSES for m in c.models]
-# CI's sample of the engine-wide cases (the rest: --matrix, the nightly): a scale-layout fault and a block-scale fault
-CI_CASES = {("v_scale_first_blocks", "gqa"), ("e8m0_bias", "gqa")}
+# CI's sample of the engine-wide cases (the rest: --matrix, the nightly)
+CI_CASES = {("v_scale_first_blocks", "gqa")}
 ENGINE_WIDE_PARAMS = [pytest.param(c, m, id=f"{c.fault}-{m}",
                                    marks=() if (c.fault, m) in CI_CASES else pytest.mark.matrix) for c, m in CASES]
 
@@ -76,7 +76,8 @@ def _failing(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [m if m == "gqa" else pytest.param(m, marks=pytest.mark.matrix) for m in MODELS])
+@pytest.mark.matrix  # CI: the zoo (tests/test_zoo.py) runs the format faults beside the healthy formats
+@pytest.mark.parametrize("model", MODELS)
 def test_format_faults_fail_beside_healthy_new_formats(model, tmp_path):
     """On one canary: every class that applies there, as its own path, fails; every healthy new-format path passes
     (no failing turn, no failing per-path check), but those measured for their own loss (FORMAT_MEASURED)."""

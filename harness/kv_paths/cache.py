@@ -560,6 +560,10 @@ def _kind_store(kind: type):
 _KINDS: dict[str, type] = {}
 
 
+class StaticStorageMismatch(ValueError):
+    """A cache write static storage cannot hold (`StaticColumns.write`)."""
+
+
 class StaticColumns:
     """Preallocated cache storage for a batch of left-padded rows, written in place: every row writes the same
     columns in a forward pass (`columns`, a device tensor the caller sets before each pass), and attention
@@ -575,7 +579,12 @@ class StaticColumns:
         self.length = 0
 
     def write(self, layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys/values [batch, heads, chunk, dim] into the layer's [batch, heads, max_len, dim] buffers."""
+        """keys/values [batch, heads, chunk, dim] into the layer's [batch, heads, max_len, dim] buffers. A layer that
+        writes another number of tokens than the pass has columns (a looped model's per-loop writes: Dory) raises
+        StaticStorageMismatch: the batch then decodes with the growing cache."""
+        if keys.shape[-2] != self.columns.numel():
+            raise StaticStorageMismatch(f"a cache layer wrote {keys.shape[-2]} tokens in a pass of "
+                                        f"{self.columns.numel()} columns: no static storage for it")
         if not layer.is_initialized or layer.keys.shape[-2] != self.max_len:
             layer.dtype, layer.device = keys.dtype, keys.device
             layer.keys = keys.new_zeros((*keys.shape[:2], self.max_len, keys.shape[-1]))

@@ -27,7 +27,8 @@ from harness.forward_context import forward_context
 from harness.kv_paths import attention, impl_check
 from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
-from harness.kv_paths.cache import KVWriteStats, StaticColumns, build_cache, cache_kwargs, make_static, stack_rows
+from harness.kv_paths.cache import (KVWriteStats, StaticColumns, StaticStorageMismatch, build_cache, cache_kwargs,
+                                    make_static, stack_rows)
 from harness.replay.families import static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER
 from harness.replay.families import ssm_scan_bytes
@@ -385,17 +386,20 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))
-        with forward_context(cache=cache):
-            logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
-            decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
-            for decode_step in range(max(limits, default=0)):
-                step_ids, keep = self._finish_rows(logits, live, live, outputs, finish, limits)
-                if not keep:
-                    break
-                kept = [live[i] for i in keep]
-                check = agreements is not None and decode_step % self._check_every() == 0
-                logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
-                live = kept
+        try:
+            with forward_context(cache=cache):
+                logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
+                decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
+                for decode_step in range(max(limits, default=0)):
+                    step_ids, keep = self._finish_rows(logits, live, live, outputs, finish, limits)
+                    if not keep:
+                        break
+                    kept = [live[i] for i in keep]
+                    check = agreements is not None and decode_step % self._check_every() == 0
+                    logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
+                    live = kept
+        except StaticStorageMismatch as error:  # nothing of this batch is kept: it decodes again, growing
+            raise StaticDecodeUnavailable(str(error)) from error
         return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
