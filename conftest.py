@@ -40,9 +40,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the suite's longest tests first: xdist hands out tests in collection order, and the zoo (240 s, collected near
-    # the end) ran alone on one core for the suite's last 3 minutes while the other idled
-    items.sort(key=lambda item: "early" not in item.keywords)
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             if not config.getoption("--gpu"):

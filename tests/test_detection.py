@@ -42,7 +42,6 @@ def entries(name: str) -> list[ZooEntry]:
 
 
 @pytest.mark.slow
-@pytest.mark.early
 @pytest.mark.skipif(not (CANARY_WEIGHTS / "hybrid" / "config.json").exists(), reason="trained canaries not bundled")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if n == "canary" else n for n in SETS])
 def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):

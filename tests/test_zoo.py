@@ -67,7 +67,6 @@ def test_detection_matrix_counts_failing_families():
 
 
 @pytest.mark.slow
-@pytest.mark.early
 def test_zoo_detection_matrix_on_cpu(tmp_path):
     """Every fault preset fails at least one check family at the default thresholds; bf16 and calibrated
     fp8_e4m3 fail none on any canary (stress variant included); every class-5 spec case answers truly."""
