@@ -38,8 +38,8 @@ NO_CACHED_PREFILL = {
 
 
 # Attention computed beyond plain SDPA: the registered attention function runs the model's own eager attention
-# for these (bit-identical to transformers' eager); our GQA decode kernels compute gpt-oss's sinks and soft-capping
-# (`decode_kernels.BEYOND_SDPA_COMPUTED`), the FP8-attention reference (fp8_q / fp8_p) none of them.
+# for these (bit-identical to transformers' eager); the decode kernels listed in `decode_kernels.BEYOND_SDPA_COMPUTED`
+# compute gpt-oss's sinks and soft-capping, the FP8-attention reference (fp8_q / fp8_p) none of them.
 def beyond_sdpa_needs(config) -> dict[str, str]:
     """{the attention function's keyword: what it computes} beyond SDPA for this family: from its config (gpt-oss's
     sinks, `s_aux`; a soft-capping value) and what the loaded model handed the attention function in

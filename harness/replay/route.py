@@ -156,7 +156,7 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
 
 def _beyond_sdpa_missing(kv_path: KVPath, facts: ModelFacts, name: str | None) -> str | None:
     """Why the path's decode kernel cannot compute the family's attention (sinks, soft-capping, ...; None: it can):
-    our GQA decode over FP8 pages computes sinks and soft-capping (`decode_kernels.BEYOND_SDPA_COMPUTED`); MLA,
+    the built-ins' GQA decode over FP8 pages computes what `decode_kernels.BEYOND_SDPA_COMPUTED` lists; MLA,
     block-scaled, FP8-attention decodes and plug-ins none."""
     computed = decode_kernels.BEYOND_SDPA_COMPUTED.get(name, frozenset())
     if facts.mla_dims is not None or kv_path.quantizes_attention or kv_path.k_format.name in capabilities.BLOCK_SCALED:
