@@ -50,7 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(pytest.mark.skip(reason="slow test: pass --slow to run it"))
         if "matrix" in item.keywords and not config.getoption("--matrix"):
-            item.add_marker(pytest.mark.skip(reason="family matrix test: pass --matrix to replay every family"))
+            item.add_marker(pytest.mark.skip(reason="full-matrix test: pass --matrix to run it (the nightly does; CI "
+                                                    "runs a sample)"))
         if "peer" in item.keywords and not config.getoption("--peer"):
             item.add_marker(pytest.mark.skip(reason="peer-server test: pass --peer to run it"))
 
