@@ -406,4 +406,5 @@ def test_a_worker_stopped_while_it_holds_the_run_lock_is_stopped_and_named(tiny_
     assert not hung, "the run hung naming the failure (a stopped worker holds the run's lock)"
     assert raised and isinstance(raised[0], WorkerFailure) and "--stall-timeout" in str(raised[0]), raised
     manifest = json.loads((config.out / "manifest.json").read_text())
-    assert manifest["status"] == "interrupted" and "finished no unit for 10 s" in manifest["executor"]["failures"][0]["what"]
+    [failure] = manifest["executor"]["failures"]
+    assert manifest["status"] == "interrupted" and "finished no unit for 10 s" in failure["what"], failure
