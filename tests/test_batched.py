@@ -571,19 +571,10 @@ def test_gpu_hadamard_paths_in_a_batch(gpu_models, arch, spec):
         _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
-@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token", "fp8_e5m2:per_head:calibrated",
-                                  "fp8_e4m3:calibrated:prefill=nvfp4", "nvfp4", "k=fp8_e4m3/v=nvfp4", "mxfp4",
-                                  "int4_per_token_head"])
-def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, monkeypatch, arch, spec):
-    """The default on CUDA: each decode step after the first is a CUDA graph replay (captured once per batch);
-    replies as the growing cache's, rows finishing at different steps, kernel checks on their steps."""
+def _count_replays(monkeypatch) -> list[bool]:
+    """Per static decode step, whether it was a CUDA graph replay (captured, unchecked, after the eager first)."""
     import harness.replay.batched as batched
 
-    model = gpu_models[arch]
-    backend = model.backend(parse_path(spec) if spec else None)
-    prompts, limits = _prompts(model), [3, 8, 16, 24]
     replays, real = [], batched.StaticDecodeStep.run
 
     def run(self, *args):
@@ -592,6 +583,21 @@ def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, m
         return out
 
     monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
+    return replays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:per_token", "fp8_e5m2:per_head:calibrated",
+                                  "fp8_e4m3:calibrated:prefill=nvfp4", "nvfp4", "k=fp8_e4m3/v=nvfp4", "mxfp4",
+                                  "int4_per_token_head"])
+def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, monkeypatch, arch, spec):
+    """The default on CUDA: each decode step after the first is a CUDA graph replay (captured once per batch);
+    replies as the growing cache's, rows finishing at different steps, kernel checks on their steps."""
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    replays = _count_replays(monkeypatch)
     dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic", kernel_check_every=4)).generate(prompts, limits)
     engine = BatchedEngine(backend, BatchSettings(kernel_check_every=4))
     graph = engine.generate(prompts, limits)
@@ -618,19 +624,10 @@ def test_gpu_graph_decode_over_windowed_layers_replies_as_the_growing_cache(wind
     """Sliding-window and chunked families decode in CUDA graphs (each layer type's window mask rewritten in place
     before every replay), with the growing cache's replies; their windowed layers decode through torch attention,
     the full-attention layers of an FP8 path through our kernels where the family allows them."""
-    import harness.replay.batched as batched
-
     model = windowed_gpu_models[family]
     backend = model.backend(parse_path(spec) if spec else None)
     prompts, limits = _prompts(model), [3, 8, 16, 24]
-    replays, real = [], batched.StaticDecodeStep.run
-
-    def run(self, *args):
-        out = real(self, *args)
-        replays.append(self.captured is not None and not args[3] and self.eager_steps > 0)
-        return out
-
-    monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
+    replays = _count_replays(monkeypatch)
     dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
     engine = BatchedEngine(backend, BatchSettings(kernel_check_every=4))
     graph = engine.generate(prompts, limits)
