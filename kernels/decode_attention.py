@@ -43,7 +43,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 import functools
 
@@ -115,6 +114,14 @@ def _decode_attention_load_tile(K_CACHE, V_CACHE, page, tok, t_mask, d_mask, off
     k = tl.load(K_CACHE + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(V_CACHE + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 (exp2 overflows to inf, or underflows to 0) and runs under the
+    # interpreter too (libdevice.tanh returned None there); absolute error ~1e-7 near 0, which soft-capping multiplies
+    # by the cap: far below a bf16 score's rounding
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)   # 2 log2(e)
 
 
 @triton.jit
@@ -228,7 +235,7 @@ def _decode_attention_kernel(
             # Tokens as the MMA's M dimension (128 rows: Hopper wgmma), the group's heads as N (padded to 16).
             s = tl.dot(k_op, q_t, max_num_imprecise_acc=QK_ACC) * s_scale[None, :]               # [BLOCK_N, BLOCK_G]
             if SOFTCAP:  # base 2 throughout: softcap * log2e * tanh(s_nat / softcap) = c2 * tanh(s / c2)
-                s = softcap_log2 * libdevice.tanh(s / softcap_log2)
+                s = softcap_log2 * _tanh(s / softcap_log2)
             s = tl.where(t_mask[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.math.exp2(m_i - m_new)
@@ -244,7 +251,7 @@ def _decode_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k_op), max_num_imprecise_acc=QK_ACC) * s_scale[:, None]       # [BLOCK_G, BLOCK_N]
             if SOFTCAP:
-                s = softcap_log2 * libdevice.tanh(s / softcap_log2)
+                s = softcap_log2 * _tanh(s / softcap_log2)
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
