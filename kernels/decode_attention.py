@@ -45,7 +45,9 @@ import triton
 import triton.language as tl
 
 import functools
+import os
 
+from kernels.configs import DEFAULT as DEFAULT_CONFIGS
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 
@@ -62,6 +64,11 @@ def on_tensor_device(launcher):
             return launcher(*args, **kwargs)
     guarded.on_tensor_device = True
     return guarded
+
+
+def interpreting() -> bool:
+    """Under Triton's CPU interpreter (TRITON_INTERPRET=1): CPU tensors, no inline assembly."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
@@ -369,10 +376,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_scale = "dynamic" if qk_fp8 else q_scale
     device = q.device
     q_quant = _check_attention_scales(q_scale, prob_scale, q_heads, device)
-    assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"
     e4m3 = k_cache.dtype == torch.float8_e4m3fn
     kind = "gqa_fp8" if fp8 else "gqa_bf16"
-    cfg = launch_config("gqa_fp8_pv" if e4m3 and prob_scale is not None else kind, device)
+    # under the interpreter (CPU tensors): the default table's entry, the plain layout, no inline assembly
+    cfg = launch_config("gqa_fp8_pv" if e4m3 and prob_scale is not None else kind, device) if device.type == "cuda" \
+        else dict(DEFAULT_CONFIGS[kind], swap=False, widen=False)
     for key, value in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                        ("prefetch", prefetch), ("swap", swap), ("programs_per_sm", programs_per_sm),
                        ("widen", widen), ("whole_waves", whole_waves)):

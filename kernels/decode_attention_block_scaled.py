@@ -32,15 +32,13 @@ e2m1, kernels/BENCHMARKS.md session 16).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.configs import launch_config
-from kernels.decode_attention import (LOG2E, _decode_attention_pages, _widen_fp8, merge_splits, on_tensor_device,
-                                      partials, plan_splits)
+from kernels.decode_attention import (LOG2E, _decode_attention_pages, _widen_fp8, interpreting, merge_splits,
+                                      on_tensor_device, partials, plan_splits)
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
 
 ELEMENTS = {"e2m1": 0, "e4m3": 1, "int8": 2, "int4": 3}   # the kernel's ELEMENT
@@ -288,11 +286,6 @@ def _decode_attention_block_scaled_kernel(
     out_rows = PART_OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(out_rows, out, mask=g_mask[:, None])
     tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse2, mask=g_mask)
-
-
-def interpreting() -> bool:
-    """Under Triton's CPU interpreter (TRITON_INTERPRET=1): CPU tensors, no inline assembly."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def code_bytes(element: str, head_dim: int) -> int:
