@@ -8,7 +8,8 @@ Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1
 `generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths), mla-1k (V2-Lite, batch 16, 1k, the first three
 paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two paths, 128 tokens; opt-in: its two
 paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the default run with it was not timed
-against a device call's limit).
+against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding windows and attention sinks, batch
+32 at 1k and 16 at 8k, the first two paths, plain `generate` beside the 1k row; opt-in: 42 GB of weights).
 
 No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
 DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
@@ -60,7 +61,7 @@ _USER_ENV: dict | None = None  # the environment `main` started in: the canary r
 SHORT = 4
 
 PATHS = ["bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3:per_head", "fp8_e4m3:per_token"]
-CONFIGS = ("8b-1k", "8b-8k", "mla-1k", "mla-8k")
+CONFIGS = ("8b-1k", "8b-8k", "mla-1k", "mla-8k", "gptoss-1k", "gptoss-8k")
 DEFAULT_CONFIGS = "8b-1k,8b-8k,mla-1k"
 
 
@@ -80,6 +81,17 @@ def deepseek_v2_lite():
                             n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                             vocab_size=102400, max_position_embeddings=16384, bos_token_id=None, eos_token_id=None)
+
+
+def gpt_oss_20b():
+    """gpt-oss-20b's shape: 24 layers alternating a 128-token sliding window and full attention, attention sinks
+    (`s_aux`), 64 query heads over 8 KV heads of 64, 32 experts (4 a token). 21B parameters, 42 GB in bf16."""
+    from transformers import GptOssConfig
+
+    layers = 24
+    return GptOssConfig(num_hidden_layers=layers, num_local_experts=32, num_experts_per_tok=4,
+                        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def build(config) -> InProcessModel:
@@ -653,6 +665,15 @@ def main() -> None:
             # with 32 tokens a 1% difference between the two prefills moved the step by ~2 ms (FP8's is ~15 ms)
             long_paths = [p for p in paths if p != "fp8_e4m3:per_token"][:2]
             rows += run_config("v2-lite b16 8k", loaded, 16, 8192, 128, long_paths, bandwidth, False, log)
+    if any(c.startswith("gptoss") for c in configs):
+        loaded = build(gpt_oss_20b())
+        two = [p for p in paths if p != "fp8_e4m3:per_token"][:2]
+        if "gptoss-1k" in configs:
+            rows += run_config("gpt-oss-20b b32 1k", loaded, 32, 1024, args.new, two, bandwidth, True, log, args.profile)
+        if "gptoss-8k" in configs:
+            rows += run_config("gpt-oss-20b b16 8k", loaded, 16, 8192, 32, two, bandwidth, False, log)
+        del loaded
+        torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)

@@ -223,7 +223,10 @@ def _family_problems(directory: Path, paths) -> list[str]:
     """A model family or layer kind the KV paths cannot replay (harness/replay/families.py), from its config."""
     from harness.replay.families import config_of, refusals
 
-    config = config_of(directory)
+    try:
+        config = config_of(directory)
+    except ValueError as error:  # "model DIR: transformers cannot read its config.json (...)"
+        return [f"--{error}"]
     return [f"--model {directory}: {problem}" for problem in refusals(config, paths)] if config is not None else []
 
 
@@ -234,7 +237,10 @@ def _tensor_parallel_problems(config: RunConfig) -> list[str]:
 
     problems = []
     for directory in config.models:
-        model_config = config_of(Path(directory)) if Path(directory).is_dir() else None
+        try:
+            model_config = config_of(Path(directory)) if Path(directory).is_dir() else None
+        except ValueError:  # named by _family_problems
+            continue
         why = refusal(model_config, len(config.shard_devices)) if model_config is not None else None
         if why:
             problems.append(f"--model {directory}: --shard tensor: {why}")

@@ -161,7 +161,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         total = scores if sinks is None else torch.cat([scores, sinks.float().to(k.device)[:, None]], dim=-1)
         row_lse = torch.logsumexp(total, dim=-1, keepdim=True)  # [Hq, 1]
         lse[b] = row_lse[:, 0].to(lse.device)
-        weights = torch.exp(scores - row_lse).nan_to_num(0.0)  # no token: -inf - -inf, an empty sum
+        # no token: -inf - -inf, an empty sum; a NaN code's NaN stays NaN, as in the kernel
+        weights = torch.exp(scores - row_lse).masked_fill(torch.isneginf(row_lse), 0.0)
         out[b] = torch.einsum("hl,lhd->hd", weights, v).to(q.dtype).to(q.device)
     return out, lse
 

@@ -201,3 +201,21 @@ def test_empty_models_or_yardstick_is_refused_before_work(tmp_path, capsys, argv
     err = capsys.readouterr().err
     assert code == 2 and named in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "hidden_size": "abc"},  # transformers' strict field validation (huggingface_hub)
+    {"model_type": "no_such_family_anywhere"},      # a model type transformers does not know
+])
+def test_a_config_transformers_cannot_read_is_refused_before_work(tmp_path, capsys, config):
+    """A model directory whose config.json transformers rejects (musicgen's config under transformers 5.17 ended in
+    StrictDataclassFieldValidationError's traceback): exit 2, one line naming the directory and transformers' words."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    code = main(["run", "--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--model {model}: model family '{config['model_type']}': transformers" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists(), err

@@ -123,3 +123,21 @@ def test_contexts_nest_reset_on_error_and_stay_in_their_thread():
         assert other == [None]  # a thread started inside sees no context of this one's
     note("query_tokens", 1)  # outside every model call: nowhere to note, no error
     assert current().notes is None
+
+
+def test_an_attention_layer_without_a_cache_layer_of_its_own_reads_none():
+    """Gemma 3n's KV-sharing layers under transformers 5.17: the cache holds only the layers that store K/V, so the
+    sharing layers' indices are past its end (an IndexError ended every Gemma 3n run on the GPU machines); they
+    attend over the K/V they are handed, with no cache layer of their own."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from harness.kv_paths.attention import cache_layer
+
+    cache = DynamicCache()
+    for i in range(2):
+        cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), i)
+    assert cache_layer(cache, SimpleNamespace(layer_idx=1)) is cache.layers[1]
+    assert cache_layer(cache, SimpleNamespace(layer_idx=3)) is None
+    assert cache_layer(None, SimpleNamespace(layer_idx=0)) is None

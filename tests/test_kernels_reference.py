@@ -190,6 +190,22 @@ def test_decode_attention_reference_bf16_cache_ignores_scales():
     assert all(torch.equal(a, b) for a, b in zip(with_scales, without))
 
 
+def test_decode_attention_reference_nan_code_stays_nan_and_an_empty_window_is_zero():
+    """A NaN K code (e4m3 stored without saturation) makes NaN exactly the heads that read it, as the kernel does
+    (tests/test_kernels_gpu.py::test_decode_attention_nan_and_overflow compares them on a GPU: the mirror once
+    zeroed such heads while zeroing a window's empty sum); a row whose window holds no key reads 0, lse -inf."""
+    k_cache, table, _ = _paged([9, 30], 4, (2, 16), torch.bfloat16, None)
+    v_cache = torch.randn_like(k_cache)
+    k_cache[table[1, 1], 0, 1, 3] = float("nan")  # sequence 1, token 4 (its second page's first), kv head 1
+    q, lens = torch.randn(2, 4, 16, dtype=torch.bfloat16), torch.tensor([9, 30], dtype=torch.int32)
+    out, lse = ref.decode_attention(q, k_cache, v_cache, table, lens, None, None, 0.25)
+    nan_heads = out.isnan().any(dim=-1)
+    assert nan_heads.tolist() == [[False] * 4, [False, False, True, True]], nan_heads  # q heads 2, 3 read kv head 1
+    out, lse = ref.decode_attention(q, k_cache, v_cache, table, lens, None, None, 0.25,
+                                    first_key=torch.tensor([9, 0], dtype=torch.int32))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16])
 def test_mla_decode_reference_vs_naive_fp64(cache_dtype):
     lengths, heads, latent_dim, rope_dim, sm_scale = [1, 17, 33], 3, 32, 8, 0.1

@@ -668,7 +668,7 @@ def _note_query_tokens(module, args, kwargs) -> None:
 def _expanding_when_read(module, expand: Callable) -> Callable:
     def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         context = forward_context_now()
-        layer = context.cache.layers[module.layer_idx] if context.cache is not None else None
+        layer = cache_layer(context.cache, module)
         if not kernel_alone(module, layer, (context.notes or {}).get("query_tokens", 0)):
             return expand(kv_nope, k_rot)
         rows, heads = kv_nope.shape[0], module.num_heads
@@ -677,6 +677,16 @@ def _expanding_when_read(module, expand: Callable) -> Callable:
 
     expand_kv.skips_unread = True
     return expand_kv
+
+
+def cache_layer(cache, module):
+    """The cache layer an attention module writes, or None: no cache, or a layer that reads another layer's K/V
+    and has no cache layer of its own (Gemma 3n's KV-sharing layers under transformers 5.17, whose cache holds
+    only the layers that store K/V; 5.24 gives every layer one)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or module.layer_idx >= len(layers):
+        return None
+    return layers[module.layer_idx]
 
 
 def register() -> None:
@@ -689,7 +699,7 @@ def register() -> None:
         cache = context.cache
         if getattr(module, "layer_idx", None) is None:  # attention over no cache layer (Inkling 2's residual
             return attend(module, query, key, value, attention_mask, None, None, kwargs)  # blocks): as it is
-        layer = cache.layers[module.layer_idx] if cache is not None else None
+        layer = cache_layer(cache, module)
         if attention_mask is None and not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
             # our mask function (transformers' sdpa_mask) returns no mask only for a purely causal one; a decoder
             # self-attention module built with is_causal=False (BigBird-Pegasus's) would attend both ways there

@@ -37,10 +37,10 @@ DEFAULT = "triton"
 # What each built-in's GQA decode computes beyond SDPA (keywords the model hands its attention function, and "window":
 # a sliding-window or chunked layer's first key per row). Their MLA, block-scaled and FP8-attention (q_scale /
 # prob_scale) decodes compute none; a plug-in's contract has none. The Triton kernel computes all three
-# (kernels/decode_attention.py) but has not yet run on a GPU (session 20 had no device time): it takes them once
-# tests/test_kernels_gpu.py::test_decode_attention_sinks_softcap_and_windows_match_fp64 passes on one. The mirror
-# runs the glue on the CPU (HARNESS_KERNELS=reference).
-BEYOND_SDPA_COMPUTED = {"triton": frozenset(), "reference": frozenset({"s_aux", "softcap", "window"})}
+# (kernels/decode_attention.py; tests/test_kernels_gpu.py::test_decode_attention_sinks_softcap_and_windows_match_fp64
+# on an H200, session 21). The mirror runs the glue on the CPU (HARNESS_KERNELS=reference).
+BEYOND_SDPA_COMPUTED = {"triton": frozenset({"s_aux", "softcap", "window"}),
+                        "reference": frozenset({"s_aux", "softcap", "window"})}
 KERNELS_ENV = "HARNESS_KERNELS"
 # auto: our Triton kernels on CUDA; off: torch attention and torch cache writes everywhere; reference: the kernels'
 # torch mirror (kernels/reference.py) on any device, to test the glue on a CPU

@@ -12,6 +12,7 @@ stores the facts beside the model in the manifest (executor/model_replay.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from harness.kv_paths.decode_kernels import BEYOND_SDPA_COMPUTED, DEFAULT
@@ -335,14 +336,34 @@ def _takes(model_class, config) -> bool:
 
 
 def config_of(directory: Path):
-    """The transformers config of a model directory (a stress variant's base), or None if it has none."""
+    """The transformers config of a model directory (a stress variant's base), or None if it has none; ValueError
+    naming the directory when transformers cannot read it."""
     from transformers import AutoConfig
 
     from harness.canary.variants import read_variant
 
     variant = read_variant(Path(directory))
     where = variant.base if variant is not None else Path(directory)
-    return AutoConfig.from_pretrained(str(where)) if (where / "config.json").is_file() else None
+    if not (where / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(str(where))
+    except Exception as error:  # noqa: BLE001 - any of transformers' config errors (a field's strict validation,
+        # an unknown model type, a sub-config it cannot build): exit 2 naming the file, not a traceback
+        words = " ".join(str(error).split())
+        family = _declared_model_type(where / "config.json")
+        named = f"model family {family!r}: " if family else ""
+        raise ValueError(f"model {where}: {named}transformers {_version()} cannot read its config.json "
+                         f"({type(error).__name__}: {words[:300]})") from None
+
+
+def _declared_model_type(config_json: Path) -> str | None:
+    """config.json's own `model_type`, read as JSON (for naming a family whose config transformers rejects)."""
+    try:
+        declared = json.loads(config_json.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return declared if isinstance(declared, str) else None
 
 
 # -- memory a batch's prefill asks for beyond the KV cache ---------------------------------------------------
