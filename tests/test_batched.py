@@ -467,6 +467,37 @@ def test_static_decode_over_windowed_layers_replies_as_the_growing_cache(windowe
         assert any(a.token_ids != b.token_ids for a, b in zip(static, unwindowed)), "the window moved no reply"
 
 
+# Hybrid families whose layer types static storage took last: attention beside an SSM state in one layer (Falcon-H1's
+# "hybrid"), MLP / MoE-only layers with no cache beside attention and Mamba (Nemotron-H), convolution states (LFM2-MoE)
+HYBRID_FAMILIES = ["falcon_h1", "nemotron_h", "lfm2_moe"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory):
+    from harness.canary.registry import build_registry_model
+
+    root = tmp_path_factory.mktemp("hybrid")
+    return {family: InProcessModel.load(build_registry_model(family, root / family)) for family in HYBRID_FAMILIES}
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3"])
+def test_static_decode_over_hybrid_layers_replies_as_the_growing_cache(hybrid_models, family, spec):
+    """Attention K/V on static storage beside SSM, convolution or no state: the growing cache's replies (or a flip
+    at a near tie), rows finishing at different steps, no fallback. A hybrid layer whose SSM state static storage
+    dropped would part from them."""
+    model = hybrid_models[family]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    static = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
+        if row.token_ids != other.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+
+
 def _drops(keyword: str):
     """kernels.reference.decode_attention that ignores one of its keywords: a kernel that forgot the feature."""
     from kernels import reference
@@ -666,6 +697,30 @@ def test_gpu_decode_kernels_compute_sinks_softcap_and_windows(windowed_gpu_model
         steps = len(row.token_ids) - (row.finish_reason == "length")
         assert row.metrics["kernel_steps"] == steps * layers, (row.metrics, steps, layers)
         assert row.metrics["kernel_err_ratio"] <= 2.0, row.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3"])
+def test_gpu_graph_decode_over_hybrid_layers_replies_as_the_growing_cache(hybrid_models, monkeypatch, family, spec):
+    """Falcon-H1, Nemotron-H and LFM2-MoE decode in CUDA graphs (attention K/V static, SSM and convolution states
+    updated in place), with the growing cache's replies; an FP8 path's attention through our kernels, every layer
+    of every checked step served within 2x torch's error (as in the windowed test above)."""
+    model = InProcessModel.load(hybrid_models[family].directory, device="cuda")
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    replays = _count_replays(monkeypatch)
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(kernel_check_every=4))
+    graph = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+    assert sum(replays) >= _min_replays(graph, 4) >= 10, replays
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, graph):
+        if row.token_ids != other.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+    if spec is not None:
+        assert backend.route.kernel == "triton", backend.route
+        assert all(0 < row.metrics["kernel_err_ratio"] <= 2.0 for row in graph), [r.metrics for r in graph]
 
 
 @pytest.mark.gpu

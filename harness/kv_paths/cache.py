@@ -21,7 +21,8 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
+                                      LinearAttentionAndFullAttentionLayer)
 
 from harness.kv_paths import block_layout, capabilities, format_faults
 from harness.kv_paths.decode_kernels import kernels_setting
@@ -618,22 +619,30 @@ def make_static(cache: DynamicCache, static: StaticColumns) -> None:
     """Put every attention layer of `cache` on `static` storage (the reference's layers become `StaticKVLayer`s, a
     path's `QuantizedKVLayer`s keep their round trip and store in place). A sliding-window or chunked layer keeps
     every token there: its window is the mask's (`batched.static_mask`), so it attends to the keys its growing cache
-    keeps. Linear-attention layers already keep fixed-shape states updated in place. Raises ValueError for a layer
-    kind that grows another way (an attention layer with an SSM state, ...): the caller then decodes with the
-    growing cache."""
+    keeps. An attention layer with an SSM state beside it (Falcon-H1's "hybrid" layers) puts its K/V there and keeps
+    the state as transformers does. Linear-attention and convolution layers already keep fixed-shape states updated
+    in place, and an MLP / MoE-only layer holds nothing. Raises ValueError for a layer kind that grows another way
+    (indexer keys, a window beside an SSM state, ...): the caller then decodes with the growing cache."""
     for i, layer in enumerate(cache.layers):
-        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+        kind = type(layer)
+        if kind in (DynamicLayer, DynamicSlidingWindowLayer):
             cache.layers[i] = StaticKVLayer(static)
-        elif type(layer) in (QuantizedKVLayer, EmulatedKVLayer) or _over_window(layer):
+        elif kind is LinearAttentionAndFullAttentionLayer:  # the reference's hybrid layer: K/V static, its state kept
+            cache.layers[i] = _of_kind(StaticKVLayer, layer, static)
+        elif kind in (QuantizedKVLayer, EmulatedKVLayer) or _over(layer, (DynamicSlidingWindowLayer,
+                                                                           LinearAttentionAndFullAttentionLayer)):
             layer.static = static
-        elif not type(layer).__name__.startswith("LinearAttention") or isinstance(layer, DynamicLayer):
-            raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no static storage for it")
+        elif kind.__name__ == "DummyLayer" or (kind.__name__.startswith("LinearAttention")
+                                               and not isinstance(layer, DynamicLayer)):
+            continue
+        else:
+            raise ValueError(f"cache layer {i} is a {kind.__name__}: no static storage for it")
 
 
-def _over_window(layer) -> bool:
-    """A path's layer over transformers' sliding-window kind (`_of_kind`): sliding-window and chunked layers."""
+def _over(layer, kinds: tuple[type, ...]) -> bool:
+    """A layer `_of_kind` made over one of transformers' `kinds` (a path's, or the reference's static one)."""
     kind = type(layer)
-    return kind in _KINDS.values() and kind.__bases__[1] is DynamicSlidingWindowLayer  # (mixin, kind)
+    return kind in _KINDS.values() and kind.__bases__[1] in kinds  # (mixin, kind)
 
 
 def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
@@ -644,7 +653,7 @@ def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
     full = [i for i, layer in enumerate(into.layers) if type(layer) in (DynamicLayer, QuantizedKVLayer, EmulatedKVLayer)]
     for i, layer in enumerate(into.layers):
         linear = type(layer).__name__.startswith("LinearAttention") and not isinstance(layer, DynamicLayer)
-        if i not in full and not linear:
+        if i not in full and not linear and type(layer).__name__ != "DummyLayer":  # (an MLP / MoE-only layer)
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}: no stacking of rows for it")
     lengths = [cache.layers[full[0]].keys.shape[-2] if full else 0 for cache in caches]
     longest = max(lengths)
@@ -657,7 +666,7 @@ def stack_rows(caches: list[DynamicCache], into: DynamicCache) -> list[int]:
             keys, values = padded("keys"), padded("values")
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
-        else:  # a linear-attention layer
+        elif type(layer).__name__ != "DummyLayer":  # a linear-attention layer
             for name, value in vars(rows[0]).items():  # conv and recurrent states ([1, ...] tensors), their flags
                 if isinstance(value, torch.Tensor):
                     value = torch.cat([row.__dict__[name] for row in rows])

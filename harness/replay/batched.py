@@ -29,7 +29,7 @@ from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
 from harness.kv_paths.cache import (KVWriteStats, StaticColumns, StaticStorageMismatch, build_cache, cache_kwargs,
                                     make_static, stack_rows)
-from harness.replay.families import static_decode_refusal  # noqa: F401 - re-exported
+from harness.replay.families import NO_CACHE_TYPES, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER
 from harness.replay.families import ssm_scan_bytes
 
@@ -635,17 +635,19 @@ def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
                 windowed: dict[str | None, torch.Tensor] | None = None):
     """The `attention_mask` a static pass hands the model: the 4D bool mask (transformers uses a 4D mask as
     given); windowed: each windowed layer type's mask (`window_masks`); a model with several layer types gets one
-    mask per type (a hybrid model's linear-attention layers their padding mask [rows, chunk], None when decoding: a
-    generated token is never padding)."""
+    mask per type (a hybrid model's linear-attention and convolution layers their padding mask [rows, chunk], None
+    when decoding: a generated token is never padding)."""
     windowed = windowed or {}
     if None in windowed:  # one window over every layer (Mistral's): the model takes one mask
         return windowed[None]
-    types = set(model_layers.layer_types(config))
+    types = set(model_layers.layer_types(config)) - set(NO_CACHE_TYPES)
+    if "hybrid" in types:  # attention and an SSM in one layer (Falcon-H1): the model reads both masks
+        types = types - {"hybrid"} | {"full_attention", "linear_attention"}
     if types <= {"full_attention"}:
         return attend
-    masks = {kind: windowed.get(kind, attend) for kind in types if kind != "linear_attention"}
-    if "linear_attention" in types:
-        masks["linear_attention"] = linear_mask
+    recurrent = {"linear_attention", "conv"}  # padding masks of the SSM / convolution layers
+    masks = {kind: windowed.get(kind, attend) for kind in types - recurrent}
+    masks.update({kind: linear_mask for kind in types & recurrent})
     return masks
 
 

@@ -83,8 +83,8 @@ def _route_of(kind: str, layer) -> dict:
 
     if holds_kv(layer) and getattr(layer, "is_sliding", False):
         return {"kv": "fp8", "why": f"sliding-window / chunked attention KV cache ({kind}) stored FP8, its window "
-                                    f"kept as transformers keeps it; decode through torch attention (our paged "
-                                    f"kernels read no window)"}
+                                    f"kept as transformers keeps it (all of it on static storage, windowed by the "
+                                    f"mask); decode through a kernel that computes windows"}
     if holds_kv(layer):
         return {"kv": "fp8", "why": f"attention K/V of {kind} stored FP8; its SSM / linear state kept as the model "
                                     f"keeps it"}
@@ -254,12 +254,20 @@ def kernel_block(config, computed: frozenset[str] | set[str] = frozenset()) -> s
     return None
 
 
+# layer types transformers gives no cache (DummyLayer; 5.17 gave them an unused LinearAttentionLayer)
+NO_CACHE_TYPES = ("mlp", "moe")
+
+
 def static_decode_refusal(config) -> str | None:
     """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not an attention
-    cache (full, sliding-window or chunked) or a fixed-shape linear-attention state. A sliding-window or chunked
+    cache (full, sliding-window or chunked; full attention beside an SSM state: "hybrid"), a fixed-shape
+    linear-attention or convolution state, or nothing (an MLP / MoE-only layer). A sliding-window or chunked
     layer keeps every token on static storage and attends to its window through the mask
-    (`batched.static_mask`): the same keys its growing cache keeps (the last window - 1 tokens and the new one)."""
-    other = set(layer_types(config)) - {"full_attention", "linear_attention", *WINDOWED}
+    (`batched.static_mask`): the same keys its growing cache keeps (the last window - 1 tokens and the new one).
+    Refused: indexer keys (sparse attention) and a window beside an SSM state ("hybrid_sliding"), which grow
+    another way."""
+    other = set(layer_types(config)) - {"full_attention", "linear_attention", "conv", "hybrid", *NO_CACHE_TYPES,
+                                        *WINDOWED}
     if other:
         return f"layer types {sorted(other)}"
     windows: dict[str, set] = {}
@@ -278,6 +286,8 @@ def stack_refusal(config) -> str | None:
     refusal = static_decode_refusal(config)
     if refusal is not None:
         return refusal
+    if "hybrid" in layer_types(config):  # `stack_rows` pads K/V or joins states, not both in one layer
+        return "layer type 'hybrid' (attention K/V beside an SSM state)"
     windows = sorted({s.window for s in layer_shapes(config) if s.window})
     if windows:
         return f"sliding window {windows[0]}" if len(windows) == 1 else f"sliding windows {windows}"
