@@ -746,6 +746,38 @@ def test_gpu_failed_graph_capture_decodes_eagerly_and_says_why(gpu_models, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("failures", [1, 2])
+def test_gpu_capture_out_of_memory_records_again_after_the_cache_is_released(gpu_models, monkeypatch, failures):
+    """A capture that runs out of memory (the graph's pool cannot take blocks the allocator holds for eager passes)
+    is recorded once more after the cached blocks are released: the batch replays its graph, no fallback. A second
+    failure decodes eagerly, named."""
+    model = gpu_models["gqa"]
+    backend = model.backend(parse_path("fp8_e4m3"))
+    prompts = _prompts(model)
+    expected = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, 12)
+    left = [failures]
+
+    def out_of_memory(module, args, out):
+        if torch.cuda.is_current_stream_capturing() and left[0]:
+            left[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (planted during capture)")
+
+    replays = _count_replays(monkeypatch)
+    hook = model.model.model.norm.register_forward_hook(out_of_memory)
+    try:
+        engine = BatchedEngine(backend)
+        rows = engine.generate(prompts, 12)
+    finally:
+        hook.remove()
+    assert engine.decode_batches == {"graph": 1} and left == [0]
+    if failures == 1:
+        assert engine.decode_fallbacks == [] and sum(replays) > 0, (engine.decode_fallbacks, replays)
+    else:
+        assert len(engine.decode_fallbacks) == 1 and "OutOfMemoryError" in engine.decode_fallbacks[0]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_path_equals_reference_in_the_same_batch(gpu_models):
     model = gpu_models["gqa"]
     prompts = _prompts(model)

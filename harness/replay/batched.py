@@ -597,6 +597,24 @@ class StaticDecodeStep:
     def _capture(self) -> bool:
         """Record one forward pass into a CUDA graph (recording runs nothing: the caller replays it). False when
         capture failed; the batch then goes on eagerly on the same storage, and the run names why."""
+        try:
+            self.captured = self._record()
+        except torch.OutOfMemoryError:
+            # the graph's private pool cannot take blocks the allocator holds for the eager passes (gpt-oss-20b
+            # at 16 x 8k, one H200: the prefill's eager attention left ~100 GiB cached, 40 GiB allocated, and every
+            # batch's capture ran out): hand the cached blocks back once and record again
+            self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
+            torch.cuda.synchronize(self.seen.device)
+            torch.cuda.empty_cache()
+            try:
+                self.captured = self._record()
+            except Exception as error:  # noqa: BLE001
+                return self._capture_failed(error)
+        except Exception as error:  # noqa: BLE001 - named in the run; nothing recorded has run, no state moved
+            return self._capture_failed(error)
+        return True
+
+    def _record(self) -> "torch.cuda.CUDAGraph":
         graph = torch.cuda.CUDAGraph()
         # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
         # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms
@@ -610,16 +628,16 @@ class StaticDecodeStep:
                     self.logits = self._forward()
                 finally:
                     graph.capture_end()
-        except Exception as error:  # noqa: BLE001 - named in the run; nothing recorded has run, no state moved
-            self.graph, self.logits = False, None
-            self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
-            self.engine._fall_back(f"CUDA graph capture failed, decoded eagerly on static storage: "  # noqa: SLF001
-                                   f"{type(error).__name__}: {error}"[:300])
-            return False
         finally:
             torch.cuda.current_stream(self.seen.device).wait_stream(stream)
-        self.captured = graph
-        return True
+        return graph
+
+    def _capture_failed(self, error: Exception) -> bool:
+        self.graph, self.logits, self.captured = False, None, None
+        self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
+        self.engine._fall_back(f"CUDA graph capture failed, decoded eagerly on static storage: "  # noqa: SLF001
+                               f"{type(error).__name__}: {error}"[:300])
+        return False
 
 
 _CAPTURE_STREAMS: dict = {}
