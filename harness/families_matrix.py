@@ -71,7 +71,18 @@ def probe_family(model_type: str, device: str = "cpu", work: Path | None = None)
         row.update(_replay(model_type, model_dir, Path(tmp) / "run", device, built["built"]))
     row["cpu_s"] = round(time.process_time() - started_cpu, 1)
     row["wall_s"] = round(time.perf_counter() - started, 1)
+    row["transformers"] = _transformers_version()
+    if device.startswith("cuda"):
+        import torch
+
+        row["gpu"] = torch.cuda.get_device_name()
     return row
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _build(model_type: str, out: Path) -> tuple[Path, dict]:
@@ -325,16 +336,40 @@ def render(found: dict[str, dict[str, dict]], families: list[str], version: str)
         f"{counts['not built']} not built, {len(families) - sum(counts.values())} not run"
         + (f"; CPU seconds per family (build + replay, one process per worker, imports paid once): median "
            f"{seconds[len(seconds) // 2]}, max {seconds[-1]}" if seconds else "") + ".", "",
+        *_cuda_summary(found["cuda"], families),
         "| model type | class | attention | CPU | CPU s | CUDA | CUDA graph | kernels | why / notes |",
         "|---|---|---|---|---|---|---|---|---|"]
     for family in families:
         row, gpu = cpu.get(family) or {}, found["cuda"].get(family) or {}
         cells = [family, row.get("model_class") or "", ", ".join(row.get("attention") or gpu.get("attention") or []),
                  row.get("outcome", "not run"), str(row.get("cpu_s", "")), gpu.get("outcome", "not run"),
-                 _graph(gpu), gpu.get("decode_kernels") or ("" if not gpu else "on"), _why(row, gpu)]
+                 _graph(gpu), _kernels(gpu), _why(row, gpu)]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _cuda_summary(cuda: dict[str, dict], families: list[str]) -> list[str]:
+    """The CUDA column's line: its machine and transformers (the GPU machines may have another version, with
+    another registry: its model types not on this page are counted, this page's types it lacks are not run)."""
+    if not cuda:
+        return []
+    counts = {o: sum(1 for row in cuda.values() if row.get("outcome") == o) for o in OUTCOMES}
+    where = sorted({f"{row.get('gpu') or 'GPU not recorded'}, transformers {row.get('transformers') or '?'}"
+                    for row in cuda.values()})
+    graph = sum(1 for row in cuda.values() if _graph(row) == "on")
+    kernels = sum(1 for row in cuda.values() if _kernels(row) == "on")
+    absent = sum(1 for f in families if f not in cuda)
+    return [f"CUDA ({'; '.join(where)}): {len(cuda)} model types, {counts['pass']} pass, {counts['refused']} "
+            f"refused, {counts['failing']} failing, {counts['not built']} not built; of those passing, {graph} decode "
+            f"in CUDA graphs and {kernels} through our decode kernels. {absent} of this page's types are not in "
+            f"that transformers (CUDA: not run).", ""]
+
+
+def _kernels(row: dict) -> str:
+    if not row or row.get("outcome") != "pass":
+        return ""
+    return row.get("decode_kernels") or "on"
 
 
 def _graph(row: dict) -> str:

@@ -82,7 +82,7 @@ def layer_shape(config, layer: int) -> LayerShape:
     heads = getattr(seen, "num_attention_heads", None)
     kv_heads = getattr(seen, "num_key_value_heads", None) or heads
     head_dim = getattr(seen, "head_dim", None) or (seen.hidden_size // heads if heads else None)
-    if kind == "sliding_attention":
+    if kind in ("sliding_attention", "hybrid_sliding"):  # (hybrid_sliding: a window beside an SSM state, Inkling's)
         window = getattr(seen, "sliding_window", None)
     elif kind == "chunked_attention":
         window = getattr(seen, "attention_chunk_size", None)

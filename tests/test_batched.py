@@ -357,14 +357,23 @@ def test_static_decode_step_never_reads_back_to_the_host(cpu_models, monkeypatch
 
 
 def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
-    """A layer kind without static storage (an attention layer beside an SSM state, a KV-sharing layer) decodes with
-    the growing cache, and the engine says why; windowed layers have it, rows stacking does not."""
+    """A layer kind without static storage (a window beside an SSM state, indexer keys) or a position bias computed
+    from the cache's sizes decodes with the growing cache, and the engine says why; windowed and hybrid layers have
+    it, rows stacking does not."""
     from types import SimpleNamespace
 
     from harness.replay.batched import static_decode_refusal
-    from harness.replay.families import stack_refusal
+    from harness.replay.families import SEEN_BEYOND_SDPA, stack_refusal
 
-    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "hybrid"])) == "layer types ['hybrid']"
+    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "hybrid_sliding"])) == \
+        "layer types ['hybrid_sliding']"
+    assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "deepseek_sparse_attention"])) == \
+        "layer types ['deepseek_sparse_attention']"
+    assert static_decode_refusal(SimpleNamespace(layer_types=["hybrid", "mlp", "moe", "conv"])) is None
+    assert stack_refusal(SimpleNamespace(layer_types=["hybrid", "full_attention"])) == \
+        "layer type 'hybrid' (attention K/V beside an SSM state)"
+    assert static_decode_refusal(SimpleNamespace(layer_types=["hybrid"], **{SEEN_BEYOND_SDPA: ("position_bias",)})) \
+        == "a position bias computed from the cache's sizes"
     assert static_decode_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) is None
     assert stack_refusal(SimpleNamespace(layer_types=["full_attention", "sliding_attention"], sliding_window=64,
                                          num_hidden_layers=2)) == "sliding window 64"
@@ -373,13 +382,14 @@ def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
     model = cpu_models["gqa"]
     engine = BatchedEngine(model.backend(None), BatchSettings(decode="static"))
     config = model.model.config
-    config.layer_types = ["full_attention", "hybrid"] + ["full_attention"] * (config.num_hidden_layers - 2)
+    config.layer_types = ["full_attention", "hybrid_sliding"] + ["full_attention"] * (config.num_hidden_layers - 2)
+    config.sliding_window = 4096  # transformers builds the hybrid_sliding cache layer with it
     try:
         rows = engine.generate(_prompts(model), 4)
     finally:
-        del config.layer_types
+        del config.layer_types, config.sliding_window
     assert engine.decode_batches == {"dynamic": 1} and len(rows) == len(USERS)
-    assert engine.decode_fallbacks == ["static decode refused for this model: layer types ['hybrid']"]
+    assert engine.decode_fallbacks == ["static decode refused for this model: layer types ['hybrid_sliding']"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         BatchedEngine(model.backend(None), BatchSettings(decode="graph")).generate(_prompts(model), 2)
 

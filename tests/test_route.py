@@ -41,9 +41,9 @@ def test_batch_and_decode_mode_and_their_refusals(monkeypatch):
     # a sliding window keeps static storage (its mask windows it); a layer kind without it decodes dynamically
     windowed = SimpleNamespace(sliding_window=4096, use_sliding_window=True)
     assert decide(parse_path("fp8_e4m3"), windowed, "cuda", True, batched=True).decode == "graph"
-    hybrid_attention = SimpleNamespace(layer_types=["full_attention", "hybrid"], num_hidden_layers=2)
+    hybrid_attention = SimpleNamespace(layer_types=["full_attention", "hybrid_sliding"], num_hidden_layers=2)
     assert decide(parse_path("fp8_e4m3"), hybrid_attention, "cuda", True, batched=True, decode="static").decode == \
-        "dynamic (static decode refused for this model: layer types ['hybrid'])"
+        "dynamic (static decode refused for this model: layer types ['hybrid_sliding'])"
     # a kernel= plug-in batches with every call judged and timed: eagerly, on static storage, where graphs were asked
     plugin = decide(parse_path("fp8_e4m3:kernel=reference"), GQA, "cuda", True, batched=True)
     assert plugin.batch_refusal is None and plugin.kernel_every_call and plugin.decode == EVERY_CALL_EAGER

@@ -260,16 +260,19 @@ NO_CACHE_TYPES = ("mlp", "moe")
 
 def static_decode_refusal(config) -> str | None:
     """Why a model cannot decode on static storage (None: it can): layer kinds whose cache is not an attention
-    cache (full, sliding-window or chunked; full attention beside an SSM state: "hybrid"), a fixed-shape
+    cache (full, sliding-window or chunked; attention beside an SSM state: "hybrid"), a fixed-shape
     linear-attention or convolution state, or nothing (an MLP / MoE-only layer). A sliding-window or chunked
     layer keeps every token on static storage and attends to its window through the mask
     (`batched.static_mask`): the same keys its growing cache keeps (the last window - 1 tokens and the new one).
-    Refused: indexer keys (sparse attention) and a window beside an SSM state ("hybrid_sliding"), which grow
-    another way."""
+    Refused: indexer keys (sparse attention), which grow another way; a window beside an SSM state
+    ("hybrid_sliding": only Inkling has it, and its position bias refuses it anyway); a position bias (Inkling's:
+    computed from the cache's own sizes and offsets, which static storage's left-padded columns do not give)."""
     other = set(layer_types(config)) - {"full_attention", "linear_attention", "conv", "hybrid", *NO_CACHE_TYPES,
                                         *WINDOWED}
     if other:
         return f"layer types {sorted(other)}"
+    if "position_bias" in (getattr(config, SEEN_BEYOND_SDPA, ()) or ()):
+        return "a position bias computed from the cache's sizes"
     windows: dict[str, set] = {}
     for shape in layer_shapes(config):
         if shape.window:
