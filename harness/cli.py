@@ -168,8 +168,8 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
     run.add_argument("--shard", choices=("layers", "tensor"), default=None,
                      help="one model over the GPUs of --device (e.g. --device cuda:0,1 --shard layers): its decoder "
                           "layers split in blocks across them in this process, for a model too big for one GPU "
-                          "(one sequence at a time); 'tensor': a process per GPU, each holding its slice of every "
-                          "layer (transformers' tensor-parallel plan; docs/MULTI_GPU.md)")
+                          "(batched, dynamic decode); 'tensor': a process per GPU, each holding its slice of every "
+                          "layer (transformers' tensor-parallel plan; one sequence at a time; docs/MULTI_GPU.md)")
     run.add_argument("--executor", choices=("auto", "local", "ray"), default="auto",
                      help="where units run: auto/local on this host (this process, CPU worker processes, a process "
                           "per GPU of a GPU list, or the --shard layout), ray: one actor per GPU (or CPU slot) of a Ray "

@@ -82,8 +82,8 @@ def test_a_shard_needs_no_check_without_shard():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(device="cuda:0"), "splits one model over several GPUs"),
-    (dict(device="cuda:0,1", batch_size=8), "one sequence at a time"),
-    (dict(device="cuda:0,1", decode="graph"), "one sequence at a time"),
+    (dict(device="cuda:0,1", decode="graph"), "layers on several GPUs"),
+    (dict(device="cuda:0,1", decode="static"), "layers on several GPUs"),
     (dict(device="cuda:0,1", reference_url="http://127.0.0.1:1"), "endpoint run"),
 ])
 def test_run_configs_that_cannot_shard_are_refused(tmp_path, fields, message):
@@ -99,10 +99,19 @@ def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
                       device="cuda:0,1", shard="layers")
 
 
-def test_a_sharded_run_config_is_not_batched(tmp_path):
+def test_a_layer_sharded_run_config_is_batched_and_decodes_dynamically(tmp_path):
+    from harness.replay.route import decide
+
     config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers")
-    assert not config.batched
-    assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1").batched
+    assert config.batched
+    assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers",
+                         batch_size=8).batched
+    gqa = json.loads((CANARIES / "gqa" / "config.json").read_text())
+    from transformers import LlamaConfig
+
+    route = decide(None, LlamaConfig(**{k: v for k, v in gqa.items() if k != "architectures"}), "cuda", True,
+                   batched=True, shard="layers")
+    assert route.batch_refusal is None and route.decode.startswith("dynamic (graph decode refused")
 
 
 def test_a_gpu_the_host_lacks_is_refused(monkeypatch):
@@ -139,8 +148,8 @@ def test_the_manifest_records_each_models_layer_blocks(tmp_path):
     assert set(parallel["models"]) == {"gqa", "mla"}
     layers = parallel["models"]["gqa"]["layers"]
     assert layers == {"cuda:0": "0-2", "cuda:1": "3-5"}  # the gqa canary has 6 layers
-    assert manifest["batching"]["gqa"] == {"off": job.SHARDED_ONE_AT_A_TIME}
-    assert said and "cuda:1: layers 3-5" in said[0]
+    assert "off" not in (manifest.get("batching") or {}).get("gqa", {})
+    assert said and "cuda:1: layers 3-5" in said[0] and job.SHARDED_DECODE in said[0]
 
 
 def test_without_accelerate_the_refusal_says_what_to_install(monkeypatch):
@@ -213,14 +222,39 @@ def test_random_weights_without_files_are_made_on_their_devices_seeded(tmp_path,
 def test_a_sharded_run_on_stand_in_devices_stores_its_layout_and_verdicts(tmp_path, cpu_stand_in_gpus):
     config = build_run_config(command=["pytest", "sharded"], out=tmp_path / "run", device="cpu", shard="layers",
                               models=[CANARIES / "gqa"], select=("id:canary-arith-1",), paths="fp8_e4m3")
-    assert not config.batched
+    assert not config.batched  # the CPU's default: one sequence at a time (--batch-size batches it, below)
     run_dir = job.run_job(config, warn=lambda message: None)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert manifest["parallel"]["kind"] == "layer-sharded" and set(manifest["parallel"]["models"]) == {"gqa"}
-    assert manifest["batching"]["gqa"] == {"off": job.SHARDED_ONE_AT_A_TIME}
     verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
     assert {v["path"] for v in verdicts} >= {"bf16", "fp8_e4m3"}
+
+
+def _records(run_dir: Path) -> list[tuple]:
+    """A run's metric records, in order, without wall times (they differ between any two runs)."""
+    def timed(metric: str) -> bool:
+        return "ms" in metric.split("_") or metric.endswith(("_s", "seconds"))
+
+    rows = [(r["model"], r["scenario"], r["path"], r["turn"], r["kind"], r["metric"], json.dumps(r["value"]))
+            for r in RunStore(run_dir).read("records") if not timed(str(r["metric"]))]
+    return sorted(rows)
+
+
+def test_a_layer_sharded_model_replays_in_batches_what_the_plain_model_replays(tmp_path, cpu_stand_in_gpus):
+    """--shard layers with --batch-size: the model's batches (several rows, dynamic decode) through accelerate's
+    hooks store the records the same batches store on the plain model (the GPU test below adds the device hop)."""
+    common = dict(command=["pytest", "sharded"], models=[CANARIES / "gqa"], select=("id:canary-arith-*",),
+                  paths="fp8_e4m3", batch_size=4)
+    plain = build_run_config(out=tmp_path / "plain", device="cpu", **common)
+    sharded = build_run_config(out=tmp_path / "sharded", device="cpu", shard="layers", **common)
+    assert plain.batched and sharded.batched
+    runs = [job.run_job(config, warn=lambda message: None) for config in (plain, sharded)]
+    manifests = [json.loads((run / "manifest.json").read_text()) for run in runs]
+    assert all(m["status"] == "complete" for m in manifests)
+    assert manifests[1]["parallel"]["kind"] == "layer-sharded"
+    assert manifests[1]["batching"]["gqa"]["largest_batch"] > 1, manifests[1]["batching"]
+    assert _records(runs[0]) and _records(runs[1]) == _records(runs[0])
 
 
 # ---------------------------------------------------------------- multi-GPU hosts
@@ -256,6 +290,36 @@ def test_a_layer_sharded_model_replays_bit_for_bit_what_one_gpu_replays(family):
         keep = lambda m: {k: v for k, v in (m or {}).items() if "ms_per" not in k}  # noqa: E731 - wall time
         assert keep(metrics_sharded) == keep(metrics_one), spec
         assert torch.equal(logprobs_sharded, logprobs_one), spec
+
+
+def _sharded_batches_store_what_one_gpu_stores(tmp_path, devices: str):
+    common = dict(command=["pytest", "sharded"], select=("id:canary-arith-*", "id:canary-recall-*"),
+                  paths="fp8_e4m3,fp8_e4m3:per_head:calibrated", batch_size=8, decode="dynamic")
+    one = build_run_config(out=tmp_path / "one", device="cuda:0", **common)
+    sharded = build_run_config(out=tmp_path / "sharded", device=devices, shard="layers", **common)
+    runs = [job.run_job(config, warn=lambda message: None) for config in (one, sharded)]
+    manifests = [json.loads((run / "manifest.json").read_text()) for run in runs]
+    assert all(m["status"] == "complete" for m in manifests), [m.get("warnings") for m in manifests]
+    assert all(b["largest_batch"] > 1 and b["decode"]["batches"].keys() == {"dynamic"}
+               for b in manifests[1]["batching"].values()), manifests[1]["batching"]
+    assert _records(runs[0]) and _records(runs[1]) == _records(runs[0])
+
+
+@pytest.mark.multigpu
+def test_a_layer_sharded_batched_run_stores_what_one_gpu_stores(tmp_path):
+    """The model's batches over two GPUs (dynamic decode, each layer's cache, paged copy and Triton kernel on its
+    GPU) store the records the same batches store on one GPU with dynamic decode: the same ops on the same weights."""
+    _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0,1")
+
+
+@pytest.mark.gpu
+def test_a_layer_sharded_batched_run_on_one_gpu_stand_in_stores_what_one_gpu_stores(tmp_path, monkeypatch):
+    """The same on one GPU named twice (accelerate's hooks, the sharded route and our Triton kernels on CUDA, minus
+    the hop between GPUs, which the multigpu test above adds)."""
+    pytest.importorskip("accelerate", reason="the test extras install accelerate (pip install -e '.[test]')")
+    monkeypatch.setattr(sharding, "split_devices", lambda device: ["cuda:0", "cuda:0"])
+    monkeypatch.setattr(sharding, "check_shard", lambda shard, devices: None)
+    _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0")
 
 
 @pytest.mark.multigpu

@@ -376,7 +376,9 @@ def test_harness_run_exit_code_names_the_failing_path(tmp_path, capsys):
     assert {r["path"] for r in rows} == {"bf16", "fp8_e4m3", "fp8_e4m3:per_head:calibrated", "fp8_e4m3:warmup",
                                          "fp8_e4m3:calibrated", "fp8_e4m3:calibrated:emulated", "bf16:chunked_prefill"}
     assert (out / "path_verdicts.jsonl").exists()
-    assert main(argv + ["--out", str(tmp_path / "again"), "--no-fail-on-verdict"]) == 0
+    # the same run's verdicts, exit 0 under --no-fail-on-verdict: resumed (every unit done, none replayed)
+    assert main(argv + ["--out", str(out), "--resume", "--no-fail-on-verdict"]) == 0
+    assert [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()] == rows
 
 
 def test_bad_threshold_is_refused_before_any_work(tmp_path, capsys):

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from harness.kv_paths.spec import KVPath
-from harness.replay.route import LAYOUT_BATCH_REFUSALS
+from harness.replay.route import LAYERS_DECODE, LAYOUT_BATCH_REFUSALS
 from harness.replay.runner import REFERENCE, Replay
 from harness.runs.store import RunStore
 from harness.types import Scores
 
-SHARDED_ONE_AT_A_TIME = LAYOUT_BATCH_REFUSALS["layers"]
+SHARDED_DECODE = f"batched, dynamic decode (static and graph decode refused: {LAYERS_DECODE})"
 TENSOR_PARALLEL_ONE_AT_A_TIME = LAYOUT_BATCH_REFUSALS["tensor"]
 
 
@@ -85,7 +85,8 @@ def replay_model(config, directory: Path, scenarios, calibration_chats, store: R
 
 
 def note_shards(store: RunStore, label: str, plan, warn) -> None:
-    """`manifest.parallel` of a layer-sharded run (each model's layer blocks per GPU) and why it is not batched."""
+    """`manifest.parallel` of a layer-sharded run (each model's layer blocks per GPU); its batches decode
+    dynamically (the manifest's `batching[label].decode` says so per batch)."""
     from harness.replay.sharding import layout
 
     def edit(manifest: dict) -> None:
@@ -93,11 +94,10 @@ def note_shards(store: RunStore, label: str, plan, warn) -> None:
         parallel["devices"] = list(plan.devices)
         parallel.setdefault("models", {})[label] = plan.describe()
         manifest["parallel"] = parallel
-        manifest.setdefault("batching", {})[label] = {"off": SHARDED_ONE_AT_A_TIME}
 
     store.edit_manifest(edit)
     blocks = ", ".join(f"{d}: layers {span}" for d, span in plan.describe()["layers"].items())
-    warn(f"{label}: layer-sharded ({blocks}); {SHARDED_ONE_AT_A_TIME}")
+    warn(f"{label}: layer-sharded ({blocks}); {SHARDED_DECODE}")
 
 
 def note_tensor_parallel(store: RunStore, label: str, loaded, warn) -> None:

@@ -30,7 +30,7 @@ from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, Ste
 from harness.kv_paths.cache import (KVWriteStats, StaticColumns, StaticStorageMismatch, build_cache, cache_kwargs,
                                     make_static, stack_rows)
 from harness.replay.families import NO_CACHE_TYPES, static_decode_refusal  # noqa: F401 - re-exported
-from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER
+from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, LAYERS_DECODE
 from harness.replay.families import ssm_scan_bytes
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
@@ -113,6 +113,11 @@ class BatchedEngine:
         # an eager decode step has run (Triton kernels compiled, library handles and lazy copies made): later
         # batches capture their first step instead of running it eagerly
         self.decode_warm = False
+
+    def _layout_refusal(self) -> str | None:
+        """Why this model's batches cannot decode on static storage for its layout: layer-sharded (as the route
+        says for `--shard layers`, whichever devices the plan names)."""
+        return LAYERS_DECODE if getattr(self.backend.owner, "shard_plan", None) is not None else None
 
     # -- batching with OOM back-off -------------------------------------------------------------------
     def _in_batches(self, items: list, run: Callable[[list], list], max_len: int) -> list:
@@ -270,7 +275,7 @@ class BatchedEngine:
 
     def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
         mode = self.decode_mode()
-        refusal = static_decode_refusal(self.model.config) if mode != "dynamic" else None
+        refusal = (self._layout_refusal() or static_decode_refusal(self.model.config)) if mode != "dynamic" else None
         if refusal is not None:
             self._fall_back(f"{mode} decode refused for this model: {refusal}")
             mode = "dynamic"

@@ -84,7 +84,7 @@ def _route_of(kind: str, layer) -> dict:
     if holds_kv(layer) and getattr(layer, "is_sliding", False):
         return {"kv": "fp8", "why": f"sliding-window / chunked attention KV cache ({kind}) stored FP8, its window "
                                     f"kept as transformers keeps it (all of it on static storage, windowed by the "
-                                    f"mask); decode through a kernel that computes windows"}
+                                    f"mask); decode through our kernel where it computes windows, else torch attention"}
     if holds_kv(layer):
         return {"kv": "fp8", "why": f"attention K/V of {kind} stored FP8; its SSM / linear state kept as the model "
                                     f"keeps it"}

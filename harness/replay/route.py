@@ -99,7 +99,7 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
     return Route(kernel=kernel, kernel_refusal=refusal, kernel_label=refusal or _kernel_label(kv_path),
                  batch_refusal=batch_refusal, batch_floor=batch_floor(kv_path) if batches else None,
                  decode=_rows(facts, kernel, kv_path) if rows and not batched and device_type == "cpu"
-                 else _decode(facts, device_type, batches, decode, every_call),
+                 else _decode(facts, device_type, batches, decode, every_call, shard),
                  capture=measured, capture_kernel=capture_kernel, kernel_every_call=every_call,
                  cache_write=_cache_write(kv_path, facts, device_type))
 
@@ -170,11 +170,13 @@ def _beyond_sdpa_missing(kv_path: KVPath, facts: ModelFacts, name: str | None) -
 
 # Why a model laid out over several devices replays one sequence at a time, by --shard value
 LAYOUT_BATCH_REFUSALS = {
-    "layers": ("layer-sharded over several GPUs: one sequence at a time (the batched engine keeps its per-row state "
-               "and CUDA graphs on one GPU)"),
     "tensor": ("tensor parallel: one sequence at a time (the batched engine's per-row state, static columns and CUDA "
                "graphs are not built for a rank's slice of the model)"),
 }
+# Why a layer-sharded model's batches decode dynamically (each layer's cache, paged copy and kernels live on its own
+# GPU; the batch's row state goes to each layer's GPU with its inputs)
+LAYERS_DECODE = ("layers on several GPUs (a CUDA graph records one GPU's stream; static storage's write columns live "
+                 "on one GPU)")
 
 
 def layout_batch_refusal(shard: str | None) -> str | None:
@@ -190,7 +192,8 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool = False, shard: str | N
     `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
     reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
-    Refused today: every path of a model laid out over several devices (`layout_batch_refusal`). Batched since,
+    Refused today: every path of a tensor-parallel model (`layout_batch_refusal`); a layer-sharded model batches,
+    decoding dynamically (`LAYERS_DECODE`). Batched since,
     each with what was measured: fault injectors (the implementation check that
     catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
     `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
@@ -228,10 +231,13 @@ EVERY_CALL_EAGER = ("static (graph decode refused: a kernel= plug-in's every cal
                     "synchronised around it, so every decode step runs eagerly)")
 
 
-def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, every_call: bool = False) -> str:
+def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, every_call: bool = False,
+            shard: str | None = None) -> str:
     if not batched:
         return ONE_AT_A_TIME
     mode = ("graph" if device_type == "cuda" else "dynamic") if asked == "auto" else asked
+    if shard == "layers" and mode != "dynamic":
+        return f"dynamic ({mode} decode refused for this model: {LAYERS_DECODE})"
     if mode == "graph" and every_call:
         mode = "static" if facts.static_refusal is not None else EVERY_CALL_EAGER
     if mode != "dynamic" and facts.static_refusal is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from harness.replay.devices import device_list
-from harness.replay.route import layout_batch_refusal
+from harness.replay.route import LAYERS_DECODE
 
 SHARD_MODES = ("layers", "tensor")  # --shard values; tensor: harness.replay.tensor_parallel (a process per GPU)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -234,4 +234,4 @@ def layout(plans: dict[str, ShardPlan]) -> dict:
     devices = next(iter(plans.values())).devices if plans else ()
     return {"kind": "layer-sharded", "devices": list(devices),
             "models": {label: plan.describe() for label, plan in plans.items()},
-            "batch_composition": layout_batch_refusal("layers")}
+            "batch_composition": f"batched, dynamic decode (static and graph decode refused: {LAYERS_DECODE})"}
