@@ -37,19 +37,33 @@ def stored_runs(pytester: pytest.Pytester) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_healthy_paths_pass_and_the_run_is_stored(pytester, scenario_file):
-    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3,fp8_e4m3:per_head:calibrated")
-    result.assert_outcomes(passed=3)
+def test_healthy_paths_pass_the_run_is_stored_and_the_yardstick_is_chosen_like_harness_runs(pytester,
+                                                                                            scenario_file):
+    """One session (each costs a pytest process and a replay): healthy items pass, the run and its report are
+    stored, and --yardstick picks the verdicts' yardstick as `harness run` does (a bad one exits 2)."""
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", "--yardstick", "fp8_e4m3:per_head:calibrated")
+    result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*gqa::canary-arith-3::bf16 PASSED*", "*gqa::canary-arith-3::fp8_e4m3 PASSED*",
                                  "*stored run: *", "*report: *index.html"])
     (run,) = stored_runs(pytester)
-    assert json.loads((run / "manifest.json").read_text())["verdicts"]["gqa"]["fp8_e4m3"]["pass"] == 1
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["verdicts"]["gqa"]["fp8_e4m3"]["pass"] == 1
     assert (run / "verdicts.jsonl").exists() and (run / "report" / "index.html").exists()
+    assert manifest["yardstick"] == "fp8_e4m3:per_head:calibrated"
+    texts = {json.loads(line)["path"] for line in (run / "texts.jsonl").read_text().splitlines()}
+    assert "fp8_e4m3:per_head:calibrated" in texts and "fp8_e4m3:calibrated" not in texts
+    bad = harness_session(pytester, scenario_file, "--yardstick", "fp9_nope")
+    assert bad.ret == 2 and "fp8-harness:" in str(bad.stdout) + str(bad.stderr)
 
 
 @pytest.mark.slow
-def test_a_broken_path_fails_with_a_diagnosis(pytester, scenario_file):
-    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3,fp8_e4m3:warmup")
+def test_a_broken_path_fails_with_a_diagnosis_and_a_per_path_only_failure_fails_the_session(pytester,
+                                                                                             scenario_file):
+    """One session: warm-up scales fail their item with a diagnosis against the default yardstick; fp8_e5m2's items
+    all pass, but a per-path check fails (a --threshold on the pooled KL ratio, a metric no turn has): the session
+    exits 1 and names the path (issue 40: per-path failures belong to no item)."""
+    result = harness_session(pytester, scenario_file, "--paths", "fp8_e5m2,fp8_e4m3:warmup",
+                             "--threshold", "kl_mean_ratio:0")
     result.assert_outcomes(passed=2, failed=1)
     assert result.ret == 1
     result.stdout.fnmatch_lines([
@@ -58,15 +72,6 @@ def test_a_broken_path_fails_with_a_diagnosis(pytester, scenario_file):
         "*first divergent token 0: reference * vs path *",
         "*reference reply: '96'*",
     ])
-
-
-@pytest.mark.slow
-def test_a_per_path_only_failure_fails_the_session(pytester, scenario_file):
-    """Every item (turn) passes, a per-path check fails (a --threshold on the pooled KL ratio, a metric no turn
-    has): the session exits 1 and names the path (issue 40: per-path failures belong to no item)."""
-    result = harness_session(pytester, scenario_file, "--paths", "fp8_e5m2", "--threshold", "kl_mean_ratio:0")
-    result.assert_outcomes(passed=2)
-    assert result.ret == 1
     result.stdout.fnmatch_lines(["*VERDICT FAIL (per-path check): gqa fp8_e5m2: pooled kl_mean * the yardstick*"])
 
 
@@ -90,18 +95,6 @@ def test_xdist_workers_merge_into_one_run_and_baseline_compares(pytester, scenar
     keys = [(t["model"], t["scenario"], t["path"], t["turn"]) for t in texts]
     # 2 models x (reference, bf16, fp8_e4m3, the verdicts' yardstick fp8_e4m3:calibrated): merged without duplicates
     assert len(keys) == len(set(keys)) == 12  # with the yardstick's twin and the control arm
-
-
-def test_yardstick_is_chosen_like_harness_runs(pytester, scenario_file):
-    result = harness_session(pytester, scenario_file, "--paths", "fp8_e4m3", "--yardstick", "fp8_e4m3:per_head:calibrated")
-    result.assert_outcomes(passed=2)
-    (run,) = stored_runs(pytester)
-    manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["yardstick"] == "fp8_e4m3:per_head:calibrated"
-    texts = {json.loads(line)["path"] for line in (run / "texts.jsonl").read_text().splitlines()}
-    assert "fp8_e4m3:per_head:calibrated" in texts and "fp8_e4m3:calibrated" not in texts
-    bad = harness_session(pytester, scenario_file, "--yardstick", "fp9_nope")
-    assert bad.ret == 2 and "fp8-harness:" in str(bad.stdout) + str(bad.stderr)
 
 
 def test_gpu_without_cuda_is_an_error_not_skips(pytester):
