@@ -100,6 +100,8 @@ def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
 
 
 def test_a_layer_sharded_run_config_is_batched_and_decodes_dynamically(tmp_path):
+    from transformers import LlamaConfig
+
     from harness.replay.route import decide
 
     config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers")
@@ -107,8 +109,6 @@ def test_a_layer_sharded_run_config_is_batched_and_decodes_dynamically(tmp_path)
     assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers",
                          batch_size=8).batched
     gqa = json.loads((CANARIES / "gqa" / "config.json").read_text())
-    from transformers import LlamaConfig
-
     route = decide(None, LlamaConfig(**{k: v for k, v in gqa.items() if k != "architectures"}), "cuda", True,
                    batched=True, shard="layers")
     assert route.batch_refusal is None and route.decode.startswith("dynamic (graph decode refused")
