@@ -263,18 +263,25 @@ STATIC_CASES = [("gqa", None), ("gqa", "fp8_e4m3:raw_prefill"), ("gqa", "nvfp4:p
                 ("mla", "fp8_e4m3"), ("hybrid", "fp8_e4m3:per_token"), ("hybrid", None)]
 
 
+def _growing_and_static(model, spec):
+    """The canary prompts (limits 3-24 tokens, so rows finish at different steps) decoded on the growing cache and
+    on static storage, one batch each: (backend, prompts, limits, growing rows, static rows); no fallback."""
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    static = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+    return backend, prompts, limits, dynamic, static
+
+
 @pytest.mark.parametrize(("arch", "spec"), STATIC_CASES)
 def test_static_decode_replies_as_the_growing_cache(cpu_models, arch, spec):
     """Static storage (preallocated, written in place, attention over every column under a mask; finished rows
     stay in the batch, masked) gives the growing cache's replies and per-row write statistics, rows finishing
     at different steps."""
     model = cpu_models[arch]
-    backend = model.backend(parse_path(spec) if spec else None)
-    prompts, limits = _prompts(model), [3, 8, 16, 24]
-    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
-    engine = BatchedEngine(backend, BatchSettings(decode="static"))
-    static = engine.generate(prompts, limits)
-    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == []
+    backend, prompts, limits, dynamic, static = _growing_and_static(model, spec)
     for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
         # attention over the masked extra columns adds exact zeros; only a near tie could flip (as batching)
         if row.token_ids != other.token_ids:
@@ -458,12 +465,7 @@ def test_static_decode_over_windowed_layers_replies_as_the_growing_cache(windowe
     import harness.replay.batched as batched
 
     model = windowed_models[family]
-    backend = model.backend(parse_path(spec) if spec else None)
-    prompts, limits = _prompts(model), [3, 8, 16, 24]
-    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
-    engine = BatchedEngine(backend, BatchSettings(decode="static"))
-    static = engine.generate(prompts, limits)
-    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == []
+    backend, prompts, limits, dynamic, static = _growing_and_static(model, spec)
     for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
         if row.token_ids != other.token_ids:  # a flip only at a near tie (the tiny Llama 4 has many), as batching
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
@@ -497,12 +499,7 @@ def test_static_decode_over_hybrid_layers_replies_as_the_growing_cache(hybrid_mo
     at a near tie), rows finishing at different steps, no fallback. A hybrid layer whose SSM state static storage
     dropped would part from them."""
     model = hybrid_models[family]
-    backend = model.backend(parse_path(spec) if spec else None)
-    prompts, limits = _prompts(model), [3, 8, 16, 24]
-    dynamic = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
-    engine = BatchedEngine(backend, BatchSettings(decode="static"))
-    static = engine.generate(prompts, limits)
-    assert engine.decode_batches == {"static": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+    backend, prompts, limits, dynamic, static = _growing_and_static(model, spec)
     for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
         if row.token_ids != other.token_ids:
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
