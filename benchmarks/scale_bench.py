@@ -5,7 +5,7 @@
     python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
 
 Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1k-token prompts, every path, plain
-`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths), mla-1k (V2-Lite, batch 16, 1k, the first three
+`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths, or every path --paths names), mla-1k (V2-Lite, batch 16, 1k, the first three
 paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two paths, 128 tokens; opt-in: its two
 paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the default run with it was not timed
 against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding windows and attention sinks, batch
@@ -27,7 +27,8 @@ Across GPUs (`--gpus N`, `--sharded`):
 - layer-sharded (`--sharded 70b`: a Llama-3-70B-shaped model, 80 layers over the GPUs, random weights made on the
   GPUs, never on the CPU; `8b`, `mla`: the 8B model or the DeepSeek-V2-Lite-shaped MLA model sharded against the same model on one GPU,
   the ratio): plain
-  `generate` at batch 8 and the harness's one-sequence-at-a-time replay (bf16 and FP8 through our kernels),
+  `generate` at batch 8, the harness's one-sequence-at-a-time replay and its batched replay at batch 8 (what a
+  layer-sharded run replays; bf16 and FP8 through our kernels),
   decode tokens/s and % of the bandwidth roof (layers run one GPU after another, so the roof is every weight byte
   at one GPU's copy bandwidth).
 """
@@ -326,6 +327,42 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
     return rows
 
 
+def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths: list[str], log, gpus: int,
+                 batch: int = 8) -> list[dict]:
+    """The harness's batched replay (what a layer-sharded run replays since session 21: the batched engine, decoding
+    dynamically, `route.LAYERS_DECODE`) at `batch` sequences, per KV path: decode tokens/s from
+    (t(new) - t(SHORT)) / (new - SHORT), as `run_config` times it."""
+    rows = []
+    ps = prompts(batch, length, loaded.model.config.vocab_size, seed=2)
+    for spec in paths:
+        backend = loaded.backend(parse_path(spec))
+        engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
+        try:
+            engine.generate(ps, SHORT)  # warm-up: Triton compiles at these shapes
+            sync_all()
+            start = time.perf_counter()
+            engine.generate(ps, SHORT)
+            sync_all()
+            t_short = time.perf_counter() - start
+            start = time.perf_counter()
+            engine.generate(ps, new)
+            sync_all()
+            tn = time.perf_counter() - start
+        except torch.OutOfMemoryError as error:
+            rows.append({"config": name, "gpus": gpus, "path": f"{spec} (batched b{batch})",
+                         "error": f"OOM: {str(error)[:80]}"})
+            log(rows[-1])
+            free_models()
+            continue
+        step = (tn - t_short) / (new - SHORT)
+        rows.append({"config": name, "gpus": gpus, "path": f"{spec} (batched b{batch})", "decode_tok_s": batch / step,
+                     "step_ms": step * 1e3, "kernel": backend.route.kernel_refusal or "triton",
+                     "note": f"decode {'+'.join(sorted(engine.decode_batches))}, largest batch "
+                             f"{max(engine.batch_sizes_used, default=0)}"})
+        log(rows[-1])
+    return rows
+
+
 def free_models() -> None:
     """Drop models no longer referenced (accelerate's hooks make reference cycles: only the collector frees them)."""
     import gc
@@ -335,7 +372,11 @@ def free_models() -> None:
 
 
 def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -> list[dict]:
-    devices = [f"cuda:{i}" for i in range(gpus)]
+    # more GPUs asked for than the host has: a GPU named twice (a smoke run of the code on one GPU; rows say so)
+    devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(gpus)]
+    if len(set(devices)) < gpus:
+        log({"note": f"--gpus {gpus} on a host of {torch.cuda.device_count()}: devices {devices} (GPUs named twice: "
+                     f"the sharded rows time the code, not a spread over GPUs)"})
     rows = []
     paths = ["bf16", "fp8_e4m3"]
     # models that fit one GPU: on one GPU, then sharded over `gpus`: what sharding itself costs
@@ -346,12 +387,14 @@ def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -
         one = build(make())
         start = len(rows)
         rows += one_at_a_time_rows(name, one, 1024, new, paths, bandwidth, log, 1)
+        rows += batched_rows(name, one, 1024, new, paths, log, 1)
         alone = {r["path"]: r["decode_tok_s"] for r in rows[start:] if "decode_tok_s" in r}
         del one
         free_models()
         sharded = build_sharded(make(), devices)
         start = len(rows)
         rows += one_at_a_time_rows(name, sharded, 1024, new, paths, bandwidth, log, gpus)
+        rows += batched_rows(name, sharded, 1024, new, paths, log, gpus)
         for r in rows[start:]:
             if r.get("path") in alone:
                 r["x_1gpu"] = r["decode_tok_s"] / alone[r["path"]]
@@ -364,9 +407,12 @@ def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -
         per_gpu = [torch.cuda.memory_allocated(d) / 2**30 for d in devices]
         log({"config": "70b", "built_s": built, "allocated_gib_per_gpu": per_gpu,
              "layers": loaded.shard_plan.describe()["layers"]})
+        start = len(rows)
         rows += one_at_a_time_rows("70b 512", loaded, 512, new, paths, bandwidth, log, gpus)
-        for r in rows[-3:]:
-            r["note"] = f"built on the GPUs in {built:.1f} s; GiB allocated per GPU {[round(g, 1) for g in per_gpu]}"
+        rows += batched_rows("70b 512", loaded, 512, new, paths, log, gpus)
+        for r in rows[start:]:
+            r["note"] = "; ".join(filter(None, (r.get("note"), f"built on the GPUs in {built:.1f} s; GiB allocated "
+                                                                f"per GPU {[round(g, 1) for g in per_gpu]}")))
         del loaded
         free_models()
     return rows
@@ -641,8 +687,9 @@ def main() -> None:
         if "8b-1k" in configs:
             rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log, args.profile)
         if "8b-8k" in configs:
-            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, [p for p in paths if p != "fp8_e4m3:per_token"][:2],
-                               bandwidth, False, log)
+            # the default path list: its first two; paths named with --paths: each of them
+            long_paths = paths[:2] if args.paths == ",".join(PATHS) else paths
+            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, long_paths, bandwidth, False, log)
         del loaded
         torch.cuda.empty_cache()
     if any(c.startswith("mla") for c in configs):
