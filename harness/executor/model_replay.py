@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from harness.kv_paths.spec import KVPath
-from harness.replay.route import LAYERS_DECODE, LAYOUT_BATCH_REFUSALS
+from harness.replay.route import LAYERS_DECODE, TENSOR_DECODE
 from harness.replay.runner import REFERENCE, Replay
 from harness.runs.store import RunStore
 from harness.types import Scores
 
 SHARDED_DECODE = f"batched, dynamic decode (static and graph decode refused: {LAYERS_DECODE})"
-TENSOR_PARALLEL_ONE_AT_A_TIME = LAYOUT_BATCH_REFUSALS["tensor"]
+TENSOR_PARALLEL_DECODE = f"batched in lockstep, dynamic decode (static and graph decode refused: {TENSOR_DECODE})"
 
 
 def model_label(directory: Path) -> str:
@@ -58,7 +58,7 @@ def replay_model(config, directory: Path, scenarios, calibration_chats, store: R
     if loaded.shard_plan is not None:
         note_shards(store, label, loaded.shard_plan, warn)
     if loaded.tensor_parallel:
-        note_tensor_parallel(store, label, loaded, warn)
+        note_tensor_parallel(store, label, loaded, warn, config.batched)
     paths = model_paths(config, directory)
     backends = [loaded.backend(path) for path in paths]
     note_scales(store, label, backends)
@@ -100,19 +100,16 @@ def note_shards(store: RunStore, label: str, plan, warn) -> None:
     warn(f"{label}: layer-sharded ({blocks}); {SHARDED_DECODE}")
 
 
-def note_tensor_parallel(store: RunStore, label: str, loaded, warn) -> None:
-    from harness.replay.tensor_parallel import describe_model, world
+def note_tensor_parallel(store: RunStore, label: str, loaded, warn, batched: bool) -> None:
+    """`manifest.parallel.models[label]` of a tensor-parallel rank's model (its heads a rank); batched: its batches
+    (the manifest's `batching[label]`, written after the replay) decode dynamically, every rank in lockstep."""
+    from harness.replay.tensor_parallel import ONE_AT_A_TIME_RANKS, describe_model, world
 
     rank, size = world()
     described = describe_model(loaded.model, size)
-
-    def edit(manifest: dict) -> None:
-        manifest["parallel"].setdefault("models", {})[label] = described
-        manifest.setdefault("batching", {})[label] = {"off": TENSOR_PARALLEL_ONE_AT_A_TIME}
-
-    store.edit_manifest(edit)
+    store.edit_manifest(lambda manifest: manifest["parallel"].setdefault("models", {}).__setitem__(label, described))
     warn(f"{label}: tensor parallel over {size} ranks ({described['kv_heads_per_rank']} KV heads a rank); "
-         f"{TENSOR_PARALLEL_ONE_AT_A_TIME}")
+         f"{TENSOR_PARALLEL_DECODE if batched else ONE_AT_A_TIME_RANKS}")
 
 
 def note_routes(store: RunStore, config, label: str, loaded, paths: list[KVPath]) -> tuple:
@@ -123,7 +120,8 @@ def note_routes(store: RunStore, config, label: str, loaded, paths: list[KVPath]
 
     def route_of(path: KVPath | None, batched: bool):
         return decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, batched=batched,
-                      decode=config.decode, capture=config.attention is not None, rows=True, shard=config.shard)
+                      decode=config.decode, capture=config.attention is not None, rows=True, shard=config.shard,
+                      facts=loaded.facts)
 
     reference = route_of(None, config.batched)
     whole_model = reference.batch_refusal if config.batched else None
@@ -236,7 +234,7 @@ def in_rows(config, store: RunStore, label: str, loaded, path: KVPath | None, sc
 
     inner = loaded.backend(path)
     route = decide(path, loaded.model.config, loaded.device.type, loaded.use_kernels, decode=config.decode,
-                   capture=config.attention is not None, rows=True, shard=config.shard)
+                   capture=config.attention is not None, rows=True, shard=config.shard, facts=loaded.facts)
     history = None if path is None or config.history_mode == "own-history" else reference_replies
     if route.decode != ROWS or (path is not None and config.history_mode != "own-history" and history is None):
         return inner, None

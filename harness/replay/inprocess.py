@@ -41,7 +41,7 @@ from harness.kv_paths.format_faults import DUMMY_PASS_FAULTS
 from harness.kv_paths.spec import KVPath
 from harness.replay import cpu_exact
 from harness.replay.batched import ONE_SEQUENCE, BatchedEngine
-from harness.replay.route import Route, decide
+from harness.replay.route import ModelFacts, Route, decide
 from harness.types import Generation, Message, Scores
 
 attention.register()
@@ -85,6 +85,15 @@ class InProcessModel:
     _scales: dict[tuple, LayerScales] = field(default_factory=dict)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
     _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
+    _facts: ModelFacts | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the route reads of this model's config (`route.ModelFacts`), read once: the loaded model's config
+        does not change, and reading it walks every layer."""
+        if self._facts is None:
+            self._facts = ModelFacts.of(self.model.config)
+        return self._facts
 
     @classmethod
     def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -424,7 +433,8 @@ class InProcessBackend:
     @property
     def route(self) -> Route:
         """This path's route on this model and device (`harness.replay.route`; decided once, then looked up)."""
-        return decide(self.kv_path, self.owner.model.config, self.owner.device.type, self.owner.use_kernels)
+        return decide(self.kv_path, self.owner.model.config, self.owner.device.type, self.owner.use_kernels,
+                      facts=self.owner.facts)
 
     def new_cache(self):
         """A fresh cache for this backend's path (the model's own cache for the reference)."""

@@ -73,13 +73,16 @@ class Route:
 
 
 def decide(kv_path: KVPath | None, config, device_type: str, use_kernels: bool, *, batched: bool = False,
-           decode: str = "auto", capture: bool = False, rows: bool = False, shard: str | None = None) -> Route:
+           decode: str = "auto", capture: bool = False, rows: bool = False, shard: str | None = None,
+           facts: ModelFacts | None = None) -> Route:
     """The route of `kv_path` (None: the reference) on a model with `config` on a `device_type` device;
     use_kernels: the model's FP8 decode runs through our kernels (CUDA, or HARNESS_KERNELS=reference); rows: a CPU
     replay that is not batched generates in rows (ROWS) where it can; shard: the model's layout over several
-    devices (--shard layers | tensor; None: one device)."""
-    return _decide(kv_path, ModelFacts.of(config), device_type, use_kernels, decode_kernels.kernels_setting(),
-                   batched, decode, capture, rows and shard is None, shard)
+    devices (--shard layers | tensor; None: one device); facts: `ModelFacts.of(config)` where the caller keeps it
+    (a loaded model's, `InProcessModel.facts`): reading them walks every layer's config, ~26 ms for a 32-layer
+    model under transformers 5.17, which a route asked for every decode step paid (session 22)."""
+    return _decide(kv_path, facts if facts is not None else ModelFacts.of(config), device_type, use_kernels,
+                   decode_kernels.kernels_setting(), batched, decode, capture, rows and shard is None, shard)
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,7 +90,7 @@ def _decide(kv_path: KVPath | None, facts: ModelFacts, device_type: str, use_ker
             batched: bool, decode: str, capture: bool, rows: bool = False, shard: str | None = None) -> Route:
     name = kernel_name(kv_path, setting) if kv_path is not None else None
     refusal = _kernel_refusal(kv_path, facts, use_kernels, setting, name)
-    batch_refusal = _batch_refusal(kv_path, capture, shard)
+    batch_refusal = _batch_refusal(kv_path, capture)
     kernel = name if refusal is None else None
     capture_kernel, measured = None, None
     if capture and kv_path is not None:
@@ -168,40 +171,41 @@ def _beyond_sdpa_missing(kv_path: KVPath, facts: ModelFacts, name: str | None) -
             f"runs torch attention as the model defines it")
 
 
-# Why a model laid out over several devices replays one sequence at a time, by --shard value
-LAYOUT_BATCH_REFUSALS = {
-    "tensor": ("tensor parallel: one sequence at a time (the batched engine's per-row state, static columns and CUDA "
-               "graphs are not built for a rank's slice of the model)"),
-}
-# Why a layer-sharded model's batches decode dynamically (each layer's cache, paged copy and kernels live on its own
-# GPU; the batch's row state goes to each layer's GPU with its inputs)
+# Why a model laid out over several devices decodes its batches dynamically, by --shard value. Layers: each layer's
+# cache, paged copy and kernels live on its own GPU, the batch's row state goes to each layer's GPU with its inputs.
+# Tensor: every rank runs the same batches in lockstep (`BatchedEngine`: the batch size agreed over the ranks, a
+# rank's error ends the run rather than a batch of its own), each rank's caches and kernels holding its KV heads.
 LAYERS_DECODE = ("layers on several GPUs (a CUDA graph records one GPU's stream; static storage's write columns live "
                  "on one GPU)")
+TENSOR_DECODE = ("tensor-parallel ranks (a CUDA graph's capture and its out-of-memory retry would be each rank's "
+                 "own, while every collective must match the other ranks'; static storage and graphs with the "
+                 "plan's collectives inside are not built)")
+LAYOUT_DECODE = {"layers": LAYERS_DECODE, "tensor": TENSOR_DECODE}
 
 
-def layout_batch_refusal(shard: str | None) -> str | None:
-    """Why a model laid out as `shard` (--shard layers | tensor) cannot replay in batches (None: one device, it
-    can). The run's options check (`--batch-size` with --shard), the manifest's `batching[model].off` and
-    `parallel.batch_composition` all quote this."""
-    return LAYOUT_BATCH_REFUSALS.get(shard) if shard is not None else None
+def layout_decode_refusal(shard: str | None) -> str | None:
+    """Why a model laid out as `shard` (--shard layers | tensor) decodes its batches dynamically, static and graph
+    decode refused (None: one device, any mode). The run's options check (`--decode` with --shard), the route, the
+    engine's fallback and `parallel.batch_composition` all quote this."""
+    return LAYOUT_DECODE.get(shard) if shard is not None else None
 
 
-def _batch_refusal(kv_path: KVPath | None, capture: bool = False, shard: str | None = None) -> str | None:
+def _batch_refusal(kv_path: KVPath | None, capture: bool = False) -> str | None:
     """Why this path cannot run in batches of several sequences (harness/replay/batched.py), or None. The one place
     such a refusal is decided: a refused path runs one sequence at a time (the same engine, a batch of one row:
     `batched.ONE_SEQUENCE`) beside the model's batched paths (`batched_runner.BatchedReplay`); a refusal of the
     reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
-    Refused today: every path of a tensor-parallel model (`layout_batch_refusal`); a layer-sharded model batches,
-    decoding dynamically (`LAYERS_DECODE`). Batched since,
-    each with what was measured: fault injectors (the implementation check that
-    catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
+    Refused today: nothing. Batched since, each with what was measured: models laid out over several devices
+    (`--shard layers | tensor`, decoding dynamically: `layout_decode_refusal`; tests/test_multi_gpu.py and
+    tests/test_tensor_parallel.py compare their batches with one device's); fault injectors (the implementation
+    check that catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
     `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
     tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the
     same tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention capture (its own teacher-forced pass,
     `replay/attention._run_chunks`, still runs one sequence at a time, on the reference replies the batches made:
     `batched_runner.PrecomputedBackend.attention_error`)."""
-    return layout_batch_refusal(shard)
+    return None
 
 
 OWN_FLOOR = "own"  # `batch_floor` of a path whose batch-invariance floor the batched replay measures on the path
@@ -236,8 +240,8 @@ def _decode(facts: ModelFacts, device_type: str, batched: bool, asked: str, ever
     if not batched:
         return ONE_AT_A_TIME
     mode = ("graph" if device_type == "cuda" else "dynamic") if asked == "auto" else asked
-    if shard == "layers" and mode != "dynamic":
-        return f"dynamic ({mode} decode refused for this model: {LAYERS_DECODE})"
+    if layout_decode_refusal(shard) is not None and mode != "dynamic":
+        return f"dynamic ({mode} decode refused for this model: {layout_decode_refusal(shard)})"
     if mode == "graph" and every_call:
         mode = "static" if facts.static_refusal is not None else EVERY_CALL_EAGER
     if mode != "dynamic" and facts.static_refusal is not None:
