@@ -169,7 +169,8 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="one model over the GPUs of --device (e.g. --device cuda:0,1 --shard layers): its decoder "
                           "layers split in blocks across them in this process, for a model too big for one GPU "
                           "(batched, dynamic decode); 'tensor': a process per GPU, each holding its slice of every "
-                          "layer (transformers' tensor-parallel plan; one sequence at a time; docs/MULTI_GPU.md)")
+                          "layer (transformers' tensor-parallel plan; batched in lockstep, dynamic decode; "
+                          "docs/MULTI_GPU.md)")
     run.add_argument("--executor", choices=("auto", "local", "ray"), default="auto",
                      help="where units run: auto/local on this host (this process, CPU worker processes, a process "
                           "per GPU of a GPU list, or the --shard layout), ray: one actor per GPU (or CPU slot) of a Ray "

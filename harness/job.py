@@ -17,7 +17,7 @@ import harness
 from harness.analysis.metrics import noise_floor
 from harness.executor.endpoints import ENDPOINT_MODEL, preflight_endpoints, replay_endpoints
 from harness.executor.local import RunWork, WorkerFailure
-from harness.executor.model_replay import SHARDED_DECODE, TENSOR_PARALLEL_ONE_AT_A_TIME, model_label
+from harness.executor.model_replay import SHARDED_DECODE, TENSOR_PARALLEL_DECODE, model_label
 from harness.executor.plan import data_parallel_shards
 from harness.replay.devices import device_list as run_devices
 from harness.replay.live import candidate_labels
@@ -35,7 +35,7 @@ from harness.types import Message
 
 __all__ = [  # what callers import from here: the run's entry point, and names moved out of this module
     "CANARY_ARCHS", "CANARY_WEIGHTS", "DEFAULT_PATHS", "DEFAULT_SCENARIOS", "ENDPOINT_MODEL", "RANDOM_MODEL_CACHE",
-    "REPO_ROOT", "SHARDED_DECODE", "TENSOR_PARALLEL_ONE_AT_A_TIME", "RunConfig", "WorkerFailure",
+    "REPO_ROOT", "SHARDED_DECODE", "TENSOR_PARALLEL_DECODE", "RunConfig", "WorkerFailure",
     "calibration_chats_from", "data_parallel_shards", "default_models", "default_scenarios", "model_label",
     "new_run_dir", "parse_kv_paths", "preflight_endpoints", "resolve_device", "run_devices", "run_job",
     "write_report", "write_verdicts",

@@ -18,7 +18,7 @@ from harness.analysis.verdicts import DEFAULT_YARDSTICK
 from harness.kv_paths.spec import DEFAULT_PATHS, KVPath, PathSpecError, parse_paths
 from harness.records import scrub_credentials
 from harness.replay.devices import CPU_RANKS, device_list, resolve_device
-from harness.replay.route import LAYERS_DECODE, layout_batch_refusal
+from harness.replay.route import layout_decode_refusal
 from harness.runs.gate import with_controls
 
 __all__ = ["RunConfig", "build_run_config", "default_models", "default_scenarios", "new_run_dir", "parse_kv_paths",
@@ -123,12 +123,10 @@ class RunConfig:
         if self.reference_url:
             raise ValueError("--shard splits an in-process model over GPUs; an endpoint run has none (the server "
                              "shards its model itself, e.g. vllm serve --tensor-parallel-size)")
-        if self.shard == "tensor" and (self.batch_size is not None or self.decode not in ("auto", "dynamic")):
-            raise ValueError(f"--shard {self.shard}: {layout_batch_refusal(self.shard)}; "
-                             f"leave out --batch-size and --decode")
-        if self.shard == "layers" and self.decode not in ("auto", "dynamic"):
-            raise ValueError(f"--shard layers --decode {self.decode}: refused for {LAYERS_DECODE}; leave out "
-                             f"--decode (a layer-sharded model's batches decode dynamically)")
+        if self.decode not in ("auto", "dynamic"):
+            raise ValueError(f"--shard {self.shard} --decode {self.decode}: refused for "
+                             f"{layout_decode_refusal(self.shard)}; leave out --decode (a sharded model's batches "
+                             f"decode dynamically)")
         if self.attention is not None:
             raise ValueError(f"--shard {self.shard}: attention capture (--attention) is not built for a "
                              f"sharded model; run it on a model that fits one GPU")
@@ -149,7 +147,9 @@ class RunConfig:
 
     @property
     def batched(self) -> bool:
-        return (self.batch_size is not None or self.device != "cpu") and layout_batch_refusal(self.shard) is None
+        """Batched in-process replay: asked for (--batch-size), or on GPUs (the CPU, and CPU ranks of --shard
+        tensor, replay one sequence at a time unless asked)."""
+        return self.batch_size is not None or not (self.device == "cpu" or CPU_RANKS.fullmatch(str(self.device)))
 
 
 def default_models() -> tuple[tuple[Path, ...], str | None]:

@@ -131,6 +131,40 @@ def test_out_of_memory_halves_the_batch_and_loses_nothing(cpu_models, monkeypatc
     assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
+def test_on_a_tensor_parallel_rank_a_failed_batch_ends_the_run_instead_of_a_batch_of_its_own(cpu_models,
+                                                                                              monkeypatch):
+    """A tensor-parallel rank (`runner.in_lockstep`) may not halve a batch on out-of-memory, nor replay a failed
+    phase one sequence at a time: the other ranks wait inside the failed batch's collectives, and batches of one
+    rank's own would meet them with other shapes. The error goes to the rank's end (`runner.ON_LOCKSTEP_ERROR`)."""
+    from harness.replay import batched_runner, runner
+
+    model = cpu_models["gqa"]
+    engine = BatchedEngine(model.backend(parse_path("fp8_e4m3")), BatchSettings(batch_size=8))
+    tried, ended = [], []
+
+    def out_of_memory(items):
+        tried.append(len(items))
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "_generate_batch", out_of_memory)
+    monkeypatch.setattr(runner, "in_lockstep", lambda: True)
+    monkeypatch.setattr(batched_runner, "in_lockstep", lambda: True)
+    monkeypatch.setattr(runner, "ON_LOCKSTEP_ERROR", ended.append)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.generate(_prompts(model) * 2, 6)
+    assert tried == [8] and engine.batch_sizes_used == []  # not halved
+    def collective_failed():
+        raise RuntimeError("a collective failed")
+
+    fallbacks = []
+    with pytest.raises(RuntimeError, match="collective"):
+        batched_runner.BatchedReplay._guarded(fallbacks, "reference", collective_failed)
+    assert fallbacks == [] and [str(e) for e in ended] == ["a collective failed"]
+    monkeypatch.setattr(batched_runner, "in_lockstep", lambda: False)  # one device: named, then one at a time
+    assert batched_runner.BatchedReplay._guarded(fallbacks, "reference", lambda: 1 / 0) is None
+    assert fallbacks == ["reference: ZeroDivisionError: division by zero"]
+
+
 def test_kernel_agreement_folds_rows_as_python_max_does():
     """The device-side fold of per-row kernel checks (`KernelAgreement`) gives what a host-side
     `max(running, value)` per row gives, NaN (never raises a maximum) and inf included."""

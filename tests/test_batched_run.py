@@ -156,10 +156,10 @@ def refuse_per_head(monkeypatch):
 
     real = route._batch_refusal
 
-    def refusing(kv_path, capture, shard=None):
+    def refusing(kv_path, capture):
         if kv_path is not None and kv_path.granularity == "per_head":
             return f"path {kv_path.name}: refused for this test"
-        return real(kv_path, capture, shard)
+        return real(kv_path, capture)
 
     route._decide.cache_clear()
     monkeypatch.setattr(route, "_batch_refusal", refusing)

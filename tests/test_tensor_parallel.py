@@ -4,8 +4,10 @@ tensor-parallel plan, every rank replaying every unit, rank 0 writing.
 CPU: refusals (by name, before any model loads), and two gloo ranks on the CPU (`--device cpu,cpu`): the tiny
 gqa canary at TP=2 against TP=1 (tokens, teacher-forced KL, and the calibrated scales, which must be a one-device
 run's: per-head amax gathered over the ranks, per-tensor the max over every head), a random-weights directory
-made the same on every rank, and a `harness run` that stores every unit with its layout. Multi-GPU hosts
-(`multigpu`): the three canaries at TP=2 against one GPU, and a run over two GPUs.
+made the same on every rank, the auto batch size agreed over the ranks, and a `harness run` replayed in batches
+(--batch-size 4, dynamic decode, a fault path among its paths) against the same ranks one sequence at a time.
+Multi-GPU hosts (`multigpu`): the three canaries at TP=2 against one GPU, a batched run over two GPUs, and its
+batches against batches of one.
 
 The TP=2 vs TP=1 noise is measured and printed, not asserted to be zero: splitting o_proj / down_proj / the LM
 head over ranks changes bf16 rounding. On the CPU (gloo, two ranks, gqa canary, one prompt, 8 greedy tokens) session
@@ -78,13 +80,48 @@ def test_several_cpu_ranks_are_for_tensor_parallel_only(tmp_path):
     with pytest.raises(ValueError, match="for --shard tensor"):
         job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cpu,cpu")
     config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cpu,cpu", shard="tensor")
-    assert config.shard_devices == ["cpu", "cpu"] and not config.batched
+    assert config.shard_devices == ["cpu", "cpu"] and not config.batched  # as on one CPU: one sequence at a time
+    assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cpu,cpu", shard="tensor",
+                         batch_size=4).batched
+    assert job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1",
+                         shard="tensor").batched  # GPUs: batched by default, as on one GPU
 
 
-def test_the_layout_names_the_world_and_the_writer():
+@pytest.mark.parametrize("device, decode", [("cpu,cpu", "static"), ("cuda:0,1", "static"), ("cuda:0,1", "graph")])
+def test_static_and_graph_decode_are_refused_by_name_with_tensor_parallel(tmp_path, device, decode):
+    with pytest.raises(ValueError, match=rf"--shard tensor --decode {decode}: refused for tensor-parallel ranks"):
+        job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device=device, shard="tensor",
+                      decode=decode, batch_size=4)
+
+
+def test_the_cli_refuses_graph_decode_with_tensor_parallel_by_name(tmp_path, capsys):
+    from harness.cli import main
+
+    code = main(["run", "--out", str(tmp_path / "run"), "--model", str(CANARIES / "gqa"), "--device", "cpu,cpu",
+                 "--shard", "tensor", "--batch-size", "4", "--decode", "static"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--decode static: refused for tensor-parallel ranks" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tensor_parallel_route_decodes_its_batches_dynamically():
+    from transformers import AutoConfig
+
+    from harness.replay.route import TENSOR_DECODE, decide
+
+    gqa = AutoConfig.from_pretrained(str(CANARIES / "gqa"))
+    route = decide(None, gqa, "cuda", True, batched=True, shard="tensor")
+    assert route.batch_refusal is None
+    assert route.decode == f"dynamic (graph decode refused for this model: {TENSOR_DECODE})"
+    assert decide(None, gqa, "cpu", False, batched=True, shard="tensor").decode == "dynamic"
+
+
+def test_the_layout_names_the_world_the_writer_and_the_batches():
     layout = tensor_parallel.layout(["cuda:0", "cuda:1"], {})
     assert layout["kind"] == "tensor-parallel" and layout["world_size"] == 2 and layout["backend"] == "nccl"
-    assert tensor_parallel.layout(["cpu", "cpu"], {})["backend"] == "gloo"
+    assert layout["batch_composition"] == tensor_parallel.IN_LOCKSTEP_BATCHES
+    alone = tensor_parallel.layout(["cpu", "cpu"], {}, batched=False)
+    assert alone["backend"] == "gloo" and alone["batch_composition"] == tensor_parallel.ONE_AT_A_TIME_RANKS
 
 
 def test_tp2_on_two_cpu_ranks_replays_what_one_device_replays_within_the_noise_floor():
@@ -142,20 +179,133 @@ def test_random_weights_without_files_are_the_same_seeded_model_on_every_rank(tm
     assert found["sharded"] > 0 and found["mismatched"] == [], found
 
 
-def test_a_tensor_parallel_run_on_two_cpu_ranks_stores_every_unit_and_its_layout(tmp_path):
-    config = build_run_config(command=["pytest", "tp"], out=tmp_path / "run", device="cpu,cpu", shard="tensor",
-                              models=[CANARIES / "gqa"], select=("id:canary-arith-1",), paths="fp8_e4m3:calibrated")
-    run_dir = job.run_job(config, warn=lambda message: None)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["status"] == "complete", manifest.get("warnings")
-    parallel = manifest["parallel"]
-    assert parallel["kind"] == "tensor-parallel" and parallel["world_size"] == 2 and parallel["backend"] == "gloo"
-    assert parallel["models"]["gqa"]["kv_heads_per_rank"] == 1
-    assert manifest["batching"]["gqa"] == {"off": job.TENSOR_PARALLEL_ONE_AT_A_TIME}
-    verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
-    assert {v["path"] for v in verdicts} >= {"bf16", "fp8_e4m3:calibrated"}
-    done = (run_dir / "done.jsonl").read_text().splitlines() if (run_dir / "done.jsonl").exists() else None
-    assert done is None or len(done) == len(set(done)), "a unit stored twice (only rank 0 writes)"
+SMOKE = ROOT / "tests" / "data" / "scenarios" / "smoke.yaml"
+# smoke-chat (two generated turns of 6 tokens, one fixed) and smoke-arith (EOS after 2 tokens) in one batch: a row
+# leaves its batch mid-decode on every rank. A healthy per-head calibrated path (amax gathered over the ranks, each
+# rank's caches cut to its heads) and the zoo's dropped-scales fault beside the reference, bf16 and its control.
+BATCHED_PATHS = "fp8_e4m3:per_head:calibrated,fp8_e4m3:calibrated:fault=scale_dropped"
+
+
+def _tensor_parallel_runs(tmp_path: Path, device: str, batched: dict, alone: dict) -> list[Path]:
+    """The same tensor-parallel run replayed in batches (`batched`'s fields) and one sequence at a time (`alone`'s)."""
+    common = dict(command=["pytest", "tp"], device=device, shard="tensor", models=[CANARIES / "gqa"],
+                  scenario_paths=[SMOKE], select=("id:smoke-chat", "id:smoke-arith"), paths=BATCHED_PATHS,
+                  yardstick="none")
+    return [job.run_job(build_run_config(out=tmp_path / name, **common, **fields), warn=lambda message: None)
+            for name, fields in (("batched", batched), ("alone", alone))]
+
+
+def _assert_batches_replay_what_one_at_a_time_replays(runs: list[Path], exact_faults: bool = True) -> None:
+    """Every unit stored once in both runs, the batched run's batches several rows and dynamic, and its records those
+    of one sequence at a time: the same verdicts, the same texts, each turn's teacher-forced kl_mean within
+    KL_MEAN_LIMIT. exact_faults False: a fault path's texts and kl_mean are left out (its verdict still compared).
+
+    Why that tolerance: both runs split the model over the same ranks, so the TP rounding is common to both and
+    only the batch composition differs (left padding changes the reduction order of attention and GEMMs: the
+    batch-invariance floor the batched run measures). The TP tests' own floor, KL_MEAN_LIMIT, is the least KL
+    this file calls noise; a lockstep slip (ranks in different batches, one rank's rows dropped at another step,
+    two sequences' partials summed) gives KLs of order 1 and other tokens. Measured on the CPU (two gloo ranks):
+    texts 20 of 20 identical, kl_mean moved by <= 3e-6 (per-head path) and 8e-6 (the fault's, ~7 nats). A fault
+    path amplifies rounding (dropped scales saturate the softmax: its tokens are noise and its kl_mean moved by
+    3 nats between a TP=2 and a one-device run of the same batches), so where batches of other shapes may round
+    otherwise (cuBLAS on GPUs) only its verdict is compared."""
+    manifests = [json.loads((run / "manifest.json").read_text()) for run in runs]
+    assert all(m["status"] == "complete" for m in manifests), [m.get("warnings") for m in manifests]
+    batched = manifests[0]
+    assert batched["parallel"]["kind"] == "tensor-parallel"
+    assert batched["parallel"]["batch_composition"] == tensor_parallel.IN_LOCKSTEP_BATCHES
+    for label, batching in batched["batching"].items():
+        assert batching["largest_batch"] > 1 and batching["decode"]["batches"].keys() == {"dynamic"}, (label, batching)
+        assert batching["one_at_a_time_fallbacks"] == [] and batching["one_sequence_paths"] == {}, (label, batching)
+    done = [_rows(run, "done") for run in runs]
+    assert all(len(d) == len(set(d)) for d in done), "a unit stored twice (only rank 0 writes)"
+    assert set(done[0]) == set(done[1]) and len(done[0]) == 10 * len(batched["batching"])  # 2 scenarios x 5
+    verdicts = [{(v["model"], v["scenario"], v["path"], v["turn"]): v["verdict"] for v in _read(run, "verdicts")}
+                for run in runs]
+    assert verdicts[0] == verdicts[1]
+    assert {verdict for (_, _, path, _), verdict in verdicts[0].items() if "fault=" in path} == {"fail"}
+    def compared(row: dict) -> bool:
+        return exact_faults or "fault=" not in row["path"]
+
+    texts = [{_key(r): r["token_ids"] for r in _read(run, "texts") if compared(r)} for run in runs]
+    assert texts[0] == texts[1]
+    kls = [{_key(r): r["value"] for r in _read(run, "records") if r["metric"] == "kl_mean" and compared(r)}
+           for run in runs]
+    assert kls[0].keys() == kls[1].keys() and kls[0]
+    moved = {key: abs(kls[0][key] - kls[1][key]) for key in kls[0]}
+    print("\nTP batched vs one at a time, |kl_mean moved|:", {"/".join(map(str, k)): v for k, v in moved.items()})
+    assert max(moved.values()) < KL_MEAN_LIMIT, moved
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["scenario"], row["path"], row["turn"]
+
+
+def _read(run_dir: Path, table: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"{table}.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _rows(run_dir: Path, table: str) -> list[tuple]:
+    return [(r["model"], r["scenario"], r["path"]) for r in _read(run_dir, table)]
+
+
+def test_a_tensor_parallel_run_on_two_cpu_ranks_replays_in_batches_what_it_replays_one_at_a_time(tmp_path):
+    """Two gloo ranks, --batch-size 4, against the same ranks one sequence at a time (the CPU ranks' default)."""
+    runs = _tensor_parallel_runs(tmp_path, "cpu,cpu", dict(batch_size=4), {})
+    batched, alone = [json.loads((run / "manifest.json").read_text()) for run in runs]
+    assert batched["parallel"]["models"]["gqa"]["kv_heads_per_rank"] == 1 and batched["parallel"]["backend"] == "gloo"
+    assert "batching" not in alone and alone["parallel"]["batch_composition"] == tensor_parallel.ONE_AT_A_TIME_RANKS
+    _assert_batches_replay_what_one_at_a_time_replays(runs)
+
+
+class _StandIn:
+    """What `auto_batch_size` reads of a model: its config (the gqa canary's)."""
+
+    def __init__(self):
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.from_pretrained(str(CANARIES / "gqa"))
+
+
+def _auto_batch_size(free: int, total: int) -> int:
+    """`auto_batch_size` at 4096 tokens for 1000 sequences on a stand-in CUDA device with `free` bytes free."""
+    from harness.replay.batched import auto_batch_size
+
+    torch.cuda.mem_get_info = lambda device: (free, total)
+    return auto_batch_size(_StandIn(), torch.device("cuda"), 4096, 1000)
+
+
+def _auto_batch_size_on_rank(rank: int, port: int, free: list[int], found) -> None:
+    tensor_parallel.init_rank(rank, ["cpu", "cpu"], port)
+    try:
+        found.put((rank, _auto_batch_size(free[rank], max(free))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_auto_batch_size_is_the_same_on_every_rank(monkeypatch):
+    """Each rank reads its own free memory; every rank cuts the batches the least free rank affords (one
+    all_reduce), so no rank runs a batch the others do not. Two gloo ranks, 256 and 64 MiB free: both take the
+    64 MiB size, fewer sequences than 256 MiB affords."""
+    import multiprocessing
+
+    free = [256 << 20, 64 << 20]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", torch.cuda.mem_get_info)  # restored after this process's calls
+    least, most = _auto_batch_size(free[1], free[0]), _auto_batch_size(free[0], free[0])
+    assert least < most, (least, most)
+    context = multiprocessing.get_context("spawn")
+    found, port = context.Queue(), tensor_parallel.free_port()
+    ranks = [context.Process(target=_auto_batch_size_on_rank, args=(rank, port, free, found)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        sizes = dict(found.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert sizes == {0: least, 1: least}, sizes
 
 
 # ---------------------------------------------------------------- multi-GPU hosts
@@ -184,15 +334,31 @@ def test_tp2_on_two_gpus_replays_what_one_gpu_replays_within_the_noise_floor(fam
 
 @pytest.mark.multigpu
 def test_a_tensor_parallel_run_on_two_gpus_stores_every_unit(tmp_path):
+    """The three canaries at TP=2 on GPUs, batched by default (the batch size from the least free memory of the
+    two GPUs, agreed over NCCL; graph decode refused, so dynamic)."""
+    from harness.replay.route import TENSOR_DECODE
+
     config = build_run_config(command=["pytest", "tp"], out=tmp_path / "run", device="cuda:0,1", shard="tensor",
                               select=("id:canary-arith-*",))
+    assert config.batched
     run_dir = job.run_job(config)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete", manifest.get("warnings")
     assert manifest["parallel"]["kind"] == "tensor-parallel" and manifest["parallel"]["backend"] == "nccl"
     assert set(manifest["parallel"]["models"]) == {m["label"] for m in manifest["models"]}
+    for label, batching in manifest["batching"].items():  # 3 arith scenarios: one batch of 3 rows at least
+        assert batching["largest_batch"] > 1 and batching["decode"]["batches"].keys() == {"dynamic"}, (label, batching)
+        assert any(TENSOR_DECODE in why for why in batching["decode"]["fallbacks"]), (label, batching)
     verdicts = [json.loads(line) for line in (run_dir / "verdicts.jsonl").read_text().splitlines() if line.strip()]
     assert verdicts and all(v["verdict"] in ("pass", "warn", "fail") for v in verdicts)
+
+
+@pytest.mark.multigpu
+def test_a_tensor_parallel_run_on_two_gpus_replays_in_batches_what_batches_of_one_replay(tmp_path):
+    """As the CPU test above over NCCL, our Triton decode kernels on each rank's heads: auto-sized batches against
+    batches of one row (a GPU run is batched by default)."""
+    runs = _tensor_parallel_runs(tmp_path, "cuda:0,1", {}, dict(batch_size=1))
+    _assert_batches_replay_what_one_at_a_time_replays(runs, exact_faults=False)
 
 
 def test_rank_device_lists_parse_in_both_spellings():

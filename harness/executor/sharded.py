@@ -28,7 +28,7 @@ class TensorParallel:
 
         config = work.config
         devices = config.shard_devices
-        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {})))
+        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {}, config.batched)))
         port = free_port()
         threads = 1 if devices[0] == "cpu" else 0
         with spawn_pool(len(devices), config, threads) as pool:

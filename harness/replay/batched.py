@@ -30,8 +30,9 @@ from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, Ste
 from harness.kv_paths.cache import (KVWriteStats, StaticColumns, StaticStorageMismatch, build_cache, cache_kwargs,
                                     make_static, stack_rows)
 from harness.replay.families import NO_CACHE_TYPES, static_decode_refusal  # noqa: F401 - re-exported
-from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, LAYERS_DECODE
+from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, layout_decode_refusal
 from harness.replay.families import ssm_scan_bytes
+from harness.replay.tensor_parallel import min_across_ranks
 
 DEFAULT_KERNEL_CHECK_EVERY = 16  # decode steps between fp64 agreement checks (the kernel runs every step)
 MAX_AUTO_BATCH = 256
@@ -115,12 +116,21 @@ class BatchedEngine:
         self.decode_warm = False
 
     def _layout_refusal(self) -> str | None:
-        """Why this model's batches cannot decode on static storage for its layout: layer-sharded (as the route
-        says for `--shard layers`, whichever devices the plan names)."""
-        return LAYERS_DECODE if getattr(self.backend.owner, "shard_plan", None) is not None else None
+        """Why this model's batches cannot decode on static storage for its layout: layer-sharded or a
+        tensor-parallel rank (as the route says for `--shard layers | tensor`)."""
+        owner = self.backend.owner
+        if getattr(owner, "tensor_parallel", False):
+            return layout_decode_refusal("tensor")
+        return layout_decode_refusal("layers") if getattr(owner, "shard_plan", None) is not None else None
 
     # -- batching with OOM back-off -------------------------------------------------------------------
     def _in_batches(self, items: list, run: Callable[[list], list], max_len: int) -> list:
+        """`run` over `items` in batches of the setting's size (auto: `auto_batch_size`), in order. A CUDA
+        out-of-memory error halves the size and retries the batch; on a tensor-parallel rank it is raised instead
+        (`runner.in_lockstep`): the other ranks wait inside the failed batch's collectives, so no rank may cut
+        batches of its own, and the rank's error ends the run, resumable."""
+        from harness.replay.runner import in_lockstep
+
         size = self.settings.batch_size or auto_batch_size(self.model, self.device, max_len, len(items))
         results: list = []
         start = 0
@@ -129,7 +139,7 @@ class BatchedEngine:
             try:
                 results += run(chunk)
             except torch.OutOfMemoryError:
-                if size == 1:
+                if size == 1 or in_lockstep():
                     raise
                 size = max(1, size // 2)
                 _free_cuda()
@@ -782,10 +792,13 @@ def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> in
     - the Mamba-2 scan's working set (`ssm_scan_bytes`, measured: tests/test_families.py).
     - 0.5 of free memory: headroom for what the terms leave out (allocator fragmentation, CUDA-graph pools,
       kernel workspaces). A margin, not a measurement; an over-large batch costs one failed attempt and a
-      halving (`_in_batches`), never a result."""
+      halving (`_in_batches`), never a result.
+    On tensor-parallel ranks free memory is the least over the ranks (`tensor_parallel.min_across_ranks`), so every
+    rank cuts the same batches."""
     if device.type != "cuda" or items == 0:
         return max(1, items)
     free, _ = torch.cuda.mem_get_info(device)
+    free = min_across_ranks(free)  # tensor-parallel ranks cut the same batches: the least free memory of any
     config = model.config
     hidden, vocab = model_layers.field(config, "hidden_size"), model_layers.field(config, "vocab_size")
     widest = model_layers.field(config, "intermediate_size")  # a list where each layer has its own (Gemma 3n)

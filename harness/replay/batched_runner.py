@@ -27,7 +27,7 @@ import torch
 from harness import model_layers
 from harness.replay.batched import BatchedEngine, BatchSettings
 from harness.replay.route import OWN_FLOOR, batch_floor
-from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages
+from harness.replay.runner import REFERENCE, Replay, TurnReply, _messages, end_in_lockstep, in_lockstep
 from harness.scenarios.load import Scenario
 from harness.types import Generation, Message, Scores
 
@@ -92,6 +92,8 @@ class PrecomputedBackend:
         try:
             scored = self.score_engine.score([p for p, _ in chunk], [c for _, c in chunk])
         except Exception as error:  # noqa: BLE001 - named in the manifest; the rest is scored one at a time
+            if in_lockstep():  # a tensor-parallel rank: the others wait inside this chunk's collectives
+                end_in_lockstep(error)
             self.score_engine = None
             if self.on_score_failure is not None:
                 self.on_score_failure(error)
@@ -162,10 +164,14 @@ class BatchedReplay:
     @staticmethod
     def _guarded(fallbacks: list[str], what: str, work):
         """Run one batched phase; if it fails, say so and let `Replay` compute what is missing one sequence at
-        a time (its own per-scenario error handling then records anything that still fails)."""
+        a time (its own per-scenario error handling then records anything that still fails). On a tensor-parallel
+        rank the error ends the run instead (`runner.in_lockstep`): the other ranks wait inside the failed batch's
+        collectives, and a rank going on one sequence at a time alone would meet them with another shape."""
         try:
             return work()
         except Exception as error:  # noqa: BLE001 - named in the manifest, the run goes on
+            if in_lockstep():
+                end_in_lockstep(error)
             fallbacks.append(f"{what}: {type(error).__name__}: {error}"[:300])
             return None
 

@@ -4,7 +4,11 @@ GPUs, gloo on the CPU), each holding its slice of every layer as transformers' t
 
 Every rank replays the same units in lockstep: the plan gathers the LM head's output, so every rank holds the
 full logits and takes the same greedy token; only rank 0 writes the run directory (the others write into a
-private copy of it, which keeps their resume state and reads identical and is deleted at the end).
+private copy of it, which keeps their resume state and reads identical and is deleted at the end). Batched, every
+rank runs the same batches: each choice that shapes a collective is made alike (the auto batch size from the least
+free memory over the ranks, `min_across_ranks`; rows leave at EOS by the gathered logits), and what one rank
+cannot decide alone (an out-of-memory halving) ends the run instead (`runner.in_lockstep`); batches decode
+dynamically (`route.TENSOR_DECODE`).
 
 What the FP8 KV paths need beyond the plan:
 - each rank's attention layers see their local KV heads (heads `rank*H/N ... (rank+1)*H/N - 1`: the colwise
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from harness.replay.route import layout_batch_refusal
+from harness.replay.route import TENSOR_DECODE
 from harness.replay.sharding import ShardError
 
 NO_PLAN = ("{family}: transformers has no tensor-parallel plan (base_model_tp_plan) for this family; "
@@ -170,6 +174,19 @@ def max_across_ranks(values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]
     return out
 
 
+def min_across_ranks(value: int) -> int:
+    """The least of `value` over the ranks (one all_reduce; `value` itself outside a process group): a choice
+    every rank must make alike, such as a batch size read from its own free memory."""
+    import torch.distributed as dist
+
+    _, size = world()
+    if size == 1:
+        return value
+    least = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return int(least.item())
+
+
 def local_scales(scales):
     """A LayerScales whose per-head K/V scale vectors are cut to this rank's KV heads (contiguous blocks, rank
     order); per-tensor scales stay as they are."""
@@ -193,12 +210,21 @@ def _collective_device() -> torch.device:
     return torch.device("cpu") if _on_cpu_group() else torch.device("cuda", torch.cuda.current_device())
 
 
-def layout(devices: list[str], models: dict[str, dict]) -> dict:
-    """`manifest.parallel` of a tensor-parallel run."""
+# What every rank does alike in a batched tensor-parallel run (`manifest.parallel.batch_composition`)
+IN_LOCKSTEP_BATCHES = (f"batched, every rank the same batches in lockstep (the same waves and order; auto batch size "
+                       f"from the least free memory over the ranks; rows leave at EOS by the gathered logits, alike "
+                       f"on every rank; an out-of-memory error or a failed batch ends the run, resumable, instead of "
+                       f"a batch of one rank's own); dynamic decode (static and graph decode refused: "
+                       f"{TENSOR_DECODE})")
+ONE_AT_A_TIME_RANKS = "one sequence at a time (CPU ranks without --batch-size, as on one CPU)"
+
+
+def layout(devices: list[str], models: dict[str, dict], batched: bool = True) -> dict:
+    """`manifest.parallel` of a tensor-parallel run (batched: the run replays in batches, `RunConfig.batched`)."""
     return {"kind": "tensor-parallel", "world_size": len(devices), "devices": list(devices),
             "backend": "gloo" if devices[0] == "cpu" else "nccl", "models": models,
             "writer": "rank 0 (every rank replays every unit in lockstep)",
-            "batch_composition": layout_batch_refusal("tensor"),
+            "batch_composition": IN_LOCKSTEP_BATCHES if batched else ONE_AT_A_TIME_RANKS,
             "noise": "reductions split over ranks change bf16 rounding: tokens and log-probs may differ from a "
                      "one-GPU run by the floor tests/test_tensor_parallel.py measures"}
 
