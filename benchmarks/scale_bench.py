@@ -36,6 +36,7 @@ Across GPUs (`--gpus N`, `--sharded`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -151,6 +152,35 @@ def launches_per_step(engine: BatchedEngine, ps: list[list[int]]) -> float:
     return (counts[1] - counts[0]) / 4
 
 
+@contextlib.contextmanager
+def step_clock():
+    """The wall time between successive decode steps of static / graph decode (`StaticDecodeStep.run`), collected
+    while the block runs: each step ends in a host read of its tokens, so an interval is one whole step (GPU work,
+    host work, the read). Its median is the decode step time free of the prefill's run-to-run spread, which
+    `(t(new) - t(SHORT)) / (new - SHORT)` divides over few steps at 8k (session 22: 16 x 8k, 12 steps apart,
+    read FP8 1.8 ms a step, under the bandwidth roof)."""
+    from harness.replay.batched import StaticDecodeStep
+
+    stamps: list[float] = []
+    inner = StaticDecodeStep.run
+
+    def run(self, *args, **kwargs):
+        stamps.append(time.perf_counter())
+        return inner(self, *args, **kwargs)
+
+    StaticDecodeStep.run = run
+    try:
+        yield stamps
+    finally:
+        StaticDecodeStep.run = inner
+
+
+def median_step(stamps: list[float], skip: int = 3) -> float | None:
+    """Median interval between decode steps after the first `skip` (eager step, capture), or None (too few)."""
+    gaps = sorted(b - a for a, b in zip(stamps[skip:], stamps[skip + 1:]) if b > a)
+    return gaps[len(gaps) // 2] if len(gaps) >= 4 else None
+
+
 def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
                bandwidth: float, baseline: bool, log, profile: bool = False) -> list[dict]:
     model, config = loaded.model, loaded.model.config
@@ -204,7 +234,8 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
             # decode step 0 runs the kernel-agreement check (fp64, every row) and a graph is captured once per
             # call: both timed calls include each once
             t_short, _, _ = timed(lambda: engine.generate(ps, SHORT))
-            tn, peak, result = timed(lambda: engine.generate(ps, new))
+            with step_clock() as stamps:
+                tn, peak, result = timed(lambda: engine.generate(ps, new))
         except torch.OutOfMemoryError as error:
             rows.append({"config": name, "path": spec, "error": f"OOM: {str(error)[:80]}"})
             log(rows[-1])
@@ -213,6 +244,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
         produced = sum(len(r.token_ids) for r in result)
         launches = launches_per_step(engine, ps) if profile else None
         step = (tn - t_short) / (new - SHORT)
+        steady = median_step(stamps)
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
         if spec == "bf16":
             bf16_time = tn
@@ -222,6 +254,8 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "x_bf16": tn / bf16_time if bf16_time else None,
                      "kernel": backend.route.kernel_refusal or "triton", "batches": engine.batch_sizes_used[-1:],
                      "live_before": live_before, "launches_per_step": launches,
+                     "median_step_ms": steady * 1e3 if steady else None,
+                     "median_decode_tok_s": batch / steady if steady else None,
                      "decode_mode": "+".join(sorted(engine.decode_batches)), "decode_fallbacks": engine.decode_fallbacks})
         log(rows[-1])
         torch.cuda.empty_cache()
@@ -724,16 +758,21 @@ def main() -> None:
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     for line in extra:
         print(line)
-    print("\n(tok/s: whole call, prefill included; decode tok/s: batch / decode-step time, the issue's measure)\n"
-          "| config | path | tok/s | decode tok/s | s | ms/step | roof frac | peak GiB | live before GiB | launches/step | "
-          "x bf16 | decode attention | decode steps |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n(tok/s: whole call, prefill included; decode tok/s: batch / decode-step time, the issue's measure, from "
+          "(t(new) - t(4)) / (new - 4); median step: the median interval between decode steps of the timed call, "
+          "`step_clock`, and batch / it)\n"
+          "| config | path | tok/s | decode tok/s | s | ms/step | median step ms | decode tok/s (median step) | "
+          "roof frac | peak GiB | live before GiB | launches/step | x bf16 | decode attention | decode steps |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['path']} | {r['error']} |")
             continue
         x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
+        median = (f"{r['median_step_ms']:.2f} | {r['median_decode_tok_s']:.0f}" if r.get("median_step_ms")
+                  else " | ")
         print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['decode_tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
-              f"{r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
+              f"{median} | {r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
               f"{r.get('launches_per_step') or ''} | {x} | {r.get('kernel', '')} | {r.get('decode_mode', 'generate')} |")
     for r in rows:
         for why in r.get("decode_fallbacks") or ():
