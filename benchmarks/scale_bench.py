@@ -673,6 +673,8 @@ def main() -> None:
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="also count kernel launches per decode step")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel rows on 1 and this many GPUs (8B-shaped)")
+    parser.add_argument("--no-data-parallel", action="store_true",
+                        help="with --gpus N: only the --sharded rows, not the data-parallel ones")
     parser.add_argument("--sharded", default="", help="layer-sharded rows over --gpus GPUs: 70b, 8b (comma-separated)")
     parser.add_argument("--write-70b-dir", type=Path, default=None,
                         help="write a 70B-shaped random-weights model directory (canary tokenizer) and exit")
@@ -711,7 +713,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     paths = [p for p in args.paths.split(",") if p]
     multi = []
-    if args.gpus > 1:
+    if args.gpus > 1 and not args.no_data_parallel:
         multi += data_parallel_rows(args.gpus, args.new, ["bf16", "fp8_e4m3"], log)
     if args.sharded:
         multi += sharded_rows(args.sharded.split(","), max(args.gpus, 2), args.new, bandwidth, log)
