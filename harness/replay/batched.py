@@ -424,6 +424,7 @@ class BatchedEngine:
         rows, length = ids.shape
         width = self._prefill_width(rows)
         keys = torch.arange(static.max_len, device=self.device)
+        kinds = window_kinds(self.model.config)
         logits = None
         for begin in range(0, length, width):
             end = min(length, begin + width)
@@ -432,7 +433,7 @@ class BatchedEngine:
             attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
             static.columns, static.length = queries, end
             step.valid = mask[:, begin:end]
-            windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end])
+            windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
             logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
                                                                    windowed), positions[:, begin:end], cache, step)
         return logits
@@ -571,8 +572,11 @@ class StaticDecodeStep:
         # a windowed layer type's mask: a buffer rewritten before each step (the window moves), read in place by a
         # captured graph; the full-attention mask is a view of `seen`
         self.keys = torch.arange(seen.shape[1], device=device)
+        # the windowed layer types, read once: reading them walks every layer's config (~20 ms a step for a
+        # 24-layer gpt-oss under transformers 5.17, session 22), and the window moves every step
+        self.window_kinds = window_kinds(engine.model.config)
         self.windowed = window_masks(engine.model.config, seen[:, None, None, :], self.keys, self.column,
-                                     self.positions)
+                                     self.positions, self.window_kinds)
         self.mask = static_mask(engine.model.config, seen[:, None, None, :], None, self.windowed)
         self.graph = graph
         self.captured: torch.cuda.CUDAGraph | None = None
@@ -593,7 +597,7 @@ class StaticDecodeStep:
         self.step.valid, self.step.check = self.valid, check
         if self.windowed:
             moved = window_masks(self.engine.model.config, self.seen[:, None, None, :], self.keys, self.column,
-                                 self.positions)
+                                 self.positions, self.window_kinds)
             for kind, buffer in self.windowed.items():
                 buffer.copy_(moved[kind])
         if not self.graph or check or not (self.eager_steps or self.engine.decode_warm):
@@ -685,14 +689,15 @@ def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
 
 
 def window_masks(config, attend: torch.Tensor, keys: torch.Tensor, query_columns: torch.Tensor,
-                 query_positions: torch.Tensor) -> dict[str | None, torch.Tensor]:
+                 query_positions: torch.Tensor, kinds: dict | None = None) -> dict[str | None, torch.Tensor]:
     """`attend` [rows, 1, queries, columns] narrowed to each windowed layer type's keys (None: the one window of a
     model without layer types), as transformers' masks narrow them (`masking_utils`: a sliding window keeps keys with
     kv_idx > q_idx - window; a chunk keeps keys of the query's chunk of positions, `chunked_overlay`). A row's tokens
     sit in consecutive columns, so a key's position is its column's offset from the query's: keys [columns],
-    query_columns [queries], query_positions [rows, queries]. A pad query keeps itself (`attend`'s diagonal)."""
+    query_columns [queries], query_positions [rows, queries]. A pad query keeps itself (`attend`'s diagonal). kinds:
+    `window_kinds(config)` where the caller keeps it (None: read here)."""
     found: dict[str | None, torch.Tensor] = {}
-    for kind, window in window_kinds(config).items():
+    for kind, window in (window_kinds(config) if kinds is None else kinds).items():
         query = query_positions[:, None, :, None]
         key = keys - query_columns[:, None] + query  # [rows, 1, queries, columns]
         if (kind or "sliding_attention") == "sliding_attention":
