@@ -5,11 +5,12 @@
     python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
 
 Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1k-token prompts, every path, plain
-`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths, or every path --paths names), mla-1k (V2-Lite, batch 16, 1k, the first three
-paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two paths, 128 tokens; opt-in: its two
-paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the default run with it was not timed
-against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding windows and attention sinks, batch
-32 at 1k and 16 at 8k, the first two paths, plain `generate` beside the 1k row; opt-in: 42 GB of weights).
+`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths, or every path --paths names), mla-1k (V2-Lite,
+batch 16, 1k, the first three paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two
+paths, 128 tokens; opt-in: its two paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the
+default run with it was not timed against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding
+windows and attention sinks, batch 32 at 1k and 16 at 8k, the first two paths, plain `generate` beside the 1k row;
+opt-in: 42 GB of weights).
 
 No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
 DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
@@ -25,12 +26,11 @@ Across GPUs (`--gpus N`, `--sharded`):
   workers released together by a barrier after warm-up) for 1 and N GPUs, the ratio, and each row's wall clock
   from process start to the last result (cold start included: imports, CUDA, model build, Triton compile);
 - layer-sharded (`--sharded 70b`: a Llama-3-70B-shaped model, 80 layers over the GPUs, random weights made on the
-  GPUs, never on the CPU; `8b`, `mla`: the 8B model or the DeepSeek-V2-Lite-shaped MLA model sharded against the same model on one GPU,
-  the ratio): plain
-  `generate` at batch 8, the harness's one-sequence-at-a-time replay and its batched replay at batch 8 (what a
-  layer-sharded run replays; bf16 and FP8 through our kernels),
-  decode tokens/s and % of the bandwidth roof (layers run one GPU after another, so the roof is every weight byte
-  at one GPU's copy bandwidth).
+  GPUs, never on the CPU; `8b`, `mla`: the 8B model or the DeepSeek-V2-Lite-shaped MLA model sharded against the
+  same model on one GPU, the ratio): plain `generate` at batch 8, the harness's one-sequence-at-a-time replay and
+  its batched replay at batch 8 (what a layer-sharded run replays; bf16 and FP8 through our kernels), decode
+  tokens/s and % of the bandwidth roof (layers run one GPU after another, so the roof is every weight byte at one
+  GPU's copy bandwidth). `--no-data-parallel`: these rows alone.
 """
 
 from __future__ import annotations
