@@ -153,6 +153,7 @@ def test_on_a_tensor_parallel_rank_a_failed_batch_ends_the_run_instead_of_a_batc
     with pytest.raises(torch.OutOfMemoryError):
         engine.generate(_prompts(model) * 2, 6)
     assert tried == [8] and engine.batch_sizes_used == []  # not halved
+
     def collective_failed():
         raise RuntimeError("a collective failed")
 
