@@ -295,6 +295,15 @@ def sync_all() -> None:
         torch.cuda.synchronize(i)
 
 
+def synced_wall(fn) -> float:
+    """Seconds `fn()` takes, every GPU synchronised before and after (a sharded model's layers run on several)."""
+    sync_all()
+    start = time.perf_counter()
+    fn()
+    sync_all()
+    return time.perf_counter() - start
+
+
 def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int, paths: list[str], bandwidth: float,
                        log, gpus: int) -> list[dict]:
     """The harness's one-sequence-at-a-time greedy decode (what a layer-sharded run replays), per KV path,
@@ -311,15 +320,10 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
         backend = loaded.backend(parse_path(spec))
         try:
             backend.greedy_ids(prompt, 2)  # warm-up: Triton compiles
-            sync_all()
-            start = time.perf_counter()
-            backend.greedy_ids(prompt, 2)
-            sync_all()
-            t2 = time.perf_counter() - start
-            start = time.perf_counter()
-            ids, _, metrics = backend.greedy_ids(prompt, new)
-            sync_all()
-            tn = time.perf_counter() - start
+            t2 = synced_wall(lambda: backend.greedy_ids(prompt, 2))
+            generated = []
+            tn = synced_wall(lambda: generated.append(backend.greedy_ids(prompt, new)))
+            ids = generated[0][0]
         except torch.OutOfMemoryError as error:
             rows.append({"config": name, "path": spec, "error": f"OOM: {str(error)[:80]}"})
             log(rows[-1])
@@ -373,15 +377,8 @@ def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths
         engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
         try:
             engine.generate(ps, SHORT)  # warm-up: Triton compiles at these shapes
-            sync_all()
-            start = time.perf_counter()
-            engine.generate(ps, SHORT)
-            sync_all()
-            t_short = time.perf_counter() - start
-            start = time.perf_counter()
-            engine.generate(ps, new)
-            sync_all()
-            tn = time.perf_counter() - start
+            t_short = synced_wall(lambda: engine.generate(ps, SHORT))
+            tn = synced_wall(lambda: engine.generate(ps, new))
         except torch.OutOfMemoryError as error:
             rows.append({"config": name, "gpus": gpus, "path": f"{spec} (batched b{batch})",
                          "error": f"OOM: {str(error)[:80]}"})
