@@ -224,6 +224,7 @@ def _assert_batches_replay_what_one_at_a_time_replays(runs: list[Path], exact_fa
                 for run in runs]
     assert verdicts[0] == verdicts[1]
     assert {verdict for (_, _, path, _), verdict in verdicts[0].items() if "fault=" in path} == {"fail"}
+
     def compared(row: dict) -> bool:
         return exact_faults or "fault=" not in row["path"]
 
