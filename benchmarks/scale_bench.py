@@ -175,6 +175,43 @@ def step_clock():
         StaticDecodeStep.run = inner
 
 
+@contextlib.contextmanager
+def phase_clock():
+    """Seconds of each phase of the batched calls made while the block runs, each phase's GPU work synchronised
+    before and after it (so a phase's time is its own): prefill (every chunk of every batch), eager decode steps
+    (the first step, which does the lazy initialisation, and kernel-checked steps; the check included), the fp64
+    kernel-agreement checks alone, and CUDA graph capture. What a whole call spends beyond them is graph replays
+    and the host's work between steps."""
+    from harness.replay.batched import StaticDecodeStep
+
+    spent = {"prefill": 0.0, "eager_steps": 0.0, "kernel_checks": 0.0, "capture": 0.0}
+    patched = [(BatchedEngine, "_prefill_static", "prefill"), (BatchedEngine, "_prefill", "prefill"),
+               (StaticDecodeStep, "_forward", "eager_steps"), (StaticDecodeStep, "_capture", "capture"),
+               (attention.PagedKV, "_check", "kernel_checks")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+
+    def clocked(inner, phase):
+        def run(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():  # the forward pass a capture records: the capture's
+                return inner(*args, **kwargs)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                torch.cuda.synchronize()
+                spent[phase] += time.perf_counter() - start
+        return run
+
+    for (owner, name, phase), (_, _, inner) in zip(patched, originals):
+        setattr(owner, name, clocked(inner, phase))
+    try:
+        yield spent
+    finally:
+        for owner, name, inner in originals:
+            setattr(owner, name, inner)
+
+
 def median_step(stamps: list[float], skip: int = 3) -> float | None:
     """Median interval between decode steps after the first `skip` (eager step, capture), or None (too few)."""
     gaps = sorted(b - a for a, b in zip(stamps[skip:], stamps[skip + 1:]) if b > a)
@@ -182,7 +219,7 @@ def median_step(stamps: list[float], skip: int = 3) -> float | None:
 
 
 def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
-               bandwidth: float, baseline: bool, log, profile: bool = False) -> list[dict]:
+               bandwidth: float, baseline: bool, log, profile: bool = False, phases: bool = False) -> list[dict]:
     model, config = loaded.model, loaded.model.config
     rows = []
     ps = prompts(batch, length, config.vocab_size, seed=1)
@@ -243,6 +280,10 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
             continue
         produced = sum(len(r.token_ids) for r in result)
         launches = launches_per_step(engine, ps) if profile else None
+        spent = None
+        if phases:  # a third call, phases synchronised (its total is a little above the timed call's)
+            with phase_clock() as spent:
+                spent["whole"], _, _ = timed(lambda: engine.generate(ps, new))
         step = (tn - t_short) / (new - SHORT)
         steady = median_step(stamps)
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
@@ -256,7 +297,8 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "live_before": live_before, "launches_per_step": launches,
                      "median_step_ms": steady * 1e3 if steady else None,
                      "median_decode_tok_s": batch / steady if steady else None,
-                     "decode_mode": "+".join(sorted(engine.decode_batches)), "decode_fallbacks": engine.decode_fallbacks})
+                     "decode_mode": "+".join(sorted(engine.decode_batches)), "decode_fallbacks": engine.decode_fallbacks,
+                     "phases": spent})
         log(rows[-1])
         torch.cuda.empty_cache()
     return rows
@@ -669,6 +711,8 @@ def main() -> None:
     parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="also count kernel launches per decode step")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time one more call of each path by phase (prefill, eager steps, checks, capture)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel rows on 1 and this many GPUs (8B-shaped)")
     parser.add_argument("--no-data-parallel", action="store_true",
                         help="with --gpus N: only the --sharded rows, not the data-parallel ones")
@@ -718,11 +762,13 @@ def main() -> None:
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())
         if "8b-1k" in configs:
-            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log, args.profile)
+            rows += run_config("8b b32 1k", loaded, 32, 1024, args.new, paths, bandwidth, True, log, args.profile,
+                              args.phases)
         if "8b-8k" in configs:
             # the default path list: its first two; paths named with --paths: each of them
             long_paths = paths[:2] if args.paths == ",".join(PATHS) else paths
-            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, long_paths, bandwidth, False, log)
+            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, long_paths, bandwidth, False, log,
+                              phases=args.phases)
         del loaded
         torch.cuda.empty_cache()
     if any(c.startswith("mla") for c in configs):
@@ -773,6 +819,16 @@ def main() -> None:
         print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['decode_tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
               f"{median} | {r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
               f"{r.get('launches_per_step') or ''} | {x} | {r.get('kernel', '')} | {r.get('decode_mode', 'generate')} |")
+    timed_phases = [r for r in rows if r.get("phases")]
+    if timed_phases:
+        print("\n(--phases: one more call of each path, each phase synchronised; s)\n"
+              "| config | path | whole call | prefill | eager steps | of which kernel checks | capture | the rest |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in timed_phases:
+            p = r["phases"]
+            rest = p["whole"] - p["prefill"] - p["eager_steps"] - p["capture"]
+            print(f"| {r['config']} | {r['path']} | {p['whole']:.3f} | {p['prefill']:.3f} | {p['eager_steps']:.3f} | "
+                  f"{p['kernel_checks']:.3f} | {p['capture']:.3f} | {rest:.3f} |")
     for r in rows:
         for why in r.get("decode_fallbacks") or ():
             print(f"{r['config']} {r['path']}: {why}")
