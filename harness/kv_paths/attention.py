@@ -436,10 +436,13 @@ class PagedKV:
             k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
             v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
         if not self.mla:
-            group = q.shape[1] // k.shape[2]
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-            weights = attend(torch.einsum("nhd,nshd->nhs", q, k) * module.scaling)
-            return torch.einsum("nhs,nshd->nhd", weights, v).unsqueeze(1)
+            # query head h reads KV head h // group: the query heads as [Hkv, group], K and V never repeated (at
+            # 8B shape, 16 x 8k rows, the repeated fp64 K and V were 4.3 GB a layer each)
+            n, q_heads, kv_heads = q.shape[0], q.shape[1], k.shape[2]
+            grouped = q.view(n, kv_heads, q_heads // kv_heads, -1)
+            scores = torch.einsum("nkgd,nskd->nkgs", grouped, k).reshape(n, q_heads, -1)
+            weights = attend(scores * module.scaling).view(n, kv_heads, q_heads // kv_heads, -1)
+            return torch.einsum("nkgs,nskd->nkgd", weights, v).reshape(n, q_heads, -1).unsqueeze(1)
         cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
         nope = module.qk_nope_head_dim
         w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
