@@ -1,7 +1,7 @@
 """Where a batched decode step's GPU time goes, BF16 against an FP8 path (CUDA only).
 
     python benchmarks/decode_profile.py [--config v2-lite|8b] [--batch 16] [--context 1024]
-                                        [--paths bf16,fp8_e4m3] [--top 16]
+                                        [--paths bf16,fp8_e4m3] [--top 16] [--prefill]
 
 On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and with
 static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each call runs its first step eagerly
@@ -9,6 +9,8 @@ and captures its graph once, scale_bench.SHORT), then the CUDA kernels of one ea
 SHORT + 5 tokens less one of SHORT, over 5: step 0's kernel check in both), heaviest first. A graph step well above
 its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's are
 what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
+`--prefill`: the same for the prompts' prefill instead (a 1-token call: the first token comes from the prefill's
+logits), its wall time synchronised, and the host ops with the most time of their own.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def kernels_per_step(engine: BatchedEngine, prompts: list[list[int]]) -> list[tu
     return sorted((r for r in rows if r[0] > 0), reverse=True)
 
 
+def prefill_profile(engine: BatchedEngine, prompts: list[list[int]], top: int) -> tuple[float, list, list]:
+    """(wall s of a 1-token call, its CUDA kernels [(ms, calls, name)], its host ops [(self ms, calls, name)])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(prompts, 1)  # warm-up: compiles
+    wall, _, _ = scale_bench.timed(lambda: engine.generate(prompts, 1))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, 1)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sorted(((e.device_time_total / 1e3, e.count, e.key) for e in events if e.device_time_total > 0
+                      and e.cpu_time_total == 0), reverse=True)
+    host = sorted(((e.self_cpu_time_total / 1e3, e.count, e.key) for e in events if e.self_cpu_time_total > 0),
+                  reverse=True)
+    return wall, kernels[:top], host[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="v2-lite")
@@ -60,12 +79,28 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--paths", default="bf16,fp8_e4m3")
     parser.add_argument("--top", type=int, default=16, help="kernels listed per path")
+    parser.add_argument("--prefill", action="store_true", help="profile the prompts' prefill, not a decode step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: decode_profile needs a CUDA device (it profiles CUDA kernels)")
     loaded = scale_bench.build(CONFIGS[args.config]())
     prompts = scale_bench.prompts(args.batch, args.context, loaded.model.config.vocab_size, seed=1)
     print(f"{args.config} b{args.batch} {args.context}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.prefill:
+        for spec in args.paths.split(","):
+            engine = BatchedEngine(loaded.backend(parse_path(spec)), BatchSettings(batch_size=args.batch,
+                                                                                   kernel_check_every=10**9))
+            wall, kernels, host = prefill_profile(engine, prompts, args.top)
+            print(f"\n{spec}: prefill {wall:.3f} s wall; kernels {sum(r[0] for r in kernels):.1f} ms (top "
+                  f"{args.top})\n| ms | calls | kernel |\n|---:|---:|---|")
+            for ms, calls, name in kernels:
+                print(f"| {ms:.1f} | {calls} | `{name[:100]}` |")
+            print("| host ms (self) | calls | op |\n|---:|---:|---|")
+            for ms, calls, name in host:
+                print(f"| {ms:.1f} | {calls} | `{name[:100]}` |", flush=True)
+            del engine
+            torch.cuda.empty_cache()
+        return
     print("| path | graph step ms | eager static step ms | kernels ms / step | kernels / step |")
     print("|---|---:|---:|---:|---:|")
     listed = {}
