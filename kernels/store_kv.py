@@ -264,6 +264,12 @@ def _quantize_store_kernel(
         tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0))
 
 
+# Tokens a program of the fused write takes, at most: a prefill chunk's write (16 rows x 2,048 tokens x 8 heads of
+# 128, 8B-shaped) took 0.5 ms a launch at 16 (H200, session 23), where each program adds its statistics with four
+# atomics on its row's same four words
+TOKENS_PER_PROGRAM = 64
+
+
 def _inverse_max(fmt: str) -> float:
     """1 / max as fp32 computes it (what torch's CUDA division by a Python scalar multiplies by)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX[fmt], dtype=torch.float32))
@@ -307,7 +313,7 @@ def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, satura
     _check_cuda(x, out, *[t for t in (scale, cache, slots, counts, amax, live, valid) if t is not None])
     if x.numel() == 0:
         return out
-    block_t = min(16, triton.next_power_of_2(max(chunk, 2)))
+    block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
     dummy = out
     _quantize_store_kernel[(rows * triton.cdiv(chunk, block_t), heads)](
         x, out, scale if scale is not None else dummy, cache if store else dummy, slots if store else dummy,
@@ -319,6 +325,74 @@ def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, satura
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_T=block_t, FP8_DTYPE=_TL_FP8[fmt], FP8_MAX=FP8_MAX[fmt],
         INV_MAX=_inverse_max(fmt), MIN_SCALE=MIN_SCALE, IS_E4M3=fmt == "e4m3", SATURATE=bool(saturate),
         PER_TOKEN=scale is None, STORE=store, STATS=stats, HAS_VALID=valid is not None,
-        num_warps=4 if block_t * triton.next_power_of_2(dim) >= 2048 else 2,
+        num_warps=_warps(block_t * triton.next_power_of_2(dim)),
     )
     return out
+
+
+def _warps(elements: int) -> int:
+    """Warps for a program of `elements` values: 32 a thread from 8,192 up, 2 warps below 2,048."""
+    return 8 if elements >= 8192 else 4 if elements >= 2048 else 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# The write check's sums: per row, the squared error of two read-backs of x, in one pass over the three tensors
+# (torch's ops made ~20 passes over fp32 copies: at 8B shape, 16 x 8k prefill, ~0.4 s of FP8's prefill, session 23)
+# ---------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["C", "stride_vr"])
+def _square_error_sums_kernel(
+    X, A, B, VALID, PARTS,       # [R, H, C, D] x and two read-backs (any strides); [R, C] int (0 = pad); fp64 out
+    C, stride_vr,
+    sx0, sx1, sx2, sx3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_VALID: tl.constexpr,
+):
+    tiles = tl.cdiv(C, BLOCK_T)
+    pid = tl.program_id(0)
+    r = (pid // tiles).to(tl.int64)
+    tile = pid % tiles
+    head = tl.program_id(1)
+    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_mask = offs_t < C
+    if HAS_VALID:
+        t_mask &= tl.load(VALID + r * stride_vr + offs_t, mask=t_mask, other=0) != 0
+    m2 = t_mask[:, None] & (offs_d < D)[None, :]
+    x = tl.load(X + r * sx0 + head * sx1 + offs_t[:, None] * sx2 + offs_d[None, :] * sx3, mask=m2, other=0.0)
+    a = tl.load(A + r * sa0 + head * sa1 + offs_t[:, None] * sa2 + offs_d[None, :] * sa3, mask=m2, other=0.0)
+    b = tl.load(B + r * sb0 + head * sb1 + offs_t[:, None] * sb2 + offs_d[None, :] * sb3, mask=m2, other=0.0)
+    x = x.to(tl.float32)
+    out = PARTS + ((r * tl.num_programs(1) + head) * tiles + tile) * 2
+    ea = a.to(tl.float32) - x
+    ea = ea * ea
+    ea = tl.where((ea == ea) & (ea != float("inf")), ea, 0.0)      # torch.nan_to_num(nan=0, posinf=0)
+    eb = b.to(tl.float32) - x
+    eb = eb * eb
+    eb = tl.where((eb == eb) & (eb != float("inf")), eb, 0.0)
+    tl.store(out, tl.sum(tl.sum(ea.to(tl.float64), axis=1), axis=0))
+    tl.store(out + 1, tl.sum(tl.sum(eb.to(tl.float64), axis=1), axis=0))
+
+
+@on_tensor_device
+def square_error_sums(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 2] fp64: per row r, the sums over (H, C, D) of (a - x)^2 and of (b - x)^2, each difference and square in
+    fp32 and summed in fp64 (torch's `(a.float() - x.float()).square_()` then `.sum(dtype=torch.float64)`), NaN and
+    +inf squares counted 0 (`torch.nan_to_num(nan=0, posinf=0)`), tokens with valid[r, c] == 0 not counted.
+    x, a, b: [R, H, C, D] bf16/fp16/fp32, any strides; valid: [R, C] (last dim contiguous) or None. Deterministic:
+    one fp64 partial a program, summed by torch in a fixed order."""
+    assert x.dim() == 4 and a.shape == x.shape and b.shape == x.shape, \
+        f"x, a, b must be one [R, H, C, D] shape, got {list(x.shape)}, {list(a.shape)}, {list(b.shape)}"
+    rows, heads, chunk, dim = x.shape
+    assert valid is None or (valid.shape == (rows, chunk) and valid.stride(1) == 1), \
+        f"valid must be [{rows}, {chunk}] with a contiguous last dim, got {None if valid is None else list(valid.shape)}"
+    _check_cuda(x, a, b, *([valid] if valid is not None else []))
+    block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
+    tiles = triton.cdiv(chunk, block_t)
+    parts = torch.zeros(rows, heads * tiles, 2, dtype=torch.float64, device=x.device)
+    if x.numel():
+        block_d = triton.next_power_of_2(dim)
+        _square_error_sums_kernel[(rows * tiles, heads)](
+            x, a, b, valid if valid is not None else parts, parts, chunk, valid.stride(0) if valid is not None else 0,
+            *x.stride(), *a.stride(), *b.stride(), D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
+            HAS_VALID=valid is not None, num_warps=_warps(block_t * block_d))
+    return parts.sum(1)

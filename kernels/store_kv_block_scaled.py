@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels.decode_attention import on_tensor_device
 from kernels.decode_attention_block_scaled import ELEMENTS, SCALES, code_bytes, interpreting
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
-from kernels.store_kv import _check_slots, _store_kv_codes
+from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps
 
 ELEMENT_MAX = {"e2m1": 6.0, "e4m3": 448.0, "int8": 127.0, "int4": 7.0}   # the largest magnitude of each element
 ELEMENT_EMAX = {"e2m1": 2, "e4m3": 8}                                     # floor(log2 max): OCP MX's emax_elem
@@ -268,7 +268,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
                if t is not None), "all tensors must be on one device"
     if x.numel() == 0:
         return out
-    block_t = min(16, triton.next_power_of_2(max(chunk, 2)))
+    block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
     dummy = out
     low, high = INT_RANGE.get(element, (0, 0))
     _quantize_store_block_scaled_kernel[(rows * triton.cdiv(chunk, block_t), heads)](
@@ -283,6 +283,6 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         CEIL=scale_rounding == "ceil", ELEMENT_MAX_=float(ELEMENT_MAX[element]),
         INV_MAX=_inverse(ELEMENT_MAX[element]), INT_LOW=float(low), INT_HIGH=float(high), HAS_SCALE=scale is not None,
         STORE=store, STATS=stats, HAS_VALID=valid is not None,
-        num_warps=4 if block_t * dim >= 2048 else 2,
+        num_warps=_warps(block_t * dim),
     )
     return out

@@ -36,7 +36,7 @@ def _inputs(rows: int, heads: int, chunk: int, dim: int, seed: int) -> torch.Ten
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
 @pytest.mark.parametrize("saturate", [True, False])
-@pytest.mark.parametrize("chunk", [1, 37])
+@pytest.mark.parametrize("chunk", [1, 37, 300])  # 300: several 64-token programs a row and a partial one
 def test_quantize_store_equals_torch(fmt, granularity, saturate, chunk):
     from kernels.store_kv import quantize_store
 
@@ -144,3 +144,29 @@ def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, s
         for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
                     "kv_write_err_ratio"):
             assert a.metrics.get(key) == b.metrics.get(key), key
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 300])
+def test_square_error_sums_equal_torch(chunk):
+    """The write check's per-row sums in one Triton pass against torch's ops on the same GPU: NaN and +inf squares
+    count 0, pad tokens not at all, x transposed as transformers hands it over. Both sum the same fp64 terms in
+    different orders, hence 1e-12 relative (fp64's ulp is 1.1e-16; a few thousand terms a row)."""
+    from kernels.store_kv import square_error_sums
+
+    rows, heads, dim = 3, 4, 64
+    x = _inputs(rows, heads, chunk, dim, seed=chunk + 1)
+    a = (x.float() + torch.randn(x.shape, device="cuda") * 0.1).to(torch.bfloat16)
+    b = x.float() * 1.01                                   # fp32 and contiguous: another dtype and layout
+    a[0, 0, -1, 0], b[1, 1, 0, 2] = float("nan"), float("inf")
+    valid = torch.ones(rows, chunk + 3, dtype=torch.bool, device="cuda")[:, 3:]
+    valid[1, : max(1, chunk // 2)] = False
+    got = square_error_sums(x, a, b, valid.view(torch.uint8))
+    want = []
+    for read in (a, b):
+        error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)
+        want.append(torch.where(valid[:, None, :, None], error, 0.0).sum((1, 2, 3), dtype=torch.float64))
+    want = torch.stack(want, 1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert torch.equal(square_error_sums(x, a, b, valid.view(torch.uint8)), got)  # deterministic
+    everything = square_error_sums(x, a, b)
+    assert bool((everything >= got).all()) and bool((everything[1] > got[1]).all())  # the pads counted now

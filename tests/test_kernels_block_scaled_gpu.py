@@ -131,7 +131,7 @@ def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, grou
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "nvfp4_4over6"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
-@pytest.mark.parametrize("chunk", [1, 37])
+@pytest.mark.parametrize("chunk", [1, 37, 300])  # 300: several programs a row and a partial one
 def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
     """Codes, block scales and read-back bit for bit, the statistics exactly, against the torch encode on this GPU;
     bf16 input with outliers, NaN and inf, a strided view (as transformers hands K/V to the cache), left padding."""

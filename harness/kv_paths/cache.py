@@ -138,14 +138,21 @@ class KVWriteStats:
             return
         self._buffers(x.device)
         valid = self.step.row_masks(x.device)[0] if self.step is not None else None
-        sums = []
-        for read in (read_back, reference):  # float32, one tensor at a time: a long prefill's write is large
-            error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)  # NaN: nonfinite's
-            error = error if valid is None else torch.where(valid, error, 0.0)
-            sums.append(error.sum((1, 2, 3), dtype=torch.float64))
+        if fused_write_on(x):  # the same sums in one Triton pass over the three tensors (kernels/store_kv.py)
+            from kernels.store_kv import square_error_sums
+
+            sums = square_error_sums(x, read_back, reference,
+                                     None if valid is None else valid[:, 0, :, 0].view(torch.uint8))
+        else:
+            parts = []
+            for read in (read_back, reference):  # float32, one tensor at a time: a long prefill's write is large
+                error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)  # NaN: nonfinite's
+                error = error if valid is None else torch.where(valid, error, 0.0)
+                parts.append(error.sum((1, 2, 3), dtype=torch.float64))
+            sums = torch.stack(parts, 1)
         home = self.write_err.device
         column = 0 if side == "k" else 2
-        self.write_err[:, column:column + 2].index_add_(0, self._rows_of(x).to(home), torch.stack(sums, 1).to(home))
+        self.write_err[:, column:column + 2].index_add_(0, self._rows_of(x).to(home), sums.to(home))
 
     @classmethod
     def stacked(cls, parts: list["KVWriteStats"], step, device) -> "KVWriteStats":
@@ -338,8 +345,10 @@ class QuantizedKVLayer(DynamicLayer):
                 self.stats.check_write(side, x, read, self._reference_read(x, scale, kv_format))
 
     def _reference_read(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
-        """x written in `kv_format` and read back by the format's definition, with the scale the cache uses."""
-        return kv_format.round_trip(x, self._write_scale(x, static_scale, kv_format), saturate=self.kv_path.saturate)[0]
+        """x written in `kv_format` and read back by the format's definition, with the scale the cache uses (its
+        clip ratios, which the check does not read, not computed)."""
+        encoded = kv_format.encode(x, self._write_scale(x, static_scale, kv_format), saturate=self.kv_path.saturate)
+        return kv_format.decode(encoded, x.dtype)
 
     def _write_scale(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor | None:
         """The scale a write of x divides by: per token (legacy FP8 `per_token`, [batch, heads, chunk, 1]), the
