@@ -401,6 +401,11 @@ class PagedKV:
             ratio = kernel_err / torch.maximum(torch.maximum(torch_err, floor), torch.full_like(floor, 1e-30))
             self.agreement.add(rows[part], kernel_err, ratio)
 
+    def codes_by_head(self, pages: torch.Tensor, rows: torch.Tensor, span: int) -> torch.Tensor:
+        """The first `span` stored codes of each of `rows` as [n, Hkv, span, D] fp64 (a GQA layer's FP8 pages)."""
+        per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
+        return per_row[rows, :span].transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+
     def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                     span: int, beyond: dict | None = None) -> torch.Tensor:
         """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
@@ -428,21 +433,26 @@ class PagedKV:
             return torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
 
         q = query[:, :, 0].double()  # [n, Hq, D]
-        if self.layout is not None:  # the stored codes x block scales x static scale, as the kernels' mirror reads them
-            k, v = (kernel_reference.dequantize_block_scaled(rows_of(self.pages[i]), rows_of(self.pages[i + 1]),
-                                                             scale, **self.layout.kernel_args).double()
-                    for i, scale in ((0, self.k_scale), (2, self.v_scale)))
-        elif not self.mla:
-            k = rows_of(self.pages[0]) * self.k_scale.double().reshape(-1, 1)  # [n, span, Hkv, D]
-            v = rows_of(self.pages[1]) * self.v_scale.double().reshape(-1, 1)
         if not self.mla:
-            # query head h reads KV head h // group: the query heads as [Hkv, group], K and V never repeated (at
-            # 8B shape, 16 x 8k rows, the repeated fp64 K and V were 4.3 GB a layer each)
-            n, q_heads, kv_heads = q.shape[0], q.shape[1], k.shape[2]
-            grouped = q.view(n, kv_heads, q_heads // kv_heads, -1)
-            scores = torch.einsum("nkgd,nskd->nkgs", grouped, k).reshape(n, q_heads, -1)
+            # K and V as [n, Hkv, span, D] fp64, made once (the matmuls' batch dims contiguous: no copy inside them),
+            # and the per-tensor / per-head static scales applied to q and to the output instead of to every value;
+            # query head h reads KV head h // group, so K and V are never repeated per query head (at 8B shape,
+            # 16 x 8k rows, the repeated fp64 K and V were 4.3 GB a layer each)
+            if self.layout is not None:  # codes x block scales x static scale, as the kernels' mirror reads them
+                k, v = (kernel_reference.dequantize_block_scaled(rows_of(self.pages[i]), rows_of(self.pages[i + 1]),
+                                                                 scale, **self.layout.kernel_args)
+                        .transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+                        for i, scale in ((0, self.k_scale), (2, self.v_scale)))
+                k_scale = v_scale = torch.ones((), dtype=torch.float64, device=q.device)
+            else:
+                k, v = (self.codes_by_head(pages, rows, span) for pages in self.pages[:2])
+                k_scale, v_scale = (scale.to(q.device, torch.float64).reshape(-1, 1, 1)
+                                    for scale in (self.k_scale, self.v_scale))
+            n, q_heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+            grouped = q.view(n, kv_heads, q_heads // kv_heads, -1) * k_scale
+            scores = torch.matmul(grouped, k.transpose(-1, -2)).reshape(n, q_heads, -1)
             weights = attend(scores * module.scaling).view(n, kv_heads, q_heads // kv_heads, -1)
-            return torch.einsum("nkgs,nskd->nkgd", weights, v).reshape(n, q_heads, -1).unsqueeze(1)
+            return (torch.matmul(weights, v) * v_scale).reshape(n, q_heads, -1).unsqueeze(1)
         cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
         nope = module.qk_nope_head_dim
         w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
