@@ -137,6 +137,14 @@ class StepState:
             cached = self._cached["row_masks"] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
         return cached[1], cached[2]
 
+    def live(self, device) -> torch.Tensor:
+        """Static decode: the batch positions still generating this pass (one host sync per checked step, shared
+        by every layer)."""
+        key = ("live", str(device))  # a layer-sharded model's layers ask from their own GPUs
+        if key not in self._cached:
+            self._cached[key] = self.valid[:, -1].to(device).nonzero()[:, 0]
+        return self._cached[key]
+
     def span(self) -> int:
         """Longest stored length after this pass (one host sync per checked step, shared by every layer)."""
         if "span" not in self._cached:
@@ -383,8 +391,8 @@ class PagedKV:
         shared by every layer)."""
         lengths, rows, span = self.step.lengths_after().to(query.device), self.step.rows.to(query.device), \
             self.step.span()
-        if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync)
-            live = self.step.valid[:, -1].to(query.device).nonzero()[:, 0]
+        if self.step.masked:  # static decode: only the rows still generating (eager steps only: one sync a step)
+            live = self.step.live(query.device)
             query, out, torch_out, lengths, rows = (t[live] for t in (query, out, torch_out, lengths, rows))
         per_row = span * sum(p[0, 0].numel() for p in self.pages)  # fp64 cache elements per row
         group = max(1, CHECK_ELEMENTS // max(per_row, 1))
