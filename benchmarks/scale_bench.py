@@ -5,7 +5,7 @@
     python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
 
 Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1k-token prompts, every path, plain
-`generate` beside it), 8b-8k (8B, batch 16, 8k, the first two paths, or every path --paths names), mla-1k (V2-Lite,
+`generate` beside it), 8b-8k (8B, batch 16, 8k, 16 tokens or --new-8k, the first two paths, or every path --paths names), mla-1k (V2-Lite,
 batch 16, 1k, the first three paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two
 paths, 128 tokens; opt-in: its two paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the
 default run with it was not timed against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding
@@ -707,6 +707,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(CONFIGS)} (see above; default {DEFAULT_CONFIGS})")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--new", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--new-8k", type=int, default=16,
+                        help="tokens generated per sequence by the 8b-8k rows (16: prefill is most of the call)")
     parser.add_argument("--canary-run", action="store_true")
     parser.add_argument("--canary-timeout", type=float, default=240.0, help="seconds before the canary run is stopped")
     parser.add_argument("--log", type=Path, default=None)
@@ -767,8 +769,8 @@ def main() -> None:
         if "8b-8k" in configs:
             # the default path list: its first two; paths named with --paths: each of them
             long_paths = paths[:2] if args.paths == ",".join(PATHS) else paths
-            rows += run_config("8b b16 8k", loaded, 16, 8192, 16, long_paths, bandwidth, False, log,
-                              phases=args.phases)
+            rows += run_config(f"8b b16 8k{'' if args.new_8k == 16 else f' new {args.new_8k}'}", loaded, 16, 8192,
+                               args.new_8k, long_paths, bandwidth, False, log, phases=args.phases)
         del loaded
         torch.cuda.empty_cache()
     if any(c.startswith("mla") for c in configs):
