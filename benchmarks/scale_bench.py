@@ -5,12 +5,12 @@
     python benchmarks/scale_bench.py --configs "" --gpus 2 --sharded 70b,8b   # rows across GPUs
 
 Configurations (`--configs`, default 8b-1k,8b-8k,mla-1k): 8b-1k (8B, batch 32, 1k-token prompts, every path, plain
-`generate` beside it), 8b-8k (8B, batch 16, 8k, 16 tokens or --new-8k, the first two paths, or every path --paths names), mla-1k (V2-Lite,
-batch 16, 1k, the first three paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16, 8k, the first two
-paths, 128 tokens; opt-in: its two paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an H200, and the
-default run with it was not timed against a device call's limit), gptoss-1k / gptoss-8k (gpt-oss-20b-shaped: sliding
-windows and attention sinks, batch 32 at 1k and 16 at 8k, the first two paths, plain `generate` beside the 1k row;
-opt-in: 42 GB of weights).
+`generate` beside it), 8b-8k (8B, batch 16, 8k, 16 tokens or --new-8k, the first two paths, or every path --paths
+names), mla-1k (V2-Lite, batch 16, 1k, the first three paths, plain `generate` beside it), mla-8k (V2-Lite, batch 16,
+8k, the first two paths, 128 tokens; opt-in: its two paths' calls, six prefills of 16 x 8k tokens, took ~45 s on an
+H200, and the default run with it was not timed against a device call's limit), gptoss-1k / gptoss-8k
+(gpt-oss-20b-shaped: sliding windows and attention sinks, batch 32 at 1k and 16 at 8k, the first two paths, plain
+`generate` beside the 1k row; opt-in: 42 GB of weights).
 
 No downloads: random-weight models built from configs on the GPU (a Llama-3-8B-shaped GQA model and a
 DeepSeek-V2-Lite-shaped MLA model), synthetic ragged prompts. For each configuration it prints generated
@@ -297,8 +297,8 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "live_before": live_before, "launches_per_step": launches,
                      "median_step_ms": steady * 1e3 if steady else None,
                      "median_decode_tok_s": batch / steady if steady else None,
-                     "decode_mode": "+".join(sorted(engine.decode_batches)), "decode_fallbacks": engine.decode_fallbacks,
-                     "phases": spent})
+                     "decode_mode": "+".join(sorted(engine.decode_batches)),
+                     "decode_fallbacks": engine.decode_fallbacks, "phases": spent})
         log(rows[-1])
         torch.cuda.empty_cache()
     return rows
