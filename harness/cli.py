@@ -170,6 +170,7 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                           "layers split in blocks across them in this process, for a model too big for one GPU "
                           "(batched, dynamic decode); 'tensor': a process per GPU, each holding its slice of every "
                           "layer (transformers' tensor-parallel plan; batched in lockstep, dynamic decode; "
+                          "under torchrun, one host or several, with --device cuda: each process one rank; "
                           "docs/MULTI_GPU.md)")
     run.add_argument("--executor", choices=("auto", "local", "ray"), default="auto",
                      help="where units run: auto/local on this host (this process, CPU worker processes, a process "
@@ -394,6 +395,8 @@ def _run(args: argparse.Namespace) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
     from harness.executor.local import WorkerFailure
+    from harness.executor.sharded import follow_torchrun
+    from harness.replay.tensor_parallel import torchrun_launch
     from harness.run_config import build_run_config
     from harness.runs.status import run_exit_code
     from harness.runs.library_log import quiet_libraries
@@ -440,6 +443,10 @@ def _run(args: argparse.Namespace) -> int:
             workers=args.workers, stall_timeout_s=args.stall_timeout,
             **_endpoint_config(args))
         started = time.perf_counter()
+        launch = torchrun_launch()
+        if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: rank 0 runs the job and writes
+            follow_torchrun(config)
+            return 0
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:

@@ -92,6 +92,7 @@ class RunConfig:
         if self.decode == "graph" and not str(self.device).startswith("cuda"):
             raise ValueError(f"--decode graph replays CUDA graphs: it needs a CUDA device, not {self.device!r}")
         self._check_executor()
+        self._check_torchrun()
         if self.shard != "tensor" and CPU_RANKS.fullmatch(str(self.device)):
             raise ValueError(f"--device {self.device}: several CPU ranks are for --shard tensor (gloo) only")
         if self.shard is not None:
@@ -116,6 +117,14 @@ class RunConfig:
             what = f"--shard {self.shard}" if self.shard else "an endpoint run"
             raise ValueError(f"--executor ray: {what} is not spread over Ray actors; leave out --executor ray")
 
+    def _check_torchrun(self) -> None:
+        from harness.replay import tensor_parallel
+
+        if tensor_parallel.torchrun_launch() is not None:
+            why = tensor_parallel.torchrun_refusal(str(self.device), self.shard)
+            if why:
+                raise ValueError(why)
+
     def _check_shard(self) -> None:
         from harness.replay import sharding
 
@@ -137,7 +146,12 @@ class RunConfig:
 
     @property
     def shard_devices(self) -> list[str]:
-        """The GPUs (or, for --shard tensor, the gloo CPU ranks) a sharded model is split over."""
+        """The GPUs (or, for --shard tensor, the gloo CPU ranks) a sharded model is split over; under torchrun, one
+        device per global rank (`tensor_parallel.torchrun_devices`)."""
+        from harness.replay import tensor_parallel
+
+        if self.shard == "tensor" and tensor_parallel.torchrun_launch() is not None:
+            return tensor_parallel.torchrun_devices(self.device)
         return device_list(self.device)
 
     @property

@@ -1,6 +1,8 @@
 """One model over several devices: its layers split over the GPUs of this process (`--shard layers`, run by
 `local.InProcess`: the layout is the model's, `harness/replay/sharding.py`), or a process per tensor-parallel rank
-(`--shard tensor`, here)."""
+(`--shard tensor`, here): ranks this process starts on its host, or ranks `torchrun` started on one host or
+several (`torchrun ... -m harness.cli run --shard tensor --device cuda`; global rank 0 runs the job and writes the
+run directory, and hands the other ranks what they replay: `torchrun_rank_zero`, `follow_torchrun`)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,16 @@ class TensorParallel:
     def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
         from harness.replay.tensor_parallel import free_port, layout
 
+        from harness.replay.tensor_parallel import torchrun_launch
+
         config = work.config
         devices = config.shard_devices
-        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {}, config.batched)))
+        torchrun = torchrun_launch() is not None
+        store.edit_manifest(lambda manifest: manifest.__setitem__("parallel", layout(devices, {}, config.batched,
+                                                                                     torchrun)))
+        if torchrun:
+            torchrun_rank_zero(work, store)
+            return
         port = free_port()
         threads = 1 if devices[0] == "cpu" else 0
         with spawn_pool(len(devices), config, threads) as pool:
@@ -83,3 +92,93 @@ def end_rank(run_dir: Path, name: str, error: BaseException) -> None:
     print(f"{name}: {type(error).__name__}: {error}; this rank ends (tensor parallel runs in lockstep)", file=sys.stderr)
     sys.stderr.flush()
     os._exit(70)  # EX_SOFTWARE
+
+
+# ---------------------------------------------------------------- ranks that torchrun started
+
+# files of the run directory the other ranks do not need (held by rank 0's process, or its own log)
+_NOT_HANDED = (".lock", ".run.lock", "library.log")
+
+
+def _run_files(run_dir: Path) -> dict[str, bytes]:
+    """The run directory's files (relative path -> bytes): what another rank's private copy starts from, so that its
+    units, resume state and reads are rank 0's."""
+    return {str(f.relative_to(run_dir)): f.read_bytes() for f in sorted(run_dir.rglob("*"))
+            if f.is_file() and f.name not in _NOT_HANDED}
+
+
+def torchrun_rank_zero(work: RunWork, store: RunStore) -> None:
+    """Global rank 0 under torchrun, in the process that runs the job: joins the process group, hands every other
+    rank the run's scenarios, calibration chats and run directory (one broadcast), then replays every unit in
+    lockstep with them and writes the run. A unit's error ends the run here, resumable (`WorkerFailure`); torchrun
+    then stops the other ranks, which wait inside the unit's collectives."""
+    import torch.distributed as dist
+
+    from harness.executor.local import WorkerFailure
+    from harness.replay import tensor_parallel
+
+    config = work.config
+    device = tensor_parallel.init_torchrun_rank(config.device)
+    try:
+        dist.broadcast_object_list([(work.scenarios, work.calibration_chats, _run_files(store.directory))], src=0)
+        say = lambda message: print(message, file=sys.stderr)  # noqa: E731
+        for directory in config.models:
+            try:
+                replay_model(config, directory, work.scenarios, work.calibration_chats, store, None, say)
+            except Exception as error:  # noqa: BLE001 - named in the run; the ranks cannot go on without this one
+                name_failure(store, rank_name(0, device), f"raised {type(error).__name__}: {error}")
+                raise WorkerFailure(f"{rank_name(0, device)} raised {type(error).__name__}: {error} (tensor "
+                                    f"parallel runs in lockstep: torchrun stops the other ranks)") from error
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def follow_torchrun(config) -> Path:
+    """A global rank other than 0 under torchrun: joins the process group, takes rank 0's scenarios, calibration
+    chats and run directory (into a private copy, deleted at the end), and replays every unit in lockstep with the
+    other ranks. Writes nothing of the run: rank 0 does. Returns the private copy's path (gone by then). A unit's
+    error ends this process at once (exit 70): torchrun then stops the other ranks, and rank 0's run stays
+    resumable."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from harness.replay import runner, tensor_parallel
+    from harness.runs.library_log import quiet_libraries
+
+    rank = tensor_parallel.torchrun_launch()[0]
+    device = tensor_parallel.init_torchrun_rank(config.device)
+    name = rank_name(rank, device)
+    scratch = Path(tempfile.mkdtemp(prefix=f"tp-rank{rank}-"))
+    run_dir = scratch / "run"
+
+    def stop(error: BaseException) -> None:
+        print(f"{name}: {type(error).__name__}: {error}; this rank ends (tensor parallel runs in lockstep)",
+              file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(70)  # EX_SOFTWARE
+
+    runner.ON_LOCKSTEP_ERROR = stop
+    try:
+        handed = [None]
+        dist.broadcast_object_list(handed, src=0)
+        scenarios, calibration_chats, files = handed[0]
+        for relative, data in files.items():
+            (run_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / relative).write_bytes(data)
+        quiet_libraries(run_dir)
+        config = dataclasses.replace(config, out=run_dir)
+        store = RunStore.attach(run_dir)
+        for directory in config.models:
+            try:
+                replay_model(config, directory, scenarios, calibration_chats, store, None, lambda message: None)
+            except Exception as error:  # noqa: BLE001 - the ranks cannot go on without this one
+                stop(error)
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return run_dir

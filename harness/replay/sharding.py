@@ -35,7 +35,8 @@ class ShardError(ValueError):
 
 def check_devices(devices: list[str]) -> None:
     """The devices of `--shard tensor`: two or more GPUs (or CPU ranks, for tests), none named twice."""
-    if len(devices) < 2 or not (all(d.startswith("cuda:") for d in devices) or all(d == "cpu" for d in devices)):
+    gpus = [d.split("/")[-1] for d in devices]  # torchrun's ranks on other hosts: node<i>/cuda:<j>
+    if len(devices) < 2 or not (all(d.startswith("cuda:") for d in gpus) or all(d == "cpu" for d in devices)):
         named = ",".join(devices)
         raise ShardError(f"--shard tensor runs a process per GPU, but --device resolved to {named}: name the GPUs, "
                          f"e.g. --device cuda:0,1 or cuda:all on a host with several GPUs (cpu,cpu: two CPU ranks "

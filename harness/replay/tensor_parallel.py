@@ -71,6 +71,57 @@ def refusal(config, world: int) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- ranks that torchrun started (several hosts)
+
+# what torchrun sets for each process it starts (`torch.distributed.run`): the rendezvous of `init_process_group`,
+# and its elastic agent's run id (the ranks `init_rank` starts set the others, not that one)
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def torchrun_launch() -> tuple[int, int, int] | None:
+    """(global rank, local rank, world size) of a process that `torchrun` started (its environment), else None."""
+    if not all(os.environ.get(name) for name in TORCHRUN_ENV):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def torchrun_devices(device: str) -> list[str]:
+    """Every global rank's device under torchrun, for `--device cpu` (gloo ranks) or `--device cuda` (each rank its
+    host's GPU LOCAL_RANK; ranks of another host named `node<i>/cuda:<j>`, so no GPU reads as named twice)."""
+    _, _, size = torchrun_launch()
+    if device == "cpu":
+        return ["cpu"] * size
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or size)
+    return [f"cuda:{r % per_host}" if r < per_host else f"node{r // per_host}/cuda:{r % per_host}"
+            for r in range(size)]
+
+
+def torchrun_refusal(device: str, shard: str | None) -> str | None:
+    """Why a `harness run` under torchrun cannot run as its ranks (None: it can)."""
+    if shard != "tensor":
+        return ("launched by torchrun: only --shard tensor runs as torchrun's ranks (every other run would be "
+                "replayed once per process); add --shard tensor, or run harness without torchrun")
+    if device not in ("cpu", "cuda"):
+        return (f"--device {device} under torchrun: each rank takes its GPU from LOCAL_RANK; give --device cuda (or "
+                f"--device cpu for gloo ranks)")
+    return None
+
+
+def init_torchrun_rank(device: str) -> str:
+    """This process as the rank torchrun started: the process group from its environment (NCCL on GPUs, gloo on
+    the CPU) and, on GPUs, the current device LOCAL_RANK. Returns the rank's device."""
+    import torch.distributed as dist
+
+    rank, local, size = torchrun_launch()
+    if device == "cpu":
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        return "cpu"
+    own = f"cuda:{local}"
+    torch.cuda.set_device(own)
+    dist.init_process_group("nccl", rank=rank, world_size=size, device_id=torch.device(own))
+    return own
+
+
 def init_rank(rank: int, devices: list[str], port: int) -> None:
     """This process as rank `rank` of len(devices): env as torchrun sets it (transformers reads LOCAL_RANK for the
     rank's GPU), the process group (NCCL on GPUs, gloo on the CPU) and the current CUDA device."""
@@ -219,10 +270,12 @@ IN_LOCKSTEP_BATCHES = (f"batched, every rank the same batches in lockstep (the s
 ONE_AT_A_TIME_RANKS = "one sequence at a time (CPU ranks without --batch-size, as on one CPU)"
 
 
-def layout(devices: list[str], models: dict[str, dict], batched: bool = True) -> dict:
-    """`manifest.parallel` of a tensor-parallel run (batched: the run replays in batches, `RunConfig.batched`)."""
+def layout(devices: list[str], models: dict[str, dict], batched: bool = True, torchrun: bool = False) -> dict:
+    """`manifest.parallel` of a tensor-parallel run (batched: the run replays in batches, `RunConfig.batched`;
+    torchrun: its ranks were started by torchrun, on this host or several)."""
     return {"kind": "tensor-parallel", "world_size": len(devices), "devices": list(devices),
             "backend": "gloo" if devices[0] == "cpu" else "nccl", "models": models,
+            "launcher": "torchrun (global rank 0 runs the job)" if torchrun else "harness (a process per device)",
             "writer": "rank 0 (every rank replays every unit in lockstep)",
             "batch_composition": IN_LOCKSTEP_BATCHES if batched else ONE_AT_A_TIME_RANKS,
             "noise": "reductions split over ranks change bf16 rounding: tokens and log-probs may differ from a "
