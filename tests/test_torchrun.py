@@ -34,32 +34,52 @@ def _rows(run: Path, table: str) -> list[str]:
                   for line in (run / f"{table}.jsonl").read_text().splitlines() if line.strip())
 
 
-@pytest.mark.slow
-def test_ranks_torchrun_started_replay_what_the_harness_ranks_replay(tmp_path):
-    """One run under `torch.distributed.run --standalone --nproc-per-node 2` and the same run with the ranks the
-    harness starts: the same units, texts, records and verdicts, row for row; the manifest names the launcher; only
-    rank 0 wrote (rank 1's private copy is gone)."""
+def _torchrun_and_own(tmp_path: Path, device: str, ranks: str) -> list[Path]:
+    """The run under `torch.distributed.run --standalone --nproc-per-node 2 ... --device DEVICE` and the same run
+    with the ranks the harness starts (`--device RANKS`); checks both completed and that only rank 0 wrote (rank
+    1's private copy gone from its temporary directory)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "harness.cli", *ARGS, "--device", "cpu", "--out", str(tmp_path / "torchrun")],
+                               "-m", "harness.cli", *ARGS, "--device", device, "--out", str(tmp_path / "torchrun")],
                               cwd=ROOT, env={**env, "TMPDIR": str(scratch)}, capture_output=True, text=True,
                               timeout=600)
     assert torchrun.returncode == 0, torchrun.stdout[-2000:] + torchrun.stderr[-3000:]
-    own = subprocess.run([sys.executable, "-m", "harness.cli", *ARGS, "--device", "cpu,cpu",
-                          "--out", str(tmp_path / "own")], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    own = subprocess.run([sys.executable, "-m", "harness.cli", *ARGS, "--device", ranks, "--out", str(tmp_path / "own")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert own.returncode == 0, own.stderr[-3000:]
     runs = [tmp_path / "torchrun", tmp_path / "own"]
+    manifest = json.loads((runs[0] / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["parallel"]["launcher"].startswith("torchrun") and len(manifest["parallel"]["devices"]) == 2
+    # torch keeps its own temporary directories there
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("tp-rank")] == []
+    return runs
+
+
+@pytest.mark.slow
+def test_ranks_torchrun_started_replay_what_the_harness_ranks_replay(tmp_path):
+    """Two gloo ranks started by torchrun against the harness's own two: the same units, texts, records and
+    verdicts, row for row."""
+    runs = _torchrun_and_own(tmp_path, "cpu", "cpu,cpu")
     for table in ("done", "texts", "records", "verdicts"):
         mine, theirs = (_rows(run, table) for run in runs)
         assert mine and mine == theirs, table
-    manifest = json.loads((runs[0] / "manifest.json").read_text())
-    assert manifest["status"] == "complete"
-    assert manifest["parallel"]["launcher"].startswith("torchrun") and manifest["parallel"]["devices"] == ["cpu", "cpu"]
-    # rank 1's private copy of the run, deleted when it finished (torch keeps its own temporary directories there)
-    assert [p.name for p in scratch.iterdir() if p.name.startswith("tp-rank")] == []
+
+
+@pytest.mark.multigpu
+def test_ranks_torchrun_started_on_two_gpus_replay_what_the_harness_ranks_replay(tmp_path):
+    """The same over NCCL on two GPUs (`--device cuda`: each rank LOCAL_RANK's GPU), our decode kernels on each
+    rank's heads: the same units, verdicts, texts and teacher-forced kl_mean. Both runs cut the same batches over
+    the same two ranks, so a difference is a rank replaying something else (records that time kernels are left
+    out: they are wall clock)."""
+    runs = _torchrun_and_own(tmp_path, "cuda", "cuda:0,1")
+    for table in ("done", "texts", "verdicts"):
+        mine, theirs = (_rows(run, table) for run in runs)
+        assert mine and mine == theirs, table
+    kls = [[row for row in _rows(run, "records") if '"metric": "kl_mean"' in row] for run in runs]
+    assert kls[0] and kls[0] == kls[1]
 
 
 def test_under_torchrun_only_tensor_parallel_runs_and_each_rank_takes_its_gpu(tmp_path, monkeypatch):
