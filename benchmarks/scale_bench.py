@@ -431,7 +431,8 @@ def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths
         rows.append({"config": name, "gpus": gpus, "path": f"{spec} (batched b{batch})", "decode_tok_s": batch / step,
                      "step_ms": step * 1e3, "kernel": backend.route.kernel_refusal or "triton",
                      "note": f"decode {'+'.join(sorted(engine.decode_batches))}, largest batch "
-                             f"{max(engine.batch_sizes_used, default=0)}"})
+                             f"{max(engine.batch_sizes_used, default=0)}"
+                             + "".join(f"; {why}" for why in dict.fromkeys(engine.decode_fallbacks))})
         log(rows[-1])
     return rows
 
