@@ -114,6 +114,20 @@ def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
     _write_slots(cache, slot_mapping, _encode(rows, cache.dtype, _head_scale(scale, 0), saturate))
 
 
+def square_error_sums(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The write check's sums (`kernels/write_check.py`): [R, 2] fp64, per row the sums over (H, C, D) of
+    (a - x)^2 and (b - x)^2, each in fp32 (NaN and +inf squares 0), summed in fp64; tokens with valid[r, c] == 0
+    not counted. x, a, b: [R, H, C, D]; valid: [R, C] or None."""
+    sums = []
+    for read in (a, b):  # float32, one tensor at a time: a long prefill's write is large
+        error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)
+        if valid is not None:
+            error = torch.where(valid.bool()[:, None, :, None], error, 0.0)
+        sums.append(error.sum((1, 2, 3), dtype=torch.float64))
+    return torch.stack(sums, 1)
+
+
 def _read_sequence(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, scale, trailing_dims: int):
     """The first seq_len cache rows of one sequence, in token order, as fp32 values."""
     num_pages = -(-seq_len // cache.shape[1])

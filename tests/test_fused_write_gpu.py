@@ -1,4 +1,5 @@
-"""The fused FP8 cache write (`kernels.store_kv.quantize_store`) against the torch round trip it replaces.
+"""The fused FP8 cache write (`kernels.store_kv.quantize_store`) against the torch round trip it replaces, and the
+write check's sums (`kernels.write_check`) against their torch mirror.
 
 On CUDA a quantised cache layer writes through one Triton launch per tensor: codes = fp8(x / s), the read-back
 codes * s, the paged store of the same codes and the cast statistics. Everything here is compared with torch's
@@ -148,10 +149,11 @@ def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, s
 
 @pytest.mark.parametrize("chunk", [1, 37, 300])
 def test_square_error_sums_equal_torch(chunk):
-    """The write check's per-row sums in one Triton pass against torch's ops on the same GPU: NaN and +inf squares
-    count 0, pad tokens not at all, x transposed as transformers hands it over. Both sum the same fp64 terms in
-    different orders, hence 1e-12 relative (fp64's ulp is 1.1e-16; a few thousand terms a row)."""
-    from kernels.store_kv import square_error_sums
+    """The write check's per-row sums in one Triton pass (`kernels.write_check`) against its torch mirror
+    (`reference.square_error_sums`, the CPU's) on the same GPU: NaN and +inf squares count 0, pad tokens not at
+    all, x transposed as transformers hands it over, b in fp32. Both add the same fp64 terms in different orders,
+    hence 1e-12 relative (fp64's ulp is 1.1e-16; a few thousand terms a row); equal again when run twice."""
+    from kernels.write_check import square_error_sums
 
     rows, heads, dim = 3, 4, 64
     x = _inputs(rows, heads, chunk, dim, seed=chunk + 1)
@@ -161,12 +163,7 @@ def test_square_error_sums_equal_torch(chunk):
     valid = torch.ones(rows, chunk + 3, dtype=torch.bool, device="cuda")[:, 3:]
     valid[1, : max(1, chunk // 2)] = False
     got = square_error_sums(x, a, b, valid.view(torch.uint8))
-    want = []
-    for read in (a, b):
-        error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)
-        want.append(torch.where(valid[:, None, :, None], error, 0.0).sum((1, 2, 3), dtype=torch.float64))
-    want = torch.stack(want, 1)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got, fp8.square_error_sums(x, a, b, valid), rtol=1e-12, atol=0)
     assert torch.equal(square_error_sums(x, a, b, valid.view(torch.uint8)), got)  # deterministic
     everything = square_error_sums(x, a, b)
     assert bool((everything >= got).all()) and bool((everything[1] > got[1]).all())  # the pads counted now

@@ -16,10 +16,12 @@ pytest.importorskip("triton")
 from kernels import decode_attention as da  # noqa: E402
 from kernels import mla_decode as md  # noqa: E402
 from kernels import store_kv as sk  # noqa: E402
+from kernels import write_check as wc  # noqa: E402
 
 
 @pytest.mark.parametrize("launcher", [da.decode_attention, da.merge_splits, md.mla_decode, sk.store_kv,
-                                      sk.store_latent, sk.quantize_store], ids=lambda f: f.__name__)
+                                      sk.store_latent, sk.quantize_store, wc.square_error_sums],
+                         ids=lambda f: f.__name__)
 def test_every_launcher_is_guarded(launcher):
     assert getattr(launcher, "on_tensor_device", False), f"{launcher.__name__} does not switch to its tensors' device"
 

@@ -138,18 +138,13 @@ class KVWriteStats:
             return
         self._buffers(x.device)
         valid = self.step.row_masks(x.device)[0] if self.step is not None else None
-        if fused_write_on(x):  # the same sums in one Triton pass over the three tensors (kernels/store_kv.py)
-            from kernels.store_kv import square_error_sums
+        valid = None if valid is None else valid[:, 0, :, 0].view(torch.uint8)  # [rows, chunk]
+        if fused_write_on(x):  # the same sums in one Triton pass over the three tensors
+            from kernels.write_check import square_error_sums
 
-            sums = square_error_sums(x, read_back, reference,
-                                     None if valid is None else valid[:, 0, :, 0].view(torch.uint8))
-        else:
-            parts = []
-            for read in (read_back, reference):  # float32, one tensor at a time: a long prefill's write is large
-                error = torch.nan_to_num((read.float() - x.float()).square_(), nan=0.0, posinf=0.0)  # NaN: nonfinite's
-                error = error if valid is None else torch.where(valid, error, 0.0)
-                parts.append(error.sum((1, 2, 3), dtype=torch.float64))
-            sums = torch.stack(parts, 1)
+            sums = square_error_sums(x, read_back, reference, valid)
+        else:  # NaN squares are nonfinite's, counted there
+            sums = fp8.square_error_sums(x, read_back, reference, valid)
         home = self.write_err.device
         column = 0 if side == "k" else 2
         self.write_err[:, column:column + 2].index_add_(0, self._rows_of(x).to(home), sums.to(home))
