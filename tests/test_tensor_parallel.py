@@ -124,7 +124,7 @@ def test_the_layout_names_the_world_the_writer_and_the_batches():
     assert alone["backend"] == "gloo" and alone["batch_composition"] == tensor_parallel.ONE_AT_A_TIME_RANKS
 
 
-def test_tp2_on_two_cpu_ranks_replays_what_one_device_replays_within_the_noise_floor():
+def test_tp2_on_two_cpu_ranks_replays_what_one_device_replays_within_the_noise_floor(tmp_path):
     """TP=2 against TP=1, one pair of spawned ranks for every check (each spawn imports torch and transformers in
     two processes: ~15 s of CI's two cores):
     - the reference and two calibrated FP8 paths within the noise floor (KL_MEAN_LIMIT), their calibrated scales a
@@ -133,10 +133,14 @@ def test_tp2_on_two_cpu_ranks_replays_what_one_device_replays_within_the_noise_f
       3, the K scale on a BF16 cache's scores) replays at TP=2 what it replays on one device, and not what the
       reference replays. The first next-token distribution after the prompt has the same context on every side: at
       TP=2 the path sits far from the reference there (KL above 0.05 nats) and within the TP noise of its own
-      one-device run."""
+      one-device run;
+    - then, in the same ranks, a random-weights directory without weight files: the same seeded model on every rank
+      (each rank's slices, gathered, are the whole model made from that seed on one device)."""
     own = "bf16:calibrated:k_scale_on_scores"
     specs = (None, "fp8_e4m3:calibrated", "fp8_e4m3:per_head:calibrated", own)
-    one, many, rows = _compare(CANARIES / "gqa", ["cpu", "cpu"], specs)
+    random_weights = _random_weights_directory(tmp_path)
+    one, many, rows, found = _compare_then_random_weights(CANARIES / "gqa", ["cpu", "cpu"], specs, random_weights)
+    assert found["sharded"] > 0 and found["mismatched"] == [], found
     print("\nTP=2 (gloo, cpu) vs TP=1:", json.dumps(rows, indent=1))
     for spec, row in rows.items():
         assert row["kl_mean"] < KL_MEAN_LIMIT, (spec, row)
@@ -168,15 +172,52 @@ def _compare(model: Path, devices: list[str], specs):
     return one, many, tp_compare.noise(one, many)
 
 
-def test_random_weights_without_files_are_the_same_seeded_model_on_every_rank(tmp_path):
+def _random_weights_directory(tmp_path: Path) -> Path:
     from harness.canary.tiny_models import RANDOM_WEIGHTS_MARKER, tiny_config
     from harness.canary.tokenizer import save_tokenizer
 
-    tiny_config("gqa").save_pretrained(str(tmp_path))
-    save_tokenizer(tmp_path)
-    (tmp_path / RANDOM_WEIGHTS_MARKER).write_text("random\n")
-    found = tp_compare.check_random_weights(str(tmp_path), ["cpu", "cpu"])
-    assert found["sharded"] > 0 and found["mismatched"] == [], found
+    directory = tmp_path / "random-weights"
+    tiny_config("gqa").save_pretrained(str(directory))
+    save_tokenizer(directory)
+    (directory / RANDOM_WEIGHTS_MARKER).write_text("random\n")
+    return directory
+
+
+def _compare_then_random_weights(model: Path, devices: list[str], specs, random_weights: Path):
+    """`_compare`'s replay at TP=2, then `tp_compare.check_random_weights` on `random_weights`, in one pair of spawned
+    ranks (two pairs cost ~20 s more of CI's CPU: each rank process imports torch and transformers)."""
+    from harness.replay.inprocess import InProcessModel
+    from harness.replay.tensor_parallel import free_port
+
+    prompts = tp_compare.PROMPTS[:1]
+    one = tp_compare.replay(InProcessModel.load(model), specs, prompts, 8)
+    continuations = {str(model): {k: v["tokens"] for k, v in one.items()}}
+    found = tp_compare._spawn_ranks(devices, _replay_then_random_weights_rank,
+                                    (free_port(), ([str(model)], specs, prompts, 8, continuations), str(random_weights)),
+                                    600)
+    many = found["replay"][str(model)]
+    return one, many, tp_compare.noise(one, many), found["random_weights"]
+
+
+def _replay_then_random_weights_rank(rank: int, devices: list[str], port: int, random_port: int, replay_args: tuple,
+                                     random_weights: str, queue) -> None:
+    """One rank: tp_compare's replay rank, then its random-weights rank in a second process group; rank 0 hands both
+    results over at once, any rank its first error."""
+    import types
+
+    said: list[bytes] = []
+    here = types.SimpleNamespace(put=said.append)
+    try:
+        tp_compare._rank(rank, devices, port, *replay_args, here)
+        tp_compare._random_rank(rank, devices, random_port, random_weights, 0, here)
+    finally:
+        found = [tp_compare._from_bytes(item) for item in said]
+        errors = [f for f in found if "error" in f]
+        if errors:
+            queue.put(tp_compare._as_bytes(errors[0]))
+        elif rank == 0:
+            queue.put(tp_compare._as_bytes({"replay": found[0], "random_weights": found[1]} if len(found) == 2 else
+                                            {"error": f"rank 0: {len(found)} results of 2"}))
 
 
 SMOKE = ROOT / "tests" / "data" / "scenarios" / "smoke.yaml"
