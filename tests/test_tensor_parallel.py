@@ -192,9 +192,9 @@ def _compare_then_random_weights(model: Path, devices: list[str], specs, random_
     prompts = tp_compare.PROMPTS[:1]
     one = tp_compare.replay(InProcessModel.load(model), specs, prompts, 8)
     continuations = {str(model): {k: v["tokens"] for k, v in one.items()}}
+    replay_args = ([str(model)], specs, prompts, 8, continuations)
     found = tp_compare._spawn_ranks(devices, _replay_then_random_weights_rank,
-                                    (free_port(), ([str(model)], specs, prompts, 8, continuations), str(random_weights)),
-                                    600)
+                                    (free_port(), replay_args, str(random_weights)), 600)
     many = found["replay"][str(model)]
     return one, many, tp_compare.noise(one, many), found["random_weights"]
 
