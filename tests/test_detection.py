@@ -46,7 +46,9 @@ def entries(name: str) -> list[ZooEntry]:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if n == "canary" else n for n in SETS])
 def test_faults_fail_and_healthy_paths_pass_at_defaults(tmp_path, name):
     chosen = entries(name)
-    run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=2, command="test_detection"))
+    # jobs=1: in this process; a pool of two spawned workers cost each one its imports, model loads and calibrations
+    # (CI's two cores are busy with the other xdist worker anyway)
+    run_dir = run_job(zoo_config(tmp_path / "run", (SETS[name],), chosen, jobs=1, command="test_detection"))
     for row in _matrix_rows(run_dir, chosen, name):
         if row.entry.expect == "fail":
             assert row.caught and row.questions, f"{name}: missed: {row}"
