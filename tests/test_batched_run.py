@@ -10,6 +10,9 @@ import pytest
 from harness.cli import main
 
 SCENARIOS = Path(__file__).parent / "data" / "scenarios" / "smoke.yaml"
+# the one-at-a-time runs in this process: the CLI's default, a pool of a spawned worker per core, cost ~14 s of CPU a
+# run on the 2-core EPYC (importing torch and transformers twice) and is not what these tests compare
+IN_PROCESS = ("--jobs", "1")
 
 
 def _rows(run_dir: Path, table: str) -> list[dict]:
@@ -23,7 +26,7 @@ def _key(row: dict) -> tuple:
 @pytest.mark.slow  # two whole runs: ~75 s each on the shared 2-core machine
 @pytest.mark.parametrize("history", ["reference-history", pytest.param("own-history", marks=pytest.mark.matrix)])
 def test_batched_run_stores_the_same_rows(tiny_models, tmp_path, history):
-    common = ["--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3", "--no-progress",
+    common = ["--scenarios", str(SCENARIOS), "--paths", "bf16,fp8_e4m3", "--no-progress", *IN_PROCESS,
               "--model", str(tiny_models["gqa"]), "--history-mode", history]
     assert main(["run", "--out", str(tmp_path / "one"), *common]) == 0
     assert main(["run", "--out", str(tmp_path / "batched"), "--batch-size", "3", *common]) == 0
@@ -137,7 +140,7 @@ def test_batched_scoring_applies_the_path_s_attention_options(tmp_path):
     H100), so `harness run --device cuda` could not see class 3; one at a time it reads 6.08 nats here (the
     trained GQA canary: a random tiny model attends almost uniformly, and scaled scores barely move it)."""
     common = ["--select", "id:canary-arith-1", "--no-progress", "--yardstick", "none", "--models", "gqa",
-              "--paths", "bf16:calibrated:k_scale_on_scores", "--no-fail-on-verdict"]
+              "--paths", "bf16:calibrated:k_scale_on_scores", "--no-fail-on-verdict", *IN_PROCESS]
     assert main(["run", "--out", str(tmp_path / "one"), *common]) == 0
     assert main(["run", "--out", str(tmp_path / "batched"), "--batch-size", "2", *common]) == 0
     kl = {run: [r["value"] for r in _rows(tmp_path / run, "records")
@@ -226,7 +229,7 @@ def test_attention_capture_runs_beside_a_batched_replay(tiny_models, tmp_path):
     time on the reference's replies. Where the batched reference replied as the one-at-a-time one, the captured
     rows are exactly the one-at-a-time run's (the same pass on the same tokens: no tolerance)."""
     common = ["--scenarios", str(SCENARIOS), "--paths", "fp8_e4m3", "--no-progress", "--attention", "isolated",
-              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict", "--yardstick", "none"]
+              "--model", str(tiny_models["gqa"]), "--no-fail-on-verdict", "--yardstick", "none", *IN_PROCESS]
     one, batched = tmp_path / "one", tmp_path / "batched"
     assert main(["run", "--out", str(one), *common]) == 0
     assert main(["run", "--out", str(batched), "--batch-size", "3", *common]) == 0

@@ -71,8 +71,10 @@ def refusing_server():
 
 
 def _run_args(tiny_models, out: Path) -> list[str]:
+    # --jobs 1: in one process (the default's pool of a spawned worker per core costs ~14 s of CPU a run here, and
+    # the pool is not what these tests check: tests/test_executor_faults.py does)
     return ["run", "--model", str(tiny_models["gqa"]), "--scenarios", str(SMOKE), "--paths", "bf16",
-            "--out", str(out), "--no-progress"]
+            "--out", str(out), "--no-progress", "--jobs", "1"]
 
 
 # ---------------------------------------------------------------- item 5: exit codes and statuses

@@ -359,8 +359,8 @@ def test_harness_run_exit_code_names_the_failing_path(tmp_path, capsys):
     then 0 with --no-fail-on-verdict; verdicts.jsonl and the manifest matrix are stored."""
     scenarios = _canary_scenarios(tmp_path)
     out = tmp_path / "run"
-    argv = ["run", "--model", str(CANARY / "hybrid"), "--scenarios", str(scenarios), "--no-progress",
-            "--paths", "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e4m3:warmup"]
+    argv = ["run", "--model", str(CANARY / "hybrid"), "--scenarios", str(scenarios), "--no-progress", "--jobs", "1",
+            "--paths", "bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated,fp8_e4m3:warmup"]  # --jobs 1: no worker pool
     assert main(argv + ["--out", str(out)]) == 1
     printed = capsys.readouterr().out
     assert printed.index("verdicts per path") < printed.index("answer acc")  # the matrix leads the summary
