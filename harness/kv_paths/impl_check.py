@@ -143,8 +143,8 @@ class ImplProbe:
         k, v = (_rows(t, rows).index_select(1, kv_idx) for t in (key, value))  # [B, Hs, L, D] model dtype
         k64, v64 = k.double(), v.double()
         plain = _attention64(q.double(), k64, v64, valid, scaling)  # [B, Hs, W, Dv]
-        # the path's declared numerics: plain attention itself unless its layers quantise Q / P (then computed again;
-        # before, plain was always computed twice: ~18% of a CPU default run's time, profiled on the gqa canary)
+        # the path's declared numerics: plain attention itself unless its layers quantise Q / P (computed twice
+        # before, the two calls were 18% of a CPU run's time on the gqa canary's default set, profiled)
         declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling, plain)
         # SDPA row by row, at the shapes torch sees for one sequence: its rounding depends on the batch it is given,
         # and its error is the yardstick the thresholds were measured on
