@@ -333,4 +333,3 @@ def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, satura
 def _warps(elements: int) -> int:
     """Warps for a program of `elements` values: 32 a thread from 8,192 up, 2 warps below 2,048."""
     return 8 if elements >= 8192 else 4 if elements >= 2048 else 2
-
