@@ -154,11 +154,8 @@ def follow_torchrun(config) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f"tp-rank{rank}-"))
     run_dir = scratch / "run"
 
-    def stop(error: BaseException) -> None:
-        print(f"{name}: {type(error).__name__}: {error}; this rank ends (tensor parallel runs in lockstep)",
-              file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(70)  # EX_SOFTWARE
+    def stop(error: BaseException) -> None:  # as a rank this process starts ends: named (in the private copy), exit 70
+        end_rank(run_dir, name, error)
 
     runner.ON_LOCKSTEP_ERROR = stop
     try:
