@@ -192,8 +192,8 @@ def test_kernel_agreement_folds_rows_as_python_max_does():
 @pytest.mark.parametrize(("arch", "check_elements"), [("gqa", None), ("mla", None), ("gqa", 1)])
 def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkeypatch, arch, check_elements):
     """FP8 decode through `PagedKV` rows with the torch reference kernels (HARNESS_KERNELS=reference):
-    every attention layer checks every live row on every `kernel_check_every`-th decode step, in one group of
-    rows or (check_elements=1) one row per group."""
+    every attention layer checks every row at its prompt's end (in the prefill) and every live row on every
+    `kernel_check_every`-th decode step after it, in one group of rows or (check_elements=1) one row per group."""
     import harness.kv_paths.attention as attention
     from harness.kv_paths.cache import attention_layer_indices
 
@@ -209,10 +209,47 @@ def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkey
         # decode forwards a row takes part in: one per token it keeps after the first, plus the one after
         # which it read EOS
         forwards = len(row.token_ids) - 1 + (row.finish_reason == "eos")
-        checked = len(range(0, forwards, every))
+        checked = 1 + len(range(every, forwards, every))  # the prompt's end, then decode steps 2, 4, ...
         assert row.metrics["kernel_steps"] == layers * checked, (row.finish_reason, len(row.token_ids))
         # the reference kernel over the stored codes vs fp64: within 4x SDPA bf16's own error (as the GPU test)
-        assert checked == 0 or 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+        assert 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+
+
+@pytest.mark.parametrize(("arch", "spec", "decode"), [("gqa", "fp8_e4m3", "dynamic"), ("head32", "nvfp4", "static"),
+                                                 ("mla", "fp8_e4m3", "static"), ("gqa", "fp8_e4m3:raw_prefill", "static")])
+def test_first_kernel_check_runs_at_the_prompts_end(tiny_models, head32_model, monkeypatch, arch, spec, decode):
+    """A batch's first kernel check runs in its prefill, at the prompt's last position (so its decode step 0 need
+    not run eagerly): a row that stops after one token, with no decode step, is still checked once per attention
+    layer, and a kernel whose output is 2% too large (a scale delivered wrong: cosine would not see it) fails that
+    check alone. A path whose prefill attends to its own chunk unrounded (`raw_prefill`) has no such yardstick at
+    its prompt's end: it checks decode step 0, as before."""
+    from harness.kv_paths.cache import attention_layer_indices
+    from kernels import reference
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    model = InProcessModel.load(head32_model if arch == "head32" else tiny_models[arch])  # head32: NVFP4's kernel
+    backend = model.backend(parse_path(spec))
+    assert backend.route.kernel == "reference", backend.route
+    layers = len(attention_layer_indices(model.model.config))
+    settings = BatchSettings(kernel_check_every=10**9, decode=decode)
+    prompts = _prompts(model)
+    at_prompt_end = "raw_prefill" not in spec
+    for broken in (False, True):
+        if broken:
+            for name in ("decode_attention", "decode_attention_block_scaled", "mla_decode"):
+                real = getattr(reference, name)
+                monkeypatch.setattr(reference, name, _scaled_by(real, 1.02))
+        one_token = BatchedEngine(backend, settings).generate(prompts, 1)
+        two_tokens = BatchedEngine(backend, settings).generate(prompts, 2)
+        for row in one_token:  # no decode step: checked at the prompt's end or not at all
+            assert row.metrics["kernel_steps"] == (layers if at_prompt_end else 0), row.metrics
+        for row in two_tokens:  # one decode step: checked once either way
+            forwards = len(row.token_ids) - 1 + (row.finish_reason == "eos")
+            assert row.metrics["kernel_steps"] == layers * (1 if at_prompt_end else forwards), row.metrics
+        # 4x: the bound the reference kernel keeps against fp64, relative to SDPA bf16's own error (measured here
+        # at <= 1.6); 2% of the output is ~8 bf16 ulps (2^-7 a ulp at the scale of the largest value), far past it
+        ratios = [row.metrics["kernel_err_ratio"] for row in (one_token if at_prompt_end else two_tokens)]
+        assert all((ratio > 4.0) if broken else (0.0 < ratio <= 4.0) for ratio in ratios), (broken, ratios)
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
@@ -243,7 +280,8 @@ def test_mla_kernel_steps_skip_the_unread_latent_expansion(tiny_models, monkeypa
         [(r.token_ids, r.finish_reason, r.metrics) for r in expanding]
     layers = 2  # the tiny MLA model's attention layers: each expands once per forward pass it runs
     decode_steps = expanded_count // layers - 1  # every forward pass but the prompt's one chunk
-    checked = len(range(0, decode_steps, 4))  # kernel_check_every=4: steps 0, 4, 8, ...
+    # kernel_check_every=4: steps 4, 8, ... (step 0's check runs in the prefill, which expands anyway)
+    checked = len(range(4, decode_steps, 4))
     assert decode_steps > checked > 0 and skipped_count == layers * (1 + checked), (skipped_count, expanded_count)
 
 
@@ -540,6 +578,16 @@ def test_static_decode_over_hybrid_layers_replies_as_the_growing_cache(hybrid_mo
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
 
 
+def _scaled_by(kernel, factor: float):
+    """A decode kernel whose output (the first of what it returns, where it returns several) is `factor` times
+    too large: a scale delivered wrong."""
+    def scaled(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        return (out[0] * factor, *out[1:]) if isinstance(out, tuple) else out * factor
+
+    return scaled
+
+
 def _drops(keyword: str):
     """kernels.reference.decode_attention that ignores one of its keywords: a kernel that forgot the feature."""
     from kernels import reference
@@ -651,8 +699,9 @@ def _count_replays(monkeypatch) -> list[bool]:
     replays, real = [], batched.StaticDecodeStep.run
 
     def run(self, *args):
+        eager = self.eager_steps
         out = real(self, *args)
-        replays.append(self.captured is not None and not args[3] and self.eager_steps > 0)
+        replays.append(self.captured is not None and self.eager_steps == eager)
         return out
 
     monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
@@ -689,6 +738,29 @@ def test_gpu_graph_decode_replays_and_replies_as_the_growing_cache(gpu_models, m
         elif backend.route.kernel is not None:
             assert other.metrics["kernel_steps"] == row.metrics["kernel_steps"]
             assert other.metrics["kernel_err_ratio"] <= 4.0, other.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_gpu_warm_engine_replays_every_decode_step(gpu_models, monkeypatch, arch):
+    """Once an engine has decoded (its lazy initialisation done), a batch whose only kernel check is at its prompt's
+    end (in the prefill) runs every decode step as a CUDA graph replay, its first included; the check still ran,
+    once per attention layer a row, within 4x SDPA bf16's own error (as every kernel check in this file)."""
+    from harness.kv_paths.cache import attention_layer_indices
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path("fp8_e4m3"))
+    assert backend.route.kernel == "triton", backend.route
+    engine = BatchedEngine(backend, BatchSettings(kernel_check_every=10**9))
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    engine.generate(prompts, limits)  # the engine's first decode step runs eagerly (Triton compiles, handles)
+    replays = _count_replays(monkeypatch)
+    rows = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"graph": 2} and engine.decode_fallbacks == []
+    assert replays and all(replays), replays
+    layers = len(attention_layer_indices(model.model.config))
+    for row in rows:
+        assert row.metrics["kernel_steps"] == layers and 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
 
 
 @pytest.fixture(scope="module")

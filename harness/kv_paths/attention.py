@@ -106,6 +106,8 @@ class StepState:
 
     valid: torch.Tensor | None = None  # [rows, chunk]
     check: bool = False
+    # a prompt's last prefill chunk: the decode kernel checked at its last position (`PagedKV.check_prompt_end`)
+    check_last: bool = False
     batch_rows: int = 0
     pages_per_row: int = 0
     rows: torch.Tensor | None = None  # [live rows] original row (int64); None: no paged copies
@@ -342,6 +344,18 @@ class PagedKV:
         if self.step.check:
             self._check(module, query, out, torch_out, beyond)
         return out
+
+    def check_prompt_end(self, module, query: torch.Tensor, torch_out: torch.Tensor, quant=None,
+                         kwargs: dict | None = None) -> None:
+        """The agreement check at a prompt's last prefill chunk (`StepState.check_last`): the kernel over the pages
+        this chunk has just written, for the chunk's last query (every row's last prompt token: rows are
+        left-padded), judged as on a checked decode step. The yardstick is torch's output at that position (query
+        [rows, Hq, chunk, D], torch_out [rows, chunk, Hq, Dv]): the same attention of the same query over the same
+        stored K/V a decode step's torch call computes. The model keeps torch's output. A batch checked here has no
+        checked (so eager) first decode step: its decode steps can all be CUDA graph replays."""
+        beyond = self.beyond_sdpa(kwargs or {})
+        last = query[:, :, -1:]
+        self._check(module, last, self._kernel(module, last, quant, beyond), torch_out[:, -1:], beyond)
 
     def _timed(self, module, query: torch.Tensor, quant, beyond: dict) -> torch.Tensor:
         """`_kernel`, its wall time (device synchronised before and after) added to the agreement."""
@@ -779,6 +793,8 @@ def register() -> None:
             weights = None
         if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
             output = paged.decode(module, raw_query, output, quant, kwargs)
+        elif paged is not None and paged.step.check_last:  # a prompt's last chunk: the kernel checked at its end
+            paged.check_prompt_end(module, raw_query, output, quant, kwargs)
         # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
         # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
         # bf16 included: the check's definition, not the path)

@@ -10,8 +10,8 @@ ordinary cache layers; write statistics are kept per row on the device (no host 
 
 On CUDA, FP8 decode steps go through the path's decode kernel over paged copies (`kv_paths.attention.PagedKV`,
 the same type one sequence alone uses, with one row per sequence); their agreement with an fp64 computation is
-checked on every `kernel_check_every`-th decode step (the kernel runs every step; a `kernel=` plug-in is checked
-and timed on every step, docs/CONTRACTS.md). The implementation check probes every row. Batches are cut to
+checked at the prompt's last position during the prefill and on every `kernel_check_every`-th decode step after
+it (the kernel runs every step; a `kernel=` plug-in is checked and timed on every step, docs/CONTRACTS.md). The implementation check probes every row. Batches are cut to
 `batch_size` sequences; a CUDA out-of-memory error halves the batch and retries it, keeping every finished row.
 """
 
@@ -357,8 +357,9 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))  # original row of each batch position
+        prompt_checked = self._checks_prompt_end(agreements)
         with forward_context(cache=cache):
-            logits = self._prefill(ids, mask, positions, cache, step)
+            logits = self._prefill(ids, mask, positions, cache, step, prompt_checked)
             if remember is not None:
                 remember(prompts[0], cache, logits)
             for decode_step in range(max(limits, default=0)):
@@ -374,7 +375,7 @@ class BatchedEngine:
                 mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                 positions = positions[:, -1:] + 1
                 step.valid = mask[:, -1:]
-                step.check = agreements is not None and decode_step % self._check_every() == 0
+                step.check = self._checks_step(agreements, decode_step, prompt_checked)
                 logits = self._forward(step_ids.view(-1, 1), mask, positions, cache, step)
         return self._row_results(outputs, finish, stats, agreements, probe)
 
@@ -401,16 +402,17 @@ class BatchedEngine:
         outputs: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         live = list(range(rows))
+        prompt_checked = self._checks_prompt_end(agreements)
         try:
             with forward_context(cache=cache):
-                logits = self._prefill_static(ids, mask, positions, cache, step, static, seen)
+                logits = self._prefill_static(ids, mask, positions, cache, step, static, seen, prompt_checked)
                 decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
                 for decode_step in range(max(limits, default=0)):
                     step_ids, keep = self._finish_rows(logits, live, live, outputs, finish, limits)
                     if not keep:
                         break
                     kept = [live[i] for i in keep]
-                    check = agreements is not None and decode_step % self._check_every() == 0
+                    check = self._checks_step(agreements, decode_step, prompt_checked)
                     logits = decode.run(step_ids, width + decode_step, kept if len(kept) < len(live) else None, check)
                     live = kept
         except StaticStorageMismatch as error:  # nothing of this batch is kept: it decodes again, growing
@@ -418,7 +420,7 @@ class BatchedEngine:
         return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
-                        seen: torch.Tensor) -> torch.Tensor:
+                        seen: torch.Tensor, check_last: bool = False) -> torch.Tensor:
         """`_prefill` over static storage: each chunk writes its columns and attends under an explicit mask
         (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty)."""
         rows, length = ids.shape
@@ -432,22 +434,25 @@ class BatchedEngine:
             causal = keys[None, :] <= queries[:, None]  # [chunk, max_len]
             attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
             static.columns, static.length = queries, end
-            step.valid = mask[:, begin:end]
+            step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
             logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
                                                                    windowed), positions[:, begin:end], cache, step)
+        step.check_last = False
         return logits
 
-    def _prefill(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
+    def _prefill(self, ids, mask, positions, cache, step: StepState, check_last: bool = False) -> torch.Tensor:
         """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
-        the canaries and any batch under the budget): every token is still written before it is read."""
+        the canaries and any batch under the budget): every token is still written before it is read.
+        check_last: the decode kernel checked at the prompt's last position (`_checks_prompt_end`)."""
         rows, length = ids.shape
         width = self._prefill_width(rows)
         logits = None
         for begin in range(0, length, width):
             end = min(length, begin + width)
-            step.valid = mask[:, begin:end]
+            step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
+        step.check_last = False
         return logits
 
     def _prefill_width(self, rows: int) -> int:
@@ -470,6 +475,23 @@ class BatchedEngine:
         if self.backend.kv_path is None or not impl_check.enabled():
             return None
         return impl_check.attach(cache, step=step, rows=rows)
+
+    def _checks_prompt_end(self, agreements: KernelAgreement | None) -> bool:
+        """Whether a batch's first kernel check runs at its prefill, at the prompt's last position, instead of at decode
+        step 0: a check computes torch's attention beside the kernel, so a checked decode step runs eagerly, while
+        the prefill computes torch's attention of that position anyway. Where the prefill attends to the stored K/V
+        (`quantize_current_chunk`: not `raw_prefill` or `prefill=FMT`, whose last position reads its own chunk
+        unrounded). Not for a `kernel=` plug-in (every call judged) or one sequence alone (every step checked): their
+        decode step 0 is checked as before."""
+        kv_path = self.backend.kv_path
+        return (agreements is not None and not self.backend.route.kernel_every_call and not self.settings.one_sequence
+                and kv_path is not None and kv_path.quantize_current_chunk)
+
+    def _checks_step(self, agreements: KernelAgreement | None, decode_step: int, prompt_checked: bool) -> bool:
+        """Whether decode step `decode_step` checks the kernel: every `_check_every()`-th step, step 0 left out
+        where the prompt's end was checked (`_checks_prompt_end`)."""
+        return (agreements is not None and decode_step % self._check_every() == 0
+                and not (decode_step == 0 and prompt_checked))
 
     def _check_every(self) -> int:
         """Decode steps between kernel checks: 1 for a `kernel=` plug-in (every call judged, docs/CONTRACTS.md),
@@ -559,7 +581,8 @@ class StaticDecodeStep:
     rows still generating, the attention mask) updated in place, then the forward pass run eagerly or as a
     CUDA graph captured once and replayed. The engine's first decode step runs eagerly (it does every lazy
     initialisation: Triton compiles, library handles, absorbed MLA weights); checked steps run eagerly too:
-    their fp64 agreement check asks the host how long the rows are."""
+    their fp64 agreement check asks the host how long the rows are (a batch's first check runs in its prefill:
+    `BatchedEngine._checks_prompt_end`)."""
 
     def __init__(self, engine: "BatchedEngine", cache, step: StepState, static: StaticColumns, seen: torch.Tensor,
                  last_positions: torch.Tensor, graph: bool):
