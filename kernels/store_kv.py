@@ -218,7 +218,7 @@ def _quantize_store_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, FP8_DTYPE: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, IS_E4M3: tl.constexpr,
     SATURATE: tl.constexpr, PER_TOKEN: tl.constexpr, STORE: tl.constexpr, STATS: tl.constexpr,
-    HAS_VALID: tl.constexpr,
+    HAS_VALID: tl.constexpr, X_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     tiles = tl.cdiv(C, BLOCK_T)
     pid = tl.program_id(0)
@@ -228,7 +228,10 @@ def _quantize_store_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_mask = offs_t < C
     m2 = t_mask[:, None] & (offs_d < D)[None, :]
-    src = X + r.to(tl.int64) * stride_xr + head * stride_xh + offs_t[:, None] * stride_xc + offs_d[None, :] * stride_xd
+    token = r.to(tl.int64) * stride_xr + head * stride_xh + offs_t * stride_xc           # [BLOCK_T] first element
+    if X_ALIGN > 1:  # the strides are not specialised on: say what the launcher checked (vector loads)
+        token = tl.multiple_of(token, X_ALIGN)
+    src = X + token[:, None] + offs_d[None, :] * stride_xd
     x = tl.load(src, mask=m2, other=0.0).to(tl.float32)
     if PER_TOKEN:
         # reference.per_token_scale: (|x|.amax(-1) / max).clamp_min(MIN_SCALE), an IEEE division (amax_scale
@@ -246,6 +249,8 @@ def _quantize_store_kernel(
     if STORE:
         slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + col_offset
+        if ROW_ALIGN > 1:  # as for X: without them the codes went out a byte a store (32 x 1k: 0.47 ms, now 0.11)
+            row = tl.multiple_of(row, ROW_ALIGN)
         tl.store(CACHE + row[:, None] + offs_d[None, :], codes, mask=m2 & (slot >= 0)[:, None])
     if STATS:
         if HAS_VALID:
@@ -264,10 +269,10 @@ def _quantize_store_kernel(
         tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0))
 
 
-# Tokens a program of the fused write takes, at most: a prefill chunk's write (16 rows x 2,048 tokens x 8 heads of
-# 128, 8B-shaped) took 0.5 ms a launch at 16 (H200, session 23), where each program adds its statistics with four
-# atomics on its row's same four words
-TOKENS_PER_PROGRAM = 64
+# Tokens a program of the fused write takes, at most. With its stores and loads vectorised (ROW_ALIGN, X_ALIGN), the
+# write of one layer's K in an 8B-shaped prefill took 107 us at 32 and 135 at 64 for 32 x 1k tokens, 414 and 534 us
+# for 16 x 8k (H200, session 24, benchmarks/fused_write_bench.py)
+TOKENS_PER_PROGRAM = 32
 
 
 def _inverse_max(fmt: str) -> float:
@@ -325,9 +330,20 @@ def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, satura
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_T=block_t, FP8_DTYPE=_TL_FP8[fmt], FP8_MAX=FP8_MAX[fmt],
         INV_MAX=_inverse_max(fmt), MIN_SCALE=MIN_SCALE, IS_E4M3=fmt == "e4m3", SATURATE=bool(saturate),
         PER_TOKEN=scale is None, STORE=store, STATS=stats, HAS_VALID=valid is not None,
+        X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
+        ROW_ALIGN=alignment(*cache_strides, col_offset) if store else 1,
         num_warps=_warps(block_t * triton.next_power_of_2(dim)),
     )
     return out
+
+
+def alignment(*offsets: int, at: int = 16) -> int:
+    """The largest power of two up to `at` that divides every offset (in elements): what a kernel may tell Triton of
+    addresses built from strides it does not specialise on, so that it loads and stores whole vectors."""
+    align = at
+    while align > 1 and any(offset % align for offset in offsets):
+        align //= 2
+    return align
 
 
 def _warps(elements: int) -> int:

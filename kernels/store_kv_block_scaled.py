@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels.decode_attention import on_tensor_device
 from kernels.decode_attention_block_scaled import ELEMENTS, SCALES, code_bytes, interpreting
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
-from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps
+from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps, alignment
 
 ELEMENT_MAX = {"e2m1": 6.0, "e4m3": 448.0, "int8": 127.0, "int4": 7.0}   # the largest magnitude of each element
 ELEMENT_EMAX = {"e2m1": 2, "e4m3": 8}                                     # floor(log2 max): OCP MX's emax_elem
@@ -107,7 +107,8 @@ def _quantize_store_block_scaled_kernel(
     TARGET: tl.constexpr, FLOOR: tl.constexpr, EMAX: tl.constexpr, CEIL: tl.constexpr, ELEMENT_MAX_: tl.constexpr,
     INV_MAX: tl.constexpr,
     INT_LOW: tl.constexpr, INT_HIGH: tl.constexpr, HAS_SCALE: tl.constexpr, STORE: tl.constexpr,
-    STATS: tl.constexpr, HAS_VALID: tl.constexpr,
+    STATS: tl.constexpr, HAS_VALID: tl.constexpr, X_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr,
 ):
     NUM_BLOCKS: tl.constexpr = D // BLOCK
     tiles = tl.cdiv(C, BLOCK_T)
@@ -118,8 +119,10 @@ def _quantize_store_block_scaled_kernel(
     offs_d = tl.arange(0, D)
     t_mask = offs_t < C
     m2 = t_mask[:, None]
-    src = X + r.to(tl.int64) * stride_xr + head * stride_xh + offs_t[:, None] * stride_xc + offs_d[None, :] * stride_xd
-    x = tl.load(src, mask=m2, other=0.0).to(tl.float32)                                      # [BLOCK_T, D]
+    token = r.to(tl.int64) * stride_xr + head * stride_xh + offs_t * stride_xc           # [BLOCK_T] first element
+    if X_ALIGN > 1:  # the strides are not specialised on: say what the launcher checked (vector loads)
+        token = tl.multiple_of(token, X_ALIGN)
+    x = tl.load(X + token[:, None] + offs_d[None, :] * stride_xd, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_T, D]
     s = 1.0
     if HAS_SCALE:
         s = tl.load(SCALE + head * scale_stride)
@@ -168,6 +171,8 @@ def _quantize_store_block_scaled_kernel(
         keep = t_mask & (slot >= 0)
         page = slot // page_size
         row = page * stride_cb + (slot % page_size) * stride_cs + head * stride_ch            # [BLOCK_T]
+        if ROW_ALIGN > 1:  # as for X (store_kv.quantize_store: one-byte stores without it)
+            row = tl.multiple_of(row, ROW_ALIGN)
         codes = tl.reshape(codes, BLOCK_T, D)
         if ELEMENT == 1 or ELEMENT == 2:                     # 8-bit elements: one a byte
             offs_c = tl.arange(0, D)
@@ -177,6 +182,8 @@ def _quantize_store_block_scaled_kernel(
             offs_c = tl.arange(0, D // 2)
             tl.store(CODES + row[:, None] + offs_c[None, :], (low | (high << 4)).to(tl.uint8), mask=keep[:, None])
         scale_row = page * stride_sb + (slot % page_size) * stride_ss + head * stride_sh
+        if SCALE_ALIGN > 1:
+            scale_row = tl.multiple_of(scale_row, SCALE_ALIGN)
         if BLOCK_SCALE == 2:
             tl.store(BLOCK_SCALES + scale_row[:, None] + tl.arange(0, 1)[None, :], block_fp32, mask=keep[:, None])
         else:
@@ -283,6 +290,9 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         CEIL=scale_rounding == "ceil", ELEMENT_MAX_=float(ELEMENT_MAX[element]),
         INV_MAX=_inverse(ELEMENT_MAX[element]), INT_LOW=float(low), INT_HIGH=float(high), HAS_SCALE=scale is not None,
         STORE=store, STATS=stats, HAS_VALID=valid is not None,
+        X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
+        ROW_ALIGN=alignment(*codes.stride()[:3]) if store else 1,
+        SCALE_ALIGN=alignment(*block_scales.stride()[:3], at=16 // block_scales.element_size()) if store else 1,
         num_warps=_warps(block_t * dim),
     )
     return out
