@@ -27,7 +27,8 @@ def main() -> None:
     from triton.testing import do_bench
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| rows x tokens | tokens/program | whole write us | no statistics | no store | round trip only | bf16 copy |")
+    print("| rows x tokens | tokens/program | whole write us | no statistics | no store | round trip only | "
+          "bf16 copy |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     torch.manual_seed(0)
     for rows, chunk in ((32, 1024), (16, 8192)):

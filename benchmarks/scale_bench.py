@@ -181,8 +181,7 @@ def phase_clock():
     before and after it (so a phase's time is its own): prefill (every chunk of every batch), eager decode steps
     (the first step, which does the lazy initialisation, and kernel-checked steps; the check included), the fp64
     kernel-agreement checks alone (inside the prefill, at the prompt's end, or inside eager steps), and CUDA graph
-    capture. What a whole call spends beyond them is graph replays
-    and the host's work between steps."""
+    capture. What a whole call spends beyond them is graph replays and the host's work between steps."""
     from harness.replay.batched import StaticDecodeStep
 
     spent = {"prefill": 0.0, "eager_steps": 0.0, "kernel_checks": 0.0, "capture": 0.0}
@@ -826,7 +825,8 @@ def main() -> None:
     timed_phases = [r for r in rows if r.get("phases")]
     if timed_phases:
         print("\n(--phases: one more call of each path, each phase synchronised; s)\n"
-              "| config | path | whole call | prefill | eager steps | kernel checks (inside those two) | capture | the rest |\n"
+              "| config | path | whole call | prefill | eager steps | kernel checks (inside those two) | capture | "
+              "the rest |\n"
               "|---|---|---:|---:|---:|---:|---:|---:|")
         for r in timed_phases:
             p = r["phases"]

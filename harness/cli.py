@@ -227,8 +227,8 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
                      help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
                           "GPU memory, halved on out-of-memory; one at a time on CPU)")
     run.add_argument("--kernel-check-every", type=int, default=16, metavar="STEPS",
-                     help="batched replay: check the FP8 decode kernel against fp64 at each prompt's end and every STEPS "
-                          "decode steps after it (default: 16)")
+                     help="batched replay: check the FP8 decode kernel against fp64 at each prompt's end and every "
+                          "STEPS decode steps after it (default: 16)")
     run.add_argument("--decode", choices=("auto", "dynamic", "static", "graph"), default="auto",
                      help="batched replay's decode: a growing cache (dynamic), a preallocated one written in place "
                           "(static), or static with every decode step one CUDA graph replay (graph); default auto: "

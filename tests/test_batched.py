@@ -215,8 +215,9 @@ def test_kernel_glue_on_cpu_checks_each_row_while_it_is_live(tiny_models, monkey
         assert 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
 
 
-@pytest.mark.parametrize(("arch", "spec", "decode"), [("gqa", "fp8_e4m3", "dynamic"), ("head32", "nvfp4", "static"),
-                                                 ("mla", "fp8_e4m3", "static"), ("gqa", "fp8_e4m3:raw_prefill", "static")])
+@pytest.mark.parametrize(("arch", "spec", "decode"), [
+    ("gqa", "fp8_e4m3", "dynamic"), ("head32", "nvfp4", "static"), ("mla", "fp8_e4m3", "static"),
+    ("gqa", "fp8_e4m3:raw_prefill", "static")])
 def test_first_kernel_check_runs_at_the_prompts_end(tiny_models, head32_model, monkeypatch, arch, spec, decode):
     """A batch's first kernel check runs in its prefill, at the prompt's last position (so its decode step 0 need
     not run eagerly): a row that stops after one token, with no decode step, is still checked once per attention

@@ -11,8 +11,9 @@ ordinary cache layers; write statistics are kept per row on the device (no host 
 On CUDA, FP8 decode steps go through the path's decode kernel over paged copies (`kv_paths.attention.PagedKV`,
 the same type one sequence alone uses, with one row per sequence); their agreement with an fp64 computation is
 checked at the prompt's last position during the prefill and on every `kernel_check_every`-th decode step after
-it (the kernel runs every step; a `kernel=` plug-in is checked and timed on every step, docs/CONTRACTS.md). The implementation check probes every row. Batches are cut to
-`batch_size` sequences; a CUDA out-of-memory error halves the batch and retries it, keeping every finished row.
+it (the kernel runs every step; a `kernel=` plug-in is checked and timed on every step, docs/CONTRACTS.md). The
+implementation check probes every row. Batches are cut to `batch_size` sequences; a CUDA out-of-memory error halves
+the batch and retries it, keeping every finished row.
 """
 
 from __future__ import annotations
