@@ -26,9 +26,7 @@ class TensorParallel:
     strategy = "tensor-parallel"
 
     def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
-        from harness.replay.tensor_parallel import free_port, layout
-
-        from harness.replay.tensor_parallel import torchrun_launch
+        from harness.replay.tensor_parallel import free_port, layout, torchrun_launch
 
         config = work.config
         devices = config.shard_devices
