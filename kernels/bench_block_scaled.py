@@ -110,8 +110,18 @@ def bytes_per_token(label: str) -> int:
 
 
 def _config(label: str, tuned: dict) -> dict:
+    """The launch keywords of a format's row: the tuned variant, else its entry (without impl: the launcher picks the
+    entry's kernel where it serves the format, e.g. the CUDA kernel for NVFP4 but not MXFP4 under one entry)."""
     kind = CONFIG_KINDS[FORMATS[label][0]]
-    return tuned.get(kind) or {k: v for k, v in launch_config(kind, torch.device("cuda", torch.cuda.current_device())).items()}
+    cfg = tuned.get(kind) or launch_config(kind, torch.device("cuda", torch.cuda.current_device()))
+    return {k: v for k, v in cfg.items() if k != "impl"}
+
+
+def _cuda_row(label: str) -> bool:
+    """Whether the format's entry runs the CUDA kernel (NVFP4 under impl="cuda"); its Triton row is printed beside."""
+    kind = CONFIG_KINDS[FORMATS[label][0]]
+    return launch_config(kind, torch.device("cuda", torch.cuda.current_device())).get("impl") == "cuda" and \
+        FORMATS[label][:3] == ("e2m1", "e4m3", 16)
 
 
 def bench(batch: int, ctx: int, tuned: dict, labels=tuple(FORMATS)) -> list[tuple] | None:
@@ -132,13 +142,16 @@ def bench(batch: int, ctx: int, tuned: dict, labels=tuple(FORMATS)) -> list[tupl
         kernel, _, _ = _layout(label)
         fns[f"ours {label}"] = functools.partial(decode_attention_block_scaled, q, kc, vc, kb, vb, table, seq, scale,
                                                  scale, sm, **kernel, **_config(label, tuned))
+        if _cuda_row(label):   # the Triton kernel it replaces, in the same rounds
+            fns[f"ours {label}, Triton"] = functools.partial(fns[f"ours {label}"], impl="triton")
     first = {name: _ms(fn) for name, fn in fns.items()}
     second = {name: _ms(fn) for name, fn in fns.items()}
     rows = [("torch SDPA BF16", second["torch SDPA BF16"], 4 * batch * ctx * KV_HEADS * HEAD_DIM, host_us(sdpa), 1.0)]
     for label in labels:
-        name = f"ours {label}"
-        rows.append((name, second[name], batch * ctx * bytes_per_token(label), host_us(fns[name]),
-                     check(label, _config(label, tuned))))
+        for name, impl in ((f"ours {label}", None), (f"ours {label}, Triton", "triton")):
+            if name in fns:
+                rows.append((name, second[name], batch * ctx * bytes_per_token(label), host_us(fns[name]),
+                             check(label, dict(_config(label, tuned), impl=impl))))
     spread = max(abs(first[n] - second[n]) / second[n] for n in fns)
     return rows + [("(largest round-1 vs round-2 difference)", spread, 0, None, None)]
 
@@ -173,7 +186,9 @@ def sweep(batch: int = 8, ctx: int = 32768, labels=tuple(FORMATS)) -> tuple[list
             if time.perf_counter() - started > SWEEP_SECONDS:
                 lines.append(f"| {label} | {variant} | | not timed: {SWEEP_SECONDS} s spent | |")
                 continue
-            cfg = dict(entry, **variant)
+            cfg = {k: v for k, v in dict(entry, **variant).items() if k != "impl"}
+            if variant:
+                cfg["impl"] = "triton"   # the variants are the Triton kernel's
             pps = cfg["programs_per_sm"]
             try:
                 ms = _ms(lambda: decode_attention_block_scaled(q, kc, vc, kb, vb, table, seq, scale, scale,

@@ -28,9 +28,17 @@ lookup (prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int
 ((1024 + code) - 1024 as f16x2); e4m3 by cvt.rn.f16x2.e4m3x2 (`decode_attention._widen_fp8`). asm=False: the same
 values by plain Triton integer ops (the Triton interpreter, which has no inline assembly; on an H200 the faster for
 e2m1, kernels/BENCHMARKS.md session 16).
+
+NVFP4 (e2m1 codes, e4m3 scales per 16 values) runs the CUDA kernel kernels/gqa_decode_nvfp4.cu where the entry says
+impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128 / 256, up to 8 query heads per KV
+head, pages of a multiple of 16 tokens, sm_89 and later, NVRTC present); elsewhere the Triton kernel below runs.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import warnings
 
 import torch
 import triton
@@ -324,6 +332,97 @@ def _configuration(element: str, head_dim: int, device: torch.device, overrides:
     return cfg
 
 
+# ---------------------------------------------------------------------------------------------------
+# The CUDA kernel for NVFP4 (session 25): kernels/gqa_decode_nvfp4.cu, compiled at first use by NVRTC (kernels/nvrtc.py)
+# ---------------------------------------------------------------------------------------------------
+
+CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_nvfp4.cu")
+CUDA_HEAD_DIMS = (64, 128, 256)
+CUDA_GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
+CUDA_TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
+IMPLS = ("cuda", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.Tensor, element: str,
+                 block_scale: str, block: int) -> str | None:
+    """Why the CUDA kernel cannot run this call (None when it can)."""
+    from kernels import nvrtc
+    if (element, block_scale, block) != ("e2m1", "e4m3", 16):
+        return f"it reads NVFP4 only (e2m1 codes, e4m3 scales per 16 values), got {element} / {block_scale} / {block}"
+    head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
+    if head_dim not in CUDA_HEAD_DIMS:
+        return f"it is built for head sizes {CUDA_HEAD_DIMS}, got {head_dim}"
+    if group > CUDA_GROUP_MAX:
+        return f"it takes up to {CUDA_GROUP_MAX} query heads per KV head, got {group}"
+    if k_codes.shape[1] % CUDA_TILE:
+        return f"its tiles of {CUDA_TILE} tokens must lie in one page: page size {k_codes.shape[1]}"
+    reason = nvrtc.unavailable()
+    if reason:
+        return reason
+    if _capability(q.device.index) < (8, 9):
+        return "it needs sm_89 or later (cvt from e4m3 pairs)"
+    codes_align, scales_align = min(16, head_dim // 8), max(1, head_dim // 64)
+    if k_codes.data_ptr() % codes_align or any(s % codes_align for s in k_codes.stride()[:3]):
+        return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
+    if k_block_scales.data_ptr() % scales_align or any(s % scales_align for s in k_block_scales.stride()[:3]):
+        return f"it loads {scales_align}-byte runs of scales: the scales' base and strides must be multiples of that"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cuda_fallback(reason: str) -> None:
+    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_nvfp4.cu) did not build here, "
+                  f"so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
+
+
+class CudaBuildError(RuntimeError):
+    """NVRTC could not compile the CUDA kernel, or the driver could not load it, on this machine."""
+
+
+_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
+
+
+def _cuda_kernel(defines: tuple, index: int):
+    from kernels import nvrtc
+    key = (defines, index)
+    if key not in _BUILD_FAILURES:
+        try:
+            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_nvfp4_decode", defines, index)
+        except (RuntimeError, OSError) as e:
+            _BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
+    raise CudaBuildError(_BUILD_FAILURES[key])
+
+
+def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens, k_scale, v_scale,
+                 sm_scale, num_splits, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernel's (out, lse); CudaBuildError where it does not build here."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
+    warps = cfg.get("cuda_warps", 4)
+    ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)   # head size 256 holds ~234 registers a thread
+    defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("NW", warps), ("CTAS", ctas),
+               ("Q_BF16", int(q.dtype == torch.bfloat16)))
+    kernel = _cuda_kernel(defines, q.device.index)
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
+                                               ctas, q.device, num_splits, whole_waves=True)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    part_out, part_lse = partials(out, num_splits)
+    static = k_scale is not None
+    kernel((kv_heads, batch, num_splits), (32 * warps, 1, 1), 0,
+           [q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
+            k_scale if static else seq_lens, v_scale if static else seq_lens, part_out, part_lse, sm_scale * LOG2E,
+            tokens_per_split, q_heads // kv_heads, int(static and k_scale.dim() == 1),
+            int(static and v_scale.dim() == 1), int(static), q.stride(0), q.stride(1), *k_codes.stride()[:3],
+            *k_block_scales.stride()[:3], block_table.stride(0), part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
+    return out, merge_splits(part_out, part_lse, out)
+
+
 @on_tensor_device
 def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
                                   k_block_scales: torch.Tensor, v_block_scales: torch.Tensor,
@@ -332,13 +431,17 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                   element: str, block_scale: str, block_size: int, block_n: int | None = None,
                                   num_warps: int | None = None, num_stages: int | None = None,
                                   programs_per_sm: int | None = None, whole_waves: bool | None = None,
-                                  asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  asm: bool | None = None, impl: str | None = None, cuda_warps: int | None = None,
+                                  ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16, D a power of two in [16, 256]; codes / block scales / scales: the layout of
     kernels/reference.py ("Block-scaled caches"), K's and V's of one layout and strides; element: e2m1 | e4m3 |
     int8 | int4; block_scale: e4m3 | e8m0 | fp32 (one per token and head: block_size is D); block_table: [B,
     max_blocks] int32; seq_lens: [B] int32. Returns (out [B, Hq, D] q.dtype, lse [B, Hq] fp32 natural log).
     num_splits=None fills the GPU (kernels/decode_attention.py `plan_splits`); the launch keywords override this
-    GPU's entry in kernels/configs.py; asm=False widens with plain Triton ops (the interpreter always does)."""
+    GPU's entry in kernels/configs.py; asm=False widens with plain Triton ops (the interpreter always does).
+    impl: "cuda" (the CUDA kernel; a call it cannot serve raises ValueError saying why), "triton", or None: the
+    entry's, the CUDA kernel where it serves the call and builds, else the Triton kernel; cuda_warps (warps a block)
+    and ctas (blocks an SM: its register budget and the split plan's programs per SM) are the CUDA kernel's."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -369,7 +472,22 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
     assert all(t.device == device for t in (k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
                                             *scales)), "all tensors must be on one device"
     cfg = _configuration(element, head_dim, device, dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                               programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm))
+                                               programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm,
+                                               cuda_warps=cuda_warps, ctas=ctas))
+    assert impl in (None, *IMPLS), f"impl must be one of {IMPLS} or None, got {impl!r}"
+    if (impl or cfg.get("impl")) == "cuda" and not interpreting():
+        why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block)
+        if why is None:
+            try:
+                return _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
+                                    k_scale, v_scale, sm_scale, num_splits, cfg)
+            except CudaBuildError as e:
+                why = str(e)
+                if impl is None:
+                    _warn_cuda_fallback(why)
+        if impl == "cuda":
+            raise ValueError(f"decode_attention_block_scaled(impl='cuda'): the CUDA kernel does not serve this call: "
+                             f"{why}")
     assert not (cfg["asm"] and interpreting()), "the Triton interpreter runs no inline assembly: asm=False"
     block_n = cfg["block_n"]
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"

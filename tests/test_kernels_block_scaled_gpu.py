@@ -109,15 +109,32 @@ def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None
     assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
 
 
-@pytest.mark.parametrize("asm", [True, False], ids=["asm", "plain"])
-@pytest.mark.parametrize("lengths, head_dim, group, kv_heads", SHAPES)
+# the CUDA NVFP4 kernel (kernels/gqa_decode_nvfp4.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
+CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
+               pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32")]
+
+
+@pytest.mark.parametrize("impl", ["asm", "plain", "cuda"])
+@pytest.mark.parametrize("lengths, head_dim, group, kv_heads, page", [
+    *(pytest.param(*p.values, 16, id=p.id) for p in SHAPES), *CUDA_SHAPES])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, asm):
+def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, page, impl):
+    """asm / plain: the Triton kernel with the PTX or the plain widening; cuda: the CUDA kernel where it serves the
+    case (NVFP4, <= 8 query heads per KV head), explicitly, so a refusal cannot pass as the Triton kernel."""
+    from kernels.decode_attention_block_scaled import cuda_refusal
     decode_bf16, decode_block_scaled, _ = kern
-    layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads)
+    layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads, page)
     (k_codes, k_blocks), (v_codes, v_blocks) = caches
+    args = layout.kernel_args
+    if impl == "cuda":
+        why = cuda_refusal(q, k_codes, k_blocks, args["element"], args["block_scale"], args["block_size"])
+        if why:
+            pytest.skip(f"the CUDA kernel does not serve this case: {why}")
+        options = dict(impl="cuda")
+    else:
+        options = dict(impl="triton", asm=impl == "asm")
     out, lse = decode_block_scaled(q, k_codes, v_codes, k_blocks, v_blocks, table, seq_lens, scales, scales,
-                                   head_dim ** -0.5, asm=asm, **layout.kernel_args)
+                                   head_dim ** -0.5, **options, **args)
     truth, truth_lse, (k_bf16, v_bf16) = _truth(layout, caches, scales, q, table, seq_lens)
     dequantised = decode_bf16(q, k_bf16, v_bf16, table, seq_lens, None, None, head_dim ** -0.5)[0]
     err = (out.double() - truth).abs().max().item()
