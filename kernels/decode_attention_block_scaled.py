@@ -404,10 +404,13 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
-    ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)   # head size 256 holds ~234 registers a thread
-    defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("NW", warps), ("CTAS", ctas),
+    # head size 256 holds 234 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
+    ctas, prefetch = (2, 1) if head_dim > 128 else (cfg.get("ctas", 3), cfg.get("cuda_prefetch", 1))
+    defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
+               ("SS", k_block_scales.stride(1)), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
                ("Q_BF16", int(q.dtype == torch.bfloat16)))
     kernel = _cuda_kernel(defines, q.device.index)
+    # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
                                                ctas, q.device, num_splits, whole_waves=True)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -417,9 +420,9 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
            [q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
             k_scale if static else seq_lens, v_scale if static else seq_lens, part_out, part_lse, sm_scale * LOG2E,
             tokens_per_split, q_heads // kv_heads, int(static and k_scale.dim() == 1),
-            int(static and v_scale.dim() == 1), int(static), q.stride(0), q.stride(1), *k_codes.stride()[:3],
-            *k_block_scales.stride()[:3], block_table.stride(0), part_out.stride(0), part_out.stride(1),
-            part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
+            int(static and v_scale.dim() == 1), int(static), q.stride(0), q.stride(1), k_codes.stride(0),
+            k_codes.stride(2), k_block_scales.stride(0), k_block_scales.stride(2), block_table.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
     return out, merge_splits(part_out, part_lse, out)
 
 
@@ -432,7 +435,8 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                   num_warps: int | None = None, num_stages: int | None = None,
                                   programs_per_sm: int | None = None, whole_waves: bool | None = None,
                                   asm: bool | None = None, impl: str | None = None, cuda_warps: int | None = None,
-                                  ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                  ctas: int | None = None, cuda_prefetch: int | None = None,
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16, D a power of two in [16, 256]; codes / block scales / scales: the layout of
     kernels/reference.py ("Block-scaled caches"), K's and V's of one layout and strides; element: e2m1 | e4m3 |
     int8 | int4; block_scale: e4m3 | e8m0 | fp32 (one per token and head: block_size is D); block_table: [B,
@@ -440,8 +444,9 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
     num_splits=None fills the GPU (kernels/decode_attention.py `plan_splits`); the launch keywords override this
     GPU's entry in kernels/configs.py; asm=False widens with plain Triton ops (the interpreter always does).
     impl: "cuda" (the CUDA kernel; a call it cannot serve raises ValueError saying why), "triton", or None: the
-    entry's, the CUDA kernel where it serves the call and builds, else the Triton kernel; cuda_warps (warps a block)
-    and ctas (blocks an SM: its register budget and the split plan's programs per SM) are the CUDA kernel's."""
+    entry's, the CUDA kernel where it serves the call and builds, else the Triton kernel; cuda_warps (warps a block),
+    ctas (blocks an SM: its register budget and the split plan's programs per SM) and cuda_prefetch (tiles loaded
+    ahead: 1 or 2) are the CUDA kernel's."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -473,7 +478,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                             *scales)), "all tensors must be on one device"
     cfg = _configuration(element, head_dim, device, dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                                programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm,
-                                               cuda_warps=cuda_warps, ctas=ctas))
+                                               cuda_warps=cuda_warps, ctas=ctas, cuda_prefetch=cuda_prefetch))
     assert impl in (None, *IMPLS), f"impl must be one of {IMPLS} or None, got {impl!r}"
     if (impl or cfg.get("impl")) == "cuda" and not interpreting():
         why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block)

@@ -1,7 +1,8 @@
 // GQA decode over a paged NVFP4 cache (e2m1 codes, an e4m3 scale per 16 values, a static fp32 scale per tensor or
 // KV head), split-KV: the CUDA kernel of kernels/decode_attention_block_scaled.py's impl="cuda" entry (compiled at
 // first use by NVRTC, kernels/nvrtc.py; sm_89 and later). Defines: HEAD_DIM (64, 128 or 256), PAGE (a multiple of
-// 16), NW warps, CTAS blocks per SM (launch bounds), Q_BF16. Up to 8 query heads per KV head.
+// 16), CS and SS (bytes from one slot's codes and scales to the next's), NW warps, CTAS blocks per SM (launch
+// bounds), PREFETCH tiles loaded ahead (1 or 2), Q_BF16. Up to 8 query heads per KV head.
 //
 // Same definition and partial layout as the Triton kernel (kernels/decode_attention_block_scaled.py): the K and V
 // tiles hold element x block scale in fp16, exactly; q is rounded to fp16; scores and accumulation are fp32; online
@@ -30,8 +31,9 @@
 //   that the output store puts back. Each m16 tile of head dims is one MMA: 8 at head size 128 (16 for Q . K^T).
 // - The accumulator is rescaled only when some row's running maximum moved (a warp vote): multiplying by 1 is exact,
 //   so this skips work without changing a bit.
-// - The next tile's codes and scales are loaded into registers while this one is computed; at the end the warps of a
-//   block merge their (m, l, acc) through shared memory and write one partial per split.
+// - The next tiles' codes and scales are loaded into registers while this one is computed; at the end the warps of a
+//   block merge their (m, l, acc) through shared memory and write one partial per split. (The splits merged by a
+//   CUDA kernel as a programmatic dependent launch, as the MLA kernel's are, measured no faster: session 25.)
 
 #include "mla_fp8_common.cuh"
 
@@ -42,6 +44,9 @@
 #define KSB (D / 64)        // K scale bytes a lane reads per token (its D / 4 values span D / 64 blocks)
 #define MTILES (D / 16)     // m16 tiles of head dims in P . V (and k16 steps in Q . K^T)
 #define GROUP_MAX 8
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -98,20 +103,21 @@ struct Tile {
 
 #define VSB (D >= 256 ? 2 : 1)
 
-__device__ __forceinline__ Tile load_tile(const u8* k_page, const u8* v_page, const u8* ks_page, const u8* vs_page,
-                                          int slot, int s_cs, int s_ss, int g, int q) {
+// The tile's loads from this lane's bases (the lane's first byte on page 0, loop invariant) plus the page's offset:
+// a slot's bytes are CS (codes) and SS (scales) after the previous slot's, compile-time strides, so each load
+// is one base for the tile plus an immediate.
+__device__ __forceinline__ Tile load_tile(const u8* kp, const u8* vp, const u8* ksp, const u8* vsp) {
   Tile t;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int tok = slot + 8 * i + g;
-    t.k[i] = load_words<KW>(k_page + (i64)tok * s_cs + q * (D / 8));
-    t.ks[i] = load_bytes<KSB>(ks_page + (i64)tok * s_ss + q * KSB);
+    t.k[i] = load_words<KW>(kp + 8 * i * CS);
+    t.ks[i] = load_bytes<KSB>(ksp + 8 * i * SS);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int tok = slot + 2 * q + (i & 1) + 8 * (i >> 1);
-    t.v[i] = load_words<VW>(v_page + (i64)tok * s_cs + g * (D / 16));
-    t.vs[i] = load_bytes<VSB>(vs_page + (i64)tok * s_ss + (g * D) / 128);
+    const int tok = (i & 1) + 8 * (i >> 1);
+    t.v[i] = load_words<VW>(vp + tok * CS);
+    t.vs[i] = load_bytes<VSB>(vsp + tok * SS);
   }
   return t;
 }
@@ -121,8 +127,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
     const u8* __restrict__ k_scales, const u8* __restrict__ v_scales, const int* __restrict__ block_table,
     const int* __restrict__ seq_lens, const float* __restrict__ k_static, const float* __restrict__ v_static,
     float* __restrict__ part_out, float* __restrict__ part_lse, double sm_scale_log2, int tokens_per_split,
-    int group, int k_static_stride, int v_static_stride, int has_static, int s_qb, int s_qh, int s_cb, int s_cs,
-    int s_ch, int s_sb, int s_ss, int s_sh, int s_tb, int s_ob, int s_oh, int s_os, int s_eb, int s_eh) {
+    int group, int k_static_stride, int v_static_stride, int has_static, int s_qb, int s_qh, int s_cb, int s_ch,
+    int s_sb, int s_sh, int s_tb, int s_ob, int s_oh, int s_os, int s_eb, int s_eh) {
   __shared__ float sm_m[NW][GROUP_MAX], sm_l[NW][GROUP_MAX];
   __shared__ float sm_acc[NW][GROUP_MAX][D];
 
@@ -156,22 +162,19 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
   for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   const int* table = block_table + b * s_tb;
-  const i64 head_codes = (i64)kv_head * s_ch, head_scales = (i64)kv_head * s_sh;
-  auto tile_at = [&](int n0) -> Tile {
-    const i64 page = table[n0 / PAGE];
-    return load_tile(k_codes + page * s_cb + head_codes, v_codes + page * s_cb + head_codes,
-                     k_scales + page * s_sb + head_scales, v_scales + page * s_sb + head_scales, n0 % PAGE, s_cs,
-                     s_ss, g, q);
+  // this lane's bytes of slot 0 of page 0: K codes and scales of tokens g (+ 8), V's of tokens 2q (+ 1, 8, 9)
+  const u8* k_lane = k_codes + (i64)kv_head * s_ch + g * CS + q * (D / 8);
+  const u8* v_lane = v_codes + (i64)kv_head * s_ch + 2 * q * CS + g * (D / 16);
+  const u8* ks_lane = k_scales + (i64)kv_head * s_sh + g * SS + q * KSB;
+  const u8* vs_lane = v_scales + (i64)kv_head * s_sh + 2 * q * SS + (g * D) / 128;
+  auto tile_at = [&](int n0) -> Tile {   // tiles start at multiples of 16: at page size 16, at a page's first slot
+    const i64 page = table[n0 / PAGE], slot = PAGE == 16 ? 0 : n0 % PAGE;
+    return load_tile(k_lane + page * s_cb + slot * CS, v_lane + page * s_cb + slot * CS,
+                     ks_lane + page * s_sb + slot * SS, vs_lane + page * s_sb + slot * SS);
   };
 
-  int n0 = start + 16 * warp;
-  Tile cur;
-  if (n0 < end) cur = tile_at(n0);
-#pragma unroll 1
-  for (; n0 < end; n0 += 16 * NW) {
-    Tile nxt;
-    if (n0 + 16 * NW < end) nxt = tile_at(n0 + 16 * NW);
-
+  // One tile: its scores, the online softmax, P . V.
+  auto step = [&](Tile& cur, const int n0) {
     // Q . K^T: s[i] = scores of tokens 8i + 2q, 8i + 2q + 1 for head g (rows g + 8 unused)
     float s[2][4];
 #pragma unroll
@@ -243,10 +246,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
 #pragma unroll
       for (int pr = 0; pr < 2; ++pr) {
         const u32 sc = vsc[pr][VSB > 1 ? (w * 8 * 2) / (VW * 8) : 0];
-        const u32 la = e4m3_of_low(cur.v[2 * pr].w[w]), lb = e4m3_of_low(cur.v[2 * pr + 1].w[w]);
-        const u32 ha = e4m3_of_high(cur.v[2 * pr].w[w]), hb = e4m3_of_high(cur.v[2 * pr + 1].w[w]);
-        const u32 l0 = prmt(la, lb, 0x5140), l1 = prmt(la, lb, 0x7362);
-        const u32 h0 = prmt(ha, hb, 0x5140), h1 = prmt(ha, hb, 0x7362);
+        // the two tokens' bytes interleaved (a b a b), then each nibble half widened: pairs (a, b) of one head dim
+        const u32 r0 = prmt(cur.v[2 * pr].w[w], cur.v[2 * pr + 1].w[w], 0x5140);   // bytes 0, 1: dims 0-3
+        const u32 r1 = prmt(cur.v[2 * pr].w[w], cur.v[2 * pr + 1].w[w], 0x7362);   // bytes 2, 3: dims 4-7
+        const u32 l0 = e4m3_of_low(r0), l1 = e4m3_of_low(r1), h0 = e4m3_of_high(r0), h1 = e4m3_of_high(r1);
         h[pr][0] = hmul2(widen2(l0), sc); h[pr][1] = hmul2(widen2_hi(l0), sc);
         h[pr][2] = hmul2(widen2(l1), sc); h[pr][3] = hmul2(widen2_hi(l1), sc);
         h[pr][4] = hmul2(widen2(h0), sc); h[pr][5] = hmul2(widen2_hi(h0), sc);
@@ -256,8 +259,40 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
       for (int j = 0; j < 8; j += 2)   // m tile 4w + j / 2: rows g <- pair j, rows g + 8 <- pair j + 1
         mma16816(acc[4 * w + j / 2], h[0][j], h[0][j + 1], h[1][j], h[1][j + 1], pb0, pb1);
     }
-    cur = nxt;
+  };
+
+  // PREFETCH tiles in flight beside the one computed: PREFETCH + 1 register buffers taken in turn (the loop unrolled
+  // over them, so no buffer is copied)
+  const int stride = 16 * NW;
+  int n = start + 16 * warp;
+  Tile t0, t1;
+  if (n < end) t0 = tile_at(n);
+#if PREFETCH == 2
+  Tile t2;
+  if (n + stride < end) t1 = tile_at(n + stride);
+#pragma unroll 1
+  while (n < end) {
+    if (n + 2 * stride < end) t2 = tile_at(n + 2 * stride);
+    step(t0, n);
+    if ((n += stride) >= end) break;
+    if (n + 2 * stride < end) t0 = tile_at(n + 2 * stride);
+    step(t1, n);
+    if ((n += stride) >= end) break;
+    if (n + 2 * stride < end) t1 = tile_at(n + 2 * stride);
+    step(t2, n);
+    n += stride;
   }
+#else
+#pragma unroll 1
+  while (n < end) {
+    if (n + stride < end) t1 = tile_at(n + stride);
+    step(t0, n);
+    if ((n += stride) >= end) break;
+    if (n + stride < end) t0 = tile_at(n + stride);
+    step(t1, n);
+    n += stride;
+  }
+#endif
 
   // l over the quad; then the warps' (m, l, acc) merged through shared memory
   l += __shfl_xor_sync(0xffffffffu, l, 1);

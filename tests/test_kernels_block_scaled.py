@@ -71,3 +71,23 @@ def test_kernel_under_the_interpreter(interpreted, case):
     """Decode within 2 bf16 ulps of the torch mirror (lse 1e-5); the fused write bit for bit against the encode."""
     assert case in interpreted, f"{case} did not run"
     assert interpreted[case] is None, interpreted[case]
+
+
+@pytest.mark.parametrize("fmt, head_dim, group, page, why", [
+    ("mxfp4", 128, 4, 16, "reads NVFP4 only"),
+    ("int4_per_token_head", 128, 4, 16, "reads NVFP4 only"),
+    ("nvfp4", 32, 4, 16, "head sizes (64, 128, 256)"),
+    ("nvfp4", 128, 16, 16, "up to 8 query heads per KV head"),
+    ("nvfp4", 128, 4, 8, "must lie in one page"),
+])
+def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why):
+    """The NVFP4 CUDA decode (kernels/gqa_decode_nvfp4.cu) refuses other formats and shapes with the reason, before
+    any device or compiler question, so the launcher runs the Triton kernel there (or, asked for impl="cuda",
+    raises that reason)."""
+    from kernels.decode_attention_block_scaled import cuda_refusal
+
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    codes, blocks = layout.allocate(4, page, 2, head_dim, "cpu")
+    q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16)
+    args = layout.kernel_args
+    assert why in cuda_refusal(q, codes, blocks, args["element"], args["block_scale"], args["block_size"])

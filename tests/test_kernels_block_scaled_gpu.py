@@ -146,6 +146,79 @@ def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, grou
     torch.testing.assert_close(lse.double(), truth_lse, atol=1e-3, rtol=1e-4)   # fp32 scores against fp64
 
 
+def _cuda_call(kern, lengths, head_dim=128, group=4, kv_heads=2, **options):
+    """An NVFP4 case and a call of the CUDA kernel on it: (the case's parts, call(**more) -> (out, lse))."""
+    _, decode_block_scaled, _ = kern
+    layout, table, seq_lens, caches, scales, q = _case("nvfp4", lengths, head_dim, group, kv_heads)
+    (k_codes, k_blocks), (v_codes, v_blocks) = caches
+
+    def call(**more):
+        return decode_block_scaled(q, k_codes, v_codes, k_blocks, v_blocks, table, seq_lens, scales, scales,
+                                   head_dim ** -0.5, **dict(options, **more), **layout.kernel_args)
+    return (layout, table, seq_lens, caches, scales, q), call
+
+
+def test_cuda_kernel_nan_stays_in_its_sequence_and_stale_slots_add_nothing(kern):
+    """A NaN V block scale inside sequence 1 makes exactly sequence 1's outputs NaN; NaN scales and codes in the
+    slots past every sequence's end (their last, partly filled tiles) change nothing: those tokens' P is 0 and their
+    V codes and scales are zeroed before P . V, since 0 x NaN would not be 0."""
+    (layout, table, seq_lens, caches, _, _), call = _cuda_call(kern, [700, 300, 129], impl="cuda")
+    (k_codes, k_blocks), (v_codes, v_blocks) = caches
+    clean = call()[0]
+    for b, n in enumerate(seq_lens.tolist()):   # the rest of each sequence's last page
+        page = int(table[b, (n - 1) // 16])
+        k_blocks[page, n % 16 or 16:] = 0x7F
+        v_blocks[page, n % 16 or 16:] = 0x7F
+        v_codes[page, n % 16 or 16:] = 0xFF
+    assert torch.equal(call()[0], clean), "stale slots past a sequence's end changed its output"
+    page = int(table[1, 250 // 16])
+    v_blocks[page, 250 % 16, 0, 3] = 0x7F                 # e4m3 NaN, V of token 250 of sequence 1
+    out = call()[0]
+    assert out[1, :4].isnan().any(dim=-1).all(), "the NaN scale did not reach its KV head's query heads"
+    assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN scale leaked into another sequence"
+
+
+def test_cuda_kernel_repeats_and_replays_in_a_cuda_graph(kern):
+    """The same bits eagerly, again, and from a CUDA graph's replays (the harness replays its decode steps); an
+    empty sequence gets out 0 and lse -inf."""
+    _, call = _cuda_call(kern, [4099, 1, 300, 0, 128], impl="cuda")
+    first, again = call(), call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = call()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in (again, replayed):
+            assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]), "a launch differs from the first"
+    assert first[1][3].isneginf().all() and (first[0][3] == 0).all(), "an empty sequence: out 0, lse -inf"
+
+
+def test_cuda_kernel_that_does_not_build_falls_back_to_the_triton_kernel(kern, monkeypatch):
+    """NVRTC refusing the kernel: the entry's impl="cuda" warns once and runs the Triton kernel (the same bound);
+    an explicit impl="cuda" raises with the reason."""
+    import kernels.decode_attention_block_scaled as M
+    from kernels import nvrtc
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("NVRTC could not compile gqa_nvfp4_decode (test)")
+
+    monkeypatch.setattr(M, "_BUILD_FAILURES", {})
+    M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
+    monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
+    (layout, table, seq_lens, caches, scales, q), call = _cuda_call(kern, [300, 17, 1])
+    with pytest.warns(RuntimeWarning, match="did not build here"):
+        out, _ = call()
+    assert torch.equal(out, call(impl="triton")[0]), "the fallback is not the Triton kernel"
+    with pytest.raises(ValueError, match="could not compile"):
+        call(impl="cuda")
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "nvfp4_4over6"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
 @pytest.mark.parametrize("chunk", [1, 37, 300])  # 300: several programs a row and a partial one
