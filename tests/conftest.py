@@ -32,3 +32,22 @@ def head32_model(tmp_path_factory):
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(out))
     save_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def head64_model(tmp_path_factory):
+    """A tiny random-weight Llama whose heads hold 64 values, 2 query heads per KV head: the smallest head the NVFP4
+    CUDA decode (kernels/gqa_decode_nvfp4.cu) serves, so the engine reaches it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.canary.tiny_models import tiny_config
+    from harness.canary.tokenizer import save_tokenizer
+
+    out = tmp_path_factory.mktemp("head64")
+    config = tiny_config("gqa")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(out))
+    save_tokenizer(out)
+    return out
