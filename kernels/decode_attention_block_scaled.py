@@ -349,8 +349,10 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.Tensor, element: str,
-                 block_scale: str, block: int) -> str | None:
-    """Why the CUDA kernel cannot run this call (None when it can)."""
+                 block_scale: str, block: int, v_codes: torch.Tensor | None = None,
+                 v_block_scales: torch.Tensor | None = None) -> str | None:
+    """Why the CUDA kernel cannot run this call (None when it can). V's tensors share K's strides (the launcher
+    asserts it); their bases are checked beside K's where given."""
     from kernels import nvrtc
     if (element, block_scale, block) != ("e2m1", "e4m3", 16):
         return f"it reads NVFP4 only (e2m1 codes, e4m3 scales per 16 values), got {element} / {block_scale} / {block}"
@@ -367,9 +369,11 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     if _capability(q.device.index) < (8, 9):
         return "it needs sm_89 or later (cvt from e4m3 pairs)"
     codes_align, scales_align = min(16, head_dim // 8), max(1, head_dim // 64)
-    if k_codes.data_ptr() % codes_align or any(s % codes_align for s in k_codes.stride()[:3]):
+    bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
+    if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
         return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
-    if k_block_scales.data_ptr() % scales_align or any(s % scales_align for s in k_block_scales.stride()[:3]):
+    bases = [t.data_ptr() for t in (k_block_scales, v_block_scales) if t is not None]
+    if any(p % scales_align for p in bases) or any(s % scales_align for s in k_block_scales.stride()[:3]):
         return f"it loads {scales_align}-byte runs of scales: the scales' base and strides must be multiples of that"
     return None
 
@@ -404,7 +408,7 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
-    # head size 256 holds 234 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
+    # head size 256 holds 245 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
     ctas, prefetch = (2, 1) if head_dim > 128 else (cfg.get("ctas", 3), cfg.get("cuda_prefetch", 1))
     defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
                ("SS", k_block_scales.stride(1)), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
@@ -481,7 +485,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                                cuda_warps=cuda_warps, ctas=ctas, cuda_prefetch=cuda_prefetch))
     assert impl in (None, *IMPLS), f"impl must be one of {IMPLS} or None, got {impl!r}"
     if (impl or cfg.get("impl")) == "cuda" and not interpreting():
-        why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block)
+        why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block, v_codes, v_block_scales)
         if why is None:
             try:
                 return _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,

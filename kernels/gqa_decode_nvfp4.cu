@@ -15,20 +15,21 @@
 // register shuffles, the query fragments reloaded each tile. Here every value is widened in registers straight into
 // the mma.sync.m16n8k16 (f16 in, f32 accumulate) fragment that uses it, nothing crosses lanes but the softmax's
 // row maxima, the query stays in registers, and each warp walks its own 16-token tiles (no barrier in the loop):
-// - Widening: an e2m1 nibble (s e1 e0 m) becomes the e4m3 byte s.0e1e0.m00, whose value is the element's x 2^-6
+// - Widening: an e2m1 nibble (s e1 e0 m) becomes the e4m3 byte s 00e1e0 m00, whose value is the element's x 2^-6
 //   (exact, subnormals included), four a 32-bit word in three or four integer ops (`e4m3_of_low`, `e4m3_of_high`);
 //   cvt.rn.f16x2.e4m3x2 widens two at a time; the block scale (e4m3, exact in fp16) multiplies an f16x2 pair
 //   (mul.f16x2: element x scale has at most 6 significant bits and lies in [2^-16, 42]: exact); 2^6 is folded into
 //   the softmax scale (K) and the output scale (V).
 // - Q . K^T: A = Q (16 rows, one per query head; rows past the group are zeros), B = K^T (n = 8 tokens). A lane
-//   (g = lane / 4, q = lane % 4) reads one 16-byte run of codes of token g (a quarter of its head): the MMA sums over
-//   k in any order, so the f16x2 pairs the cvt yields are the k pairs of the B fragment as they come, and Q's
-//   fragment is gathered in the same order once, before the loop.
+//   (g = lane / 4, q = lane % 4) reads one run of codes of tokens g and g + 8 (a quarter of their head, D / 8 bytes:
+//   16 at head size 128): the MMA sums over k in any order, so the f16x2 pairs the cvt yields are the k pairs of the
+//   B fragment as they come, and Q's fragment is gathered in the same order once, before the loop.
 // - P . V: the output transposed, A = V^T (m = 16 head dims, k = 16 tokens), B = P^T (k = 16 tokens, n = 8 query
 //   heads): B is exactly the Q . K^T accumulator of the same lane (rows g), so P never crosses lanes. A lane reads
-//   one run of codes of each of 4 tokens (an eighth of their head: one scale block at head size 128) and pairs two
-//   tokens' values of one head dim with a byte permute (prmt) before the cvt; the head dims land in a permuted order
-//   that the output store puts back. Each m16 tile of head dims is one MMA: 8 at head size 128 (16 for Q . K^T).
+//   one run of codes of each of 4 tokens (an eighth of their head: one scale block at head size 128) and interleaves
+//   two tokens' code bytes with a byte permute (prmt) before widening, so each cvt yields one head dim's pair of
+//   tokens; the head dims land in a permuted order that the output store puts back. Each m16 tile of head dims is
+//   one MMA: 8 at head size 128 (16 for Q . K^T).
 // - The accumulator is rescaled only when some row's running maximum moved (a warp vote): multiplying by 1 is exact,
 //   so this skips work without changing a bit.
 // - The next tiles' codes and scales are loaded into registers while this one is computed; at the end the warps of a
