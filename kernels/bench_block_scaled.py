@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels import reference as ref
 from kernels.configs import launch_config
 from kernels.decode_attention import decode_attention
-from kernels.decode_attention_block_scaled import CONFIG_KINDS, code_bytes, decode_attention_block_scaled
+from kernels.decode_attention_block_scaled import CONFIG_KINDS, code_bytes, cuda_serves, decode_attention_block_scaled
 from kernels.store_kv_block_scaled import quantize_store_block_scaled
 from kernels.tune import _ms, _pages, _poison, host_us
 
@@ -118,10 +118,11 @@ def _config(label: str, tuned: dict) -> dict:
 
 
 def _cuda_row(label: str) -> bool:
-    """Whether the format's entry runs the CUDA kernel (NVFP4 under impl="cuda"); its Triton row is printed beside."""
+    """Whether the format's entry runs the CUDA kernel (impl="cuda" over a layout it reads); its Triton row is printed
+    beside."""
     kind = CONFIG_KINDS[FORMATS[label][0]]
     return launch_config(kind, torch.device("cuda", torch.cuda.current_device())).get("impl") == "cuda" and \
-        FORMATS[label][:3] == ("e2m1", "e4m3", 16)
+        cuda_serves(*FORMATS[label][:3])
 
 
 def bench(batch: int, ctx: int, tuned: dict, labels=tuple(FORMATS)) -> list[tuple] | None:

@@ -29,9 +29,10 @@ lookup (prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int
 values by plain Triton integer ops (the Triton interpreter, which has no inline assembly; on an H200 the faster for
 e2m1, kernels/BENCHMARKS.md session 16).
 
-NVFP4 (e2m1 codes, e4m3 scales per 16 values) runs the CUDA kernel kernels/gqa_decode_nvfp4.cu where the entry says
-impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128 / 256, up to 8 query heads per KV
-head, pages of a multiple of 16 tokens, sm_89 and later, NVRTC present); elsewhere the Triton kernel below runs.
+NVFP4 (e2m1 codes, e4m3 scales per 16 values) and INT4 per token-head run the CUDA kernel kernels/gqa_decode_4bit.cu
+where the entry says impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128 / 256, up to
+8 query heads per KV head, pages of a multiple of 16 tokens, sm_89 and later, NVRTC present); elsewhere the Triton
+kernel below runs.
 """
 
 from __future__ import annotations
@@ -333,14 +334,20 @@ def _configuration(element: str, head_dim: int, device: torch.device, overrides:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The CUDA kernel for NVFP4 (session 25): kernels/gqa_decode_nvfp4.cu, compiled at first use by NVRTC (kernels/nvrtc.py)
+# The CUDA kernel for NVFP4 and INT4 per token-head (session 25): kernels/gqa_decode_4bit.cu, compiled at first use by
+# NVRTC (kernels/nvrtc.py)
 # ---------------------------------------------------------------------------------------------------
 
-CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_nvfp4.cu")
+CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_4bit.cu")
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
 CUDA_TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
 IMPLS = ("cuda", "triton")
+
+
+def cuda_serves(element: str, block_scale: str, block: int) -> bool:
+    """Whether the CUDA kernel reads this layout: NVFP4 (e2m1, e4m3 scales per 16) or INT4 per token-head."""
+    return (element, block_scale, block) == ("e2m1", "e4m3", 16) or (element, block_scale) == ("int4", "fp32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,8 +361,9 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     """Why the CUDA kernel cannot run this call (None when it can). V's tensors share K's strides (the launcher
     asserts it); their bases are checked beside K's where given."""
     from kernels import nvrtc
-    if (element, block_scale, block) != ("e2m1", "e4m3", 16):
-        return f"it reads NVFP4 only (e2m1 codes, e4m3 scales per 16 values), got {element} / {block_scale} / {block}"
+    if not cuda_serves(element, block_scale, block):
+        return (f"it reads NVFP4 (e2m1 codes, e4m3 scales per 16 values) and INT4 per token-head only, got {element} / "
+                f"{block_scale} / {block}")
     head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
     if head_dim not in CUDA_HEAD_DIMS:
         return f"it is built for head sizes {CUDA_HEAD_DIMS}, got {head_dim}"
@@ -368,19 +376,20 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
         return reason
     if _capability(q.device.index) < (8, 9):
         return "it needs sm_89 or later (cvt from e4m3 pairs)"
-    codes_align, scales_align = min(16, head_dim // 8), max(1, head_dim // 64)
+    codes_align, scales_align = min(16, head_dim // 8), 4 if block_scale == "fp32" else max(1, head_dim // 64)
     bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
     if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
         return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
     bases = [t.data_ptr() for t in (k_block_scales, v_block_scales) if t is not None]
-    if any(p % scales_align for p in bases) or any(s % scales_align for s in k_block_scales.stride()[:3]):
+    strides = [s * k_block_scales.element_size() for s in k_block_scales.stride()[:3]]
+    if any(p % scales_align for p in bases) or any(s % scales_align for s in strides):
         return f"it loads {scales_align}-byte runs of scales: the scales' base and strides must be multiples of that"
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_cuda_fallback(reason: str) -> None:
-    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_nvfp4.cu) did not build here, "
+    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_4bit.cu) did not build here, "
                   f"so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
 
 
@@ -396,7 +405,7 @@ def _cuda_kernel(defines: tuple, index: int):
     key = (defines, index)
     if key not in _BUILD_FAILURES:
         try:
-            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_nvfp4_decode", defines, index)
+            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_4bit_decode", defines, index)
         except (RuntimeError, OSError) as e:
             _BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
     raise CudaBuildError(_BUILD_FAILURES[key])
@@ -410,9 +419,10 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     warps = cfg.get("cuda_warps", 4)
     # head size 256 holds 245 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
     ctas, prefetch = (2, 1) if head_dim > 128 else (cfg.get("ctas", 3), cfg.get("cuda_prefetch", 1))
+    scale_bytes = k_block_scales.element_size()   # the scales' strides go to the kernel in bytes
     defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
-               ("SS", k_block_scales.stride(1)), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
-               ("Q_BF16", int(q.dtype == torch.bfloat16)))
+               ("SS", k_block_scales.stride(1) * scale_bytes), ("INT4", int(k_block_scales.dtype == torch.float32)),
+               ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch), ("Q_BF16", int(q.dtype == torch.bfloat16)))
     kernel = _cuda_kernel(defines, q.device.index)
     # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
@@ -425,7 +435,8 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
             k_scale if static else seq_lens, v_scale if static else seq_lens, part_out, part_lse, sm_scale * LOG2E,
             tokens_per_split, q_heads // kv_heads, int(static and k_scale.dim() == 1),
             int(static and v_scale.dim() == 1), int(static), q.stride(0), q.stride(1), k_codes.stride(0),
-            k_codes.stride(2), k_block_scales.stride(0), k_block_scales.stride(2), block_table.stride(0),
+            k_codes.stride(2), k_block_scales.stride(0) * scale_bytes, k_block_scales.stride(2) * scale_bytes,
+            block_table.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
     return out, merge_splits(part_out, part_lse, out)
 

@@ -107,17 +107,18 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:per_head:calibrated"])
-def test_nvfp4_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
-    """NVFP4 at heads of 64 decodes through the CUDA kernel (kernels/gqa_decode_nvfp4.cu; counted, so a refusal
-    that quietly ran the Triton kernel fails) and passes the engine's own check of it against fp64."""
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:per_head:calibrated", "int4_per_token_head"])
+def test_4bit_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
+    """NVFP4 and INT4 per token-head at heads of 64 decode through the CUDA kernel (kernels/gqa_decode_4bit.cu;
+    counted, so a refusal that quietly ran the Triton kernel fails) and pass the engine's own check of it against
+    fp64."""
     import kernels.decode_attention_block_scaled as block_scaled
     calls = []
     real = block_scaled._decode_cuda
     monkeypatch.setattr(block_scaled, "_decode_cuda", lambda *a, **k: calls.append(1) or real(*a, **k))
     backend = InProcessModel.load(head64_model, device="cuda").backend(parse_path(spec))
     generation = backend.generate_sync(CHAT, 16)
-    assert calls, "the NVFP4 decode did not run the CUDA kernel"
+    assert calls, f"the {spec} decode did not run the CUDA kernel"
     assert generation.metrics["kernel_steps"] > 0
     assert generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics
 

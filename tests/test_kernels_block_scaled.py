@@ -74,16 +74,16 @@ def test_kernel_under_the_interpreter(interpreted, case):
 
 
 @pytest.mark.parametrize("fmt, head_dim, group, page, why", [
-    ("mxfp4", 128, 4, 16, "reads NVFP4 only"),
-    ("int4_per_token_head", 128, 4, 16, "reads NVFP4 only"),
+    ("mxfp4", 128, 4, 16, "per token-head only"),
+    ("int8_per_token_head", 128, 4, 16, "per token-head only"),
     ("nvfp4", 32, 4, 16, "head sizes (64, 128, 256)"),
     ("nvfp4", 128, 16, 16, "up to 8 query heads per KV head"),
     ("nvfp4", 128, 4, 8, "must lie in one page"),
 ])
 def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why):
-    """The NVFP4 CUDA decode (kernels/gqa_decode_nvfp4.cu) refuses other formats and shapes with the reason, before
-    any device or compiler question, so the launcher runs the Triton kernel there (or, asked for impl="cuda",
-    raises that reason)."""
+    """The 4-bit CUDA decode (kernels/gqa_decode_4bit.cu: NVFP4, INT4 per token-head) refuses other formats and
+    shapes with the reason, before any device or compiler question, so the launcher runs the Triton kernel there
+    (or, asked for impl="cuda", raises that reason)."""
     from kernels.decode_attention_block_scaled import cuda_refusal
 
     layout = block_layout.of(kv_formats.get_format(fmt))

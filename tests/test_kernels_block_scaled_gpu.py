@@ -109,7 +109,7 @@ def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None
     assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
 
 
-# the CUDA NVFP4 kernel (kernels/gqa_decode_nvfp4.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
+# the CUDA 4-bit kernel (kernels/gqa_decode_4bit.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
 CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
                pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32")]
 
@@ -206,7 +206,7 @@ def test_cuda_kernel_that_does_not_build_falls_back_to_the_triton_kernel(kern, m
     from kernels import nvrtc
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("NVRTC could not compile gqa_nvfp4_decode (test)")
+        raise RuntimeError("NVRTC could not compile gqa_4bit_decode (test)")
 
     monkeypatch.setattr(M, "_BUILD_FAILURES", {})
     M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process

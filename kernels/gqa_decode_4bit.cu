@@ -1,8 +1,9 @@
-// GQA decode over a paged NVFP4 cache (e2m1 codes, an e4m3 scale per 16 values, a static fp32 scale per tensor or
-// KV head), split-KV: the CUDA kernel of kernels/decode_attention_block_scaled.py's impl="cuda" entry (compiled at
-// first use by NVRTC, kernels/nvrtc.py; sm_89 and later). Defines: HEAD_DIM (64, 128 or 256), PAGE (a multiple of
-// 16), CS and SS (bytes from one slot's codes and scales to the next's), NW warps, CTAS blocks per SM (launch
-// bounds), PREFETCH tiles loaded ahead (1 or 2), Q_BF16. Up to 8 query heads per KV head.
+// GQA decode over a paged 4-bit cache, split-KV: NVFP4 (e2m1 codes, an e4m3 scale per 16 values, a static fp32 scale
+// per tensor or KV head; INT4 0) or INT4 per token-head (two's-complement codes, one fp32 scale per token and KV head;
+// INT4 1). The CUDA kernel of kernels/decode_attention_block_scaled.py's impl="cuda" entries (compiled at first use by
+// NVRTC, kernels/nvrtc.py; sm_89 and later). Defines: INT4, HEAD_DIM (64, 128 or 256), PAGE (a multiple of 16), CS
+// and SS (bytes from one slot's codes and scales to the next's), NW warps, CTAS blocks per SM (launch bounds),
+// PREFETCH tiles loaded ahead (1 or 2), Q_BF16. Up to 8 query heads per KV head.
 //
 // Same definition and partial layout as the Triton kernel (kernels/decode_attention_block_scaled.py): the K and V
 // tiles hold element x block scale in fp16, exactly; q is rounded to fp16; scores and accumulation are fp32; online
@@ -30,8 +31,11 @@
 //   two tokens' code bytes with a byte permute (prmt) before widening, so each cvt yields one head dim's pair of
 //   tokens; the head dims land in a permuted order that the output store puts back. Each m16 tile of head dims is
 //   one MMA: 8 at head size 128 (16 for Q . K^T).
-// - The accumulator is rescaled only when some row's running maximum moved (a warp vote): multiplying by 1 is exact,
-//   so this skips work without changing a bit.
+// - INT4: a nibble n goes into an fp16 1024 + (n ^ 8), less 1032 (two ops a pair: exact, no scale multiply); the
+//   pairs are elements (0, 4), (1, 5), ... of a code word. K's per-token scale multiplies the score; V's goes into P's
+//   column over the largest V scale so far (P stays <= 1), the accumulator kept in that largest's units.
+// - The accumulator is rescaled only when some row's running maximum (or int4's largest V scale) moved (a warp
+//   vote): multiplying by 1 is exact, so this skips work without changing a bit.
 // - The next tiles' codes and scales are loaded into registers while this one is computed; at the end the warps of a
 //   block merge their (m, l, acc) through shared memory and write one partial per split. (The splits merged by a
 //   CUDA kernel as a programmatic dependent launch, as the MLA kernel's are, measured no faster: session 25.)
@@ -65,6 +69,15 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
 __device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
 __device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
+// Two int4 codes (two's-complement nibbles at bits 0-3 and 16-19) -> f16x2, exactly: each placed in an fp16
+// 1024 + (n ^ 8) (exponent bits 0x64), then 1032 subtracted.
+__device__ __forceinline__ u32 int4_pair(u32 x) {
+  u32 t, r;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x64086408, 0x6A;" : "=r"(t) : "r"(x));   // (x & 0x000F000F) ^ 0x64086408
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(t), "r"(0x64086408u));
+  return r;
+}
+
 // An f16x2 scale pair -> each half in both halves.
 __device__ __forceinline__ u32 dup_lo(u32 x) { return prmt(x, 0, 0x1010); }
 __device__ __forceinline__ u32 dup_hi(u32 x) { return prmt(x, 0, 0x3232); }
@@ -97,9 +110,14 @@ template <int N> __device__ __forceinline__ u32 load_bytes(const u8* p) {   // N
 // What a lane reads of one 16-token tile.
 struct Tile {
   Words<KW> k[2];   // K codes of tokens g and 8 + g, quarter q of the head
-  u32 ks[2];        // their K scale bytes (KSB of them)
   Words<VW> v[4];   // V codes of tokens 2q, 2q + 1, 2q + 8, 2q + 9, eighth g of the head
-  u32 vs[4];        // their V scale bytes (1, or 2 at head size 256)
+#if INT4
+  float ks[4];      // the K and V scales of tokens 2q, 2q + 1, 2q + 8, 2q + 9 (the score fragment's tokens)
+  float vs[4];
+#else
+  u32 ks[2];        // the K scale bytes of tokens g, 8 + g (KSB of them)
+  u32 vs[4];        // the V scale bytes of tokens 2q, 2q + 1, 2q + 8, 2q + 9 (1, or 2 at head size 256)
+#endif
 };
 
 #define VSB (D >= 256 ? 2 : 1)
@@ -112,18 +130,25 @@ __device__ __forceinline__ Tile load_tile(const u8* kp, const u8* vp, const u8* 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     t.k[i] = load_words<KW>(kp + 8 * i * CS);
+#if !INT4
     t.ks[i] = load_bytes<KSB>(ksp + 8 * i * SS);
+#endif
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tok = (i & 1) + 8 * (i >> 1);
     t.v[i] = load_words<VW>(vp + tok * CS);
+#if INT4
+    t.ks[i] = *(const float*)(ksp + tok * SS);
+    t.vs[i] = *(const float*)(vsp + tok * SS);
+#else
     t.vs[i] = load_bytes<VSB>(vsp + tok * SS);
+#endif
   }
   return t;
 }
 
-extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
+extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_4bit_decode(
     const u16* __restrict__ q_ptr, const u8* __restrict__ k_codes, const u8* __restrict__ v_codes,
     const u8* __restrict__ k_scales, const u8* __restrict__ v_scales, const int* __restrict__ block_table,
     const int* __restrict__ seq_lens, const float* __restrict__ k_static, const float* __restrict__ v_static,
@@ -140,17 +165,18 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
   const int end = min(start + tokens_per_split, seq_lens[b]);
   const float ks_static = has_static ? k_static[kv_head * k_static_stride] : 1.f;
   const float vs_static = has_static ? v_static[kv_head * v_static_stride] : 1.f;
-  const float qk_scale = (float)sm_scale_log2 * 64.f * ks_static;   // 64: the widened elements' 2^-6
+  const float qk_scale = (float)sm_scale_log2 * (INT4 ? 1.f : 64.f) * ks_static;   // 64: e2m1 widened x 2^-6
 
   // Q's A fragments (rows g; rows g + 8 and rows past the group are zeros), in the order the K codes widen: the
-  // half2 pairs of code word w of a lane's quarter come as elements (0, 2), (4, 6), (1, 3), (5, 7) of the word.
+  // half2 pairs of code word w of a lane's quarter come as elements (0, 2), (4, 6), (1, 3), (5, 7) of the word
+  // (e2m1), or (0, 4), (1, 5), (2, 6), (3, 7) (int4).
   u32 qa[MTILES][2];
   {
     const u16* qrow = q_ptr + b * s_qb + (i64)(kv_head * group + g) * s_qh + q * (D / 4);
 #pragma unroll
     for (int j = 0; j < 2 * MTILES; ++j) {
       const int w = j >> 2, i = j & 3;
-      const int lo = 8 * w + ((i & 1) << 2) + (i >> 1), hi = lo + 2;
+      const int lo = INT4 ? 8 * w + i : 8 * w + ((i & 1) << 2) + (i >> 1), hi = lo + (INT4 ? 4 : 2);
       u32 pair = 0;
       if (g < group) pair = half2_of((u32)qrow[lo] | ((u32)qrow[hi] << 16));
       qa[j >> 1][j & 1] = pair;
@@ -158,6 +184,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
   }
 
   float m = NEG_INF, l = 0.f;
+  float v_top = 0.f;   // int4: the largest V scale so far; the accumulator holds P . V in its units
   float acc[MTILES][4];
 #pragma unroll
   for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -166,8 +193,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
   // this lane's bytes of slot 0 of page 0: K codes and scales of tokens g (+ 8), V's of tokens 2q (+ 1, 8, 9)
   const u8* k_lane = k_codes + (i64)kv_head * s_ch + g * CS + q * (D / 8);
   const u8* v_lane = v_codes + (i64)kv_head * s_ch + 2 * q * CS + g * (D / 16);
-  const u8* ks_lane = k_scales + (i64)kv_head * s_sh + g * SS + q * KSB;
-  const u8* vs_lane = v_scales + (i64)kv_head * s_sh + 2 * q * SS + (g * D) / 128;
+  // scales: NVFP4's K scale bytes of tokens g (+ 8), this lane's blocks; V's of tokens 2q (+ 1, 8, 9), block of
+  // eighth g; int4's one fp32 per token, K's and V's of tokens 2q (+ 1, 8, 9)
+  const u8* ks_lane = k_scales + (i64)kv_head * s_sh + (INT4 ? 2 * q * SS : g * SS + q * KSB);
+  const u8* vs_lane = v_scales + (i64)kv_head * s_sh + 2 * q * SS + (INT4 ? 0 : (g * D) / 128);
   auto tile_at = [&](int n0) -> Tile {   // tiles start at multiples of 16: at page size 16, at a page's first slot
     const i64 page = table[n0 / PAGE], slot = PAGE == 16 ? 0 : n0 % PAGE;
     return load_tile(k_lane + page * s_cb + slot * CS, v_lane + page * s_cb + slot * CS,
@@ -181,6 +210,14 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#if INT4
+#pragma unroll
+      for (int w = 0; w < KW; ++w) {
+        const u32 c = cur.k[i].w[w];
+        mma16816(s[i], qa[2 * w][0], 0u, qa[2 * w][1], 0u, int4_pair(c), int4_pair(c >> 4));
+        mma16816(s[i], qa[2 * w + 1][0], 0u, qa[2 * w + 1][1], 0u, int4_pair(c >> 8), int4_pair(c >> 12));
+      }
+#else
       const u32 sc = widen2(cur.ks[i] | (KSB > 1 ? 0u : cur.ks[i] << 8));   // this lane's block scales as f16
 #pragma unroll
       for (int w = 0; w < KW; ++w) {
@@ -194,10 +231,15 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
         mma16816(s[i], qa[2 * w][0], 0u, qa[2 * w][1], 0u, b0, b1);
         mma16816(s[i], qa[2 * w + 1][0], 0u, qa[2 * w + 1][1], 0u, b2, b3);
       }
+#endif
     }
 
     // online softmax for head g over this lane's 4 tokens, the row maximum across the quad
     float x[4] = {s[0][0] * qk_scale, s[0][1] * qk_scale, s[1][0] * qk_scale, s[1][1] * qk_scale};
+#if INT4
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = s[i >> 1][i & 1] * (cur.ks[i] * qk_scale);   // the Triton kernel's order
+#endif
     const bool tail = n0 + 16 > end;
     if (tail) {
 #pragma unroll
@@ -215,8 +257,31 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
     for (int i = 0; i < 4; ++i) p[i] = ex2(x[i] - m_use);
     l = l * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
     m = m_new;
-    if (__any_sync(0xffffffffu, alpha != 1.f)) {   // the accumulator's columns are heads 2q, 2q + 1
-      const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * q), a1 = __shfl_sync(0xffffffffu, alpha, 8 * q + 4);
+    if (tail) {   // V of the tokens past the end: codes and scales zeroed (a stale NaN would survive P = 0)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n0 + 2 * q + (i & 1) + 8 * (i >> 1) >= end) {
+#pragma unroll
+          for (int w = 0; w < VW; ++w) cur.v[i].w[w] = 0u;
+          cur.vs[i] = 0;
+        }
+    }
+    float rescale = alpha;
+#if INT4
+    // each token's V scale into P's column, relative to the largest so far (P stays <= 1); the accumulator moves to
+    // the new largest's units when it grows (every quad holds the same 16 tokens: the maximum is the warp's)
+    float vt = fmaxf(fmaxf(cur.vs[0], cur.vs[1]), fmaxf(cur.vs[2], cur.vs[3]));
+    vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 1));
+    vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 2));
+    const float v_new = fmaxf(v_top, vt), v_unit = v_new > 0.f ? v_new : 1.f;
+    rescale *= v_top / v_unit;   // 0 before the first scale above 0, when the accumulator is still 0
+    if (v_top == v_new) rescale = alpha;
+    v_top = v_new;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] *= cur.vs[i] / v_unit;
+#endif
+    if (__any_sync(0xffffffffu, rescale != 1.f)) {   // the accumulator's columns are heads 2q, 2q + 1
+      const float a0 = __shfl_sync(0xffffffffu, rescale, 8 * q), a1 = __shfl_sync(0xffffffffu, rescale, 8 * q + 4);
 #pragma unroll
       for (int i = 0; i < MTILES; ++i) {
         acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1;
@@ -225,15 +290,23 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
     const u32 pb0 = pack_half2(p[0], p[1]), pb1 = pack_half2(p[2], p[3]);
 
     // P . V: V^T fragments from token pairs (2q, 2q + 1) and (2q + 8, 2q + 9)
-    if (tail) {
+#if INT4
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (n0 + 2 * q + (i & 1) + 8 * (i >> 1) >= end) {
+    for (int w = 0; w < VW; ++w) {
+      u32 h[2][8];   // [pair][j]: head dim 8w + j of the lane's eighth, tokens (a, b) of the pair
 #pragma unroll
-          for (int w = 0; w < VW; ++w) cur.v[i].w[w] = 0u;
-          cur.vs[i] = 0u;
-        }
+      for (int pr = 0; pr < 2; ++pr) {
+        const u32 r0 = prmt(cur.v[2 * pr].w[w], cur.v[2 * pr + 1].w[w], 0x5410);   // a's bytes 0, 1, b's: dims 0-3
+        const u32 r1 = prmt(cur.v[2 * pr].w[w], cur.v[2 * pr + 1].w[w], 0x7632);   // bytes 2, 3: dims 4-7
+        h[pr][0] = int4_pair(r0); h[pr][1] = int4_pair(r0 >> 4); h[pr][2] = int4_pair(r0 >> 8);
+        h[pr][3] = int4_pair(r0 >> 12); h[pr][4] = int4_pair(r1); h[pr][5] = int4_pair(r1 >> 4);
+        h[pr][6] = int4_pair(r1 >> 8); h[pr][7] = int4_pair(r1 >> 12);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; j += 2)
+        mma16816(acc[4 * w + j / 2], h[0][j], h[0][j + 1], h[1][j], h[1][j + 1], pb0, pb1);
     }
+#else
     u32 vsc[2][VSB];   // f16x2 scales (token a, token b) of each pair, per block
 #pragma unroll
     for (int pr = 0; pr < 2; ++pr) {
@@ -260,6 +333,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
       for (int j = 0; j < 8; j += 2)   // m tile 4w + j / 2: rows g <- pair j, rows g + 8 <- pair j + 1
         mma16816(acc[4 * w + j / 2], h[0][j], h[0][j + 1], h[1][j], h[1][j + 1], pb0, pb1);
     }
+#endif
   };
 
   // PREFETCH tiles in flight beside the one computed: PREFETCH + 1 register buffers taken in turn (the loop unrolled
@@ -307,13 +381,13 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_nvfp4_decode(
 #pragma unroll
     for (int r = 0; r < 2; ++r) {   // r: rows g (pair j even) and g + 8 (odd) of m tile i
       const int j = 2 * i + r, w = j >> 3, jj = j & 7;
-      const int dim = g * (D / 8) + 8 * w + ((jj & 3) << 1) + (jj >> 2);
-      sm_acc[warp][2 * q][dim] = acc[i][2 * r];
-      sm_acc[warp][2 * q + 1][dim] = acc[i][2 * r + 1];
+      const int dim = g * (D / 8) + 8 * w + (INT4 ? jj : ((jj & 3) << 1) + (jj >> 2));
+      sm_acc[warp][2 * q][dim] = acc[i][2 * r] * (INT4 ? v_top : 1.f);
+      sm_acc[warp][2 * q + 1][dim] = acc[i][2 * r + 1] * (INT4 ? v_top : 1.f);
     }
   }
   __syncthreads();
-  const float out_scale = 64.f * vs_static;
+  const float out_scale = (INT4 ? 1.f : 64.f) * vs_static;
   for (int idx = tid; idx < group * D; idx += NT) {
     const int h = idx / D, dim = idx % D;
     float mm = NEG_INF;
