@@ -90,7 +90,8 @@ H100.update(H100_MLA)
 # next tile lost in every kind (NVFP4 0.3441, MXFP8 0.5004, INT4 0.3264, INT8 0.4213 ms) and was removed.
 # gqa_fp4's impl="cuda" (session 25): NVFP4 through kernels/gqa_decode_4bit.cu, 4 warps a block, 3 blocks an SM, two
 # tiles loaded ahead: 0.1219 ms against 0.1227 (one tile ahead), 0.1238 (2 warps x 6 blocks) and the Triton entry's
-# 0.3197 (H200, batch 8, 32k; kernels/BENCHMARKS.md). MXFP4 under the same entry runs the Triton kernel.
+# 0.3197 (H200, batch 8, 32k; kernels/BENCHMARKS.md). MXFP4 under the same entry runs the Triton kernel. gqa_int4's
+# impl="cuda" (session 25, NVFP4's launch shape, not swept): 0.1242 ms against the Triton entry's 0.2123.
 _BLOCK_SCALED = dict(num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True)
 H100.update({
     "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False,           # NVFP4 0.3230 ms
