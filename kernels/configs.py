@@ -96,7 +96,8 @@ _BLOCK_SCALED = dict(num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=T
 H100.update({
     "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False,           # NVFP4 0.3230 ms
                     impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),   # NVFP4: kernels/gqa_decode_4bit.cu
-    "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True),    # MXFP8 0.3832 (128 tokens: 0.4232)
+    "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True,     # MXFP8 0.3832 (128 tokens: 0.4232)
+                           impl="cuda", cuda_warps=4, ctas=3),      # wip/mxfp8-cuda: UNVALIDATED
     "gqa_int4": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT4 0.2119 (64 tokens: 0.2652)
                      impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),  # kernels/gqa_decode_4bit.cu
     "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True),         # INT8 0.3021 (64 tokens: 0.3755)

@@ -339,6 +339,9 @@ def _configuration(element: str, head_dim: int, device: torch.device, overrides:
 # ---------------------------------------------------------------------------------------------------
 
 CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_4bit.cu")
+# MXFP8 (branch wip/mxfp8-cuda, UNVALIDATED on a GPU): kernels/gqa_decode_mxfp8.cu, heads of 64 / 128 (256 spills)
+MXFP8_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_mxfp8.cu")
+MXFP8_HEAD_DIMS = (64, 128)
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
 CUDA_TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
@@ -347,7 +350,8 @@ IMPLS = ("cuda", "triton")
 
 def cuda_serves(element: str, block_scale: str, block: int) -> bool:
     """Whether the CUDA kernel reads this layout: NVFP4 (e2m1, e4m3 scales per 16) or INT4 per token-head."""
-    return (element, block_scale, block) == ("e2m1", "e4m3", 16) or (element, block_scale) == ("int4", "fp32")
+    return (element, block_scale, block) in (("e2m1", "e4m3", 16), ("e4m3", "e8m0", 32)) or \
+        (element, block_scale) == ("int4", "fp32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,11 +366,12 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     asserts it); their bases are checked beside K's where given."""
     from kernels import nvrtc
     if not cuda_serves(element, block_scale, block):
-        return (f"it reads NVFP4 (e2m1 codes, e4m3 scales per 16 values) and INT4 per token-head only, got {element} / "
-                f"{block_scale} / {block}")
+        return (f"it reads NVFP4 (e2m1 codes, e4m3 scales per 16 values), MXFP8 and INT4 per token-head only, got "
+                f"{element} / {block_scale} / {block}")
     head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
-    if head_dim not in CUDA_HEAD_DIMS:
-        return f"it is built for head sizes {CUDA_HEAD_DIMS}, got {head_dim}"
+    head_dims = MXFP8_HEAD_DIMS if element == "e4m3" else CUDA_HEAD_DIMS
+    if head_dim not in head_dims:
+        return f"it is built for head sizes {head_dims}, got {head_dim}"
     if group > CUDA_GROUP_MAX:
         return f"it takes up to {CUDA_GROUP_MAX} query heads per KV head, got {group}"
     if k_codes.shape[1] % CUDA_TILE:
@@ -377,6 +382,8 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     if _capability(q.device.index) < (8, 9):
         return "it needs sm_89 or later (cvt from e4m3 pairs)"
     codes_align, scales_align = min(16, head_dim // 8), 4 if block_scale == "fp32" else max(1, head_dim // 64)
+    if element == "e4m3":   # MXFP8: 16-byte runs of codes, whole scale rows (head_dim / 32 bytes)
+        codes_align, scales_align = 16, head_dim // 32
     bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
     if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
         return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
@@ -400,12 +407,12 @@ class CudaBuildError(RuntimeError):
 _BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
 
 
-def _cuda_kernel(defines: tuple, index: int):
+def _cuda_kernel(defines: tuple, index: int, source: str = CUDA_SOURCE, name: str = "gqa_4bit_decode"):
     from kernels import nvrtc
-    key = (defines, index)
+    key = (defines, index, name)
     if key not in _BUILD_FAILURES:
         try:
-            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_4bit_decode", defines, index)
+            return nvrtc.compile_kernel(source, name, defines, index)
         except (RuntimeError, OSError) as e:
             _BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
     raise CudaBuildError(_BUILD_FAILURES[key])
@@ -420,10 +427,14 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     # head size 256 holds 245 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
     ctas, prefetch = (2, 1) if head_dim > 128 else (cfg.get("ctas", 3), cfg.get("cuda_prefetch", 1))
     scale_bytes = k_block_scales.element_size()   # the scales' strides go to the kernel in bytes
+    mxfp8 = k_codes.shape[3] == head_dim   # one byte a value: e4m3 codes under e8m0 scales (cuda_serves)
     defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
-               ("SS", k_block_scales.stride(1) * scale_bytes), ("INT4", int(k_block_scales.dtype == torch.float32)),
-               ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch), ("Q_BF16", int(q.dtype == torch.bfloat16)))
-    kernel = _cuda_kernel(defines, q.device.index)
+               ("SS", k_block_scales.stride(1) * scale_bytes), ("NW", warps), ("CTAS", ctas),
+               ("PREFETCH", 1 if mxfp8 else prefetch), ("Q_BF16", int(q.dtype == torch.bfloat16)))
+    if mxfp8:   # two tiles ahead spill at head size 128
+        kernel = _cuda_kernel(defines, q.device.index, MXFP8_SOURCE, "gqa_mxfp8_decode")
+    else:
+        kernel = _cuda_kernel(defines + (("INT4", int(k_block_scales.dtype == torch.float32)),), q.device.index)
     # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
                                                ctas, q.device, num_splits, whole_waves=True)

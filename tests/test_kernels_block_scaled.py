@@ -75,6 +75,7 @@ def test_kernel_under_the_interpreter(interpreted, case):
 
 @pytest.mark.parametrize("fmt, head_dim, group, page, why", [
     ("mxfp4", 128, 4, 16, "per token-head only"),
+    ("mxfp8", 256, 4, 16, "head sizes (64, 128)"),
     ("int8_per_token_head", 128, 4, 16, "per token-head only"),
     ("nvfp4", 32, 4, 16, "head sizes (64, 128, 256)"),
     ("nvfp4", 128, 16, 16, "up to 8 query heads per KV head"),
