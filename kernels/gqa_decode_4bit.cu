@@ -235,10 +235,13 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_4bit_decode(
     }
 
     // online softmax for head g over this lane's 4 tokens, the row maximum across the quad
-    float x[4] = {s[0][0] * qk_scale, s[0][1] * qk_scale, s[1][0] * qk_scale, s[1][1] * qk_scale};
-#if INT4
+    float x[4];   // tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = s[i >> 1][i & 1] * (cur.ks[i] * qk_scale);   // the Triton kernel's order
+    for (int i = 0; i < 4; ++i)
+#if INT4
+      x[i] = s[i >> 1][i & 1] * (cur.ks[i] * qk_scale);   // the token's K scale, in the Triton kernel's order
+#else
+      x[i] = s[i >> 1][i & 1] * qk_scale;
 #endif
     const bool tail = n0 + 16 > end;
     if (tail) {

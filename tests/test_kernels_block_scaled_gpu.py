@@ -120,7 +120,8 @@ CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, page, impl):
     """asm / plain: the Triton kernel with the PTX or the plain widening; cuda: the CUDA kernel where it serves the
-    case (NVFP4, <= 8 query heads per KV head), explicitly, so a refusal cannot pass as the Triton kernel."""
+    case (NVFP4 and INT4 per token-head, <= 8 query heads per KV head), explicitly, so a refusal cannot pass as the
+    Triton kernel."""
     from kernels.decode_attention_block_scaled import cuda_refusal
     decode_bf16, decode_block_scaled, _ = kern
     layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads, page)
@@ -146,10 +147,10 @@ def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, grou
     torch.testing.assert_close(lse.double(), truth_lse, atol=1e-3, rtol=1e-4)   # fp32 scores against fp64
 
 
-def _cuda_call(kern, lengths, head_dim=128, group=4, kv_heads=2, **options):
-    """An NVFP4 case and a call of the CUDA kernel on it: (the case's parts, call(**more) -> (out, lse))."""
+def _cuda_call(kern, lengths, head_dim=128, group=4, kv_heads=2, fmt="nvfp4", **options):
+    """A case of `fmt` and a call of the CUDA kernel on it: (the case's parts, call(**more) -> (out, lse))."""
     _, decode_block_scaled, _ = kern
-    layout, table, seq_lens, caches, scales, q = _case("nvfp4", lengths, head_dim, group, kv_heads)
+    layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads)
     (k_codes, k_blocks), (v_codes, v_blocks) = caches
 
     def call(**more):
@@ -158,21 +159,23 @@ def _cuda_call(kern, lengths, head_dim=128, group=4, kv_heads=2, **options):
     return (layout, table, seq_lens, caches, scales, q), call
 
 
-def test_cuda_kernel_nan_stays_in_its_sequence_and_stale_slots_add_nothing(kern):
-    """A NaN V block scale inside sequence 1 makes exactly sequence 1's outputs NaN; NaN scales and codes in the
-    slots past every sequence's end (their last, partly filled tiles) change nothing: those tokens' P is 0 and their
-    V codes and scales are zeroed before P . V, since 0 x NaN would not be 0."""
-    (layout, table, seq_lens, caches, _, _), call = _cuda_call(kern, [700, 300, 129], impl="cuda")
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_per_token_head"])
+def test_cuda_kernel_nan_stays_in_its_sequence_and_stale_slots_add_nothing(kern, fmt):
+    """A NaN V scale inside sequence 1 makes exactly sequence 1's outputs NaN; NaN scales and codes in the slots
+    past every sequence's end (their last, partly filled tiles) change nothing: those tokens' P is 0 and their V
+    codes and scales are zeroed before P . V, since 0 x NaN would not be 0."""
+    (layout, table, seq_lens, caches, _, _), call = _cuda_call(kern, [700, 300, 129], fmt=fmt, impl="cuda")
     (k_codes, k_blocks), (v_codes, v_blocks) = caches
+    nan = float("nan") if k_blocks.dtype == torch.float32 else 0x7F   # per token-head fp32, or e4m3 bits
     clean = call()[0]
     for b, n in enumerate(seq_lens.tolist()):   # the rest of each sequence's last page
         page = int(table[b, (n - 1) // 16])
-        k_blocks[page, n % 16 or 16:] = 0x7F
-        v_blocks[page, n % 16 or 16:] = 0x7F
+        k_blocks[page, n % 16 or 16:] = nan
+        v_blocks[page, n % 16 or 16:] = nan
         v_codes[page, n % 16 or 16:] = 0xFF
     assert torch.equal(call()[0], clean), "stale slots past a sequence's end changed its output"
     page = int(table[1, 250 // 16])
-    v_blocks[page, 250 % 16, 0, 3] = 0x7F                 # e4m3 NaN, V of token 250 of sequence 1
+    v_blocks[page, 250 % 16, 0] = nan                     # V of token 250 of sequence 1, KV head 0
     out = call()[0]
     assert out[1, :4].isnan().any(dim=-1).all(), "the NaN scale did not reach its KV head's query heads"
     assert out[0].isfinite().all() and out[2].isfinite().all(), "the NaN scale leaked into another sequence"
