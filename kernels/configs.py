@@ -88,19 +88,20 @@ H100.update(H100_MLA)
 # in kernels/BENCHMARKS.md, session 16): ms of each entry against the next best variant there. The e2m1 entry widens
 # with plain Triton ops (0.3230 ms; the PTX widening 0.3404 at 64 tokens, 0.3273 at 128); a register prefetch of the
 # next tile lost in every kind (NVFP4 0.3441, MXFP8 0.5004, INT4 0.3264, INT8 0.4213 ms) and was removed.
-# gqa_fp4's impl="cuda" (session 25): NVFP4 through kernels/gqa_decode_4bit.cu, 4 warps a block, 3 blocks an SM, two
-# tiles loaded ahead: 0.1219 ms against 0.1227 (one tile ahead), 0.1238 (2 warps x 6 blocks) and the Triton entry's
-# 0.3197 (H200, batch 8, 32k; kernels/BENCHMARKS.md). MXFP4 under the same entry runs the Triton kernel. gqa_int4's
-# impl="cuda" (session 25, NVFP4's launch shape, not swept): 0.1242 ms against the Triton entry's 0.2123.
+# impl="cuda" (session 25; branch wip/mxfp8-cuda: one CUDA kernel for every block-scaled layout,
+# kernels/gqa_decode_block_scaled.cu, 4 warps a block, 3 blocks an SM): NVFP4 0.1219 ms with two tiles ahead against
+# 0.1227 (one ahead), 0.1238 (2 warps x 6 blocks) and the Triton entry's 0.3197; INT4 0.1242 against 0.2123 (H200,
+# batch 8, 32k; kernels/BENCHMARKS.md). MXFP8, MXFP4, FP8 and INT8 per token-head through it: UNVALIDATED on a GPU.
 _BLOCK_SCALED = dict(num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True)
 H100.update({
     "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False,           # NVFP4 0.3230 ms
-                    impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),   # NVFP4: kernels/gqa_decode_4bit.cu
+                    impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),
     "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True,     # MXFP8 0.3832 (128 tokens: 0.4232)
-                           impl="cuda", cuda_warps=4, ctas=3),      # wip/mxfp8-cuda: UNVALIDATED
+                           impl="cuda", cuda_warps=4, ctas=3),
     "gqa_int4": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT4 0.2119 (64 tokens: 0.2652)
-                     impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),  # kernels/gqa_decode_4bit.cu
-    "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True),         # INT8 0.3021 (64 tokens: 0.3755)
+                     impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),
+    "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT8 0.3021 (64 tokens: 0.3755)
+                     impl="cuda", cuda_warps=4, ctas=3),
 })
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}

@@ -29,10 +29,10 @@ lookup (prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int
 values by plain Triton integer ops (the Triton interpreter, which has no inline assembly; on an H200 the faster for
 e2m1, kernels/BENCHMARKS.md session 16).
 
-NVFP4 (e2m1 codes, e4m3 scales per 16 values) and INT4 per token-head run the CUDA kernel kernels/gqa_decode_4bit.cu
-where the entry says impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128 / 256, up to
-8 query heads per KV head, pages of a multiple of 16 tokens, sm_89 and later, NVRTC present); elsewhere the Triton
-kernel below runs.
+Every layout runs the CUDA kernel kernels/gqa_decode_block_scaled.cu where its entry says impl="cuda" and
+`cuda_refusal` finds nothing against the call (head sizes 64 / 128, and 256 for NVFP4 and INT4; up to 8 query heads
+per KV head; pages of a multiple of 16 tokens; sm_89 and later; NVRTC present); elsewhere the Triton kernel below
+runs.
 """
 
 from __future__ import annotations
@@ -334,24 +334,25 @@ def _configuration(element: str, head_dim: int, device: torch.device, overrides:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The CUDA kernel for NVFP4 and INT4 per token-head (session 25): kernels/gqa_decode_4bit.cu, compiled at first use by
-# NVRTC (kernels/nvrtc.py)
+# The CUDA kernel (session 25): kernels/gqa_decode_block_scaled.cu, compiled at first use by NVRTC (kernels/nvrtc.py)
 # ---------------------------------------------------------------------------------------------------
 
-CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_4bit.cu")
-# MXFP8 (branch wip/mxfp8-cuda, UNVALIDATED on a GPU): kernels/gqa_decode_mxfp8.cu, heads of 64 / 128 (256 spills)
-MXFP8_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_mxfp8.cu")
-MXFP8_HEAD_DIMS = (64, 128)
-CUDA_HEAD_DIMS = (64, 128, 256)
+CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_block_scaled.cu")
 CUDA_GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
 CUDA_TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
 IMPLS = ("cuda", "triton")
 
 
 def cuda_serves(element: str, block_scale: str, block: int) -> bool:
-    """Whether the CUDA kernel reads this layout: NVFP4 (e2m1, e4m3 scales per 16) or INT4 per token-head."""
-    return (element, block_scale, block) in (("e2m1", "e4m3", 16), ("e4m3", "e8m0", 32)) or \
-        (element, block_scale) == ("int4", "fp32")
+    """Whether the CUDA kernel reads this layout: e4m3 scales per 16 values, e8m0 per 16 or 32, or fp32 per
+    token-head, over any element (every layout of kernels/reference.py's "Block-scaled caches")."""
+    return element in ELEMENTS and (block_scale == "fp32" or (block_scale, block) in (("e4m3", 16), ("e8m0", 16),
+                                                                                     ("e8m0", 32)))
+
+
+def cuda_head_dims(element: str, block_scale: str) -> tuple[int, ...]:
+    """The head sizes it is built for: 256 only for 4-bit elements under e4m3 or fp32 scales (the rest spill)."""
+    return (64, 128, 256) if ELEMENT_BITS[element] == 4 and block_scale != "e8m0" else (64, 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -366,10 +367,9 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     asserts it); their bases are checked beside K's where given."""
     from kernels import nvrtc
     if not cuda_serves(element, block_scale, block):
-        return (f"it reads NVFP4 (e2m1 codes, e4m3 scales per 16 values), MXFP8 and INT4 per token-head only, got "
-                f"{element} / {block_scale} / {block}")
+        return f"it reads e4m3 scales per 16, e8m0 per 16 or 32 and fp32 per token-head, got {block_scale} / {block}"
     head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
-    head_dims = MXFP8_HEAD_DIMS if element == "e4m3" else CUDA_HEAD_DIMS
+    head_dims = cuda_head_dims(element, block_scale)
     if head_dim not in head_dims:
         return f"it is built for head sizes {head_dims}, got {head_dim}"
     if group > CUDA_GROUP_MAX:
@@ -381,9 +381,9 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
         return reason
     if _capability(q.device.index) < (8, 9):
         return "it needs sm_89 or later (cvt from e4m3 pairs)"
-    codes_align, scales_align = min(16, head_dim // 8), 4 if block_scale == "fp32" else max(1, head_dim // 64)
-    if element == "e4m3":   # MXFP8: 16-byte runs of codes, whole scale rows (head_dim / 32 bytes)
-        codes_align, scales_align = 16, head_dim // 32
+    # runs of codes: a quarter of a head (K); of scales: a quarter's e4m3 bytes, a whole e8m0 row, one fp32
+    codes_align = min(16, head_dim * ELEMENT_BITS[element] // 32)
+    scales_align = {"e4m3": max(1, head_dim // 64), "e8m0": min(16, head_dim // block), "fp32": 4}[block_scale]
     bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
     if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
         return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
@@ -396,7 +396,7 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
 
 @functools.lru_cache(maxsize=None)
 def _warn_cuda_fallback(reason: str) -> None:
-    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_4bit.cu) did not build here, "
+    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build here, "
                   f"so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
 
 
@@ -407,12 +407,12 @@ class CudaBuildError(RuntimeError):
 _BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
 
 
-def _cuda_kernel(defines: tuple, index: int, source: str = CUDA_SOURCE, name: str = "gqa_4bit_decode"):
+def _cuda_kernel(defines: tuple, index: int):
     from kernels import nvrtc
-    key = (defines, index, name)
+    key = (defines, index)
     if key not in _BUILD_FAILURES:
         try:
-            return nvrtc.compile_kernel(source, name, defines, index)
+            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_block_scaled_decode", defines, index)
         except (RuntimeError, OSError) as e:
             _BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
     raise CudaBuildError(_BUILD_FAILURES[key])
@@ -424,17 +424,18 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
-    # head size 256 holds 245 registers a thread with one tile loaded ahead (two spill): 2 blocks an SM, one tile
-    ctas, prefetch = (2, 1) if head_dim > 128 else (cfg.get("ctas", 3), cfg.get("cuda_prefetch", 1))
+    element, block_scale, block = cfg["layout"]
+    # two tiles loaded ahead where ptxas finds the registers (4-bit elements under e4m3 / fp32 scales, heads <= 128;
+    # the rest spill with two); head size 256 holds 245 registers a thread with one: 2 blocks an SM
+    two_ahead = ELEMENT_BITS[element] == 4 and block_scale != "e8m0"
+    ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)
+    prefetch = cfg.get("cuda_prefetch", 1) if two_ahead and head_dim <= 128 else 1
     scale_bytes = k_block_scales.element_size()   # the scales' strides go to the kernel in bytes
-    mxfp8 = k_codes.shape[3] == head_dim   # one byte a value: e4m3 codes under e8m0 scales (cuda_serves)
-    defines = (("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
-               ("SS", k_block_scales.stride(1) * scale_bytes), ("NW", warps), ("CTAS", ctas),
-               ("PREFETCH", 1 if mxfp8 else prefetch), ("Q_BF16", int(q.dtype == torch.bfloat16)))
-    if mxfp8:   # two tiles ahead spill at head size 128
-        kernel = _cuda_kernel(defines, q.device.index, MXFP8_SOURCE, "gqa_mxfp8_decode")
-    else:
-        kernel = _cuda_kernel(defines + (("INT4", int(k_block_scales.dtype == torch.float32)),), q.device.index)
+    defines = (("ELEMENT", ELEMENTS[element]), ("SCALE", SCALES[block_scale]), ("BLOCK", block),
+               ("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
+               ("SS", k_block_scales.stride(1) * scale_bytes), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
+               ("Q_BF16", int(q.dtype == torch.bfloat16)))
+    kernel = _cuda_kernel(defines, q.device.index)
     # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
                                                ctas, q.device, num_splits, whole_waves=True)
@@ -511,7 +512,8 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
         if why is None:
             try:
                 return _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
-                                    k_scale, v_scale, sm_scale, num_splits, cfg)
+                                    k_scale, v_scale, sm_scale, num_splits,
+                                    dict(cfg, layout=(element, block_scale, block)))
             except CudaBuildError as e:
                 why = str(e)
                 if impl is None:

@@ -1,5 +1,5 @@
 // Shared by the MLA FP8 decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu; the NVFP4 GQA
-// decode kernels/gqa_decode_4bit.cu uses its scalar types and helpers): the cache row, the
+// decode kernels/gqa_decode_block_scaled.cu uses its scalar types and helpers): the cache row, the
 // scalar types, fp8 widening (FMT_E5M2) and query conversion (Q_BF16), the stage layout of tile rows (BULK: bulk
 // copies, the default; 0: cp.async) and the mbarrier wait. kernels/nvrtc.py inlines it into the including source
 // before compiling (so its text is part of the compiled-kernel cache key).

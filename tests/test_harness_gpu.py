@@ -107,10 +107,11 @@ def test_mla_fp8_attention_decodes_through_triton(tiny_models, monkeypatch, spec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:per_head:calibrated", "int4_per_token_head"])
-def test_4bit_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
-    """NVFP4 and INT4 per token-head at heads of 64 decode through the CUDA kernel (kernels/gqa_decode_4bit.cu;
-    counted, so a refusal that quietly ran the Triton kernel fails) and pass the engine's own check of it against
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4:per_head:calibrated", "int4_per_token_head", "mxfp8", "mxfp4",
+                                  "fp4_mx_block16", "fp8_per_token_head", "int8_per_token_head"])
+def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
+    """Every block-scaled format at heads of 64 decodes through the CUDA kernel (kernels/gqa_decode_block_scaled.cu;
+    counted, so a refusal that quietly ran the Triton kernel fails) and passes the engine's own check of it against
     fp64."""
     import kernels.decode_attention_block_scaled as block_scaled
     calls = []

@@ -74,17 +74,16 @@ def test_kernel_under_the_interpreter(interpreted, case):
 
 
 @pytest.mark.parametrize("fmt, head_dim, group, page, why", [
-    ("mxfp4", 128, 4, 16, "per token-head only"),
     ("mxfp8", 256, 4, 16, "head sizes (64, 128)"),
-    ("int8_per_token_head", 128, 4, 16, "per token-head only"),
+    ("int8_per_token_head", 256, 4, 16, "head sizes (64, 128)"),
     ("nvfp4", 32, 4, 16, "head sizes (64, 128, 256)"),
     ("nvfp4", 128, 16, 16, "up to 8 query heads per KV head"),
     ("nvfp4", 128, 4, 8, "must lie in one page"),
 ])
 def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why):
-    """The 4-bit CUDA decode (kernels/gqa_decode_4bit.cu: NVFP4, INT4 per token-head) refuses other formats and
-    shapes with the reason, before any device or compiler question, so the launcher runs the Triton kernel there
-    (or, asked for impl="cuda", raises that reason)."""
+    """The CUDA decode (kernels/gqa_decode_block_scaled.cu) refuses shapes it is not built for with the reason,
+    before any device or compiler question, so the launcher runs the Triton kernel there (or, asked for
+    impl="cuda", raises that reason). Every format's layout is one it reads (a scale it does not: below)."""
     from kernels.decode_attention_block_scaled import cuda_refusal
 
     layout = block_layout.of(kv_formats.get_format(fmt))
@@ -92,3 +91,4 @@ def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why
     q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16)
     args = layout.kernel_args
     assert why in cuda_refusal(q, codes, blocks, args["element"], args["block_scale"], args["block_size"])
+    assert cuda_refusal(q, codes, blocks, args["element"], "e4m3", 32).startswith("it reads e4m3 scales per 16")

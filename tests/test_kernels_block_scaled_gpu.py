@@ -109,7 +109,7 @@ def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None
     assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
 
 
-# the CUDA 4-bit kernel (kernels/gqa_decode_4bit.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
+# the CUDA kernel (kernels/gqa_decode_block_scaled.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
 CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
                pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32")]
 
@@ -120,8 +120,8 @@ CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, page, impl):
     """asm / plain: the Triton kernel with the PTX or the plain widening; cuda: the CUDA kernel where it serves the
-    case (NVFP4 and INT4 per token-head, <= 8 query heads per KV head), explicitly, so a refusal cannot pass as the
-    Triton kernel."""
+    case (<= 8 query heads per KV head; head 256 for NVFP4 and INT4 alone), explicitly, so a refusal cannot pass as
+    the Triton kernel."""
     from kernels.decode_attention_block_scaled import cuda_refusal
     decode_bf16, decode_block_scaled, _ = kern
     layout, table, seq_lens, caches, scales, q = _case(fmt, lengths, head_dim, group, kv_heads, page)
@@ -159,14 +159,15 @@ def _cuda_call(kern, lengths, head_dim=128, group=4, kv_heads=2, fmt="nvfp4", **
     return (layout, table, seq_lens, caches, scales, q), call
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "int4_per_token_head"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_per_token_head", "mxfp8", "mxfp4"])
 def test_cuda_kernel_nan_stays_in_its_sequence_and_stale_slots_add_nothing(kern, fmt):
     """A NaN V scale inside sequence 1 makes exactly sequence 1's outputs NaN; NaN scales and codes in the slots
     past every sequence's end (their last, partly filled tiles) change nothing: those tokens' P is 0 and their V
     codes and scales are zeroed before P . V, since 0 x NaN would not be 0."""
     (layout, table, seq_lens, caches, _, _), call = _cuda_call(kern, [700, 300, 129], fmt=fmt, impl="cuda")
     (k_codes, k_blocks), (v_codes, v_blocks) = caches
-    nan = float("nan") if k_blocks.dtype == torch.float32 else 0x7F   # per token-head fp32, or e4m3 bits
+    # per token-head fp32, e8m0 bits (255) or e4m3 bits (0x7F)
+    nan = float("nan") if k_blocks.dtype == torch.float32 else 255 if layout.block_scale == "e8m0" else 0x7F
     clean = call()[0]
     for b, n in enumerate(seq_lens.tolist()):   # the rest of each sequence's last page
         page = int(table[b, (n - 1) // 16])
@@ -209,7 +210,7 @@ def test_cuda_kernel_that_does_not_build_falls_back_to_the_triton_kernel(kern, m
     from kernels import nvrtc
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("NVRTC could not compile gqa_4bit_decode (test)")
+        raise RuntimeError("NVRTC could not compile gqa_block_scaled_decode (test)")
 
     monkeypatch.setattr(M, "_BUILD_FAILURES", {})
     M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
