@@ -396,8 +396,8 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
 
 @functools.lru_cache(maxsize=None)
 def _warn_cuda_fallback(reason: str) -> None:
-    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build here, "
-                  f"so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build "
+                  f"here, so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
 
 
 class CudaBuildError(RuntimeError):

@@ -36,8 +36,8 @@ def head32_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def head64_model(tmp_path_factory):
-    """A tiny random-weight Llama whose heads hold 64 values, 2 query heads per KV head: the smallest head the block-scaled
-    CUDA decode (kernels/gqa_decode_block_scaled.cu) serves, so the engine reaches it."""
+    """A tiny random-weight Llama whose heads hold 64 values, 2 query heads per KV head: the smallest head the
+    block-scaled CUDA decode (kernels/gqa_decode_block_scaled.cu) serves, so the engine reaches it."""
     import torch
     from transformers import AutoModelForCausalLM
 

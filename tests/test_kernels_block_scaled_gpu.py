@@ -109,7 +109,8 @@ def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None
     assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
 
 
-# the CUDA kernel (kernels/gqa_decode_block_scaled.cu) takes up to 8 query heads per KV head: its own 8 and 16-page cases
+# the CUDA kernel (kernels/gqa_decode_block_scaled.cu) takes up to 8 query heads per KV head: its own 8 and
+# 16-page cases
 CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
                pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32")]
 
