@@ -376,6 +376,8 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
         return f"it takes up to {CUDA_GROUP_MAX} query heads per KV head, got {group}"
     if k_codes.shape[1] % CUDA_TILE:
         return f"its tiles of {CUDA_TILE} tokens must lie in one page: page size {k_codes.shape[1]}"
+    if q.device.type != "cuda":
+        return f"it runs on CUDA tensors, got {q.device.type} ones"
     reason = nvrtc.unavailable()
     if reason:
         return reason
@@ -507,7 +509,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                                                programs_per_sm=programs_per_sm, whole_waves=whole_waves, asm=asm,
                                                cuda_warps=cuda_warps, ctas=ctas, cuda_prefetch=cuda_prefetch))
     assert impl in (None, *IMPLS), f"impl must be one of {IMPLS} or None, got {impl!r}"
-    if (impl or cfg.get("impl")) == "cuda" and not interpreting():
+    if (impl or cfg.get("impl")) == "cuda":
         why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block, v_codes, v_block_scales)
         if why is None:
             try:

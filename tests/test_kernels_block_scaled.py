@@ -92,3 +92,18 @@ def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why
     args = layout.kernel_args
     assert why in cuda_refusal(q, codes, blocks, args["element"], args["block_scale"], args["block_size"])
     assert cuda_refusal(q, codes, blocks, args["element"], "e4m3", 32).startswith("it reads e4m3 scales per 16")
+
+
+def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):
+    """impl="cuda" under Triton's interpreter (CPU tensors) raises the reason instead of running the Triton kernel
+    under the CUDA kernel's name."""
+    from kernels.decode_attention_block_scaled import decode_attention_block_scaled
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layout = block_layout.of(kv_formats.get_format("nvfp4"))
+    codes, blocks = layout.allocate(2, 16, 1, 64, "cpu")
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    table, seq = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="runs on CUDA tensors, got cpu ones"):
+        decode_attention_block_scaled(q, codes, codes, blocks, blocks, table, seq, None, None, 0.125, impl="cuda",
+                                      **layout.kernel_args)
