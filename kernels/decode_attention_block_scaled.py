@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import nvrtc
 from kernels.configs import launch_config
 from kernels.decode_attention import (LOG2E, _decode_attention_pages, _widen_fp8, interpreting, merge_splits,
                                       on_tensor_device, partials, plan_splits)
@@ -365,7 +366,6 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
                  v_block_scales: torch.Tensor | None = None) -> str | None:
     """Why the CUDA kernel cannot run this call (None when it can). V's tensors share K's strides (the launcher
     asserts it); their bases are checked beside K's where given."""
-    from kernels import nvrtc
     if not cuda_serves(element, block_scale, block):
         return f"it reads e4m3 scales per 16, e8m0 per 16 or 32 and fp32 per token-head, got {block_scale} / {block}"
     head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
@@ -402,27 +402,13 @@ def _warn_cuda_fallback(reason: str) -> None:
                   f"here, so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
 
 
-class CudaBuildError(RuntimeError):
-    """NVRTC could not compile the CUDA kernel, or the driver could not load it, on this machine."""
-
-
-_BUILD_FAILURES: dict[tuple, str] = {}   # (defines, device) -> why it did not build: not retried in this process
-
-
 def _cuda_kernel(defines: tuple, index: int):
-    from kernels import nvrtc
-    key = (defines, index)
-    if key not in _BUILD_FAILURES:
-        try:
-            return nvrtc.compile_kernel(CUDA_SOURCE, "gqa_block_scaled_decode", defines, index)
-        except (RuntimeError, OSError) as e:
-            _BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
-    raise CudaBuildError(_BUILD_FAILURES[key])
+    return nvrtc.build(CUDA_SOURCE, "gqa_block_scaled_decode", defines, index)
 
 
 def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens, k_scale, v_scale,
                  sm_scale, num_splits, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA kernel's (out, lse); CudaBuildError where it does not build here."""
+    """The CUDA kernel's (out, lse); nvrtc.BuildError where it does not build here."""
     batch, q_heads, head_dim = q.shape
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
@@ -516,7 +502,7 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
                 return _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
                                     k_scale, v_scale, sm_scale, num_splits,
                                     dict(cfg, layout=(element, block_scale, block)))
-            except CudaBuildError as e:
+            except nvrtc.BuildError as e:
                 why = str(e)
                 if impl is None:
                     _warn_cuda_fallback(why)

@@ -40,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_attention_pages, _widen, merge_splits,
                                      on_tensor_device, partials, plan_splits)
+from kernels import nvrtc
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 
@@ -540,7 +541,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
             try:
                 return _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits,
                                         cfg)
-            except _CudaBuildError as e:   # this machine's NVRTC or driver refused the kernel: the table's entry
+            except nvrtc.BuildError as e:   # this machine's NVRTC or driver refused the kernel: the table's entry
                 if impl is not None:       # falls back (once warned), an explicit impl="cuda" fails
                     raise
                 _warn_cuda_fallback(str(e))
@@ -679,7 +680,6 @@ def _cuda_bulk(cfg: dict, device: torch.device) -> bool:
 def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, options: bool,
                  cfg: dict) -> str | None:
     """Why the CUDA kernel cannot run this call (None when it can)."""
-    from kernels import nvrtc
     if not is_fp8(cache.dtype):
         return f"it reads fp8 caches only, got {cache.dtype}"
     if options:
@@ -720,33 +720,16 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     return None
 
 
-class _CudaBuildError(RuntimeError):
-    """NVRTC could not compile the CUDA kernel, or the driver could not load it, on this machine."""
-
-
 @functools.lru_cache(maxsize=None)
 def _warn_cuda_fallback(reason: str) -> None:
     warnings.warn(f"mla_decode: the CUDA kernel (kernels/mla_decode_fp8.cu) did not build here, so the Triton entry "
                   f"runs instead: {reason}", RuntimeWarning, stacklevel=3)
 
 
-# (defines, device, wgmma) -> why it did not build: not retried in this process
-_BUILD_FAILURES: dict[tuple, str] = {}
-
-
 def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False, name: str = "mla_fp8_decode"):
-    from kernels import nvrtc
-    key = (defines, index, wgmma, name)
-    if key in _BUILD_FAILURES:
-        raise _CudaBuildError(_BUILD_FAILURES[key])
-    try:
-        if wgmma:
-            return nvrtc.compile_kernel(WGMMA_SOURCE, "mla_fp8_decode_wgmma", defines, index, arch_specific=True)
-        return nvrtc.compile_kernel(CUDA_SOURCE, name, defines, index)
-    except (RuntimeError, OSError) as e:
-        text = str(e).strip()
-        _BUILD_FAILURES[key] = " / ".join(text.splitlines()[:3])[:400] or type(e).__name__
-        raise _CudaBuildError(_BUILD_FAILURES[key]) from e
+    if wgmma:
+        return nvrtc.build(WGMMA_SOURCE, "mla_fp8_decode_wgmma", defines, index, arch_specific=True)
+    return nvrtc.build(CUDA_SOURCE, name, defines, index)
 
 
 def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, cfg):

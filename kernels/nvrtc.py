@@ -4,7 +4,9 @@ torch's CUDA wheels ship libnvrtc; nothing else is needed on the machine (no nvc
 `compile_kernel(path, name, defines, device)` compiles the file once per (file, defines, device) for that GPU's
 architecture (its `#include "name"` lines replaced by the files beside it: `inline_includes`) (the cubin is kept on disk, `cache_dir()`, so later processes load it) and returns a `Kernel`;
 `Kernel(grid, block, smem, args)` launches it on the current torch stream (so CUDA graph capture records it).
-`unavailable()` says why kernels cannot be compiled here, or None.
+`unavailable()` says why kernels cannot be compiled here, or None. `build(...)`: `compile_kernel` with what this
+machine refused remembered (not asked again in the process), raised as `BuildError` (its reason in a few lines), so a
+launcher can fall back to a Triton kernel once warned.
 """
 
 from __future__ import annotations
@@ -200,3 +202,25 @@ def compile_kernel(path: str, name: str, defines: tuple[tuple[str, int], ...], d
         _check_driver(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
                       f"cuModuleGetFunction({name})")
     return Kernel(function, module, device)
+
+
+class BuildError(RuntimeError):
+    """NVRTC could not compile a CUDA kernel, or the driver could not load it, on this machine."""
+
+
+# (path, name, defines, device, arch_specific) -> why it did not build: not retried in this process
+BUILD_FAILURES: dict[tuple, str] = {}
+
+
+def build(path: str, name: str, defines: tuple[tuple[str, int], ...], device: int,
+          arch_specific: bool = False) -> Kernel:
+    """`compile_kernel`, or BuildError with the reason (the first 3 lines of NVRTC's or the driver's, 400 characters),
+    also on every later call with the same arguments in this process."""
+    key = (path, name, defines, device, arch_specific)
+    if key not in BUILD_FAILURES:
+        try:
+            return compile_kernel(path, name, defines, device, arch_specific)
+        except (RuntimeError, OSError) as e:
+            BUILD_FAILURES[key] = " / ".join(str(e).strip().splitlines()[:3])[:400] or type(e).__name__
+    raise BuildError(BUILD_FAILURES[key])
+

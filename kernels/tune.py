@@ -49,11 +49,9 @@ PROGRAMS_PER_SM = {"gqa": (4, 8, 16, 32), "mla": (2, 4, 8)}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def _ms(fn) -> float:
-    """Median GPU time of one call of `fn`, replayed from a CUDA graph with L2 flushed between replays
-    (triton.testing.do_bench): the per-call host cost (Python checks, Triton's launcher, its TMA descriptor
-    encoding, allocations) stays out, as in graph decode; `host_us` measures that cost on its own."""
-    fn()                                            # compile and warm up outside the capture
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a CUDA graph of one call of `fn`, what that captured call returned: the tensors each replay rewrites), `fn`
+    called on a side stream first, as torch asks before a capture (compiles and caches warm outside it)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -61,7 +59,16 @@ def _ms(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        result = fn()
+    return graph, result
+
+
+def _ms(fn) -> float:
+    """Median GPU time of one call of `fn`, replayed from a CUDA graph with L2 flushed between replays
+    (triton.testing.do_bench): the per-call host cost (Python checks, Triton's launcher, its TMA descriptor
+    encoding, allocations) stays out, as in graph decode; `host_us` measures that cost on its own."""
+    fn()                                            # compile and warm up outside the capture
+    graph, _ = capture(fn)
     try:
         return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
     finally:

@@ -186,16 +186,10 @@ def test_cuda_kernel_nan_stays_in_its_sequence_and_stale_slots_add_nothing(kern,
 def test_cuda_kernel_repeats_and_replays_in_a_cuda_graph(kern):
     """The same bits eagerly, again, and from a CUDA graph's replays (the harness replays its decode steps); an
     empty sequence gets out 0 and lse -inf."""
+    from kernels.tune import capture
     _, call = _cuda_call(kern, [4099, 1, 300, 0, 128], impl="cuda")
     first, again = call(), call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = call()
+    graph, replayed = capture(call)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -213,7 +207,7 @@ def test_cuda_kernel_that_does_not_build_falls_back_to_the_triton_kernel(kern, m
     def refuse(*args, **kwargs):
         raise RuntimeError("NVRTC could not compile gqa_block_scaled_decode (test)")
 
-    monkeypatch.setattr(M, "_BUILD_FAILURES", {})
+    monkeypatch.setattr(nvrtc, "BUILD_FAILURES", {})
     M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
     monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
     (layout, table, seq_lens, caches, scales, q), call = _cuda_call(kern, [300, 17, 1])

@@ -554,20 +554,14 @@ def test_mla_cuda_merge_repeats_and_replays(kern, splits):
     """cuda_merge (the merge kernel as a programmatic dependent launch): repeated calls and CUDA-graph replays give
     the same bits, within the merge's rounding of merge_splits' results; an empty sequence gets out 0, lse -inf.
     70 splits: more than the merge's chunk of 32 loads a thread (three chunks, the last partial), many splits empty."""
+    from kernels.tune import capture
     case = _mla_case([4099, 1, 300, 0, 128], 64, 16, "e4m3")
     config = dict(impl="cuda", wgmma=False, block_n=32, num_warps=4, num_stages=4, block_h=16, ctas=2)
     args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale, splits)
     two_kernels = kern.mla_decode(*args, cuda_merge=False, **config)
     first = kern.mla_decode(*args, cuda_merge=True, **config)
     again = kern.mla_decode(*args, cuda_merge=True, **config)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kern.mla_decode(*args, cuda_merge=True, **config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = kern.mla_decode(*args, cuda_merge=True, **config)
+    graph, replayed = capture(lambda: kern.mla_decode(*args, cuda_merge=True, **config))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -590,7 +584,7 @@ def test_mla_cuda_kernel_that_does_not_build_falls_back_to_the_triton_entry(kern
     def refuse(*args):
         raise RuntimeError("NVRTC could not compile mla_fp8_decode (test)")
 
-    monkeypatch.setattr(M, "_BUILD_FAILURES", {})
+    monkeypatch.setattr(nvrtc, "BUILD_FAILURES", {})
     M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
     monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
     case = _mla_case([300, 17, 1], 64, 16, "e4m3")

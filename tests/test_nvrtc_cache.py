@@ -59,3 +59,23 @@ def test_the_mla_kernels_compile_as_one_source_each():
         with open(os.path.join(directory, name)) as f:
             inlined = nvrtc.inline_includes(f.read(), directory)
         assert '#include "' not in inlined and inlined.count("__device__ __forceinline__ void wait_parity") == 1
+
+
+def test_a_kernel_that_does_not_build_is_refused_once_and_remembered(monkeypatch):
+    """build(): the compiler's or driver's refusal comes back as BuildError with its first lines, and the same
+    kernel is not compiled again in the process (a launcher falls back to Triton without paying NVRTC per call);
+    other defines are asked for afresh."""
+    calls = []
+
+    def refuse(path, name, defines, device, arch_specific=False):
+        calls.append(defines)
+        raise RuntimeError("NVRTC could not compile k with -DA=1:\nline 2\nline 3\nline 4")
+
+    monkeypatch.setattr(nvrtc, "BUILD_FAILURES", {})
+    monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
+    for _ in range(3):
+        with pytest.raises(nvrtc.BuildError, match="could not compile k with -DA=1: / line 2 / line 3$"):
+            nvrtc.build("k.cu", "k", (("A", 1),), 0)
+    with pytest.raises(nvrtc.BuildError):
+        nvrtc.build("k.cu", "k", (("A", 2),), 0)
+    assert calls == [(("A", 1),), (("A", 2),)], calls
