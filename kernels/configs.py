@@ -88,19 +88,20 @@ H100.update(H100_MLA)
 # in kernels/BENCHMARKS.md, session 16): ms of each entry against the next best variant there. The e2m1 entry widens
 # with plain Triton ops (0.3230 ms; the PTX widening 0.3404 at 64 tokens, 0.3273 at 128); a register prefetch of the
 # next tile lost in every kind (NVFP4 0.3441, MXFP8 0.5004, INT4 0.3264, INT8 0.4213 ms) and was removed.
-# impl="cuda" (session 25; branch wip/mxfp8-cuda: one CUDA kernel for every block-scaled layout,
-# kernels/gqa_decode_block_scaled.cu, 4 warps a block, 3 blocks an SM): NVFP4 0.1219 ms with two tiles ahead against
-# 0.1227 (one ahead), 0.1238 (2 warps x 6 blocks) and the Triton entry's 0.3197; INT4 0.1242 against 0.2123 (H200,
-# batch 8, 32k; kernels/BENCHMARKS.md). MXFP8, MXFP4, FP8 and INT8 per token-head through it: UNVALIDATED on a GPU.
+# impl="cuda" (sessions 25-26): one CUDA kernel for every block-scaled layout, kernels/gqa_decode_block_scaled.cu,
+# 4 warps a block, 3 blocks an SM (H200, batch 8, 32k; kernels/BENCHMARKS.md, session 26): NVFP4 0.1224 ms (the
+# Triton entry 0.3196), MXFP8 0.1601 (0.3802), MXFP4 0.1480 (0.3588), INT4 0.1229 (0.2116), INT8 per token-head
+# 0.1509 (0.3016); two tiles ahead where they fit the registers (the launcher's _two_ahead_fits). 4 x 2, 8 x 1 and
+# 2 x 6 warps x blocks were 1-15% slower on every format.
 _BLOCK_SCALED = dict(num_warps=4, num_stages=2, programs_per_sm=8, whole_waves=True)
 H100.update({
-    "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False,           # NVFP4 0.3230 ms
+    "gqa_fp4": dict(_BLOCK_SCALED, block_n=64, asm=False,           # NVFP4: Triton 0.3230 ms
                     impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),
-    "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True,     # MXFP8 0.3832 (128 tokens: 0.4232)
+    "gqa_fp8_blocks": dict(_BLOCK_SCALED, block_n=64, asm=True,     # MXFP8: Triton 0.3832 (128 tokens: 0.4232)
                            impl="cuda", cuda_warps=4, ctas=3),
-    "gqa_int4": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT4 0.2119 (64 tokens: 0.2652)
+    "gqa_int4": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT4: Triton 0.2119 (64 tokens: 0.2652)
                      impl="cuda", cuda_warps=4, ctas=3, cuda_prefetch=2),
-    "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT8 0.3021 (64 tokens: 0.3755)
+    "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT8: Triton 0.3021 (64 tokens: 0.3755)
                      impl="cuda", cuda_warps=4, ctas=3),
 })
 DEFAULT = H100

@@ -376,16 +376,10 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
         return f"it takes up to {CUDA_GROUP_MAX} query heads per KV head, got {group}"
     if k_codes.shape[1] % CUDA_TILE:
         return f"its tiles of {CUDA_TILE} tokens must lie in one page: page size {k_codes.shape[1]}"
-    if q.device.type != "cuda":
-        return f"it runs on CUDA tensors, got {q.device.type} ones"
-    reason = nvrtc.unavailable()
-    if reason:
-        return reason
-    if _capability(q.device.index) < (8, 9):
-        return "it needs sm_89 or later (cvt from e4m3 pairs)"
     # runs of codes: a quarter of a head (K); of scales: a quarter's e4m3 bytes, a whole e8m0 row, one fp32
     codes_align = min(16, head_dim * ELEMENT_BITS[element] // 32)
-    scales_align = {"e4m3": max(1, head_dim // 64), "e8m0": min(16, head_dim // block), "fp32": 4}[block_scale]
+    scales_align = (4 if block_scale == "fp32" else max(1, head_dim // 64) if block_scale == "e4m3"
+                    else min(16, head_dim // block))   # fp32 per token-head: block is 0 (no blocks)
     bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
     if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
         return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
@@ -393,6 +387,13 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
     strides = [s * k_block_scales.element_size() for s in k_block_scales.stride()[:3]]
     if any(p % scales_align for p in bases) or any(s % scales_align for s in strides):
         return f"it loads {scales_align}-byte runs of scales: the scales' base and strides must be multiples of that"
+    if q.device.type != "cuda":
+        return f"it runs on CUDA tensors, got {q.device.type} ones"
+    reason = nvrtc.unavailable()
+    if reason:
+        return reason
+    if _capability(q.device.index) < (8, 9):
+        return "it needs sm_89 or later (cvt from e4m3 pairs)"
     return None
 
 
@@ -400,6 +401,17 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
 def _warn_cuda_fallback(reason: str) -> None:
     warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build "
                   f"here, so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
+
+
+def _two_ahead_fits(element: str, block_scale: str, block: int, head_dim: int, ctas: int) -> bool:
+    """Whether two tiles loaded ahead fit the registers without a spill (ptxas 12 for sm_90, every layout compiled):
+    at 2 blocks an SM (255 registers) for heads up to 128; at 3 (168), 4-bit elements only, and not under e8m0
+    scales per 16 at head 128 (32-48 bytes spilled). 8-bit elements spill 236-280 bytes at 3."""
+    if head_dim > 128:
+        return False
+    if ctas <= 2:
+        return True
+    return ELEMENT_BITS[element] == 4 and not (block_scale == "e8m0" and block == 16 and head_dim == 128)
 
 
 def _cuda_kernel(defines: tuple, index: int):
@@ -413,11 +425,9 @@ def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_tabl
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
     element, block_scale, block = cfg["layout"]
-    # two tiles loaded ahead where ptxas finds the registers (4-bit elements under e4m3 / fp32 scales, heads <= 128;
-    # the rest spill with two); head size 256 holds 245 registers a thread with one: 2 blocks an SM
-    two_ahead = ELEMENT_BITS[element] == 4 and block_scale != "e8m0"
+    # head size 256 holds 245 registers a thread with one tile ahead: 2 blocks an SM
     ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)
-    prefetch = cfg.get("cuda_prefetch", 1) if two_ahead and head_dim <= 128 else 1
+    prefetch = cfg.get("cuda_prefetch", 1) if _two_ahead_fits(element, block_scale, block, head_dim, ctas) else 1
     scale_bytes = k_block_scales.element_size()   # the scales' strides go to the kernel in bytes
     defines = (("ELEMENT", ELEMENTS[element]), ("SCALE", SCALES[block_scale]), ("BLOCK", block),
                ("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),

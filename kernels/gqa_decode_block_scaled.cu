@@ -35,7 +35,9 @@
 //   token's largest exponent (at least 1), pairs are multiplied by 2^(e_jb - top_j) (2^(e_jb - top_j + 6) for e2m1)
 //   in fp16 (exact to 2^-24 of the token's largest), and 2^(top_j - 127) is a per-token factor. Per-token factors
 //   (fp32 per token-head scales, e8m0's 2^top) multiply the score (K) and go into P's column over the largest V
-//   factor so far, so P stays <= 1, the accumulator kept in that largest's units (V).
+//   factor so far, so P stays <= 1, the accumulator kept in that largest's units (V). e8m0's factors are kept as
+//   exponents: the multipliers and ratios are built by integer ops and selects, never a branch or a division
+//   (kernels/BENCHMARKS.md, session 26: the branches and divisions had cost MXFP8 0.25 against 0.16 ms).
 // - The accumulator is rescaled only when some row's running maximum (or the largest V factor) moved (a warp vote):
 //   multiplying by 1 is exact, so this skips work without changing a bit.
 // - The next tiles' codes and scales are loaded into registers while this one is computed (PREFETCH buffers taken in
@@ -64,7 +66,6 @@ constexpr int KSB = D / 64;                 // SCALE 0: K scale bytes of a lane'
 constexpr int VSB = D >= 256 ? 2 : 1;       // SCALE 0: V scale bytes of a lane's eighth
 constexpr int SR = D / BLOCK;               // SCALE 2: bytes of a token's scale row
 constexpr int SRW = (SR + 3) / 4;
-constexpr bool FACTORS = SCALE != 0;        // per-token factors on the scores and in P
 constexpr float WIDEN_SCALE = (ELEMENT == 0 && SCALE == 0) ? 64.f : 1.f;   // e2m1 widened x 2^-6, NVFP4's fold
 constexpr int E8M0_OFFSET = ELEMENT == 0 ? 6 : 0;                          // ... and e8m0's, in the multiplier
 static_assert(ELEMENT >= 0 && ELEMENT <= 3 && SCALE >= 0 && SCALE <= 2, "unknown ELEMENT or SCALE");
@@ -82,6 +83,14 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+  u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+#endif
 
 __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
   u32 r;
@@ -174,22 +183,31 @@ template <int BYTES> __device__ __forceinline__ Words<(BYTES + 3) / 4> load_run(
 // e8m0 rows: the largest exponent byte (at least 1), one byte, 2^(e - top + offset) as fp16 bits (RTNE of the fp32
 // power: 0 below 2^-24; 255 is NaN) and 2^(top - 127) as fp32 (255: inf, then NaN downstream, as in Triton).
 __device__ __forceinline__ int row_top(const Words<SRW>& r) {
+#if __CUDA_ARCH__ >= 900   // bytes as u16 lanes, max.u16x2 (sm_90): ~6 ops a row against ~18 for __vmaxu4's emulation
+  u32 m = max_u16x2(prmt(r.w[0], 0, 0x4240), prmt(r.w[0], 0, 0x4341));
+#pragma unroll
+  for (int i = 1; i < SRW; ++i) m = max_u16x2(m, max_u16x2(prmt(r.w[i], 0, 0x4240), prmt(r.w[i], 0, 0x4341)));
+  return max((int)max(m & 0xFFFFu, m >> 16), 1);
+#else
   u32 m = r.w[0];
 #pragma unroll
   for (int i = 1; i < SRW; ++i) m = __vmaxu4(m, r.w[i]);
   m = __vmaxu4(m, m >> 16);
   m = __vmaxu4(m, m >> 8);
   return max((int)(m & 0xFF), 1);
+#endif
 }
 __device__ __forceinline__ int row_byte(const Words<SRW>& r, int i) { return (r.w[i >> 2] >> (8 * (i & 3))) & 0xFF; }
-__device__ __forceinline__ u32 pow2_f16(int e, int top) {
-  if (e == 255) return 0x7E00u;
-  const int k = e - top + E8M0_OFFSET;
-  if (k >= -14) return (u32)(k + 15) << 10;
-  if (k >= -24) return 1u << (k + 24);
-  return 0u;
+__device__ __forceinline__ u32 pow2_f16(int e, int top) {   // selects, no branches (they cost 2x the time)
+  const int k = e - top + E8M0_OFFSET;                          // <= E8M0_OFFSET: e <= top
+  u32 normal, sub;
+  asm("shl.b32 %0, %1, 10;" : "=r"(normal) : "r"(k + 15));
+  asm("shl.b32 %0, 1, %1;" : "=r"(sub) : "r"(k + 24));          // PTX shl: a shift past 31 (k < -24) gives 0
+  const u32 bits = k >= -14 ? normal : sub;
+  return e == 255 ? 0x7E00u : bits;
 }
 __device__ __forceinline__ float factor_of(int top) { return __uint_as_float((u32)top << 23); }
+__device__ __forceinline__ float pow2_f32(int k) { return __uint_as_float((u32)max(k + 127, 0) << 23); }   // 0 below 2^-126
 
 // What a lane reads of one 16-token tile: K codes of tokens g and 8 + g (quarter q), V codes of tokens 2q, 2q + 1,
 // 2q + 8, 2q + 9 (eighth g), and their scales: NVFP4's bytes (K: the quarter's blocks of tokens g, 8 + g; V: the
@@ -265,7 +283,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     }
   }
 
-  float m = NEG_INF, l = 0.f, v_top = 0.f;   // v_top: the largest V factor so far (FACTORS)
+  float m = NEG_INF, l = 0.f, v_top = 0.f;   // v_top: the largest V factor so far (SCALE 2)
+  int v_exp = 0;                             // SCALE 1: the largest V top so far (0: none yet)
   float acc[MTILES][4];
 #pragma unroll
   for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -367,20 +386,22 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
         }
     }
     float rescale = alpha;
-#if SCALE != 0
-    float vf[4];   // the V tokens' factors (0 past the end)
-#if SCALE == 1
-    int vtop[4];
-#endif
+#if SCALE == 1   // factors 2^(top - 127) kept as exponents: their ratios are exact powers of two, no division
+    int vtop[4];   // the V tokens' tops (rows past the end were zeroed: top 1, at most any real token's)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#if SCALE == 1
-      vtop[i] = row_top(cur.vs[i]);
-      vf[i] = tail && n0 + 2 * q + (i & 1) + 8 * (i >> 1) >= end ? 0.f : factor_of(vtop[i]);
-#else
-      vf[i] = cur.vs[i];
-#endif
-    }
+    for (int i = 0; i < 4; ++i) vtop[i] = row_top(cur.vs[i]);
+    int vt = max(max(vtop[0], vtop[1]), max(vtop[2], vtop[3]));   // every quad holds the same 16 tokens
+    vt = max(vt, __shfl_xor_sync(0xffffffffu, vt, 1));
+    vt = max(vt, __shfl_xor_sync(0xffffffffu, vt, 2));
+    const int v_new = max(v_exp, vt);
+    if (v_exp != v_new) rescale *= pow2_f32(v_exp - v_new);   // before the first tile the accumulator is 0
+    v_exp = v_new;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] *= pow2_f32(vtop[i] - v_new);
+#elif SCALE == 2
+    float vf[4];   // the V tokens' factors (0 past the end)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vf[i] = cur.vs[i];
     float vt = fmaxf(fmaxf(vf[0], vf[1]), fmaxf(vf[2], vf[3]));   // every quad holds the same 16 tokens
     vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 1));
     vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 2));
@@ -471,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     sm_m[warp][g] = m;
     sm_l[warp][g] = l;
   }
-  const float units = FACTORS ? v_top : 1.f;
+  const float units = SCALE == 1 ? factor_of(v_exp) : SCALE == 2 ? v_top : 1.f;
 #pragma unroll
   for (int i = 0; i < MTILES; ++i) {
 #pragma unroll

@@ -94,6 +94,24 @@ def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why
     assert cuda_refusal(q, codes, blocks, args["element"], "e4m3", 32).startswith("it reads e4m3 scales per 16")
 
 
+@pytest.mark.parametrize("fmt", SERVED)
+def test_cuda_kernel_checks_every_layout_before_the_device(fmt):
+    """Every served layout at a served shape passes the layout checks (alignment included) and is refused only for
+    its CPU tensors; the same cache one slot off its alignment is refused for that. (The per token-head layouts,
+    which have no blocks, once divided by their block size of 0 here: on a GPU, every call.)"""
+    from kernels.decode_attention_block_scaled import cuda_refusal
+
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    codes, blocks = layout.allocate(4, 16, 2, 128, "cpu")
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    args = layout.kernel_args
+    refuse = lambda c, b: cuda_refusal(q, c, b, args["element"], args["block_scale"], args["block_size"])  # noqa: E731
+    assert refuse(codes, blocks) == "it runs on CUDA tensors, got cpu ones"
+    u8 = codes.view(torch.uint8)
+    shifted = torch.as_strided(u8, (u8.shape[0] - 1, *u8.shape[1:]), u8.stride(), storage_offset=1)
+    assert "byte runs of codes" in refuse(shifted.view(codes.dtype), blocks)
+
+
 def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):
     """impl="cuda" under Triton's interpreter (CPU tensors) raises the reason instead of running the Triton kernel
     under the CUDA kernel's name."""
