@@ -131,6 +131,30 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / seconds  # bytes read + written per second
 
 
+# which of our CUDA launchers a path's calls ran (the column "decode attention"): filled by the counting wrappers
+# `count_cuda_launchers` installs, cleared per path; empty: the Triton kernels (or torch) ran
+CUDA_SEEN: set[str] = set()
+
+
+def count_cuda_launchers() -> None:
+    """Wrap the CUDA launchers (GQA: kernels/gqa_decode_cuda.py; MLA: kernels/mla_decode.py's) so each call is
+    noted in CUDA_SEEN (graph replays call neither: the capture's call is noted)."""
+    from kernels import gqa_decode_cuda, mla_decode
+    for module, name, label in ((gqa_decode_cuda, "decode", "cuda"), (mla_decode, "_mla_decode_cuda", "cuda (mla)")):
+        real = getattr(module, name)
+        if not getattr(real, "counted", False):
+            def counted(*args, _real=real, _label=label, **kwargs):
+                CUDA_SEEN.add(_label)
+                return _real(*args, **kwargs)
+            counted.counted = True
+            setattr(module, name, counted)
+
+
+def kernel_label(backend) -> str:
+    """The decode kernel a path's calls ran: the route's refusal, else our CUDA or Triton kernels."""
+    return backend.route.kernel_refusal or "+".join(sorted(CUDA_SEEN)) or "triton"
+
+
 def timed(fn) -> tuple[float, float, object]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -263,6 +287,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
     bf16_time = None
     for spec in paths:
         backend = loaded.backend(parse_path(spec))
+        CUDA_SEEN.clear()
         engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
         live_before = torch.cuda.memory_allocated() / 2**30  # what earlier runs left allocated (weights etc.)
         try:
@@ -293,7 +318,7 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
                      "decode_tok_s": batch / step,
                      "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
-                     "kernel": backend.route.kernel_refusal or "triton", "batches": engine.batch_sizes_used[-1:],
+                     "kernel": kernel_label(backend), "batches": engine.batch_sizes_used[-1:],
                      "live_before": live_before, "launches_per_step": launches,
                      "median_step_ms": steady * 1e3 if steady else None,
                      "median_decode_tok_s": batch / steady if steady else None,
@@ -360,6 +385,7 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
     prompt = prompts(1, length, config.vocab_size, seed=1)[0]
     for spec in paths:
         backend = loaded.backend(parse_path(spec))
+        CUDA_SEEN.clear()
         try:
             backend.greedy_ids(prompt, 2)  # warm-up: Triton compiles
             t2 = synced_wall(lambda: backend.greedy_ids(prompt, 2))
@@ -374,7 +400,7 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
         roof = (weight_bytes + (length + new / 2) * kv) / bandwidth
         rows.append({"config": name, "gpus": gpus, "path": f"{spec} (one at a time)", "decode_tok_s": 1 / step,
-                     "step_ms": step * 1e3, "roof": roof / step, "kernel": backend.route.kernel_refusal or "triton",
+                     "step_ms": step * 1e3, "roof": roof / step, "kernel": kernel_label(backend),
                      "tokens": len(ids)})
         log(rows[-1])
     batch = 8
@@ -416,6 +442,7 @@ def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths
     ps = prompts(batch, length, loaded.model.config.vocab_size, seed=2)
     for spec in paths:
         backend = loaded.backend(parse_path(spec))
+        CUDA_SEEN.clear()
         engine = BatchedEngine(backend, BatchSettings(batch_size=batch, kernel_check_every=10**9))
         try:
             engine.generate(ps, SHORT)  # warm-up: Triton compiles at these shapes
@@ -429,7 +456,7 @@ def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths
             continue
         step = (tn - t_short) / (new - SHORT)
         rows.append({"config": name, "gpus": gpus, "path": f"{spec} (batched b{batch})", "decode_tok_s": batch / step,
-                     "step_ms": step * 1e3, "kernel": backend.route.kernel_refusal or "triton",
+                     "step_ms": step * 1e3, "kernel": kernel_label(backend),
                      "note": f"decode {'+'.join(sorted(engine.decode_batches))}, largest batch "
                              f"{max(engine.batch_sizes_used, default=0)}"
                              + "".join(f"; {why}" for why in dict.fromkeys(engine.decode_fallbacks))})
@@ -703,6 +730,7 @@ def main() -> None:
     # (set here, not on import: a test that imports this module must keep the check)
     _USER_ENV = dict(os.environ)
     os.environ.setdefault("HARNESS_IMPL_CHECK", "0")
+    count_cuda_launchers()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated, of {', '.join(CONFIGS)} (see above; default {DEFAULT_CONFIGS})")

@@ -36,9 +36,14 @@ H100 = {
     # session 8 (kernels.ab, same process, two rounds): only V widened once (widen="v", call 1): 0.2219 vs 0.2292
     # ms at batch 8, 32k, 0.7516 vs 0.8323 at batch 32, 32k (best programs/SM of each); then the split plan in whole
     # waves of 6 programs/SM (2 waves of its 3 resident programs, call 2): 0.2091 / 0.7517 / 0.7493 / 2.929 ms at
-    # batch 8 32k / 8 128k / 32 32k / 32 128k against 0.2206 / 0.7816 / 0.8227 / 3.227 at 8 programs/SM
+    # batch 8 32k / 8 128k / 32 32k / 32 128k against 0.2206 / 0.7816 / 0.8227 / 3.227 at 8 programs/SM.
+    # impl="cuda" (session 26, H200, same process, kernels/BENCHMARKS.md): the CUDA kernel over the plain cache
+    # (kernels/gqa_decode_cuda.py), 4 warps x 3 blocks an SM: 0.1449 ms against this Triton entry's 0.1829 at batch 8,
+    # 32k (1.26x); 1.10-1.30x at batch 1-32 over 8k-128k, 1.04-1.06x at 1k-2k (batch 16-64; one split: no merge
+    # launch); 4 x 2 with two tiles ahead and 2 x 6 were up to 16% faster at batch 32-64, 1k, and up to 4% slower at
+    # batch 8-16
     "gqa_fp8": dict(block_n=128, num_warps=4, num_stages=2, prefetch=False, swap=False, programs_per_sm=6, widen="v",
-                    whole_waves=True),
+                    whole_waves=True, impl="cuda", cuda_warps=4, ctas=3),
     # P (and Q) in fp8 over an e4m3 cache (prob_scale given). The plain layout: fp8 operands widened in the MMA's
     # operand layout (0.230 ms at batch 8, 32k); swap reaches fp8 wgmma but Triton 3.6 transposes the fp8 V tile
     # through shared memory a byte at a time (0.417 ms) (python -m kernels.tune --fp8-attention, H100)

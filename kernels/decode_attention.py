@@ -44,36 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
-import functools
-import os
-
 from kernels.configs import DEFAULT as DEFAULT_CONFIGS
+from kernels import gqa_decode_cuda, nvrtc
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
+from kernels.splits import (LOG2E, MIN_TOKENS_PER_SPLIT, interpreting, merge_splits,  # noqa: F401 - re-exported
+                            on_tensor_device, partials, plan_splits)
 
-def on_tensor_device(launcher):
-    """Run `launcher` with its first tensor argument's CUDA device current: Triton launches on the current
-    device's stream, so a kernel given cuda:1 tensors while cuda:0 is current would run on the wrong GPU
-    (issue 30). CPU tensors are passed through (the launchers refuse them with a clear message)."""
-    @functools.wraps(launcher)
-    def guarded(*args, **kwargs):
-        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tensor is None or tensor.device.type != "cuda":
-            return launcher(*args, **kwargs)
-        with torch.cuda.device(tensor.device):
-            return launcher(*args, **kwargs)
-    guarded.on_tensor_device = True
-    return guarded
-
-
-def interpreting() -> bool:
-    """Under Triton's CPU interpreter (TRITON_INTERPRET=1): CPU tensors, no inline assembly."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 FP8_ACC_CHUNK = 32               # fp8 MMA products summed in fp32 per this many (Triton's max_num_imprecise_acc)
-MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
 # Launch configurations (tile size, warps, pipeline, tokens-as-M "swap", programs per SM): kernels/configs.py.
 
 
@@ -286,40 +264,6 @@ def _decode_attention_kernel(
     tl.store(PART_LSE + b * stride_lb + heads * stride_lh + split, lse2, mask=g_mask)
 
 
-@triton.jit
-def _decode_attention_merge_kernel(
-    PART_OUT, PART_LSE,      # [B, H, splits, D] fp32, [B, H, splits] fp32 (base 2, split stride 1)
-    OUT, LSE,                # [B, H, D] q.dtype, [B, H] fp32 (natural log)
-    SINKS,                   # [H] fp32 natural-log sink logits (read when HAS_SINKS)
-    num_splits,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False,
-):
-    head = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse_row = PART_LSE + b * stride_lb + head * stride_lh
-    lse_all = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_all, axis=0)
-    if HAS_SINKS:  # the sink: a term of the denominator with no value (base 2, as the splits' lse)
-        sink = tl.load(SINKS + head) * 1.4426950408889634                                   # log2(e)
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)                  # every split empty: weights 0, lse -inf
-    denom = tl.sum(tl.math.exp2(lse_all - m), axis=0)
-    if HAS_SINKS:
-        denom += tl.math.exp2(sink - m)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d
-    for s in range(0, num_splits):
-        weight = tl.math.exp2(tl.load(lse_row + s) - m)
-        acc += weight * tl.load(out_row + s * stride_ps, mask=d_mask, other=0.0)
-    out = tl.where(denom == 0.0, 0.0, acc / denom)           # NaN stays NaN (NaN == 0 is false)
-    tl.store(OUT + b * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
-    tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
-
-
 @on_tensor_device
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -331,7 +275,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      widen: bool | str | None = None,
                      whole_waves: bool | None = None, sinks: torch.Tensor | None = None,
                      softcap: float | None = None,
-                     first_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     first_key: torch.Tensor | None = None, impl: str | None = None, cuda_warps: int | None = None,
+                     ctas: int | None = None, cuda_prefetch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] bf16/fp16; caches: [num_blocks, block_size, Hkv, D] fp8 (e4m3/e5m2) or q.dtype;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (each <= max_blocks * block_size);
     k_scale/v_scale: fp32 [] or [Hkv] (ignored for a bf16/fp16 cache).
@@ -347,7 +292,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     e4m3 cache, widen True or "v" also widens the e4m3 P (exact) so P.V runs on the fp16 tile instead of the fp8 codes.
     whole_waves (session 8): the split count rounded down to whole waves of programs_per_sm programs per SM
     (plan_splits), as the MLA launcher always does. sinks: fp32 [Hq] sink logits (natural log); softcap: the
-    soft-capping value (> 0); first_key: [B] int32, the first token each row attends to (its window's start)."""
+    soft-capping value (> 0); first_key: [B] int32, the first token each row attends to (its window's start).
+    impl (fp8 caches): "cuda" (kernels/gqa_decode_cuda.py: the block-scaled CUDA kernel reading the e4m3 / e5m2 codes
+    with the static scales; a call it cannot serve raises ValueError saying why), "triton", or None: the entry's, the
+    CUDA kernel where it serves the call (no FP8 attention, soft-capping or window; sinks are merged) and builds, else
+    the Triton kernel; cuda_warps, ctas (blocks an SM) and cuda_prefetch (tiles loaded ahead) are the CUDA kernel's."""
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), \
         f"q must be [B, Hq, D] bf16/fp16, got {list(q.shape)} {q.dtype}"
     batch, q_heads, head_dim = q.shape
@@ -402,6 +351,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert first_key is None or (first_key.shape == (batch,) and first_key.dtype == torch.int32
                                  and first_key.device == device), \
         f"first_key must be [{batch}] int32 on {device}, got {first_key!r:.80}"
+    assert impl in (None, *gqa_decode_cuda.IMPLS), f"impl must be one of {gqa_decode_cuda.IMPLS} or None, got {impl!r}"
+    if fp8 and (impl or cfg.get("impl")) == "cuda":
+        element = "e4m3" if e4m3 else "e5m2"
+        why = ("FP8 attention (q_scale / prob_scale) runs in the Triton kernel" if q_quant or prob_scale is not None
+               else "soft-capping and windows run in the Triton kernel" if softcap is not None or first_key is not None
+               else gqa_decode_cuda.cuda_refusal(q, k_cache, None, element, "none", head_dim, v_cache))
+        if why is None:
+            for key, value in (("cuda_warps", cuda_warps), ("ctas", ctas), ("cuda_prefetch", cuda_prefetch)):
+                if value is not None:
+                    cfg[key] = value
+            try:
+                return gqa_decode_cuda.decode(q, k_cache, v_cache, None, None, block_table, seq_lens, k_scale, v_scale,
+                                              sm_scale, num_splits, dict(cfg, layout=(element, "none", head_dim)),
+                                              sinks)
+            except nvrtc.BuildError as e:
+                why = str(e)
+                if impl is None:
+                    gqa_decode_cuda.warn_fallback("decode_attention", why)
+        if impl == "cuda":
+            raise ValueError(f"decode_attention(impl='cuda'): the CUDA kernel does not serve this call: {why}")
 
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, block_n,
                                                cfg["programs_per_sm"], device, num_splits,
@@ -450,47 +419,3 @@ def _check_attention_scales(q_scale, prob_scale, q_heads: int, device: torch.dev
         else:
             assert s is None or (name == "q_scale" and s == "dynamic"), f"{name} must be an fp32 tensor, got {s!r:.80}"
     return 0 if q_scale is None else 1 if isinstance(q_scale, str) else 2
-
-
-def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
-                device: torch.device, num_splits: int | None, whole_waves: bool = False) -> tuple[int, int]:
-    """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
-    for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
-    number of block_n tiles, and splits that no sequence reaches are dropped. whole_waves (MLA): at most
-    programs_per_sm programs per SM (rounded down), so a grid never spills a few programs into a second wave
-    (session 7: 17 splits x 8 sequences = 136 programs on 132 SMs at one resident program per SM)."""
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        slots = programs_per_sm * sms
-        wanted = max(1, slots // programs_per_split) if whole_waves else triton.cdiv(slots, programs_per_split)
-        num_splits = max(1, min(wanted, triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
-    return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
-
-
-def partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernels' fp32 outputs for `out` [B, H, D]: normalised partials [B, H, splits, D] and
-    their base-2 lse [B, H, splits]."""
-    batch, heads, dim = out.shape
-    return (torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=out.device),
-            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=out.device))
-
-
-@on_tensor_device
-def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Combine the splits into `out` (written in place), with each head's sink logit (fp32 [H], natural log) in
-    the denominator where given; returns the natural-log lse [B, H] fp32."""
-    batch, heads, num_splits, dim = part_out.shape
-    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
-                             and sinks.device == out.device), \
-        f"sinks must be a contiguous fp32 [{heads}] tensor on {out.device}, got {sinks!r:.80}"
-    lse = torch.empty(batch, heads, dtype=torch.float32, device=out.device)
-    _decode_attention_merge_kernel[(heads, batch)](
-        part_out, part_lse, out, lse, sinks if sinks is not None else lse, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
-    )
-    return lse

@@ -29,26 +29,23 @@ lookup (prmt) of each magnitude's fp16 high byte plus its sign bit; int4 and int
 values by plain Triton integer ops (the Triton interpreter, which has no inline assembly; on an H200 the faster for
 e2m1, kernels/BENCHMARKS.md session 16).
 
-Every layout runs the CUDA kernel kernels/gqa_decode_block_scaled.cu where its entry says impl="cuda" and
-`cuda_refusal` finds nothing against the call (head sizes 64 / 128, and 256 for NVFP4 and INT4; up to 8 query heads
+Every layout runs the CUDA kernel kernels/gqa_decode_block_scaled.cu (its launcher: kernels/gqa_decode_cuda.py)
+where its entry says impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128, and 256 for NVFP4 and INT4; up to 8 query heads
 per KV head; pages of a multiple of 16 tokens; sm_89 and later; NVRTC present); elsewhere the Triton kernel below
 runs.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import nvrtc
+from kernels import gqa_decode_cuda, nvrtc
 from kernels.configs import launch_config
 from kernels.decode_attention import (LOG2E, _decode_attention_pages, _widen_fp8, interpreting, merge_splits,
                                       on_tensor_device, partials, plan_splits)
+from kernels.gqa_decode_cuda import IMPLS, cuda_refusal, cuda_serves  # noqa: F401 - cuda_serves re-exported
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
 
 ELEMENTS = {"e2m1": 0, "e4m3": 1, "int8": 2, "int4": 3}   # the kernel's ELEMENT
@@ -334,123 +331,6 @@ def _configuration(element: str, head_dim: int, device: torch.device, overrides:
     return cfg
 
 
-# ---------------------------------------------------------------------------------------------------
-# The CUDA kernel (session 25): kernels/gqa_decode_block_scaled.cu, compiled at first use by NVRTC (kernels/nvrtc.py)
-# ---------------------------------------------------------------------------------------------------
-
-CUDA_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_block_scaled.cu")
-CUDA_GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
-CUDA_TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
-IMPLS = ("cuda", "triton")
-
-
-def cuda_serves(element: str, block_scale: str, block: int) -> bool:
-    """Whether the CUDA kernel reads this layout: e4m3 scales per 16 values, e8m0 per 16 or 32, or fp32 per
-    token-head, over any element (every layout of kernels/reference.py's "Block-scaled caches")."""
-    return element in ELEMENTS and (block_scale == "fp32" or (block_scale, block) in (("e4m3", 16), ("e8m0", 16),
-                                                                                     ("e8m0", 32)))
-
-
-def cuda_head_dims(element: str, block_scale: str) -> tuple[int, ...]:
-    """The head sizes it is built for: 256 only for 4-bit elements under e4m3 or fp32 scales (the rest spill)."""
-    return (64, 128, 256) if ELEMENT_BITS[element] == 4 and block_scale != "e8m0" else (64, 128)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.Tensor, element: str,
-                 block_scale: str, block: int, v_codes: torch.Tensor | None = None,
-                 v_block_scales: torch.Tensor | None = None) -> str | None:
-    """Why the CUDA kernel cannot run this call (None when it can). V's tensors share K's strides (the launcher
-    asserts it); their bases are checked beside K's where given."""
-    if not cuda_serves(element, block_scale, block):
-        return f"it reads e4m3 scales per 16, e8m0 per 16 or 32 and fp32 per token-head, got {block_scale} / {block}"
-    head_dim, group = q.shape[2], q.shape[1] // k_codes.shape[2]
-    head_dims = cuda_head_dims(element, block_scale)
-    if head_dim not in head_dims:
-        return f"it is built for head sizes {head_dims}, got {head_dim}"
-    if group > CUDA_GROUP_MAX:
-        return f"it takes up to {CUDA_GROUP_MAX} query heads per KV head, got {group}"
-    if k_codes.shape[1] % CUDA_TILE:
-        return f"its tiles of {CUDA_TILE} tokens must lie in one page: page size {k_codes.shape[1]}"
-    # runs of codes: a quarter of a head (K); of scales: a quarter's e4m3 bytes, a whole e8m0 row, one fp32
-    codes_align = min(16, head_dim * ELEMENT_BITS[element] // 32)
-    scales_align = (4 if block_scale == "fp32" else max(1, head_dim // 64) if block_scale == "e4m3"
-                    else min(16, head_dim // block))   # fp32 per token-head: block is 0 (no blocks)
-    bases = [t.data_ptr() for t in (k_codes, v_codes) if t is not None]
-    if any(p % codes_align for p in bases) or any(s % codes_align for s in k_codes.stride()[:3]):
-        return f"it loads {codes_align}-byte runs of codes: the codes' base and strides must be multiples of that"
-    bases = [t.data_ptr() for t in (k_block_scales, v_block_scales) if t is not None]
-    strides = [s * k_block_scales.element_size() for s in k_block_scales.stride()[:3]]
-    if any(p % scales_align for p in bases) or any(s % scales_align for s in strides):
-        return f"it loads {scales_align}-byte runs of scales: the scales' base and strides must be multiples of that"
-    if q.device.type != "cuda":
-        return f"it runs on CUDA tensors, got {q.device.type} ones"
-    reason = nvrtc.unavailable()
-    if reason:
-        return reason
-    if _capability(q.device.index) < (8, 9):
-        return "it needs sm_89 or later (cvt from e4m3 pairs)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_cuda_fallback(reason: str) -> None:
-    warnings.warn(f"decode_attention_block_scaled: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build "
-                  f"here, so the Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
-
-
-def _two_ahead_fits(element: str, block_scale: str, block: int, head_dim: int, ctas: int) -> bool:
-    """Whether two tiles loaded ahead fit the registers without a spill (ptxas 12 for sm_90, every layout compiled):
-    at 2 blocks an SM (255 registers) for heads up to 128; at 3 (168), 4-bit elements only, and not under e8m0
-    scales per 16 at head 128 (32-48 bytes spilled). 8-bit elements spill 236-280 bytes at 3."""
-    if head_dim > 128:
-        return False
-    if ctas <= 2:
-        return True
-    return ELEMENT_BITS[element] == 4 and not (block_scale == "e8m0" and block == 16 and head_dim == 128)
-
-
-def _cuda_kernel(defines: tuple, index: int):
-    return nvrtc.build(CUDA_SOURCE, "gqa_block_scaled_decode", defines, index)
-
-
-def _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens, k_scale, v_scale,
-                 sm_scale, num_splits, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA kernel's (out, lse); nvrtc.BuildError where it does not build here."""
-    batch, q_heads, head_dim = q.shape
-    kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
-    warps = cfg.get("cuda_warps", 4)
-    element, block_scale, block = cfg["layout"]
-    # head size 256 holds 245 registers a thread with one tile ahead: 2 blocks an SM
-    ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)
-    prefetch = cfg.get("cuda_prefetch", 1) if _two_ahead_fits(element, block_scale, block, head_dim, ctas) else 1
-    scale_bytes = k_block_scales.element_size()   # the scales' strides go to the kernel in bytes
-    defines = (("ELEMENT", ELEMENTS[element]), ("SCALE", SCALES[block_scale]), ("BLOCK", block),
-               ("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1)),
-               ("SS", k_block_scales.stride(1) * scale_bytes), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
-               ("Q_BF16", int(q.dtype == torch.bfloat16)))
-    kernel = _cuda_kernel(defines, q.device.index)
-    # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
-    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, CUDA_TILE * warps,
-                                               ctas, q.device, num_splits, whole_waves=True)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    part_out, part_lse = partials(out, num_splits)
-    static = k_scale is not None
-    kernel((kv_heads, batch, num_splits), (32 * warps, 1, 1), 0,
-           [q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
-            k_scale if static else seq_lens, v_scale if static else seq_lens, part_out, part_lse, sm_scale * LOG2E,
-            tokens_per_split, q_heads // kv_heads, int(static and k_scale.dim() == 1),
-            int(static and v_scale.dim() == 1), int(static), q.stride(0), q.stride(1), k_codes.stride(0),
-            k_codes.stride(2), k_block_scales.stride(0) * scale_bytes, k_block_scales.stride(2) * scale_bytes,
-            block_table.stride(0),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
-    return out, merge_splits(part_out, part_lse, out)
-
-
 @on_tensor_device
 def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
                                   k_block_scales: torch.Tensor, v_block_scales: torch.Tensor,
@@ -509,13 +389,13 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
         why = cuda_refusal(q, k_codes, k_block_scales, element, block_scale, block, v_codes, v_block_scales)
         if why is None:
             try:
-                return _decode_cuda(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens,
-                                    k_scale, v_scale, sm_scale, num_splits,
-                                    dict(cfg, layout=(element, block_scale, block)))
+                return gqa_decode_cuda.decode(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table,
+                                              seq_lens, k_scale, v_scale, sm_scale, num_splits,
+                                              dict(cfg, layout=(element, block_scale, block)))
             except nvrtc.BuildError as e:
                 why = str(e)
                 if impl is None:
-                    _warn_cuda_fallback(why)
+                    gqa_decode_cuda.warn_fallback("decode_attention_block_scaled", why)
         if impl == "cuda":
             raise ValueError(f"decode_attention_block_scaled(impl='cuda'): the CUDA kernel does not serve this call: "
                              f"{why}")

@@ -3,7 +3,9 @@
 // layout of kernels/reference.py's "Block-scaled caches":
 //   ELEMENT 0 e2m1 (two a byte, the even index in the low nibble), 1 e4m3, 2 int8, 3 int4 (two's-complement nibbles);
 //   SCALE 0 e4m3 per 16 values (NVFP4), 1 e8m0 per BLOCK (16 or 32) values (MX), 2 fp32 per token and KV head
-// (the numbering of the Triton kernel's ELEMENT and BLOCK_SCALE, kernels/decode_attention_block_scaled.py).
+// (the numbering of the Triton kernel's ELEMENT and BLOCK_SCALE, kernels/decode_attention_block_scaled.py); and the
+// plain FP8 caches of kernels/decode_attention.py: ELEMENT 1 or 4 (e5m2) under SCALE 3 (no block scales: only the
+// static per-tensor or per-KV-head scale every layout takes).
 // Defines: ELEMENT, SCALE, BLOCK, HEAD_DIM (64, 128 or 256), PAGE (a multiple of 16), CS and SS (bytes from one
 // slot's codes and scales to the next's), NW warps, CTAS blocks per SM (launch bounds), PREFETCH tiles loaded ahead
 // (1 or 2), Q_BF16. Up to 8 query heads per KV head.
@@ -42,8 +44,11 @@
 //   multiplying by 1 is exact, so this skips work without changing a bit.
 // - The next tiles' codes and scales are loaded into registers while this one is computed (PREFETCH buffers taken in
 //   turn); at the end the warps of a block merge their (m, l, acc) through shared memory and write one partial per
-//   split.
+//   split, or, where the launch has one split and no sinks (`direct`), the output and lse themselves: no merge launch.
 
+#if ELEMENT == 4
+#define FMT_E5M2 1   // widen2 / widen2_hi convert e5m2 pairs
+#endif
 #include "mla_fp8_common.cuh"
 
 #define D HEAD_DIM
@@ -57,6 +62,7 @@
 #endif
 
 constexpr int BITS = (ELEMENT == 0 || ELEMENT == 3) ? 4 : 8;
+constexpr bool FP8 = ELEMENT == 1 || ELEMENT == 4;   // e4m3 or e5m2 codes: one cvt a pair
 constexpr int EPW = 32 / BITS;              // elements a 32-bit code word holds
 constexpr int HPW = EPW / 2;                // f16x2 pairs a K word widens to
 constexpr int KW = D * BITS / 32 / 4;       // K code words a lane reads per token (a quarter: D / 4 elements)
@@ -68,7 +74,8 @@ constexpr int SR = D / BLOCK;               // SCALE 2: bytes of a token's scale
 constexpr int SRW = (SR + 3) / 4;
 constexpr float WIDEN_SCALE = (ELEMENT == 0 && SCALE == 0) ? 64.f : 1.f;   // e2m1 widened x 2^-6, NVFP4's fold
 constexpr int E8M0_OFFSET = ELEMENT == 0 ? 6 : 0;                          // ... and e8m0's, in the multiplier
-static_assert(ELEMENT >= 0 && ELEMENT <= 3 && SCALE >= 0 && SCALE <= 2, "unknown ELEMENT or SCALE");
+static_assert(ELEMENT >= 0 && ELEMENT <= 4 && SCALE >= 0 && SCALE <= 3, "unknown ELEMENT or SCALE");
+static_assert(ELEMENT != 4 || SCALE == 3, "e5m2 codes come from the plain FP8 caches only");
 static_assert(SCALE != 0 || BLOCK == 16, "e4m3 block scales are per 16 values");
 static_assert(KW >= 1 && VW >= 1, "head size too small for this element");
 
@@ -121,7 +128,7 @@ __device__ __forceinline__ void widen_word(u32 c, u32* h) {
     h[0] = widen2(lo); h[1] = widen2_hi(lo); h[2] = widen2(hi); h[3] = widen2_hi(hi);
   } else if constexpr (ELEMENT == 3) {
     h[0] = int4_pair(c); h[1] = int4_pair(c >> 4); h[2] = int4_pair(c >> 8); h[3] = int4_pair(c >> 12);
-  } else if constexpr (ELEMENT == 1) {
+  } else if constexpr (FP8) {
     h[0] = widen2(c); h[1] = widen2_hi(c);
   } else {
     h[0] = int8_pair<false>(c); h[1] = int8_pair<true>(c);
@@ -149,7 +156,7 @@ __device__ __forceinline__ void widen_pair(u32 a, u32 b, u32* h) {
     h[4] = int4_pair(r1); h[5] = int4_pair(r1 >> 4); h[6] = int4_pair(r1 >> 8); h[7] = int4_pair(r1 >> 12);
   } else {
     const u32 r0 = prmt(a, b, 0x5140), r1 = prmt(a, b, 0x7362);
-    if constexpr (ELEMENT == 1) {
+    if constexpr (FP8) {
       h[0] = widen2(r0); h[1] = widen2_hi(r0); h[2] = widen2(r1); h[3] = widen2_hi(r1);
     } else {
       h[0] = int8_pair<false>(r0); h[1] = int8_pair<true>(r0); h[2] = int8_pair<false>(r1);
@@ -257,7 +264,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     const int* __restrict__ seq_lens, const float* __restrict__ k_static, const float* __restrict__ v_static,
     float* __restrict__ part_out, float* __restrict__ part_lse, double sm_scale_log2, int tokens_per_split,
     int group, int k_static_stride, int v_static_stride, int has_static, int s_qb, int s_qh, int s_cb, int s_ch,
-    int s_sb, int s_sh, int s_tb, int s_ob, int s_oh, int s_os, int s_eb, int s_eh) {
+    int s_sb, int s_sh, int s_tb, int s_ob, int s_oh, int s_os, int s_eb, int s_eh, u16* __restrict__ out_ptr,
+    float* __restrict__ lse_ptr, int direct, int s_xb, int s_xh, int s_lb) {
   __shared__ float sm_m[NW][GROUP_MAX], sm_l[NW][GROUP_MAX];
   __shared__ float sm_acc[NW][GROUP_MAX][D];
 
@@ -380,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
 #if SCALE == 1
 #pragma unroll
           for (int w = 0; w < SRW; ++w) cur.vs[i].w[w] = 0u;
-#else
+#elif SCALE != 3
           cur.vs[i] = 0;
 #endif
         }
@@ -443,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
         const u32 mul = pow2_f16(row_byte(cur.vs[2 * pr], blk), vtop[2 * pr]) |
                         (pow2_f16(row_byte(cur.vs[2 * pr + 1], blk), vtop[2 * pr + 1]) << 16);
 #endif
-#if SCALE != 2
+#if SCALE < 2
 #pragma unroll
         for (int jj = 0; jj < EPW; ++jj) h[pr][jj] = hmul2(h[pr][jj], mul);
 #endif
@@ -520,7 +528,19 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     }
     const int head = kv_head * group + h;
     const bool empty = ll == 0.f;
-    part_out[b * s_ob + (i64)head * s_oh + (i64)split * s_os + dim] = empty ? 0.f : o * (out_scale / ll);
-    if (dim == 0) part_lse[b * s_eb + (i64)head * s_eh + split] = empty ? NEG_INF : mm + log2f(ll);
+    const float value = empty ? 0.f : o * (out_scale / ll), lse2 = empty ? NEG_INF : mm + log2f(ll);
+    if (direct) {   // one split: the output and natural-log lse as the merge would write them (x 1 and + 0, exact)
+      u16 bits;
+#if Q_BF16
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+#else
+      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+#endif
+      out_ptr[b * s_xb + (i64)head * s_xh + dim] = bits;
+      if (dim == 0) lse_ptr[b * s_lb + head] = lse2 * 0.6931471805599453f;   // ln 2, the merge's constant
+    } else {
+      part_out[b * s_ob + (i64)head * s_oh + (i64)split * s_os + dim] = value;
+      if (dim == 0) part_lse[b * s_eb + (i64)head * s_eh + split] = lse2;
+    }
   }
 }

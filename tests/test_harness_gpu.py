@@ -113,10 +113,10 @@ def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
     """Every block-scaled format at heads of 64 decodes through the CUDA kernel (kernels/gqa_decode_block_scaled.cu;
     counted, so a refusal that quietly ran the Triton kernel fails) and passes the engine's own check of it against
     fp64."""
-    import kernels.decode_attention_block_scaled as block_scaled
+    from kernels import gqa_decode_cuda
     calls = []
-    real = block_scaled._decode_cuda
-    monkeypatch.setattr(block_scaled, "_decode_cuda", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gqa_decode_cuda.decode
+    monkeypatch.setattr(gqa_decode_cuda, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     backend = InProcessModel.load(head64_model, device="cuda").backend(parse_path(spec))
     generation = backend.generate_sync(CHAT, 16)
     assert calls, f"the {spec} decode did not run the CUDA kernel"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,28 @@ def test_cuda_kernel_checks_every_layout_before_the_device(fmt):
     u8 = codes.view(torch.uint8)
     shifted = torch.as_strided(u8, (u8.shape[0] - 1, *u8.shape[1:]), u8.stride(), storage_offset=1)
     assert "byte runs of codes" in refuse(shifted.view(codes.dtype), blocks)
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(), "runs on CUDA tensors, got cpu ones"), (dict(softcap=20.0), "soft-capping"),
+    (dict(q_scale="dynamic"), "FP8 attention"), (dict(heads=16), "up to 8 query heads"),
+    (dict(page=8), "must lie in one page"), (dict(dim=256), "head sizes (64, 128)")])
+def test_plain_fp8_cache_asks_the_cuda_kernel_and_hears_why(monkeypatch, kwargs, why):
+    """decode_attention over an e4m3 / e5m2 cache asks the CUDA kernel (kernels/gqa_decode_cuda.py, block scale
+    "none") before the Triton kernel; impl="cuda" where it cannot serve raises the reason, shape before device."""
+    from kernels.decode_attention import decode_attention
+    from kernels.gqa_decode_cuda import cuda_serves
+
+    assert cuda_serves("e4m3", "none", 128) and cuda_serves("e5m2", "none", 128)
+    assert not cuda_serves("e5m2", "e8m0", 32) and not cuda_serves("int8", "none", 128)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    heads, page, dim = kwargs.pop("heads", 4), kwargs.pop("page", 16), kwargs.pop("dim", 128)
+    cache = torch.zeros(4, page, 1, dim, dtype=torch.float8_e5m2)
+    q = torch.zeros(1, heads, dim, dtype=torch.bfloat16)
+    table, seq = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    scale = torch.tensor(1.0)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        decode_attention(q, cache, cache, table, seq, scale, scale, 0.1, impl="cuda", **kwargs)
 
 
 def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):

@@ -201,14 +201,13 @@ def test_cuda_kernel_repeats_and_replays_in_a_cuda_graph(kern):
 def test_cuda_kernel_that_does_not_build_falls_back_to_the_triton_kernel(kern, monkeypatch):
     """NVRTC refusing the kernel: the entry's impl="cuda" warns once and runs the Triton kernel (the same bound);
     an explicit impl="cuda" raises with the reason."""
-    import kernels.decode_attention_block_scaled as M
-    from kernels import nvrtc
+    from kernels import gqa_decode_cuda, nvrtc
 
     def refuse(*args, **kwargs):
         raise RuntimeError("NVRTC could not compile gqa_block_scaled_decode (test)")
 
     monkeypatch.setattr(nvrtc, "BUILD_FAILURES", {})
-    M._warn_cuda_fallback.cache_clear()   # it warns once per reason and process
+    gqa_decode_cuda.warn_fallback.cache_clear()   # it warns once per launcher, reason and process
     monkeypatch.setattr(nvrtc, "compile_kernel", refuse)
     (layout, table, seq_lens, caches, scales, q), call = _cuda_call(kern, [300, 17, 1])
     with pytest.warns(RuntimeWarning, match="did not build here"):

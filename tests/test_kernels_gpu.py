@@ -132,13 +132,13 @@ def _gqa_truth_and_torch(case):
     return torch.stack(outs), torch.stack(lses), torch.stack(torch_outs)
 
 
-def _run_gqa(kern, case, num_splits=None):
+def _run_gqa(kern, case, num_splits=None, impl=None):
     return kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
-                                 case.k_scale, case.v_scale, case.sm_scale, num_splits=num_splits)
+                                 case.k_scale, case.v_scale, case.sm_scale, num_splits=num_splits, impl=impl)
 
 
-def _check_gqa(kern, case, k_tol, what, num_splits=None):
-    out, lse = _run_gqa(kern, case, num_splits)
+def _check_gqa(kern, case, k_tol, what, num_splits=None, impl=None):
+    out, lse = _run_gqa(kern, case, num_splits, impl)
     truth, truth_lse, torch_out = _gqa_truth_and_torch(case)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape and lse.shape == case.q.shape[:2]
     _assert_error_ratio(out, truth, torch_out, k_tol, what)
@@ -151,14 +151,50 @@ def _check_gqa(kern, case, k_tol, what, num_splits=None):
 
 # ------------------------------------------------------------------------------------------ decode attention
 
+# the kernels over an fp8 cache: the entry's (None), the Triton kernel, the CUDA kernel (kernels/gqa_decode_cuda.py)
+IMPLS = [None, "triton", "cuda"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt, k_tol", ATTENTION_FORMATS)
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(8, 8, 128), (32, 8, 128), (16, 2, 128), (32, 8, 64)])
-def test_decode_attention_matches_fp64(kern, fmt, k_tol, per_head, q_heads, kv_heads, head_dim):
-    if fmt == "bf16" and per_head:
-        pytest.skip("a bf16 cache has no scales")
+def test_decode_attention_matches_fp64(kern, fmt, k_tol, per_head, q_heads, kv_heads, head_dim, impl):
+    if fmt == "bf16" and (per_head or impl):
+        pytest.skip("a bf16 cache has no scales and one kernel")
     case = _gqa_case(MIXED_LENGTHS, 16, q_heads, kv_heads, head_dim, fmt, per_head)
-    _check_gqa(kern, case, k_tol, f"decode {fmt} {q_heads}/{kv_heads}x{head_dim}")
+    _check_gqa(kern, case, k_tol, f"decode {fmt} {q_heads}/{kv_heads}x{head_dim} impl={impl}", impl=impl)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 300, 4099], [8192] * 3], ids=["mixed", "8k"])
+def test_decode_attention_cuda_kernel_with_sinks(kern, fmt, num_splits, lengths):
+    """The CUDA kernel over a plain fp8 cache, sinks merged with its splits: the bound of the Triton kernel's test
+    (2x torch's bf16 error on the same values), lse against fp64."""
+    case = _gqa_case(lengths, 16, 32, 8, 128, fmt, per_head=True)
+    sinks = torch.randn(32, device="cuda") * 2
+    out, lse = kern.decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                                     case.k_scale, case.v_scale, case.sm_scale, num_splits=num_splits, sinks=sinks,
+                                     impl="cuda")
+    truth, truth_lse, torch_out = _beyond_sdpa_truth_and_torch(case, sinks, None, None)
+    what = f"cuda decode {fmt} sinks splits={num_splits}"
+    _assert_error_ratio(out, truth, torch_out, 2.0, what)
+    assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
+
+
+def test_decode_attention_cuda_kernel_says_what_it_does_not_serve(kern):
+    """impl="cuda" over what it does not compute raises the reason; the entry's choice runs the Triton kernel."""
+    case = _gqa_case([40], 16, 32, 8, 128, "e4m3", per_head=False)
+    args = (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, case.k_scale, case.v_scale,
+            case.sm_scale)
+    for kwargs, why in ((dict(softcap=20.0), "soft-capping"), (dict(q_scale="dynamic"), "FP8 attention")):
+        with pytest.raises(ValueError, match=why):
+            kern.decode_attention(*args, impl="cuda", **kwargs)
+    wide = _gqa_case([40], 16, 32, 2, 128, "e4m3", per_head=False)   # 16 query heads a KV head
+    with pytest.raises(ValueError, match="up to 8 query heads"):
+        _run_gqa(kern, wide, impl="cuda")
+    _check_gqa(kern, wide, 2.0, "16 query heads a KV head, the entry's kernel")
 
 
 def _beyond_sdpa_truth_and_torch(case, sinks, softcap, first_key):
@@ -228,11 +264,12 @@ def test_decode_attention_page_sizes(kern, page_size):
     _check_gqa(kern, case, 2.0, f"decode page_size={page_size}")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("length", [1, 17, 1000, 4099])
 @pytest.mark.parametrize("num_splits", [None, 1, 5, 64])
-def test_decode_attention_lengths_and_splits(kern, length, num_splits):
+def test_decode_attention_lengths_and_splits(kern, length, num_splits, impl):
     case = _gqa_case([length], 16, 32, 8, 128, "e5m2", per_head=False)
-    _check_gqa(kern, case, 2.0, f"decode length={length} splits={num_splits}", num_splits)
+    _check_gqa(kern, case, 2.0, f"decode length={length} splits={num_splits} impl={impl}", num_splits, impl)
 
 
 @pytest.mark.parametrize("config", [
@@ -329,8 +366,9 @@ def test_decode_attention_bf16_cache_ignores_scales(kern, scale):
     assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("saturate", [True, False])
-def test_decode_attention_nan_and_overflow(kern, saturate):
+def test_decode_attention_nan_and_overflow(kern, saturate, impl):
     """An overflowing K value stored without saturation (e4m3 -> NaN code) must surface as NaN in exactly
     the heads that read it, as in the reference; saturated, everything stays finite."""
     lengths, page_size, kv_heads, head_dim = [17, 40], 16, 2, 64
@@ -344,7 +382,7 @@ def test_decode_attention_nan_and_overflow(kern, saturate):
     kern.store_kv(k.cuda(), v.cuda(), *caches, slots.cuda(), scale, scale, saturate=saturate)
     q = torch.randn(2, 8, head_dim, dtype=torch.bfloat16, device="cuda")
     args = (q, *caches, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), scale, scale, 0.125)
-    out, lse = kern.decode_attention(*args)
+    out, lse = kern.decode_attention(*args, impl=impl)
     ref_out, ref_lse = ref.decode_attention(*args)
     # kernel against its torch mirror on the same codes, both accumulating in fp32 and rounding the output to bf16
     # once: they differ by the fp32 sum order, about one bf16 ulp of the output. |out| <= max |v|, ~4 for these

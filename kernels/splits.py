@@ -1,0 +1,113 @@
+"""The launch plumbing every decode kernel shares (Triton and CUDA): the device guard, the split-KV plan, the
+partials' buffers and the merge of the splits (with attention sinks). Split out of kernels/decode_attention.py so the
+CUDA launchers (kernels/gqa_decode_cuda.py) and the Triton launchers import it without importing each other."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
+MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
+
+
+def on_tensor_device(launcher):
+    """Run `launcher` with its first tensor argument's CUDA device current: Triton launches on the current
+    device's stream, so a kernel given cuda:1 tensors while cuda:0 is current would run on the wrong GPU
+    (issue 30). CPU tensors are passed through (the launchers refuse them with a clear message)."""
+    @functools.wraps(launcher)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+    guarded.on_tensor_device = True
+    return guarded
+
+
+def interpreting() -> bool:
+    """Under Triton's CPU interpreter (TRITON_INTERPRET=1): CPU tensors, no inline assembly."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    PART_OUT, PART_LSE,      # [B, H, splits, D] fp32, [B, H, splits] fp32 (base 2, split stride 1)
+    OUT, LSE,                # [B, H, D] q.dtype, [B, H] fp32 (natural log)
+    SINKS,                   # [H] fp32 natural-log sink logits (read when HAS_SINKS)
+    num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+):
+    head = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_row = PART_LSE + b * stride_lb + head * stride_lh
+    lse_all = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, axis=0)
+    if HAS_SINKS:  # the sink: a term of the denominator with no value (base 2, as the splits' lse)
+        sink = tl.load(SINKS + head) * 1.4426950408889634                                   # log2(e)
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)                  # every split empty: weights 0, lse -inf
+    denom = tl.sum(tl.math.exp2(lse_all - m), axis=0)
+    if HAS_SINKS:
+        denom += tl.math.exp2(sink - m)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d
+    for s in range(0, num_splits):
+        weight = tl.math.exp2(tl.load(lse_row + s) - m)
+        acc += weight * tl.load(out_row + s * stride_ps, mask=d_mask, other=0.0)
+    out = tl.where(denom == 0.0, 0.0, acc / denom)           # NaN stays NaN (NaN == 0 is false)
+    tl.store(OUT + b * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
+
+
+def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
+                device: torch.device, num_splits: int | None, whole_waves: bool = False) -> tuple[int, int]:
+    """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
+    for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
+    number of block_n tiles, and splits that no sequence reaches are dropped. whole_waves (MLA): at most
+    programs_per_sm programs per SM (rounded down), so a grid never spills a few programs into a second wave
+    (session 7: 17 splits x 8 sequences = 136 programs on 132 SMs at one resident program per SM)."""
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        slots = programs_per_sm * sms
+        wanted = max(1, slots // programs_per_split) if whole_waves else triton.cdiv(slots, programs_per_split)
+        num_splits = max(1, min(wanted, triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
+    return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
+
+
+def partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' fp32 outputs for `out` [B, H, D]: normalised partials [B, H, splits, D] and
+    their base-2 lse [B, H, splits]."""
+    batch, heads, dim = out.shape
+    return (torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=out.device),
+            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=out.device))
+
+
+@on_tensor_device
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine the splits into `out` (written in place), with each head's sink logit (fp32 [H], natural log) in
+    the denominator where given; returns the natural-log lse [B, H] fp32."""
+    batch, heads, num_splits, dim = part_out.shape
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
+                             and sinks.device == out.device), \
+        f"sinks must be a contiguous fp32 [{heads}] tensor on {out.device}, got {sinks!r:.80}"
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=out.device)
+    _decode_attention_merge_kernel[(heads, batch)](
+        part_out, part_lse, out, lse, sinks if sinks is not None else lse, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
+    )
+    return lse
