@@ -242,6 +242,15 @@ def median_step(stamps: list[float], skip: int = 3) -> float | None:
     return gaps[len(gaps) // 2] if len(gaps) >= 4 else None
 
 
+def difference_step(step: float, steady: float | None) -> float | None:
+    """The step from two calls' difference, (t(new) - t(SHORT)) / (new - SHORT), or None where it is noise: not
+    positive, or more than 2x off the median step of the timed call. At long prompts the prefill's spread between
+    two calls exceeds the decode steps' time (session 26, 8k: 13,220 and -28,769 decode tok/s)."""
+    if step <= 0 or (steady and not 0.5 <= step / steady <= 2.0):
+        return None
+    return step
+
+
 def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: int, paths: list[str],
                bandwidth: float, baseline: bool, log, profile: bool = False, phases: bool = False) -> list[dict]:
     model, config = loaded.model, loaded.model.config
@@ -309,14 +318,14 @@ def run_config(name: str, loaded: InProcessModel, batch: int, length: int, new: 
         if phases:  # a third call, phases synchronised (its total is a little above the timed call's)
             with phase_clock() as spent:
                 spent["whole"], _, _ = timed(lambda: engine.generate(ps, new))
-        step = (tn - t_short) / (new - SHORT)
         steady = median_step(stamps)
+        step = difference_step((tn - t_short) / (new - SHORT), steady)
         kv = kv_bytes_per_token(config) / (2 if backend.kv_path.is_fp8 else 1)
         if spec == "bf16":
             bf16_time = tn
-        rows.append({"config": name, "path": spec, "tok_s": produced / tn, "s": tn, "step_ms": step * 1e3,
-                     "decode_tok_s": batch / step,
-                     "roof": roof_ms(kv) / (step * 1e3), "peak": peak,
+        rows.append({"config": name, "path": spec, "tok_s": produced / tn, "s": tn,
+                     "step_ms": step * 1e3 if step else None, "decode_tok_s": batch / step if step else None,
+                     "roof": roof_ms(kv) / (step * 1e3) if step else None, "peak": peak,
                      "x_bf16": tn / bf16_time if bf16_time else None,
                      "kernel": kernel_label(backend), "batches": engine.batch_sizes_used[-1:],
                      "live_before": live_before, "launches_per_step": launches,
@@ -847,8 +856,12 @@ def main() -> None:
         x = f"{r['x_bf16']:.2f}" if r.get("x_bf16") else ""
         median = (f"{r['median_step_ms']:.2f} | {r['median_decode_tok_s']:.0f}" if r.get("median_step_ms")
                   else " | ")
-        print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {r['decode_tok_s']:.0f} | {r['s']:.2f} | {r['step_ms']:.1f} | "
-              f"{median} | {r['roof']:.2f} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
+        noise = "noise (prefill spread)"   # difference_step found the two calls' difference unusable
+        decode = f"{r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else noise
+        step_ms = f"{r['step_ms']:.1f}" if r.get("step_ms") else noise
+        roof = f"{r['roof']:.2f}" if r.get("roof") else ""
+        print(f"| {r['config']} | {r['path']} | {r['tok_s']:.0f} | {decode} | {r['s']:.2f} | {step_ms} | "
+              f"{median} | {roof} | {r['peak']:.1f} | {r.get('live_before', float('nan')):.1f} | "
               f"{r.get('launches_per_step') or ''} | {x} | {r.get('kernel', '')} | {r.get('decode_mode', 'generate')} |")
     timed_phases = [r for r in rows if r.get("phases")]
     if timed_phases:

@@ -110,6 +110,17 @@ def test_scale_bench_canary_snippet_is_valid_python():
     compile(scale_bench.CANARY_SNIPPET, "benchmarks/scale_bench.py:CANARY_SNIPPET", "exec")
 
 
+def test_scale_bench_drops_a_decode_step_that_is_prefill_noise():
+    """The difference of two calls' times is the decode measure only where it is positive and within 2x of the
+    timed call's median step; session 26's 8k rows read -28,769 tok/s from it."""
+    from benchmarks import scale_bench
+
+    assert scale_bench.difference_step(0.0105, 0.0104) == 0.0105
+    assert scale_bench.difference_step(0.0105, None) == 0.0105      # too few steps for a median: kept
+    assert scale_bench.difference_step(-0.0006, 0.0103) is None
+    assert scale_bench.difference_step(0.0012, 0.0105) is None       # 13,220 tok/s at batch 16: 8.7x the median's
+
+
 def test_scale_bench_refuses_an_unknown_config_before_any_work(monkeypatch, capsys):
     """A misspelt `--configs` name (`mla8k`) would run nothing for it and print a table without its rows: refused as
     input (exit 2), before CUDA or a model, naming the known configurations (mla-8k among them)."""
