@@ -30,9 +30,9 @@ values by plain Triton integer ops (the Triton interpreter, which has no inline 
 e2m1, kernels/BENCHMARKS.md session 16).
 
 Every layout runs the CUDA kernel kernels/gqa_decode_block_scaled.cu (its launcher: kernels/gqa_decode_cuda.py)
-where its entry says impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128, and 256 for NVFP4 and INT4; up to 8 query heads
-per KV head; pages of a multiple of 16 tokens; sm_89 and later; NVRTC present); elsewhere the Triton kernel below
-runs.
+where its entry says impl="cuda" and `cuda_refusal` finds nothing against the call (head sizes 64 / 128, and 256 for
+NVFP4 and INT4; up to 16 query heads per KV head, above 8 at head sizes 64 / 128; pages of a multiple of 16 tokens;
+sm_89 and later; NVRTC present); elsewhere the Triton kernel below runs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 // static per-tensor or per-KV-head scale every layout takes).
 // Defines: ELEMENT, SCALE, BLOCK, HEAD_DIM (64, 128 or 256), PAGE (a multiple of 16), CS and SS (bytes from one
 // slot's codes and scales to the next's), NW warps, CTAS blocks per SM (launch bounds), PREFETCH tiles loaded ahead
-// (1 or 2), Q_BF16. Up to 8 query heads per KV head.
+// (1 or 2), Q_BF16, G16 (1: 9-16 query heads per KV head, else up to 8).
 //
 // Same definition and partial layout as the Triton kernel (kernels/decode_attention_block_scaled.py): q rounded to
 // fp16, the tiles' values in fp16, scores and accumulation in fp32, online softmax in base 2 with P rounded to fp16
@@ -20,12 +20,14 @@
 // its tiles widened in the load layout and moved into the MMA operand layouts by register shuffles. Here every value
 // is widened in registers straight into the mma.sync.m16n8k16 (f16 in, f32 accumulate) fragment that uses it, the
 // query stays in registers, and each warp walks its own 16-token tiles (no barrier in the loop):
-// - Q . K^T: A = Q (16 rows, one per query head; rows past the group are zeros), B = K^T (n = 8 tokens). A lane
+// - Q . K^T: A = Q (16 rows, one per query head; rows past the group are zeros), B = K^T (n = 8 tokens). Rows
+//   g + 8 (heads 8-15) only where G16; each lane then keeps a second softmax row and a second accumulator. A lane
 //   (g = lane / 4, q = lane % 4) reads one run of codes of tokens g and g + 8 (a quarter of their head): the MMA sums
 //   over k in any order, so the f16x2 pairs the widening yields are the k pairs of the B fragment as they come, and
 //   Q's fragment is gathered in the same order once, before the loop (`pair_elements`).
 // - P . V: the output transposed, A = V^T (m = 16 head dims, k = 16 tokens), B = P^T (k = 16 tokens, n = 8 query
-//   heads): B is exactly the Q . K^T accumulator of the same lane (rows g), so P never crosses lanes. A lane reads one
+//   heads): B is exactly the Q . K^T accumulator of the same lane (rows g; G16: rows g + 8 in a second MMA into a
+//   second accumulator, the same A), so P never crosses lanes. A lane reads one
 //   run of codes of each of 4 tokens (an eighth of their head) and interleaves two tokens' code bytes with a byte
 //   permute (prmt) before widening, so each pair holds one head dim of two tokens; the head dims land in an order the
 //   output store puts back (`v_dim`).
@@ -53,7 +55,10 @@
 
 #define D HEAD_DIM
 #define NT (NW * 32)
-#define GROUP_MAX 8
+#ifndef G16
+#define G16 0   // 1: 9-16 query heads a KV head (rows g + 8 of Q . K^T, a second P . V into acc_hi)
+#endif
+#define GROUP_MAX (G16 ? 16 : 8)
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
@@ -278,7 +283,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
   const float vs_static = has_static ? v_static[kv_head * v_static_stride] : 1.f;
   const float qk_scale = (float)sm_scale_log2 * WIDEN_SCALE * ks_static;
 
-  u32 qa[MTILES][2];   // Q's A fragments: rows g (rows g + 8 and rows past the group are zeros)
+  u32 qa[MTILES][2];   // Q's A fragments: rows g (rows g + 8, and rows past the group, are zeros unless G16)
+#if G16
+  u32 qh[MTILES][2];   // rows g + 8: heads 8-15
+#endif
   {
     const u16* qrow = q_ptr + b * s_qb + (i64)(kv_head * group + g) * s_qh + q * (D / 4);
 #pragma unroll
@@ -288,14 +296,30 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
       u32 pair = 0;
       if (g < group) pair = half2_of((u32)qrow[lo] | ((u32)qrow[hi] << 16));
       qa[j >> 1][j & 1] = pair;
+#if G16
+      pair = 0;
+      if (g + 8 < group) pair = half2_of((u32)qrow[8 * s_qh + lo] | ((u32)qrow[8 * s_qh + hi] << 16));
+      qh[j >> 1][j & 1] = pair;
+#endif
     }
   }
+#if G16
+#define QH(mi, k) qh[mi][k]
+#else
+#define QH(mi, k) 0u
+#endif
 
   float m = NEG_INF, l = 0.f, v_top = 0.f;   // v_top: the largest V factor so far (SCALE 2)
   int v_exp = 0;                             // SCALE 1: the largest V top so far (0: none yet)
   float acc[MTILES][4];
 #pragma unroll
   for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#if G16
+  float m_hi = NEG_INF, l_hi = 0.f;          // row g + 8's softmax, and heads 8 + 2q, 9 + 2q's accumulator
+  float acc_hi[MTILES][4];
+#pragma unroll
+  for (int i = 0; i < MTILES; ++i) acc_hi[i][0] = acc_hi[i][1] = acc_hi[i][2] = acc_hi[i][3] = 0.f;
+#endif
 
   const int* table = block_table + b * s_tb;
   const u8* k_lane = k_codes + (i64)kv_head * s_ch + g * CS + q * (KW * 4);
@@ -341,43 +365,57 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
 #pragma unroll
         for (int k = 0; k < HPW; k += 2) {
           const int mi = (w * HPW + k) / 2;
-          mma16816(s[i], qa[mi][0], 0u, qa[mi][1], 0u, h[k], h[k + 1]);
+          mma16816(s[i], qa[mi][0], QH(mi, 0), qa[mi][1], QH(mi, 1), h[k], h[k + 1]);
         }
       }
     }
 
-    float x[4];   // tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
+    float f[4];   // each score's scale: tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
 #if SCALE == 2
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = s[i >> 1][i & 1] * (cur.ks[i] * qk_scale);   // the Triton kernel's order
+    for (int i = 0; i < 4; ++i) f[i] = cur.ks[i] * qk_scale;   // the Triton kernel's order
 #elif SCALE == 1
     {   // the score fragment's tokens get their tops from the lanes that read them (g = 2q, 2q + 1)
       const int t[4] = {__shfl_sync(0xffffffffu, top[0], 8 * q), __shfl_sync(0xffffffffu, top[0], 8 * q + 4),
                         __shfl_sync(0xffffffffu, top[1], 8 * q), __shfl_sync(0xffffffffu, top[1], 8 * q + 4)};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = s[i >> 1][i & 1] * (factor_of(t[i]) * qk_scale);
+      for (int i = 0; i < 4; ++i) f[i] = factor_of(t[i]) * qk_scale;
     }
 #else
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = s[i >> 1][i & 1] * qk_scale;
+    for (int i = 0; i < 4; ++i) f[i] = qk_scale;
 #endif
     const bool tail = n0 + 16 > end;
-    if (tail) {
+    // one row's online softmax over the tile: its scores (x, NEG_INF past the end) -> P in place, (m, l) updated,
+    // the accumulator's factor returned
+    auto softmax = [&](float* x, float& m_row, float& l_row) -> float {
+      if (tail) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (n0 + 8 * (i >> 1) + 2 * q + (i & 1) >= end) x[i] = NEG_INF;
-    }
-    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float m_use = m_new == NEG_INF ? 0.f : m_new;
-    const float alpha = ex2(m - m_use);
+        for (int i = 0; i < 4; ++i)
+          if (n0 + 8 * (i >> 1) + 2 * q + (i & 1) >= end) x[i] = NEG_INF;
+      }
+      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_row, mx);
+      const float m_use = m_new == NEG_INF ? 0.f : m_new;
+      const float alpha = ex2(m_row - m_use);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = ex2(x[i] - m_use);
+      l_row = l_row * alpha + ((x[0] + x[1]) + (x[2] + x[3]));
+      m_row = m_new;
+      return alpha;
+    };
     float p[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = ex2(x[i] - m_use);
-    l = l * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
-    m = m_new;
+    for (int i = 0; i < 4; ++i) p[i] = s[i >> 1][i & 1] * f[i];
+    const float alpha = softmax(p, m, l);
+#if G16
+    float p_hi[4];   // row g + 8: the accumulator fragment's rows 2 and 3
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p_hi[i] = s[i >> 1][2 + (i & 1)] * f[i];
+    const float alpha_hi = softmax(p_hi, m_hi, l_hi);
+#endif
 
     if (tail) {   // V of the tokens past the end: codes and scales zeroed (a stale NaN would survive P = 0)
 #pragma unroll
@@ -393,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
 #endif
         }
     }
-    float rescale = alpha;
+    float v_ratio = 1.f;   // the accumulators' factor from a larger V factor (1: none, exact)
 #if SCALE == 1   // factors 2^(top - 127) kept as exponents: their ratios are exact powers of two, no division
     int vtop[4];   // the V tokens' tops (rows past the end were zeroed: top 1, at most any real token's)
 #pragma unroll
@@ -402,10 +440,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     vt = max(vt, __shfl_xor_sync(0xffffffffu, vt, 1));
     vt = max(vt, __shfl_xor_sync(0xffffffffu, vt, 2));
     const int v_new = max(v_exp, vt);
-    if (v_exp != v_new) rescale *= pow2_f32(v_exp - v_new);   // before the first tile the accumulator is 0
+    if (v_exp != v_new) v_ratio = pow2_f32(v_exp - v_new);   // before the first tile the accumulator is 0
     v_exp = v_new;
+    float vf[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] *= pow2_f32(vtop[i] - v_new);
+    for (int i = 0; i < 4; ++i) vf[i] = pow2_f32(vtop[i] - v_new);
 #elif SCALE == 2
     float vf[4];   // the V tokens' factors (0 past the end)
 #pragma unroll
@@ -414,19 +453,45 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 1));
     vt = fmaxf(vt, __shfl_xor_sync(0xffffffffu, vt, 2));
     const float v_new = fmaxf(v_top, vt), v_unit = v_new > 0.f ? v_new : 1.f;
-    if (v_top != v_new) rescale *= v_top / v_unit;   // 0 before the first factor above 0, the accumulator still 0
+    if (v_top != v_new) v_ratio = v_top / v_unit;   // 0 before the first factor above 0, the accumulator still 0
     v_top = v_new;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] *= vf[i] / v_unit;
+    for (int i = 0; i < 4; ++i) vf[i] = vf[i] / v_unit;
 #endif
-    if (__any_sync(0xffffffffu, rescale != 1.f)) {   // the accumulator's columns are heads 2q, 2q + 1
+#if SCALE == 1 || SCALE == 2
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] *= vf[i];
+#if G16
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p_hi[i] *= vf[i];
+#endif
+#endif
+    const float rescale = alpha * v_ratio;
+#if G16
+    const float rescale_hi = alpha_hi * v_ratio;
+    const bool moved = rescale != 1.f || rescale_hi != 1.f;
+#else
+    const bool moved = rescale != 1.f;
+#endif
+    if (__any_sync(0xffffffffu, moved)) {   // the accumulator's columns are heads 2q, 2q + 1 (acc_hi: 8 + those)
       const float a0 = __shfl_sync(0xffffffffu, rescale, 8 * q), a1 = __shfl_sync(0xffffffffu, rescale, 8 * q + 4);
 #pragma unroll
       for (int i = 0; i < MTILES; ++i) {
         acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1;
       }
+#if G16
+      const float b0 = __shfl_sync(0xffffffffu, rescale_hi, 8 * q);
+      const float b1 = __shfl_sync(0xffffffffu, rescale_hi, 8 * q + 4);
+#pragma unroll
+      for (int i = 0; i < MTILES; ++i) {
+        acc_hi[i][0] *= b0; acc_hi[i][1] *= b1; acc_hi[i][2] *= b0; acc_hi[i][3] *= b1;
+      }
+#endif
     }
     const u32 pb0 = pack_half2(p[0], p[1]), pb1 = pack_half2(p[2], p[3]);
+#if G16
+    const u32 ph0 = pack_half2(p_hi[0], p_hi[1]), ph1 = pack_half2(p_hi[2], p_hi[3]);
+#endif
 
     // P . V over token pairs (2q, 2q + 1) and (2q + 8, 2q + 9)
 #if SCALE == 0
@@ -457,8 +522,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
 #endif
       }
 #pragma unroll
-      for (int jj = 0; jj < EPW; jj += 2)   // m tile (w EPW + jj) / 2: rows g <- pair jj, rows g + 8 <- jj + 1
+      for (int jj = 0; jj < EPW; jj += 2) {   // m tile (w EPW + jj) / 2: rows g <- pair jj, rows g + 8 <- jj + 1
         mma16816(acc[(w * EPW + jj) / 2], h[0][jj], h[0][jj + 1], h[1][jj], h[1][jj + 1], pb0, pb1);
+#if G16
+        mma16816(acc_hi[(w * EPW + jj) / 2], h[0][jj], h[0][jj + 1], h[1][jj], h[1][jj + 1], ph0, ph1);
+#endif
+      }
     }
   };
 
@@ -500,6 +569,14 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
     sm_m[warp][g] = m;
     sm_l[warp][g] = l;
   }
+#if G16
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  if (q == 0) {
+    sm_m[warp][8 + g] = m_hi;
+    sm_l[warp][8 + g] = l_hi;
+  }
+#endif
   const float units = SCALE == 1 ? factor_of(v_exp) : SCALE == 2 ? v_top : 1.f;
 #pragma unroll
   for (int i = 0; i < MTILES; ++i) {
@@ -509,6 +586,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) gqa_block_scaled_decode(
       const int dim = g * (D / 8) + (J / EPW) * EPW + v_dim(J % EPW);
       sm_acc[warp][2 * q][dim] = acc[i][2 * r] * units;
       sm_acc[warp][2 * q + 1][dim] = acc[i][2 * r + 1] * units;
+#if G16
+      sm_acc[warp][8 + 2 * q][dim] = acc_hi[i][2 * r] * units;
+      sm_acc[warp][9 + 2 * q][dim] = acc_hi[i][2 * r + 1] * units;
+#endif
     }
   }
   __syncthreads();

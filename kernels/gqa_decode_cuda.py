@@ -21,7 +21,8 @@ from kernels import nvrtc
 from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_block_scaled.cu")
-GROUP_MAX = 8          # query heads per KV head: the P.V MMA's n8
+GROUP_MAX = 16         # query heads per KV head: Q . K^T's m16; above 8 (G16) P . V takes two n8 MMAs
+GROUP_WIDE_HEAD_DIMS = (64, 128)   # 9-16 heads a KV head: the second accumulator at head 256 needs 64 KB of smem
 TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
 IMPLS = ("cuda", "triton")
 # the kernel's ELEMENT and SCALE (the block-scaled Triton kernel's numbering, then the plain FP8 caches')
@@ -66,6 +67,8 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
         return f"it is built for head sizes {head_dims}, got {head_dim}"
     if group > GROUP_MAX:
         return f"it takes up to {GROUP_MAX} query heads per KV head, got {group}"
+    if group > 8 and head_dim not in GROUP_WIDE_HEAD_DIMS:
+        return f"it takes 9-16 query heads per KV head at head sizes {GROUP_WIDE_HEAD_DIMS}, got {head_dim}"
     if k_codes.shape[1] % TILE:
         return f"its tiles of {TILE} tokens must lie in one page: page size {k_codes.shape[1]}"
     # runs of codes: a quarter of a head (K); of scales: a quarter's e4m3 bytes, a whole e8m0 row, one fp32
@@ -101,8 +104,9 @@ def warn_fallback(launcher: str, reason: str) -> None:
 
 def two_ahead_fits(element: str, block_scale: str, block: int, head_dim: int, ctas: int) -> bool:
     """Whether two tiles loaded ahead fit the registers without a spill (ptxas 12 for sm_90, every layout compiled):
-    at 2 blocks an SM (255 registers) for heads up to 128; at 3 (168), 4-bit elements only, and not under e8m0
-    scales per 16 at head 128 (32-48 bytes spilled). 8-bit elements spill 52-280 bytes at 3."""
+    at 2 blocks an SM (255 registers) for heads up to 128 (9-16 query heads a KV head included: 135-252 registers);
+    at 3 (168), 4-bit elements only, and not under e8m0 scales per 16 at head 128 (32-48 bytes spilled). 8-bit
+    elements spill 52-280 bytes at 3."""
     if head_dim > 128:
         return False
     if ctas <= 2:
@@ -123,8 +127,10 @@ def decode(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq
     kv_heads, page_size = k_codes.shape[2], k_codes.shape[1]
     warps = cfg.get("cuda_warps", 4)
     element, block_scale, block = cfg["layout"]
-    # head size 256 holds 245 registers a thread with one tile ahead: 2 blocks an SM
-    ctas = 2 if head_dim > 128 else cfg.get("ctas", 3)
+    # head size 256 holds 245 registers a thread with one tile ahead, and 9-16 query heads a KV head (a second
+    # accumulator) 188-252 at head 128: 2 blocks an SM (at 3 they spill 48-312 bytes, ptxas 12 for sm_90)
+    wide = q_heads // kv_heads > 8
+    ctas = 2 if head_dim > 128 or wide else cfg.get("ctas", 3)
     prefetch = cfg.get("cuda_prefetch", 1) if two_ahead_fits(element, block_scale, block, head_dim, ctas) else 1
     codes_bytes = k_codes.element_size()
     if k_block_scales is None:   # no block scales: the kernel reads none (its pointers and strides unused)
@@ -136,7 +142,7 @@ def decode(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq
     defines = (("ELEMENT", ELEMENTS[element]), ("SCALE", SCALES[block_scale]), ("BLOCK", block),
                ("HEAD_DIM", head_dim), ("PAGE", page_size), ("CS", k_codes.stride(1) * codes_bytes),
                ("SS", scale_strides[1]), ("NW", warps), ("CTAS", ctas), ("PREFETCH", prefetch),
-               ("Q_BF16", int(q.dtype == torch.bfloat16)))
+               ("Q_BF16", int(q.dtype == torch.bfloat16)), ("G16", int(wide)))
     kernel = _kernel(defines, q.device.index)
     # one wave: ctas blocks an SM (two waves measured slower, kernels/BENCHMARKS.md session 25)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * kv_heads, TILE * warps,

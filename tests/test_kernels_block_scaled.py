@@ -78,7 +78,8 @@ def test_kernel_under_the_interpreter(interpreted, case):
     ("mxfp8", 256, 4, 16, "head sizes (64, 128)"),
     ("int8_per_token_head", 256, 4, 16, "head sizes (64, 128)"),
     ("nvfp4", 32, 4, 16, "head sizes (64, 128, 256)"),
-    ("nvfp4", 128, 16, 16, "up to 8 query heads per KV head"),
+    ("nvfp4", 128, 32, 16, "up to 16 query heads per KV head"),
+    ("nvfp4", 256, 16, 16, "9-16 query heads per KV head at head sizes (64, 128)"),
     ("nvfp4", 128, 4, 8, "must lie in one page"),
 ])
 def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why):
@@ -115,7 +116,7 @@ def test_cuda_kernel_checks_every_layout_before_the_device(fmt):
 
 @pytest.mark.parametrize("kwargs, why", [
     (dict(), "runs on CUDA tensors, got cpu ones"), (dict(softcap=20.0), "soft-capping"),
-    (dict(q_scale="dynamic"), "FP8 attention"), (dict(heads=16), "up to 8 query heads"),
+    (dict(q_scale="dynamic"), "FP8 attention"), (dict(heads=32), "up to 16 query heads"),
     (dict(page=8), "must lie in one page"), (dict(dim=256), "head sizes (64, 128)")])
 def test_plain_fp8_cache_asks_the_cuda_kernel_and_hears_why(monkeypatch, kwargs, why):
     """decode_attention over an e4m3 / e5m2 cache asks the CUDA kernel (kernels/gqa_decode_cuda.py, block scale

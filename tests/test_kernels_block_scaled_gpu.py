@@ -109,10 +109,12 @@ def _assert_magnitude(out: torch.Tensor, truth: torch.Tensor, what: str) -> None
     assert cosine.min() >= 1 - 2.0 ** -10, f"{what}: cosine {cosine.min():.6f}"
 
 
-# the CUDA kernel (kernels/gqa_decode_block_scaled.cu) takes up to 8 query heads per KV head: its own 8 and
-# 16-page cases
+# the CUDA kernel (kernels/gqa_decode_block_scaled.cu): its own cases beside SHAPES' (8 query heads a KV head, pages
+# of 32, 12 and 16 at head 128: the second accumulator, G16)
 CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
-               pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32")]
+               pytest.param([33, 1000], 128, 2, 3, 32, id="b2-d128-g2-page32"),
+               pytest.param([17, 4099, 300], 128, 12, 2, 16, id="b3-d128-g12"),
+               pytest.param([1000, 5], 128, 16, 1, 16, id="b2-d128-g16")]
 
 
 @pytest.mark.parametrize("impl", ["asm", "plain", "cuda"])
@@ -121,7 +123,7 @@ CUDA_SHAPES = [pytest.param([3, 2049, 700], 64, 8, 2, 16, id="b3-d64-g8"),
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_within_dequantised_bf16_error(kern, fmt, lengths, head_dim, group, kv_heads, page, impl):
     """asm / plain: the Triton kernel with the PTX or the plain widening; cuda: the CUDA kernel where it serves the
-    case (<= 8 query heads per KV head; head 256 for NVFP4 and INT4 alone), explicitly, so a refusal cannot pass as
+    case (<= 16 query heads per KV head; head 256 for NVFP4 and INT4 alone), explicitly, so a refusal cannot pass as
     the Triton kernel."""
     from kernels.decode_attention_block_scaled import cuda_refusal
     decode_bf16, decode_block_scaled, _ = kern
