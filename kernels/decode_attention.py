@@ -11,7 +11,9 @@ writes a partial output normalised by its own sum plus its base-2 lse; the merge
 FP8 codes are exact in fp16, so an FP8 cache is multiplied in fp16 on tensor cores (q rounded to fp16:
 exact for bf16 q in fp16's normal range, |q| < 65504), P is rounded to fp16 for P @ V; accumulation is fp32.
 A BF16/FP16 cache runs the same code in its own dtype and never reads the scales (failure class 3).
-The torch mirror is `reference.decode_attention`.
+The torch mirror is `reference.decode_attention`. Over an FP8 cache the launcher first asks the CUDA kernel
+(kernels/gqa_decode_cuda.py, the same definition: fp16 products, fp32 accumulation, base-2 softmax, P in fp16) and
+runs the Triton kernel below where it does not serve the call (`impl`).
 
 Attention beyond SDPA (what gpt-oss, Gemma 2 and windowed layers compute; vLLM's and FlashInfer's decode kernels
 take the same three):
@@ -44,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import DEFAULT as DEFAULT_CONFIGS
 from kernels import gqa_decode_cuda, nvrtc
+from kernels.configs import DEFAULT as DEFAULT_CONFIGS
 from kernels.configs import launch_config
 from kernels.reference import FP8_MAX, is_fp8
 from kernels.splits import (LOG2E, MIN_TOKENS_PER_SPLIT, interpreting, merge_splits,  # noqa: F401 - re-exported
