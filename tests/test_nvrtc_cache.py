@@ -79,3 +79,23 @@ def test_a_kernel_that_does_not_build_is_refused_once_and_remembered(monkeypatch
     with pytest.raises(nvrtc.BuildError):
         nvrtc.build("k.cu", "k", (("A", 2),), 0)
     assert calls == [(("A", 1),), (("A", 2),)], calls
+
+
+def test_sass_stats_reads_ptxas_and_nvdisasm_text():
+    """kernels.sass_stats' parsers on the text the tools print (ptxas -v through NVRTC's log; nvdisasm -c): predicated
+    and dotted opcodes count under their name, labels and comments do not."""
+    from kernels.sass_stats import opcode_histogram, ptxas_usage
+
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas info    : Function properties for k\n    16 bytes stack frame, 16 bytes spill stores, 12 bytes spill "
+           "loads\nptxas info    : Used 168 registers, used 1 barriers, 1032 bytes cmem[0]\n")
+    assert ptxas_usage(log) == {"registers": 168, "spill_stores": 16, "spill_loads": 12}
+    assert ptxas_usage("")["registers"] == -1
+    sass = ("        /*0100*/                   HMMA.16816.F32 R136, R40, R136, RZ ;\n"
+            "        /*0110*/              @!P0 BRA `(.L_x_6) ;\n"
+            ".L_x_6:\n"
+            "        /*0120*/                   BSYNC B0 ;\n"
+            "        /*0130*/              @P1 LDG.E.128.CONSTANT R8, desc[UR16][R62.64] ;\n"
+            "        /*0140*/                   HMMA.16816.F32 R140, R44, R144, R140 ;\n"
+            "        // a comment\n")
+    assert opcode_histogram(sass) == {"HMMA": 2, "BRA": 1, "BSYNC": 1, "LDG": 1}
