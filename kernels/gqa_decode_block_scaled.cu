@@ -219,7 +219,8 @@ __device__ __forceinline__ u32 pow2_f16(int e, int top) {   // selects, no branc
   return e == 255 ? 0x7E00u : bits;
 }
 __device__ __forceinline__ float factor_of(int top) { return __uint_as_float((u32)top << 23); }
-__device__ __forceinline__ float pow2_f32(int k) { return __uint_as_float((u32)max(k + 127, 0) << 23); }   // 0 below 2^-126
+// 2^k as fp32 (0 below 2^-126)
+__device__ __forceinline__ float pow2_f32(int k) { return __uint_as_float((u32)max(k + 127, 0) << 23); }
 
 // What a lane reads of one 16-token tile: K codes of tokens g and 8 + g (quarter q), V codes of tokens 2q, 2q + 1,
 // 2q + 8, 2q + 9 (eighth g), and their scales: NVFP4's bytes (K: the quarter's blocks of tokens g, 8 + g; V: the

@@ -101,8 +101,9 @@ def test_cuda_kernel_says_what_it_does_not_serve(fmt, head_dim, group, page, why
 @pytest.mark.parametrize("fmt", SERVED)
 def test_cuda_kernel_checks_every_layout_before_the_device(fmt):
     """Every served layout at a served shape passes the layout checks (alignment included) and is refused only for
-    its CPU tensors; the same cache one slot off its alignment is refused for that. (The per token-head layouts,
-    which have no blocks, once divided by their block size of 0 here: on a GPU, every call.)"""
+    its CPU tensors; the same cache one slot off its alignment is refused for that. (The alignment check once divided
+    by the block size 0 that callers pass for the per token-head layouts, which have no blocks: 13 GPU tests
+    failed.)"""
     from kernels.decode_attention_block_scaled import cuda_refusal
 
     layout = block_layout.of(kv_formats.get_format(fmt))
