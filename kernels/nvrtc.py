@@ -114,7 +114,14 @@ class Kernel:
 
 
 def _compile(source: str, name: str, options: list[str]) -> bytes:
-    lib = _nvrtc()
+    return compile_program(source, name, options)[0]
+
+
+def compile_program(source: str, name: str, options: list[str],
+                    lib: ctypes.CDLL | None = None) -> tuple[bytes, str]:
+    """(cubin, NVRTC's log: ptxas' lines where options ask for them) of `source`, by `lib` (default: torch's NVRTC;
+    kernels/sass_stats.py hands a wheel's on a CPU machine). A compile error raises RuntimeError with the log."""
+    lib = lib or _nvrtc()
     prog = ctypes.c_void_p()
     code = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
     if code != 0:
@@ -132,7 +139,7 @@ def _compile(source: str, name: str, options: list[str]) -> bytes:
         cubin = ctypes.create_string_buffer(size.value)
         if lib.nvrtcGetCUBIN(prog, cubin) != 0:
             raise RuntimeError(f"nvrtcGetCUBIN failed for {name}")
-        return cubin.raw
+        return cubin.raw, log.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

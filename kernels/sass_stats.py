@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 
-from kernels.nvrtc import inline_includes
+from kernels.nvrtc import compile_program, inline_includes
 
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")   # /*0120*/ @!P0 BRA ...
 
@@ -40,29 +40,15 @@ def opcode_histogram(sass: str) -> collections.Counter:
 
 
 def compile_cubin(path: str, name: str, defines: list[tuple[str, str]], arch: str,
-                  library: ctypes.CDLL) -> tuple[bytes, str]:
+                  library: ctypes.CDLL | None) -> tuple[bytes, str]:
     """(cubin, NVRTC log with ptxas' -v lines) of the kernel `name` in `path` (its local includes inlined)."""
     with open(path) as f:
         source = inline_includes(f.read(), os.path.dirname(os.path.abspath(path)))
     options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", *[f"-D{k}={v}" for k, v in defines]]
-    program = ctypes.c_void_p()
-    assert library.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{name}.cu".encode(), 0, None,
-                                      None) == 0, "nvrtcCreateProgram failed"
     try:
-        code = library.nvrtcCompileProgram(program, len(options),
-                                           (ctypes.c_char_p * len(options))(*[o.encode() for o in options]))
-        size = ctypes.c_size_t()
-        library.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        library.nvrtcGetProgramLog(program, log)
-        if code != 0:
-            raise SystemExit(f"NVRTC could not compile {name} with {' '.join(options)}:\n{log.value.decode()}")
-        library.nvrtcGetCUBINSize(program, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        library.nvrtcGetCUBIN(program, cubin)
-        return cubin.raw, log.value.decode()
-    finally:
-        library.nvrtcDestroyProgram(ctypes.byref(program))
+        return compile_program(source, name, options, library)
+    except RuntimeError as e:   # a compile error: NVRTC's log, not a traceback
+        raise SystemExit(str(e)) from None
 
 
 def main() -> None:
@@ -81,11 +67,7 @@ def main() -> None:
         parser.error(f"defines are NAME=VALUE, got {bad}")
     if not args.nvdisasm:
         parser.error("nvdisasm not found: put it on PATH or give --nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    if args.nvrtc:
-        library = ctypes.CDLL(args.nvrtc)
-    else:
-        from kernels.nvrtc import _nvrtc
-        library = _nvrtc()
+    library = ctypes.CDLL(args.nvrtc) if args.nvrtc else None   # None: torch's NVRTC
     cubin, log = compile_cubin(args.path, args.kernel, [tuple(d.split("=", 1)) for d in args.defines], args.arch,
                                library)
     with tempfile.TemporaryDirectory() as scratch:
