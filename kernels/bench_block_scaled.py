@@ -233,6 +233,66 @@ def table_lines(batches, contexts, tuned: dict, copy_bw: float) -> list[str]:
     return lines + [""]
 
 
+# MLA over a block-scaled latent (mla_decode_block_scaled): DeepSeek's shape, latent 512 + RoPE 64 (bf16), against
+# our BF16 MLA kernel (kernels/mla_decode.py over a bf16 [c | k_pe] cache); issue 43's target for NVFP4 at 16 heads
+MLA_LATENT, MLA_ROPE = 512, 64
+MLA_FORMATS = ("NVFP4", "MXFP8", "MXFP4")
+MLA_TARGETS = {"NVFP4": 2.2}
+
+
+def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
+    """Rows of MLA decode at one shape: our BF16 kernel, then each block-scaled latent (ms, speed-up, error against
+    fp64 over the stored values relative to the dequantised latent through our BF16 kernel, batch row 0)."""
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+    from kernels.mla_decode import mla_decode
+
+    blocks = batch * ctx // PAGE
+    table = torch.arange(blocks, dtype=torch.int32, device="cuda").view(batch, -1)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q_latent = (torch.randn(batch, heads, MLA_LATENT, device="cuda") * 0.5).bfloat16()
+    q_pe = (torch.randn(batch, heads, MLA_ROPE, device="cuda") * 0.5).bfloat16()
+    sm = (MLA_LATENT + MLA_ROPE) ** -0.5
+    k_pe = (torch.randn(blocks, PAGE, MLA_ROPE, device="cuda") * 4).bfloat16()
+    x = torch.randn(blocks * PAGE, 1, MLA_LATENT, device="cuda") * torch.logspace(-1, 1, MLA_LATENT, device="cuda")
+    cache = torch.cat([x[:, 0].view(blocks, PAGE, MLA_LATENT), k_pe.float()], -1).bfloat16()
+    bf16_ms = _ms(lambda: mla_decode(q_latent, q_pe, cache, table, seq, None, sm))
+    lines = [f"| {batch} | {ctx} | {heads} | ours MLA BF16 | {bf16_ms:.4f} | 1.00x | - | - |"]
+    cache = None
+    for label in MLA_FORMATS:
+        kernel, write, _ = _layout(label)
+        nbytes = code_bytes(kernel["element"], MLA_LATENT)
+        codes = torch.zeros(blocks, PAGE, 1, nbytes, dtype=torch.uint8, device="cuda")
+        scales = torch.zeros(blocks, PAGE, 1, MLA_LATENT // kernel["block_size"], dtype=torch.uint8, device="cuda")
+        scale = torch.tensor(0.01, device="cuda") if FORMATS[label][5] else None
+        # the fused write takes heads of up to 256: the latent as two heads of 256 (the same bytes: blocks of 16 or 32
+        # never straddle them, and the static scale is one value)
+        halves = dict(codes=codes.view(blocks, PAGE, 2, nbytes // 2), block_scales=scales.view(blocks, PAGE, 2, -1))
+        for start in range(0, blocks * PAGE, 1 << 16):
+            count = min(1 << 16, blocks * PAGE - start)
+            quantize_store_block_scaled(x[start:start + count].view(1, count, 2, MLA_LATENT // 2).bfloat16()
+                                        .transpose(1, 2), scale, slots=torch.arange(start, start + count, device="cuda"),
+                                        page_size=PAGE, **halves, **write)
+        fn = lambda: mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq, scale, sm,  # noqa: E731
+                                             **kernel)
+        ms = _ms(fn)
+        latent = ref.dequantize_block_scaled(codes[:ctx // PAGE], scales[:ctx // PAGE], scale, **kernel)[:, :, 0]
+        rows = torch.cat([latent, k_pe[:ctx // PAGE].float()], -1).view(ctx, -1).double()
+        s = (torch.cat([q_latent[0], q_pe[0]], -1).double() @ rows.T) * sm
+        truth = torch.softmax(s, -1) @ rows[:, :MLA_LATENT]
+        ours = fn()[0][0]
+        one = lambda t: t[:1]  # noqa: E731
+        dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
+                                 .bfloat16(), one(table), one(seq), None, sm)[0][0]
+        err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
+        target = MLA_TARGETS.get(label)
+        lines.append(f"| {batch} | {ctx} | {heads} | ours MLA {label} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
+                     f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")
+        print(lines[-1], flush=True)
+        codes = scales = None
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     from kernels.bench import copy_bandwidth
 
@@ -240,6 +300,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time each format's launch variants first")
     parser.add_argument("--batches", default="8")
     parser.add_argument("--contexts", default="32768")
+    parser.add_argument("--mla-heads", default="16", help="MLA rows at these head counts ('' for none)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
@@ -250,8 +311,17 @@ def main() -> None:
         lines, tuned = sweep()
         out += lines
         print("\n".join(lines) + f"\nchosen: {tuned}", flush=True)
-    out += table_lines([int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")], tuned,
-                       copy_bw)
+    batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+    out += table_lines(batches, contexts, tuned, copy_bw)
+    if args.mla_heads:
+        out += [f"### MLA decode over a block-scaled latent ({MLA_LATENT} + RoPE {MLA_ROPE} bf16), against our BF16 "
+                "MLA kernel", "", "| batch | context | heads | method | GPU ms (graph) | speed-up vs our BF16 | target | "
+                "err vs dequantised bf16 |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for heads in (int(h) for h in args.mla_heads.split(",")):
+            for batch in batches:
+                for ctx in contexts:
+                    out += mla_lines(batch, ctx, heads)
+        out.append("")
     print("\n" + "\n".join(out))
 
 

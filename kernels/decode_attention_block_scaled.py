@@ -203,10 +203,15 @@ def _decode_attention_block_scaled_kernel(
     stride_cb, stride_cs, stride_ch,          # codes, shared by K and V (asserted)
     stride_sb, stride_ss, stride_sh,          # block scales, shared by K and V (asserted)
     stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    Q_PE, K_PE,                  # MLA: [B, Hq, ROPE_DIM] and [num_blocks, page, ROPE_DIM] 16-bit (read when MLA)
+    stride_pb, stride_ph, stride_eb, stride_es,
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, CODE_BYTES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, ELEMENT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SCALE: tl.constexpr, ASM: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ASM: tl.constexpr, MLA: tl.constexpr = False, ROPE_DIM: tl.constexpr = 16,
 ):
+    # MLA (`mla_decode_block_scaled`): K = [latent | k_pe], V = the latent (its widened tile reused), the latent's
+    # "KV heads" are head blocks of BLOCK_G query heads over one latent (head strides 0); k_pe unscaled, it and q_pe
+    # rounded to fp16 as q is (exact for bf16 values in fp16's normal range)
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -232,6 +237,10 @@ def _decode_attention_block_scaled_kernel(
     if HAS_SCALE:
         qk_scale = sm_scale_log2 * tl.load(K_SCALE + kv_head * k_scale_stride)
         v_scale = tl.load(V_SCALE + kv_head * v_scale_stride)
+    if MLA:
+        offs_r = tl.arange(0, ROPE_DIM)
+        q_pe = tl.load(Q_PE + b * stride_pb + heads[:, None] * stride_ph + offs_r[None, :], mask=g_mask[:, None],
+                       other=0.0).to(tl.float16)                                              # [BLOCK_G, ROPE_DIM]
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)       # running max, base 2
     l_i = tl.zeros([BLOCK_G], tl.float32)                     # running sum of 2^(s - m)
     ACC_D: tl.constexpr = CODE_BYTES if PACKED else HEAD_DIM
@@ -244,9 +253,10 @@ def _decode_attention_block_scaled_kernel(
         k_codes, k_scales = _load_tile(K_CODES, K_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
                                        stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
                                        PAGE_SIZE, BLOCK_SCALE)
-        v_codes, v_scales = _load_tile(V_CODES, V_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
-                                       stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES, NUM_BLOCKS,
-                                       PAGE_SIZE, BLOCK_SCALE)
+        if not MLA:
+            v_codes, v_scales = _load_tile(V_CODES, V_BLOCK_SCALES, page, n0 + offs_n, t_mask, kv_head, stride_cb,
+                                           stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, CODE_BYTES,
+                                           NUM_BLOCKS, PAGE_SIZE, BLOCK_SCALE)
         k_mult, k_factor = _block_scales(k_scales, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
         if PACKED:
             k_even, k_odd = _widen_nibbles(k_codes, ELEMENT, ASM)                             # [BLOCK_N, D / 2]
@@ -260,12 +270,19 @@ def _decode_attention_block_scaled_kernel(
             s = s * qk_scale
         else:
             s = s * (k_factor * qk_scale)[None, :]
+        if MLA:   # + q_pe . k_pe, unscaled
+            pe_rows = page * stride_eb + ((n0 + offs_n) % PAGE_SIZE) * stride_es                      # [BLOCK_N]
+            pe = tl.load(K_PE + pe_rows[:, None] + offs_r[None, :], mask=t_mask[:, None], other=0.0).to(tl.float16)
+            s += tl.dot(q_pe, tl.trans(pe)) * sm_scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_mult, v_factor = _block_scales(v_scales, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
+        if MLA:
+            v_factor = k_factor
+        else:
+            v_mult, v_factor = _block_scales(v_scales, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
         tile_max = 1.0
         if BLOCK_SCALE != 0:   # V's per-token factor into P's columns, relative to the tile's largest
             v_factor = tl.where(t_mask, v_factor, 0.0)
@@ -274,12 +291,19 @@ def _decode_attention_block_scaled_kernel(
             p = p * (v_factor / tile_max)[None, :]
         p16 = p.to(tl.float16)
         if PACKED:
-            v_even, v_odd = _widen_nibbles(v_codes, ELEMENT, ASM)
-            acc = acc * alpha[:, None] + tl.dot(p16, _scaled(v_even, v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)) * tile_max
-            acc_odd = acc_odd * alpha[:, None] + \
-                tl.dot(p16, _scaled(v_odd, v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)) * tile_max
+            if MLA:   # V is the latent: K's widened, block-scaled halves
+                v_even, v_odd = k_even, k_odd
+            else:
+                v_even, v_odd = _widen_nibbles(v_codes, ELEMENT, ASM)
+                v_even = _scaled(v_even, v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
+                v_odd = _scaled(v_odd, v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
+            acc = acc * alpha[:, None] + tl.dot(p16, v_even) * tile_max
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd) * tile_max
         else:
-            v = _scaled(_widen_bytes(v_codes, ELEMENT, ASM), v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
+            if MLA:
+                v = k
+            else:
+                v = _scaled(_widen_bytes(v_codes, ELEMENT, ASM), v_mult, BLOCK_N, NUM_BLOCKS, BLOCK_SCALE)
             acc = acc * alpha[:, None] + tl.dot(p16, v) * tile_max
         m_i = m_new
 
@@ -420,10 +444,78 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
         int(bool(scales) and k_scale.dim() == 1), int(bool(scales) and v_scale.dim() == 1),
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), *s_strides,
         block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-        part_lse.stride(1),
+        part_lse.stride(1), q, q, 0, 0, 0, 0,
         BLOCK_G=16, HEAD_DIM=head_dim, CODE_BYTES=code_bytes(element, head_dim), PAGE_SIZE=page_size,
         BLOCK_N=block_n, ELEMENT=ELEMENTS[element], BLOCK_SCALE=SCALES[block_scale], BLOCK=block,
         HAS_SCALE=bool(scales), ASM=bool(cfg["asm"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
 
+
+
+@on_tensor_device
+def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor,
+                            block_scales: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float,
+                            num_splits: int | None = None, *, element: str, block_scale: str, block_size: int,
+                            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                            asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode (absorbed projections) over a block-scaled latent: the latent c_j in the paged layout of
+    kernels/reference.py ("Block-scaled caches") with one KV head (codes [num_blocks, page, 1, Dc * bits / 8], block
+    scales [num_blocks, page, 1, Dc / B] bits or fp32 [num_blocks, page, 1]), k_pe [num_blocks, page, Dr] in
+    q_pe's 16-bit type, unscaled (the engines keep the RoPE part in 16 bits; the kernel rounds both to fp16, as it
+    does q_latent):
+        s_j = sm_scale * (q_latent . c_j + q_pe . k_pe_j),   out = sum_j softmax(s)_j c_j   (latent space).
+    The GQA kernel above runs it: K = [c | k_pe], V = c (its widened tile reused), head blocks of up to 16 query
+    heads as its "KV heads" over the one latent. q_latent: [B, H, Dc], q_pe: [B, H, Dr]; scale: the latent's static
+    scale (fp32 [] or None). Returns (out [B, H, Dc] q_latent.dtype, lse [B, H] fp32 natural log). Mirror:
+    `reference.mla_decode_block_scaled`."""
+    batch, heads, latent_dim = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.shape == (batch, heads, rope_dim), \
+        f"q_latent [B, H, Dc] bf16/fp16 and q_pe [B, H, Dr], got {list(q_latent.shape)} {q_latent.dtype}, " \
+        f"{list(q_pe.shape)}"
+    assert k_pe.dim() == 3 and k_pe.shape[:2] == codes.shape[:2] and k_pe.shape[2] == rope_dim and \
+        k_pe.dtype == q_pe.dtype and k_pe.stride(-1) == 1, \
+        f"k_pe must be [num_blocks, page, {rope_dim}] {q_pe.dtype}, contiguous last dim, got {list(k_pe.shape)} " \
+        f"{k_pe.dtype}"
+    assert 16 <= rope_dim and rope_dim & (rope_dim - 1) == 0, f"rope_dim must be a power of two >= 16, got {rope_dim}"
+    assert latent_dim & (latent_dim - 1) == 0 and 32 <= latent_dim <= 1024, \
+        f"latent_dim must be a power of two in [32, 1024], got {latent_dim}"
+    block = latent_dim if block_scale == "fp32" else block_size
+    _check_layout(codes, block_scales, scale, "latent", element, block_scale, block, 1, latent_dim)
+    assert scale is None or scale.dim() == 0, "the latent's static scale is one value"
+    assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "q_latent / q_pe: the last dim must be contiguous"
+    device = q_latent.device
+    assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"
+    cfg = _configuration(element, latent_dim, device, dict(block_n=block_n, num_warps=num_warps,
+                                                           num_stages=num_stages, asm=asm))
+    assert not (cfg["asm"] and interpreting()), "the Triton interpreter runs no inline assembly: asm=False"
+    block_n = cfg["block_n"]
+    # head blocks of up to 16 heads (the kernel's BLOCK_G rows), each a divisor of H: no block reaches past H
+    block_h = max(d for d in range(1, 17) if heads % d == 0)
+    head_blocks = heads // block_h
+    page_size = codes.shape[1]
+    if device.type != "cuda" and num_splits is None:
+        num_splits = 2                            # the interpreter: two splits, so the merge runs
+    num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
+                                               cfg["programs_per_sm"], device, num_splits,
+                                               whole_waves=cfg.get("whole_waves", False))
+    out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+    part_out, part_lse = partials(out, num_splits)
+    scales = block_scales if block_scale == "fp32" else block_scales.view(torch.uint8)
+    latent = codes.view(torch.uint8)
+    _decode_attention_block_scaled_kernel[(head_blocks, batch, num_splits)](
+        q_latent, latent, latent, scales, scales, block_table, seq_lens,
+        scale if scale is not None else seq_lens, scale if scale is not None else seq_lens,
+        part_out, part_lse, sm_scale * LOG2E, tokens_per_split, block_h, 0, 0,
+        q_latent.stride(0), q_latent.stride(1), latent.stride(0), latent.stride(1), 0,
+        scales.stride(0), scales.stride(1), 0,
+        block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
+        part_lse.stride(1), q_pe, k_pe, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), k_pe.stride(1),
+        BLOCK_G=16, HEAD_DIM=latent_dim, CODE_BYTES=code_bytes(element, latent_dim), PAGE_SIZE=page_size,
+        BLOCK_N=block_n, ELEMENT=ELEMENTS[element], BLOCK_SCALE=SCALES[block_scale], BLOCK=block,
+        HAS_SCALE=scale is not None, ASM=bool(cfg["asm"]), MLA=True, ROPE_DIM=rope_dim,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, merge_splits(part_out, part_lse, out)

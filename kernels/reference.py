@@ -439,3 +439,15 @@ def decode_attention_block_scaled(q: torch.Tensor, k_codes: torch.Tensor, v_code
     k = dequantize_block_scaled(k_codes, k_block_scales, k_scale, **layout)    # [num_blocks, page, Hkv, D]
     v = dequantize_block_scaled(v_codes, v_block_scales, v_scale, **layout)
     return decode_attention(q, k, v, block_table, seq_lens, None, None, sm_scale, num_splits)
+
+
+def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor,
+                            block_scales: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, scale, sm_scale: float, num_splits: int | None = None, *,
+                            element: str, block_scale: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` over a block-scaled latent (one KV head of the layout above) and a 16-bit k_pe [num_blocks, page,
+    Dr]: the latent dequantised to fp32, joined to k_pe, then the same fp32 attention."""
+    latent = dequantize_block_scaled(codes, block_scales, scale, element=element, block_scale=block_scale,
+                                     block_size=block_size)[:, :, 0]                  # [num_blocks, page, Dc]
+    cache = torch.cat([latent, k_pe.float().to(latent.device)], dim=-1)
+    return mla_decode(q_latent, q_pe, cache, block_table, seq_lens, None, sm_scale, num_splits)

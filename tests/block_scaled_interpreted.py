@@ -59,6 +59,38 @@ def decode_case(fmt: str) -> None:
     assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5), f"lse: max diff {(lse - want_lse).abs().max()}"
 
 
+MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"]
+
+
+def mla_case(fmt: str) -> None:
+    """MLA over a block-scaled latent (kernels' mla_decode_block_scaled), 20 heads (head blocks of 10), latent 64 +
+    rope 16, against the torch mirror, as decode_case."""
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    latent_dim, rope_dim, heads, page, lengths = 64, 16, 20, 16, [1, 37, 20]
+    pages = [-(-n // page) for n in lengths]
+    num_blocks = sum(pages) + 2
+    order = torch.randperm(num_blocks).int()
+    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p]
+    scale = torch.tensor(0.03) if layout.static else None
+    codes, blocks = layout.allocate(num_blocks, page, 1, latent_dim, "cpu")
+    x = torch.randn(num_blocks * page, 1, latent_dim) * torch.logspace(-1, 1, latent_dim)
+    layout.store(x.bfloat16(), scale, codes, blocks, torch.arange(num_blocks * page))
+    k_pe = (torch.randn(num_blocks, page, rope_dim) * 4).bfloat16()
+    q_latent = torch.randn(len(lengths), heads, latent_dim).bfloat16()
+    q_pe = torch.randn(len(lengths), heads, rope_dim).bfloat16()
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    args = (q_latent, q_pe, codes, blocks, k_pe, table, seq_lens, scale, (latent_dim + rope_dim) ** -0.5)
+    out, lse = mla_decode_block_scaled(*args, num_splits=2, asm=False, **layout.kernel_args)
+    want, want_lse = ref.mla_decode_block_scaled(*args, **layout.kernel_args)
+    bound = 2 * 2.0 ** -8 * want.float().abs().amax(-1, keepdim=True)   # as decode_case: 2 bf16 ulps of the output
+    assert ((out.float() - want.float()).abs() <= bound).all(), f"out: max diff {(out.float() - want.float()).abs().max()}"
+    assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5), f"lse: max diff {(lse - want_lse).abs().max()}"
+
+
 def _write_input(fmt: str, layout, rows: int, heads: int, chunk: int, dim: int) -> torch.Tensor:
     x = torch.randn(rows, chunk, heads, dim) * torch.logspace(-2, 2, dim)
     if fmt == "nvfp4":   # each block's amax / 6 / s an e4m3 value (s a power of two): the cast is exact
@@ -108,6 +140,7 @@ def main() -> None:
     torch.manual_seed(0)
     cases = {f"decode-{f}": (decode_case, f) for f in DECODE_FORMATS}
     cases.update({f"write-{f}": (write_case, f) for f in WRITE_FORMATS})
+    cases.update({f"mla-{f}": (mla_case, f) for f in MLA_FORMATS})
     wanted = sys.argv[1:] or list(cases)
     results = {}
     for name in wanted:

@@ -128,7 +128,8 @@ def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
 @pytest.mark.parametrize("arch, spec", [
     ("head32", "nvfp4:per_head:calibrated"), ("head32", "nvfp4"), ("head32", "mxfp8"), ("head32", "mxfp4"),
     ("head32", "int4_per_token_head"), ("head32", "int8_per_token_head"), ("head32", "fp8_per_token_head"),
-    ("hybrid", "int8_per_token_head"), ("gqa", "fp8_per_token_head")])
+    ("hybrid", "int8_per_token_head"), ("gqa", "fp8_per_token_head"),
+    ("mla", "nvfp4"), ("mla", "mxfp8"), ("mla", "int4_per_token_head")])   # MLA: mla_decode_block_scaled
 def test_block_scaled_decode_in_the_loop(tiny_models, head32_model, arch, spec):
     """Block-scaled formats decode through kernels/decode_attention_block_scaled.py over pages the fused write
     stored (a model with heads of 32 values, so MX blocks and 4-bit values fit; the tiny models' 16 for one scale a

@@ -114,12 +114,14 @@ def test_mla_fp8_attention_with_odd_dims_says_why_no_kernel(tiny_models, monkeyp
 
 
 @pytest.mark.parametrize("arch, spec", [("head32", "nvfp4:per_head:calibrated"), ("head32", "mxfp8"),
-                                        ("head32", "int4_per_token_head"), ("hybrid", "int8_per_token_head")])
+                                        ("head32", "int4_per_token_head"), ("hybrid", "int8_per_token_head"),
+                                        ("mla", "nvfp4"), ("mla", "mxfp8"), ("mla", "int4_per_token_head")])
 def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, head32_model, monkeypatch, arch, spec):
     """A block-scaled format's decode steps go to the built-in's block-scaled decode (its torch mirror here) over
     pages in the kernels' layout (harness/kv_paths/block_layout.py), judged against fp64 attention over the stored
-    codes. The mirror computes in fp32 over the exact stored values and rounds once; torch's attention reads the
-    read-back rounded to bf16: its error is the larger, so 2x absorbs max-abs noise."""
+    codes (MLA: the latent's, k_pe in bf16 beside it). The mirror computes in fp32 over the exact stored values and
+    rounds once; torch's attention reads the read-back rounded to bf16: its error is the larger, so 2x absorbs
+    max-abs noise."""
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
     backend = InProcessModel.load(head32_model if arch == "head32" else tiny_models[arch]).backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
@@ -127,11 +129,13 @@ def test_block_scaled_paths_decode_through_the_kernel_ops(tiny_models, head32_mo
     layers = 1 if arch == "hybrid" else 2
     assert generation.metrics["kernel_steps"] == layers * (len(generation.token_ids) - (
         generation.finish_reason == "length"))
-    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 2.0, generation.metrics
+    # MLA adds the absorbed projections' rounding (as test_kernel_path_agrees_with_torch): 4 there
+    bound = 4.0 if arch == "mla" else 2.0
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= bound, generation.metrics
 
 
 @pytest.mark.parametrize("arch, spec, reason", [
-    ("mla", "nvfp4", "serves e4m3, e5m2; not nvfp4"),
+    ("mla", "int8_per_token_head_asym", "mla_decode takes e4m3, e5m2, mla_decode_block_scaled nvfp4"),
     ("gqa", "int8_per_token_head_asym", "no decode kernel serves int8_per_token_head_asym (int8_per_token_head_asym: "
                                         "a zero point"),
     ("gqa", "k=nvfp4/v=mxfp8", "reads K and V in one format"),

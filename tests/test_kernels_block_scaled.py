@@ -64,12 +64,14 @@ def interpreted() -> dict:
 
 
 CASES = [f"decode-{f}" for f in SERVED if f != "nvfp4_4over6"] + \
-    [f"write-{f}" for f in ("nvfp4", "mxfp4", "fp4_mx_block16", "int8_per_token_head", "int4_per_token_head")]
+    [f"write-{f}" for f in ("nvfp4", "mxfp4", "fp4_mx_block16", "int8_per_token_head", "int4_per_token_head")] + \
+    [f"mla-{f}" for f in ("nvfp4", "mxfp8", "mxfp4", "int4_per_token_head")]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_under_the_interpreter(interpreted, case):
-    """Decode within 2 bf16 ulps of the torch mirror (lse 1e-5); the fused write bit for bit against the encode."""
+    """Decode (GQA, and MLA over a block-scaled latent) within 2 bf16 ulps of the torch mirror (lse 1e-5); the fused
+    write bit for bit against the encode."""
     assert case in interpreted, f"{case} did not run"
     assert interpreted[case] is None, interpreted[case]
 

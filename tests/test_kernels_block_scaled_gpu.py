@@ -276,3 +276,51 @@ def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
                        int((~read_back[i].isfinite() & real[i]).sum())]
         assert counts[row].tolist() == want_counts, f"{fmt} row {i}: counts {counts[row].tolist()} != {want_counts}"
         assert amax[row].item() == finite[i].max().item(), f"{fmt} row {i}: amax"
+
+
+MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"]
+
+
+@pytest.mark.parametrize("fmt", MLA_FORMATS)
+@pytest.mark.parametrize("heads", [16, 20, 128])   # 20: head blocks of 10; 128: eight blocks of 16
+def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt, heads):
+    """MLA (latent 512 + RoPE 64) over a block-scaled latent and a bf16 k_pe, against fp64 over the stored values,
+    relative to "dequantise the latent to bf16, then our BF16 MLA kernel" (kernels/mla_decode.py), as the GQA cases
+    (SLACK and the magnitude check beside)."""
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+    from kernels.mla_decode import mla_decode
+
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    lengths, page, latent_dim, rope_dim = [1, 17, 1000, 4099, 5], 16, 512, 64
+    table, slots, num_blocks = _pages(lengths, page)
+    total = sum(lengths)
+    scale = torch.tensor(0.01, device="cuda") if layout.static else None
+    x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
+    codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
+    layout.store(x.bfloat16(), scale, codes, block_scales, slots)
+    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=torch.bfloat16)
+    k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).bfloat16()
+    q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).bfloat16()
+    q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).bfloat16()
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sm_scale = (latent_dim + rope_dim) ** -0.5
+    out, lse = mla_decode_block_scaled(q_latent, q_pe, codes, block_scales, k_pe, table, seq_lens, scale, sm_scale,
+                                       **layout.kernel_args)
+    latent = ref.dequantize_block_scaled(codes, block_scales, scale, **layout.kernel_args)[:, :, 0]   # fp32
+    cache = torch.cat([latent, k_pe.float()], -1)                                    # [num_blocks, page, 576]
+    dequantised = mla_decode(q_latent, q_pe, cache.bfloat16(), table, seq_lens, None, sm_scale)[0]
+    truths, truth_lses = [], []
+    for b, n in enumerate(lengths):
+        rows = cache.view(-1, cache.shape[-1])[(table[b, :-(-n // page)].long()[:, None] * page
+                                                + torch.arange(page, device="cuda")).reshape(-1)[:n]].double()
+        s = (torch.cat([q_latent[b], q_pe[b]], -1).double() @ rows.T) * sm_scale
+        truths.append(torch.softmax(s, -1) @ rows[:, :latent_dim])
+        truth_lses.append(torch.logsumexp(s, -1))
+    truth, truth_lse = torch.stack(truths), torch.stack(truth_lses)
+    err = (out.double() - truth).abs().max().item()
+    err_dequantised = (dequantised.double() - truth).abs().max().item()
+    what = f"mla {fmt} heads={heads}"
+    assert math.isfinite(err) and err <= err_dequantised + SLACK * truth.abs().max().item(), \
+        f"{what}: max error {err:.3g} against the dequantised BF16 kernel's {err_dequantised:.3g}"
+    _assert_magnitude(out, truth, what)
+    assert (lse.double() - truth_lse).abs().max().item() <= 1e-3, f"{what}: lse"   # fp32 scores against fp64

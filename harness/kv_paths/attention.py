@@ -22,7 +22,7 @@ from harness.forward_context import current as forward_context_now
 from harness.forward_context import note as note_forward
 from harness.kv_paths import block_layout, mla
 from harness.kv_paths.decode_kernels import (BEYOND_SDPA_COMPUTED, DecodeKernel, KernelPluginError, kernels_setting,
-                                             resolve, run_gqa, run_gqa_block_scaled, run_mla)
+                                             resolve, run_gqa, run_gqa_block_scaled, run_mla, run_mla_block_scaled)
 from harness.kv_paths.faults import attention_fault
 from harness.kv_paths.rotation import rotate
 from kernels import reference as kernel_reference
@@ -261,6 +261,10 @@ class PagedKV:
         if self.k_scale is not None and self.k_scale.device != key.device:  # a layer-sharded model: to its GPU, once
             self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
         blocks = self.step.batch_rows * self.step.pages_per_row
+        if self.layout is not None and self.mla:  # the latent's codes and block scales, then k_pe as given (16-bit)
+            self.pages = [*self.layout.allocate(blocks, BLOCK_SIZE, 1, key.shape[-1], key.device),
+                          torch.zeros(blocks, BLOCK_SIZE, value.shape[-1], dtype=value.dtype, device=key.device)]
+            return
         if self.layout is not None:
             self.pages = [page for _ in range(2)
                           for page in self.layout.allocate(blocks, BLOCK_SIZE, key.shape[1], key.shape[-1], key.device)]
@@ -294,6 +298,13 @@ class PagedKV:
         rows, _, chunk, _ = key.shape
         self._ensure(key, value)
         slots = self.step.slots().to(key.device)
+        if self.layout is not None and self.mla:  # the latent encoded (torch) in the kernels' layout; k_pe as given
+            self.layout.store(key[:, 0].reshape(rows * chunk, 1, -1), self.k_scale, self.pages[0], self.pages[1],
+                              slots)
+            real = slots >= 0
+            self.pages[2].view(-1, value.shape[-1])[slots[real]] = \
+                value[:, 0].reshape(rows * chunk, -1)[real].to(self.pages[2].dtype)
+            return
         if self.layout is not None:  # the formats' torch encode, stored in the kernels' layout
             for x, scale, first in ((key, self.k_scale, 0), (value, self.v_scale, 2)):
                 tokens = x.transpose(1, 2).reshape(rows * chunk, x.shape[1], -1)
@@ -375,7 +386,7 @@ class PagedKV:
         (route.FP8_ATTENTION_KERNELS); on an MLA layer it quantises the absorbed query [q_latent | q_pe] the kernel
         multiplies, as engines' MLA kernels do (the torch reference quantises the model's own query [q_nope | q_pe])."""
         table, lens = self.step.block_table().to(query.device), self.step.lengths_after().to(query.device)
-        if self.layout is not None:
+        if self.layout is not None and not self.mla:
             out = run_gqa_block_scaled(self.kernel, query[:, :, 0].contiguous(), self.pages[0], self.pages[2],
                                        self.pages[1], self.pages[3], table, lens, self.k_scale, self.v_scale,
                                        module.scaling, self.layout.kernel_args)
@@ -394,8 +405,14 @@ class PagedKV:
         w_uk, w_uv = self.absorbed
         q_nope, q_pe = query[:, :, 0, :nope], query[:, :, 0, nope:]
         q_latent = mla.absorb_query(q_nope.float(), w_uk).to(query.dtype)
-        out_latent = run_mla(self.kernel, q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
-                             self.k_scale.reshape(()), module.scaling, **scales)
+        if self.layout is not None:   # a block-scaled latent and k_pe beside it
+            out_latent = run_mla_block_scaled(self.kernel, q_latent.contiguous(), q_pe.contiguous(), self.pages[0],
+                                              self.pages[1], self.pages[2], table, lens,
+                                              None if self.k_scale is None else self.k_scale.reshape(()),
+                                              module.scaling, self.layout.kernel_args)
+        else:
+            out_latent = run_mla(self.kernel, q_latent.contiguous(), q_pe.contiguous(), self.pages[0], table, lens,
+                                 self.k_scale.reshape(()), module.scaling, **scales)
         out = mla.expand_latent(out_latent.float(), w_uv).to(query.dtype)
         return out.view(query.shape[0], 1, heads, -1)
 
@@ -475,7 +492,12 @@ class PagedKV:
             scores = torch.matmul(grouped, k.transpose(-1, -2)).reshape(n, q_heads, -1)
             weights = attend(scores * module.scaling).view(n, kv_heads, q_heads // kv_heads, -1)
             return (torch.matmul(weights, v) * v_scale).reshape(n, q_heads, -1).unsqueeze(1)
-        cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
+        if self.layout is not None:  # the latent as the kernels' mirror reads it, k_pe as stored
+            latent = kernel_reference.dequantize_block_scaled(rows_of(self.pages[0]), rows_of(self.pages[1]),
+                                                              self.k_scale, **self.layout.kernel_args)[:, :, 0]
+            cached = torch.cat([latent.double(), rows_of(self.pages[2]).double()], dim=-1)
+        else:
+            cached = rows_of(self.pages[0]) * self.k_scale.double()  # [n, span, Dc + Dr]
         nope = module.qk_nope_head_dim
         w_uk, w_uv = mla.absorbed_weights(module, torch.float64)
         c, pe = cached[..., :w_uk.shape[-1]], cached[..., w_uk.shape[-1]:]
@@ -500,7 +522,7 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
     if kernel_name == "triton" and device.type != "cuda":
         raise KernelPluginError(f"KV path {kv_path.name!r}: kernel=triton needs a CUDA device (run with --device cuda)")
     kernel = resolve(kernel_name)
-    if not kv_path.is_fp8 and kernel.block_scaled is None:
+    if not kv_path.is_fp8 and (kernel.mla_block_scaled if mla_model else kernel.block_scaled) is None:
         raise KernelPluginError(f"kernel {kernel_name!r} has no decode over block-scaled caches ({kv_path.fmt})")
     if (kernel.mla_decode if mla_model else kernel.decode_attention) is None:
         what = "mla_decode (MLA models need one)" if mla_model else "decode_attention (GQA/MHA models need one)"
@@ -520,8 +542,9 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
         if not hasattr(layer, "paged") or (static and layer.k_scale is None):
             continue
         k_scale, v_scale = (layer.k_scale.float().to(device), layer.v_scale.float().to(device)) if static else (None, None)
-        # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale
-        fusable = decodes and (not mla_model or bool(torch.equal(k_scale, v_scale)))
+        # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale. A
+        # block-scaled latent is written by the torch encode (the fused write's heads stop at 256 values)
+        fusable = decodes and (not mla_model or (layout is None and bool(torch.equal(k_scale, v_scale))))
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
                                fusable, layout=layout, window=windows.get(index) if windowed else None)
         if decodes:

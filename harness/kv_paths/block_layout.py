@@ -80,8 +80,10 @@ class BlockScaledLayout:
         block_scales.view(-1, *block_scales.shape[2:])[slots[keep]] = blocks[keep].to(block_scales.dtype)
 
 
-def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = False) -> str | None:
-    """Why our block-scaled kernels (write=True: the fused write) do not serve `kv_format` (None: they do)."""
+def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = False,
+            max_head_size: int = 256) -> str | None:
+    """Why our block-scaled kernels (write=True: the fused write) do not serve `kv_format` (None: they do);
+    max_head_size: 1024 for an MLA latent (the GQA kernels' heads stop at 256)."""
     name = kv_format.spec_name
     if kv_format.is_legacy_fp8 or not kv_format.block_scale:
         return f"{name}: not block-scaled (the FP8 kernels' format)"
@@ -102,8 +104,8 @@ def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = Fal
         return f"{name}: {', '.join(extras)} (not in the kernels' numerics)"
     if head_size is not None:
         block = kv_format.block_size or head_size
-        if not (16 <= head_size <= 256 and head_size & (head_size - 1) == 0 and head_size % block == 0):
-            return f"{name}: head size {head_size} (the kernels take powers of two 16-256, whole blocks)"
+        if not (16 <= head_size <= max_head_size and head_size & (head_size - 1) == 0 and head_size % block == 0):
+            return f"{name}: head size {head_size} (the kernels take powers of two 16-{max_head_size}, whole blocks)"
         if kv_format.element.bits == 4 and head_size < 32 and not write:
             # the decode splits a head's even and odd values into two dots of head_size / 2 (>= 16 deep); joined
             # instead at head size 16, it gave kernel_err_ratio above 4 on an H200 (Triton 3.6) for every 4-bit

@@ -76,35 +76,45 @@ BLOCK_SCALED = ("nvfp4", "nvfp4_4over6", "mxfp8", "mxfp4", "fp4_mx_block16", "fp
 DECODE_ATTENTION_BLOCK_SCALED = KernelCapability(
     "decode_attention_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
     ("gqa",), (16, 256), power_of_two_heads=True)
+# MLA over a block-scaled latent (k_pe kept in 16 bits beside it, as engines do): the same Triton kernel, one latent
+# read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512)
+MLA_DECODE_BLOCK_SCALED = KernelCapability(
+    "mla_decode_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
+    ("mla",), (32, 1024), power_of_two_heads=True)
 # 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce
 FUSED_WRITE_BLOCK_SCALED = KernelCapability(
     "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py", tuple(f for f in BLOCK_SCALED if f != "nvfp4_4over6"),
     ("per_tensor", "per_head"), mixed=True, power_of_two_heads=True, head_sizes=(16, 256))
 
-DECODE_KERNELS = (DECODE_ATTENTION, DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE)
+DECODE_KERNELS = (DECODE_ATTENTION, DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE, MLA_DECODE_BLOCK_SCALED)
 CACHE_WRITES = (FUSED_WRITE, FUSED_WRITE_BLOCK_SCALED, CPU_C_WRITE)
 
 
 def decode_kernel(kv_path: KVPath, mla: bool) -> KernelCapability:
     """The decode kernel a path's layout and format family asks (the block-scaled one for block-scaled K)."""
     if mla:
-        return MLA_DECODE
+        return MLA_DECODE_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else MLA_DECODE
     return DECODE_ATTENTION_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else DECODE_ATTENTION
 
 
-def decode_refusal(kv_path: KVPath, mla: bool, head_size: int | None = None) -> str | None:
-    """Why our decode kernel for this layout does not serve the path (None: it does)."""
+def decode_refusal(kv_path: KVPath, mla: bool, head_size: int | None = None,
+                   rope_size: int | None = None) -> str | None:
+    """Why our decode kernel for this layout does not serve the path (None: it does). On an MLA model head_size is
+    the latent's width and rope_size k_pe's."""
     if not kv_path.is_quantized:
         return "not an FP8 path"
     kernel = decode_kernel(kv_path, mla)
-    if not mla and kv_path.k_format.name not in BLOCK_SCALED + FP8:
-        why = block_layout.refusal(kv_path.k_format, head_size)
-        return (f"no decode kernel serves {kv_path.k_format.spec_name} ({why}): {DECODE_ATTENTION.name} takes "
-                f"{', '.join(FP8)}, {DECODE_ATTENTION_BLOCK_SCALED.name} {', '.join(BLOCK_SCALED)}; torch attention "
-                f"instead")
+    if kv_path.k_format.name not in BLOCK_SCALED + FP8:
+        fp8, block_scaled = (MLA_DECODE, MLA_DECODE_BLOCK_SCALED) if mla else (DECODE_ATTENTION,
+                                                                              DECODE_ATTENTION_BLOCK_SCALED)
+        why = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256)
+        return (f"no decode kernel serves {kv_path.k_format.spec_name} ({why}): {fp8.name} takes "
+                f"{', '.join(FP8)}, {block_scaled.name} {', '.join(BLOCK_SCALED)}; torch attention instead")
     refusal = kernel.refusal(kv_path, "mla" if mla else "gqa", head_size)
-    if refusal is None and kernel is DECODE_ATTENTION_BLOCK_SCALED:   # the format's blocks against the head size
-        refusal = block_layout.refusal(kv_path.k_format, head_size)
+    if refusal is None and kernel in (DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE_BLOCK_SCALED):   # blocks vs the head
+        refusal = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256)
+        if refusal is None and mla and rope_size is not None and (rope_size < 16 or rope_size & (rope_size - 1)):
+            refusal = f"k_pe of {rope_size} values (its dot takes a power of two of 16 or more)"
         refusal = refusal and f"{kernel.name} ({kernel.where}): {refusal}"
     return refusal
 

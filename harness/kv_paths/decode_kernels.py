@@ -33,6 +33,11 @@ BLOCK_SCALED_BUILTIN = {
     "triton": "kernels.decode_attention_block_scaled:decode_attention_block_scaled",
     "reference": "kernels.reference:decode_attention_block_scaled",
 }
+# ... and their MLA decode over a block-scaled latent (k_pe in 16 bits beside it)
+BLOCK_SCALED_MLA_BUILTIN = {
+    "triton": "kernels.decode_attention_block_scaled:mla_decode_block_scaled",
+    "reference": "kernels.reference:mla_decode_block_scaled",
+}
 DEFAULT = "triton"
 # What each built-in's GQA decode computes beyond SDPA (keywords the model hands its attention function, and "window":
 # a sliding-window or chunked layer's first key per row). Their MLA, block-scaled and FP8-attention (q_scale /
@@ -66,6 +71,7 @@ class DecodeKernel:
     decode_attention: Callable | None
     mla_decode: Callable | None
     block_scaled: Callable | None = None  # built-ins: decode_attention over block-scaled pages
+    mla_block_scaled: Callable | None = None  # built-ins: MLA decode over a block-scaled latent
 
     def __post_init__(self):
         if self.decode_attention is None and self.mla_decode is None:
@@ -108,7 +114,8 @@ def resolve(name: str) -> DecodeKernel:
     if name in BUILTIN:
         gqa, mla = (_load(target, name) for target in BUILTIN[name].split("|"))
         block_scaled = _load(BLOCK_SCALED_BUILTIN[name], name) if name in BLOCK_SCALED_BUILTIN else None
-        return DecodeKernel(name, gqa, mla, block_scaled)
+        mla_block_scaled = _load(BLOCK_SCALED_MLA_BUILTIN[name], name) if name in BLOCK_SCALED_MLA_BUILTIN else None
+        return DecodeKernel(name, gqa, mla, block_scaled, mla_block_scaled)
     target = _load(name, name)
     gqa, mla = getattr(target, "decode_attention", None), getattr(target, "mla_decode", None)
     if gqa is None and mla is None:
@@ -164,6 +171,17 @@ def run_gqa_block_scaled(kernel: DecodeKernel, q, k_codes, v_codes, k_block_scal
     result = kernel.block_scaled(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq_lens, k_scale,
                                  v_scale, sm_scale, **layout)
     return _output(kernel, "decode_attention_block_scaled", result, q, q.shape)
+
+
+def run_mla_block_scaled(kernel: DecodeKernel, q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens,
+                         scale, sm_scale: float, layout: dict) -> torch.Tensor:
+    """out [B, H, Dc] (latent space) from the built-in's MLA decode over a block-scaled latent (`layout`: the
+    format's element / block scale / block size), checked."""
+    if kernel.mla_block_scaled is None:
+        raise KernelPluginError(f"kernel {kernel.name!r} has no MLA decode over block-scaled latents")
+    result = kernel.mla_block_scaled(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale,
+                                     sm_scale, **layout)
+    return _output(kernel, "mla_decode_block_scaled", result, q_latent, q_latent.shape)
 
 
 def run_mla(kernel: DecodeKernel, q_latent, q_pe, cache, block_table, seq_lens, scale,

@@ -142,8 +142,11 @@ def _kernel_refusal(kv_path: KVPath | None, facts: ModelFacts, use_kernels: bool
         return "not an FP8 path"
     if kv_path.emulated:
         return "emulated outside the engine (the yardstick's twin): torch's attention over its own cache write"
-    for head_dim in (facts.head_dims or (None,)) if not named else (None,):
-        refusal = capabilities.decode_refusal(kv_path, facts.mla_dims is not None, head_dim)
+    # an MLA model's cache holds its latent and k_pe: their widths are what the decode kernel reads
+    sizes = (facts.mla_dims[0],) if facts.mla_dims is not None else facts.head_dims
+    rope = facts.mla_dims[1] if facts.mla_dims is not None else None
+    for head_dim in (sizes or (None,)) if not named else (None,):
+        refusal = capabilities.decode_refusal(kv_path, facts.mla_dims is not None, head_dim, rope)
         if refusal is not None:  # a plug-in takes the contract's paged FP8 caches: the same formats, any head size
             return refusal
     if kv_path.quantizes_attention and name not in FP8_ATTENTION_KERNELS:
