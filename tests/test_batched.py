@@ -438,6 +438,38 @@ def test_static_decode_step_never_reads_back_to_the_host(cpu_models, monkeypatch
     assert counted and all(reads == [] for reads in counted), counted
 
 
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp4", "mxfp8", "int4_per_token_head"])
+@pytest.mark.parametrize("slots", [[5, -1, 17, 2], [-1, -1, 9, -1], [-1, -1, -1, -1]])
+def test_block_scaled_torch_write_skips_slots_without_reading_back(spec, slots):
+    """The torch write of a block-scaled cache (an MLA latent's codes and block scales, and k_pe beside them:
+    `PagedKV.store`) stores the kept rows where the boolean-mask write did and nothing else, and reads nothing back
+    to the host: its mask index was a sync, so an MLA decode step over an NVFP4 / MXFP4 / INT4 latent failed CUDA
+    graph capture and decoded eagerly (H200, session 27)."""
+    from harness.kv_paths import block_layout
+    from harness.kv_paths.formats import format_of_spelling
+
+    layout = block_layout.of(format_of_spelling(spec))
+    torch.manual_seed(0)
+    slots = torch.tensor(slots)
+    x, k_pe = torch.randn(4, 1, 64), torch.randn(4, 16).bfloat16()
+    pe_pages = torch.randn(32, 16).bfloat16()
+    want_pe = pe_pages.clone()
+    want_pe[slots[slots >= 0]] = k_pe[slots >= 0]
+    with _HostReads() as mode:
+        block_layout.store_rows(pe_pages, slots, k_pe)
+    assert mode.reads == [] and torch.equal(pe_pages, want_pe)
+    codes, scales = (t.view(-1, *t.shape[2:]) for t in layout.allocate(2, 16, 1, 64, "cpu"))
+    codes.random_(0, 255)
+    want_codes, want_scales = codes.clone(), scales.clone()
+    packed, blocks = layout.pages(layout.kv_format.encode(x, None))
+    want_codes[slots[slots >= 0]] = packed[slots >= 0]
+    want_scales[slots[slots >= 0]] = blocks[slots >= 0].to(scales.dtype)
+    with _HostReads() as mode:
+        layout.store(x, None, codes.view(2, 16, *codes.shape[1:]), scales.view(2, 16, *scales.shape[1:]), slots)
+    assert mode.reads == [], mode.reads
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
 def test_static_decode_is_refused_for_layers_without_static_storage(cpu_models):
     """A layer kind without static storage (a window beside an SSM state, indexer keys) or a position bias computed
     from the cache's sizes decodes with the growing cache, and the engine says why; windowed and hybrid layers have

@@ -313,9 +313,8 @@ class PagedKV:
         if self.layout is not None and self.mla:  # the latent encoded (torch) in the kernels' layout; k_pe as given
             self.layout.store(key[:, 0].reshape(rows * chunk, 1, -1), self.k_scale, self.pages[0], self.pages[1],
                               slots)
-            real = slots >= 0
-            self.pages[2].view(-1, value.shape[-1])[slots[real]] = \
-                value[:, 0].reshape(rows * chunk, -1)[real].to(self.pages[2].dtype)
+            block_layout.store_rows(self.pages[2].view(-1, value.shape[-1]), slots,
+                                    value[:, 0].reshape(rows * chunk, -1).to(self.pages[2].dtype))
             return
         if self.layout is not None:  # the formats' torch encode, stored in the kernels' layout
             for x, scale, first in ((key, self.k_scale, 0), (value, self.v_scale, 2)):

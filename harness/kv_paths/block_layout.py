@@ -75,9 +75,22 @@ class BlockScaledLayout:
         paged caches at slots [N] (-1 skips), as the fused write stores it."""
         static = None if scale is None else (scale.view(-1, 1) if scale.dim() else scale)
         packed, blocks = self.pages(self.kv_format.encode(x, static))
-        keep = slots >= 0
-        codes.view(-1, *codes.shape[2:])[slots[keep]] = packed[keep]
-        block_scales.view(-1, *block_scales.shape[2:])[slots[keep]] = blocks[keep].to(block_scales.dtype)
+        store_rows(codes.view(-1, *codes.shape[2:]), slots, packed)
+        store_rows(block_scales.view(-1, *block_scales.shape[2:]), slots, blocks.to(block_scales.dtype))
+
+
+def store_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat[slots[i]] = rows[i] where slots[i] >= 0, without asking the host anything (so a CUDA graph can capture
+    it: a boolean-mask index waits for the device to count the mask, and capture refuses it). A skipped row writes
+    the first kept row's slot with that row's own values (the same bytes twice), or, when no row is kept, slot 0
+    with what slot 0 holds."""
+    keep = slots >= 0
+    first = keep.long().argmax().view(1)             # the first kept row (0 when none is)
+    fill_slot = slots[first].clamp(min=0)
+    fill = torch.where(keep[first].view(-1, *[1] * (rows.dim() - 1)), rows[first], flat[fill_slot].to(rows.dtype))
+    wide = [-1, *[1] * (rows.dim() - 1)]
+    target = torch.where(keep, slots, fill_slot)
+    flat.index_copy_(0, target, torch.where(keep.view(wide), rows, fill).to(flat.dtype))
 
 
 def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = False,
