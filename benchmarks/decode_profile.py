@@ -10,7 +10,8 @@ SHORT + 5 tokens less one of SHORT, over 5: step 0's kernel check in both), heav
 its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's are
 what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
 `--prefill`: the same for the prompts' prefill instead (a 1-token call: the first token comes from the prefill's
-logits), its wall time synchronised, and the host ops with the most time of their own.
+logits), its wall time synchronised, every kernel's summed time (the wall time less it: the GPU idle), the host
+ops with the most time of their own, and each later path against the first: the kernels that differ most.
 """
 
 from __future__ import annotations
@@ -69,7 +70,15 @@ def prefill_profile(engine: BatchedEngine, prompts: list[list[int]], top: int) -
                       and e.cpu_time_total == 0), reverse=True)
     host = sorted(((e.self_cpu_time_total / 1e3, e.count, e.key) for e in events if e.self_cpu_time_total > 0),
                   reverse=True)
-    return wall, kernels[:top], host[:top]
+    return wall, kernels, host[:top]
+
+
+def kernel_differences(base: list, other: list, top: int) -> list[tuple[float, float, float, str]]:
+    """(other ms - base ms, base ms, other ms, kernel) of the kernels whose time differs most between two paths'
+    lists of (ms, calls, name): what one path adds to (or saves on) the other's."""
+    a, b = {name: ms for ms, _, name in base}, {name: ms for ms, _, name in other}
+    rows = [(b.get(k, 0.0) - a.get(k, 0.0), a.get(k, 0.0), b.get(k, 0.0), k) for k in set(a) | set(b)]
+    return sorted(rows, key=lambda r: -abs(r[0]))[:top]
 
 
 def main() -> None:
@@ -87,19 +96,31 @@ def main() -> None:
     prompts = scale_bench.prompts(args.batch, args.context, loaded.model.config.vocab_size, seed=1)
     print(f"{args.config} b{args.batch} {args.context}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.prefill:
+        profiled = {}
         for spec in args.paths.split(","):
             engine = BatchedEngine(loaded.backend(parse_path(spec)), BatchSettings(batch_size=args.batch,
                                                                                    kernel_check_every=10**9))
             wall, kernels, host = prefill_profile(engine, prompts, args.top)
-            print(f"\n{spec}: prefill {wall:.3f} s wall; kernels {sum(r[0] for r in kernels):.1f} ms (top "
-                  f"{args.top})\n| ms | calls | kernel |\n|---:|---:|---|")
-            for ms, calls, name in kernels:
+            profiled[spec] = (wall, kernels)
+            busy = sum(r[0] for r in kernels)
+            # the kernels' summed time against the call's wall time: what is left is GPU time no kernel ran
+            print(f"\n{spec}: prefill {wall:.3f} s wall; every kernel {busy:.1f} ms ({len(kernels)} kinds), the GPU "
+                  f"idle {wall * 1e3 - busy:.1f} ms\n| ms | calls | kernel |\n|---:|---:|---|")
+            for ms, calls, name in kernels[:args.top]:
                 print(f"| {ms:.1f} | {calls} | `{name[:100]}` |")
             print("| host ms (self) | calls | op |\n|---:|---:|---|")
             for ms, calls, name in host:
                 print(f"| {ms:.1f} | {calls} | `{name[:100]}` |", flush=True)
             del engine
             torch.cuda.empty_cache()
+        first, *rest = profiled
+        for spec in rest:
+            (base_wall, base), (wall, kernels) = profiled[first], profiled[spec]
+            print(f"\n{spec} against {first}: wall {(wall - base_wall) * 1e3:+.1f} ms, kernels "
+                  f"{sum(r[0] for r in kernels) - sum(r[0] for r in base):+.1f} ms; the kernels that differ most")
+            print(f"| ms ({spec} - {first}) | {first} ms | {spec} ms | kernel |\n|---:|---:|---:|---|")
+            for delta, a, b, name in kernel_differences(base, kernels, args.top):
+                print(f"| {delta:+.1f} | {a:.1f} | {b:.1f} | `{name[:100]}` |")
         return
     print("| path | graph step ms | eager static step ms | kernels ms / step | kernels / step |")
     print("|---|---:|---:|---:|---:|")

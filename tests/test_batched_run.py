@@ -121,6 +121,18 @@ def test_scale_bench_drops_a_decode_step_that_is_prefill_noise():
     assert scale_bench.difference_step(0.0012, 0.0105) is None       # 13,220 tok/s at batch 16: 8.7x the median's
 
 
+def test_decode_profile_lists_the_kernels_one_path_adds_or_saves():
+    """decode_profile --prefill's difference table: every kernel of either path, by the size of the change, a kernel
+    only one path runs counted against 0 (how session 27 found what an FP8 prefill adds to BF16's)."""
+    from benchmarks import decode_profile
+
+    bf16 = [(4768.0, 128, "fmha"), (34.4, 256, "index_copy")]
+    fp8 = [(4750.2, 128, "fmha"), (34.4, 256, "index_copy"), (28.4, 256, "_quantize_store_kernel")]
+    rows = decode_profile.kernel_differences(bf16, fp8, top=2)
+    assert [r[3] for r in rows] == ["_quantize_store_kernel", "fmha"]
+    assert rows[0][:3] == (28.4, 0.0, 28.4) and rows[1][0] == pytest.approx(-17.8)
+
+
 def test_scale_bench_refuses_an_unknown_config_before_any_work(monkeypatch, capsys):
     """A misspelt `--configs` name (`mla8k`) would run nothing for it and print a table without its rows: refused as
     input (exit 2), before CUDA or a model, naming the known configurations (mla-8k among them)."""
