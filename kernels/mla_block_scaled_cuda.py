@@ -38,10 +38,14 @@ def _gpu(index: int) -> tuple[tuple[int, int], int]:
             torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
+def _tile_bytes() -> int:
+    """Tile stages: rows, and the row shifts (32 bytes every 8 rows, 32 for the last rows)."""
+    return STAGES * (TOKENS * ROW_BYTES + 32 * (TOKENS // 8) + 32)
+
+
 def _smem() -> int:
-    """Tile stages (rows and 32 bytes of row shifts), Q's fragments (36 k steps), two score buffers, mbarriers."""
-    tiles = STAGES * (TOKENS * ROW_BYTES + 32)
-    return tiles + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4 + 8 * STAGES
+    """Tile stages, Q's fragments (36 k steps), two score buffers, mbarriers."""
+    return _tile_bytes() + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4 + 8 * STAGES
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor,
@@ -78,7 +82,7 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     device = q_latent.device
     page = codes.shape[1]
     defines = (("NW", WARPS), ("NB", BLOCKS), ("STAGES", STAGES), ("MT", HEADS_PER_BLOCK // 16), ("CTAS", CTAS),
-               ("PAGE", page), ("TILE_BYTES", STAGES * (TOKENS * ROW_BYTES + 32)),
+               ("PAGE", page), ("TILE_BYTES", _tile_bytes()),
                ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)))
     kernel = nvrtc.build(SOURCE, "mla_nvfp4_decode", defines, device.index)
     head_blocks = -(-heads // HEADS_PER_BLOCK)

@@ -40,16 +40,20 @@
 #define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row (the copy, the zeroing)
 #define SX_FLOATS (NW * 32 * MT * NB * 4)
 #define KSTEPS (LAT / 16 + ROPE / 16)  // 32 latent k steps, then 4 of k_pe
-#define NSTAGE_BYTES (BN * NROW + 32)
+#define NSTAGE_BYTES (BN * NROW + 32 * (BN / 8) + 32)
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
 #endif
+static_assert(BN % 16 == 0, "P . C takes k steps of 16 tokens");
 static_assert(NPC % 8 == 0, "P . C takes the latent columns in groups of 64 a warp");
 
-// Row r at r x 416 bytes (104 words, 8 mod 32), plus 32 bytes where bit 2 of r is set: within any 8 rows, rows 0-3,
-// rows 4-7, the even and the odd rows each start in four different 8-bank groups, so Q . C^T's 8-byte loads (rows g
-// of a half warp) and P . C's 4-byte loads (rows 2q and 2q + 1) hit distinct banks.
-__device__ __forceinline__ int tile_at(int row, int byte) { return row * NROW + 32 * ((row >> 2) & 1) + byte; }
+// Row r at r x 416 bytes (104 words, 8 mod 32), plus 32 bytes where bit 2 of r is set, plus 32 bytes every 8 rows (so
+// that a shifted row 8k + 7 never overlaps row 8k + 8): within any 8 aligned rows, rows 0-3, rows 4-7, the even and
+// the odd rows each start in four different 8-bank groups, so Q . C^T's 8-byte loads (rows g of a half warp) and
+// P . C's 4-byte loads (rows 2q, or 2q + 1, of 8 aligned rows) hit distinct banks.
+__device__ __forceinline__ int tile_at(int row, int byte) {
+  return row * NROW + 32 * ((row >> 2) & 1) + 32 * (row >> 3) + byte;
+}
 
 __device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
