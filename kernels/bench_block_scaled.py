@@ -272,22 +272,25 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
             quantize_store_block_scaled(x[start:start + count].view(1, count, 2, MLA_LATENT // 2).bfloat16()
                                         .transpose(1, 2), scale, slots=torch.arange(start, start + count, device="cuda"),
                                         page_size=PAGE, **halves, **write)
-        fn = lambda: mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq, scale, sm,  # noqa: E731
-                                             **kernel)
-        ms = _ms(fn)
         latent = ref.dequantize_block_scaled(codes[:ctx // PAGE], scales[:ctx // PAGE], scale, **kernel)[:, :, 0]
         rows = torch.cat([latent, k_pe[:ctx // PAGE].float()], -1).view(ctx, -1).double()
         s = (torch.cat([q_latent[0], q_pe[0]], -1).double() @ rows.T) * sm
         truth = torch.softmax(s, -1) @ rows[:, :MLA_LATENT]
-        ours = fn()[0][0]
         one = lambda t: t[:1]  # noqa: E731
         dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
-        err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
-        target = MLA_TARGETS.get(label)
-        lines.append(f"| {batch} | {ctx} | {heads} | ours MLA {label} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
-                     f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")
-        print(lines[-1], flush=True)
+        # the entry (NVFP4: the CUDA kernel, kernels/mla_decode_nvfp4.cu), and NVFP4's Triton kernel beside it
+        for impl in (None, "triton") if label == "NVFP4" else (None,):
+            fn = lambda impl=impl: mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq,  # noqa: E731
+                                                           scale, sm, **kernel, impl=impl)
+            ms = _ms(fn)
+            ours = fn()[0][0]
+            err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
+            target = MLA_TARGETS.get(label) if impl is None else None
+            name = f"ours MLA {label}" + (", Triton" if impl == "triton" else "")
+            lines.append(f"| {batch} | {ctx} | {heads} | {name} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
+                         f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")
+            print(lines[-1], flush=True)
         codes = scales = None
         torch.cuda.empty_cache()
     return lines

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gqa_decode_cuda, nvrtc
+from kernels import gqa_decode_cuda, mla_block_scaled_cuda, nvrtc
 from kernels.configs import launch_config
 from kernels.decode_attention import (LOG2E, _decode_attention_pages, _widen_fp8, interpreting, merge_splits,
                                       on_tensor_device, partials, plan_splits)
@@ -459,7 +459,7 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
                             seq_lens: torch.Tensor, scale: torch.Tensor | None, sm_scale: float,
                             num_splits: int | None = None, *, element: str, block_scale: str, block_size: int,
                             block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                            asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            asm: bool | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode (absorbed projections) over a block-scaled latent: the latent c_j in the paged layout of
     kernels/reference.py ("Block-scaled caches") with one KV head (codes [num_blocks, page, 1, Dc * bits / 8], block
     scales [num_blocks, page, 1, Dc / B] bits or fp32 [num_blocks, page, 1]), k_pe [num_blocks, page, Dr] in
@@ -469,7 +469,10 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
     The GQA kernel above runs it: K = [c | k_pe], V = c (its widened tile reused), head blocks of up to 16 query
     heads as its "KV heads" over the one latent. q_latent: [B, H, Dc], q_pe: [B, H, Dr]; scale: the latent's static
     scale (fp32 [] or None). Returns (out [B, H, Dc] q_latent.dtype, lse [B, H] fp32 natural log). Mirror:
-    `reference.mla_decode_block_scaled`."""
+    `reference.mla_decode_block_scaled`.
+    impl: None runs the CUDA kernel (kernels/mla_block_scaled_cuda.py: NVFP4, latent 512 + 64, sm_90) where it
+    serves the call and this Triton kernel elsewhere; "triton" this one; "cuda" the CUDA kernel or ValueError with
+    the reason it cannot."""
     batch, heads, latent_dim = q_latent.shape
     rope_dim = q_pe.shape[-1]
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.shape == (batch, heads, rope_dim), \
@@ -485,6 +488,19 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
     block = latent_dim if block_scale == "fp32" else block_size
     _check_layout(codes, block_scales, scale, "latent", element, block_scale, block, 1, latent_dim)
     assert scale is None or scale.dim() == 0, "the latent's static scale is one value"
+    assert impl in (None, "triton", "cuda"), f"impl must be None, 'triton' or 'cuda', got {impl!r}"
+    if impl != "triton":
+        why = mla_block_scaled_cuda.refusal(q_latent, q_pe, codes, block_scales, k_pe, element, block_scale, block)
+        if why is None:
+            try:
+                return mla_block_scaled_cuda.decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens,
+                                                    scale, sm_scale, num_splits)
+            except nvrtc.BuildError as error:   # this machine's NVRTC or driver refused it: the Triton kernel runs
+                if impl == "cuda":
+                    raise
+                gqa_decode_cuda.warn_fallback("mla_decode_block_scaled", str(error), "kernels/mla_decode_nvfp4.cu")
+        elif impl == "cuda":
+            raise ValueError(f"impl='cuda' cannot run: {why}")
     assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "q_latent / q_pe: the last dim must be contiguous"
     device = q_latent.device
     assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"

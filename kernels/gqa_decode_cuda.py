@@ -96,10 +96,10 @@ def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.T
 
 
 @functools.lru_cache(maxsize=None)
-def warn_fallback(launcher: str, reason: str) -> None:
-    """Once per launcher and reason: the kernel did not build, so `launcher` runs its Triton kernel."""
-    warnings.warn(f"{launcher}: the CUDA kernel (kernels/gqa_decode_block_scaled.cu) did not build here, so the "
-                  f"Triton kernel runs instead: {reason}", RuntimeWarning, stacklevel=4)
+def warn_fallback(launcher: str, reason: str, source: str = "kernels/gqa_decode_block_scaled.cu") -> None:
+    """Once per launcher and reason: the kernel (`source`) did not build, so `launcher` runs its Triton kernel."""
+    warnings.warn(f"{launcher}: the CUDA kernel ({source}) did not build here, so the Triton kernel runs instead: "
+                  f"{reason}", RuntimeWarning, stacklevel=4)
 
 
 def two_ahead_fits(element: str, block_scale: str, block: int, head_dim: int, ctas: int) -> bool:

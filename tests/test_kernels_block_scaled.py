@@ -152,3 +152,26 @@ def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):
     with pytest.raises(ValueError, match="runs on CUDA tensors, got cpu ones"):
         decode_attention_block_scaled(q, codes, codes, blocks, blocks, table, seq, None, None, 0.125, impl="cuda",
                                       **layout.kernel_args)
+
+
+@pytest.mark.parametrize(("fmt", "latent", "pe_row", "why"), [
+    ("mxfp4", 512, 64, "it reads NVFP4 latents (e2m1 under e4m3 scales per 16), got e2m1 / e8m0 / 32"),
+    ("int4_per_token_head", 512, 64, "it reads NVFP4 latents"),
+    ("nvfp4", 256, 64, "it is built for a latent of 512 and k_pe of 64, got 256 and 64"),
+    ("nvfp4", 512, 68, "it copies whole rows"),                  # k_pe slots 136 bytes apart: not 16-byte units
+    ("nvfp4", 512, 64, "it runs on CUDA tensors, got cpu ones")])
+def test_mla_cuda_kernel_says_what_it_does_not_serve(monkeypatch, fmt, latent, pe_row, why):
+    """MLA over a block-scaled latent with impl="cuda" (kernels/mla_decode_nvfp4.cu): the layout and the shapes are
+    judged before the device, and each refusal names its reason instead of running the Triton kernel."""
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    codes, blocks = layout.allocate(2, 16, 1, latent, "cpu")
+    k_pe = torch.zeros(2, 16, pe_row, dtype=torch.bfloat16)[..., :64]
+    q_latent, q_pe = torch.zeros(1, 16, latent, dtype=torch.bfloat16), torch.zeros(1, 16, 64, dtype=torch.bfloat16)
+    table, seq = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    scale = torch.tensor(1.0) if layout.static else None
+    with pytest.raises(ValueError, match=re.escape(why)):
+        mla_decode_block_scaled(q_latent, q_pe, codes, blocks, k_pe, table, seq, scale, 0.1, impl="cuda",
+                                **layout.kernel_args)

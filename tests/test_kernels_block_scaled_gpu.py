@@ -12,6 +12,7 @@ encode on the same GPU bit for bit (codes, block scales, read-back) and its stat
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -281,15 +282,49 @@ def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
 MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"]
 
 
+def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
+    """A paged block-scaled latent (512) with k_pe (64) beside it in q's type, and the query."""
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    latent_dim, rope_dim = 512, 64
+    table, slots, num_blocks = _pages(lengths, page)
+    total = sum(lengths)
+    scale = torch.tensor(0.01, device="cuda") if layout.static else None
+    x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
+    codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
+    layout.store(x.to(q_dtype), scale, codes, block_scales, slots)
+    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
+    k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).to(q_dtype)
+    q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).to(q_dtype)
+    q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).to(q_dtype)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return SimpleNamespace(layout=layout, table=table, scale=scale, codes=codes, block_scales=block_scales, k_pe=k_pe,
+                           q_latent=q_latent, q_pe=q_pe, seq_lens=seq_lens, sm_scale=(latent_dim + rope_dim) ** -0.5)
+
+
+def _run_mla(case, **kwargs):
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+
+    return mla_decode_block_scaled(case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table,
+                                   case.seq_lens, case.scale, case.sm_scale, **case.layout.kernel_args, **kwargs)
+
+
 @pytest.mark.parametrize("fmt", MLA_FORMATS)
-@pytest.mark.parametrize("heads", [16, 20, 128])   # 20: head blocks of 10; 128: eight blocks of 16
-def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt, heads):
-    """MLA (latent 512 + RoPE 64) over a block-scaled latent and a bf16 k_pe, against fp64 over the stored values,
-    relative to "dequantise the latent to bf16, then our BF16 MLA kernel" (kernels/mla_decode.py), as the GQA cases
-    (SLACK and the magnitude check beside)."""
+@pytest.mark.parametrize("heads", [16, 20, 128])   # 20: head blocks of 10 (CUDA: 16 and 4); 128: eight of 16
+@pytest.mark.parametrize(("impl", "q_dtype"), [("triton", torch.bfloat16), ("cuda", torch.bfloat16),
+                                               ("cuda", torch.float16)])
+def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt, heads, impl, q_dtype):
+    """MLA (latent 512 + RoPE 64) over a block-scaled latent and a 16-bit k_pe, against fp64 over the stored values,
+    relative to "dequantise the latent to q's type, then our BF16 MLA kernel" (kernels/mla_decode.py), as the GQA
+    cases (SLACK and the magnitude check beside). impl="cuda" serves NVFP4 (kernels/mla_decode_nvfp4.cu) and names
+    why it does not serve the rest."""
     from kernels.decode_attention_block_scaled import mla_decode_block_scaled
     from kernels.mla_decode import mla_decode
 
+    if impl == "cuda" and fmt != "nvfp4":
+        case = _mla_case(fmt, heads, [40], q_dtype=q_dtype)
+        with pytest.raises(ValueError, match="it reads NVFP4 latents"):
+            _run_mla(case, impl="cuda")
+        return
     layout = block_layout.of(kv_formats.get_format(fmt))
     lengths, page, latent_dim, rope_dim = [1, 17, 1000, 4099, 5], 16, 512, 64
     table, slots, num_blocks = _pages(lengths, page)
@@ -298,17 +333,17 @@ def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt
     x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
     codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
     layout.store(x.bfloat16(), scale, codes, block_scales, slots)
-    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=torch.bfloat16)
-    k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).bfloat16()
-    q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).bfloat16()
-    q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).bfloat16()
+    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
+    k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).to(q_dtype)
+    q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).to(q_dtype)
+    q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).to(q_dtype)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     sm_scale = (latent_dim + rope_dim) ** -0.5
     out, lse = mla_decode_block_scaled(q_latent, q_pe, codes, block_scales, k_pe, table, seq_lens, scale, sm_scale,
-                                       **layout.kernel_args)
+                                       **layout.kernel_args, impl=impl)
     latent = ref.dequantize_block_scaled(codes, block_scales, scale, **layout.kernel_args)[:, :, 0]   # fp32
     cache = torch.cat([latent, k_pe.float()], -1)                                    # [num_blocks, page, 576]
-    dequantised = mla_decode(q_latent, q_pe, cache.bfloat16(), table, seq_lens, None, sm_scale)[0]
+    dequantised = mla_decode(q_latent, q_pe, cache.to(q_dtype), table, seq_lens, None, sm_scale)[0]
     truths, truth_lses = [], []
     for b, n in enumerate(lengths):
         rows = cache.view(-1, cache.shape[-1])[(table[b, :-(-n // page)].long()[:, None] * page
@@ -319,8 +354,34 @@ def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt
     truth, truth_lse = torch.stack(truths), torch.stack(truth_lses)
     err = (out.double() - truth).abs().max().item()
     err_dequantised = (dequantised.double() - truth).abs().max().item()
-    what = f"mla {fmt} heads={heads}"
+    what = f"mla {fmt} heads={heads} impl={impl} {q_dtype}"
     assert math.isfinite(err) and err <= err_dequantised + SLACK * truth.abs().max().item(), \
         f"{what}: max error {err:.3g} against the dequantised BF16 kernel's {err_dequantised:.3g}"
     _assert_magnitude(out, truth, what)
     assert (lse.double() - truth_lse).abs().max().item() <= 1e-3, f"{what}: lse"   # fp32 scores against fp64
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_mla_cuda_kernel_reads_nothing_past_a_sequence_and_replays_in_a_cuda_graph(splits):
+    """The NVFP4 MLA CUDA kernel: NaN block scales in the stale slots past each sequence's end (its last page's
+    rest) change no output bit, at one split, three, or the planned count; and a captured launch replays to the
+    eager launch's bits."""
+    case = _mla_case("nvfp4", 16, [17, 1, 40, 300])
+    out, lse = _run_mla(case, impl="cuda", num_splits=splits)
+    assert out.isfinite().all() and lse.isfinite().all()
+    stale = case.block_scales.view(-1, case.block_scales.shape[-1]).view(torch.uint8)
+    page = case.codes.shape[1]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        last = int(case.table[b, (n - 1) // page])
+        stale[last * page + n % page if n % page else last * page + page:(last + 1) * page] = 0x7F   # e4m3 NaN
+    again, again_lse = _run_mla(case, impl="cuda", num_splits=splits)
+    assert torch.equal(out, again) and torch.equal(lse, again_lse)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run_mla(case, impl="cuda", num_splits=splits)   # warm: built outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured, captured_lse = _run_mla(case, impl="cuda", num_splits=splits)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out) and torch.equal(captured_lse, lse)

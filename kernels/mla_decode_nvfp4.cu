@@ -1,0 +1,425 @@
+// MLA decode over a paged NVFP4 latent (e2m1 values, an e4m3 scale per 16, an optional fp32 static scale) with k_pe
+// beside it in the query's 16-bit type, split-KV: the CUDA kernel of kernels/decode_attention_block_scaled.py's
+// mla_decode_block_scaled(..., impl="cuda") (compiled at first use by NVRTC, kernels/nvrtc.py; sm_90: bulk copies).
+// Defines: NW warps, NB n8 token blocks a warp, STAGES tiles in flight, MT m16 head tiles, CTAS blocks per SM (launch
+// bounds), PAGE page size, TILE_BYTES, Q_BF16, HAS_SCALE.
+//
+// The definition of reference.mla_decode_block_scaled: s_j = sm_scale * (scale * q_latent . c_j + q_pe . pe_j),
+// out = sum_j softmax(s)_j scale c_j (latent space), with c_j = e2m1 code x its block's e4m3 scale. Here q_latent is
+// rounded to fp16, each value widened exactly into fp16 (code x block scale has at most 5 significant bits, and its
+// smallest, 2^-16, is an fp16 subnormal), scores and accumulation in fp32, online softmax in base 2 with P rounded to
+// fp16 for P . C; q_pe . pe_j is an MMA in the query's own type (bf16 or fp16: both operands exact). out = acc / l
+// and lse2 = m + log2(l) per split; kernels/splits.merge_splits combines the splits.
+//
+// The tile pipeline, the score exchange between warps and the online softmax are kernels/mla_decode_fp8.cu's (read
+// its header): warps split a tile's tokens for Q . C^T and the latent columns for P . C, both mma.sync.m16n8k16.
+// What differs is how the 4-bit values reach the MMA fragments, each widened in registers from the tile:
+// - A tile row is [256 code bytes | 32 scale bytes | 64 k_pe values] (416 bytes; three bulk copies from the three
+//   paged tensors), rows placed by tile_at() so that both products' loads are bank-conflict free.
+// - e2m1 -> fp16: a word's low nibbles become e4m3 bytes of value x 2^-6 (s e1 e0 m -> s 0 e1 e0 m 0 0), its high
+//   nibbles likewise, then cvt.rn.f16x2.e4m3x2 (kernels/gqa_decode_block_scaled.cu); the 2^6 goes into the softmax
+//   and output scales. The block scale multiplies each f16x2 pair (exact).
+// - Q . C^T: lane q of a k step takes 4 values of block 4c + q (a lane's 8 bytes hold one block: one scale); the
+//   widening yields the even values' pair and the odd values' pair, so logical k (2q, 2q+1 | 2q+8, 2q+9) is values
+//   (o, o+2 | o+1, o+3) of the block, o = 4 x (step % 4), and Q is stored in that order (one 16-byte load a step).
+// - P . C: a lane needs two consecutive tokens of one latent column. It loads a word (8 columns) of each of 4 tokens
+//   and interleaves two tokens' e4m3 bytes with a byte permute before widening, so each pair holds one column of
+//   two tokens; the 8 columns become 8 different n8 blocks (block 8m + e holds columns colbase + 64m + 8n + e), and
+//   the store puts them back in place: a lane's c0 of blocks 8m .. 8m + 7 are 8 consecutive columns.
+
+#include "mla_fp8_common.cuh"
+
+#define LAT_BYTES (LAT / 2)            // e2m1 codes of a row
+#define SCALE_BYTES (LAT / 16)         // e4m3 block scales of a row
+#define PE_OFF (LAT_BYTES + SCALE_BYTES)
+#define NROW (PE_OFF + 2 * ROPE)       // bytes of a tile row: 416
+#define NT (NW * 32)
+#define BN (NW * NB * 8)               // tokens per tile
+#define NPC (LAT / (8 * NW))           // n8 latent blocks per warp in P . C
+#define HB (16 * MT)                   // heads per block
+#define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row (the copy, the zeroing)
+#define SX_FLOATS (NW * 32 * MT * NB * 4)
+#define KSTEPS (LAT / 16 + ROPE / 16)  // 32 latent k steps, then 4 of k_pe
+#define NSTAGE_BYTES (BN * NROW + 32 * (BN / 8) + 32)
+#ifndef HAS_SCALE
+#define HAS_SCALE 0
+#endif
+static_assert(BN % 16 == 0, "P . C takes k steps of 16 tokens");
+static_assert(NPC % 8 == 0, "P . C takes the latent columns in groups of 64 a warp");
+
+// Row r at r x 416 bytes (104 words, 8 mod 32), plus 32 bytes where bit 2 of r is set, plus 32 bytes every 8 rows (so
+// that a shifted row 8k + 7 never overlaps row 8k + 8): within any 8 aligned rows, rows 0-3, rows 4-7, the even and
+// the odd rows each start in four different 8-bank groups, so Q . C^T's 8-byte loads (rows g of a half warp) and
+// P . C's 4-byte loads (rows 2q, or 2q + 1, of 8 aligned rows) hit distinct banks.
+__device__ __forceinline__ int tile_at(int row, int byte) {
+  return row * NROW + 32 * ((row >> 2) & 1) + 32 * (row >> 3) + byte;
+}
+
+__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
+#if Q_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  mma_f16(d, a, b0, b1);
+#endif
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// The e2m1 nibbles in the low (high) half of each byte -> e4m3 bytes of value x 2^-6: s e1 e0 m -> s 0 e1 e0 m 0 0.
+__device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
+__device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
+
+__device__ __forceinline__ void bulk(u32 bar, u32 dst, const u8* src, int bytes) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ codes,
+    const u8* __restrict__ scales, const u8* __restrict__ k_pe, const int* __restrict__ block_table,
+    const int* __restrict__ seq_lens, const float* __restrict__ static_scale,
+    float* __restrict__ part_out, float* __restrict__ part_lse, double sm_scale_log2,
+    int tokens_per_split, int num_heads,
+    int s_lb, int s_lh, int s_pb, int s_ph, int s_cb, int s_cs, int s_sb, int s_ss, int s_eb_pe, int s_es_pe,
+    int s_tb, int s_ob, int s_oh, int s_os, int s_eb, int s_eh) {
+  extern __shared__ __align__(128) u8 smem[];
+  u8* tiles = smem;                                   // STAGES x NSTAGE_BYTES
+  U4* qs = (U4*)(smem + TILE_BYTES);                  // [KSTEPS][MT][32 lanes] A fragments
+  float* sx = (float*)(qs + KSTEPS * MT * 32);        // 2 x [NW][32 lanes][MT][NB] x 4 scores
+  unsigned long long* bars = (unsigned long long*)(sx + 2 * SX_FLOATS);   // one mbarrier per stage
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  const int hb = blockIdx.x, split = blockIdx.z;
+  const i64 b = blockIdx.y;
+  const int start = split * tokens_per_split;
+  const int end = min(start + tokens_per_split, seq_lens[b]);
+  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+#if HAS_SCALE
+  const float scale = *static_scale;
+#else
+  const float scale = 1.f;
+#endif
+  const float qk_lat = (float)sm_scale_log2 * scale * 64.f;   // 2^6: the widening's
+  const float qk_pe = (float)sm_scale_log2;
+  const float out_scale = scale * 64.f;
+
+  // Tile row t of this split: its page's slot (page index x PAGE + slot), -1 past the split's end. Loaded one tile
+  // ahead, so the copies never wait for the block table.
+  const int my_row = tid / TPR;
+  auto row_slot = [&](int t) -> i64 {
+    const int tok = start + t * BN + my_row;
+    if (t >= n_tiles || tok >= end) return -1;
+    return (i64)block_table[b * s_tb + tok / PAGE] * PAGE + tok % PAGE;
+  };
+  auto load_tile = [&](i64 slot, int st) {
+    u8* stage = tiles + st * NSTAGE_BYTES;
+    if (tid % TPR == 0) {   // the stage's mbarrier counts BN arrivals and the bytes of the valid rows
+      const u32 bar = smem_addr(bars + st);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(slot >= 0 ? NROW : 0)
+                   : "memory");
+      if (slot >= 0) {
+        const i64 page = slot / PAGE, in = slot % PAGE;
+        bulk(bar, smem_addr(stage + tile_at(my_row, 0)), codes + page * s_cb + in * s_cs, LAT_BYTES);
+        bulk(bar, smem_addr(stage + tile_at(my_row, LAT_BYTES)), scales + page * s_sb + in * s_ss, SCALE_BYTES);
+        bulk(bar, smem_addr(stage + tile_at(my_row, PE_OFF)), k_pe + page * s_eb_pe + in * s_es_pe, 2 * ROPE);
+      }
+    }
+    if (slot < 0)   // zeros: a stale or NaN slot never reaches the sums (P is 0 there, and 0 x NaN would not be)
+      for (int ch = tid % TPR; ch < NROW / 16; ch += TPR) *(U4*)(stage + tile_at(my_row, 16 * ch)) = U4{0u, 0u, 0u, 0u};
+  };
+  if (tid == 0) {
+    for (int st = 0; st < STAGES; ++st)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bars + st)), "r"(BN) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float m[MT][2], l[MT][2];
+  float o[MT][NPC][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+    for (int n = 0; n < NPC; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  }
+
+  // Q's A fragments (entry e = tid + k NT): latent steps kc < 32 (c = kc / 4, o = 4 (kc % 4)) hold columns
+  // 64c + 16q + o + (0, 2 | 1, 3) in fp16; k_pe steps hold q_pe (16 (kc - 32) + 2q + (0, 1 | 8, 9)) as stored.
+  constexpr int QE = KSTEPS * MT * 32, QN = (QE + NT - 1) / NT;
+  u32x2 qv[QN][2];
+#pragma unroll
+  for (int k = 0; k < QN; ++k) {
+    const int e = tid + k * NT;
+    const int kc = e / (MT * 32), mt = (e / 32) % MT, ln = e & 31, gg = ln >> 2, qq = ln & 3;
+    const int h0 = hb * HB + mt * 16 + gg, h1 = h0 + 8;
+    const bool in = QE % NT == 0 || e < QE;
+    if (kc < LAT / 16) {
+      const int col = 64 * (kc >> 2) + 16 * qq + 4 * (kc & 3);
+      const u16* r0 = q_lat + b * s_lb + (i64)h0 * s_lh + col;
+      const u16* r1 = q_lat + b * s_lb + (i64)h1 * s_lh + col;
+      qv[k][0] = in && h0 < num_heads ? *(const u32x2*)r0 : u32x2{0u, 0u};
+      qv[k][1] = in && h1 < num_heads ? *(const u32x2*)r1 : u32x2{0u, 0u};
+    } else {
+      const int col = 16 * (kc - LAT / 16) + 2 * qq;
+      const u16* r0 = q_pe + b * s_pb + (i64)h0 * s_ph + col;
+      const u16* r1 = q_pe + b * s_pb + (i64)h1 * s_ph + col;
+      qv[k][0] = in && h0 < num_heads ? u32x2{*(const u32*)r0, *(const u32*)(r0 + 8)} : u32x2{0u, 0u};
+      qv[k][1] = in && h1 < num_heads ? u32x2{*(const u32*)r1, *(const u32*)(r1 + 8)} : u32x2{0u, 0u};
+    }
+  }
+  i64 first[STAGES];
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) first[st] = row_slot(st);
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st)
+    if (st < n_tiles) load_tile(first[st], st);
+  i64 slot_ahead = first[STAGES - 1];
+#pragma unroll
+  for (int k = 0; k < QN; ++k) {
+    const int e = tid + k * NT;
+    if (QE % NT == 0 || e < QE) {
+      if (e / (MT * 32) < LAT / 16) {   // (x0, x2 | x1, x3) of 4 consecutive values, rounded to fp16
+        const u32x2 v0 = qv[k][0], v1 = qv[k][1];
+        qs[e] = U4{half2_of(prmt(v0.x, v0.y, 0x5410)), half2_of(prmt(v1.x, v1.y, 0x5410)),
+                   half2_of(prmt(v0.x, v0.y, 0x7632)), half2_of(prmt(v1.x, v1.y, 0x7632))};
+      } else {
+        qs[e] = U4{qv[k][0].x, qv[k][1].x, qv[k][0].y, qv[k][1].y};
+      }
+    }
+  }
+
+  // byte q of a word, twice (an e4m3x2 pair of the same scale), and bytes g / 2 of two words (two tokens' scales)
+  const u32 sel_q = q | (q << 4) | 0x4400u;
+  const u32 sel_pair = (g >> 1) | ((4 + (g >> 1)) << 4) | 0x4400u;
+
+  auto score_tile = [&](const u8* tile, float* out) {
+    // Q . C^T of one tile for this warp's NB n8 blocks of tokens (rows (warp * NB + i) * 8 + g), scaled to base 2,
+    // into `out` as [warp][lane][MT][NB] x 4. Four latent accumulators per n8 block (step % 4) and one for k_pe.
+    float part[MT][NB][5][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NB; ++i)
+#pragma unroll
+        for (int k = 0; k < 5; ++k) part[mt][i][k][0] = part[mt][i][k][1] = part[mt][i][k][2] = part[mt][i][k][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < LAT / 64; ++c) {
+      u32x2 cw[NB];
+      u32 s2[NB];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int r = (warp * NB + i) * 8 + g;
+        cw[i] = *(const u32x2*)(tile + tile_at(r, 32 * c + 8 * q));
+        s2[i] = widen2(prmt(*(const u32*)(tile + tile_at(r, LAT_BYTES + 4 * c)), 0u, sel_q));
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        u32 bw[NB][2];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const u32 w = k < 2 ? cw[i].x : cw[i].y;
+          const u32 lo = e4m3_of_low(w), hi = e4m3_of_high(w);
+          bw[i][0] = hmul2(k & 1 ? widen2_hi(lo) : widen2(lo), s2[i]);
+          bw[i][1] = hmul2(k & 1 ? widen2_hi(hi) : widen2(hi), s2[i]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const U4 a4 = qs[((4 * c + k) * MT + mt) * 32 + lane];
+          const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+          for (int i = 0; i < NB; ++i) mma_f16(part[mt][i][k], a, bw[i][0], bw[i][1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ROPE / 16; ++k) {
+      u32 bw[NB][2];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int r = (warp * NB + i) * 8 + g;
+        bw[i][0] = *(const u32*)(tile + tile_at(r, PE_OFF + 32 * k + 4 * q));
+        bw[i][1] = *(const u32*)(tile + tile_at(r, PE_OFF + 32 * k + 16 + 4 * q));
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const U4 a4 = qs[((LAT / 16 + k) * MT + mt) * 32 + lane];
+        const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+        for (int i = 0; i < NB; ++i) mma_pe(part[mt][i][4], a, bw[i][0], bw[i][1]);
+      }
+    }
+    F4* mine = (F4*)(out + (warp * 32 + lane) * MT * NB * 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          v[e] = qk_lat * ((part[mt][i][0][e] + part[mt][i][1][e]) + (part[mt][i][2][e] + part[mt][i][3][e]))
+                 + qk_pe * part[mt][i][4][e];
+        mine[mt * NB + i] = F4{v[0], v[1], v[2], v[3]};
+      }
+  };
+
+  // The software pipeline of kernels/mla_decode_fp8.cu: phase t runs the softmax and P . C of tile t and the
+  // Q . C^T of tile t + 1 while tiles t + 2 .. t + STAGES - 1 load; one barrier a tile.
+  if (n_tiles > 0) {
+    wait_parity(smem_addr(bars), 0);
+    __syncthreads();   // tile 0 and Q in place
+    score_tile(tiles, sx);
+  }
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) wait_parity(smem_addr(bars + (t + 1) % STAGES), ((t + 1) / STAGES) & 1);
+    __syncthreads();
+    if (t + STAGES - 1 < n_tiles) load_tile(slot_ahead, (t + STAGES - 1) % STAGES);
+    slot_ahead = row_slot(t + STAGES);
+    const u8* tile = tiles + (t % STAGES) * NSTAGE_BYTES;
+    const float* scores = sx + (t & 1) * SX_FLOATS;
+    // Past the last tile this scores a stale buffer into the unused half of sx: no branch in the phase.
+    score_tile(tiles + ((t + 1) % STAGES) * NSTAGE_BYTES, sx + ((t + 1) & 1) * SX_FLOATS);
+
+    const int t0 = start + t * BN;
+    const bool partial = t0 + BN > end;
+    u32 pa[MT][BN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float sc[BN / 8][4];
+#pragma unroll
+      for (int w2 = 0; w2 < NW; ++w2) {
+        const F4* theirs = (const F4*)(scores + (w2 * 32 + lane) * MT * NB * 4) + mt * NB;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const F4 v = theirs[i];
+          sc[w2 * NB + i][0] = v.x; sc[w2 * NB + i][1] = v.y; sc[w2 * NB + i][2] = v.z; sc[w2 * NB + i][3] = v.w;
+        }
+      }
+      float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (partial && t0 + 8 * j + 2 * q + (e & 1) >= end) sc[j][e] = NEG_INF;
+        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+      const float al0 = ex2(m[mt][0] - mn0), al1 = ex2(m[mt][1] - mn1);
+      float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
+        const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
+        const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
+        const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
+        rs0 += (p00 + p01) + (p10 + p11);
+        rs1 += (p02 + p03) + (p12 + p13);
+        pa[mt][j][0] = pack_half2(p00, p01);
+        pa[mt][j][1] = pack_half2(p02, p03);
+        pa[mt][j][2] = pack_half2(p10, p11);
+        pa[mt][j][3] = pack_half2(p12, p13);
+      }
+      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+      l[mt][0] = l[mt][0] * al0 + rs0;
+      l[mt][1] = l[mt][1] * al1 + rs1;
+      m[mt][0] = mn0;
+      m[mt][1] = mn1;
+#pragma unroll
+      for (int n = 0; n < NPC; ++n) {
+        o[mt][n][0] *= al0; o[mt][n][1] *= al0; o[mt][n][2] *= al1; o[mt][n][3] *= al1;
+      }
+    }
+
+    // P . C over this warp's latent columns: n8 block 8m + e holds columns colbase + 64m + 8n + e (n = 0..7). A lane
+    // reads 8 columns (a word) of tokens r0, r0 + 1, r0 + 8, r0 + 9 and their block's scale byte.
+    const int colbase = warp * (LAT / NW);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      const int r0 = 16 * j + 2 * q;
+#pragma unroll
+      for (int mm = 0; mm < NPC / 8; ++mm) {
+        const int byte = (colbase + 64 * mm) / 2 + 4 * g;
+        const int sbyte = LAT_BYTES + (colbase + 64 * mm) / 16;
+        const u32 wa = *(const u32*)(tile + tile_at(r0, byte));
+        const u32 wb = *(const u32*)(tile + tile_at(r0 + 1, byte));
+        const u32 wc = *(const u32*)(tile + tile_at(r0 + 8, byte));
+        const u32 wd = *(const u32*)(tile + tile_at(r0 + 9, byte));
+        const u32 sab = widen2(prmt(*(const u32*)(tile + tile_at(r0, sbyte)), *(const u32*)(tile + tile_at(r0 + 1, sbyte)),
+                                    sel_pair));
+        const u32 scd = widen2(prmt(*(const u32*)(tile + tile_at(r0 + 8, sbyte)), *(const u32*)(tile + tile_at(r0 + 9, sbyte)),
+                                    sel_pair));
+        // e4m3 bytes of the even (lo) and odd (hi) columns of each token, interleaved by token pair: x = (a0 b0 a2
+        // b2) of the even columns 0, 2 | y = (a4 b4 a6 b6) | the same of the odd columns
+        const u32 la = e4m3_of_low(wa), lb = e4m3_of_low(wb), ha = e4m3_of_high(wa), hb2 = e4m3_of_high(wb);
+        const u32 lc = e4m3_of_low(wc), ld = e4m3_of_low(wd), hc = e4m3_of_high(wc), hd = e4m3_of_high(wd);
+        const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362), xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
+        const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362), zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
+        // column e of the word: (b0 tokens r0 / r0 + 1, b1 tokens r0 + 8 / r0 + 9)
+        const u32 bx[8][2] = {
+            {hmul2(widen2(xe), sab), hmul2(widen2(ze), scd)}, {hmul2(widen2(xo), sab), hmul2(widen2(zo), scd)},
+            {hmul2(widen2_hi(xe), sab), hmul2(widen2_hi(ze), scd)}, {hmul2(widen2_hi(xo), sab), hmul2(widen2_hi(zo), scd)},
+            {hmul2(widen2(ye), sab), hmul2(widen2(ve), scd)}, {hmul2(widen2(yo), sab), hmul2(widen2(vo), scd)},
+            {hmul2(widen2_hi(ye), sab), hmul2(widen2_hi(ve), scd)}, {hmul2(widen2_hi(yo), sab), hmul2(widen2_hi(vo), scd)}};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) mma_f16(o[mt][8 * mm + e], pa[mt][j], bx[e][0], bx[e][1]);
+      }
+    }
+  }
+
+  // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split). A
+  // lane's c0 of n8 blocks 8m .. 8m + 7 are columns colbase + 64m + 16q + 0..7 and its c1 the next 8 (c2 / c3: row
+  // g + 8): four 16-byte stores a row.
+  const int colbase = warp * (LAT / NW);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const float f0 = l[mt][0] == 0.f ? 0.f : out_scale / l[mt][0], f1 = l[mt][1] == 0.f ? 0.f : out_scale / l[mt][1];
+    const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
+    float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + colbase + 16 * q;
+    float* row1 = row0 + 8 * (i64)s_oh;
+#pragma unroll
+    for (int mm = 0; mm < NPC / 8; ++mm) {
+#define X(e, c) o[mt][8 * mm + (e)][c]
+      if (h0 < num_heads) {
+        *(F4*)(row0 + 64 * mm) = F4{X(0, 0) * f0, X(1, 0) * f0, X(2, 0) * f0, X(3, 0) * f0};
+        *(F4*)(row0 + 64 * mm + 4) = F4{X(4, 0) * f0, X(5, 0) * f0, X(6, 0) * f0, X(7, 0) * f0};
+        *(F4*)(row0 + 64 * mm + 8) = F4{X(0, 1) * f0, X(1, 1) * f0, X(2, 1) * f0, X(3, 1) * f0};
+        *(F4*)(row0 + 64 * mm + 12) = F4{X(4, 1) * f0, X(5, 1) * f0, X(6, 1) * f0, X(7, 1) * f0};
+      }
+      if (h1 < num_heads) {
+        *(F4*)(row1 + 64 * mm) = F4{X(0, 2) * f1, X(1, 2) * f1, X(2, 2) * f1, X(3, 2) * f1};
+        *(F4*)(row1 + 64 * mm + 4) = F4{X(4, 2) * f1, X(5, 2) * f1, X(6, 2) * f1, X(7, 2) * f1};
+        *(F4*)(row1 + 64 * mm + 8) = F4{X(0, 3) * f1, X(1, 3) * f1, X(2, 3) * f1, X(3, 3) * f1};
+        *(F4*)(row1 + 64 * mm + 12) = F4{X(4, 3) * f1, X(5, 3) * f1, X(6, 3) * f1, X(7, 3) * f1};
+      }
+#undef X
+    }
+    if (warp == 0 && q == 0) {
+      const float lse0 = l[mt][0] == 0.f ? NEG_INF : m[mt][0] + log2f(l[mt][0]);
+      const float lse1 = l[mt][1] == 0.f ? NEG_INF : m[mt][1] + log2f(l[mt][1]);
+      if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = lse0;
+      if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = lse1;
+    }
+  }
+}
