@@ -281,8 +281,9 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
         # the entry (NVFP4: the CUDA kernel, kernels/mla_decode_nvfp4.cu), and NVFP4's Triton kernel beside it
         for impl in (None, "triton") if label == "NVFP4" else (None,):
-            fn = lambda impl=impl: mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq,  # noqa: E731
-                                                           scale, sm, **kernel, impl=impl)
+            def fn(impl=impl):
+                return mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq, scale, sm, **kernel,
+                                               impl=impl)
             ms = _ms(fn)
             ours = fn()[0][0]
             err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()

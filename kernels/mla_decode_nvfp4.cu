@@ -364,22 +364,25 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
         const u32 wb = *(const u32*)(tile + tile_at(r0 + 1, byte));
         const u32 wc = *(const u32*)(tile + tile_at(r0 + 8, byte));
         const u32 wd = *(const u32*)(tile + tile_at(r0 + 9, byte));
-        const u32 sab = widen2(prmt(*(const u32*)(tile + tile_at(r0, sbyte)), *(const u32*)(tile + tile_at(r0 + 1, sbyte)),
-                                    sel_pair));
-        const u32 scd = widen2(prmt(*(const u32*)(tile + tile_at(r0 + 8, sbyte)), *(const u32*)(tile + tile_at(r0 + 9, sbyte)),
-                                    sel_pair));
-        // e4m3 bytes of the even (lo) and odd (hi) columns of each token, interleaved by token pair: x = (a0 b0 a2
-        // b2) of the even columns 0, 2 | y = (a4 b4 a6 b6) | the same of the odd columns
+        const u32 sa = *(const u32*)(tile + tile_at(r0, sbyte)), sb = *(const u32*)(tile + tile_at(r0 + 1, sbyte));
+        const u32 sc = *(const u32*)(tile + tile_at(r0 + 8, sbyte)), sd = *(const u32*)(tile + tile_at(r0 + 9, sbyte));
+        const u32 sab = widen2(prmt(sa, sb, sel_pair)), scd = widen2(prmt(sc, sd, sel_pair));
+        // e4m3 bytes of the even (l) and odd (h) columns of each token, interleaved by token pair: xe = (a0 b0 a2 b2),
+        // ye = (a4 b4 a6 b6) of the even columns, xo / yo the odd ones; ze, ve, zo, vo the same of tokens c, d
         const u32 la = e4m3_of_low(wa), lb = e4m3_of_low(wb), ha = e4m3_of_high(wa), hb2 = e4m3_of_high(wb);
         const u32 lc = e4m3_of_low(wc), ld = e4m3_of_low(wd), hc = e4m3_of_high(wc), hd = e4m3_of_high(wd);
-        const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362), xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
-        const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362), zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
-        // column e of the word: (b0 tokens r0 / r0 + 1, b1 tokens r0 + 8 / r0 + 9)
+        const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362);
+        const u32 xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
+        const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362);
+        const u32 zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
+        // column e of the word: {b0: tokens r0 / r0 + 1, b1: tokens r0 + 8 / r0 + 9}, each pair times its scales
         const u32 bx[8][2] = {
             {hmul2(widen2(xe), sab), hmul2(widen2(ze), scd)}, {hmul2(widen2(xo), sab), hmul2(widen2(zo), scd)},
-            {hmul2(widen2_hi(xe), sab), hmul2(widen2_hi(ze), scd)}, {hmul2(widen2_hi(xo), sab), hmul2(widen2_hi(zo), scd)},
+            {hmul2(widen2_hi(xe), sab), hmul2(widen2_hi(ze), scd)},
+            {hmul2(widen2_hi(xo), sab), hmul2(widen2_hi(zo), scd)},
             {hmul2(widen2(ye), sab), hmul2(widen2(ve), scd)}, {hmul2(widen2(yo), sab), hmul2(widen2(vo), scd)},
-            {hmul2(widen2_hi(ye), sab), hmul2(widen2_hi(ve), scd)}, {hmul2(widen2_hi(yo), sab), hmul2(widen2_hi(vo), scd)}};
+            {hmul2(widen2_hi(ye), sab), hmul2(widen2_hi(ve), scd)},
+            {hmul2(widen2_hi(yo), sab), hmul2(widen2_hi(vo), scd)}};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
