@@ -159,8 +159,9 @@ class StepState:
 
     def host_lengths(self) -> list[int]:
         """Each row's stored length after this pass, read to the host once per pass and shared by every layer: a
-        check's groups of rows take their spans from it (a read per group and layer drained the GPU's queue each
-        time: 203 waits in an 8B-shaped 16 x 8k FP8 prefill, the GPU idle ~0.3 s of it, H200, session 27)."""
+        check's groups of rows take their spans from it (one read per group and layer before: 203 host waits in an
+        8B-shaped 16 x 8k FP8 prefill; the GPU had work queued through them, so removing them saved no time,
+        BENCHMARKS.md session 27)."""
         if "host_lengths" not in self._cached:
             self._cached["host_lengths"] = self.lengths_after().tolist()
         return self._cached["host_lengths"]
