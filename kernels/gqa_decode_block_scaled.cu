@@ -90,12 +90,6 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
   u32 r;
@@ -110,9 +104,6 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
   return r;
 }
 
-// The e2m1 nibbles in the low (high) half of each byte -> e4m3 bytes of value x 2^-6: s e1 e0 m -> s 0 e1 e0 m 0 0.
-__device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
 // Two int4 codes (nibbles at bits 0-3 and 16-19) -> f16x2: each in 1024 + (n ^ 8), less 1032.
 __device__ __forceinline__ u32 int4_pair(u32 x) {

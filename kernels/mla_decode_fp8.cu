@@ -36,12 +36,6 @@
 #define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row in the copy
 #define SX_FLOATS (NW * 32 * MT * NB * 4)   // one tile's scores
 
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Loads of what the split kernel wrote (ld.global.cg: from L2); volatile, so they stay in the order written (the
 // merge issues a chunk of them before it uses any).
 __device__ __forceinline__ float load_l2(const float* p) {

@@ -55,31 +55,15 @@ __device__ __forceinline__ int tile_at(int row, int byte) {
   return row * NROW + 32 * ((row >> 2) & 1) + 32 * (row >> 3) + byte;
 }
 
-__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
 #if Q_BF16
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  mma_f16(d, a, b0, b1);
+  mma16816(d, a, b0, b1);
 #endif
 }
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-// The e2m1 nibbles in the low (high) half of each byte -> e4m3 bytes of value x 2^-6: s e1 e0 m -> s 0 e1 e0 m 0 0.
-__device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
 __device__ __forceinline__ void bulk(u32 bar, u32 dst, const u8* src, int bytes) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -240,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
           const U4 a4 = qs[((4 * c + k) * MT + mt) * 32 + lane];
           const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
-          for (int i = 0; i < NB; ++i) mma_f16(part[mt][i][k], a, bw[i][0], bw[i][1]);
+          for (int i = 0; i < NB; ++i) mma16816(part[mt][i][k], a, bw[i][0], bw[i][1]);
         }
       }
     }
@@ -386,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) mma_f16(o[mt][8 * mm + e], pa[mt][j], bx[e][0], bx[e][1]);
+          for (int e = 0; e < 8; ++e) mma16816(o[mt][8 * mm + e], pa[mt][j], bx[e][0], bx[e][1]);
       }
     }
   }

@@ -1,5 +1,5 @@
-// Shared by the MLA FP8 decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu; the NVFP4 GQA
-// decode kernels/gqa_decode_block_scaled.cu uses its scalar types and helpers): the cache row, the
+// Shared by the MLA decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu, kernels/mla_decode_nvfp4.cu;
+// the GQA decode kernels/gqa_decode_block_scaled.cu uses its scalar types and helpers): the cache row, the
 // scalar types, fp8 widening (FMT_E5M2) and query conversion (Q_BF16), the stage layout of tile rows (BULK: bulk
 // copies, the default; 0: cp.async) and the mbarrier wait. kernels/nvrtc.py inlines it into the including source
 // before compiling (so its text is part of the compiled-kernel cache key).
@@ -45,6 +45,25 @@ __device__ __forceinline__ u32 widen2_hi(u32 codes) {
 #endif
   return r;
 }
+
+// mma.sync.m16n8k16, f16 in, f32 accumulated in place: A's four registers, B's two (the MLA kernels; the GQA kernel
+// has its own, A's registers apart)
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// The e2m1 nibbles in the low (high) half of each byte -> e4m3 bytes of value x 2^-6: s e1 e0 m -> s 0 e1 e0 m 0 0
+// (then cvt.rn.f16x2.e4m3x2 widens a pair exactly; the 2^6 goes into the caller's scales).
+__device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
+__device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   u32 r;
