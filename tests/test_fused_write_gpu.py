@@ -7,6 +7,8 @@ own ops on the same GPU (`kernels.reference`), which the CPU runs use: codes and
 statistics exactly (integer counts; the amax is a max, which has no reduction order).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -167,3 +169,45 @@ def test_square_error_sums_equal_torch(chunk):
     assert torch.equal(square_error_sums(x, a, b, valid.view(torch.uint8)), got)  # deterministic
     everything = square_error_sums(x, a, b)
     assert bool((everything >= got).all()) and bool((everything[1] > got[1]).all())  # the pads counted now
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"])
+def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
+    """A DeepSeek-shaped latent (512 + RoPE 64; random 2-layer model): NVFP4 / MX latents are written by the fused
+    write as two heads of 256 (the same bytes: no block straddles them) straight into the decode kernel's pages, k_pe
+    beside them as given; a scale per token-head keeps the torch round trip. Either way the replies and every write
+    statistic equal the torch path's, and decode steps replay a CUDA graph."""
+    import harness.kv_paths.cache as cache
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from harness.kv_paths import attention
+    from harness.replay.batched import BatchedEngine, BatchSettings
+    from harness.replay.inprocess import InProcessModel
+
+    config = DeepseekV3Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=16, num_key_value_heads=16, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+                              kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                              vocab_size=1000, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention.ATTENTION_NAME)
+    net.eval()
+    model = InProcessModel(directory=Path("random"), model=net, tokenizer=None, device=torch.device("cuda"),
+                           arch=config.model_type, random_weights=True, use_kernels=True)
+    backend = model.backend(parse_path(spec))
+    prompts = [list(range(3, 3 + n)) for n in (40, 17, 90)]
+    splits = []
+    real_split = cache.latent_split
+    monkeypatch.setattr(cache, "latent_split", lambda f, dim: splits.append(real_split(f, dim)) or splits[-1])
+    engine = BatchedEngine(backend, BatchSettings(kernel_check_every=3))
+    fused = engine.generate(prompts, [6, 12, 9])
+    assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == []
+    assert max(splits) == (1 if spec == "int4_per_token_head" else 2), splits
+    monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
+    plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [6, 12, 9])
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
+                    "kv_write_err_ratio"):
+            assert a.metrics.get(key) == b.metrics.get(key), key

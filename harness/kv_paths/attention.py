@@ -294,6 +294,8 @@ class PagedKV:
             return None
         self._ensure(key, value)
         slots = self.step.slots().to(key.device)  # the step's tensors live on the batch's GPU (sharded: the first)
+        if self.layout is not None and self.mla:  # the latent's codes and block scales; k_pe by `store_pe`
+            return dict(codes=self.pages[0], block_scales=self.pages[1], slots=slots, page_size=BLOCK_SIZE), None
         if self.layout is not None:  # block-scaled: codes and block scales of K, then of V
             return tuple(dict(codes=self.pages[i], block_scales=self.pages[i + 1], slots=slots, page_size=BLOCK_SIZE)
                          for i in (0, 2))
@@ -306,6 +308,12 @@ class PagedKV:
         return tuple(dict(cache=p, slots=slots, cache_strides=(p.stride(0), p.stride(1), p.stride(2)), col_offset=0,
                           block_size=BLOCK_SIZE) for p in pages)
 
+    def store_pe(self, value: torch.Tensor) -> None:
+        """An MLA row's k_pe [rows, 1, chunk, Dr] into its pages as given (beside a latent the fused write stored)."""
+        rows, _, chunk, _ = value.shape
+        block_layout.store_rows(self.pages[2].view(-1, value.shape[-1]), self.step.slots().to(value.device),
+                                value[:, 0].reshape(rows * chunk, -1).to(self.pages[2].dtype))
+
     def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: [rows, heads, chunk, dim] (MLA: latent [rows, 1, chunk, Dc], k_pe [rows, 1, chunk, Dr])
         rows, _, chunk, _ = key.shape
@@ -314,8 +322,7 @@ class PagedKV:
         if self.layout is not None and self.mla:  # the latent encoded (torch) in the kernels' layout; k_pe as given
             self.layout.store(key[:, 0].reshape(rows * chunk, 1, -1), self.k_scale, self.pages[0], self.pages[1],
                               slots)
-            block_layout.store_rows(self.pages[2].view(-1, value.shape[-1]), slots,
-                                    value[:, 0].reshape(rows * chunk, -1).to(self.pages[2].dtype))
+            self.store_pe(value)
             return
         if self.layout is not None:  # the formats' torch encode, stored in the kernels' layout
             for x, scale, first in ((key, self.k_scale, 0), (value, self.v_scale, 2)):
@@ -556,9 +563,9 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
         if not hasattr(layer, "paged") or (static and layer.k_scale is None):
             continue
         k_scale, v_scale = (layer.k_scale.float().to(device), layer.v_scale.float().to(device)) if static else (None, None)
-        # MLA's copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale. A
-        # block-scaled latent is written by the torch encode (the fused write's heads stop at 256 values)
-        fusable = decodes and (not mla_model or (layout is None and bool(torch.equal(k_scale, v_scale))))
+        # MLA's FP8 copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale. A
+        # block-scaled latent takes the fused write's codes (as heads of 256 where wider) and k_pe beside it as given
+        fusable = decodes and (not mla_model or layout is not None or bool(torch.equal(k_scale, v_scale)))
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
                                fusable, layout=layout, window=windows.get(index) if windowed else None)
         if decodes:

@@ -265,6 +265,19 @@ def latent_row_note(kv_path: KVPath | None) -> str:
     return "; ".join(parts)
 
 
+# The fused block-scaled write takes heads of up to 256 values (kernels/store_kv_block_scaled.py)
+FUSED_WRITE_HEAD_MAX = 256
+
+
+def latent_split(kv_format, dim: int) -> int:
+    """How many heads of the fused write an MLA latent of `dim` values is written as: one where it fits a head;
+    `dim` / 256 for blocks of 16 or 32 under a per-tensor scale (NVFP4, MX: no block straddles two heads, so the
+    bytes and the statistics are the latent's own); 1 (and the torch round trip) for a scale per token-head."""
+    if kv_format is None or dim <= FUSED_WRITE_HEAD_MAX or dim % FUSED_WRITE_HEAD_MAX:
+        return 1
+    return dim // FUSED_WRITE_HEAD_MAX if kv_format.block_scale in ("e4m3", "e8m0") else 1
+
+
 class QuantizedKVLayer(DynamicLayer):
     """A `DynamicLayer` that stores a KV format (write = encode, read = decode) per a `KVPath`: K in the path's
     `k_format`, V in its `v_format` (harness/kv_paths/formats.py); on an MLA model (`mla`) the latent row as
@@ -277,6 +290,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.kv_path = kv_path
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stats = stats
+        self.mla = mla
         self.paged = None  # harness.kv_paths.attention.PagedKV when decode runs through a kernel (attach_paged)
         self.attn_quant = None  # AttentionQuant when the path quantises the attention computation
         self.static = None  # StaticColumns: preallocated storage written in place (`make_static`)
@@ -290,6 +304,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.fused_block_serves = (kv_path.is_quantized and
                                    capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(kv_path) is None)
         self._layouts = None
+        self._splits = (1, 1)  # heads of the fused write each side is cut into (an MLA latent wider than its heads)
         self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
         # a cache-format fault injector (kv_paths/format_faults.py) and the sides it reaches; "" none
         self.format_fault = kv_path.fault if kv_path.fault in format_faults.FORMAT_FAULTS else ""
@@ -408,8 +423,9 @@ class QuantizedKVLayer(DynamicLayer):
         (decided once)."""
         if self._layouts is None:
             formats = (self.k_format, self.v_format)
-            served = all(f is None or block_layout.refusal(f, dim, write=True) is None
-                         for f, dim in zip(formats, (k_dim, v_dim)))
+            self._splits = tuple(latent_split(f, dim) if self.mla else 1 for f, dim in zip(formats, (k_dim, v_dim)))
+            served = all(f is None or block_layout.refusal(f, dim // split, write=True) is None
+                         for f, dim, split in zip(formats, (k_dim, v_dim), self._splits))
             self._layouts = tuple(None if f is None else block_layout.of(f) for f in formats) if served else ()
         return self._layouts or None
 
@@ -419,19 +435,31 @@ class QuantizedKVLayer(DynamicLayer):
         from kernels.store_kv_block_scaled import quantize_store_block_scaled
 
         counts, amax, live, valid = self.stats.fused_buffers(key_states)
-        whole = None not in self._layouts  # else one side is stored as given (an MLA row's bf16 k_pe)
-        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None and whole else None
+        # the paged copy's targets (an MLA row: the latent's; its bf16 k_pe is stored beside it as given)
+        targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
         read_back = []
-        for i, (x, name, layout) in enumerate(zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts)):
-            if layout is None:
+        sides = zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts, self._splits)
+        for i, (x, name, layout, split) in enumerate(sides):
+            if layout is None:  # an MLA row's bf16 k_pe: stored as given
                 read_back.append(x)
                 continue
             scale = self._device_scale(name, x.device) if layout.static else None
             target = targets[i] if targets is not None else {}
+            if split > 1:  # [rows, 1, chunk, D] as `split` heads of D / split: the same bytes in the same order
+                rows, _, chunk, dim = x.shape
+                heads = x[:, 0].reshape(rows, chunk, split, dim // split).transpose(1, 2)
+                target = {key: value.view(*value.shape[:2], split, -1) if key in ("codes", "block_scales") else value
+                          for key, value in target.items()}
+                out = quantize_store_block_scaled(heads, scale, counts=counts, amax=amax, live=live, valid=valid,
+                                                  **layout.write_args, **target)
+                read_back.append(out.transpose(1, 2).reshape(rows, 1, chunk, dim))
+                continue
             read_back.append(quantize_store_block_scaled(x, scale, counts=counts, amax=amax, live=live, valid=valid,
                                                          **layout.write_args, **target))
         if self.paged is not None and targets is None:
             self.paged.write(key_states, value_states)
+        elif targets is not None and targets[1] is None:
+            self.paged.store_pe(value_states)
         return read_back[0], read_back[1]
 
     def _device_scale(self, name: str, device: torch.device) -> torch.Tensor:
