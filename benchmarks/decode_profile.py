@@ -5,10 +5,12 @@
 
 On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and with
 static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each call runs its first step eagerly
-and captures its graph once, scale_bench.SHORT), then the CUDA kernels of one eager static decode step (a profile of
-SHORT + 5 tokens less one of SHORT, over 5: step 0's kernel check in both), heaviest first. A graph step well above
-its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's are
-what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
+and captures its graph once, scale_bench.SHORT), the median interval between graph steps (scale_bench's measure)
+beside the median GPU time of one graph replay (CUDA events: the interval less it is host time the GPU waits for),
+then the CUDA kernels of one eager static decode step (a profile of SHORT + 5 tokens less one of SHORT, over 5: step
+0's kernel check in both), heaviest first, and each later path's kernels against the first's. A graph step well
+above its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's
+are what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
 `--prefill`: the same for the prompts' prefill instead (a 1-token call: the first token comes from the prefill's
 logits), its wall time synchronised, every kernel's summed time (the wall time less it: the GPU idle), the host
 ops with the most time of their own, and each later path against the first: the kernels that differ most.
@@ -38,6 +40,34 @@ def step_ms(engine: BatchedEngine, prompts: list[list[int]]) -> float:
     first, _, _ = scale_bench.timed(lambda: engine.generate(prompts, short))
     longer, _, _ = scale_bench.timed(lambda: engine.generate(prompts, short + 16))
     return (longer - first) / 16 * 1e3
+
+
+def replay_gpu_ms(engine: BatchedEngine, prompts: list[list[int]]) -> tuple[float, float] | None:
+    """(median GPU ms of one graph replay, median wall ms between decode steps) over a SHORT + 16 token call, or
+    None where no graph replayed: the GPU time from CUDA events around each `CUDAGraph.replay`, the step interval
+    from `scale_bench.step_clock`. Their difference is the host's share of a step that the GPU waits for."""
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    inner = torch.cuda.CUDAGraph.replay
+
+    def replay(graph):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        inner(graph)
+        end.record()
+        events.append((start, end))
+
+    torch.cuda.CUDAGraph.replay = replay
+    try:
+        with scale_bench.step_clock() as stamps:
+            engine.generate(prompts, scale_bench.SHORT + 16)
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.CUDAGraph.replay = inner
+    steady = scale_bench.median_step(stamps)
+    if not events or steady is None:
+        return None
+    gpu = sorted(start.elapsed_time(end) for start, end in events)
+    return gpu[len(gpu) // 2], steady * 1e3
 
 
 def kernels_per_step(engine: BatchedEngine, prompts: list[list[int]]) -> list[tuple[float, float, str]]:
@@ -122,18 +152,23 @@ def main() -> None:
             for delta, a, b, name in kernel_differences(base, kernels, args.top):
                 print(f"| {delta:+.1f} | {a:.1f} | {b:.1f} | `{name[:100]}` |")
         return
-    print("| path | graph step ms | eager static step ms | kernels ms / step | kernels / step |")
-    print("|---|---:|---:|---:|---:|")
+    print("| path | graph step ms | median step ms | GPU ms a replay | eager static step ms | kernels ms / step | "
+          "kernels / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     listed = {}
     for spec in args.paths.split(","):
         backend = loaded.backend(parse_path(spec))
         settings = {mode: BatchSettings(batch_size=args.batch, kernel_check_every=10**9, decode=mode)
                     for mode in ("graph", "static")}
-        graph = step_ms(BatchedEngine(backend, settings["graph"]), prompts)
+        graphed = BatchedEngine(backend, settings["graph"])
+        graph = step_ms(graphed, prompts)
+        replayed = replay_gpu_ms(graphed, prompts)
+        del graphed
         engine = BatchedEngine(backend, settings["static"])
         eager = step_ms(engine, prompts)
         listed[spec] = kernels_per_step(engine, prompts)
-        print(f"| {spec} | {graph:.2f} | {eager:.2f} | {sum(r[0] for r in listed[spec]):.2f} | "
+        replay = f"{replayed[1]:.2f} | {replayed[0]:.2f}" if replayed else "- | -"
+        print(f"| {spec} | {graph:.2f} | {replay} | {eager:.2f} | {sum(r[0] for r in listed[spec]):.2f} | "
               f"{sum(r[1] for r in listed[spec]):.0f} |", flush=True)
         del engine
         torch.cuda.empty_cache()
@@ -142,6 +177,12 @@ def main() -> None:
         print("| ms | calls | kernel |\n|---:|---:|---|")
         for ms, calls, name in rows[:args.top]:
             print(f"| {ms:.3f} | {calls:.0f} | `{name[:100]}` |")
+    first, *rest = listed
+    for spec in rest:
+        print(f"\n{spec} against {first}, one eager step: the kernels that differ most")
+        print(f"| ms ({spec} - {first}) | {first} ms | {spec} ms | kernel |\n|---:|---:|---:|---|")
+        for delta, a, b, name in kernel_differences(listed[first], listed[spec], args.top):
+            print(f"| {delta:+.3f} | {a:.3f} | {b:.3f} | `{name[:100]}` |")
 
 
 if __name__ == "__main__":
