@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.decode_attention import on_tensor_device
 from kernels.reference import FP8_MAX, MIN_SCALE, fp8_format, is_fp8
+from kernels.splits import interpreting
 
 _TL_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
@@ -123,7 +124,7 @@ def _check_slots(slot_mapping: torch.Tensor, tokens: int) -> None:
 
 def _check_cuda(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
-    assert device.type == "cuda", f"Triton kernels need CUDA tensors, got {device}"
+    assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"
     assert all(t.device == device for t in tensors), "all tensors must be on one device"
 
 
@@ -204,31 +205,47 @@ def store_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, 
 # Arguments that change from step to step (the step's pad mask is a column slice of a growing mask: its offset and
 # row stride move every decode step) or from call to call are not specialised on: otherwise Triton compiles a new
 # variant whenever one of them changes divisibility by 16 or pointer alignment, inside a timed decode loop.
+# A launch writes one tensor, or K and V at once (grid axis 2 = the side; `quantize_store_pair`): a decode step's
+# two writes a layer were two launches of ~5 us each for a few kB (8B-shaped b32 1k, H200: 64 launches, 0.35 ms).
 @triton.jit(do_not_specialize=["C", "stride_xr", "stride_xh", "stride_xc", "stride_vr", "stride_cb", "stride_cs",
-                               "stride_ch", "col_offset"],
-            do_not_specialize_on_alignment=["VALID"])
+                               "stride_ch", "col_offset", "stride_or", "stride_oh", "stride_oc",
+                               "v_stride_xr", "v_stride_xh", "v_stride_xc", "v_col_offset"],
+            do_not_specialize_on_alignment=["VALID", "OUT_COLS"])
 def _quantize_store_kernel(
-    X, OUT,                  # [R, H, C, D] x (any strides), OUT contiguous [R, H, C, D] in x's dtype
+    X, OUT,                  # [R, H, C, D] x (any strides), OUT [R, H, C or columns, D] in x's dtype (D contiguous)
     SCALE,                   # fp32 [] or [H] (static scales; unread per token)
     CACHE, SLOTS,            # paged cache seen as uint8, [R * C] int64 slots (-1 skip); unread unless STORE
     VALID, LIVE, COUNTS, AMAX,   # [R, C] int (0 = pad), [R] int64 stats row, [rows, 3] int64, [rows] fp32
+    OUT_COLS,                # [C] int64: OUT's column of chunk token t (static storage); unread unless HAS_COLS
+    V_X, V_OUT, V_SCALE, V_CACHE,   # V's tensors when SIDES == 2 (grid axis 2: 0 writes K, 1 writes V)
     C, scale_stride,
     stride_xr, stride_xh, stride_xc, stride_xd, stride_vr,
     block_size, stride_cb, stride_cs, stride_ch, col_offset,
+    stride_or, stride_oh, stride_oc,
+    v_stride_xr, v_stride_xh, v_stride_xc, v_col_offset,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, FP8_DTYPE: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, IS_E4M3: tl.constexpr,
     SATURATE: tl.constexpr, PER_TOKEN: tl.constexpr, STORE: tl.constexpr, STATS: tl.constexpr,
-    HAS_VALID: tl.constexpr, X_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_COLS: tl.constexpr, SIDES: tl.constexpr, X_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     tiles = tl.cdiv(C, BLOCK_T)
     pid = tl.program_id(0)
     r = pid // tiles
     head = tl.program_id(1)
+    # int64 on both sides (an unspecialised int argument is i32 or i64 by its value, and both branches must agree)
+    sxr, sxh, sxc, offset = (stride_xr.to(tl.int64), stride_xh.to(tl.int64), stride_xc.to(tl.int64),
+                             col_offset.to(tl.int64))
+    if SIDES == 2:
+        if tl.program_id(2) == 1:  # V: its own tensors, strides and row offset; the rest is shared (pair_refusal)
+            X, OUT, SCALE, CACHE = V_X, V_OUT, V_SCALE, V_CACHE
+            sxr, sxh, sxc, offset = (v_stride_xr.to(tl.int64), v_stride_xh.to(tl.int64), v_stride_xc.to(tl.int64),
+                                     v_col_offset.to(tl.int64))
     offs_t = (pid % tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     t_mask = offs_t < C
     m2 = t_mask[:, None] & (offs_d < D)[None, :]
-    token = r.to(tl.int64) * stride_xr + head * stride_xh + offs_t * stride_xc           # [BLOCK_T] first element
+    token = r.to(tl.int64) * sxr + head * sxh + offs_t * sxc           # [BLOCK_T] first element
     if X_ALIGN > 1:  # the strides are not specialised on: say what the launcher checked (vector loads)
         token = tl.multiple_of(token, X_ALIGN)
     src = X + token[:, None] + offs_d[None, :] * stride_xd
@@ -244,11 +261,15 @@ def _quantize_store_kernel(
         scale = tl.load(SCALE + head * scale_stride)
     codes = _store_kv_codes(x, scale, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
     read = (codes.to(FP8_DTYPE, bitcast=True).to(tl.float32) * scale).to(OUT.dtype.element_ty)
-    out_rows = ((r.to(tl.int64) * tl.num_programs(1) + head) * C + offs_t) * D
+    if HAS_COLS:  # straight into static storage: token t at column OUT_COLS[t]
+        out_cols = tl.load(OUT_COLS + offs_t, mask=t_mask, other=0)
+    else:
+        out_cols = offs_t
+    out_rows = r.to(tl.int64) * stride_or + head * stride_oh + out_cols.to(tl.int64) * stride_oc
     tl.store(OUT + out_rows[:, None] + offs_d[None, :], read, mask=m2)
     if STORE:
         slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
-        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + col_offset
+        row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + offset
         if ROW_ALIGN > 1:  # as for X: without them the codes went out a byte a store (32 x 1k: 0.47 ms, now 0.11)
             row = tl.multiple_of(row, ROW_ALIGN)
         tl.store(CACHE + row[:, None] + offs_d[None, :], codes, mask=m2 & (slot >= 0)[:, None])
@@ -282,59 +303,131 @@ def _inverse_max(fmt: str) -> float:
 
 @on_tensor_device
 def quantize_store(x: torch.Tensor, scale: torch.Tensor | None, fmt: str, saturate: bool = True, *,
-                   out: torch.Tensor | None = None, cache: torch.Tensor | None = None,
-                   slots: torch.Tensor | None = None, cache_strides: tuple[int, int, int] = (0, 0, 0),
-                   col_offset: int = 0, block_size: int = 16, counts: torch.Tensor | None = None,
-                   amax: torch.Tensor | None = None, live: torch.Tensor | None = None,
-                   valid: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, out_columns: torch.Tensor | None = None,
+                   cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                   cache_strides: tuple[int, int, int] = (0, 0, 0), col_offset: int = 0, block_size: int = 16,
+                   counts: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                   live: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
     """One launch: codes = fp8(x / scale) (scale None: per token over D, as `reference.per_token_scale`),
     returns codes * scale in x's dtype (bit-identical to `reference.dequantize(reference.quantize(...))`),
     optionally writes the codes into a paged cache and adds the cast statistics on the device.
 
     x: [R, H, C, D] bf16/fp16 (D contiguous or not); scale: fp32 [] or [H], or None for per-token.
+    out: where the read-back goes, [R, H, C, D] (any strides, D contiguous; None: a new contiguous tensor), or with
+    out_columns [C] int64 (on the device, so a CUDA graph replays it as the step moves) [R, H, columns, D]: token t
+    at column out_columns[t] (static storage, `harness.kv_paths.cache.StaticColumns`).
     cache (uint8 view of an fp8 cache) + slots [R * C] int64 (-1 skip, row-major over (r, c)) + cache_strides
     (block, slot, head) in elements + col_offset: row slot of head h starts at
     (slot // block_size) * s_b + (slot % block_size) * s_s + h * s_h + col_offset.
     counts [rows, 3] int64 (+= values, clipped, nonfinite), amax [rows] fp32 (max= largest finite |x / s| / max),
     live [R] int64: the stats row of each batch row; valid [R, C] int (0 = pad, not counted; None: all real).
     """
+    return _launch([(x, scale, out, cache, col_offset)], fmt, saturate, out_columns, slots, cache_strides,
+                   block_size, counts, amax, live, valid)[0]
+
+
+@on_tensor_device
+def quantize_store_pair(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor | None,
+                        v_scale: torch.Tensor | None, fmt: str, saturate: bool = True, *,
+                        k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+                        out_columns: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                        v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                        cache_strides: tuple[int, int, int] = (0, 0, 0), block_size: int = 16,
+                        counts: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+                        live: torch.Tensor | None = None, valid: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_store` of key and value in one launch: the same shape, dtype, format and kind of scale (both per
+    token, or both static of the same shape), caches of the same strides (`pair_refusal` says why not). Returns
+    (key's read-back, value's)."""
+    why = pair_refusal(key, value, k_scale, v_scale, k_cache, v_cache)
+    assert why is None, why
+    return tuple(_launch([(key, k_scale, k_out, k_cache, 0), (value, v_scale, v_out, v_cache, 0)], fmt, saturate,
+                         out_columns, slots, cache_strides, block_size, counts, amax, live, valid))
+
+
+def pair_refusal(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, k_cache: torch.Tensor | None = None,
+                 v_cache: torch.Tensor | None = None) -> str | None:
+    """Why key and value cannot share one launch of the fused write, or None."""
+    if key.shape != value.shape or key.dtype != value.dtype:
+        return f"key {list(key.shape)} {key.dtype} and value {list(value.shape)} {value.dtype} differ"
+    if key.stride(3) != value.stride(3):
+        return "key and value differ in head_dim stride"
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_scale.shape != v_scale.shape):
+        return "key and value have different kinds of scale"
+    if (k_cache is None) != (v_cache is None) or (k_cache is not None and k_cache.stride() != v_cache.stride()):
+        return "key and value caches differ in layout"
+    return None
+
+
+def _launch(sides: list[tuple], fmt: str, saturate: bool, out_columns: torch.Tensor | None,
+            slots: torch.Tensor | None, cache_strides: tuple[int, int, int], block_size: int,
+            counts: torch.Tensor | None, amax: torch.Tensor | None, live: torch.Tensor | None,
+            valid: torch.Tensor | None) -> list[torch.Tensor]:
+    """One launch of `_quantize_store_kernel` over one or two sides, each (x, scale, out, cache, col_offset)."""
+    assert fmt in _TL_FP8, f"unknown fp8 format {fmt!r}"
+    x, scale = sides[0][0], sides[0][1]
     assert x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float16), \
         f"x must be [R, H, C, D] bf16/fp16, got {list(x.shape)} {x.dtype}"
-    assert fmt in _TL_FP8, f"unknown fp8 format {fmt!r}"
     rows, heads, chunk, dim = x.shape
-    if scale is not None:
-        _check_scale(scale, "scale", (heads,))
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    assert out.shape == x.shape and out.is_contiguous() and out.dtype == x.dtype, "out must be contiguous, x's shape and dtype"
-    store, stats = cache is not None, counts is not None
+    store, stats = sides[0][3] is not None, counts is not None
+    outs, caches = [], []
+    for side_x, side_scale, out, cache, _ in sides:
+        if side_scale is not None:
+            _check_scale(side_scale, "scale", (heads,))
+        if out is None:
+            out = torch.empty(side_x.shape, dtype=side_x.dtype, device=side_x.device)
+        assert out.dtype == side_x.dtype and out.dim() == 4 and out.stride(3) == 1, \
+            "out must be [R, H, C, D] in x's dtype, D contiguous"
+        if out_columns is None:
+            assert out.shape == side_x.shape, f"out must be x's shape {list(side_x.shape)}, got {list(out.shape)}"
+        else:
+            assert out.shape[:2] == side_x.shape[:2] and out.shape[3] == dim, \
+                f"out must be [{rows}, {heads}, columns, {dim}], got {list(out.shape)}"
+        if store:
+            assert cache is not None and cache.dtype == torch.uint8, "cache must be a uint8 view, with slots"
+        outs.append(out)
+        caches.append(cache)
+    if out_columns is not None:
+        assert out_columns.dtype == torch.int64 and out_columns.shape == (chunk,) and out_columns.stride(0) == 1, \
+            f"out_columns must be [{chunk}] int64"
     if store:
-        assert cache.dtype == torch.uint8 and slots is not None, "cache must be a uint8 view, with slots"
+        assert slots is not None, "a cache needs slots"
         _check_slots(slots, rows * chunk)
     if stats:
         assert counts.dtype == torch.int64 and counts.dim() == 2 and counts.shape[1] == 3, "counts must be [rows, 3] int64"
         assert amax is not None and amax.dtype == torch.float32 and amax.shape == counts.shape[:1], "amax must be [rows] fp32"
         assert live is not None and live.dtype == torch.int64 and live.shape == (rows,), "live must be [R] int64"
         assert valid is None or (valid.shape == (rows, chunk) and valid.stride(1) == 1), "valid must be [R, C]"
-    _check_cuda(x, out, *[t for t in (scale, cache, slots, counts, amax, live, valid) if t is not None])
+    _check_cuda(*[t for side in sides for t in side[:2] if t is not None], *outs,
+                *[t for t in (*caches, slots, counts, amax, live, valid, out_columns) if t is not None])
     if x.numel() == 0:
-        return out
+        return outs
     block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
+    first, last = sides[0], sides[-1]  # the same side when one
+    out, v_out = outs[0], outs[-1]
+    assert out.stride() == v_out.stride(), "key's and value's out must have the same strides"
     dummy = out
-    _quantize_store_kernel[(rows * triton.cdiv(chunk, block_t), heads)](
-        x, out, scale if scale is not None else dummy, cache if store else dummy, slots if store else dummy,
+    x_align = min(alignment(t.stride(0), t.stride(1), t.stride(2), at=16 // t.element_size()) if t.stride(3) == 1
+                  else 1 for t in (first[0], last[0]))
+    _quantize_store_kernel[(rows * triton.cdiv(chunk, block_t), heads, len(sides))](
+        x, out, scale if scale is not None else dummy, caches[0] if store else dummy, slots if store else dummy,
         valid if valid is not None else dummy, live if stats else dummy, counts if stats else dummy,
-        amax if stats else dummy,
+        amax if stats else dummy, out_columns if out_columns is not None else dummy,
+        last[0], v_out, last[1] if last[1] is not None else dummy, caches[-1] if store else dummy,
         chunk, int(scale is not None and scale.dim() == 1),
         x.stride(0), x.stride(1), x.stride(2), x.stride(3), valid.stride(0) if valid is not None else 0,
-        block_size, *cache_strides, col_offset,
+        block_size, *cache_strides, first[4],
+        out.stride(0), out.stride(1), out.stride(2),
+        last[0].stride(0), last[0].stride(1), last[0].stride(2), last[4],
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_T=block_t, FP8_DTYPE=_TL_FP8[fmt], FP8_MAX=FP8_MAX[fmt],
         INV_MAX=_inverse_max(fmt), MIN_SCALE=MIN_SCALE, IS_E4M3=fmt == "e4m3", SATURATE=bool(saturate),
         PER_TOKEN=scale is None, STORE=store, STATS=stats, HAS_VALID=valid is not None,
-        X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
-        ROW_ALIGN=alignment(*cache_strides, col_offset) if store else 1,
+        HAS_COLS=out_columns is not None, SIDES=len(sides), X_ALIGN=x_align,
+        ROW_ALIGN=alignment(*cache_strides, first[4], last[4]) if store else 1,
         num_warps=_warps(block_t * triton.next_power_of_2(dim)),
     )
-    return out
+    return outs
 
 
 def alignment(*offsets: int, at: int = 16) -> int:

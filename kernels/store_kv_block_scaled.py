@@ -92,22 +92,25 @@ def _e8m0_value(bits):
 
 
 @triton.jit(do_not_specialize=["C", "stride_xr", "stride_xh", "stride_xc", "stride_vr", "stride_cb", "stride_cs",
-                               "stride_ch", "stride_sb", "stride_ss", "stride_sh"],
-            do_not_specialize_on_alignment=["VALID"])
+                               "stride_ch", "stride_sb", "stride_ss", "stride_sh", "stride_or", "stride_oh",
+                               "stride_oc"],
+            do_not_specialize_on_alignment=["VALID", "OUT_COLS"])
 def _quantize_store_block_scaled_kernel(
-    X, OUT,                  # [R, H, C, D] x (any strides), OUT contiguous [R, H, C, D] in x's dtype
+    X, OUT,                  # [R, H, C, D] x (any strides), OUT [R, H, C or columns, D] in x's dtype (D contiguous)
     SCALE,                   # fp32 [] or [H] static scale (read when HAS_SCALE)
     CODES, BLOCK_SCALES,     # paged codes (uint8) and block scales (uint8 bits or fp32); read when STORE
     SLOTS,                   # [R * C] int64 slots (-1 skip)
     VALID, LIVE, COUNTS, AMAX,   # [R, C] int (0 = pad), [R] int64 stats row, [rows, 3] int64, [rows] fp32
+    OUT_COLS,                # [C] int64: OUT's column of chunk token t (static storage); read when HAS_COLS
     C, scale_stride,
     stride_xr, stride_xh, stride_xc, stride_xd, stride_vr,
-    page_size, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+    page_size, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_or, stride_oh, stride_oc,
     D: tl.constexpr, BLOCK_T: tl.constexpr, ELEMENT: tl.constexpr, BLOCK_SCALE: tl.constexpr, BLOCK: tl.constexpr,
     TARGET: tl.constexpr, FLOOR: tl.constexpr, EMAX: tl.constexpr, CEIL: tl.constexpr, ELEMENT_MAX_: tl.constexpr,
     INV_MAX: tl.constexpr,
     INT_LOW: tl.constexpr, INT_HIGH: tl.constexpr, HAS_SCALE: tl.constexpr, STORE: tl.constexpr,
-    STATS: tl.constexpr, HAS_VALID: tl.constexpr, X_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    STATS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_COLS: tl.constexpr, X_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     SCALE_ALIGN: tl.constexpr,
 ):
     NUM_BLOCKS: tl.constexpr = D // BLOCK
@@ -164,7 +167,11 @@ def _quantize_store_block_scaled_kernel(
     value_scale = block_fp32 * s                                                             # [BLOCK_T, NUM_BLOCKS]
     read = values * tl.broadcast_to(value_scale[:, :, None], (BLOCK_T, NUM_BLOCKS, BLOCK))
     read = tl.reshape(read, BLOCK_T, D).to(OUT.dtype.element_ty)
-    out_rows = ((r.to(tl.int64) * tl.num_programs(1) + head) * C + offs_t) * D
+    if HAS_COLS:  # straight into static storage: token t at column OUT_COLS[t]
+        out_cols = tl.load(OUT_COLS + offs_t, mask=t_mask, other=0)
+    else:
+        out_cols = offs_t
+    out_rows = r.to(tl.int64) * stride_or + head * stride_oh + out_cols.to(tl.int64) * stride_oc
     tl.store(OUT + out_rows[:, None] + offs_d[None, :], read, mask=m2)
     if STORE:
         slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
@@ -217,7 +224,8 @@ def _inverse(value: float) -> float:
 @on_tensor_device
 def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, element: str, block_scale: str,
                                 block_size: int, target: float = 0.0, scale_floor: float = 0.0,
-                                scale_rounding: str = "floor", out: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                                scale_rounding: str = "floor", out: torch.Tensor | None = None,
+                                out_columns: torch.Tensor | None = None, codes: torch.Tensor | None = None,
                                 block_scales: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                                 page_size: int = 16, counts: torch.Tensor | None = None,
                                 amax: torch.Tensor | None = None, live: torch.Tensor | None = None,
@@ -228,7 +236,9 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
     x: [R, H, C, D] bf16/fp16 (any strides), D a power of two in [16, 256]; scale: fp32 [] or [H] static, or None;
     element: e2m1 | e4m3 | int8 | int4; block_scale: e4m3 | e8m0 | fp32 (per token-head: block_size ignored);
     target: what the block amax maps to (e4m3 / fp32 block scales); scale_floor: the smallest fp32 (or e4m3)
-    block scale; scale_rounding: e8m0 block scales by OCP's "floor" or the engines' "ceil" (module docstring). codes [num_blocks, page_size, H, D * bits / 8] uint8, block_scales [num_blocks, page_size, H,
+    block scale; scale_rounding: e8m0 block scales by OCP's "floor" or the engines' "ceil" (module docstring);
+    out, out_columns: where the read-back goes, as `store_kv.quantize_store` takes them (static storage's columns).
+    codes [num_blocks, page_size, H, D * bits / 8] uint8, block_scales [num_blocks, page_size, H,
     D / B] uint8 (or [num_blocks, page_size, H] fp32) + slots [R * C] int64 (-1 skip, row-major over (r, c));
     counts [rows, 3] int64 (+= values, clipped, nonfinite), amax [rows] fp32 (max= largest finite ratio),
     live [R] int64 (the stats row of each batch row), valid [R, C] int (0 = pad, not counted; None: all real).
@@ -250,7 +260,15 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         assert scale.dtype == torch.float32 and scale.shape in ((), (heads,)) and scale.is_contiguous(), \
             f"scale must be a contiguous fp32 tensor of shape [] or [{heads}], got {list(scale.shape)} {scale.dtype}"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    assert out.shape == x.shape and out.is_contiguous() and out.dtype == x.dtype, "out must be contiguous, x's shape and dtype"
+    assert out.dtype == x.dtype and out.dim() == 4 and out.stride(3) == 1, \
+        "out must be [R, H, C, D] in x's dtype, D contiguous"
+    if out_columns is None:
+        assert out.shape == x.shape, f"out must be x's shape {list(x.shape)}, got {list(out.shape)}"
+    else:
+        assert out.shape[:2] == x.shape[:2] and out.shape[3] == dim, \
+            f"out must be [{rows}, {heads}, columns, {dim}], got {list(out.shape)}"
+        assert out_columns.dtype == torch.int64 and out_columns.shape == (chunk,) and out_columns.stride(0) == 1, \
+            f"out_columns must be [{chunk}] int64"
     store, stats = codes is not None, counts is not None
     if store:
         expected = code_bytes(element, dim)
@@ -271,8 +289,8 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         assert valid is None or (valid.shape == (rows, chunk) and valid.stride(1) == 1), "valid must be [R, C]"
     device = x.device
     assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"
-    assert all(t.device == device for t in (out, scale, codes, block_scales, slots, counts, amax, live, valid)
-               if t is not None), "all tensors must be on one device"
+    assert all(t.device == device for t in (out, scale, codes, block_scales, slots, counts, amax, live, valid,
+                                            out_columns) if t is not None), "all tensors must be on one device"
     if x.numel() == 0:
         return out
     block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
@@ -282,14 +300,16 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         x, out, scale if scale is not None else dummy, codes if store else dummy,
         block_scales if store else dummy, slots if store else dummy,
         valid if valid is not None else dummy, live if stats else dummy, counts if stats else dummy,
-        amax if stats else dummy, chunk, int(scale is not None and scale.dim() == 1),
+        amax if stats else dummy, out_columns if out_columns is not None else dummy,
+        chunk, int(scale is not None and scale.dim() == 1),
         x.stride(0), x.stride(1), x.stride(2), x.stride(3), valid.stride(0) if valid is not None else 0,
         page_size, *(codes.stride()[:3] if store else (0, 0, 0)), *(block_scales.stride()[:3] if store else (0, 0, 0)),
+        out.stride(0), out.stride(1), out.stride(2),
         D=dim, BLOCK_T=block_t, ELEMENT=ELEMENTS[element], BLOCK_SCALE=SCALES[block_scale], BLOCK=block,
         TARGET=float(target), FLOOR=float(scale_floor), EMAX=ELEMENT_EMAX.get(element, 0),
         CEIL=scale_rounding == "ceil", ELEMENT_MAX_=float(ELEMENT_MAX[element]),
         INV_MAX=_inverse(ELEMENT_MAX[element]), INT_LOW=float(low), INT_HIGH=float(high), HAS_SCALE=scale is not None,
-        STORE=store, STATS=stats, HAS_VALID=valid is not None,
+        STORE=store, STATS=stats, HAS_VALID=valid is not None, HAS_COLS=out_columns is not None,
         X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
         ROW_ALIGN=alignment(*codes.stride()[:3]) if store else 1,
         SCALE_ALIGN=alignment(*block_scales.stride()[:3], at=16 // block_scales.element_size()) if store else 1,

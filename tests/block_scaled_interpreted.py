@@ -135,6 +135,13 @@ def write_case(fmt: str) -> None:
         want_counts = [x[r].numel(), int((ratio[r] > 1).sum()), int((~read_back[r].isfinite()).sum())]
         assert counts[r].tolist() == want_counts, f"row {r}: counts {counts[r].tolist()} != {want_counts}"
         assert amax[r].item() == finite[r].max().item(), f"row {r}: amax {amax[r].item()} != {finite[r].max().item()}"
+    # the read-back straight into static storage's columns (a decode step's write): there and nowhere else
+    static = torch.full((rows, heads, chunk + 4, dim), -777.0, dtype=x.dtype)
+    columns = torch.arange(3, 3 + chunk)
+    quantize_store_block_scaled(x, scale, out=static, out_columns=columns, **layout.write_args)
+    placed = static[:, :, columns]
+    assert ((placed == out) | (placed.isnan() & out.isnan())).all(), "read-back at static columns"
+    assert (static[:, :, [0, 1, 2, chunk + 3]] == -777.0).all(), "a static column outside the pass was written"
 
 
 def main() -> None:

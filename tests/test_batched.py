@@ -947,6 +947,9 @@ def test_gpu_real_out_of_memory_backs_off(gpu_models):
         # this process may use only what it holds now plus 1 GiB (the allocator raises a real OutOfMemoryError at
         # that cap): filling the whole GPU starved the other test workers on it, and the cached blocks it left
         # reserved failed their allocations and CUDA graph captures for the rest of the tier
+        # the allocator's cached free blocks handed back first: a batch would draw on them under the cap (session 28:
+        # once a decode step's cache write stopped allocating its read-back, the batch of 8 fit in them)
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (1 << 30)) / total))
         hog = []

@@ -82,6 +82,49 @@ def test_quantize_store_equals_torch(fmt, granularity, saturate, chunk):
     assert counts[[1, 3]].abs().sum() == 0 and amax[[1, 3]].abs().sum() == 0
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("chunk", [1, 37])
+def test_pair_into_static_columns_equals_two_launches(fmt, granularity, saturate, chunk):
+    """K and V in one launch, the read-back written at static storage's columns (a decode step's write): the same
+    codes, read-back bits and statistics as two launches of the single write checked against torch above."""
+    from kernels.store_kv import quantize_store, quantize_store_pair
+
+    rows, heads, dim, max_len = 3, 4, 128, 64
+    key, value = _inputs(rows, heads, chunk, dim, seed=chunk), _inputs(rows, heads, chunk, dim, seed=chunk + 7) / 3
+    scales = {"per_tensor": (torch.tensor(0.3, device="cuda"), torch.tensor(0.7, device="cuda")),
+              "per_token": (None, None),
+              "per_head": (torch.tensor([0.5, 0.02, 1.0, 0.125], device="cuda"),
+                           torch.tensor([0.25, 0.5, 0.03, 2.0], device="cuda"))}[granularity]
+    columns = torch.arange(5, 5 + chunk, device="cuda")
+    valid = torch.ones(rows, chunk, dtype=torch.long, device="cuda")
+    valid[1, 0] = 0
+    slots = torch.where(valid.bool(), torch.arange(rows, device="cuda")[:, None] * max_len + columns, -1).reshape(-1)
+
+    def run(paired: bool):
+        out = {s: torch.full((rows, heads, max_len, dim), -7777.0, dtype=key.dtype, device="cuda") for s in "kv"}
+        cache = {s: torch.full((rows * max_len // 16, 16, heads, dim), 0xAB, dtype=torch.uint8, device="cuda")
+                 for s in "kv"}
+        counts, amax = torch.zeros(rows, 3, dtype=torch.int64, device="cuda"), torch.zeros(rows, device="cuda")
+        common = dict(slots=slots, cache_strides=cache["k"].stride()[:3], counts=counts, amax=amax,
+                      live=torch.arange(rows, device="cuda"), valid=valid)
+        if paired:
+            quantize_store_pair(key, value, *scales, fmt, saturate, k_out=out["k"], v_out=out["v"],
+                                out_columns=columns, k_cache=cache["k"], v_cache=cache["v"], **common)
+        else:
+            for side, x, scale in (("k", key, scales[0]), ("v", value, scales[1])):
+                read = quantize_store(x, scale, fmt, saturate, cache=cache[side], **common)
+                out[side][:, :, columns] = read
+        return out, cache, counts, amax
+
+    (out, cache, counts, amax), (want_out, want_cache, want_counts, want_amax) = run(True), run(False)
+    for side in "kv":
+        assert torch.equal(out[side].view(torch.int16), want_out[side].view(torch.int16)), side
+        assert torch.equal(cache[side], want_cache[side]), side
+    assert torch.equal(counts, want_counts) and torch.equal(amax, want_amax)
+
+
 def test_quantize_store_mla_row_layout():
     """MLA: latent and k_pe of one token go into one cache row ([latent | k_pe]) under one scale."""
     from kernels.store_kv import quantize_store

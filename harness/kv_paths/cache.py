@@ -324,9 +324,13 @@ class QuantizedKVLayer(DynamicLayer):
         else:
             if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
                 read_back = self._fused_round_trip(key_states, value_states)
+                if chunk == 1 and self.static is not None:  # the read-back went straight into static storage
+                    return read_back
             elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
                   and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
                 read_back = self._fused_block_round_trip(key_states, value_states)
+                if chunk == 1 and self.static is not None:  # the read-back went straight into static storage
+                    return read_back
             else:
                 read_back = (self._round_trip(key_states, self.k_scale, self.k_format, "k"),
                              self._round_trip(value_states, self.v_scale, self.v_format, "v"))
@@ -399,20 +403,37 @@ class QuantizedKVLayer(DynamicLayer):
         return self.static.length if self.static is not None else super().get_seq_length()
 
     def _fused_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The round trip, the write statistics and (when the paged copy takes fused writes) the paged store of
-        both tensors in one Triton launch each; the statistics stay on the device."""
-        from kernels.store_kv import quantize_store
+        """The round trip, the write statistics and (when the paged copy takes fused writes) the paged store, of both
+        tensors in one Triton launch (two where K and V differ in format, shape or kind of scale: an MLA row, mixed
+        K/V); the statistics stay on the device. A decode step's one token on static storage has its read-back
+        written straight into the storage's column (no copy after it): the storage's K and V are returned."""
+        from kernels.store_kv import pair_refusal, quantize_store, quantize_store_pair
 
         counts, amax, live, valid = self.stats.fused_buffers(key_states)
         per_token = self.kv_path.granularity == "per_token"
         targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
-        read_back = []
-        for i, (x, name, kv_format) in enumerate(((key_states, "k_scale", self.k_format),
-                                                  (value_states, "v_scale", self.v_format))):
-            scale = None if per_token else self._device_scale(name, x.device)
-            target = targets[i] if targets is not None else {}
-            read_back.append(quantize_store(x, scale, kv_format.name, self.kv_path.saturate, counts=counts,
-                                            amax=amax, live=live, valid=valid, **target))
+        scales = [None if per_token else self._device_scale(name, x.device)
+                  for x, name in ((key_states, "k_scale"), (value_states, "v_scale"))]
+        outs, columns = (None, None), None
+        if key_states.shape[-2] == 1 and self.static is not None:
+            outs, columns = self.static.buffers(self, key_states, value_states), self.static.columns
+        shared = dict(saturate=self.kv_path.saturate, out_columns=columns, counts=counts, amax=amax, live=live,
+                      valid=valid)
+        k_target, v_target = targets if targets is not None else ({}, {})
+        if self.k_format.name == self.v_format.name and pair_refusal(
+                key_states, value_states, *scales, k_target.get("cache"), v_target.get("cache")) is None \
+                and k_target.get("col_offset", 0) == v_target.get("col_offset", 0) == 0:
+            paged = {}
+            if targets is not None:
+                paged = dict(k_cache=k_target["cache"], v_cache=v_target["cache"], slots=k_target["slots"],
+                             cache_strides=k_target["cache_strides"], block_size=k_target["block_size"])
+            read_back = quantize_store_pair(key_states, value_states, *scales, self.k_format.name, k_out=outs[0],
+                                            v_out=outs[1], **paged, **shared)
+        else:
+            read_back = tuple(quantize_store(x, scale, kv_format.name, out=out, **target, **shared)
+                              for x, scale, kv_format, out, target in zip(
+                                  (key_states, value_states), scales, (self.k_format, self.v_format), outs,
+                                  (k_target, v_target)))
         if self.paged is not None and targets is None:
             self.paged.write(key_states, value_states)
         return read_back[0], read_back[1]
@@ -437,25 +458,32 @@ class QuantizedKVLayer(DynamicLayer):
         counts, amax, live, valid = self.stats.fused_buffers(key_states)
         # the paged copy's targets (an MLA row: the latent's; its bf16 k_pe is stored beside it as given)
         targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
+        outs, columns = (None, None), None
+        if key_states.shape[-2] == 1 and self.static is not None:  # a decode step: read-back into static storage
+            outs, columns = self.static.buffers(self, key_states, value_states), self.static.columns
         read_back = []
-        sides = zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts, self._splits)
-        for i, (x, name, layout, split) in enumerate(sides):
+        sides = zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts, self._splits, outs)
+        for i, (x, name, layout, split, out) in enumerate(sides):
             if layout is None:  # an MLA row's bf16 k_pe: stored as given
-                read_back.append(x)
+                read_back.append(x if out is None else out.index_copy_(2, columns, x))
                 continue
             scale = self._device_scale(name, x.device) if layout.static else None
             target = targets[i] if targets is not None else {}
+            write = dict(counts=counts, amax=amax, live=live, valid=valid, out_columns=columns, **layout.write_args)
             if split > 1:  # [rows, 1, chunk, D] as `split` heads of D / split: the same bytes in the same order
                 rows, _, chunk, dim = x.shape
                 heads = x[:, 0].reshape(rows, chunk, split, dim // split).transpose(1, 2)
                 target = {key: value.view(*value.shape[:2], split, -1) if key in ("codes", "block_scales") else value
                           for key, value in target.items()}
-                out = quantize_store_block_scaled(heads, scale, counts=counts, amax=amax, live=live, valid=valid,
-                                                  **layout.write_args, **target)
-                read_back.append(out.transpose(1, 2).reshape(rows, 1, chunk, dim))
+                if out is None:
+                    read = quantize_store_block_scaled(heads, scale, **write, **target)
+                    read_back.append(read.transpose(1, 2).reshape(rows, 1, chunk, dim))
+                else:  # the storage's [rows, 1, columns, D] seen as [rows, split, columns, D / split]
+                    quantize_store_block_scaled(heads, scale, **write, **target, out=out[:, 0].unflatten(
+                        -1, (split, dim // split)).transpose(1, 2))
+                    read_back.append(out)
                 continue
-            read_back.append(quantize_store_block_scaled(x, scale, counts=counts, amax=amax, live=live, valid=valid,
-                                                         **layout.write_args, **target))
+            read_back.append(quantize_store_block_scaled(x, scale, out=out, **write, **target))
         if self.paged is not None and targets is None:
             self.paged.write(key_states, value_states)
         elif targets is not None and targets[1] is None:
@@ -615,6 +643,15 @@ class StaticColumns:
         """keys/values [batch, heads, chunk, dim] into the layer's [batch, heads, max_len, dim] buffers. A layer that
         writes another number of tokens than the pass has columns (a looped model's per-loop writes: Dory) raises
         StaticStorageMismatch: the batch then decodes with the growing cache."""
+        keys_at, values_at = self.buffers(layer, keys, values)
+        keys_at.index_copy_(2, self.columns, keys)
+        values_at.index_copy_(2, self.columns, values)
+        return keys_at, values_at
+
+    def buffers(self, layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's [batch, heads, max_len, dim] K and V buffers (made at its first write, zeros), for a write of
+        keys/values at this pass's columns; raises StaticStorageMismatch as `write` does. A fused cache write puts
+        its read-back there itself (`QuantizedKVLayer._fused_round_trip`)."""
         if keys.shape[-2] != self.columns.numel():
             raise StaticStorageMismatch(f"a cache layer wrote {keys.shape[-2]} tokens in a pass of "
                                         f"{self.columns.numel()} columns: no static storage for it")
@@ -623,8 +660,6 @@ class StaticColumns:
             layer.keys = keys.new_zeros((*keys.shape[:2], self.max_len, keys.shape[-1]))
             layer.values = values.new_zeros((*values.shape[:2], self.max_len, values.shape[-1]))
             layer.is_initialized = True
-        layer.keys.index_copy_(2, self.columns, keys)
-        layer.values.index_copy_(2, self.columns, values)
         return layer.keys, layer.values
 
     def with_raw(self, stored: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

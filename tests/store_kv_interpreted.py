@@ -1,0 +1,103 @@
+"""The fused FP8 cache write's launch over K and V at once and its write into static storage's columns, under Triton's
+CPU interpreter (TRITON_INTERPRET=1, set before triton is imported): run by tests/test_store_kv_pair.py in a
+subprocess. The interpreter mis-rounds fp32 -> fp8 and truncates fp32 -> bf16, so the inputs are fp16 values that
+x / scale holds exactly in e4m3 (no rounding to get wrong); this checks where every byte and value goes, not a GPU's
+rounding (tests/test_fused_write_gpu.py does that). Prints one JSON object: {case: null (passed) or what failed}."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from kernels import reference as ref  # noqa: E402
+from kernels.store_kv import quantize_store, quantize_store_pair  # noqa: E402
+
+ROWS, HEADS, DIM, PAGE, MAX_LEN = 3, 2, 32, 16, 12
+POISON = -777.0
+
+
+def exact_inputs(chunk: int, scale: float, seed: int) -> torch.Tensor:
+    """[ROWS, HEADS, chunk, DIM] fp16, laid out as transformers hands K/V over (a transposed view), every value an
+    e4m3 value times `scale` (a power of two), so the cast has nothing to round."""
+    g = torch.Generator().manual_seed(seed)
+    mantissa = torch.randint(8, 16, (ROWS, chunk, HEADS, DIM), generator=g).float()
+    exponent = torch.randint(-5, 5, (ROWS, chunk, HEADS, DIM), generator=g).float()
+    sign = torch.randint(0, 2, (ROWS, chunk, HEADS, DIM), generator=g).float() * 2 - 1
+    return (sign * mantissa * 2 ** exponent / 8 * scale).half().transpose(1, 2)
+
+
+def write(chunk: int, columns: list[int], paired: bool, per_head: bool) -> dict:
+    """Everything one write leaves: static K/V buffers, paged K/V codes, statistics."""
+    k_scale = torch.tensor([0.5, 0.25]) if per_head else torch.tensor(0.5)
+    v_scale = torch.tensor([2.0, 0.125]) if per_head else torch.tensor(2.0)
+    key, value = exact_inputs(chunk, 0.5, seed=chunk), exact_inputs(chunk, 2.0, seed=chunk + 1)
+    if per_head:  # head 1 under its own scale
+        key[:, 1] *= 0.5
+        value[:, 1] /= 16
+    out = {side: torch.full((ROWS, HEADS, MAX_LEN, DIM), POISON, dtype=torch.float16) for side in "kv"}
+    pages_per_row = -(-MAX_LEN // PAGE)
+    cache = {side: torch.full((ROWS * pages_per_row, PAGE, HEADS, DIM), 0xAB, dtype=torch.uint8) for side in "kv"}
+    cols = torch.tensor(columns, dtype=torch.int64)
+    valid = torch.ones(ROWS, chunk, dtype=torch.long)
+    valid[1, 0] = 0  # a pad: not stored in the paged cache, not counted
+    slots = torch.arange(ROWS)[:, None] * pages_per_row * PAGE + cols[None, :]
+    slots = torch.where(valid.bool(), slots, -1).reshape(-1)
+    counts, amax = torch.zeros(ROWS, 3, dtype=torch.int64), torch.zeros(ROWS)
+    stats = dict(counts=counts, amax=amax, live=torch.arange(ROWS), valid=valid)
+    strides = cache["k"].stride()[:3]
+    if paired:
+        quantize_store_pair(key, value, k_scale, v_scale, "e4m3", k_out=out["k"], v_out=out["v"], out_columns=cols,
+                            k_cache=cache["k"], v_cache=cache["v"], slots=slots, cache_strides=strides, **stats)
+    else:
+        for side, x, scale in (("k", key, k_scale), ("v", value, v_scale)):
+            quantize_store(x, scale, "e4m3", out=out[side], out_columns=cols, cache=cache[side], slots=slots,
+                           cache_strides=strides, **stats)
+    return dict(key=key, value=value, k_scale=k_scale, v_scale=v_scale, out=out, cache=cache, cols=cols,
+                slots=slots, counts=counts, amax=amax, valid=valid)
+
+
+def check(chunk: int, columns: list[int], paired: bool, per_head: bool) -> None:
+    got = write(chunk, columns, paired, per_head)
+    for side, x, scale in (("k", got["key"], got["k_scale"]), ("v", got["value"], got["v_scale"])):
+        s = scale.view(-1, 1, 1) if scale.dim() else scale
+        codes = ref.quantize(x, s, "e4m3")
+        back = ref.dequantize(codes, s, out_dtype=x.dtype)
+        assert torch.equal(back.float(), x.float()), "inputs not exact in e4m3"
+        static = got["out"][side]
+        assert torch.equal(static[:, :, got["cols"]], back), f"{side}: read-back at its columns"
+        others = torch.ones(MAX_LEN, dtype=torch.bool)
+        others[got["cols"]] = False
+        assert bool((static[:, :, others] == POISON).all()), f"{side}: a column outside the pass was written"
+        stored = got["cache"][side].view(-1, HEADS, DIM)
+        want = codes.view(torch.uint8).transpose(1, 2).reshape(-1, HEADS, DIM)
+        kept = got["slots"] >= 0
+        assert torch.equal(stored[got["slots"][kept]], want[kept]), f"{side}: paged codes"
+        untouched = torch.ones(stored.shape[0], dtype=torch.bool)
+        untouched[got["slots"][kept]] = False
+        assert bool((stored[untouched] == 0xAB).all()), f"{side}: a slot outside the pass was written"
+    real = got["valid"].sum(1) * HEADS * DIM * 2  # both sides' values into one statistics row
+    assert got["counts"][:, 0].tolist() == real.tolist(), f"counts {got['counts'].tolist()} != {real.tolist()}"
+    assert got["counts"][:, 1:].abs().sum() == 0
+
+
+def main() -> None:
+    found = {}
+    for chunk, columns in ((1, [7]), (3, [4, 5, 6])):
+        for paired in (True, False):
+            for per_head in (False, True):
+                name = f"chunk{chunk}-{'pair' if paired else 'single'}-{'per_head' if per_head else 'per_tensor'}"
+                try:
+                    check(chunk, columns, paired, per_head)
+                    found[name] = None
+                except Exception:  # noqa: BLE001 - reported per case
+                    found[name] = traceback.format_exc()[-1500:]
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The fused FP8 cache write over K and V in one launch, and into static storage's columns (`kernels.store_kv`), under
+Triton's CPU interpreter: tests/store_kv_interpreted.py in a subprocess (the interpreter is chosen when a kernel is
+defined). The GPU's rounding is checked against torch in tests/test_fused_write_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CASES = [f"chunk{chunk}-{launch}-{scale}" for chunk in (1, 3) for launch in ("pair", "single")
+         for scale in ("per_tensor", "per_head")]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE / "store_kv_interpreted.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_write_puts_every_byte_and_value_where_it_belongs(interpreted, case):
+    """Static storage gets the read-back at the pass's columns and nothing elsewhere; the paged caches get the codes
+    at the step's slots (pads skipped) and nothing elsewhere; the statistics count both sides once. A launch over K
+    and V must leave exactly what two launches leave (mutants that keep V's pointers on K's, or write every token at
+    column 0, fail every pair case / every case)."""
+    assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
+
+
+def test_a_pair_that_cannot_share_a_launch_says_why():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from kernels.store_kv import pair_refusal
+
+    key = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    assert pair_refusal(key, key.clone(), torch.ones(()), torch.ones(())) is None
+    assert "differ" in pair_refusal(key, torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16), None, None)
+    assert "scale" in pair_refusal(key, key, torch.ones(()), None)
+    assert "scale" in pair_refusal(key, key, torch.ones(()), torch.ones(4))
+    assert "layout" in pair_refusal(key, key, None, None, torch.zeros(2, 16, 4, 64, dtype=torch.uint8),
+                                    torch.zeros(2, 16, 4, 32, dtype=torch.uint8))
