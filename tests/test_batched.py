@@ -350,6 +350,44 @@ def _growing_and_static(model, spec):
     return backend, prompts, limits, dynamic, static
 
 
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3"])
+def test_static_decode_ahead_of_the_host_ends_rows_on_eos_as_the_host_does(cpu_models, monkeypatch, spec):
+    """Static decode launches each pass before the host has read the step's tokens, with the rows the device computes
+    go on (`AheadOfTheHost`); the host's rule decides what is kept. With an EOS that one row emits mid-reply and
+    limits that end others, every row's tokens and finish reason are the growing cache's (but at a near tie), and
+    the device's rows going on equal the host's at every pass (a device rule that ignored EOS or limits differs)."""
+    import harness.replay.batched as batched
+
+    model = cpu_models["gqa"]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    first = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    row = max(range(len(first)), key=lambda i: len(first[i].token_ids))
+    eos = first[row].token_ids[len(first[row].token_ids) // 2]  # a token the longest reply emits mid-way
+    passes = []
+    real = batched.StaticDecodeStep.run
+
+    def run(self, next_ids, column, keep, check, valid=None):
+        passes.append(valid.tolist())
+        return real(self, next_ids, column, keep, check, valid=valid)
+
+    monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
+    engines = [BatchedEngine(backend, BatchSettings(decode=mode)) for mode in ("dynamic", "static")]
+    for engine in engines:
+        engine.eos = eos
+    dynamic, static = (engine.generate(prompts, limits) for engine in engines)
+    assert {r.finish_reason for r in static} == {"eos", "length"}
+    for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
+        if row.token_ids != other.token_ids:  # the gqa canary's first prompt flips at a near tie, as before (session 28)
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
+        else:
+            assert row.finish_reason == other.finish_reason
+    # the device's rows going on at each pass = the host's after reading that step's token: a row's limit ends it
+    # with its last token, an EOS one step later (the EOS is not a token)
+    assert passes == [[int(step < len(r.token_ids) - (r.finish_reason == "length")) for r in static]
+                      for step in range(len(passes))]
+
+
 @pytest.mark.parametrize(("arch", "spec"), STATIC_CASES)
 def test_static_decode_replies_as_the_growing_cache(cpu_models, arch, spec):
     """Static storage (preallocated, written in place, attention over every column under a mask; finished rows
