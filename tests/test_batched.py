@@ -367,9 +367,9 @@ def test_static_decode_ahead_of_the_host_ends_rows_on_eos_as_the_host_does(cpu_m
     passes = []
     real = batched.StaticDecodeStep.run
 
-    def run(self, next_ids, column, keep, check, valid=None):
+    def run(self, next_ids, column, valid, check):
         passes.append(valid.tolist())
-        return real(self, next_ids, column, keep, check, valid=valid)
+        return real(self, next_ids, column, valid, check)
 
     monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
     engines = [BatchedEngine(backend, BatchSettings(decode=mode)) for mode in ("dynamic", "static")]

@@ -421,7 +421,7 @@ class BatchedEngine:
                     ahead = None
                     if any(len(outputs[row]) + 1 < limits[row] for row in live):  # else every row ends here
                         check = self._checks_step(agreements, decode_step, prompt_checked)
-                        ahead = decode.run(step_ids, width + decode_step, None, check, valid=going_on)
+                        ahead = decode.run(step_ids, width + decode_step, going_on, check)
                     keep = self._book_rows(reads.wait(), live, live, outputs, finish, limits)
                     if not keep:
                         break  # a pass launched ahead for rows that all ended (an EOS) stored and counted nothing
@@ -651,20 +651,14 @@ class StaticDecodeStep:
         self.logits: torch.Tensor | None = None  # the captured pass's output buffer
         self.eager_steps = 0
 
-    def run(self, next_ids: torch.Tensor, column: int, keep: list[int] | None, check: bool,
-            valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed next_ids [rows] at `column`; keep: the rows still generating, when some just finished; or valid: the
-        rows still generating as a device [rows] flag (`AheadOfTheHost`)."""
+    def run(self, next_ids: torch.Tensor, column: int, valid: torch.Tensor, check: bool) -> torch.Tensor:
+        """Feed next_ids [rows] at `column`; valid: the rows still generating, a [rows] flag on the device
+        (`AheadOfTheHost`)."""
         self.ids.copy_(next_ids.view(-1, 1))
         self.positions.add_(1)
         self.column.fill_(column)
         self.seen[:, column] = True
-        if valid is not None:
-            self.valid.copy_(valid.view(-1, 1))
-        elif keep is not None:
-            flags = torch.zeros(self.valid.shape[0], 1, dtype=torch.long)
-            flags[keep] = 1
-            self.valid.copy_(flags)
+        self.valid.copy_(valid.view(-1, 1))
         self.static.columns, self.static.length = self.column, column + 1
         self.step.valid, self.step.check = self.valid, check
         if self.windowed:
