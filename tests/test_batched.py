@@ -991,7 +991,9 @@ def test_gpu_real_out_of_memory_backs_off(gpu_models):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (1 << 30)) / total))
         hog = []
-        for size in (1 << 28, 1 << 20):  # 256 MiB blocks, then 1 MiB blocks, until the cap
+        # 256 MiB blocks, then 1 MiB blocks, until the cap; then 512-byte blocks, which take what is left in the
+        # allocator's partly used 2 MiB segments (a tiny model's batch of 8 fit there: session 28)
+        for size in (1 << 28, 1 << 20, 1 << 9):
             try:
                 while True:
                     hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
