@@ -378,7 +378,7 @@ def test_static_decode_ahead_of_the_host_ends_rows_on_eos_as_the_host_does(cpu_m
     dynamic, static = (engine.generate(prompts, limits) for engine in engines)
     assert {r.finish_reason for r in static} == {"eos", "length"}
     for prompt, limit, row, other in zip(prompts, limits, dynamic, static):
-        if row.token_ids != other.token_ids:  # the gqa canary's first prompt flips at a near tie, as before (session 28)
+        if row.token_ids != other.token_ids:  # the gqa canary's first prompt flips at a near tie, as it did before
             _assert_same_or_near_tie(_alone(backend, prompt, limit), other, 0.07)
         else:
             assert row.finish_reason == other.finish_reason

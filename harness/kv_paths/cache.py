@@ -648,7 +648,8 @@ class StaticColumns:
         values_at.index_copy_(2, self.columns, values)
         return keys_at, values_at
 
-    def buffers(self, layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, layer: DynamicLayer, keys: torch.Tensor,
+                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's [batch, heads, max_len, dim] K and V buffers (made at its first write, zeros), for a write of
         keys/values at this pass's columns; raises StaticStorageMismatch as `write` does. A fused cache write puts
         its read-back there itself (`QuantizedKVLayer._fused_round_trip`)."""
