@@ -345,6 +345,23 @@ def quantize_store_pair(key: torch.Tensor, value: torch.Tensor, k_scale: torch.T
                          out_columns, slots, cache_strides, block_size, counts, amax, live, valid))
 
 
+def read_back_out(x: torch.Tensor, out: torch.Tensor | None, out_columns: torch.Tensor | None) -> torch.Tensor:
+    """Where a fused write of x [R, H, C, D] puts its read-back (both fused writes take it so): `out` checked, or a new
+    contiguous tensor; with out_columns [C] int64, out is [R, H, columns, D] (static storage)."""
+    rows, heads, chunk, dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.dtype == x.dtype and out.dim() == 4 and out.stride(3) == 1, \
+        "out must be [R, H, C, D] in x's dtype, D contiguous"
+    if out_columns is None:
+        assert out.shape == x.shape, f"out must be x's shape {list(x.shape)}, got {list(out.shape)}"
+    else:
+        assert out.shape[:2] == x.shape[:2] and out.shape[3] == dim, \
+            f"out must be [{rows}, {heads}, columns, {dim}], got {list(out.shape)}"
+        assert out_columns.dtype == torch.int64 and out_columns.shape == (chunk,) and out_columns.stride(0) == 1, \
+            f"out_columns must be [{chunk}] int64"
+    return out
+
+
 def pair_refusal(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor | None,
                  v_scale: torch.Tensor | None, k_cache: torch.Tensor | None = None,
                  v_cache: torch.Tensor | None = None) -> str | None:
@@ -375,22 +392,11 @@ def _launch(sides: list[tuple], fmt: str, saturate: bool, out_columns: torch.Ten
     for side_x, side_scale, out, cache, _ in sides:
         if side_scale is not None:
             _check_scale(side_scale, "scale", (heads,))
-        if out is None:
-            out = torch.empty(side_x.shape, dtype=side_x.dtype, device=side_x.device)
-        assert out.dtype == side_x.dtype and out.dim() == 4 and out.stride(3) == 1, \
-            "out must be [R, H, C, D] in x's dtype, D contiguous"
-        if out_columns is None:
-            assert out.shape == side_x.shape, f"out must be x's shape {list(side_x.shape)}, got {list(out.shape)}"
-        else:
-            assert out.shape[:2] == side_x.shape[:2] and out.shape[3] == dim, \
-                f"out must be [{rows}, {heads}, columns, {dim}], got {list(out.shape)}"
+        out = read_back_out(side_x, out, out_columns)
         if store:
             assert cache is not None and cache.dtype == torch.uint8, "cache must be a uint8 view, with slots"
         outs.append(out)
         caches.append(cache)
-    if out_columns is not None:
-        assert out_columns.dtype == torch.int64 and out_columns.shape == (chunk,) and out_columns.stride(0) == 1, \
-            f"out_columns must be [{chunk}] int64"
     if store:
         assert slots is not None, "a cache needs slots"
         _check_slots(slots, rows * chunk)

@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels.decode_attention import on_tensor_device
 from kernels.decode_attention_block_scaled import ELEMENTS, SCALES, code_bytes, interpreting
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
-from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps, alignment
+from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps, alignment, read_back_out
 
 ELEMENT_MAX = {"e2m1": 6.0, "e4m3": 448.0, "int8": 127.0, "int4": 7.0}   # the largest magnitude of each element
 ELEMENT_EMAX = {"e2m1": 2, "e4m3": 8}                                     # floor(log2 max): OCP MX's emax_elem
@@ -259,16 +259,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
     if scale is not None:
         assert scale.dtype == torch.float32 and scale.shape in ((), (heads,)) and scale.is_contiguous(), \
             f"scale must be a contiguous fp32 tensor of shape [] or [{heads}], got {list(scale.shape)} {scale.dtype}"
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    assert out.dtype == x.dtype and out.dim() == 4 and out.stride(3) == 1, \
-        "out must be [R, H, C, D] in x's dtype, D contiguous"
-    if out_columns is None:
-        assert out.shape == x.shape, f"out must be x's shape {list(x.shape)}, got {list(out.shape)}"
-    else:
-        assert out.shape[:2] == x.shape[:2] and out.shape[3] == dim, \
-            f"out must be [{rows}, {heads}, columns, {dim}], got {list(out.shape)}"
-        assert out_columns.dtype == torch.int64 and out_columns.shape == (chunk,) and out_columns.stride(0) == 1, \
-            f"out_columns must be [{chunk}] int64"
+    out = read_back_out(x, out, out_columns)
     store, stats = codes is not None, counts is not None
     if store:
         expected = code_bytes(element, dim)

@@ -125,6 +125,15 @@ def test_pair_into_static_columns_equals_two_launches(fmt, granularity, saturate
     assert torch.equal(counts, want_counts) and torch.equal(amax, want_amax)
 
 
+def _assert_same_replies_and_statistics(fused, plain) -> None:
+    """The fused write's rows against the torch round trip's: the same tokens, write statistics and kernel checks."""
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
+                    "kv_write_err_ratio"):
+            assert a.metrics.get(key) == b.metrics.get(key), key
+
+
 def test_quantize_store_mla_row_layout():
     """MLA: latent and k_pe of one token go into one cache row ([latent | k_pe]) under one scale."""
     from kernels.store_kv import quantize_store
@@ -185,11 +194,7 @@ def test_batched_fused_stats_equal_torch_stats(tiny_models, monkeypatch, arch, s
     fused = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [4, 12, 8])
     monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
     plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [4, 12, 8])
-    for a, b in zip(fused, plain):
-        assert a.token_ids == b.token_ids
-        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
-                    "kv_write_err_ratio"):
-            assert a.metrics.get(key) == b.metrics.get(key), key
+    _assert_same_replies_and_statistics(fused, plain)
 
 
 @pytest.mark.parametrize("chunk", [1, 37, 300])
@@ -249,8 +254,4 @@ def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
     assert max(splits) == (1 if spec == "int4_per_token_head" else 2), splits
     monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
     plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [6, 12, 9])
-    for a, b in zip(fused, plain):
-        assert a.token_ids == b.token_ids
-        for key in ("kv_clipped_frac", "kv_nonfinite", "kv_amax_over_max", "kernel_steps", "kernel_err_ratio",
-                    "kv_write_err_ratio"):
-            assert a.metrics.get(key) == b.metrics.get(key), key
+    _assert_same_replies_and_statistics(fused, plain)
