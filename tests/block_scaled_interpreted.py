@@ -29,17 +29,23 @@ DECODE_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "fp4_mx_block16", "fp8_per_token_he
 WRITE_FORMATS = ["nvfp4", "mxfp4", "fp4_mx_block16", "int8_per_token_head", "int4_per_token_head"]
 
 
-def decode_case(fmt: str) -> None:
-    from kernels.decode_attention_block_scaled import decode_attention_block_scaled
-
-    layout = block_layout.of(kv_formats.get_format(fmt))
-    head_dim, kv_heads, group, page, lengths = 32, 2, 3, 16, [1, 37, 20]   # odd group, 1-token and ragged rows
+def shuffled_pages(lengths: list[int], page: int) -> tuple[torch.Tensor, int]:
+    """A block table whose rows own pages in shuffled order (two spare pages beside them), and the page count."""
     pages = [-(-n // page) for n in lengths]
     num_blocks = sum(pages) + 2
     order = torch.randperm(num_blocks).int()
     table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
     for b, p in enumerate(pages):
         table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p]
+    return table, num_blocks
+
+
+def decode_case(fmt: str) -> None:
+    from kernels.decode_attention_block_scaled import decode_attention_block_scaled
+
+    layout = block_layout.of(kv_formats.get_format(fmt))
+    head_dim, kv_heads, group, page, lengths = 32, 2, 3, 16, [1, 37, 20]   # odd group, 1-token and ragged rows
+    table, num_blocks = shuffled_pages(lengths, page)
     scale = torch.tensor([0.02, 0.05]) if layout.static else None
     caches = []
     for _ in range(2):
@@ -69,12 +75,7 @@ def mla_case(fmt: str) -> None:
 
     layout = block_layout.of(kv_formats.get_format(fmt))
     latent_dim, rope_dim, heads, page, lengths = 64, 16, 20, 16, [1, 37, 20]
-    pages = [-(-n // page) for n in lengths]
-    num_blocks = sum(pages) + 2
-    order = torch.randperm(num_blocks).int()
-    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, :p] = order[sum(pages[:b]):sum(pages[:b]) + p]
+    table, num_blocks = shuffled_pages(lengths, page)
     scale = torch.tensor(0.03) if layout.static else None
     codes, blocks = layout.allocate(num_blocks, page, 1, latent_dim, "cpu")
     x = torch.randn(num_blocks * page, 1, latent_dim) * torch.logspace(-1, 1, latent_dim)

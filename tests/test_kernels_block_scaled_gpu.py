@@ -291,7 +291,7 @@ def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
     scale = torch.tensor(0.01, device="cuda") if layout.static else None
     x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
     codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
-    layout.store(x.to(q_dtype), scale, codes, block_scales, slots)
+    layout.store(x.bfloat16(), scale, codes, block_scales, slots)   # the model's K/V: bf16 whatever q's type
     k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
     k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).to(q_dtype)
     q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).to(q_dtype)
@@ -317,39 +317,24 @@ def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt
     relative to "dequantise the latent to q's type, then our BF16 MLA kernel" (kernels/mla_decode.py), as the GQA
     cases (SLACK and the magnitude check beside). impl="cuda" serves NVFP4 (kernels/mla_decode_nvfp4.cu) and names
     why it does not serve the rest."""
-    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
     from kernels.mla_decode import mla_decode
 
+    case = _mla_case(fmt, heads, [1, 17, 1000, 4099, 5], q_dtype=q_dtype)
     if impl == "cuda" and fmt != "nvfp4":
-        case = _mla_case(fmt, heads, [40], q_dtype=q_dtype)
         with pytest.raises(ValueError, match="it reads NVFP4 latents"):
             _run_mla(case, impl="cuda")
         return
-    layout = block_layout.of(kv_formats.get_format(fmt))
-    lengths, page, latent_dim, rope_dim = [1, 17, 1000, 4099, 5], 16, 512, 64
-    table, slots, num_blocks = _pages(lengths, page)
-    total = sum(lengths)
-    scale = torch.tensor(0.01, device="cuda") if layout.static else None
-    x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
-    codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
-    layout.store(x.bfloat16(), scale, codes, block_scales, slots)
-    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
-    k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).to(q_dtype)
-    q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).to(q_dtype)
-    q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).to(q_dtype)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    sm_scale = (latent_dim + rope_dim) ** -0.5
-    out, lse = mla_decode_block_scaled(q_latent, q_pe, codes, block_scales, k_pe, table, seq_lens, scale, sm_scale,
-                                       **layout.kernel_args, impl=impl)
-    latent = ref.dequantize_block_scaled(codes, block_scales, scale, **layout.kernel_args)[:, :, 0]   # fp32
-    cache = torch.cat([latent, k_pe.float()], -1)                                    # [num_blocks, page, 576]
-    dequantised = mla_decode(q_latent, q_pe, cache.to(q_dtype), table, seq_lens, None, sm_scale)[0]
+    out, lse = _run_mla(case, impl=impl)
+    lengths, page, table = case.seq_lens.tolist(), case.codes.shape[1], case.table
+    latent = ref.dequantize_block_scaled(case.codes, case.block_scales, case.scale, **case.layout.kernel_args)[:, :, 0]
+    cache = torch.cat([latent, case.k_pe.float()], -1)                               # [num_blocks, page, 576], fp32
+    dequantised = mla_decode(case.q_latent, case.q_pe, cache.to(q_dtype), table, case.seq_lens, None, case.sm_scale)[0]
     truths, truth_lses = [], []
     for b, n in enumerate(lengths):
         rows = cache.view(-1, cache.shape[-1])[(table[b, :-(-n // page)].long()[:, None] * page
                                                 + torch.arange(page, device="cuda")).reshape(-1)[:n]].double()
-        s = (torch.cat([q_latent[b], q_pe[b]], -1).double() @ rows.T) * sm_scale
-        truths.append(torch.softmax(s, -1) @ rows[:, :latent_dim])
+        s = (torch.cat([case.q_latent[b], case.q_pe[b]], -1).double() @ rows.T) * case.sm_scale
+        truths.append(torch.softmax(s, -1) @ rows[:, :latent.shape[-1]])
         truth_lses.append(torch.logsumexp(s, -1))
     truth, truth_lse = torch.stack(truths), torch.stack(truth_lses)
     err = (out.double() - truth).abs().max().item()
