@@ -280,59 +280,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
     const bool partial = t0 + BN > end;
     u32 pa[MT][BN / 16][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float sc[BN / 8][4];
-#pragma unroll
-      for (int w2 = 0; w2 < NW; ++w2) {
-        const F4* theirs = (const F4*)(scores + (w2 * 32 + lane) * MT * NB * 4) + mt * NB;
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-          const F4 v = theirs[i];
-          sc[w2 * NB + i][0] = v.x; sc[w2 * NB + i][1] = v.y; sc[w2 * NB + i][2] = v.z; sc[w2 * NB + i][3] = v.w;
-        }
-      }
-      float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (partial && t0 + 8 * j + 2 * q + (e & 1) >= end) sc[j][e] = NEG_INF;
-        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
-      const float al0 = ex2(m[mt][0] - mn0), al1 = ex2(m[mt][1] - mn1);
-      float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < BN / 16; ++j) {
-        const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
-        const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
-        const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
-        const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
-        rs0 += (p00 + p01) + (p10 + p11);
-        rs1 += (p02 + p03) + (p12 + p13);
-        pa[mt][j][0] = pack_half2(p00, p01);
-        pa[mt][j][1] = pack_half2(p02, p03);
-        pa[mt][j][2] = pack_half2(p10, p11);
-        pa[mt][j][3] = pack_half2(p12, p13);
-      }
-      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-      rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-      rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
-      l[mt][0] = l[mt][0] * al0 + rs0;
-      l[mt][1] = l[mt][1] * al1 + rs1;
-      m[mt][0] = mn0;
-      m[mt][1] = mn1;
-#pragma unroll
-      for (int n = 0; n < NPC; ++n) {
-        o[mt][n][0] *= al0; o[mt][n][1] *= al0; o[mt][n][2] *= al1; o[mt][n][3] *= al1;
-      }
-    }
+    for (int mt = 0; mt < MT; ++mt)   // the scores are scaled already: qk 1
+      softmax_tile<NW, NB, MT, NPC>(scores, lane, q, mt, 1.f, partial, t0, end, m, l, o, pa);
 
     // P . C over this warp's latent columns: n8 block 8m + e holds columns colbase + 64m + 8n + e (n = 0..7). A lane
     // reads 8 columns (a word) of tokens r0, r0 + 1, r0 + 8, r0 + 9 and their block's scale byte.
