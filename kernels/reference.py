@@ -30,10 +30,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str, saturate: b
     stays NaN); non-saturating overflows as the OCP cast without saturation: e4m3 (no inf) to NaN, e5m2 to
     +-inf. Written out rather than left to torch's plain cast, which saturates e4m3 from torch 2.12 on
     (pytorch#178817) and gave NaN before; in-range values are torch's cast either way."""
-    scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)   # a new tensor, never x
     limit = FP8_MAX[fmt]
     if saturate:
-        scaled = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit))
+        scaled.clamp_(-limit, limit)   # NaN stays NaN, sign and payload (torch's clamp); in place: one pass, no copy
     elif fmt == "e4m3":
         scaled = torch.where(scaled.abs() > OVERFLOW_AT[fmt], torch.copysign(torch.tensor(float("nan")), scaled), scaled)
     else:

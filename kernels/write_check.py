@@ -10,15 +10,18 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import on_tensor_device
+from kernels.reference import is_fp8
 from kernels.store_kv import TOKENS_PER_PROGRAM, _check_cuda, _warps
 
 
 @triton.jit(do_not_specialize=["C", "stride_vr"])
 def _square_error_sums_kernel(
     X, A, B, VALID, PARTS,       # [R, H, C, D] x and two read-backs (any strides); [R, C] int (0 = pad); fp64 out
+    B_SCALE,                     # fp32 (B_CODES): B's scale, broadcast over [R, H, C] by its strides
     C, stride_vr,
-    sx0, sx1, sx2, sx3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
+    sx0, sx1, sx2, sx3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3, ss0, ss1, ss2,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_VALID: tl.constexpr,
+    B_CODES: tl.constexpr,       # B holds FP8 codes: read back as (code x scale in fp32) cast once to X's dtype
 ):
     tiles = tl.cdiv(C, BLOCK_T)
     pid = tl.program_id(0)
@@ -34,6 +37,9 @@ def _square_error_sums_kernel(
     x = tl.load(X + r * sx0 + head * sx1 + offs_t[:, None] * sx2 + offs_d[None, :] * sx3, mask=m2, other=0.0)
     a = tl.load(A + r * sa0 + head * sa1 + offs_t[:, None] * sa2 + offs_d[None, :] * sa3, mask=m2, other=0.0)
     b = tl.load(B + r * sb0 + head * sb1 + offs_t[:, None] * sb2 + offs_d[None, :] * sb3, mask=m2, other=0.0)
+    if B_CODES:   # kernels/reference.py's dequantize: fp8 -> fp32 is exact, one fp32 product, one rounding
+        scale = tl.load(B_SCALE + r * ss0 + head * ss1 + offs_t * ss2, mask=t_mask, other=1.0)
+        b = (b.to(tl.float32) * scale[:, None]).to(X.dtype.element_ty)
     x = x.to(tl.float32)
     out = PARTS + ((r * tl.num_programs(1) + head) * tiles + tile) * 2
     ea = a.to(tl.float32) - x
@@ -47,26 +53,34 @@ def _square_error_sums_kernel(
 
 
 @on_tensor_device
-def square_error_sums(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      valid: torch.Tensor | None = None) -> torch.Tensor:
+def square_error_sums(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None,
+                      b_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[R, 2] fp64: per row r, the sums over (H, C, D) of (a - x)^2 and of (b - x)^2, each difference and square in
     fp32 and summed in fp64 (torch's `(a.float() - x.float()).square_()` then `.sum(dtype=torch.float64)`), NaN and
     +inf squares counted 0 (`torch.nan_to_num(nan=0, posinf=0)`), tokens with valid[r, c] == 0 not counted.
-    x, a, b: [R, H, C, D] bf16/fp16/fp32, any strides; valid: [R, C] (last dim contiguous) or None. Deterministic:
-    one fp64 partial a program, summed by torch in a fixed order."""
+    x, a: [R, H, C, D] bf16/fp16/fp32, any strides; valid: [R, C] (last dim contiguous) or None. b: values as a, or,
+    with b_scale (fp32, broadcastable to [R, H, C, 1]), FP8 codes read back as `reference.dequantize(b, b_scale,
+    x.dtype)` does, in the kernel (the write check's reference without its widened copy). Deterministic: one fp64
+    partial a program, summed by torch in a fixed order."""
     assert x.dim() == 4 and a.shape == x.shape and b.shape == x.shape, \
         f"x, a, b must be one [R, H, C, D] shape, got {list(x.shape)}, {list(a.shape)}, {list(b.shape)}"
     rows, heads, chunk, dim = x.shape
     assert valid is None or (valid.shape == (rows, chunk) and valid.stride(1) == 1), \
         f"valid must be [{rows}, {chunk}] with a contiguous last dim, got {None if valid is None else list(valid.shape)}"
-    _check_cuda(x, a, b, *([valid] if valid is not None else []))
+    assert (b_scale is None) == (not is_fp8(b.dtype)), \
+        f"b holds FP8 codes exactly when b_scale is given, got b {b.dtype} and b_scale {b_scale is not None}"
+    if b_scale is not None:
+        assert b_scale.dtype == torch.float32, f"b_scale must be fp32, got {b_scale.dtype}"
+        b_scale = torch.broadcast_to(b_scale, (rows, heads, chunk, 1))   # strides 0 where broadcast
+    _check_cuda(x, a, b, *([valid] if valid is not None else []), *([b_scale] if b_scale is not None else []))
     block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
     tiles = triton.cdiv(chunk, block_t)
     parts = torch.zeros(rows, heads * tiles, 2, dtype=torch.float64, device=x.device)
     if x.numel():
         block_d = triton.next_power_of_2(dim)
         _square_error_sums_kernel[(rows * tiles, heads)](
-            x, a, b, valid if valid is not None else parts, parts, chunk, valid.stride(0) if valid is not None else 0,
-            *x.stride(), *a.stride(), *b.stride(), D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
-            HAS_VALID=valid is not None, num_warps=_warps(block_t * block_d))
+            x, a, b, valid if valid is not None else parts, parts, b_scale if b_scale is not None else parts, chunk,
+            valid.stride(0) if valid is not None else 0, *x.stride(), *a.stride(), *b.stride(),
+            *(b_scale.stride()[:3] if b_scale is not None else (0, 0, 0)), D=dim, BLOCK_D=block_d, BLOCK_T=block_t,
+            HAS_VALID=valid is not None, B_CODES=b_scale is not None, num_warps=_warps(block_t * block_d))
     return parts.sum(1)

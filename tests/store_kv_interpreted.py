@@ -85,8 +85,38 @@ def check(chunk: int, columns: list[int], paired: bool, per_head: bool) -> None:
     assert got["counts"][:, 1:].abs().sum() == 0
 
 
+def sums_from_codes(scale_kind: str) -> None:
+    """The write check's sums given the definition's FP8 codes and scale (`square_error_sums(..., b_scale)`, the
+    kernel reads them back) against the same sums given the codes read back by torch (`reference.dequantize`): the
+    same terms in the same order, so the same bits. fp16 values exact in e4m3 under power-of-two scales keep the
+    interpreter's roundings out; a scale that differs per head, per token or per row shows a scale read from the
+    wrong place. x itself is not exact in e4m3 (the codes come from torch's cast on the CPU): the codes' error is
+    what the sums count. The NaN code is the GPU test's (the interpreter widens e4m3's NaN to a number)."""
+    from kernels.write_check import square_error_sums
+
+    chunk = 5
+    x = exact_inputs(chunk, 1.0, seed=11)
+    scale = {"per_tensor": torch.tensor(0.5), "per_head": torch.tensor([0.5, 4.0]).view(-1, 1, 1),
+             "per_token": 2.0 ** torch.randint(-3, 3, (ROWS, HEADS, chunk, 1)).float()}[scale_kind]
+    x = (x.float() * scale * 1.1).half()
+    codes = ref.quantize(x, scale, "e4m3")
+    a = (x.float() * 1.25).half()
+    valid = torch.ones(ROWS, chunk, dtype=torch.uint8)
+    valid[2, :2] = 0
+    want = square_error_sums(x, a, ref.dequantize(codes, scale, out_dtype=x.dtype), valid)
+    got = square_error_sums(x, a, codes, valid, scale)
+    assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+    assert bool((want[:, 1] > 0).all()), "the codes' error must count"
+
+
 def main() -> None:
     found = {}
+    for scale_kind in ("per_tensor", "per_head", "per_token"):
+        try:
+            sums_from_codes(scale_kind)
+            found[f"sums-codes-{scale_kind}"] = None
+        except Exception:  # noqa: BLE001 - reported per case
+            found[f"sums-codes-{scale_kind}"] = traceback.format_exc()[-1500:]
     for chunk, columns in ((1, [7]), (3, [4, 5, 6])):
         for paired in (True, False):
             for per_head in (False, True):

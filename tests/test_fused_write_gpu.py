@@ -219,6 +219,30 @@ def test_square_error_sums_equal_torch(chunk):
     assert bool((everything >= got).all()) and bool((everything[1] > got[1]).all())  # the pads counted now
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+def test_square_error_sums_read_fp8_codes_back_as_torch(fmt, granularity):
+    """The write check hands the sums the format definition's FP8 codes and scale, not their widened read-back
+    (`square_error_sums(..., b_scale)`): the kernel's read-back (fp8 -> fp32, x scale, one rounding to bf16) must be
+    `reference.dequantize`'s bit for bit, so the sums are the same terms in the same order: equal, not close. NaN
+    codes (x's NaN, and 0x7F written over three codes) count 0 either way; x holds inf and e4m3 overflow."""
+    from kernels.write_check import square_error_sums
+
+    rows, heads, chunk, dim = 3, 4, 37, 128
+    x = _inputs(rows, heads, chunk, dim, seed=7)
+    scale = {"per_tensor": torch.tensor(0.37, device="cuda"),
+             "per_head": torch.tensor([0.3, 1.7, 0.05, 2.5], device="cuda").view(-1, 1, 1),
+             "per_token": fp8.per_token_scale(x, fmt)}[granularity]
+    codes = fp8.quantize(x, scale, fmt)
+    codes.view(torch.uint8)[1, 2, 3, :3] = 0x7F
+    a = (x.float() * 1.01).to(torch.bfloat16)
+    valid = torch.ones(rows, chunk, dtype=torch.uint8, device="cuda")
+    valid[2, :5] = 0
+    want = square_error_sums(x, a, fp8.dequantize(codes, scale, out_dtype=x.dtype), valid)
+    assert torch.equal(square_error_sums(x, a, codes, valid, scale), want)
+    assert bool((want[:, 1] > 0).all())
+
+
 @pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"])
 def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
     """A DeepSeek-shaped latent (512 + RoPE 64; random 2-layer model): NVFP4 / MX latents are written by the fused

@@ -37,6 +37,15 @@ def test_fused_write_puts_every_byte_and_value_where_it_belongs(interpreted, cas
     assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
 
 
+@pytest.mark.parametrize("scale", ["per_tensor", "per_head", "per_token"])
+def test_write_check_sums_read_the_definitions_codes_back_as_torch_does(interpreted, scale):
+    """The write check hands the fused sums the format definition's FP8 codes and scale rather than their widened
+    read-back (no copy of it): the kernel's read-back must give the same sums, bit for bit (a mutant reading the
+    scale at head 0 fails per_head and per_token; one reading the codes as values fails all three)."""
+    case = f"sums-codes-{scale}"
+    assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
+
+
 def test_a_pair_that_cannot_share_a_launch_says_why():
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")

@@ -131,9 +131,11 @@ class KVWriteStats:
         if amax > self.amax_over_max[0]:
             self.amax_over_max[0] = amax
 
-    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor) -> None:
+    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor,
+                    reference_scale: torch.Tensor | None = None) -> None:
         """The write check of one side ("k" / "v"): x, what the cache read back and what the format's definition
-        reads back for x, [batch, heads, chunk, dim]; pads count nowhere."""
+        reads back for x, [batch, heads, chunk, dim]; pads count nowhere. With reference_scale (the fused sums
+        only): `reference` is the definition's FP8 codes, read back as `reference.dequantize` does, in the sums."""
         if x.numel() == 0:
             return
         self._buffers(x.device)
@@ -142,8 +144,9 @@ class KVWriteStats:
         if fused_write_on(x):  # the same sums in one Triton pass over the three tensors
             from kernels.write_check import square_error_sums
 
-            sums = square_error_sums(x, read_back, reference, valid)
+            sums = square_error_sums(x, read_back, reference, valid, reference_scale)
         else:  # NaN squares are nonfinite's, counted there
+            assert reference_scale is None, "codes as the reference go to the fused sums only (fused_write_on)"
             sums = fp8.square_error_sums(x, read_back, reference, valid)
         home = self.write_err.device
         column = 0 if side == "k" else 2
@@ -355,14 +358,15 @@ class QuantizedKVLayer(DynamicLayer):
         even where the model's outputs barely move."""
         for side, x, read, scale, kv_format in (("k", key_states, keys, self.k_scale, self.k_format),
                                                 ("v", value_states, values, self.v_scale, self.v_format)):
-            if kv_format is not None:
-                self.stats.check_write(side, x, read, self._reference_read(x, scale, kv_format))
-
-    def _reference_read(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor:
-        """x written in `kv_format` and read back by the format's definition, with the scale the cache uses (its
-        clip ratios, which the check does not read, not computed)."""
-        encoded = kv_format.encode(x, self._write_scale(x, static_scale, kv_format), saturate=self.kv_path.saturate)
-        return kv_format.decode(encoded, x.dtype)
+            if kv_format is None:
+                continue
+            # x written by the format's definition with the scale the cache uses (its clip ratios, which the check
+            # does not read, not computed)
+            encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
+            if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back themselves (no copy)
+                self.stats.check_write(side, x, read, encoded.codes, encoded.scale)
+            else:
+                self.stats.check_write(side, x, read, kv_format.decode(encoded, x.dtype))
 
     def _write_scale(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor | None:
         """The scale a write of x divides by: per token (legacy FP8 `per_token`, [batch, heads, chunk, 1]), the
