@@ -30,7 +30,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str, saturate: b
     stays NaN); non-saturating overflows as the OCP cast without saturation: e4m3 (no inf) to NaN, e5m2 to
     +-inf. Written out rather than left to torch's plain cast, which saturates e4m3 from torch 2.12 on
     (pytorch#178817) and gave NaN before; in-range values are torch's cast either way."""
-    scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)   # a new tensor, never x
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim():
+        # x widened as the division reads it (a dimensioned fp32 divisor promotes the op to fp32): x.float() / scale
+        # to the bit, without the widened copy; a new tensor, never x
+        scaled = x / (scale.reshape(1) if scale.dim() == 0 else scale)
+    else:
+        scaled = x.float() / scale
     limit = FP8_MAX[fmt]
     if saturate:
         scaled.clamp_(-limit, limit)   # NaN stays NaN, sign and payload (torch's clamp); in place: one pass, no copy

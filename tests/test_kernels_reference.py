@@ -42,6 +42,37 @@ def test_quantize_bytes_equal_torch_cast_in_range(fmt, saturate):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def _written_out(x: torch.Tensor, scale, fmt: str, saturate: bool) -> torch.Tensor:
+    """quantize as it read before it lost two passes (x widened by a copy, NaN kept by isnan + where)."""
+    scaled = x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    limit, over = ref.FP8_MAX[fmt], ref.OVERFLOW_AT[fmt]
+    if saturate:
+        scaled = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit))
+    elif fmt == "e4m3":
+        scaled = torch.where(scaled.abs() > over, torch.copysign(torch.tensor(math.nan), scaled), scaled)
+    else:
+        scaled = torch.where(scaled.abs() >= over, torch.copysign(torch.tensor(math.inf), scaled), scaled)
+    return scaled.to(ref.fp8_dtype(fmt))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_is_its_written_out_definition(device, dtype):
+    """quantize divides a bf16/fp16 x by a dimensioned fp32 scale (the op widens x as it reads it) and clamps in
+    place: the same bytes as x.float() / scale with NaN kept by isnan + where, on every value class (40 binades,
+    NaN of both signs, inf, overflow) and scale shape (a float, [], per head, per token), both formats and modes."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 3, 40, 64) * torch.logspace(-40, 40, 64, base=2)).to(dtype).to(device)
+    x.view(-1)[::97], x.view(-1)[::89] = math.nan, -math.nan
+    x.view(-1)[5], x.view(-1)[6] = math.inf, -math.inf
+    for fmt in FORMATS:
+        per_head = torch.tensor([0.3, 1.7, 0.05], device=device).view(-1, 1, 1)
+        for scale in (0.5, torch.tensor(0.37, device=device), per_head, ref.per_token_scale(x, fmt)):
+            for saturate in (True, False):
+                got, want = ref.quantize(x, scale, fmt, saturate), _written_out(x, scale, fmt, saturate)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (fmt, scale, saturate)
+
+
 # value, saturated result, non-saturating result (e4m3 overflow -> NaN, e5m2 overflow -> inf)
 SPECIALS = {
     "e4m3": [(448.0, 448.0, 448.0), (464.0, 448.0, 448.0), (465.0, 448.0, math.nan), (-1e6, -448.0, math.nan),
