@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class ForwardContext:
     seen_beyond_sdpa: set | None = None
     # per call notes, fresh at each entry: the query length of the attention modules' current call
     notes: dict | None = None
+    # a CUDA stream the call's checks run on beside the model's own (`checks_beside`); None: on the model's stream
+    checks_stream: object = None
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("harness_forward", default=ForwardContext())
@@ -54,6 +59,46 @@ def forward_context(**fields) -> Iterator[ForwardContext]:
         yield context
     finally:
         _CURRENT.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device):
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def checks_beside(device: torch.device) -> Iterator[None]:
+    """Enter around a model call whose checks may run beside it (a CUDA device): the write check and the prompt-end
+    kernel check read what the call has written and feed nothing back into it, so on a second stream their
+    memory-bound work overlaps the call's compute-bound prefill (`on_checks_stream`). The model's stream waits for
+    every check when the call ends, so whatever reads their results after it sees them complete."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = _side_stream(torch.device("cuda", device.index if device.index is not None else
+                                       torch.cuda.current_device()))
+    try:
+        with forward_context(checks_stream=stream):
+            yield
+    finally:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+@contextlib.contextmanager
+def on_checks_stream(*inputs: torch.Tensor) -> Iterator[None]:
+    """Run the block on the call's checks stream, where `checks_beside` set one and `inputs` are on its device,
+    after everything queued so far on the model's stream; `inputs` (the model's tensors the block reads) are not
+    reused by the caching allocator until the block's work is done. Elsewhere the block runs where it is. Tensors
+    the block makes live on the checks stream: what the model's stream reads later must be made before it."""
+    stream = _CURRENT.get().checks_stream
+    if stream is None or any(t.device != stream.device for t in inputs):
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for tensor in inputs:
+        tensor.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def note(name: str, value) -> None:

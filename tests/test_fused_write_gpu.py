@@ -243,6 +243,60 @@ def test_square_error_sums_read_fp8_codes_back_as_torch(fmt, granularity):
     assert bool((want[:, 1] > 0).all())
 
 
+@pytest.mark.parametrize("decode", ["graph", "dynamic"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head:calibrated", "fp8_e4m3:per_token", "nvfp4"])
+def test_checks_beside_the_prefill_equal_checks_on_its_stream(monkeypatch, decode, spec):
+    """The write check and the prompt-end kernel check run on a second stream beside the prefill
+    (`forward_context.checks_beside`): the same replies, write statistics and kernel checks, to the bit, as with
+    both on the model's stream, twice over (a check that read a tensor before the model's stream wrote it, or after
+    the allocator handed its memory on, would move a number or differ between runs). A random-weight Llama big enough
+    that the checks overlap the next layers' work: 4 layers of 1024, prompts of 333-1500 tokens."""
+    import contextlib
+
+    import harness.kv_paths.cache as cache
+    import harness.replay.batched as batched
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from harness import forward_context
+    from harness.kv_paths import attention
+    from harness.replay.batched import BatchedEngine, BatchSettings
+    from harness.replay.inprocess import InProcessModel
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=1000, max_position_embeddings=4096, bos_token_id=None,
+                         eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention.ATTENTION_NAME)
+    net.eval()
+    model = InProcessModel(directory=Path("random"), model=net, tokenizer=None, device=torch.device("cuda"),
+                           arch=config.model_type, random_weights=True, use_kernels=True)
+    backend = model.backend(parse_path(spec))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (700, 1500, 333, 1024)]
+    beside_seen = []
+    real = forward_context.on_checks_stream
+
+    def watched(*inputs):
+        beside_seen.append(forward_context.current().checks_stream is not None)
+        return real(*inputs)
+
+    monkeypatch.setattr(cache, "on_checks_stream", watched)
+
+    def generate():
+        return BatchedEngine(backend, BatchSettings(kernel_check_every=3, decode=decode)).generate(prompts, [6, 9, 4, 7])
+
+    beside = [generate(), generate()]
+    assert beside_seen and all(beside_seen)
+    monkeypatch.setattr(batched, "checks_beside", lambda device: contextlib.nullcontext())
+    beside_seen.clear()
+    alone = generate()
+    assert beside_seen and not any(beside_seen)
+    assert all(row.metrics.get("kv_write_err_ratio") == 1.0 and row.metrics.get("kernel_steps") for row in alone)
+    for run in beside:
+        _assert_same_replies_and_statistics(run, alone)
+
+
 @pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"])
 def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
     """A DeepSeek-shaped latent (512 + RoPE 64; random 2-layer model): NVFP4 / MX latents are written by the fused

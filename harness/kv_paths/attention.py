@@ -20,6 +20,7 @@ import torch
 
 from harness.forward_context import current as forward_context_now
 from harness.forward_context import note as note_forward
+from harness.forward_context import on_checks_stream
 from harness.kv_paths import block_layout, mla
 from harness.kv_paths.decode_kernels import (BEYOND_SDPA_COMPUTED, DecodeKernel, KernelPluginError, kernels_setting,
                                              resolve, run_gqa, run_gqa_block_scaled, run_mla, run_mla_block_scaled)
@@ -838,7 +839,8 @@ def register() -> None:
         if kernel_decodes:  # a checked step (every step of one sequence alone): torch's output is the yardstick
             output = paged.decode(module, raw_query, output, quant, kwargs)
         elif paged is not None and paged.step.check_last:  # a prompt's last chunk: the kernel checked at its end
-            paged.check_prompt_end(module, raw_query, output, quant, kwargs)
+            with on_checks_stream(raw_query, output):  # beside the prefill (`checks_beside`): it feeds nothing back
+                paged.check_prompt_end(module, raw_query, output, quant, kwargs)
         # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
         # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
         # bf16 included: the check's definition, not the path)

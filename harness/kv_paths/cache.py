@@ -30,6 +30,7 @@ from harness.kv_paths.emulated import EmulatedKVLayer
 from harness.kv_paths.formats import E4M3_MAX
 from harness.kv_paths.rotation import rotate
 from harness import model_layers
+from harness.forward_context import on_checks_stream
 from harness.model_layers import model_cache
 from harness.kv_paths.spec import KVPath
 from kernels import cpu_kernels
@@ -131,16 +132,23 @@ class KVWriteStats:
         if amax > self.amax_over_max[0]:
             self.amax_over_max[0] = amax
 
-    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor,
-                    reference_scale: torch.Tensor | None = None) -> None:
-        """The write check of one side ("k" / "v"): x, what the cache read back and what the format's definition
-        reads back for x, [batch, heads, chunk, dim]; pads count nowhere. With reference_scale (the fused sums
-        only): `reference` is the definition's FP8 codes, read back as `reference.dequantize` does, in the sums."""
-        if x.numel() == 0:
-            return
+    def check_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the statistics row of each batch position, [rows, chunk] uint8 real tokens or None) of a write of x,
+        made on the model's stream (`check_write` may run on the checks stream: `forward_context.on_checks_stream`)."""
         self._buffers(x.device)
         valid = self.step.row_masks(x.device)[0] if self.step is not None else None
         valid = None if valid is None else valid[:, 0, :, 0].view(torch.uint8)  # [rows, chunk]
+        return self._rows_of(x).to(self.write_err.device), valid
+
+    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor,
+                    reference_scale: torch.Tensor | None = None, rows_valid: tuple | None = None) -> None:
+        """The write check of one side ("k" / "v"): x, what the cache read back and what the format's definition
+        reads back for x, [batch, heads, chunk, dim]; pads count nowhere. With reference_scale (the fused sums
+        only): `reference` is the definition's FP8 codes, read back as `reference.dequantize` does, in the sums.
+        rows_valid: `check_rows(x)`, where made beforehand."""
+        if x.numel() == 0:
+            return
+        rows, valid = rows_valid if rows_valid is not None else self.check_rows(x)
         if fused_write_on(x):  # the same sums in one Triton pass over the three tensors
             from kernels.write_check import square_error_sums
 
@@ -148,9 +156,8 @@ class KVWriteStats:
         else:  # NaN squares are nonfinite's, counted there
             assert reference_scale is None, "codes as the reference go to the fused sums only (fused_write_on)"
             sums = fp8.square_error_sums(x, read_back, reference, valid)
-        home = self.write_err.device
         column = 0 if side == "k" else 2
-        self.write_err[:, column:column + 2].index_add_(0, self._rows_of(x).to(home), sums.to(home))
+        self.write_err[:, column:column + 2].index_add_(0, rows, sums.to(self.write_err.device))
 
     @classmethod
     def stacked(cls, parts: list["KVWriteStats"], step, device) -> "KVWriteStats":
@@ -358,15 +365,18 @@ class QuantizedKVLayer(DynamicLayer):
         even where the model's outputs barely move."""
         for side, x, read, scale, kv_format in (("k", key_states, keys, self.k_scale, self.k_format),
                                                 ("v", value_states, values, self.v_scale, self.v_format)):
-            if kv_format is None:
+            if kv_format is None or x.numel() == 0:
                 continue
-            # x written by the format's definition with the scale the cache uses (its clip ratios, which the check
-            # does not read, not computed)
-            encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
-            if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back themselves (no copy)
-                self.stats.check_write(side, x, read, encoded.codes, encoded.scale)
-            else:
-                self.stats.check_write(side, x, read, kv_format.decode(encoded, x.dtype))
+            rows_valid = self.stats.check_rows(x)
+            # beside the model's stream in a prefill (`checks_beside`): nothing the model reads comes from here
+            with on_checks_stream(x, read, *(t for t in rows_valid if t is not None)):
+                # x written by the format's definition with the scale the cache uses (its clip ratios, which the
+                # check does not read, not computed)
+                encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
+                if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back (no widened copy)
+                    self.stats.check_write(side, x, read, encoded.codes, encoded.scale, rows_valid=rows_valid)
+                else:
+                    self.stats.check_write(side, x, read, kv_format.decode(encoded, x.dtype), rows_valid=rows_valid)
 
     def _write_scale(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor | None:
         """The scale a write of x divides by: per token (legacy FP8 `per_token`, [batch, heads, chunk, 1]), the

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.forward_context import forward_context
+from harness.forward_context import checks_beside, forward_context
 from harness.kv_paths import attention, impl_check
 from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
@@ -448,8 +448,9 @@ class BatchedEngine:
             static.columns, static.length = queries, end
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
-            logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
-                                                                   windowed), positions[:, begin:end], cache, step)
+            with checks_beside(self.device):  # the pass's write and prompt-end checks beside it, joined at its end
+                logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
+                                                                       windowed), positions[:, begin:end], cache, step)
         step.check_last = False
         return logits
 
@@ -463,7 +464,8 @@ class BatchedEngine:
         for begin in range(0, length, width):
             end = min(length, begin + width)
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
-            logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
+            with checks_beside(self.device):  # the pass's write and prompt-end checks beside it, joined at its end
+                logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
         step.check_last = False
         return logits
 
