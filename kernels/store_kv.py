@@ -25,6 +25,12 @@ def _store_kv_codes(x, scale, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, IS
                     SATURATE: tl.constexpr):
     """fp8(x / scale) as raw bytes (uint8), bit-identical to torch's x.float() / scale -> fp8 cast."""
     y = tl.math.div_rn(x, scale)                      # IEEE division, as torch's
+    return _fp8_codes(y, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
+
+
+@triton.jit
+def _fp8_codes(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, IS_E4M3: tl.constexpr, SATURATE: tl.constexpr):
+    """fp8(y) as raw bytes (uint8), y = x / scale already divided: torch's fp8 cast of y (`_store_kv_codes`)."""
     sign = ((y.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
     clamped = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     # sm_89+ cvt is .satfinite: finite overflow would clamp anyway; the explicit clamp covers +-inf
@@ -259,7 +265,8 @@ def _quantize_store_kernel(
         scale = tl.where(has_nan, float("nan"), tl.maximum(amax_scale, MIN_SCALE))[:, None]
     else:
         scale = tl.load(SCALE + head * scale_stride)
-    codes = _store_kv_codes(x, scale, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
+    y = tl.math.div_rn(x, scale)       # IEEE division, as torch's: once, for the codes and the clip ratio
+    codes = _fp8_codes(y, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
     read = (codes.to(FP8_DTYPE, bitcast=True).to(tl.float32) * scale).to(OUT.dtype.element_ty)
     if HAS_COLS:  # straight into static storage: token t at column OUT_COLS[t]
         out_cols = tl.load(OUT_COLS + offs_t, mask=t_mask, other=0)
@@ -279,14 +286,17 @@ def _quantize_store_kernel(
         else:
             real = t_mask
         counted = real[:, None] & (offs_d < D)[None, :]
-        ratio = tl.abs(tl.math.div_rn(x, scale)) * INV_MAX     # torch on CUDA: (x / s).abs() / max
+        ratio = tl.abs(y) * INV_MAX     # torch on CUDA: (x / s).abs() / max
         back = read.to(tl.float32)
         finite_back = (back == back) & (tl.abs(back) != float("inf"))
         finite_ratio = tl.where(counted & (ratio == ratio) & (ratio != float("inf")), ratio, 0.0)
+        # clipped + 2^16 x nonfinite in one int32 sum: a program holds fewer than 2^16 values (the launcher asserts)
+        flags = (counted & (ratio > 1.0)).to(tl.int32) + (counted & ~finite_back).to(tl.int32) * 65536
+        packed = tl.sum(tl.sum(flags, axis=1), axis=0)
         stats_row = tl.load(LIVE + r)
-        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int64)) * D)
-        tl.atomic_add(COUNTS + stats_row * 3 + 1, tl.sum((counted & (ratio > 1.0)).to(tl.int64)))
-        tl.atomic_add(COUNTS + stats_row * 3 + 2, tl.sum((counted & ~finite_back).to(tl.int64)))
+        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int32)).to(tl.int64) * D)
+        tl.atomic_add(COUNTS + stats_row * 3 + 1, (packed % 65536).to(tl.int64))
+        tl.atomic_add(COUNTS + stats_row * 3 + 2, (packed // 65536).to(tl.int64))
         tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0))
 
 
@@ -410,6 +420,8 @@ def _launch(sides: list[tuple], fmt: str, saturate: bool, out_columns: torch.Ten
     if x.numel() == 0:
         return outs
     block_t = min(TOKENS_PER_PROGRAM, triton.next_power_of_2(max(chunk, 2)))
+    assert block_t * triton.next_power_of_2(dim) < 65536, \
+        f"a program's values must number under 2^16 (the statistics pack two counts in an int32), head size {dim}"
     first, last = sides[0], sides[-1]  # the same side when one
     out, v_out = outs[0], outs[-1]
     assert out.stride() == v_out.stride(), "key's and value's out must have the same strides"

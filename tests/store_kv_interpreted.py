@@ -109,8 +109,32 @@ def sums_from_codes(scale_kind: str) -> None:
     assert bool((want[:, 1] > 0).all()), "the codes' error must count"
 
 
+def clipped_counts() -> None:
+    """The write's clipped count per statistics row, K and V in one launch: values past the e4m3 max (x / s > 448)
+    on real tokens count, on a pad they do not; the flags' packed sum (clipped + 2^16 x nonfinite) must unpack to
+    them, and nonfinite stays 0 (no NaN or inf here: the interpreter widens e4m3's NaN to a number)."""
+    chunk = 3
+    key, value = exact_inputs(chunk, 0.5, seed=5), exact_inputs(chunk, 2.0, seed=6)
+    key[0, 0, 1, :5] = 1000.0                    # row 0: 5 values over 448 x 0.5
+    value[2, 1, 2, :7] = -5000.0                 # row 2: 7 over 448 x 2
+    value[1, 0, 0, :3] = 5000.0                  # row 1's token 0 is a pad: not counted
+    valid = torch.ones(ROWS, chunk, dtype=torch.long)
+    valid[1, 0] = 0
+    counts, amax = torch.zeros(ROWS, 3, dtype=torch.int64), torch.zeros(ROWS)
+    quantize_store_pair(key, value, torch.tensor(0.5), torch.tensor(2.0), "e4m3", counts=counts, amax=amax,
+                        live=torch.arange(ROWS), valid=valid)
+    assert counts[:, 1].tolist() == [5, 0, 7], f"clipped {counts[:, 1].tolist()}"
+    assert counts[:, 2].tolist() == [0, 0, 0], f"nonfinite {counts[:, 2].tolist()}"
+    assert counts[:, 0].tolist() == (valid.sum(1) * HEADS * DIM * 2).tolist(), f"values {counts[:, 0].tolist()}"
+
+
 def main() -> None:
     found = {}
+    try:
+        clipped_counts()
+        found["clipped-counts"] = None
+    except Exception:  # noqa: BLE001 - reported per case
+        found["clipped-counts"] = traceback.format_exc()[-1500:]
     for scale_kind in ("per_tensor", "per_head", "per_token"):
         try:
             sums_from_codes(scale_kind)

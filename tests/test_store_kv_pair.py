@@ -37,6 +37,12 @@ def test_fused_write_puts_every_byte_and_value_where_it_belongs(interpreted, cas
     assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
 
 
+def test_fused_write_counts_clipped_values_per_row(interpreted):
+    """The statistics' clipped and nonfinite counts, summed in a program as one packed int32, land in their own
+    columns of their own rows (pads not counted); a mutant that swaps the unpacking fails."""
+    assert interpreted.get("clipped-counts", "missing") is None, interpreted.get("clipped-counts", "missing")
+
+
 @pytest.mark.parametrize("scale", ["per_tensor", "per_head", "per_token"])
 def test_write_check_sums_read_the_definitions_codes_back_as_torch_does(interpreted, scale):
     """The write check hands the fused sums the format definition's FP8 codes and scale rather than their widened
