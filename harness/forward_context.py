@@ -3,10 +3,11 @@
 The registered attention function (`attention.register`) is called by transformers, deep inside a model's forward,
 with only the module and its tensors. What it must know of the harness for this call (the cache whose layers hold
 the path's K/V, the rows batch whose decode steps run each row as alone, an observer that records or replaces
-attention outputs, what the load-time probe records) is the `ForwardContext` of the innermost `forward_context`
-entered around the call, in the shape of nano-vllm's `utils/context.py`, but a context variable, so concurrent
-threads and tasks each see their own. Per path and per sequence state stays where it lives (the cache layers:
-their format, scales, paged copy, implementation probe); only per-call state is here.
+attention outputs, what the load-time probe records, the stream its checks run on beside it: `checks_beside`) is the
+`ForwardContext` of the innermost `forward_context` entered around the call, in the shape of nano-vllm's
+`utils/context.py`, but a context variable, so concurrent threads and tasks each see their own. Per path and per
+sequence state stays where it lives (the cache layers: their format, scales, paged copy, implementation probe); only
+per-call state is here.
 
 Every model call in the project enters it: generate, score, calibrate, capture, serve, sensitivity, the load-time
 probe, and each rank of a sharded or tensor-parallel model (they call through the same engine). A field not given
@@ -91,10 +92,17 @@ def on_checks_stream(*inputs: torch.Tensor) -> Iterator[None]:
     reused by the caching allocator until the block's work is done. Elsewhere the block runs where it is. Tensors
     the block makes live on the checks stream: what the model's stream reads later must be made before it."""
     stream = _CURRENT.get().checks_stream
-    if stream is None or any(t.device != stream.device for t in inputs):
+    if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    model_stream = torch.cuda.current_stream(stream.device)
+    if any(t.device != stream.device for t in inputs):
+        # a layer on another GPU (layer-sharded) is checked where it runs; its results are added into the same
+        # statistics on this device, on the model's stream: after the checks already queued beside it
+        model_stream.wait_stream(stream)
+        yield
+        return
+    stream.wait_stream(model_stream)
     for tensor in inputs:
         tensor.record_stream(stream)
     with torch.cuda.stream(stream):

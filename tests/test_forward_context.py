@@ -141,3 +141,45 @@ def test_an_attention_layer_without_a_cache_layer_of_its_own_reads_none():
     assert cache_layer(cache, SimpleNamespace(layer_idx=1)) is cache.layers[1]
     assert cache_layer(cache, SimpleNamespace(layer_idx=3)) is None
     assert cache_layer(None, SimpleNamespace(layer_idx=0)) is None
+
+
+class _Stream:
+    """A CUDA stream's part `on_checks_stream` uses, recording what it is asked: no GPU needed."""
+
+    def __init__(self, name: str, log: list, device: torch.device):
+        self.name, self.log, self.device = name, log, device
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class _Tensor:
+    def __init__(self, name: str, device: torch.device, log: list):
+        self.name, self.device, self.log = name, device, log
+
+    def record_stream(self, stream: _Stream) -> None:
+        self.log.append(f"{self.name} kept for {stream.name}")
+
+
+@pytest.mark.parametrize("where", ["beside", "other_gpu", "none"])
+def test_checks_beside_a_pass_order_their_streams(monkeypatch, where):
+    """`on_checks_stream`: the checks stream first waits for the model's (the check reads what the pass wrote) and
+    keeps its inputs from reuse; a layer on another GPU (layer-sharded) is checked where it runs, after the model's
+    stream on the batch's GPU has waited for the checks already beside it (both add into the same statistics there);
+    without a checks stream the block runs where it is. The GPU test that the numbers are the same either way:
+    tests/test_fused_write_gpu.py."""
+    import contextlib
+
+    from harness import forward_context as fc
+
+    log: list[str] = []
+    home, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    side, model_stream = _Stream("checks", log, home), _Stream("model", log, home)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: model_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(log.append(f"on {s.name}")))
+    x = _Tensor("x", other if where == "other_gpu" else home, log)
+    with forward_context(checks_stream=None if where == "none" else side):
+        with fc.on_checks_stream(x):
+            log.append("block")
+    assert log == {"beside": ["checks waits model", "x kept for checks", "on checks", "block"],
+                   "other_gpu": ["model waits checks", "block"], "none": ["block"]}[where]

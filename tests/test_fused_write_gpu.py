@@ -267,7 +267,8 @@ def test_checks_beside_the_prefill_equal_checks_on_its_stream(monkeypatch, decod
                          eos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention.ATTENTION_NAME)
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                               attn_implementation=attention.ATTENTION_NAME)
     net.eval()
     model = InProcessModel(directory=Path("random"), model=net, tokenizer=None, device=torch.device("cuda"),
                            arch=config.model_type, random_weights=True, use_kernels=True)
