@@ -18,6 +18,7 @@ the batch and retries it, keeping every finished row.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -448,9 +449,9 @@ class BatchedEngine:
             static.columns, static.length = queries, end
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
-            with checks_beside(self.device):  # the pass's write and prompt-end checks beside it, joined at its end
-                logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
-                                                                       windowed), positions[:, begin:end], cache, step)
+            logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
+                                                                   windowed), positions[:, begin:end], cache, step,
+                                   checks_beside_pass=True)
         step.check_last = False
         return logits
 
@@ -464,8 +465,8 @@ class BatchedEngine:
         for begin in range(0, length, width):
             end = min(length, begin + width)
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
-            with checks_beside(self.device):  # the pass's write and prompt-end checks beside it, joined at its end
-                logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step)
+            logits = self._forward(ids[:, begin:end], mask[:, :end], positions[:, begin:end], cache, step,
+                                   checks_beside_pass=True)
         step.check_last = False
         return logits
 
@@ -475,10 +476,13 @@ class BatchedEngine:
         kv_path = self.backend.kv_path
         return min(width, kv_path.prefill_chunk) if kv_path is not None and kv_path.prefill_chunk else width
 
-    def _forward(self, ids, mask, positions, cache, step: StepState) -> torch.Tensor:
-        """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(self.model, cache),
-                         use_cache=True, logits_to_keep=1)
+    def _forward(self, ids, mask, positions, cache, step: StepState, checks_beside_pass: bool = False) -> torch.Tensor:
+        """Last position's logits [rows, vocab] (float32), the cache advanced by `ids`. checks_beside_pass (a prefill
+        pass): its write and prompt-end checks run beside it (`checks_beside`), joined before the step advances (they
+        read the pass's lengths, which `advance` overwrites, and made some of the step's cached tensors)."""
+        with checks_beside(self.device) if checks_beside_pass else contextlib.nullcontext():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
         step.advance()
         return out.logits[:, -1].float()
 
