@@ -111,7 +111,7 @@ def _quantize_store_block_scaled_kernel(
     INT_LOW: tl.constexpr, INT_HIGH: tl.constexpr, HAS_SCALE: tl.constexpr, STORE: tl.constexpr,
     STATS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_COLS: tl.constexpr, X_ALIGN: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
-    SCALE_ALIGN: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr,
 ):
     NUM_BLOCKS: tl.constexpr = D // BLOCK
     tiles = tl.cdiv(C, BLOCK_T)
@@ -172,6 +172,8 @@ def _quantize_store_block_scaled_kernel(
     else:
         out_cols = offs_t
     out_rows = r.to(tl.int64) * stride_or + head * stride_oh + out_cols.to(tl.int64) * stride_oc
+    if OUT_ALIGN > 1:  # its strides are not specialised on: what the launcher checked (vector stores, not 2 bytes)
+        out_rows = tl.multiple_of(out_rows, OUT_ALIGN)
     tl.store(OUT + out_rows[:, None] + offs_d[None, :], read, mask=m2)
     if STORE:
         slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
@@ -304,6 +306,7 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
         ROW_ALIGN=alignment(*codes.stride()[:3]) if store else 1,
         SCALE_ALIGN=alignment(*block_scales.stride()[:3], at=16 // block_scales.element_size()) if store else 1,
+        OUT_ALIGN=alignment(out.stride(0), out.stride(1), out.stride(2), at=16 // out.element_size()),
         num_warps=_warps(block_t * dim),
     )
     return out
