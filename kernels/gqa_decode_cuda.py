@@ -21,6 +21,11 @@ from kernels import nvrtc
 from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gqa_decode_block_scaled.cu")
+# A plain FP8 cache's launch whose one split has at least this many programs (batch x KV heads) an SM takes 2 blocks
+# an SM with two tiles ahead instead of 3 with one (H200, session 26, kernels/BENCHMARKS.md, ms, plain e4m3, head 128:
+# batch 32 1k 0.0348 -> 0.0337, batch 64 1k 0.0643 -> 0.0566, batch 32 8k 0.1547 -> 0.1482; below it, batch 16 8k
+# and batch 8 32k, 3 blocks an SM were 2-4% faster)
+ONE_SPLIT_FILL = 1.9
 GROUP_MAX = 16         # query heads per KV head: Q . K^T's m16; above 8 (G16) P . V takes two n8 MMAs
 GROUP_WIDE_HEAD_DIMS = (64, 128)   # 9-16 heads a KV head: the second accumulator at head 256 needs 64 KB of smem
 TILE = 16              # tokens a warp takes at a time (pages hold whole tiles)
@@ -50,6 +55,11 @@ def cuda_head_dims(element: str, block_scale: str) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def cuda_refusal(q: torch.Tensor, k_codes: torch.Tensor, k_block_scales: torch.Tensor | None, element: str,
@@ -132,6 +142,10 @@ def decode(q, k_codes, v_codes, k_block_scales, v_block_scales, block_table, seq
     wide = q_heads // kv_heads > 8
     ctas = 2 if head_dim > 128 or wide else cfg.get("ctas", 3)
     prefetch = cfg.get("cuda_prefetch", 1) if two_ahead_fits(element, block_scale, block, head_dim, ctas) else 1
+    if (block_scale == "none" and ctas == 3 and prefetch == 1 and num_splits is None
+            and batch * kv_heads >= ONE_SPLIT_FILL * _sm_count(q.device.index)):
+        # one split whose programs fill two blocks an SM: budget the registers for two and load two tiles ahead
+        ctas, prefetch = 2, 2
     codes_bytes = k_codes.element_size()
     if k_block_scales is None:   # no block scales: the kernel reads none (its pointers and strides unused)
         k_block_scales = v_block_scales = k_codes
