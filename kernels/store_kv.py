@@ -256,6 +256,20 @@ def _quantize_store_kernel(
         token = tl.multiple_of(token, X_ALIGN)
     src = X + token[:, None] + offs_d[None, :] * stride_xd
     x = tl.load(src, mask=m2, other=0.0).to(tl.float32)
+    # the small loads before any store: the compiler does not move a load above a store it may alias, and a decode
+    # step's write (one token a program) is mostly these latencies
+    if HAS_COLS:  # straight into static storage: token t at column OUT_COLS[t]
+        out_cols = tl.load(OUT_COLS + offs_t, mask=t_mask, other=0)
+    else:
+        out_cols = offs_t
+    if STORE:
+        slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
+    if STATS:
+        if HAS_VALID:
+            real = (tl.load(VALID + r.to(tl.int64) * stride_vr + offs_t, mask=t_mask, other=0) != 0) & t_mask
+        else:
+            real = t_mask
+        stats_row = tl.load(LIVE + r)
     if PER_TOKEN:
         # reference.per_token_scale: (|x|.amax(-1) / max).clamp_min(MIN_SCALE), an IEEE division (amax_scale
         # divides by a tensor, so torch on CUDA does not turn it into x * (1 / max)); NaN wins
@@ -268,25 +282,16 @@ def _quantize_store_kernel(
     y = tl.math.div_rn(x, scale)       # IEEE division, as torch's: once, for the codes and the clip ratio
     codes = _fp8_codes(y, FP8_DTYPE, FP8_MAX, IS_E4M3, SATURATE)
     read = (codes.to(FP8_DTYPE, bitcast=True).to(tl.float32) * scale).to(OUT.dtype.element_ty)
-    if HAS_COLS:  # straight into static storage: token t at column OUT_COLS[t]
-        out_cols = tl.load(OUT_COLS + offs_t, mask=t_mask, other=0)
-    else:
-        out_cols = offs_t
     out_rows = r.to(tl.int64) * stride_or + head * stride_oh + out_cols.to(tl.int64) * stride_oc
     if OUT_ALIGN > 1:  # as for X: the read-back went out two bytes a store (16 x 8k: 878 us a write, 2x session 24's)
         out_rows = tl.multiple_of(out_rows, OUT_ALIGN)
     tl.store(OUT + out_rows[:, None] + offs_d[None, :], read, mask=m2)
     if STORE:
-        slot = tl.load(SLOTS + r.to(tl.int64) * C + offs_t, mask=t_mask, other=-1)
         row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch + offset
         if ROW_ALIGN > 1:  # as for X: without them the codes went out a byte a store (32 x 1k: 0.47 ms, now 0.11)
             row = tl.multiple_of(row, ROW_ALIGN)
         tl.store(CACHE + row[:, None] + offs_d[None, :], codes, mask=m2 & (slot >= 0)[:, None])
     if STATS:
-        if HAS_VALID:
-            real = (tl.load(VALID + r.to(tl.int64) * stride_vr + offs_t, mask=t_mask, other=0) != 0) & t_mask
-        else:
-            real = t_mask
         counted = real[:, None] & (offs_d < D)[None, :]
         ratio = tl.abs(y) * INV_MAX     # torch on CUDA: (x / s).abs() / max
         back = read.to(tl.float32)
@@ -295,11 +300,13 @@ def _quantize_store_kernel(
         # clipped + 2^16 x nonfinite in one int32 sum: a program holds fewer than 2^16 values (the launcher asserts)
         flags = (counted & (ratio > 1.0)).to(tl.int32) + (counted & ~finite_back).to(tl.int32) * 65536
         packed = tl.sum(tl.sum(flags, axis=1), axis=0)
-        stats_row = tl.load(LIVE + r)
-        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int32)).to(tl.int64) * D)
-        tl.atomic_add(COUNTS + stats_row * 3 + 1, (packed % 65536).to(tl.int64))
-        tl.atomic_add(COUNTS + stats_row * 3 + 2, (packed // 65536).to(tl.int64))
-        tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0))
+        # relaxed: the sums are read only after the launch ends, so no order among them or with the stores is
+        # wanted; Triton's default (acq_rel) fenced each of the five and waited for its old value (Triton 3.9
+        # sm_90 PTX: atom.acq_rel + bar.sync, now red.relaxed)
+        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int32)).to(tl.int64) * D, sem="relaxed")
+        tl.atomic_add(COUNTS + stats_row * 3 + 1, (packed % 65536).to(tl.int64), sem="relaxed")
+        tl.atomic_add(COUNTS + stats_row * 3 + 2, (packed // 65536).to(tl.int64), sem="relaxed")
+        tl.atomic_max(AMAX + stats_row, tl.max(tl.max(finite_ratio, axis=1), axis=0), sem="relaxed")
 
 
 # Tokens a program of the fused write takes, at most. With its stores and loads vectorised (ROW_ALIGN, X_ALIGN), the

@@ -211,11 +211,14 @@ def _quantize_store_block_scaled_kernel(
         back = tl.reshape(read, BLOCK_T, NUM_BLOCKS, BLOCK).to(tl.float32)
         finite_back = (back == back) & (tl.abs(back) != float("inf"))
         finite_ratio = tl.where(counted & (ratio == ratio) & (ratio != float("inf")), ratio, 0.0)
+        clipped = tl.sum(tl.sum((counted & (ratio > 1.0)).to(tl.int64), axis=2))
+        nonfinite = tl.sum(tl.sum((counted & ~finite_back).to(tl.int64), axis=2))
         stats_row = tl.load(LIVE + r)
-        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int64)) * D)
-        tl.atomic_add(COUNTS + stats_row * 3 + 1, tl.sum(tl.sum((counted & (ratio > 1.0)).to(tl.int64), axis=2)))
-        tl.atomic_add(COUNTS + stats_row * 3 + 2, tl.sum(tl.sum((counted & ~finite_back).to(tl.int64), axis=2)))
-        tl.atomic_max(AMAX + stats_row, tl.max(tl.max(tl.max(finite_ratio, axis=2), axis=1), axis=0))
+        # relaxed, as store_kv's: read only after the launch, so no order to keep (acq_rel fenced each one)
+        tl.atomic_add(COUNTS + stats_row * 3, tl.sum(real.to(tl.int64)) * D, sem="relaxed")
+        tl.atomic_add(COUNTS + stats_row * 3 + 1, clipped, sem="relaxed")
+        tl.atomic_add(COUNTS + stats_row * 3 + 2, nonfinite, sem="relaxed")
+        tl.atomic_max(AMAX + stats_row, tl.max(tl.max(tl.max(finite_ratio, axis=2), axis=1), axis=0), sem="relaxed")
 
 
 def _inverse(value: float) -> float:
