@@ -535,6 +535,14 @@ def interpreted_beyond_sdpa() -> dict:
                PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(here / "decode_attention_interpreted.py")], capture_output=True,
                           text=True, env=env, timeout=600)
+    if done.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in done.stderr:
+        # Triton 3.6's interpreter (the GPU machines') holds a scalar as a 1-element array and takes int() of it in
+        # range(); numpy 2.x refuses (session 30, H200: every case errored here). The compiled kernel's cases run in
+        # the GPU suite; Triton 3.9 (the CPU machines') runs these.
+        import numpy
+        import triton
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a loaded bound under numpy "
+                    f"{numpy.__version__}: {done.stderr.strip().splitlines()[-1][:160]}")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
