@@ -281,11 +281,30 @@ def test_a_prefill_format_on_static_storage_fills_this_passs_columns():
     nvfp4, e4m3 = (parse_path(s).k_format for s in ("nvfp4", "fp8_e4m3"))
     layer = _prefill_layer("nvfp4:prefill=fp8_e4m3")
     layer.static = StaticColumns(8)
-    layer.static.columns = torch.arange(4)
+    layer.static.columns, layer.static.length = torch.arange(4), 4   # as BatchedEngine._prefill_static sets them
     chunk = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16) * 3
     keys, _ = layer.update(chunk, chunk)
     assert torch.equal(keys[..., :4, :], e4m3.round_trip(chunk, 1.0)[0]) and not keys[..., 4:, :].any()
     assert torch.equal(layer.keys[..., :4, :], nvfp4.round_trip(chunk, 1.0)[0])  # what decode will read
+
+
+@pytest.mark.parametrize("begin, end", [(0, 5), (3, 7), (2, 3), (0, 8)])
+def test_a_pass_attends_to_the_stored_columns_with_its_own_raw(begin, end):
+    """`StaticColumns.with_raw` against its definition: the stored buffer with the pass's columns (a prefill pass's
+    [length - chunk, length)) replaced by the raw chunk, every other column (earlier passes', the unwritten rest)
+    as stored, bit for bit; the stored buffer itself unchanged."""
+    from harness.kv_paths.cache import StaticColumns
+
+    static = StaticColumns(8)
+    static.columns, static.length = torch.arange(begin, end), end
+    stored = torch.randn(2, 3, 8, 16, dtype=torch.bfloat16)
+    stored[0, 1, 7, 2] = float("nan")   # a stale value: copied as it is, never read as another
+    raw = torch.randn(2, 3, end - begin, 16, dtype=torch.bfloat16)
+    before = stored.clone()
+    expected = stored.clone().index_copy_(2, static.columns, raw)
+    got = static.with_raw(stored, raw)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(stored.view(torch.int16), before.view(torch.int16))
 
 
 def test_prefill_bf16_is_raw_prefill_and_the_caches_own_format_is_no_prefill_format(loaded):
