@@ -86,29 +86,3 @@ def test_the_fault_injectors_apply_where_the_check_looks():
     """Every cache-format fault but the dummy pass's (its scales need the dummy pass: tests/test_format_zoo.py) is
     covered above."""
     assert set(FF.FORMAT_FAULTS) - {s.split("fault=")[1] for s in FAULTS} == set(FF.DUMMY_PASS_FAULTS)
-
-
-@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e4m3:per_token", "nvfp4", "nvfp4:fault=scale_layout"])
-def test_a_write_checked_a_few_rows_at_a_time_sums_as_one(spec, monkeypatch):
-    """`_check_write` takes a big write in parts of whole rows (`WRITE_CHECK_VALUES`); each row's squared errors
-    are its own sums, so a write of 3 rows with pads checked one row a part has the same sums, to the bit, as the
-    write checked at once (a fault included)."""
-    from types import SimpleNamespace
-
-    from harness.kv_paths import cache as C
-
-    torch.manual_seed(1)
-    k, v = (torch.randn(3, 2, 6, 32).mul(torch.linspace(0.1, 4.0, 32)).bfloat16() for _ in range(2))
-    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
-    step = SimpleNamespace(row_masks=lambda device: (valid[:, None, :, None], valid.sum(1)))
-
-    def sums(values: int) -> torch.Tensor:
-        monkeypatch.setattr(C, "WRITE_CHECK_VALUES", values)
-        stats = KVWriteStats(rows=3, step=step)
-        stats.live = torch.arange(3)
-        QuantizedKVLayer(parse_path(spec), torch.tensor(0.5), torch.tensor(0.25), stats).update(k, v)
-        return stats.write_err
-
-    whole, per_row = sums(1 << 22), sums(1)
-    assert whole.abs().sum() > 0
-    assert torch.equal(whole, per_row), (whole, per_row)

@@ -277,9 +277,6 @@ def latent_row_note(kv_path: KVPath | None) -> str:
 
 # The fused block-scaled write takes heads of up to 256 values (kernels/store_kv_block_scaled.py)
 FUSED_WRITE_HEAD_MAX = 256
-# values of a write the write check takes at a time (whole rows, at least one): the format definition's fp32 division,
-# clamp and cast of one part are 16 MB, which stay in a GPU's L2 (50 MB on an H100) between the three ops
-WRITE_CHECK_VALUES = 1 << 22
 
 
 def latent_split(kv_format, dim: int) -> int:
@@ -370,27 +367,16 @@ class QuantizedKVLayer(DynamicLayer):
                                                 ("v", value_states, values, self.v_scale, self.v_format)):
             if kv_format is None or x.numel() == 0:
                 continue
-            rows, valid = self.stats.check_rows(x)
+            rows_valid = self.stats.check_rows(x)
             # beside the model's stream in a prefill (`checks_beside`): nothing the model reads comes from here
-            with on_checks_stream(x, read, *(t for t in (rows, valid) if t is not None)):
-                # a few rows at a time: the definition's fp32 intermediates (its division, clamp, cast) of one part
-                # stay in L2 instead of a full-size fp32 tensor going out and back per op; the sums add per row
-                step = max(1, WRITE_CHECK_VALUES // max(x[0].numel(), 1))
-                for begin in range(0, x.shape[0], step):
-                    part = slice(begin, begin + step)
-                    self._check_write_part(side, x[part], read[part], scale, kv_format,
-                                           (rows[part], None if valid is None else valid[part]))
-
-    def _check_write_part(self, side: str, x: torch.Tensor, read: torch.Tensor, scale, kv_format,
-                          rows_valid: tuple) -> None:
-        """`_check_write` over some rows of a write."""
-        # x written by the format's definition with the scale the cache uses (its clip ratios, which the check does
-        # not read, not computed)
-        encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
-        if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back (no widened copy)
-            self.stats.check_write(side, x, read, encoded.codes, encoded.scale, rows_valid=rows_valid)
-        else:
-            self.stats.check_write(side, x, read, kv_format.decode(encoded, x.dtype), rows_valid=rows_valid)
+            with on_checks_stream(x, read, *(t for t in rows_valid if t is not None)):
+                # x written by the format's definition with the scale the cache uses (its clip ratios, which the
+                # check does not read, not computed)
+                encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
+                if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back (no widened copy)
+                    self.stats.check_write(side, x, read, encoded.codes, encoded.scale, rows_valid=rows_valid)
+                else:
+                    self.stats.check_write(side, x, read, kv_format.decode(encoded, x.dtype), rows_valid=rows_valid)
 
     def _write_scale(self, x: torch.Tensor, static_scale: torch.Tensor | None, kv_format) -> torch.Tensor | None:
         """The scale a write of x divides by: per token (legacy FP8 `per_token`, [batch, heads, chunk, 1]), the
