@@ -684,6 +684,8 @@ class StaticColumns:
         the chunk twice (16 x 8k, 8B-shaped: 44 ms of an FP8 prefill, H200)."""
         end = self.length
         begin = end - raw.shape[2]
+        assert 0 <= begin and raw.shape[2] == self.columns.numel(), \
+            f"a pass of {self.columns.numel()} columns ending at {end} cannot hold {raw.shape[2]} tokens"
         out = torch.empty_like(stored)
         out[:, :, :begin].copy_(stored[:, :, :begin])
         out[:, :, begin:end].copy_(raw)
