@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from harness.analysis.attention_error import key_bucket_labels  # noqa: E402
-from reports.plots import save_figure  # noqa: E402
+from reports.plots import log_scale, save_figure  # noqa: E402
 
 METRIC = "attn_out_rel_err"
 
@@ -44,7 +44,7 @@ def error_by_layer(rows: pd.DataFrame, out_dir: Path) -> dict | None:
     ax.set_xticks(list(table.index))  # attention layers only (a hybrid's are not contiguous)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"mean {METRIC}")
-    ax.set_yscale("symlog", linthresh=1e-4)
+    log_scale(ax.yaxis, "symlog", linthresh=1e-4)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     return _save(fig, out_dir, "attention_by_layer.png", "Attention error by layer",
@@ -120,7 +120,7 @@ def error_vs_key_position(rows: pd.DataFrame, out_dir: Path, path: str) -> dict 
     ax.set_xticks(range(width), key_bucket_labels(width), rotation=45, fontsize=7)
     ax.set_xlabel("key position (log2 buckets)")
     ax.set_ylabel("mean sum |dp| in bucket")
-    ax.set_yscale("symlog", linthresh=1e-6)
+    log_scale(ax.yaxis, "symlog", linthresh=1e-6)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4, frameon=False)
@@ -148,7 +148,7 @@ def channel_amax(channels: pd.DataFrame, rows: pd.DataFrame, out_dir: Path, path
         if isinstance(limit, list):
             ax.plot(range(len(limit)), limit, color="#c44e52", lw=1, label="scale x fp8 max")
             ax.legend(fontsize=7)
-        ax.set_yscale("log")
+        log_scale(ax.yaxis, "log")
         ax.set_title(f"layer {layer} {tensor}: outlier ratio {row['outlier_ratio']:.1f}", fontsize=9)
         ax.set_xlabel("channel (head x dim)")
     axes[0][0].set_ylabel("amax over tokens")

@@ -236,6 +236,28 @@ def test_outside_boxes_sees_a_legend_cut_off():
     plt.close(fig)
 
 
+def test_log_axes_label_their_ticks_in_plain_text(monkeypatch):
+    """`plots.log_scale`: the labels matplotlib's log and symlog axes choose, in plain text (no mathtext to parse
+    at every layout), the decades, coefficients and negative values among them; a label plain
+    text cannot write (a fractional exponent) stays mathtext."""
+    import matplotlib.ticker
+
+    fig, (sym, narrow) = plt.subplots(1, 2)
+    plots.log_scale(sym.yaxis, "symlog", linthresh=1e-4)
+    sym.set_ylim(-1, 1)
+    plots.log_scale(narrow.xaxis, "log")
+    narrow.set_xlim(2e-3, 8e-3)   # under a decade: the minor ticks are labelled too
+    fig.canvas.draw()
+    labels = {t.get_text() for axis in (sym.yaxis, narrow.xaxis) for t in axis.get_ticklabels(which="both")} - {""}
+    assert {"0", "10⁻⁴", "10⁻²", "10⁰", "−10⁻¹", "2×10⁻³", "6×10⁻³"} <= labels, labels
+    assert not any("$" in label for label in labels), labels
+    plt.close(fig)
+    assert plots.PlainLogFormatter(base=10)(10 ** 0.5) == "3.16228×10⁰"
+    fractional = r"$\mathdefault{10^{0.50}}$"
+    monkeypatch.setattr(matplotlib.ticker.LogFormatterSciNotation, "__call__", lambda self, x, pos=None: fractional)
+    assert plots.PlainLogFormatter(base=10)(10 ** 0.5) == fractional
+
+
 def test_kl_bars_show_small_values_at_their_size_and_colour_by_verdict(tmp_path):
     records = inf_records()
     verdicts = [{"model": m, "scenario": "chat-1", "path": p, "turn": 0, "reasons": [],
