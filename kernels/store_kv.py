@@ -435,8 +435,7 @@ def _launch(sides: list[tuple], fmt: str, saturate: bool, out_columns: torch.Ten
     out, v_out = outs[0], outs[-1]
     assert out.stride() == v_out.stride(), "key's and value's out must have the same strides"
     dummy = out
-    x_align = min(alignment(t.stride(0), t.stride(1), t.stride(2), at=16 // t.element_size()) if t.stride(3) == 1
-                  else 1 for t in (first[0], last[0]))
+    x_align = min(vector_alignment(first[0]), vector_alignment(last[0]))
     _quantize_store_kernel[(rows * triton.cdiv(chunk, block_t), heads, len(sides))](
         x, out, scale if scale is not None else dummy, caches[0] if store else dummy, slots if store else dummy,
         valid if valid is not None else dummy, live if stats else dummy, counts if stats else dummy,
@@ -452,7 +451,7 @@ def _launch(sides: list[tuple], fmt: str, saturate: bool, out_columns: torch.Ten
         PER_TOKEN=scale is None, STORE=store, STATS=stats, HAS_VALID=valid is not None,
         HAS_COLS=out_columns is not None, SIDES=len(sides), X_ALIGN=x_align,
         ROW_ALIGN=alignment(*cache_strides, first[4], last[4]) if store else 1,
-        OUT_ALIGN=alignment(out.stride(0), out.stride(1), out.stride(2), at=16 // out.element_size()),
+        OUT_ALIGN=vector_alignment(out),
         num_warps=_warps(block_t * triton.next_power_of_2(dim)),
     )
     return outs
@@ -465,6 +464,12 @@ def alignment(*offsets: int, at: int = 16) -> int:
     while align > 1 and any(offset % align for offset in offsets):
         align //= 2
     return align
+
+
+def vector_alignment(t: torch.Tensor) -> int:
+    """`alignment` of a [R, H, C, D] tensor's rows (its first three strides) for 16-byte vectors of its elements; 1
+    where D is not contiguous (no vectors along it)."""
+    return alignment(t.stride(0), t.stride(1), t.stride(2), at=16 // t.element_size()) if t.stride(3) == 1 else 1
 
 
 def _warps(elements: int) -> int:

@@ -31,7 +31,8 @@ import triton.language as tl
 from kernels.decode_attention import on_tensor_device
 from kernels.decode_attention_block_scaled import ELEMENTS, SCALES, code_bytes, interpreting
 from kernels.reference import BLOCK_SCALE_TYPES, ELEMENT_BITS
-from kernels.store_kv import TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps, alignment, read_back_out
+from kernels.store_kv import (TOKENS_PER_PROGRAM, _check_slots, _store_kv_codes, _warps, alignment, read_back_out,
+                              vector_alignment)
 
 ELEMENT_MAX = {"e2m1": 6.0, "e4m3": 448.0, "int8": 127.0, "int4": 7.0}   # the largest magnitude of each element
 ELEMENT_EMAX = {"e2m1": 2, "e4m3": 8}                                     # floor(log2 max): OCP MX's emax_elem
@@ -306,10 +307,10 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         CEIL=scale_rounding == "ceil", ELEMENT_MAX_=float(ELEMENT_MAX[element]),
         INV_MAX=_inverse(ELEMENT_MAX[element]), INT_LOW=float(low), INT_HIGH=float(high), HAS_SCALE=scale is not None,
         STORE=store, STATS=stats, HAS_VALID=valid is not None, HAS_COLS=out_columns is not None,
-        X_ALIGN=alignment(x.stride(0), x.stride(1), x.stride(2), at=16 // x.element_size()) if x.stride(3) == 1 else 1,
+        X_ALIGN=vector_alignment(x),
         ROW_ALIGN=alignment(*codes.stride()[:3]) if store else 1,
         SCALE_ALIGN=alignment(*block_scales.stride()[:3], at=16 // block_scales.element_size()) if store else 1,
-        OUT_ALIGN=alignment(out.stride(0), out.stride(1), out.stride(2), at=16 // out.element_size()),
+        OUT_ALIGN=vector_alignment(out),
         num_warps=_warps(block_t * dim),
     )
     return out
