@@ -3,8 +3,8 @@
     python benchmarks/phase_time.py [--device cpu|cuda] [--batch-size N | --one-at-a-time] [--out DIR]
                                     [--profile FILE.prof] [--top 30]
 
-The default run (bundled canaries x canary scenarios x default KV paths), in this process, models one
-after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
+The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
+process, models one after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
 (`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on the CPU by default); on
 CUDA the batch size is chosen from free GPU memory unless given. Each phase is a wrapped function; phases
 nest (scoring batches are asked for lazily while records are built), so the table gives both the inclusive
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import job  # noqa: E402
 from harness.replay import batched, batched_runner, inprocess, runner  # noqa: E402
+from harness.run_config import build_run_config  # noqa: E402
 from harness.runs import store  # noqa: E402
 
 # (phase, owner, attribute): the functions whose time is a phase
@@ -52,6 +53,8 @@ PHASES = (
     ("judge", job, "_judge"),
     ("verdicts", job, "write_verdicts"),
 )
+# phases also timed per KV path (inclusive seconds, summed over models): the path's label from the call's arguments
+BY_PATH = {"candidate_waves": lambda args: args[1].label}
 # phases whose time is model loads and forward passes (with the decode loop's own per-step host work)
 FORWARD_PHASES = ("load", "scales", "generate_batches", "score_batches", "generate_one", "score_one")
 
@@ -63,6 +66,7 @@ class PhaseClock:
         self.inclusive: dict[str, float] = {}
         self.exclusive: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.by_path: dict[tuple[str, str], float] = {}  # (phase, path label) -> inclusive seconds (BY_PATH)
         self.threads = threading.local()  # .stack: [phase, seconds spent in phases nested inside it]
         self.lock = threading.Lock()
 
@@ -109,6 +113,9 @@ class PhaseClock:
             try:
                 return fn(*args, **kwargs)
             finally:
+                if name in BY_PATH:
+                    key = (name, BY_PATH[name](args))
+                    clock.by_path[key] = clock.by_path.get(key, 0.0) + time.perf_counter() - start
                 clock.leave(start)
         return timed
 
@@ -125,10 +132,10 @@ def install(clock: PhaseClock) -> None:
 
 
 def run(device: str, batch_size: int | None, out: Path) -> float:
-    models, _ = job.default_models()
-    config = job.RunConfig(models=models, scenario_paths=job.default_scenarios(),
-                           paths=job.parse_kv_paths(job.DEFAULT_PATHS), out=out, device=device, jobs=1,
-                           batch_size=batch_size)
+    # the configuration `harness run` builds: the default paths with the gate's yardstick, its twin and the control
+    # arm (`gate.with_controls`); a RunConfig of DEFAULT_PATHS alone timed 4 of the default run's 7 paths
+    config = build_run_config(command="benchmarks/phase_time.py", out=out, device=device, jobs=1,
+                              batch_size=batch_size)
     start = time.perf_counter()
     job.run_job(config, warn=lambda message: print(f"# {message}", file=sys.stderr))
     return time.perf_counter() - start
@@ -145,6 +152,10 @@ def table(clock: PhaseClock, total: float) -> str:
     lines.append(f"| run_job total | 1 | {total:.2f} | | |")
     host = total - sum(clock.exclusive.get(name, 0.0) for name in FORWARD_PHASES)
     lines.append(f"| host work besides loads and forward passes | | | {host:.2f} | {100 * host / total:.1f} |")
+    if clock.by_path:
+        lines += ["", "| phase, per path | inclusive s | % of run |", "|---|---:|---:|"]
+        lines += [f"| {name} {label} | {seconds:.2f} | {100 * seconds / total:.1f} |"
+                  for (name, label), seconds in clock.by_path.items()]
     return "\n".join(lines)
 
 
