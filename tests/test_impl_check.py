@@ -260,3 +260,25 @@ def test_check_can_be_switched_off(canaries, monkeypatch):
     backend = canaries["gqa"].backend(parse_path("fp8_e4m3"))
     _, _, metrics = backend.greedy_ids(canaries["gqa"].encode_chat(CHAT), 3)
     assert "attn_impl_err_ratio" not in metrics
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows, heads, length, dim", [(12, 8, 96, 32), (32, 8, 700, 32), (5, 8, 300, 128)])
+def test_sdpa_of_a_group_of_rows_is_each_rows_own(device, rows, heads, length, dim):
+    """A GPU group's rows take SDPA in one call of torch's math backend (`_sdpa_rows`); the yardstick stays each
+    row's own SDPA (its 3-D call, what one row alone gets), padded queries 0. The bound, 2 bf16 steps at the
+    output's largest magnitude: cuBLAS may pick another GEMM for another batch count, which rounds elsewhere
+    (measured on an H200: bit for bit at 4 of 5 shapes, one step at the 5th, 32 rows x 700 keys)."""
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(rows, heads, n, dim, generator=g).bfloat16().to(device) for n in (4, length, length))
+    valid = (torch.rand(rows, 1, 4, length, generator=g) > 0.2).to(device)
+    valid[..., 0] = True
+    picks = [[0, 1, 2, 3][:1 + i % 4] for i in range(rows)]  # 1-4 real queries a row
+    together = impl_check._sdpa_rows(q, k, v, valid, picks, 0.17)
+    alone = torch.cat([impl_check._sdpa_rows(q[i:i + 1], k[i:i + 1], v[i:i + 1], valid[i:i + 1], picks[i:i + 1],
+                                             0.17) for i in range(rows)])
+    assert together.dtype == alone.dtype == torch.float64 and together.shape == (rows, heads, 4, dim)
+    real = torch.tensor([[j < len(pick) for j in range(4)] for pick in picks], device=device)[:, None, :, None]
+    assert (together.masked_select(~real) == 0).all() and (alone.masked_select(~real) == 0).all()
+    step = 2.0 ** (math.floor(math.log2(alone.abs().max().item())) - 7)
+    assert (together - alone).abs().max().item() <= 2 * step

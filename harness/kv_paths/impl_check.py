@@ -73,6 +73,9 @@ class ImplProbe:
 
     options: ProbeOptions = ProbeOptions()
     sums: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)  # [(pooled [rows, 4, Hs] on the device, layer, [(row, n)])]: `_fold`
+    real_of: object = None  # the prefill pass's `valid` that `real` was read from (`_real_queries`)
+    real: list = field(default_factory=list)
     decode_calls: dict = field(default_factory=dict)
     skipped_batched: int = 0
     step: object = None  # the engine's StepState (its `valid`); None: every query of a batch of one row is real
@@ -102,7 +105,7 @@ class ImplProbe:
             self.decode_calls[layer] = calls + 1
             if calls % self.options.decode_every:
                 return
-        real = [chunk] if self.step is None else self.step.valid.sum(1).tolist()  # real queries per row
+        real = [chunk] if self.step is None else self._real_queries(self.step.valid)  # real queries per row
         probed = [(b, n) for b, n in enumerate(real) if n]
         if not probed:
             return
@@ -111,15 +114,41 @@ class ImplProbe:
         group = 1 if not query.is_cuda else max(
             1, CHECK_ELEMENTS // (min(query.shape[1], self.options.max_heads) * key.shape[2] * key.shape[3]))
         pooled = torch.cat([self._measure(module, probed[i:i + group], query, key, value, mask, scaling, output)
-                            for i in range(0, len(probed), group)]).cpu().tolist()  # one host sync per call
-        for (b, n), errors in zip(probed, pooled):
-            heads = errors.pop()
-            for i, head in enumerate(heads):
-                entry = self.sums.setdefault((self.live[b], layer, int(head)), [0.0, 0.0, 0.0, 0])
-                entry[0] += errors[0][i]
-                entry[1] += errors[1][i]
-                entry[2] += errors[2][i]
-                entry[3] += min(n, self.options.rows)
+                            for i in range(0, len(probed), group)])
+        # folded into `sums` when they are read (`_fold`): no host sync per probed layer call, which stalled the host
+        # at every layer of every prefill pass; the rows are named as the batch stands now (`live` moves on)
+        self.pending.append((pooled, layer, [(self.live[b], n) for b, n in probed]))
+
+    def _real_queries(self, valid: torch.Tensor) -> list[int]:
+        """Real queries per row of the pass `valid` ([rows, chunk]) belongs to. A prefill pass's is read from the
+        device once, not at each of its layers: the engine sets a new `valid` for each such pass (held here, so its
+        id is not reused). A decode step's is read at each call: a static decode step rewrites its own in place."""
+        if valid.shape[1] == 1:
+            return valid.sum(1).tolist()
+        if self.real_of is not valid:
+            self.real_of, self.real = valid, valid.sum(1).tolist()
+        return self.real
+
+    def _fold(self) -> None:
+        """The pending measurements into `sums`, in the order they were taken (one host read for all)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        flat = torch.cat([pooled.flatten() for pooled, _, _ in pending]).cpu().tolist()
+        offset = 0
+        for pooled, layer, rows in pending:
+            width = pooled.shape[1] * pooled.shape[2]
+            for row, n in rows:
+                errors = [flat[offset + j * pooled.shape[2]:offset + (j + 1) * pooled.shape[2]]
+                          for j in range(pooled.shape[1])]
+                offset += width
+                heads = errors.pop()
+                for i, head in enumerate(heads):
+                    entry = self.sums.setdefault((row, layer, int(head)), [0.0, 0.0, 0.0, 0])
+                    entry[0] += errors[0][i]
+                    entry[1] += errors[1][i]
+                    entry[2] += errors[2][i]
+                    entry[3] += min(n, self.options.rows)
 
     @torch.inference_mode()
     def _measure(self, module, rows: list[tuple[int, int]], query, key, value, mask, scaling, output) -> torch.Tensor:
@@ -131,11 +160,11 @@ class ImplProbe:
         chunk, length, heads, device = query.shape[2], key.shape[2], query.shape[1], query.device
         picks = [[chunk - n + p for p in spread(n, self.options.rows)] for _, n in rows]
         width = max(len(pick) for pick in picks)
-        index = torch.tensor([pick + pick[-1:] * (width - len(pick)) for pick in picks], device=device)  # [B, W]
-        sampled = None if all(len(pick) == width for pick in picks) else torch.tensor(
-            [[True] * len(pick) + [False] * (width - len(pick)) for pick in picks], device=device)[:, None, :]  # [B, 1, W]
-        batch = torch.tensor([b for b, _ in rows], device=device)
-        head_idx = torch.tensor(spread(heads, self.options.max_heads), device=device)
+        index = _on_device([pick + pick[-1:] * (width - len(pick)) for pick in picks], device)  # [B, W]
+        sampled = None if all(len(pick) == width for pick in picks) else _on_device(
+            [[True] * len(pick) + [False] * (width - len(pick)) for pick in picks], device)[:, None, :]  # [B, 1, W]
+        batch = _on_device([b for b, _ in rows], device)
+        head_idx = _on_device(spread(heads, self.options.max_heads), device)
         kv_idx = head_idx // (heads // key.shape[1])
         valid = _valid(mask, batch, index, length, chunk, device).unsqueeze(1)  # [B, 1, W, L]
         q = _rows(query, rows).index_select(1, head_idx).gather(
@@ -146,11 +175,7 @@ class ImplProbe:
         # the path's declared numerics: plain attention itself unless its layers quantise Q / P (computed twice
         # before, the two calls were 18% of a CPU run's time on the gqa canary's default set, profiled)
         declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling, plain)
-        # SDPA row by row, at the shapes torch sees for one sequence: its rounding depends on the batch it is given,
-        # and its error is the yardstick the thresholds were measured on
-        sdpa = torch.nn.utils.rnn.pad_sequence([torch.nn.functional.scaled_dot_product_attention(
-            q[i, :, :len(pick)].contiguous(), k[i], v[i], attn_mask=valid[i, 0, :len(pick)], scale=scaling
-        ).transpose(0, 1) for i, pick in enumerate(picks)], batch_first=True).transpose(1, 2).double()  # [B, Hs, W, Dv]
+        sdpa = _sdpa_rows(q, k, v, valid, picks, scaling)  # [B, Hs, W, Dv]
         actual = _rows(output, rows).gather(1, index[..., None, None].expand(-1, -1, *output.shape[2:])).index_select(
             2, head_idx).transpose(1, 2).double()  # [B, Hs, W, Dv]
 
@@ -174,11 +199,13 @@ class ImplProbe:
 
     def row_records(self, rows: int) -> list[dict[str, float]]:
         """`as_record` of each of a batch's `rows` rows (a row never probed: {})."""
+        self._fold()
         return [self.as_record(row) for row in range(rows)]
 
     def as_record(self, row: int = 0) -> dict[str, float]:
         """Row `row`'s attn_impl_err_ratio (the worst layer's, its heads pooled), that layer, its worst head (by the
         head's own pooled ratio) and how many (row, head) pairs were compared."""
+        self._fold()
         sums = {(layer, head): e for (r, layer, head), e in self.sums.items() if r == row}
         if not sums:
             return {}
@@ -237,11 +264,43 @@ def attach(cache, options: ProbeOptions = ProbeOptions(), step=None, rows: int =
     return probe
 
 
+def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, picks: list[list[int]],
+               scaling: float) -> torch.Tensor:
+    """SDPA in the attention dtype over each row's sampled queries (q [B, Hs, W, D], k/v [B, Hs, L, D], valid
+    [B, 1, W, L]; row i's first len(picks[i]) queries are real) -> [B, Hs, W, Dv] fp64, padded queries 0.
+
+    One row: SDPA of the row's [Hs, n, D] queries, the shapes torch sees for one sequence, as the thresholds were
+    measured (3-D inputs: torch's math backend, on either device). Several rows (the GPU's groups): one call of the
+    same math backend over the batch. Row by row, each call cost ~0.3 ms on an H200 whatever its size (12 rows: 3.7
+    ms against 0.35 at once), 2.7 s of the default run's 21.7 (`benchmarks/phase_time.py`, session 31). At once, its
+    output equalled the row-by-row one bit for bit at 4 of 5 shapes measured there and differed by at most 2^-12
+    (2 bf16 steps at |o| ~ 0.04) at the 5th (32 rows, 700 keys: cuBLAS picks its batched GEMM by the batch count):
+    the same backend's rounding, so the same size of yardstick."""
+    if len(picks) == 1:
+        n = len(picks[0])
+        one = torch.nn.functional.scaled_dot_product_attention(
+            q[0, :, :n].contiguous(), k[0], v[0], attn_mask=valid[0, 0, :n], scale=scaling)  # [Hs, n, Dv]
+        return torch.nn.functional.pad(one, (0, 0, 0, q.shape[2] - n))[None].double()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling)
+    sampled = _on_device([[j < len(pick) for j in range(q.shape[2])] for pick in picks], q.device)
+    return torch.where(sampled[:, None, :, None], out.double(), 0.0)
+
+
 def _rows(tensor: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
     """The batch rows `rows` ((b, _)) of `tensor` [B, ...]: a view for one row, else a copy."""
     if len(rows) == 1:
         return tensor[rows[0][0]:rows[0][0] + 1]
-    return tensor.index_select(0, torch.tensor([b for b, _ in rows], device=tensor.device))
+    return tensor.index_select(0, _on_device([b for b, _ in rows], tensor.device))
+
+
+def _on_device(data: list, device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: `torch.tensor(data, device=cuda)`
+    copies and then synchronises the stream, and the probe made several a probed layer call; a non-blocking copy
+    from pageable memory returns once the driver has staged it."""
+    return torch.tensor(data).to(device, non_blocking=True)
 
 
 def _valid(mask, batch: torch.Tensor, index: torch.Tensor, length: int, chunk: int, device) -> torch.Tensor:
