@@ -12,6 +12,7 @@ from pathlib import Path
 from harness import __version__, attention_cli
 from harness.kv_paths.spec import DEFAULT_PATHS, PathSpecError
 from harness.records import scrub_credentials
+from harness.runs.figure_worker import FigureWorker
 
 EPILOG = """\
 examples:
@@ -293,9 +294,14 @@ def _attention_options(args: argparse.Namespace):
 
 
 def _report(args: argparse.Namespace) -> int:
-    from harness.runs.report import render_run_report
+    worker = FigureWorker.start()  # started first: its imports overlap this process's
+    try:
+        from harness.runs.report import render_run_report
 
-    print(render_run_report(args.run, args.out))
+        print(render_run_report(args.run, args.out, figure_worker=worker))
+    finally:
+        if worker is not None:
+            worker.close()
     return 0
 
 
@@ -393,6 +399,15 @@ def _scenarios(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    figure_workers: list = []  # the report's figure worker, once started; closed however the run ends
+    try:
+        return _run_command(args, figure_workers)
+    finally:
+        for worker in figure_workers:
+            worker.close()
+
+
+def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
     from harness.executor.local import WorkerFailure
@@ -449,6 +464,7 @@ def _run(args: argparse.Namespace) -> int:
             follow_torchrun(config)
             return 0
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
+        figure_workers += [w for w in [FigureWorker.start()] if w is not None]  # its imports overlap the run
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
@@ -462,13 +478,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: finished work is stored; continue with "
               f"harness run {where}--resume (same arguments)", file=sys.stderr)
         return 130
-    _print_run_end(run_dir, time.perf_counter() - started, warnings)
+    _print_run_end(run_dir, time.perf_counter() - started, warnings, figure_workers[0] if figure_workers else None)
     _print_judge_problem(run_dir)
     return run_exit_code(run_dir, fail_on_verdict=not args.no_fail_on_verdict)
 
 
-def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[tuple[str, str]]:
-    """Print the summary (verdict matrix first); return the (model, path) pairs that failed their verdicts."""
+def _print_run_end(run_dir: Path, seconds: float, warnings: list[str], figure_worker=None) -> list[tuple[str, str]]:
+    """Print the summary (verdict matrix first); return the (model, path) pairs that failed their verdicts.
+    figure_worker: where the report's figures are drawn (`harness.runs.figure_worker`; None: here)."""
     from harness import job
     from harness.runs.status import unusable_judgements
     from harness.runs.store import RunStore
@@ -477,7 +494,7 @@ def _print_run_end(run_dir: Path, seconds: float, warnings: list[str]) -> list[t
 
     store = RunStore(run_dir)
     manifest = store.read_manifest()
-    report = job.write_report(run_dir)
+    report = job.write_report(run_dir, figure_worker)
     print(format_summary(run_dir))
     for model, floor in manifest.get("noise_floor", {}).items():
         worst = max(floor.values(), default=0.0)

@@ -218,11 +218,12 @@ def _finish(store: RunStore, status: str, **fields) -> None:
                           finished_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
-def write_report(run_dir: Path) -> Path | str:
-    """Render the run's HTML report; a rendering failure is reported, and the stored run stays intact."""
+def write_report(run_dir: Path, figure_worker=None) -> Path | str:
+    """Render the run's HTML report (its figures in `figure_worker` where given: `harness.runs.figure_worker`); a
+    rendering failure is reported, and the stored run stays intact."""
     from harness.runs.report import render_run_report
 
     try:
-        return render_run_report(run_dir)
+        return render_run_report(run_dir, figure_worker=figure_worker)
     except Exception as error:  # noqa: BLE001 - the run is already stored; say what failed
         return f"not written ({type(error).__name__}: {error}); re-render with: harness report {run_dir}"

@@ -219,3 +219,36 @@ def test_a_config_transformers_cannot_read_is_refused_before_work(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and f"--model {model}: model family '{config['model_type']}': transformers" in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists(), err
+
+
+class FakeFigureWorker:
+    """Stands in for `FigureWorker` (no process): takes nothing, so the figures are drawn inline."""
+
+    def __init__(self):
+        self.handed, self.closed = 0, False
+
+    def run_plots(self, *args, **kwargs):
+        self.handed += 1
+        return None
+
+    def close(self):
+        self.closed = True
+
+
+def test_run_and_report_hand_their_figures_to_a_worker_and_close_it(tmp_path, capsys, monkeypatch):
+    """`harness report` hands its figures to the worker it started and closes it; `harness run` closes its worker
+    also when the run is refused before any work."""
+    import json
+
+    from harness import cli
+
+    started: list[FakeFigureWorker] = []
+    monkeypatch.setattr(cli.FigureWorker, "start", classmethod(lambda cls: started.append(FakeFigureWorker())
+                                                               or started[-1]))
+    assert main(["report", str(RUNS / "baseline"), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "index.html").is_file() and started[0].handed == 1 and started[0].closed
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "no_such_family_anywhere"}))
+    assert main(["run", "--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert len(started) == 2 and started[1].handed == 0 and started[1].closed

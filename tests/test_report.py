@@ -328,3 +328,40 @@ def test_the_report_names_layers_kept_in_bf16_and_what_a_family_turns_off():
     assert rows == [{"model": "gemma", "family": "gemma2", "attention": "GQA, SWA, softcap", "fp8_layers": "0, 1",
                      "kept_bf16": "layer 2: listed in the path's :layers= map",
                      "off": "decode kernels: off: logit soft-capping (50.0)"}]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_figures_drawn_by_a_worker_process_are_the_ones_drawn_inline(tmp_path, monkeypatch):
+    """`FigureWorker` draws the figures in a spawned process while the pages are written here (the CLI's run and
+    report commands, on 4 cores or more): every file of the report, PNGs included, is the inline rendering's, byte
+    for byte. A worker that dies costs only time: the figures are drawn here instead, the same files."""
+    from harness.runs import figure_worker
+
+    handed = []  # what the worker was handed: its future, or None where it could not take the figures
+    real_drawn = figure_worker.drawn
+    monkeypatch.setattr(figure_worker, "drawn", lambda pending, inline: handed.append(pending) or
+                        real_drawn(pending, inline))
+    inline = render_run_report(RUNS / "baseline", tmp_path / "inline").parent
+    worker = figure_worker.FigureWorker()
+    try:
+        drawn = render_run_report(RUNS / "baseline", tmp_path / "worker", figure_worker=worker).parent
+        assert handed[0] is None and handed[1].exception() is None  # inline, then the worker's figures
+        assert _files(drawn) == _files(inline) and any(name.endswith(".png") for name in _files(drawn))
+        for process in list(worker.pool._processes.values()):  # noqa: SLF001 - no public list of the processes
+            process.kill()
+            process.join()
+        dead = render_run_report(RUNS / "baseline", tmp_path / "dead", figure_worker=worker).parent
+        assert handed[2] is None or handed[2].exception() is not None
+        assert _files(dead) == _files(inline)
+    finally:
+        worker.close()
+
+
+def test_a_figure_worker_starts_only_with_cores_to_spare(monkeypatch):
+    from harness.runs import figure_worker
+
+    monkeypatch.setattr(figure_worker, "usable_cores", lambda: figure_worker.MIN_CORES - 1)
+    assert figure_worker.FigureWorker.start() is None

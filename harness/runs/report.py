@@ -672,21 +672,25 @@ def kl_mean_limit(verdicts) -> tuple[float, str] | None:
     return None
 
 
-def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) -> Path:
-    """Render `run_dir` (a stored run) into `out_dir` (default `run_dir/report`); return index.html's path."""
+def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, figure_worker=None) -> Path:
+    """Render `run_dir` (a stored run) into `out_dir` (default `run_dir/report`); return index.html's path.
+    figure_worker: a `figure_worker.FigureWorker` that draws the run's figures while the pages are written here."""
     from reports import plots
+
+    from harness.runs.figure_worker import drawn
 
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
-    figures = plots.run_plots(run.records, out, paths, verdicts=list(run.verdicts),
-                              limit=kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
+    figure_args = (run.records, out, paths)
+    figure_kwargs = {"verdicts": list(run.verdicts), "limit": kl_mean_limit(run.verdicts) or plots.KL_LIMIT}
+    pending = figure_worker.run_plots(*figure_args, **figure_kwargs) if figure_worker is not None else None
     from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
 
-    figures += attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
-                                           run.view.sensitivity, out)
+    attention_figures = attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
+                                                    run.view.sensitivity, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
@@ -695,6 +699,7 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None) ->
                    scenario=scenario, rows=scenario_rows, metrics=metrics,
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
+    figures = drawn(pending, lambda: plots.run_plots(*figure_args, **figure_kwargs)) + attention_figures
     own, shared = headline(rows)
     whole = run.view.path_verdicts if run.verdicts else []
     by_length = length_strata_view(run)
