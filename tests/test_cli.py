@@ -252,3 +252,22 @@ def test_run_and_report_hand_their_figures_to_a_worker_and_close_it(tmp_path, ca
     (model / "config.json").write_text(json.dumps({"model_type": "no_such_family_anywhere"}))
     assert main(["run", "--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert len(started) == 2 and started[1].handed == 0 and started[1].closed
+
+
+def test_cuda_started_beside_the_checks_leaves_a_failure_to_the_first_cuda_call(monkeypatch):
+    """`_start_cuda_beside` starts CUDA in a thread while the inputs are checked; where CUDA cannot start (this CPU
+    build of torch), the thread ends quietly and the run's first CUDA call raises as it did before."""
+    import threading
+
+    import torch
+
+    from harness import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA starts here: nothing fails to leave to the first call")
+    cli._start_cuda_beside()
+    for thread in [t for t in threading.enumerate() if t.name == "cuda-start"]:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
