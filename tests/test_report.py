@@ -335,29 +335,52 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 
 def test_figures_drawn_by_a_worker_process_are_the_ones_drawn_inline(tmp_path, monkeypatch):
-    """`FigureWorker` draws the figures in a spawned process while the pages are written here (the CLI's run and
+    """`FigureWorker` draws the figures in a process of its own while the pages are written here (the CLI's run and
     report commands, on 4 cores or more): every file of the report, PNGs included, is the inline rendering's, byte
     for byte. A worker that dies costs only time: the figures are drawn here instead, the same files."""
     from harness.runs import figure_worker
 
-    handed = []  # what the worker was handed: its future, or None where it could not take the figures
+    seen = []  # per rendering: (handed to a worker, drawn inline)
     real_drawn = figure_worker.drawn
-    monkeypatch.setattr(figure_worker, "drawn", lambda pending, inline: handed.append(pending) or
-                        real_drawn(pending, inline))
+
+    def spy(pending, inline):
+        inline_calls = []
+        figures = real_drawn(pending, lambda: inline_calls.append(1) or inline())
+        seen.append((pending is not None, bool(inline_calls)))
+        return figures
+
+    monkeypatch.setattr(figure_worker, "drawn", spy)
     inline = render_run_report(RUNS / "baseline", tmp_path / "inline").parent
     worker = figure_worker.FigureWorker()
     try:
         drawn = render_run_report(RUNS / "baseline", tmp_path / "worker", figure_worker=worker).parent
-        assert handed[0] is None and handed[1].exception() is None  # inline, then the worker's figures
         assert _files(drawn) == _files(inline) and any(name.endswith(".png") for name in _files(drawn))
-        for process in list(worker.pool._processes.values()):  # noqa: SLF001 - no public list of the processes
-            process.kill()
-            process.join()
+        worker.process.kill()
+        worker.process.wait()
         dead = render_run_report(RUNS / "baseline", tmp_path / "dead", figure_worker=worker).parent
-        assert handed[2] is None or handed[2].exception() is not None
         assert _files(dead) == _files(inline)
     finally:
         worker.close()
+    assert seen == [(False, True), (True, False), (False, True)]  # inline; the worker's; inline after its death
+
+
+def test_a_script_without_a_main_guard_runs_once_with_a_figure_worker(tmp_path):
+    """The worker is a plain `python -c` child, not a spawned pool: a spawned child imports the parent's __main__
+    again, so a user's script calling `main` without an `if __name__ == "__main__"` guard ran twice."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from harness.cli import main\n"
+        "from harness.runs import figure_worker\n"
+        f"with open({str(tmp_path / 'ran')!r}, 'a') as f:\n"
+        "    f.write('ran\\n')\n"
+        "figure_worker.MIN_CORES = 1\n"
+        f"assert main(['report', {str(RUNS / 'baseline')!r}, '--out', {str(tmp_path / 'report')!r}]) == 0\n")
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=300,
+                   cwd=Path(__file__).parent.parent)
+    assert (tmp_path / "ran").read_text() == "ran\n" and (tmp_path / "report" / "index.html").is_file()
 
 
 def test_a_figure_worker_starts_only_with_cores_to_spare(monkeypatch):

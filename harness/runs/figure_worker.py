@@ -1,21 +1,31 @@
 """A run report's figures drawn in a process of their own while this process writes the report's pages.
 
 The default `harness run --device cuda` spent ~4 s rendering its report after the run, half of it drawing figures
-(matplotlib; py-spy on an H200 box, BENCHMARKS.md session 31). `FigureWorker.start()` spawns one process before the
-run, so its imports (matplotlib, pandas: seconds) are paid while the run goes; `render_run_report` then hands it
-`plots.run_plots` and writes the pages meanwhile. Only where the machine has cores to spare (MIN_CORES): on a 2-core
-CPU the replay already runs on both, and the worker's imports would take from it. A worker that fails, or whose
-process dies, costs only time: the figures are drawn in this process instead, the same figures.
+(matplotlib; py-spy on an H200 box, BENCHMARKS.md session 31). `FigureWorker.start()` starts one Python process
+before the run, so its imports (matplotlib, pandas: seconds) are paid while the run goes; `render_run_report` then
+hands it `plots.run_plots` and writes the pages meanwhile. Only where the machine has cores to spare (MIN_CORES): on a
+2-core CPU the replay already runs on both, and the worker's imports would take from it. A worker that fails, or
+whose process dies, costs only time: the figures are then drawn in this process instead, the same figures.
+
+The worker is a plain `python -c` child fed pickled requests on its stdin, not a multiprocessing pool: a spawned
+pool's child imports the parent's `__main__` again, which re-runs a user's script that calls `harness.cli.main`
+without a `__main__` guard.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as futures
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 # cores this process may run on, at least, for a figure worker: a 2-core machine (CI, the CPU default run) draws inline
 MIN_CORES = 4
+CLOSE_GRACE_S = 5.0  # a worker whose stdin closed exits at once; one still drawing is killed after this
+# the worker: the parent's import roots first, then the plots imported before the first request is read
+SERVE = "import sys; sys.path[:0] = {roots!r}; from harness.runs.figure_worker import serve; serve()"
 
 
 def usable_cores() -> int:
@@ -27,12 +37,17 @@ def usable_cores() -> int:
 
 
 class FigureWorker:
-    """One spawned process that imports `reports.plots` at once and then draws what it is handed."""
+    """One Python process that imports `reports.plots` at once and then draws what it is handed, one request at a
+    time: a pickled (args, kwargs) of `plots.run_plots` in, a pickled ("ok", figures) or ("error", text) out."""
 
     def __init__(self) -> None:
-        self.pool = futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_load_plots)
-        self.pool.submit(int)  # the process starts now (a pool starts its processes at the first submit)
+        import reports
+
+        import harness
+
+        roots = list(dict.fromkeys(str(Path(m.__file__).resolve().parent.parent) for m in (harness, reports)))
+        self.process = subprocess.Popen([sys.executable, "-c", SERVE.format(roots=roots)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     @classmethod
     def start(cls) -> FigureWorker | None:
@@ -41,24 +56,48 @@ class FigureWorker:
             return None
         try:
             return cls()
-        except (OSError, RuntimeError):  # no process to be had here: drawn inline
+        except OSError:  # no process to be had here: drawn inline
             return None
 
-    def run_plots(self, *args, **kwargs) -> futures.Future | None:
-        """`reports.plots.run_plots(*args, **kwargs)` in the worker; None where it cannot take it."""
-        from reports import plots
-
-        try:
-            return self.pool.submit(plots.run_plots, *args, **kwargs)
-        except RuntimeError:  # the pool is broken or shut down
+    def run_plots(self, *args, **kwargs) -> Pending | None:
+        """`reports.plots.run_plots(*args, **kwargs)` in the worker; None where its process has ended. The request
+        is written from a thread: a worker still importing would otherwise hold this process at a full pipe."""
+        if self.process.poll() is not None:
             return None
+        request = pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        writer = threading.Thread(target=_write, args=(self.process.stdin, request), daemon=True)
+        writer.start()
+        return Pending(self, writer)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.process.stdin.close()  # the worker's loop ends at end of input
+        except OSError:
+            pass
+        try:
+            self.process.wait(CLOSE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
 
 
-def drawn(pending: futures.Future | None, inline):
-    """What the worker drew (`pending`), or `inline()` where it did not: no worker, or it raised or died."""
+class Pending:
+    """A request handed to a worker; `result()` waits for its answer and raises where there is none."""
+
+    def __init__(self, worker: FigureWorker, writer: threading.Thread) -> None:
+        self.worker, self.writer = worker, writer
+
+    def result(self):
+        self.writer.join()
+        status, value = pickle.load(self.worker.process.stdout)  # EOFError where the worker died
+        if status != "ok":
+            raise RuntimeError(f"the figure worker failed: {value}")
+        return value
+
+
+def drawn(pending: Pending | None, inline):
+    """What the worker drew (`pending`), or `inline()` where it did not: no worker, or it failed or died."""
     if pending is not None:
         try:
             return pending.result()
@@ -67,8 +106,17 @@ def drawn(pending: futures.Future | None, inline):
     return inline()
 
 
-def _load_plots() -> None:
-    """The worker's start: it dies with its parent (a killed run leaves no process behind) and imports the plots."""
+def _write(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.flush()
+    except (OSError, ValueError):  # the worker is gone (a broken pipe, or closed): `result` finds no answer
+        pass
+
+
+def serve() -> None:
+    """The worker's loop: it dies with its parent (a killed run leaves no process behind), imports the plots, then
+    answers each request on stdin until its end."""
     import ctypes
     import signal
 
@@ -76,4 +124,19 @@ def _load_plots() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    import reports.plots  # noqa: F401 - the import is the point: paid before the first figure
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the answers' own pipe: a library's print to stdout
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # goes where stderr goes, not into a pickle
+    from reports import plots  # the point of starting early: paid before the first request
+
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            args, kwargs = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = ("ok", plots.run_plots(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - said to the parent, which draws inline instead
+            answer = ("error", f"{type(error).__name__}: {error}")
+        pickle.dump(answer, answers, protocol=pickle.HIGHEST_PROTOCOL)
+        answers.flush()
