@@ -488,9 +488,9 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
 
 
 def _start_cuda_beside() -> None:
-    """CUDA's start (the driver, the context: ~1.5 s on an H200 box, profiled in session 31) in a thread, beside the
-    input checks' transformers imports; the first CUDA call of the run waits for it (torch's lazy init is locked).
-    A failure here is left to that first call, which raises it as before."""
+    """CUDA's start in a thread, beside the input checks' transformers imports (the run's first CUDA call took 1.5 s
+    in a cProfile of the default run on an H200 box, session 31); that call waits for it (torch's lazy init is
+    locked). A failure here is left to that first call, which raises it as before."""
     import threading
 
     import torch

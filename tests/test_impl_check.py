@@ -268,7 +268,7 @@ def test_sdpa_of_a_group_of_rows_is_each_rows_own(device, rows, heads, length, d
     """A GPU group's rows take SDPA in one call of torch's math backend (`_sdpa_rows`); the yardstick stays each
     row's own SDPA (its 3-D call, what one row alone gets), padded queries 0. The bound, 2 bf16 steps at the
     output's largest magnitude: cuBLAS may pick another GEMM for another batch count, which rounds elsewhere
-    (measured on an H200: bit for bit at 4 of 5 shapes, one step at the 5th, 32 rows x 700 keys)."""
+    (measured on an H200: bit for bit at 4 of 5 shapes, 2^-12 at most at the 5th, 32 rows x 700 keys)."""
     g = torch.Generator().manual_seed(rows)
     q, k, v = (torch.randn(rows, heads, n, dim, generator=g).bfloat16().to(device) for n in (4, length, length))
     valid = (torch.rand(rows, 1, 4, length, generator=g) > 0.2).to(device)

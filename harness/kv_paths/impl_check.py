@@ -273,9 +273,9 @@ def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.T
     measured (3-D inputs: torch's math backend, on either device). Several rows (the GPU's groups): one call of the
     same math backend over the batch. Row by row, each call cost ~0.3 ms on an H200 whatever its size (12 rows: 3.7
     ms against 0.35 at once), 2.7 s of the default run's 21.7 (`benchmarks/phase_time.py`, session 31). At once, its
-    output equalled the row-by-row one bit for bit at 4 of 5 shapes measured there and differed by at most 2^-12
-    (2 bf16 steps at |o| ~ 0.04) at the 5th (32 rows, 700 keys: cuBLAS picks its batched GEMM by the batch count):
-    the same backend's rounding, so the same size of yardstick."""
+    output equalled the row-by-row one bit for bit at 4 of 5 shapes measured there and differed by at most 2^-12 at
+    the 5th (32 rows, 700 keys: cuBLAS picks its batched GEMM by the batch count): the same backend's rounding, so
+    the same size of yardstick."""
     if len(picks) == 1:
         n = len(picks[0])
         one = torch.nn.functional.scaled_dot_product_attention(

@@ -23,7 +23,6 @@ from pathlib import Path
 
 # cores this process may run on, at least, for a figure worker: a 2-core machine (CI, the CPU default run) draws inline
 MIN_CORES = 4
-CLOSE_GRACE_S = 5.0  # a worker whose stdin closed exits at once; one still drawing is killed after this
 # the worker: the parent's import roots first, then the plots imported before the first request is read
 SERVE = "import sys; sys.path[:0] = {roots!r}; from harness.runs.figure_worker import serve; serve()"
 
@@ -70,16 +69,16 @@ class FigureWorker:
         return Pending(self, writer)
 
     def close(self) -> None:
-        try:
-            self.process.stdin.close()  # the worker's loop ends at end of input
-        except OSError:
-            pass
-        try:
-            self.process.wait(CLOSE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process.stdout.close()
+        """Ended at once: what it drew has been answered and read, or is no longer wanted (drawn inline); a worker
+        still importing (a run refused before any work) would otherwise hold the command until it read its input's
+        end. Its answers are written after its figures, so none is being written when its answer was read."""
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a broken pipe's buffered request: nothing to deliver any more
+                pass
 
 
 class Pending:
