@@ -581,6 +581,11 @@ REPLAYS = ("run", "attention")  # commands whose interruption leaves a resumable
 
 
 def main(argv: list[str] | None = None) -> int:
+    if _in_a_spawned_worker():
+        print("error: harness.cli.main was called while a worker process of the run started: a worker imports the "
+              "script that started the run again, and this script calls main() when imported. Put the call under "
+              "`if __name__ == \"__main__\":`", file=sys.stderr)
+        return 2
     args = _build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command in REPLAYS:
         signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed CI job marks its run interrupted
@@ -592,6 +597,16 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _in_a_spawned_worker() -> bool:
+    """Whether this is a spawned worker process importing its parent's script while it starts (the flag
+    multiprocessing's own `_check_not_importing_main` reads). Without this, a script calling `main` unguarded ran
+    again in each CPU worker, which then met the parent's run lock ("being written by another harness run"). A worker
+    that calls `main` once started (`harness.families_matrix`) is not refused."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 if __name__ == "__main__":

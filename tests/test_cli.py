@@ -271,3 +271,16 @@ def test_cuda_started_beside_the_checks_leaves_a_failure_to_the_first_cuda_call(
         assert not thread.is_alive()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
+
+
+def test_main_refuses_to_run_while_a_worker_imports_the_script_that_calls_it(tmp_path, capsys, monkeypatch):
+    """A spawned worker imports its parent's script again while it starts (multiprocessing's `_inheriting`); a
+    script that calls `main` unguarded then ran the command again in each CPU worker, which met the parent's run
+    lock. `main` says what to fix instead, and does nothing."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    assert main(["report", str(RUNS / "baseline"), "--out", str(tmp_path / "report")]) == 2
+    assert 'if __name__ == "__main__":' in capsys.readouterr().err and not (tmp_path / "report").exists()
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", False)
+    assert main(["report", str(RUNS / "baseline"), "--out", str(tmp_path / "report")]) == 0
