@@ -364,6 +364,27 @@ def test_figures_drawn_by_a_worker_process_are_the_ones_drawn_inline(tmp_path, m
     assert seen == [(False, True), (True, False), (False, True)]  # inline; the worker's; inline after its death
 
 
+def test_a_silent_figure_worker_is_killed_and_the_figures_drawn_inline(tmp_path, monkeypatch):
+    """A worker that answers nothing within ANSWER_TIMEOUT_S (here 1 s) is killed before the figures are drawn here,
+    so no figure file is written by both."""
+    import subprocess
+
+    from harness.runs import figure_worker
+
+    monkeypatch.setattr(figure_worker, "ANSWER_TIMEOUT_S", 1.0)
+    worker = figure_worker.FigureWorker()
+    worker.process.kill()
+    worker.process.wait()
+    worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)  # reads nothing, answers nothing
+    try:
+        silent = render_run_report(RUNS / "baseline", tmp_path / "silent", figure_worker=worker).parent
+        assert worker.process.poll() is not None  # killed
+    finally:
+        worker.close()
+    assert _files(silent) == _files(render_run_report(RUNS / "baseline", tmp_path / "inline").parent)
+
+
 def test_a_script_without_a_main_guard_runs_once_with_a_figure_worker(tmp_path):
     """The worker is a plain `python -c` child, not a spawned pool: a spawned child imports the parent's __main__
     again, so a user's script calling `main` without an `if __name__ == "__main__"` guard ran twice."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -23,6 +24,9 @@ from pathlib import Path
 
 # cores this process may run on, at least, for a figure worker: a 2-core machine (CI, the CPU default run) draws inline
 MIN_CORES = 4
+# seconds a request may wait for its answer: the figures take ~2 s and a worker's first imports a few more (a cold
+# machine's font cache too); one still silent after this is killed and the figures are drawn inline, never twice
+ANSWER_TIMEOUT_S = 120.0
 # the worker: the parent's import roots first, then the plots imported before the first request is read
 SERVE = "import sys; sys.path[:0] = {roots!r}; from harness.runs.figure_worker import serve; serve()"
 
@@ -51,7 +55,7 @@ class FigureWorker:
     @classmethod
     def start(cls) -> FigureWorker | None:
         """A worker where this process has MIN_CORES cores or more, else None (the figures are drawn inline)."""
-        if usable_cores() < MIN_CORES:
+        if usable_cores() < MIN_CORES or not sys.executable:  # an embedded interpreter names no executable
             return None
         try:
             return cls()
@@ -88,8 +92,15 @@ class Pending:
         self.worker, self.writer = worker, writer
 
     def result(self):
+        """The worker's figures; raises where it failed, died, or stayed silent ANSWER_TIMEOUT_S (then it is killed
+        first, so that no figure is being written by it while this process draws them)."""
+        stdout = self.worker.process.stdout
+        ready, _, _ = select.select([stdout], [], [], ANSWER_TIMEOUT_S)
+        if not ready:
+            self.worker.process.kill()
+            raise TimeoutError(f"the figure worker answered nothing in {ANSWER_TIMEOUT_S:g} s")
         self.writer.join()
-        status, value = pickle.load(self.worker.process.stdout)  # EOFError where the worker died
+        status, value = pickle.load(stdout)  # EOFError where the worker died
         if status != "ok":
             raise RuntimeError(f"the figure worker failed: {value}")
         return value
