@@ -273,12 +273,13 @@ def test_sdpa_of_a_group_of_rows_is_each_rows_own(device, rows, heads, length, d
     q, k, v = (torch.randn(rows, heads, n, dim, generator=g).bfloat16().to(device) for n in (4, length, length))
     valid = (torch.rand(rows, 1, 4, length, generator=g) > 0.2).to(device)
     valid[..., 0] = True
-    picks = [[0, 1, 2, 3][:1 + i % 4] for i in range(rows)]  # 1-4 real queries a row
-    together = impl_check._sdpa_rows(q, k, v, valid, picks, 0.17)
-    alone = torch.cat([impl_check._sdpa_rows(q[i:i + 1], k[i:i + 1], v[i:i + 1], valid[i:i + 1], picks[i:i + 1],
-                                             0.17) for i in range(rows)])
+    real_queries = [1 + i % 4 for i in range(rows)]  # 1-4 real queries a row, the rest padding
+    sampled = torch.tensor([[j < n for j in range(4)] for n in real_queries], device=device)[:, None, :]
+    together = impl_check._sdpa_rows(q, k, v, valid, 0.17, sampled)
+    alone = torch.cat([torch.nn.functional.pad(impl_check._sdpa_rows(  # each row alone, at its own width
+        q[i:i + 1, :, :n], k[i:i + 1], v[i:i + 1], valid[i:i + 1, :, :n], 0.17), (0, 0, 0, 4 - n))
+        for i, n in enumerate(real_queries)])
     assert together.dtype == alone.dtype == torch.float64 and together.shape == (rows, heads, 4, dim)
-    real = torch.tensor([[j < len(pick) for j in range(4)] for pick in picks], device=device)[:, None, :, None]
-    assert (together.masked_select(~real) == 0).all() and (alone.masked_select(~real) == 0).all()
+    assert (together.masked_select(~sampled[..., None]) == 0).all()
     step = 2.0 ** (math.floor(math.log2(alone.abs().max().item())) - 7)
     assert (together - alone).abs().max().item() <= 2 * step

@@ -175,7 +175,7 @@ class ImplProbe:
         # the path's declared numerics: plain attention itself unless its layers quantise Q / P (computed twice
         # before, the two calls were 18% of a CPU run's time on the gqa canary's default set, profiled)
         declared = self.declared_output(module, int(module.layer_idx), q, k64, v64, valid, scaling, plain)
-        sdpa = _sdpa_rows(q, k, v, valid, picks, scaling)  # [B, Hs, W, Dv]
+        sdpa = _sdpa_rows(q, k, v, valid, scaling, sampled)  # [B, Hs, W, Dv]
         actual = _rows(output, rows).gather(1, index[..., None, None].expand(-1, -1, *output.shape[2:])).index_select(
             2, head_idx).transpose(1, 2).double()  # [B, Hs, W, Dv]
 
@@ -264,29 +264,26 @@ def attach(cache, options: ProbeOptions = ProbeOptions(), step=None, rows: int =
     return probe
 
 
-def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, picks: list[list[int]],
-               scaling: float) -> torch.Tensor:
+def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
+               sampled: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA in the attention dtype over each row's sampled queries (q [B, Hs, W, D], k/v [B, Hs, L, D], valid
-    [B, 1, W, L]; row i's first len(picks[i]) queries are real) -> [B, Hs, W, Dv] fp64, padded queries 0.
+    [B, 1, W, L]; sampled [B, 1, W]: a row's real queries, None: all) -> [B, Hs, W, Dv] fp64, padded queries 0.
 
-    One row: SDPA of the row's [Hs, n, D] queries, the shapes torch sees for one sequence, as the thresholds were
+    One row: SDPA of the row's [Hs, W, D] queries, the shapes torch sees for one sequence, as the thresholds were
     measured (3-D inputs: torch's math backend, on either device). Several rows (the GPU's groups): one call of the
     same math backend over the batch. Row by row, each call cost ~0.3 ms on an H200 whatever its size (12 rows: 3.7
     ms against 0.35 at once), 2.7 s of the default run's 21.7 (`benchmarks/phase_time.py`, session 31). At once, its
     output equalled the row-by-row one bit for bit at 4 of 5 shapes measured there and differed by at most 2^-12 at
     the 5th (32 rows, 700 keys: cuBLAS picks its batched GEMM by the batch count): the same backend's rounding, so
     the same size of yardstick."""
-    if len(picks) == 1:
-        n = len(picks[0])
-        one = torch.nn.functional.scaled_dot_product_attention(
-            q[0, :, :n].contiguous(), k[0], v[0], attn_mask=valid[0, 0, :n], scale=scaling)  # [Hs, n, Dv]
-        return torch.nn.functional.pad(one, (0, 0, 0, q.shape[2] - n))[None].double()
+    if q.shape[0] == 1:  # one row's queries are all real (the width is its own)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[0].contiguous(), k[0], v[0], attn_mask=valid[0, 0], scale=scaling)[None].double()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling)
-    sampled = _on_device([[j < len(pick) for j in range(q.shape[2])] for pick in picks], q.device)
-    return torch.where(sampled[:, None, :, None], out.double(), 0.0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
+    return out if sampled is None else torch.where(sampled[..., None], out, 0.0)
 
 
 def _rows(tensor: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
