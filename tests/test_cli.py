@@ -1,6 +1,7 @@
 """The CLI's report, compare and export commands on the stored runs in tests/data/runs."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 
@@ -40,6 +41,7 @@ import re
 import tomllib
 
 import pytest
+from types import SimpleNamespace
 
 import harness
 from harness import cli
@@ -265,7 +267,7 @@ def test_cuda_started_beside_the_checks_leaves_a_failure_to_the_first_cuda_call(
 
     if torch.cuda.is_available():
         pytest.skip("CUDA starts here: nothing fails to leave to the first call")
-    cli._start_cuda_beside()
+    cli._start_cuda_beside(SimpleNamespace(device="cuda", models=(), paths=()))
     for thread in [t for t in threading.enumerate() if t.name == "cuda-start"]:
         thread.join(timeout=30)
         assert not thread.is_alive()

@@ -1,0 +1,196 @@
+"""Triton kernels compiled ahead from a ledger (kernels/warm.py, harness/kernel_ledger.py).
+
+The CPU tests cover the ledger's file, the plan's name and the recorder's choice of entries (Triton calls its hook
+with keyword arguments; on a CPU there is no driver to launch a kernel). The GPU tests run the real thing in fresh
+processes, each with an empty Triton cache: a kernel launched under the recorder, then the same launches in a process
+that preloaded the ledger first."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness import kernel_ledger
+from kernels import warm
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _entry(name: str = "_k", key: str = "k1") -> warm.Entry:
+    return warm.Entry("kernels.store_kv", name, key, json.dumps({"name": name, "key": key}))
+
+
+def test_ledger_reads_back_what_it_wrote_and_nothing_of_another_target(tmp_path):
+    path = tmp_path / "sub" / "plan-triton3.6.0-cuda90.jsonl"
+    entries = [_entry("_a", "k1"), _entry("_b", "k2")]
+    warm.Ledger.write(path, "triton3.6.0-cuda90", entries)
+    assert warm.Ledger.read(path, "triton3.6.0-cuda90") == entries
+    assert warm.Ledger.read(path, "triton3.6.0-cuda100") == []   # its data would compile for sm_90
+    assert warm.Ledger.read(tmp_path / "missing.jsonl", "triton3.6.0-cuda90") == []
+    path.write_text("not json\n")
+    assert warm.Ledger.read(path, "triton3.6.0-cuda90") == []
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_plan_name_follows_the_models_and_paths_not_where_the_models_are():
+    paths = [SimpleNamespace(name="bf16"), SimpleNamespace(name="fp8_e4m3")]
+    here = SimpleNamespace(models=(Path("/a/weights/gqa"), Path("/a/weights/mla")), paths=paths)
+    there = SimpleNamespace(models=(Path("/b/mla"), Path("/b/gqa")), paths=paths)
+    other = SimpleNamespace(models=here.models, paths=paths[:1])
+    assert kernel_ledger.plan_name(here) == kernel_ledger.plan_name(there) != kernel_ledger.plan_name(other)
+
+
+def test_recorder_keeps_this_packages_kernels_compiled_by_the_run_and_chains_a_hook_already_set(monkeypatch):
+    """Triton's jit_cache_hook gets (key, repr, fn=JitFunctionInfo(module, name, jit_function), compile={...,
+    'specialization_data': JSON}, ...); a True return would skip the compile, so the previous hook's answer is
+    passed on unchanged."""
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **hook: seen.append(hook["key"]) or None)
+
+    def call(module: str, key: str):
+        data = json.dumps({"name": "f", "key": key})
+        return knobs.runtime.jit_cache_hook(key=key, repr="f", fn=SimpleNamespace(module=module, name="_f"),
+                                            compile={"key": key, "specialization_data": data}, is_manual_warmup=False,
+                                            already_compiled=False)
+
+    with warm.Recorder() as recorder:
+        assert call("kernels.store_kv", "k1") is None
+        call("kernels.store_kv", "k1")
+        call("torch._inductor.something", "k2")   # not ours
+        preloading = threading.Thread(target=call, args=("kernels.store_kv", "k3"), name=warm.THREAD_PREFIX + "_0")
+        preloading.start()
+        preloading.join()
+    assert [e.key for e in recorder.entries.values()] == ["k1"]
+    assert seen == ["k1", "k1", "k2", "k3"] and knobs.runtime.jit_cache_hook is not recorder
+
+
+def test_a_recorded_entry_names_no_path_of_the_install_that_recorded_it():
+    data = json.dumps({"name": "f", "key": "k", "options": {"num_warps": 4, "extern_libs": [
+        ["libdevice", "/opt/other/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"]]}})
+    assert json.loads(warm.portable(data))["options"] == {"num_warps": 4, "extern_libs": None}
+
+
+def test_the_bundled_ledgers_are_the_default_plans_and_name_kernels_that_exist():
+    """A bundled ledger serves the default `harness run --device cuda` on a fresh machine. Renamed, it would never be
+    read: when the default models or paths change, record it again on a GPU (`harness run --device cuda`, then copy
+    ~/.cache/fp8-harness/triton-ledger/PLAN-TARGET.jsonl to harness/canary/ledgers/)."""
+    from harness import job
+    from harness.run_config import build_run_config
+
+    models, _ = job.default_models()
+    plan = kernel_ledger.plan_name(build_run_config(command=["harness"], device="cpu", models=models))
+    bundled = sorted(kernel_ledger.BUNDLED_DIR.glob("*.jsonl"))
+    assert bundled and all(p.name.startswith(plan + "-") for p in bundled), (plan, [p.name for p in bundled])
+    for path in bundled:
+        tag = path.stem.split("-", 1)[1]
+        entries = warm.Ledger.read(path, tag)
+        assert entries, path
+        for entry in entries:
+            kernel = getattr(importlib.import_module(entry.module), entry.name)
+            assert hasattr(kernel, "preload"), f"{path.name}: {entry.module}.{entry.name} is not a Triton kernel"
+            assert json.loads(entry.data)["key"] == entry.key and "/" not in json.dumps(
+                json.loads(entry.data)["options"]), f"{path.name}: {entry.name}'s data is not portable"
+
+
+def test_preload_is_off_with_its_switch(monkeypatch):
+    """HARNESS_KERNEL_PRELOAD=0: no ledger is read or written (the baseline of a cold run's timing)."""
+    from harness import cli
+    monkeypatch.setenv(kernel_ledger.SWITCH_ENV, "0")
+    config = SimpleNamespace(device="cuda", models=(), paths=())
+    assert cli._start_cuda_beside(config) is None
+
+
+# ---- on a GPU: fresh processes, each with an empty Triton cache ----
+
+LAUNCHES = """
+import json, sys, torch
+from kernels import warm
+from kernels.write_check import square_error_sums
+ledger, mode = sys.argv[1], sys.argv[2]
+tag = None
+preload = None
+if mode == "preload":
+    torch.cuda.init()
+    tag = warm.target_tag()
+    preload = warm.Preload(warm.Ledger.read(ledger, tag), 0, 4).start()
+torch.manual_seed(0)
+sums = []
+with warm.Recorder() as recorder:
+    for dim in (32, 48, 64):   # three specializations (BLOCK_D 32, 64, 64 with D 48 and 64)
+        x = torch.randn(3, 2, 5, dim, device="cuda", dtype=torch.bfloat16)
+        a, b = x + 0.01 * torch.randn_like(x), x.half().bfloat16()
+        sums.append(square_error_sums(x, a, b).tolist())
+tag = tag or warm.target_tag()
+if mode == "record":
+    warm.Ledger.write(ledger, tag, list(recorder.entries.values()))
+print(json.dumps({"sums": sums, "compiled_here": len(recorder.entries),
+                  "used": len(preload.used()) if preload else 0, "failed": len(preload.failed) if preload else 0}))
+"""
+
+
+def _launch(tmp_path: Path, ledger: Path, mode: str, cache: str) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / cache), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", LAUNCHES, str(ledger), mode], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_gpu_preloaded_kernels_are_the_ones_launched_and_compute_the_same(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    recorded = _launch(tmp_path, ledger, "record", "cache_a")
+    assert recorded["compiled_here"] == 3 and len(ledger.read_text().splitlines()) == 4
+    preloaded = _launch(tmp_path, ledger, "preload", "cache_b")
+    assert preloaded == {**recorded, "compiled_here": 0, "used": 3, "failed": 0}
+
+
+@pytest.mark.gpu
+def test_gpu_a_stale_or_broken_ledger_entry_costs_only_its_compile(tmp_path):
+    """A stale entry (a key no launch asks for) is compiled and not used; a broken one (its data no longer
+    Triton's) fails in the preload thread, and the launch that needs it compiles it itself."""
+    ledger = tmp_path / "ledger.jsonl"
+    recorded = _launch(tmp_path, ledger, "record", "cache_a")
+    lines = ledger.read_text().splitlines()
+    stale = json.loads(lines[1])
+    stale_data = json.loads(stale["data"])
+    stale["key"] = stale_data["key"] = stale["key"] + "-stale"   # as if recorded from another launch
+    stale["data"] = json.dumps(stale_data)
+    broken = json.loads(lines[2])
+    broken["data"] = json.dumps({"name": "nothing"})
+    ledger.write_text("\n".join([lines[0], json.dumps(stale), json.dumps(broken), lines[3]]) + "\n")
+    preloaded = _launch(tmp_path, ledger, "preload", "cache_b")
+    # entries 1 (its key changed) and 2 (broken) compile here; entry 3 comes from the preload
+    assert preloaded == {**recorded, "compiled_here": 2, "used": 1, "failed": 1}
+
+
+@pytest.mark.gpu
+def test_gpu_harness_run_keeps_its_ledger_and_a_run_that_preloaded_it_stores_the_same_records(tmp_path):
+    """Two `harness run --device cuda` of one plan, each with an empty Triton cache: the first compiles at first
+    launch and writes the plan's ledger; the second preloads it, writes the same ledger and the same records."""
+    env = {**os.environ, kernel_ledger.LEDGER_ENV: str(tmp_path / "ledgers"), "PYTHONPATH": str(REPO)}
+    records = []
+    for n in (1, 2):
+        out = tmp_path / f"run{n}"
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from harness.cli import main; sys.exit(main())", "run", "--device",
+             "cuda", "--models", "gqa", "--paths", "fp8_e4m3", "--select", "id:canary-arith-1", "--out", str(out),
+             "--no-progress"], env={**env, "TRITON_CACHE_DIR": str(tmp_path / f"triton{n}")}, capture_output=True,
+            text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "not compiled ahead" not in done.stderr
+        ledgers = list((tmp_path / "ledgers").glob("*.jsonl"))
+        assert len(ledgers) == 1
+        lines = ledgers[0].read_text().splitlines()
+        assert len(lines) > 2 and json.loads(lines[0])["target"].startswith("triton")
+        records.append(sorted((out / "records.jsonl").read_text().splitlines()))
+    assert records[0] == records[1]
