@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
@@ -465,16 +464,12 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
         if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: rank 0 runs the job and writes
             follow_torchrun(config)
             return 0
-        ledger = None
         if re.fullmatch(r"cuda(:\d+)?", str(config.device)) and config.shard is None \
                 and not config.endpoints:  # one GPU, replayed in this process
-            ledger = _start_cuda_beside(config)
+            _start_cuda_beside(config)
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         figure_workers += [w for w in [FigureWorker.start()] if w is not None]  # its imports overlap the run
-        with ledger.recorder if ledger is not None else contextlib.nullcontext():
-            run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
-        if ledger is not None:
-            ledger.save()
+        run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
         return 2
@@ -495,19 +490,19 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
 def _start_cuda_beside(config):
     """CUDA's start in a thread, beside the input checks' transformers imports (the run's first CUDA call took 1.5 s
     in a cProfile of the default run on an H200 box, session 31); that call waits for it (torch's lazy init is
-    locked). Then, in the same thread, the plan's Triton kernels start compiling ahead (harness/kernel_ledger.py);
-    returns that ledger (None where HARNESS_KERNEL_PRELOAD=0). A failure here is left to the run's first CUDA call,
-    which raises it as before, or to its first launch of each kernel, which compiles it as before."""
+    locked). Then, in the same thread, the plan's Triton kernels start compiling ahead of the replay
+    (harness/executor/kernel_ledger.py); returns that ledger (None where HARNESS_KERNEL_PRELOAD=0). A failure here
+    is left to the run's first CUDA call, which raises it as before, or to its first launch of each kernel, which
+    compiles it as before."""
     import threading
 
     import torch
 
-    from harness import kernel_ledger
+    from harness.executor import kernel_ledger
 
     ledger = None
     try:
-        if kernel_ledger.enabled():
-            ledger = kernel_ledger.KernelLedger(config, int(config.device.partition(":")[2] or 0))
+        ledger = kernel_ledger.start_ahead(config)
     except Exception as error:  # noqa: BLE001 - the run goes on, compiling at first launch as it did before
         print(f"warning: kernels not compiled ahead ({type(error).__name__}: {error})", file=sys.stderr)
 

@@ -267,7 +267,9 @@ def test_cuda_started_beside_the_checks_leaves_a_failure_to_the_first_cuda_call(
 
     if torch.cuda.is_available():
         pytest.skip("CUDA starts here: nothing fails to leave to the first call")
-    cli._start_cuda_beside(SimpleNamespace(device="cuda", models=(), paths=()))
+    from harness.executor import kernel_ledger
+    monkeypatch.setattr(kernel_ledger, "_STARTED", {})   # the ledger it registers stays in this test
+    cli._start_cuda_beside(SimpleNamespace(device="cuda", models=(), paths=(), shard=None))
     for thread in [t for t in threading.enumerate() if t.name == "cuda-start"]:
         thread.join(timeout=30)
         assert not thread.is_alive()

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import kernel_ledger
+from harness.executor import kernel_ledger
 from kernels import warm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,8 @@ def test_a_recorded_entry_names_no_path_of_the_install_that_recorded_it():
 
 
 def test_the_bundled_ledgers_are_the_default_plans_and_name_kernels_that_exist():
-    """A bundled ledger serves the default `harness run --device cuda` on a fresh machine. Renamed, it would never be
+    """A bundled ledger serves the default `harness run --device cuda` (and `pytest harness --gpu`'s) on a
+    fresh machine. Renamed, it would never be
     read: when the default models or paths change, record it again on a GPU (`harness run --device cuda`, then copy
     ~/.cache/fp8-harness/triton-ledger/PLAN-TARGET.jsonl to harness/canary/ledgers/)."""
     from harness import job
@@ -88,6 +89,7 @@ def test_the_bundled_ledgers_are_the_default_plans_and_name_kernels_that_exist()
 
     models, _ = job.default_models()
     plan = kernel_ledger.plan_name(build_run_config(command=["harness"], device="cpu", models=models))
+    assert kernel_ledger.BUNDLED_DIR.is_dir()
     bundled = sorted(kernel_ledger.BUNDLED_DIR.glob("*.jsonl"))
     assert bundled and all(p.name.startswith(plan + "-") for p in bundled), (plan, [p.name for p in bundled])
     for path in bundled:
@@ -105,8 +107,21 @@ def test_preload_is_off_with_its_switch(monkeypatch):
     """HARNESS_KERNEL_PRELOAD=0: no ledger is read or written (the baseline of a cold run's timing)."""
     from harness import cli
     monkeypatch.setenv(kernel_ledger.SWITCH_ENV, "0")
-    config = SimpleNamespace(device="cuda", models=(), paths=())
+    config = SimpleNamespace(device="cuda", models=(), paths=(), shard=None)
     assert cli._start_cuda_beside(config) is None
+    with kernel_ledger.compiled_ahead(config):
+        pass
+    assert not kernel_ledger._STARTED
+
+
+def test_only_a_run_on_one_gpu_in_this_process_compiles_ahead():
+    def config(device, shard=None):
+        return SimpleNamespace(device=device, shard=shard, models=(), paths=())
+    assert [kernel_ledger.one_gpu(config(d)) for d in ("cuda", "cuda:3", "cpu", "cuda:0,1", "cuda:all")] == \
+        [0, 3, None, None, None]
+    assert kernel_ledger.one_gpu(config("cuda", shard="layers")) is None
+    with kernel_ledger.compiled_ahead(config("cpu")):   # nothing to compile ahead: the replay runs as it is
+        pass
 
 
 # ---- on a GPU: fresh processes, each with an empty Triton cache ----
@@ -173,24 +188,41 @@ def test_gpu_a_stale_or_broken_ledger_entry_costs_only_its_compile(tmp_path):
     assert preloaded == {**recorded, "compiled_here": 2, "used": 1, "failed": 1}
 
 
+RUN_JOB = """
+import json, sys, threading
+from pathlib import Path
+from triton import knobs
+from harness import job
+from harness.run_config import build_run_config
+compiled = []
+knobs.compilation.listener = lambda src, metadata, metadata_group, times, cache_hit: cache_hit or compiled.append(
+    threading.current_thread().name)
+models, _ = job.default_models()
+models = [m for m in models if m.name == "gqa"]
+job.run_job(build_run_config(command=["test"], out=Path(sys.argv[1]), device="cuda", models=models, paths="fp8_e4m3",
+                             select=("id:canary-arith-1",)), progress=None, warn=lambda message: None)
+print(json.dumps({"ahead": sum(t.startswith("kernel-preload") for t in compiled),
+                  "at_launch": sum(not t.startswith("kernel-preload") for t in compiled)}))
+"""
+
+
 @pytest.mark.gpu
-def test_gpu_harness_run_keeps_its_ledger_and_a_run_that_preloaded_it_stores_the_same_records(tmp_path):
-    """Two `harness run --device cuda` of one plan, each with an empty Triton cache: the first compiles at first
-    launch and writes the plan's ledger; the second preloads it, writes the same ledger and the same records."""
+def test_gpu_harness_run_keeps_its_ledger_and_a_replay_that_preloaded_it_compiles_nothing_at_launch(tmp_path):
+    """Two runs of one plan, each with an empty Triton cache. The first, `harness run --device cuda`, compiles at
+    first launch and writes the plan's ledger. The second, `job.run_job` as `pytest harness` and the nightly call it,
+    compiles every kernel ahead in the preload threads, none at launch, and stores the same records and ledger."""
     env = {**os.environ, kernel_ledger.LEDGER_ENV: str(tmp_path / "ledgers"), "PYTHONPATH": str(REPO)}
-    records = []
-    for n in (1, 2):
-        out = tmp_path / f"run{n}"
-        done = subprocess.run(
-            [sys.executable, "-c", "import sys; from harness.cli import main; sys.exit(main())", "run", "--device",
-             "cuda", "--models", "gqa", "--paths", "fp8_e4m3", "--select", "id:canary-arith-1", "--out", str(out),
-             "--no-progress"], env={**env, "TRITON_CACHE_DIR": str(tmp_path / f"triton{n}")}, capture_output=True,
-            text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "not compiled ahead" not in done.stderr
-        ledgers = list((tmp_path / "ledgers").glob("*.jsonl"))
-        assert len(ledgers) == 1
-        lines = ledgers[0].read_text().splitlines()
-        assert len(lines) > 2 and json.loads(lines[0])["target"].startswith("triton")
-        records.append(sorted((out / "records.jsonl").read_text().splitlines()))
+    cli_run = [sys.executable, "-c", "import sys; from harness.cli import main; sys.exit(main())", "run", "--device",
+               "cuda", "--models", "gqa", "--paths", "fp8_e4m3", "--select", "id:canary-arith-1", "--no-progress",
+               "--out"]
+    done = [subprocess.run(command + [str(tmp_path / f"run{n}")], env={**env, "TRITON_CACHE_DIR": str(
+        tmp_path / f"triton{n}")}, capture_output=True, text=True, timeout=600)
+        for n, command in ((1, cli_run), (2, [sys.executable, "-c", RUN_JOB]))]
+    assert [d.returncode for d in done] == [0, 0], [d.stderr[-3000:] for d in done]
+    assert "not compiled ahead" not in done[0].stderr
+    compiles = json.loads(done[1].stdout.strip().splitlines()[-1])
+    assert compiles["ahead"] > 0 and compiles["at_launch"] == 0, compiles
+    ledgers = list((tmp_path / "ledgers").glob("*.jsonl"))
+    assert len(ledgers) == 1 and len(ledgers[0].read_text().splitlines()) == compiles["ahead"] + 1
+    records = [sorted((tmp_path / f"run{n}" / "records.jsonl").read_text().splitlines()) for n in (1, 2)]
     assert records[0] == records[1]

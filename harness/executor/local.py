@@ -92,9 +92,12 @@ class InProcess:
     strategy = "in-process"
 
     def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
-        for directory in work.config.models:
-            replay_model(work.config, directory, work.scenarios, work.calibration_chats, store,
-                         bar.update if bar else None, warn)
+        from harness.executor.kernel_ledger import compiled_ahead
+
+        with compiled_ahead(work.config):   # on one GPU: the plan's Triton kernels compiled ahead, in threads
+            for directory in work.config.models:
+                replay_model(work.config, directory, work.scenarios, work.calibration_chats, store,
+                             bar.update if bar else None, warn)
 
 
 # ---------------------------------------------------------------- worker processes

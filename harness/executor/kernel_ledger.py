@@ -1,21 +1,25 @@
-"""A run on one GPU compiles the Triton kernels it will launch before it asks for them (kernels/warm.py), and keeps a
-ledger of what it launched for the next run of the same plan.
+"""A replay on one GPU compiles the Triton kernels it will launch before it asks for them (kernels/warm.py), and
+keeps a ledger of what it launched for the next run of the same plan.
 
 A plan is the run's models (their directory names) and KV paths (their names): `plan_name`. Its ledger is
 `LEDGER_DIR/<plan>-<target>.jsonl` (~/.cache/fp8-harness/triton-ledger; $FP8_HARNESS_LEDGER_DIR), written after
-each in-process CUDA run. The bundled default plan's ledger also ships in `harness/canary/ledgers/` for the targets
-it was recorded on (Triton version and GPU architecture), so a machine's first default run, the nightly job's in a
-fresh container, compiles ahead too. HARNESS_KERNEL_PRELOAD=0 turns both off (benchmarks/phase_time.py's baseline).
+each in-process one-GPU replay (`compiled_ahead`, entered by the in-process executor, so `harness run`, `pytest
+harness` and `harness nightly` alike). The bundled default plan's ledger also ships in `harness/canary/ledgers/` for
+the targets it was recorded on (Triton version and GPU architecture), so a machine's first default run compiles ahead
+too. `harness run` starts the compiles sooner, in the thread that starts CUDA beside its input checks (`start_ahead`).
+HARNESS_KERNEL_PRELOAD=0 turns all of it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
-BUNDLED_DIR = Path(__file__).resolve().parent / "canary" / "ledgers"
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "canary" / "ledgers"
 LEDGER_ENV = "FP8_HARNESS_LEDGER_DIR"
 SWITCH_ENV = "HARNESS_KERNEL_PRELOAD"
 
@@ -72,3 +76,48 @@ class KernelLedger:
             Ledger.write(self.path(ledger_dir()), self.tag or target_tag(), entries)
         except Exception:  # noqa: BLE001 - a read-only home, a driver gone: the next run compiles as it would have
             pass
+
+
+# plan -> the ledger `harness run` started ahead of its replay (taken by that replay's `compiled_ahead`)
+_STARTED: dict[str, KernelLedger] = {}
+
+
+def one_gpu(config) -> int | None:
+    """The GPU index of a run replayed on one GPU in this process; None for any other run."""
+    match = re.fullmatch(r"cuda(?::(\d+))?", str(config.device))
+    if match is None or config.shard is not None or getattr(config, "endpoints", ()):
+        return None
+    return int(match.group(1) or 0)
+
+
+def start_ahead(config) -> KernelLedger | None:
+    """The plan's ledger, registered for the replay to take; its compiles start when the caller calls `start`
+    (after CUDA has started). None when turned off or not a one-GPU run."""
+    device = one_gpu(config) if enabled() else None
+    if device is None:
+        return None
+    ledger = _STARTED[plan_name(config)] = KernelLedger(config, device)
+    return ledger
+
+
+@contextlib.contextmanager
+def compiled_ahead(config):
+    """Around a replay: the plan's kernels compiling ahead (begun here unless `start_ahead` began them), this
+    package's compiles recorded, and the ledger written at the end. Nothing for other runs or when turned off; a
+    failure in any of it leaves the replay compiling at first launch, as before."""
+    ledger = None
+    try:
+        device = one_gpu(config) if enabled() else None
+        if device is not None:
+            ledger = _STARTED.pop(plan_name(config), None)
+            if ledger is None:
+                ledger = KernelLedger(config, device)
+                ledger.start()
+    except Exception:  # noqa: BLE001 - compiled at first launch instead
+        ledger = None
+    if ledger is None:
+        yield
+        return
+    with ledger.recorder:
+        yield
+    ledger.save()
