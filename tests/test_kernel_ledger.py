@@ -80,8 +80,7 @@ def test_a_recorded_entry_names_no_path_of_the_install_that_recorded_it():
 
 
 def test_the_bundled_ledgers_are_the_default_plans_and_name_kernels_that_exist():
-    """A bundled ledger serves the default `harness run --device cuda` (and `pytest harness --gpu`'s) on a
-    fresh machine. Renamed, it would never be
+    """A bundled ledger serves the default `harness run --device cuda` on a fresh machine. Renamed, it would never be
     read: when the default models or paths change, record it again on a GPU (`harness run --device cuda`, then copy
     ~/.cache/fp8-harness/triton-ledger/PLAN-TARGET.jsonl to harness/canary/ledgers/)."""
     from harness import job

@@ -3,11 +3,13 @@ keeps a ledger of what it launched for the next run of the same plan.
 
 A plan is the run's models (their directory names) and KV paths (their names): `plan_name`. Its ledger is
 `LEDGER_DIR/<plan>-<target>.jsonl` (~/.cache/fp8-harness/triton-ledger; $FP8_HARNESS_LEDGER_DIR), written after
-each in-process one-GPU replay (`compiled_ahead`, entered by the in-process executor, so `harness run`, `pytest
-harness` and `harness nightly` alike). The bundled default plan's ledger also ships in `harness/canary/ledgers/` for
+each in-process one-GPU replay (`compiled_ahead`, entered by the in-process executor: `harness run`, `pytest
+harness` and `harness nightly` alike, from a plan's second run on a machine). The default `harness run --device
+cuda`'s plan (the bundled canaries, the default paths) also has its ledger shipped, in `harness/canary/ledgers/`, for
 the targets it was recorded on (Triton version and GPU architecture), so a machine's first default run compiles ahead
-too. `harness run` starts the compiles sooner, in the thread that starts CUDA beside its input checks (`start_ahead`).
-HARNESS_KERNEL_PRELOAD=0 turns all of it off.
+too; `pytest harness` replays one model a part run, plans with no bundled ledger. `harness run` starts the compiles
+sooner, in the thread that starts CUDA beside its input checks (`start_ahead`). HARNESS_KERNEL_PRELOAD=0 turns all of
+it off.
 """
 
 from __future__ import annotations
