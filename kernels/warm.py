@@ -20,6 +20,7 @@ Triton's compile runs mostly outside the GIL (MLIR passes, LLVM, ptxas): on that
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import importlib
 import json
 import os
@@ -33,11 +34,22 @@ THREAD_PREFIX = "kernel-preload"
 
 
 def target_tag() -> str:
-    """Triton's version and the current GPU target, e.g. 'triton3.6.0-cuda90': a ledger serves only its own."""
+    """Triton's version and the current GPU target, e.g. 'triton3.6.0-cuda90', and `env_suffix()`: a ledger serves
+    only its own."""
     import triton
     from triton.runtime import driver
     target = driver.active.get_current_target()
-    return f"triton{triton.__version__}-{target.backend}{target.arch}"
+    return f"triton{triton.__version__}-{target.backend}{target.arch}{env_suffix()}"
+
+
+def env_suffix() -> str:
+    """'' where no environment variable that changes Triton's compiles is set, else '-env' and a hash of them
+    (TRITON_DEFAULT_FP_FUSION=0 and the like: an entry recorded under other settings carries their options)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    settings = get_cache_invalidating_env_vars()
+    if not settings:
+        return ""
+    return "-env" + hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()[:8]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +180,17 @@ class Preload:
         return self
 
     def _reserve(self, entry: Entry) -> _Compiling | None:
-        """The entry's placeholder in its kernel's cache; None when the kernel is gone, already cached here, or
-        this Triton keeps its caches differently (then nothing is preloaded for it)."""
+        """The entry's placeholder in its kernel's cache; None when the kernel is gone, already cached here, its
+        data is not its own (a launch waiting on it compiles the data's specialization again if the preload fails),
+        or this Triton keeps its caches differently (then nothing is preloaded for it)."""
         try:
             fn = getattr(importlib.import_module(entry.module), entry.name)
+            spec = json.loads(entry.data)
+            # a launch waiting on a failed preload compiles the data's specialization: it must be the one it asked for
+            if spec.get("key") != entry.key or spec.get("name") != f"{entry.module}.{entry.name}":
+                raise ValueError("its data is another specialization's or another kernel's")
             cache = fn.device_caches[self.device][0]
-        except (ImportError, AttributeError, KeyError, TypeError, IndexError) as error:
+        except Exception as error:  # noqa: BLE001 - a hint that does not fit this process: compiled at first launch
             self.failed.append((entry, f"{type(error).__name__}: {error}"))
             return None
         if entry.key in cache:

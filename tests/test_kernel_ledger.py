@@ -102,6 +102,31 @@ def test_the_bundled_ledgers_are_the_default_plans_and_name_kernels_that_exist()
                 json.loads(entry.data)["options"]), f"{path.name}: {entry.name}'s data is not portable"
 
 
+def test_a_ledger_recorded_under_other_compile_settings_is_another_targets(monkeypatch):
+    """TRITON_DEFAULT_FP_FUSION=0 and the like change what Triton compiles, and the recorded options carry the
+    recording process's settings: such a ledger is named apart. TRITON_CACHE_DIR changes nothing compiled."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/elsewhere")
+    assert warm.env_suffix() == ""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert warm.env_suffix().startswith("-env")
+
+
+def test_an_entry_whose_data_is_not_its_own_is_not_preloaded():
+    """A launch that finds a placeholder whose preload failed compiles the entry's data itself: data naming another
+    kernel or another specialization than its key would give that launch the wrong kernel, so it is refused before
+    any placeholder is made (checked before the kernel's per-device cache, which a CPU does not have)."""
+    pytest.importorskip("triton")
+    name = "kernels.write_check._square_error_sums_kernel"
+    preload = warm.Preload([warm.Entry("kernels.write_check", "_square_error_sums_kernel", "k1",
+                                       json.dumps({"name": name, "key": "k2"})),
+                            warm.Entry("kernels.write_check", "_square_error_sums_kernel", "k1",
+                                       json.dumps({"name": "kernels.splits._other", "key": "k1"}))])
+    assert [preload._reserve(entry) for entry in preload.entries] == [None, None]
+    assert [reason.startswith("ValueError") for _, reason in preload.failed] == [True, True]
+
+
 def test_preload_is_off_with_its_switch(monkeypatch):
     """HARNESS_KERNEL_PRELOAD=0: no ledger is read or written (the baseline of a cold run's timing)."""
     from harness import cli
