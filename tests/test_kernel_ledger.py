@@ -144,6 +144,7 @@ def test_only_a_run_on_one_gpu_in_this_process_compiles_ahead():
     assert [kernel_ledger.one_gpu(config(d)) for d in ("cuda", "cuda:3", "cpu", "cuda:0,1", "cuda:all")] == \
         [0, 3, None, None, None]
     assert kernel_ledger.one_gpu(config("cuda", shard="layers")) is None
+    assert kernel_ledger.one_gpu(SimpleNamespace(device="cuda", shard=None, executor="ray")) is None
     with kernel_ledger.compiled_ahead(config("cpu")):   # nothing to compile ahead: the replay runs as it is
         pass
 

@@ -87,7 +87,8 @@ _STARTED: dict[str, KernelLedger] = {}
 def one_gpu(config) -> int | None:
     """The GPU index of a run replayed on one GPU in this process; None for any other run."""
     match = re.fullmatch(r"cuda(?::(\d+))?", str(config.device))
-    if match is None or config.shard is not None or getattr(config, "endpoints", ()):
+    if match is None or config.shard is not None or getattr(config, "endpoints", ()) \
+            or getattr(config, "executor", "auto") == "ray":   # Ray's actors replay elsewhere
         return None
     return int(match.group(1) or 0)
 
