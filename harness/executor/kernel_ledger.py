@@ -47,8 +47,8 @@ def preload_workers() -> int:
 
 
 class KernelLedger:
-    """`start` (in a thread that has started CUDA): preload the plan's ledger; `record` while the run runs; `save`
-    after it: what it compiled itself and what it took from the preload."""
+    """`start` (in a thread that has started CUDA): preload the plan's ledger; `recorder`, entered while the run
+    runs; `save` after it: what it compiled itself and what it took from the preload."""
 
     def __init__(self, config, device: int = 0):
         self.plan, self.device = plan_name(config), device
