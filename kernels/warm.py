@@ -120,8 +120,8 @@ class Recorder:
     def __call__(self, **hook):
         fn, data = hook.get("fn"), (hook.get("compile") or {}).get("specialization_data")
         module = getattr(fn, "module", None)
-        preloading = threading.current_thread().name.startswith(THREAD_PREFIX)
-        if data and not preloading and isinstance(module, str) and (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        ours = isinstance(module, str) and (module == PACKAGE or module.startswith(PACKAGE + "."))
+        if data and ours and not threading.current_thread().name.startswith(THREAD_PREFIX):
             entry = Entry(module, fn.name, json.loads(data)["key"], portable(data))
             self.entries.setdefault((entry.module, entry.name, entry.key), entry)
         return self._previous(**hook) if self._previous is not None else None   # True would skip the compile
