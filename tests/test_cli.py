@@ -41,7 +41,6 @@ import re
 import tomllib
 
 import pytest
-from types import SimpleNamespace
 
 import harness
 from harness import cli

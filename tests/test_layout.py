@@ -38,7 +38,7 @@ STAGES = {
 # reports/ sits beside harness/runs (stage 7) but only reads plain data: it may import up to stage 4.
 REPORTS_STAGE = 4
 ENTRY = 99
-ENTRY_MODULES = ("harness.cli", "harness.kernel_ledger", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
+ENTRY_MODULES = ("harness.cli", "harness.job", "harness.run_inputs", "harness.serve", "harness.bench",
                  "harness.pytest_plugin", "harness.nightly", "harness.zoo", "harness.canary.train",
                  "harness.canary.retrain", "harness.canary.record_accuracy", "harness.canary.make_scenarios",
                  "harness.canary.check_variant", "harness.attention_cli", "harness.run_config",
