@@ -160,14 +160,14 @@ class _Compiling:
 
 
 class Preload:
-    """`entries` compiled for `device` in `workers` threads (`start`); `wait` for them; `used` entries after a run."""
+    """`entries` compiled for `device` in `workers` threads (`start`); `used`: the entries a launch took, `failed`:
+    those refused or not compiled, with why."""
 
     def __init__(self, entries: list[Entry], device: int = 0, workers: int = 8):
         self.entries, self.device, self.workers = entries, device, max(1, workers)
         self.placeholders: list[_Compiling] = []
         self.failed: list[tuple[Entry, str]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._futures: list[concurrent.futures.Future] = []
 
     def start(self) -> Preload:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=THREAD_PREFIX)
@@ -175,7 +175,7 @@ class Preload:
             placeholder = self._reserve(entry)
             if placeholder is not None:
                 self.placeholders.append(placeholder)
-                self._futures.append(self._pool.submit(self._compile, placeholder))
+                self._pool.submit(self._compile, placeholder)
         self._pool.shutdown(wait=False)
         return self
 
@@ -209,11 +209,6 @@ class Preload:
             self.failed.append((placeholder.entry, f"{type(error).__name__}: {str(error)[:200]}"))
         finally:
             placeholder.finish(kernel)
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """True when every compile ended within `timeout_s`."""
-        done, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
-        return not pending
 
     def used(self) -> list[Entry]:
         return [p.entry for p in self.placeholders if p.used]
