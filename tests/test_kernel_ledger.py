@@ -1,4 +1,4 @@
-"""Triton kernels compiled ahead from a ledger (kernels/warm.py, harness/kernel_ledger.py).
+"""Triton kernels compiled ahead from a ledger (kernels/warm.py, harness/executor/kernel_ledger.py).
 
 The CPU tests cover the ledger's file, the plan's name and the recorder's choice of entries (Triton calls its hook
 with keyword arguments; on a CPU there is no driver to launch a kernel). The GPU tests run the real thing in fresh
