@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import time
@@ -411,6 +410,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
     from harness import job
     from harness.analysis.verdicts import parse_threshold_overrides
+    from harness.executor.kernel_ledger import one_gpu
     from harness.executor.local import WorkerFailure
     from harness.executor.sharded import follow_torchrun
     from harness.replay.tensor_parallel import torchrun_launch
@@ -464,8 +464,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
         if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: rank 0 runs the job and writes
             follow_torchrun(config)
             return 0
-        if re.fullmatch(r"cuda(:\d+)?", str(config.device)) and config.shard is None \
-                and not config.endpoints:  # one GPU, replayed in this process
+        if one_gpu(config) is not None:  # one GPU, replayed in this process
             _start_cuda_beside(config)
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         figure_workers += [w for w in [FigureWorker.start()] if w is not None]  # its imports overlap the run
