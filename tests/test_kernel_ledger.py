@@ -1,18 +1,21 @@
 """Triton kernels compiled ahead from a ledger (kernels/warm.py, harness/executor/kernel_ledger.py).
 
-The CPU tests cover the ledger's file, the plan's name and the recorder's choice of entries (Triton calls its hook
-with keyword arguments; on a CPU there is no driver to launch a kernel). The GPU tests run the real thing in fresh
+The CPU tests cover the ledger's file, the plan's name, the recorder's choice of entries (Triton calls its hook
+with keyword arguments; on a CPU there is no driver to launch a kernel) and the preload's order, over faked kernels. The GPU tests run the real thing in fresh
 processes, each with an empty Triton cache: a kernel launched under the recorder, then the same launches in a process
 that preloaded the ledger first."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,6 +128,41 @@ def test_an_entry_whose_data_is_not_its_own_is_not_preloaded():
                                        json.dumps({"name": "kernels.splits._other", "key": "k1"}))])
     assert [preload._reserve(entry) for entry in preload.entries] == [None, None]
     assert [reason.startswith("ValueError") for _, reason in preload.failed] == [True, True]
+
+
+def test_the_preload_hashes_the_triton_install_once_before_its_compiles_start(monkeypatch):
+    """Every Triton compile's cache key starts with `triton_key()`, a hash of Triton's sources and libtriton that the
+    process caches without a lock: 8 preload threads starting at once each hashed it (4.1 s of thread time in a warm
+    default run, session 33). One thread hashes it first; the compiles wait for it. Kernels faked: a CPU has no
+    driver to compile for."""
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    import torch
+
+    events, lock = [], threading.Lock()
+
+    def triton_key():
+        time.sleep(0.05)   # long enough that a compile not waiting for it would land first
+        with lock:
+            events.append("hashed")
+
+    class Kernel:
+        device_caches = {0: [{}]}
+
+        def preload(self, data):
+            with lock:
+                events.append("compiled")
+            return SimpleNamespace(data=data)
+
+    module = types.ModuleType("kernels._preload_fake")
+    module._k = Kernel()
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(triton_cache, "triton_key", triton_key)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    entries = [warm.Entry(module.__name__, "_k", f"k{i}", json.dumps({"name": f"{module.__name__}._k", "key": f"k{i}"}))
+               for i in range(8)]
+    preload = warm.Preload(entries, 0, 8).start()
+    assert all(placeholder._done.wait(10) for placeholder in preload.placeholders)
+    assert (events, preload.failed) == (["hashed"] + ["compiled"] * 8, [])
 
 
 def test_preload_is_off_with_its_switch(monkeypatch):
