@@ -171,6 +171,20 @@ def _hash_triton_install() -> None:
         pass
 
 
+def _build_launcher(kernel, device: int) -> None:
+    """Triton 3.6 builds a C launcher for each kernel signature with gcc at the kernel's first launch, in the thread
+    that launches, and keeps it in its disk cache: 8-9 of them, 2.3-2.5 s of a cold default run's main thread on one
+    H200 (session 33's compile log). One built here from the kernel's source and metadata is that cache entry, so the
+    launch loads it. The kernel object is not touched: its first launch may be under way in another thread."""
+    import torch
+    try:
+        from triton.runtime import driver
+        with torch.cuda.device(device):
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - another Triton's layout, or the build failed: the launch builds it as before
+        pass
+
+
 class Preload:
     """`entries` compiled for `device` in `workers` threads (`start`); `used`: the entries a launch took, `failed`:
     those refused or not compiled, with why."""
@@ -223,6 +237,8 @@ class Preload:
             self.failed.append((placeholder.entry, f"{type(error).__name__}: {str(error)[:200]}"))
         finally:
             placeholder.finish(kernel)
+        if kernel is not None:
+            _build_launcher(kernel, self.device)
 
     def used(self) -> list[Entry]:
         return [p.entry for p in self.placeholders if p.used]

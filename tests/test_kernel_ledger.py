@@ -130,12 +130,15 @@ def test_an_entry_whose_data_is_not_its_own_is_not_preloaded():
     assert [reason.startswith("ValueError") for _, reason in preload.failed] == [True, True]
 
 
-def test_the_preload_hashes_the_triton_install_once_before_its_compiles_start(monkeypatch):
+def test_the_preload_hashes_triton_once_then_compiles_then_builds_each_launcher(monkeypatch):
     """Every Triton compile's cache key starts with `triton_key()`, a hash of Triton's sources and libtriton that the
     process caches without a lock: 8 preload threads starting at once each hashed it (4.1 s of thread time in a warm
-    default run, session 33). One thread hashes it first; the compiles wait for it. Kernels faked: a CPU has no
-    driver to compile for."""
+    default run, session 33). One thread hashes it first; the compiles wait for it. After its compile each entry's
+    C launcher is built from the kernel's source and metadata, once the placeholder has handed the kernel over (a
+    launch may be using it), and a launcher that fails to build fails nothing. Kernels and driver faked: a CPU has
+    none to compile for."""
     triton_cache = pytest.importorskip("triton.runtime.cache")
+    from triton.runtime import driver
     import torch
 
     events, lock = [], threading.Lock()
@@ -149,20 +152,31 @@ def test_the_preload_hashes_the_triton_install_once_before_its_compiles_start(mo
         device_caches = {0: [{}]}
 
         def preload(self, data):
+            key = json.loads(data)["key"]
             with lock:
-                events.append("compiled")
-            return SimpleNamespace(data=data)
+                events.append(f"compiled {key}")
+            return SimpleNamespace(src=key, metadata={"key": key})
+
+    def launcher_cls(src, metadata):
+        placeholder = Kernel.device_caches[0][0][src]
+        with lock:
+            events.append(f"launcher {src} {metadata == {'key': src} and placeholder._done.is_set()}")
+        if src == "k3":
+            raise RuntimeError("gcc failed")
 
     module = types.ModuleType("kernels._preload_fake")
     module._k = Kernel()
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(triton_cache, "triton_key", triton_key)
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=launcher_cls))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     entries = [warm.Entry(module.__name__, "_k", f"k{i}", json.dumps({"name": f"{module.__name__}._k", "key": f"k{i}"}))
                for i in range(8)]
     preload = warm.Preload(entries, 0, 8).start()
-    assert all(placeholder._done.wait(10) for placeholder in preload.placeholders)
-    assert (events, preload.failed) == (["hashed"] + ["compiled"] * 8, [])
+    preload._pool.shutdown(wait=True)
+    assert events[0] == "hashed" and preload.failed == []
+    for i in range(8):
+        assert events.index(f"compiled k{i}") < events.index(f"launcher k{i} True"), events
 
 
 def test_preload_is_off_with_its_switch(monkeypatch):
