@@ -1,9 +1,9 @@
 """Triton kernels compiled ahead from a ledger (kernels/warm.py, harness/executor/kernel_ledger.py).
 
 The CPU tests cover the ledger's file, the plan's name, the recorder's choice of entries (Triton calls its hook
-with keyword arguments; on a CPU there is no driver to launch a kernel) and the preload's order, over faked kernels. The GPU tests run the real thing in fresh
-processes, each with an empty Triton cache: a kernel launched under the recorder, then the same launches in a process
-that preloaded the ledger first."""
+with keyword arguments; on a CPU there is no driver to launch a kernel) and the preload's order over faked kernels.
+The GPU tests run the real thing in fresh processes, each with an empty Triton cache: a kernel launched under the
+recorder, then the same launches in a process that preloaded the ledger first."""
 
 from __future__ import annotations
 
