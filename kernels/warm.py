@@ -173,7 +173,7 @@ def _hash_triton_install() -> None:
 
 def _build_launcher(kernel, device: int) -> None:
     """Triton 3.6 builds a C launcher for each kernel signature with gcc at the kernel's first launch, in the thread
-    that launches, and keeps it in its disk cache: 8-9 of them, 2.3-2.5 s of a cold default run's main thread on one
+    that launches, and keeps it in its disk cache: 8 of them, 2.3-2.4 s of a cold default run's main thread on one
     H200 (session 33's compile log). One built here from the kernel's source and metadata is that cache entry, so the
     launch loads it. The kernel object is not touched: its first launch may be under way in another thread."""
     import torch
