@@ -486,13 +486,12 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
     return run_exit_code(run_dir, fail_on_verdict=not args.no_fail_on_verdict)
 
 
-def _start_cuda_beside(config):
+def _start_cuda_beside(config) -> None:
     """CUDA's start in a thread, beside the input checks' transformers imports (the run's first CUDA call took 1.5 s
     in a cProfile of the default run on an H200 box, session 31); that call waits for it (torch's lazy init is
-    locked). Then, in the same thread, the plan's Triton kernels start compiling ahead of the replay
-    (harness/executor/kernel_ledger.py); returns that ledger (None where HARNESS_KERNEL_PRELOAD=0). A failure here
-    is left to the run's first CUDA call, which raises it as before, or to its first launch of each kernel, which
-    compiles it as before."""
+    locked). Then, in the same thread, the plan's Triton kernels start compiling ahead of the replay, which takes
+    the ledger `start_ahead` registered (harness/executor/kernel_ledger.py). A failure here is left to the run's
+    first CUDA call, which raises it as before, or to its first launch of each kernel, which compiles it as before."""
     import threading
 
     import torch
@@ -514,7 +513,6 @@ def _start_cuda_beside(config):
             pass
 
     threading.Thread(target=start, name="cuda-start", daemon=True).start()
-    return ledger
 
 
 def _print_run_end(run_dir: Path, seconds: float, warnings: list[str], figure_worker=None) -> list[tuple[str, str]]:

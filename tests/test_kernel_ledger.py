@@ -184,7 +184,8 @@ def test_preload_is_off_with_its_switch(monkeypatch):
     from harness import cli
     monkeypatch.setenv(kernel_ledger.SWITCH_ENV, "0")
     config = SimpleNamespace(device="cuda", models=(), paths=(), shard=None)
-    assert cli._start_cuda_beside(config) is None
+    cli._start_cuda_beside(config)
+    assert kernel_ledger.plan_name(config) not in kernel_ledger._STARTED   # nothing registered for the replay
     with kernel_ledger.compiled_ahead(config):
         pass
     assert not kernel_ledger._STARTED
