@@ -236,8 +236,46 @@ def table_lines(batches, contexts, tuned: dict, copy_bw: float) -> list[str]:
 # MLA over a block-scaled latent (mla_decode_block_scaled): DeepSeek's shape, latent 512 + RoPE 64 (bf16), against
 # our BF16 MLA kernel (kernels/mla_decode.py over a bf16 [c | k_pe] cache); issue 43's target for NVFP4 at 16 heads
 MLA_LATENT, MLA_ROPE = 512, 64
-MLA_FORMATS = ("NVFP4", "MXFP8", "MXFP4")
+MLA_FORMATS = ("NVFP4", "fp8_ds_mla", "fp8_ds_mla, three tensors", "MXFP8", "MXFP4")
+# vLLM's fp8_ds_mla latent (e4m3, an fp32 scale per tile of 128 = max(amax / 448, FLT_MIN)); MLA only, so not in FORMATS
+DS_MLA = dict(element="e4m3", block_scale="fp32", block_size=128)
 MLA_TARGETS = {"NVFP4": 2.2}
+
+
+def _mla_latent(label: str, x: torch.Tensor, blocks: int, k_pe: torch.Tensor) -> tuple:
+    """(codes, block scales, static scale, kernel keywords, k_pe) of a paged latent holding x [tokens, 1, 512] fp32;
+    fp8_ds_mla in vLLM's byte record [codes | 4 fp32 scales | k_pe] (the engine's pages), or in three tensors."""
+    if label.startswith("fp8_ds_mla"):   # the torch encode (the fused write takes no fp32 scales per block)
+        record = torch.empty(blocks * PAGE, MLA_LATENT + 16 + 2 * MLA_ROPE, dtype=torch.uint8, device="cuda")
+        codes, scales = record[:, :MLA_LATENT], record[:, MLA_LATENT:MLA_LATENT + 16].view(torch.float32)
+        for start in range(0, blocks * PAGE, 1 << 16):
+            tiles = x[start:start + (1 << 16), 0].bfloat16().float().view(-1, MLA_LATENT // 128, 128)
+            part = (tiles.abs().amax(-1) / 448.0).clamp(min=2.0 ** -126)   # 448 = largest finite e4m3
+            scales[start:start + (1 << 16)] = part
+            codes[start:start + (1 << 16)] = (tiles / part[..., None]).to(torch.float8_e4m3fn).view(torch.uint8) \
+                .view(-1, MLA_LATENT)
+        pe = record[:, MLA_LATENT + 16:].view(k_pe.dtype)
+        pe.copy_(k_pe.view(-1, MLA_ROPE))
+        parts = (codes, scales, pe)
+        if label != "fp8_ds_mla":
+            parts = tuple(t.contiguous() for t in parts)
+            record = None
+        codes, scales, pe = (t.view(blocks, PAGE, *t.shape[1:]) for t in parts)
+        return codes.unsqueeze(2), scales.unsqueeze(2), None, DS_MLA, pe
+    kernel, write, _ = _layout(label)
+    nbytes = code_bytes(kernel["element"], MLA_LATENT)
+    codes = torch.zeros(blocks, PAGE, 1, nbytes, dtype=torch.uint8, device="cuda")
+    scales = torch.zeros(blocks, PAGE, 1, MLA_LATENT // kernel["block_size"], dtype=torch.uint8, device="cuda")
+    scale = torch.tensor(0.01, device="cuda") if FORMATS[label][5] else None
+    # the fused write takes heads of up to 256: the latent as two heads of 256 (the same bytes: blocks of 16 or 32
+    # never straddle them, and the static scale is one value)
+    halves = dict(codes=codes.view(blocks, PAGE, 2, nbytes // 2), block_scales=scales.view(blocks, PAGE, 2, -1))
+    for start in range(0, blocks * PAGE, 1 << 16):
+        count = min(1 << 16, blocks * PAGE - start)
+        quantize_store_block_scaled(x[start:start + count].view(1, count, 2, MLA_LATENT // 2).bfloat16()
+                                    .transpose(1, 2), scale, slots=torch.arange(start, start + count, device="cuda"),
+                                    page_size=PAGE, **halves, **write)
+    return codes, scales, scale, kernel, k_pe
 
 
 def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
@@ -259,19 +297,7 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
     lines = [f"| {batch} | {ctx} | {heads} | ours MLA BF16 | {bf16_ms:.4f} | 1.00x | - | - |"]
     cache = None
     for label in MLA_FORMATS:
-        kernel, write, _ = _layout(label)
-        nbytes = code_bytes(kernel["element"], MLA_LATENT)
-        codes = torch.zeros(blocks, PAGE, 1, nbytes, dtype=torch.uint8, device="cuda")
-        scales = torch.zeros(blocks, PAGE, 1, MLA_LATENT // kernel["block_size"], dtype=torch.uint8, device="cuda")
-        scale = torch.tensor(0.01, device="cuda") if FORMATS[label][5] else None
-        # the fused write takes heads of up to 256: the latent as two heads of 256 (the same bytes: blocks of 16 or 32
-        # never straddle them, and the static scale is one value)
-        halves = dict(codes=codes.view(blocks, PAGE, 2, nbytes // 2), block_scales=scales.view(blocks, PAGE, 2, -1))
-        for start in range(0, blocks * PAGE, 1 << 16):
-            count = min(1 << 16, blocks * PAGE - start)
-            quantize_store_block_scaled(x[start:start + count].view(1, count, 2, MLA_LATENT // 2).bfloat16()
-                                        .transpose(1, 2), scale, slots=torch.arange(start, start + count, device="cuda"),
-                                        page_size=PAGE, **halves, **write)
+        codes, scales, scale, kernel, latent_pe = _mla_latent(label, x, blocks, k_pe)
         latent = ref.dequantize_block_scaled(codes[:ctx // PAGE], scales[:ctx // PAGE], scale, **kernel)[:, :, 0]
         rows = torch.cat([latent, k_pe[:ctx // PAGE].float()], -1).view(ctx, -1).double()
         s = (torch.cat([q_latent[0], q_pe[0]], -1).double() @ rows.T) * sm
@@ -279,11 +305,12 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
         one = lambda t: t[:1]  # noqa: E731
         dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
-        # the entry (NVFP4: the CUDA kernel, kernels/mla_decode_nvfp4.cu), and NVFP4's Triton kernel beside it
+        # the entry (NVFP4 and fp8_ds_mla: the CUDA kernel, kernels/mla_decode_block_scaled.cu), and NVFP4's Triton
+        # kernel beside it
         for impl in (None, "triton") if label == "NVFP4" else (None,):
             def fn(impl=impl):
-                return mla_decode_block_scaled(q_latent, q_pe, codes, scales, k_pe, table, seq, scale, sm, **kernel,
-                                               impl=impl)
+                return mla_decode_block_scaled(q_latent, q_pe, codes, scales, latent_pe, table, seq, scale, sm,
+                                               **kernel, impl=impl)
             ms = _ms(fn)
             ours = fn()[0][0]
             err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
@@ -292,7 +319,7 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
             lines.append(f"| {batch} | {ctx} | {heads} | {name} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
                          f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")
             print(lines[-1], flush=True)
-        codes = scales = None
+        codes = scales = latent_pe = None
         torch.cuda.empty_cache()
     return lines
 
@@ -305,6 +332,7 @@ def main() -> None:
     parser.add_argument("--batches", default="8")
     parser.add_argument("--contexts", default="32768")
     parser.add_argument("--mla-heads", default="16", help="MLA rows at these head counts ('' for none)")
+    parser.add_argument("--no-gqa", action="store_true", help="the MLA rows only")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
@@ -316,7 +344,8 @@ def main() -> None:
         out += lines
         print("\n".join(lines) + f"\nchosen: {tuned}", flush=True)
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
-    out += table_lines(batches, contexts, tuned, copy_bw)
+    if not args.no_gqa:
+        out += table_lines(batches, contexts, tuned, copy_bw)
     if args.mla_heads:
         out += [f"### MLA decode over a block-scaled latent ({MLA_LATENT} + RoPE {MLA_ROPE} bf16), against our BF16 "
                 "MLA kernel", "", "| batch | context | heads | method | GPU ms (graph) | speed-up vs our BF16 | target | "

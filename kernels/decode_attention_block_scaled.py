@@ -37,6 +37,8 @@ sm_89 and later; NVRTC present); elsewhere the Triton kernel below runs.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -329,7 +331,12 @@ def _check_layout(codes, block_scales, scale, name: str, element: str, block_sca
     assert codes.dim() == 4 and codes.shape[2:] == (kv_heads, expected) and codes.element_size() == 1, \
         f"{name} codes must be [num_blocks, page, {kv_heads}, {expected}] bytes, got {list(codes.shape)} {codes.dtype}"
     assert codes.stride(-1) == 1, f"{name} codes: the last dim must be contiguous"
-    if block_scale == "fp32":
+    if block_scale == "fp32" and block < head_dim:   # fp32 scales per block (fp8_ds_mla's tiles of 128)
+        shape = (*codes.shape[:3], head_dim // block)
+        assert block_scales.dtype == torch.float32 and block_scales.shape == shape and block_scales.stride(-1) == 1, \
+            f"{name} block scales must be fp32 {list(shape)}, contiguous last dim, got {list(block_scales.shape)} " \
+            f"{block_scales.dtype}"
+    elif block_scale == "fp32":
         assert block_scales.dtype == torch.float32 and block_scales.shape in (codes.shape[:3], (*codes.shape[:3], 1)), \
             f"{name} block scales must be fp32 [num_blocks, page, {kv_heads}], got {list(block_scales.shape)} " \
             f"{block_scales.dtype}"
@@ -470,9 +477,11 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
     heads as its "KV heads" over the one latent. q_latent: [B, H, Dc], q_pe: [B, H, Dr]; scale: the latent's static
     scale (fp32 [] or None). Returns (out [B, H, Dc] q_latent.dtype, lse [B, H] fp32 natural log). Mirror:
     `reference.mla_decode_block_scaled`.
-    impl: None runs the CUDA kernel (kernels/mla_block_scaled_cuda.py: NVFP4, latent 512 + 64, sm_90) where it
-    serves the call and this Triton kernel elsewhere; "triton" this one; "cuda" the CUDA kernel or ValueError with
-    the reason it cannot."""
+    impl: None runs the CUDA kernel (kernels/mla_block_scaled_cuda.py: NVFP4 and fp8_ds_mla, latent 512 + 64, sm_90)
+    where it serves the call and this Triton kernel elsewhere; "triton" this one; "cuda" the CUDA kernel or ValueError
+    with the reason it cannot. fp32 scales per block (fp8_ds_mla: block_size 128; block_size 0 is one scale per token)
+    only the CUDA kernel reads: elsewhere (impl None) the latent is dequantised to q's type and our BF16 MLA kernel
+    runs, with a warning naming why."""
     batch, heads, latent_dim = q_latent.shape
     rope_dim = q_pe.shape[-1]
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.shape == (batch, heads, rope_dim), \
@@ -485,22 +494,31 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
     assert 16 <= rope_dim and rope_dim & (rope_dim - 1) == 0, f"rope_dim must be a power of two >= 16, got {rope_dim}"
     assert latent_dim & (latent_dim - 1) == 0 and 32 <= latent_dim <= 1024, \
         f"latent_dim must be a power of two in [32, 1024], got {latent_dim}"
-    block = latent_dim if block_scale == "fp32" else block_size
+    block = latent_dim if block_scale == "fp32" and not block_size else block_size
     _check_layout(codes, block_scales, scale, "latent", element, block_scale, block, 1, latent_dim)
     assert scale is None or scale.dim() == 0, "the latent's static scale is one value"
     assert impl in (None, "triton", "cuda"), f"impl must be None, 'triton' or 'cuda', got {impl!r}"
+    scale_per_block = block_scale == "fp32" and block < latent_dim   # the Triton kernel reads one fp32 scale a token
+    assert not (scale_per_block and impl == "triton"), \
+        f"the Triton kernel reads one fp32 scale per token, not one per {block} values (fp8_ds_mla): impl None or " \
+        "'cuda'"
     if impl != "triton":
-        why = mla_block_scaled_cuda.refusal(q_latent, q_pe, codes, block_scales, k_pe, element, block_scale, block)
+        why = mla_block_scaled_cuda.refusal(q_latent, q_pe, codes, block_scales, k_pe, element, block_scale, block,
+                                            scale)
         if why is None:
             try:
                 return mla_block_scaled_cuda.decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens,
-                                                    scale, sm_scale, num_splits)
-            except nvrtc.BuildError as error:   # this machine's NVRTC or driver refused it: the Triton kernel runs
+                                                    scale, sm_scale, num_splits, (element, block_scale, block))
+            except nvrtc.BuildError as error:   # this machine's NVRTC or driver refused it: another kernel runs
                 if impl == "cuda":
                     raise
-                gqa_decode_cuda.warn_fallback("mla_decode_block_scaled", str(error), "kernels/mla_decode_nvfp4.cu")
+                why = str(error)
+                gqa_decode_cuda.warn_fallback("mla_decode_block_scaled", why, "kernels/mla_decode_block_scaled.cu")
         elif impl == "cuda":
             raise ValueError(f"impl='cuda' cannot run: {why}")
+        if scale_per_block:
+            return _mla_dequantised(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale, sm_scale,
+                                    num_splits, why, element=element, block_scale=block_scale, block_size=block)
     assert q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1, "q_latent / q_pe: the last dim must be contiguous"
     device = q_latent.device
     assert device.type == "cuda" or interpreting(), f"Triton kernels need CUDA tensors, got {device}"
@@ -535,3 +553,26 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, merge_splits(part_out, part_lse, out)
+
+
+_DEQUANTISED_WARNED: set = set()
+
+
+def _mla_dequantised(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale, sm_scale: float,
+                     num_splits: int | None, why: str, **layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode over a latent the CUDA kernel refused and the Triton kernel cannot read (fp32 scales per block):
+    the latent dequantised (kernels/reference.py) to q's type beside k_pe, then our BF16 MLA kernel (kernels/
+    mla_decode.py; CPU tensors: its torch mirror): the error yardstick of the kernel tests, so within 1.0x of it by
+    definition, and slower (the whole cache is widened each call). Warns once per reason."""
+    from kernels import reference
+    from kernels.mla_decode import mla_decode as bf16_mla_decode
+
+    mla_decode = bf16_mla_decode if q_latent.device.type == "cuda" else reference.mla_decode
+
+    if why not in _DEQUANTISED_WARNED:
+        _DEQUANTISED_WARNED.add(why)
+        warnings.warn(f"mla_decode_block_scaled: the CUDA kernel cannot run ({why}); the latent is dequantised to "
+                      f"{q_latent.dtype} and our BF16 MLA kernel runs instead", RuntimeWarning, stacklevel=3)
+    latent = reference.dequantize_block_scaled(codes, block_scales, scale, **layout)[:, :, 0]
+    cache = torch.cat([latent, k_pe.float()], dim=-1).to(q_latent.dtype)
+    return mla_decode(q_latent, q_pe, cache, block_table, seq_lens, None, sm_scale, num_splits)

@@ -1,11 +1,13 @@
-"""The CUDA kernel of MLA decode over an NVFP4 latent (kernels/mla_decode_nvfp4.cu): what it serves, why it refuses a
-call, and its launch. `decode_attention_block_scaled.mla_decode_block_scaled` asks it first (impl None or "cuda") and
-runs the Triton kernel where it refuses (impl None) or raises the reason (impl "cuda").
+"""The CUDA kernel of MLA decode over a block-scaled latent (kernels/mla_decode_block_scaled.cu): what it serves, why
+it refuses a call, and its launch. `decode_attention_block_scaled.mla_decode_block_scaled` asks it first (impl None or
+"cuda") and runs another kernel where it refuses (impl None) or raises the reason (impl "cuda").
 
-Served: e2m1 values under e4m3 scales per 16 (NVFP4) with or without an fp32 static scale, the latent 512 wide and
-k_pe 64 (DeepSeek's MLA), k_pe in the query's 16-bit type, pages of any size, on sm_90 (its tiles arrive by bulk
-copies). The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2
-blocks an SM; 16 heads a block), its splits merged by kernels/splits.merge_splits.
+Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16-bit type, pages of any size, on sm_90
+(its tiles arrive by bulk copies):
+- NVFP4: e2m1 values under e4m3 scales per 16, with or without an fp32 static scale;
+- vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale.
+The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
+SM; 16 heads a block), its splits merged by kernels/splits.merge_splits.
 """
 
 from __future__ import annotations
@@ -18,19 +20,27 @@ import torch
 from kernels import nvrtc
 from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_nvfp4.cu")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_block_scaled.cu")
 LATENT, ROPE = 512, 64
-ROW_BYTES = LATENT // 2 + LATENT // 16 + 2 * ROPE   # a tile row: codes, block scales, k_pe
+# (element, block scale, values a block) -> (the kernel's TILE_FP8, code bytes and block-scale bytes of a row)
+LAYOUTS = {("e2m1", "e4m3", 16): (0, LATENT // 2, LATENT // 16), ("e4m3", "fp32", 128): (1, LATENT, 16)}
 # warps, n8 token blocks a warp, stages, blocks an SM, programs an SM for the split plan: kernels/configs.py's mla_fp8
-# CUDA entry, the same tile pipeline. On an H200 (batch 8, 32k, session 27) 0.1052 ms at 16 heads; 4 x 2 x 3 x 2 and
-# 8 x 1 x 3 x 2 were within 1.5% there and 4-7% faster at 128 heads (kernels/BENCHMARKS.md); the tests ran this one
+# CUDA entry, the same tile pipeline. On an H200 (batch 8, 32k, session 27) 0.1052 ms at 16 heads for NVFP4; 4 x 2 x
+# 3 x 2 and 8 x 1 x 3 x 2 were within 1.5% there and 4-7% faster at 128 heads (kernels/BENCHMARKS.md); the tests ran
+# this one
 WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
 
 
 def serves(element: str, block_scale: str, block: int) -> bool:
-    return (element, block_scale, block) == ("e2m1", "e4m3", 16)
+    return (element, block_scale, block) in LAYOUTS
+
+
+def _row_bytes(layout: tuple) -> int:
+    """A tile row: codes, block scales, k_pe."""
+    _, codes, scales = LAYOUTS[layout]
+    return codes + scales + 2 * ROPE
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,28 +49,37 @@ def _gpu(index: int) -> tuple[tuple[int, int], int]:
             torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
-def _tile_bytes() -> int:
-    """Tile stages: rows, and the row shifts (32 bytes every 8 rows, 32 for the last rows)."""
-    return STAGES * (TOKENS * ROW_BYTES + 32 * (TOKENS // 8) + 32)
+def _tile_bytes(layout: tuple) -> int:
+    """Tile stages: rows, and the row shifts (the kernel's tile_at: NVFP4 32 bytes every 8 rows and 32 for the last
+    rows; fp8_ds_mla 384 bytes every 8 rows)."""
+    if LAYOUTS[layout][0]:
+        return STAGES * (TOKENS * _row_bytes(layout) + 384 * (TOKENS // 8))
+    return STAGES * (TOKENS * _row_bytes(layout) + 32 * (TOKENS // 8) + 32)
 
 
-def _smem() -> int:
+def _smem(layout: tuple) -> int:
     """Tile stages, Q's fragments (36 k steps), two score buffers, mbarriers."""
-    return _tile_bytes() + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4 + 8 * STAGES
+    return _tile_bytes(layout) + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4 + 8 * STAGES
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor,
-            k_pe: torch.Tensor, element: str, block_scale: str, block: int) -> str | None:
+            k_pe: torch.Tensor, element: str, block_scale: str, block: int,
+            scale: torch.Tensor | None = None) -> str | None:
     """Why the kernel cannot run this call (None when it can): the layout and shapes first, then the device."""
     if not serves(element, block_scale, block):
-        return f"it reads NVFP4 latents (e2m1 under e4m3 scales per 16), got {element} / {block_scale} / {block}"
+        return (f"it reads NVFP4 latents (e2m1 under e4m3 scales per 16) and fp8_ds_mla's (e4m3 under fp32 scales per "
+                f"128), got {element} / {block_scale} / {block}")
     if q_latent.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
         return f"it is built for a latent of {LATENT} and k_pe of {ROPE}, got {q_latent.shape[-1]} and {q_pe.shape[-1]}"
-    rows = ((codes, LATENT // 2), (block_scales, LATENT // 16), (k_pe, 2 * ROPE))
+    layout = (element, block_scale, block)
+    _, code_bytes, scale_bytes = LAYOUTS[layout]
+    if LAYOUTS[layout][0] and scale is not None:
+        return "fp8_ds_mla's tile scales are the whole scale: it takes no static scale"
+    rows = ((codes, code_bytes), (block_scales, scale_bytes), (k_pe, 2 * ROPE))
     if any(t.element_size() * t.shape[-1] != size or t.stride(-1) != 1 for t, size in rows) or \
             any(t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:2]) for t, _ in rows):
-        return ("it copies whole rows (codes 256, scales 32, k_pe 128 bytes) in 16-byte units: each contiguous, "
-                "their pages, slots and bases 16-byte aligned")
+        return (f"it copies whole rows (codes {code_bytes}, scales {scale_bytes}, k_pe {2 * ROPE} bytes) in 16-byte "
+                "units: each contiguous, their pages, slots and bases 16-byte aligned")
     if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) != 1 for t in (q_latent, q_pe)):
         return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
     if q_latent.device.type != "cuda":
@@ -71,21 +90,33 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, blo
     capability, smem = _gpu(q_latent.device.index)
     if capability < (9, 0):
         return "it needs sm_90 or later (bulk copies into shared memory)"
-    if _smem() > smem:
-        return f"{_smem()} bytes of shared memory is more than this GPU has for a block"
+    if _smem(layout) > smem:
+        return f"{_smem(layout)} bytes of shared memory is more than this GPU has for a block"
     return None
 
 
+def is_record(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor) -> bool:
+    """Whether a row's codes, block scales and k_pe lie one after another in one record with the same page and slot
+    strides (vLLM's fp8_ds_mla record: `harness/kv_paths/block_layout.allocate_latent_rows`): one copy a row."""
+    parts = (codes, block_scales, k_pe)
+    starts = [t.data_ptr() for t in parts]
+    ends = [t.data_ptr() + t.shape[-1] * t.element_size() for t in parts]
+    strides = {tuple(s * t.element_size() for s in t.stride()[:2]) for t in parts}
+    return starts[1] == ends[0] and starts[2] == ends[1] and len(strides) == 1
+
+
 def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale, sm_scale: float,
-           num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, 512] in q's dtype, lse [B, H] natural log); the caller checked `refusal`."""
+           num_splits: int | None, layout: tuple = ("e2m1", "e4m3", 16)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, 512] in q's dtype, lse [B, H] natural log); layout: (element, block scale, values a block); the
+    caller checked `refusal`."""
     batch, heads, _ = q_latent.shape
     device = q_latent.device
     page = codes.shape[1]
     defines = (("NW", WARPS), ("NB", BLOCKS), ("STAGES", STAGES), ("MT", HEADS_PER_BLOCK // 16), ("CTAS", CTAS),
-               ("PAGE", page), ("TILE_BYTES", _tile_bytes()),
+               ("PAGE", page), ("TILE_BYTES", _tile_bytes(layout)), ("TILE_FP8", LAYOUTS[layout][0]),
+               ("RECORD", int(is_record(codes, block_scales, k_pe))),
                ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)))
-    kernel = nvrtc.build(SOURCE, "mla_nvfp4_decode", defines, device.index)
+    kernel = nvrtc.build(SOURCE, "mla_block_scaled_decode", defines, device.index)
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page, batch * head_blocks, TOKENS,
                                                PROGRAMS_PER_SM, device, num_splits, whole_waves=True)
@@ -93,7 +124,7 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     part_out, part_lse = partials(out, num_splits)
     scales = block_scales.view(torch.uint8)
     pe_bytes = k_pe.element_size()
-    kernel((head_blocks, batch, num_splits), (32 * WARPS, 1, 1), _smem(),
+    kernel((head_blocks, batch, num_splits), (32 * WARPS, 1, 1), _smem(layout),
            [q_latent, q_pe, codes.view(torch.uint8), scales, k_pe, block_table, seq_lens,
             scale if scale is not None else seq_lens, part_out, part_lse, sm_scale * LOG2E, tokens_per_split, heads,
             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -1,8 +1,8 @@
-// Shared by the MLA decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu, kernels/mla_decode_nvfp4.cu;
-// the GQA decode kernels/gqa_decode_block_scaled.cu uses its scalar types and helpers): the cache row, the
-// scalar types, fp8 widening (FMT_E5M2) and query conversion (Q_BF16), the stage layout of tile rows (BULK: bulk
-// copies, the default; 0: cp.async) and the mbarrier wait. kernels/nvrtc.py inlines it into the including source
-// before compiling (so its text is part of the compiled-kernel cache key).
+// Shared by the MLA decode kernels (kernels/mla_decode_fp8.cu, kernels/mla_decode_fp8_ws.cu,
+// kernels/mla_decode_block_scaled.cu; the GQA decode kernels/gqa_decode_block_scaled.cu uses its scalar types and
+// helpers): the cache row, the scalar types, fp8 widening (FMT_E5M2) and query conversion (Q_BF16), the stage layout
+// of tile rows (BULK: bulk copies, the default; 0: cp.async) and the mbarrier wait. kernels/nvrtc.py inlines it into
+// the including source before compiling (so its text is part of the compiled-kernel cache key).
 
 #define LAT 512
 #define ROPE 64
@@ -96,11 +96,13 @@ __device__ __forceinline__ float ex2(float x) {
 // x 4, n8 block j = warp' * NB + i), times qk (base 2) and masked past `end` where the tile is `partial`; the running
 // m and l and the accumulator o rescaled; P rounded to fp16 as the A fragments of P . C (the accumulator layout of
 // n8 blocks 2j and 2j + 1 is the A layout of k step j). Every warp runs it over the whole tile, so m and l agree bit
-// for bit across warps.
-template <int NW_, int NB_, int MT_, int NPC_>
+// for bit across warps. FACTORS: P's fragments (not l) take fac[jb][e], token 8 jb + 2q + e's factor, before rounding
+// (kernels/mla_decode_block_scaled.cu's fp8_ds_mla tile scales).
+template <int NW_, int NB_, int MT_, int NPC_, bool FACTORS = false>
 __device__ __forceinline__ void softmax_tile(const float* scores, int lane, int q, int mt, float qk, bool partial,
                                              int t0, int end, float (&m)[MT_][2], float (&l)[MT_][2],
-                                             float (&o)[MT_][NPC_][4], u32 (&pa)[MT_][NW_ * NB_ / 2][4]) {
+                                             float (&o)[MT_][NPC_][4], u32 (&pa)[MT_][NW_ * NB_ / 2][4],
+                                             const float (*fac)[2] = nullptr) {
   constexpr int BN_ = NW_ * NB_ * 8;
   float sc[BN_ / 8][4];
 #pragma unroll
@@ -139,10 +141,17 @@ __device__ __forceinline__ void softmax_tile(const float* scores, int lane, int 
     const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
     rs0 += (p00 + p01) + (p10 + p11);
     rs1 += (p02 + p03) + (p12 + p13);
-    pa[mt][j][0] = pack_half2(p00, p01);
-    pa[mt][j][1] = pack_half2(p02, p03);
-    pa[mt][j][2] = pack_half2(p10, p11);
-    pa[mt][j][3] = pack_half2(p12, p13);
+    if (FACTORS) {
+      pa[mt][j][0] = pack_half2(p00 * fac[2 * j][0], p01 * fac[2 * j][1]);
+      pa[mt][j][1] = pack_half2(p02 * fac[2 * j][0], p03 * fac[2 * j][1]);
+      pa[mt][j][2] = pack_half2(p10 * fac[2 * j + 1][0], p11 * fac[2 * j + 1][1]);
+      pa[mt][j][3] = pack_half2(p12 * fac[2 * j + 1][0], p13 * fac[2 * j + 1][1]);
+    } else {
+      pa[mt][j][0] = pack_half2(p00, p01);
+      pa[mt][j][1] = pack_half2(p02, p03);
+      pa[mt][j][2] = pack_half2(p10, p11);
+      pa[mt][j][3] = pack_half2(p12, p13);
+    }
   }
   rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
   rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);

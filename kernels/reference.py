@@ -376,7 +376,8 @@ def mla_decode_fp8(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
 #                 as its two's-complement byte), 4-bit elements two a byte, the even index in the low nibble (e2m1
 #                 as OCP's sign-magnitude nibble, int4 as a two's-complement nibble)
 #   block scales: [num_blocks, block_size, kv_heads, head_dim / B] uint8 (e4m3 or e8m0 bits, one per B values) or
-#                 [num_blocks, block_size, kv_heads] fp32 (one per token and head: B = head_dim)
+#                 [num_blocks, block_size, kv_heads] fp32 (one per token and head: B = head_dim), or
+#                 [num_blocks, block_size, kv_heads, head_dim / B] fp32 (fp8_ds_mla's latent: B = 128)
 #   scale:        fp32 [] or [kv_heads], static (NVFP4's global scale), or None (1.0)
 # value = element(code) x (block scale x scale), multiplied in fp32 in that order (harness/kv_paths/formats.py's
 # decode, which this layout stores; the harness maps its KVFormat onto (element, block scale, B)).
@@ -422,13 +423,15 @@ def block_scale_values(block_scales: torch.Tensor, block_scale: str) -> torch.Te
 
 def dequantize_block_scaled(codes: torch.Tensor, block_scales: torch.Tensor, scale, element: str,
                             block_scale: str, block_size: int) -> torch.Tensor:
-    """codes [..., heads, bytes] + block scales [..., heads, D / B] (fp32: [..., heads]) + static scale [] or
+    """codes [..., heads, bytes] + block scales [..., heads, D / B] (fp32: that or [..., heads]) + static scale [] or
     [heads] (None: 1.0) -> values [..., heads, D] fp32: element x (block scale x scale)."""
     values = element_values(codes, element)                                     # [..., heads, D]
     blocks = block_scale_values(block_scales, block_scale)
-    blocks = blocks.unsqueeze(-1) if block_scale == "fp32" else blocks          # [..., heads, D / B]
-    assert values.shape[-1] == blocks.shape[-1] * (values.shape[-1] if block_scale == "fp32" else block_size), \
-        f"{values.shape[-1]} values per head do not make {blocks.shape[-1]} blocks of {block_size}"
+    per_token = block_scale == "fp32" and blocks.dim() < values.dim()          # one fp32 scale per token and head
+    blocks = blocks.unsqueeze(-1) if per_token else blocks                      # [..., heads, D / B]
+    block = values.shape[-1] if per_token or not block_size else block_size
+    assert values.shape[-1] == blocks.shape[-1] * block, \
+        f"{values.shape[-1]} values per head do not make {blocks.shape[-1]} blocks of {block}"
     whole = blocks * _head_scale(scale, 1).to(blocks.device)                    # block scale x scale, fp32
     per_value = whole.repeat_interleave(values.shape[-1] // whole.shape[-1], dim=-1)
     return values * per_value

@@ -44,3 +44,24 @@ def head64_model(tmp_path_factory):
     """A tiny random-weight Llama whose heads hold 64 values, 2 query heads per KV head: the smallest head the
     block-scaled CUDA decode (kernels/gqa_decode_block_scaled.cu) serves, so the engine reaches it."""
     return _tiny_llama(tmp_path_factory, "head64", 4, 2, 64)
+
+
+@pytest.fixture(scope="session")
+def ds_latent_model(tmp_path_factory):
+    """The mla canary's tiny DeepSeek-V3 with DeepSeek's latent shape (kv_lora_rank 512, RoPE 64) and 16 heads: the
+    shape vLLM's fp8_ds_mla record takes and kernels/mla_decode_block_scaled.cu serves (a head block of 16)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.canary.tiny_models import tiny_config
+    from harness.canary.tokenizer import save_tokenizer
+
+    out = tmp_path_factory.mktemp("ds-latent")
+    canary = tiny_config("mla")   # its derived sizes (qk_head_dim, head_dim: RoPE's) set with the new ones
+    config = type(canary)(**{**canary.to_dict(), "kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64,
+                             "qk_head_dim": canary.qk_nope_head_dim + 64, "num_attention_heads": 16,
+                             "num_key_value_heads": 16})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(out))
+    save_tokenizer(out)
+    return out

@@ -153,3 +153,88 @@ def test_a_record_of_another_shape_is_refused_with_the_shapes():
     with pytest.raises(ValueError, match="latent 32 \\+ k_pe 16; vLLM's writer takes 512 \\+ 64"):
         mla.pack_ds_mla("ds_mla_e4m3", F.get_format("ds_mla_e4m3").encode(latent),
                         F.get_format("unquantised").encode(rope))
+
+
+def test_the_decode_route_takes_the_block_scaled_mla_kernel_at_the_engines_shape_only():
+    """The route asks the MLA block-scaled decode's capability (harness/kv_paths/capabilities.py): fp8_ds_mla's
+    latent (e4m3 under fp32 scales per 128, k_pe in bf16 beside it) is served on an MLA model at latent widths of
+    whole tiles; on the mla canary's 64-wide latent, and as a GQA cache, the refusal names why."""
+    from harness.kv_paths import capabilities
+
+    path = parse_path("fp8_ds_mla")
+    assert capabilities.decode_refusal(path, mla=True, head_size=512, rope_size=64) is None
+    assert "head size 64" in capabilities.decode_refusal(path, mla=True, head_size=64, rope_size=16)
+    assert "fp32 scales per 128 values" in capabilities.decode_refusal(path, mla=False, head_size=128)
+    # its fused write is not ours: the torch round trip writes the kernel's pages
+    assert capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path) is not None
+
+
+def test_fp8_ds_mla_decodes_in_the_loop_through_the_kernels_mirror(monkeypatch, ds_latent_model):
+    """A DeepSeek-V3 at the engine's latent shape (512 + 64), on the CPU through the kernels' torch mirror
+    (HARNESS_KERNELS=reference: the glue the CUDA kernel runs behind): fp8_ds_mla's decode steps read the paged
+    codes and tile scales, and the engine's own check against fp64 attention over the stored values holds them
+    within the bound the GPU tests use (tests/test_harness_gpu.py: kernel error <= 4x torch's)."""
+    from harness.replay.inprocess import InProcessModel
+    from harness.types import Message
+
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(ds_latent_model, device="cpu").backend(parse_path("fp8_ds_mla"))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)", backend.describe()   # its mirror here
+    chat = [Message("user", "What is 7 * 8 + 3 * 4?")]
+    generation = backend.generate_sync(chat, 6)
+    assert generation.metrics["kernel_steps"] > 0
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+
+
+def test_fp8_ds_mla_latent_without_the_cuda_kernel_dequantises_and_warns(monkeypatch):
+    """Where the CUDA kernel cannot run fp8_ds_mla (here: a latent of 256, on the CPU under Triton's interpreter),
+    impl None dequantises the latent to q's type and runs our BF16 MLA kernel (on the CPU its torch mirror), warning
+    once with the reason; the result is fp64 attention over the stored values within bf16's rounding (the cache and
+    the output in bf16: 2^-8 of the largest output, twice that for the scores' rounding). impl="triton" refuses the
+    layout by name."""
+    from harness.kv_paths import block_layout
+    from kernels import reference
+    from kernels.decode_attention_block_scaled import mla_decode_block_scaled
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("kernels.decode_attention_block_scaled._DEQUANTISED_WARNED", set())
+    layout = block_layout.of(F.get_format("ds_mla_e4m3"), mla=True)
+    torch.manual_seed(0)
+    codes, scales = layout.allocate(3, 16, 1, 256, "cpu")
+    layout.store((torch.randn(40, 1, 256) * torch.logspace(-2, 2, 256)).bfloat16(), None, codes, scales,
+                 torch.arange(40))
+    k_pe = torch.randn(3, 16, 32).bfloat16()
+    q_latent, q_pe = torch.randn(2, 4, 256).bfloat16() * 0.1, torch.randn(2, 4, 32).bfloat16()
+    table, seq = torch.tensor([[0, 1, 2], [1, 2, 0]], dtype=torch.int32), torch.tensor([40, 9], dtype=torch.int32)
+    args = (q_latent, q_pe, codes, scales, k_pe, table, seq, None, 0.07)
+    why = "built for a latent of 512 and k_pe of 64, got 256 and 32"
+    with pytest.warns(RuntimeWarning, match=f"{why}.*dequantised to torch.bfloat16"):
+        out, _ = mla_decode_block_scaled(*args, **layout.kernel_args)
+    truth, _ = reference.mla_decode_block_scaled(*(a.double() if a.is_floating_point() else a for a in args[:5]),
+                                                 *args[5:], **layout.kernel_args)
+    assert (out.double() - truth).abs().max() <= 3 * 2.0 ** -8 * truth.abs().max()
+    with pytest.raises(AssertionError, match="reads one fp32 scale per token, not one per 128 values"):
+        mla_decode_block_scaled(*args, impl="triton", **layout.kernel_args)
+
+
+def test_the_engines_fp8_ds_mla_pages_are_vllms_records_byte_for_byte():
+    """The decode pages of an fp8_ds_mla path (`BlockScaledLayout.allocate_latent_rows`: codes, tile scales and k_pe
+    as views of one byte record a token), written by the layout's store and k_pe's, hold exactly `pack_ds_mla`'s
+    record of the same token (vLLM's 656 bytes, tested above against the engine's layout), and the MLA kernel's
+    launcher sees one record (one copy a row)."""
+    from harness.kv_paths import block_layout
+    from kernels.mla_block_scaled_cuda import is_record
+
+    layout = block_layout.of(F.get_format("ds_mla_e4m3"), mla=True)
+    torch.manual_seed(0)
+    latent = (torch.randn(21, 1, 512) * torch.logspace(-3, 3, 512)).bfloat16()
+    rope = torch.randn(21, 64).bfloat16()
+    codes, scales, k_pe = layout.allocate_latent_rows(2, 16, 512, rope)
+    slots = torch.randperm(32)[:21]
+    layout.store(latent, None, codes, scales, slots)
+    block_layout.store_rows(k_pe.view(-1, 64), slots, rope)
+    assert is_record(codes, scales, k_pe) and codes.untyped_storage().data_ptr() == k_pe.untyped_storage().data_ptr()
+    stored = torch.cat([t.view(torch.uint8).reshape(32, -1) for t in (codes, scales, k_pe)], dim=-1)[slots]
+    packed = mla.pack_ds_mla("ds_mla_e4m3", F.get_format("ds_mla_e4m3").encode(latent[:, 0]),
+                             F.get_format("unquantised").encode(rope))
+    assert stored.shape == (21, 656) and torch.equal(stored, packed)

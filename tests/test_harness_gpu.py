@@ -125,6 +125,23 @@ def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_fp8_ds_mla_decodes_through_the_cuda_kernel(ds_latent_model, monkeypatch):
+    """vLLM's fp8_ds_mla on a DeepSeek-V3 at the engine's latent shape (512 + RoPE 64, 16 heads): decode steps run
+    kernels/mla_decode_block_scaled.cu over the paged e4m3 codes and fp32 tile scales (counted, so a refusal that
+    quietly dequantised fails) and pass the engine's own check of it against fp64."""
+    from kernels import mla_block_scaled_cuda
+    calls = []
+    real = mla_block_scaled_cuda.decode
+    monkeypatch.setattr(mla_block_scaled_cuda, "decode", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    backend = InProcessModel.load(ds_latent_model, device="cuda").backend(parse_path("fp8_ds_mla"))
+    assert backend.describe()["decode_kernel"] == "triton (kernels/)"
+    generation = backend.generate_sync(CHAT, 16)
+    assert calls and set(calls) == {("e4m3", "fp32", 128)}, calls
+    assert generation.metrics["kernel_steps"] > 0
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch, spec", [
     ("head32", "nvfp4:per_head:calibrated"), ("head32", "nvfp4"), ("head32", "mxfp8"), ("head32", "mxfp4"),
     ("head32", "int4_per_token_head"), ("head32", "int8_per_token_head"), ("head32", "fp8_per_token_head"),

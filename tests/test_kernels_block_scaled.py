@@ -155,18 +155,20 @@ def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):
 
 
 @pytest.mark.parametrize(("fmt", "latent", "pe_row", "why"), [
-    ("mxfp4", 512, 64, "it reads NVFP4 latents (e2m1 under e4m3 scales per 16), got e2m1 / e8m0 / 32"),
+    ("mxfp4", 512, 64, "it reads NVFP4 latents (e2m1 under e4m3 scales per 16) and fp8_ds_mla's (e4m3 under fp32 "
+                       "scales per 128), got e2m1 / e8m0 / 32"),
+    ("ds_mla_e4m3", 512, 64, "it runs on CUDA tensors, got cpu ones"),   # the layout served: refused by the device
     ("int4_per_token_head", 512, 64, "it reads NVFP4 latents"),
     ("nvfp4", 256, 64, "it is built for a latent of 512 and k_pe of 64, got 256 and 64"),
     ("nvfp4", 512, 68, "it copies whole rows"),                  # k_pe slots 136 bytes apart: not 16-byte units
     ("nvfp4", 512, 64, "it runs on CUDA tensors, got cpu ones")])
 def test_mla_cuda_kernel_says_what_it_does_not_serve(monkeypatch, fmt, latent, pe_row, why):
-    """MLA over a block-scaled latent with impl="cuda" (kernels/mla_decode_nvfp4.cu): the layout and the shapes are
-    judged before the device, and each refusal names its reason instead of running the Triton kernel."""
+    """MLA over a block-scaled latent with impl="cuda" (kernels/mla_decode_block_scaled.cu): the layout and the shapes
+    are judged before the device, and each refusal names its reason instead of running another kernel."""
     from kernels.decode_attention_block_scaled import mla_decode_block_scaled
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    layout = block_layout.of(kv_formats.get_format(fmt))
+    layout = block_layout.of(kv_formats.get_format(fmt), mla=True)
     codes, blocks = layout.allocate(2, 16, 1, latent, "cpu")
     k_pe = torch.zeros(2, 16, pe_row, dtype=torch.bfloat16)[..., :64]
     q_latent, q_pe = torch.zeros(1, 16, latent, dtype=torch.bfloat16), torch.zeros(1, 16, 64, dtype=torch.bfloat16)

@@ -279,20 +279,28 @@ def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
         assert amax[row].item() == finite[i].max().item(), f"{fmt} row {i}: amax"
 
 
-MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"]
+# ds_mla_e4m3: fp8_ds_mla's latent in vLLM's byte record (the engine's pages); ":apart": in three tensors
+MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "ds_mla_e4m3", "ds_mla_e4m3:apart"]
+MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart")   # kernels/mla_decode_block_scaled.cu
 
 
 def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
-    """A paged block-scaled latent (512) with k_pe (64) beside it in q's type, and the query."""
-    layout = block_layout.of(kv_formats.get_format(fmt))
+    """A paged block-scaled latent (512) with k_pe (64) beside it in q's type (as the engine allocates them:
+    `allocate_latent_rows`, or three tensors for ":apart"), and the query."""
+    name, _, apart = fmt.partition(":")
+    layout = block_layout.of(kv_formats.get_format(name), mla=True)
     latent_dim, rope_dim = 512, 64
     table, slots, num_blocks = _pages(lengths, page)
     total = sum(lengths)
     scale = torch.tensor(0.01, device="cuda") if layout.static else None
     x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
-    codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
+    if apart:
+        codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
+        k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
+    else:
+        codes, block_scales, k_pe = layout.allocate_latent_rows(num_blocks, page, latent_dim,
+                                                                torch.empty(0, rope_dim, dtype=q_dtype, device="cuda"))
     layout.store(x.bfloat16(), scale, codes, block_scales, slots)   # the model's K/V: bf16 whatever q's type
-    k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
     k_pe.view(-1, rope_dim)[slots] = (torch.randn(total, rope_dim, device="cuda") * 4).to(q_dtype)
     q_latent = (torch.randn(len(lengths), heads, latent_dim, device="cuda") * 0.5).to(q_dtype)
     q_pe = (torch.randn(len(lengths), heads, rope_dim, device="cuda") * 0.5).to(q_dtype)
@@ -315,14 +323,19 @@ def _run_mla(case, **kwargs):
 def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt, heads, impl, q_dtype):
     """MLA (latent 512 + RoPE 64) over a block-scaled latent and a 16-bit k_pe, against fp64 over the stored values,
     relative to "dequantise the latent to q's type, then our BF16 MLA kernel" (kernels/mla_decode.py), as the GQA
-    cases (SLACK and the magnitude check beside). impl="cuda" serves NVFP4 (kernels/mla_decode_nvfp4.cu) and names
-    why it does not serve the rest."""
+    cases (SLACK and the magnitude check beside). impl="cuda" serves NVFP4 and fp8_ds_mla (kernels/
+    mla_decode_block_scaled.cu) and names why it does not serve the rest; the Triton kernel refuses fp8_ds_mla's fp32
+    scales per 128 values, saying so."""
     from kernels.mla_decode import mla_decode
 
     case = _mla_case(fmt, heads, [1, 17, 1000, 4099, 5], q_dtype=q_dtype)
-    if impl == "cuda" and fmt != "nvfp4":
+    if impl == "cuda" and fmt not in MLA_CUDA_FORMATS:
         with pytest.raises(ValueError, match="it reads NVFP4 latents"):
             _run_mla(case, impl="cuda")
+        return
+    if impl == "triton" and fmt.startswith("ds_mla_e4m3"):
+        with pytest.raises(AssertionError, match="reads one fp32 scale per token, not one per 128 values"):
+            _run_mla(case, impl="triton")
         return
     out, lse = _run_mla(case, impl=impl)
     lengths, page, table = case.seq_lens.tolist(), case.codes.shape[1], case.table
@@ -346,19 +359,39 @@ def test_mla_decode_over_a_block_scaled_latent_within_dequantised_bf16_error(fmt
     assert (lse.double() - truth_lse).abs().max().item() <= 1e-3, f"{what}: lse"   # fp32 scores against fp64
 
 
+def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
+    """fp8_ds_mla through the MLA CUDA kernel: a NaN tile scale on one token of sequence 2 (inside its length) makes
+    that sequence's output and lse NaN (its score and its P are NaN: never a finite number from a broken cache) and
+    leaves every other sequence's bits as they were."""
+    case = _mla_case("ds_mla_e4m3", 16, [17, 300, 40, 5])
+    out, lse = _run_mla(case, impl="cuda")
+    page = case.codes.shape[1]
+    token = 33   # sequence 2's token 33 of 40
+    slot = int(case.table[2, token // page]) * page + token % page
+    case.block_scales.view(-1, case.block_scales.shape[-1])[slot, 1] = float("nan")
+    broken, broken_lse = _run_mla(case, impl="cuda")
+    assert broken[2].isnan().all() and broken_lse[2].isnan().all()
+    keep = [0, 1, 3]
+    assert torch.equal(broken[keep], out[keep]) and torch.equal(broken_lse[keep], lse[keep])
+
+
+@pytest.mark.parametrize("fmt", MLA_CUDA_FORMATS)
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_mla_cuda_kernel_reads_nothing_past_a_sequence_and_replays_in_a_cuda_graph(splits):
-    """The NVFP4 MLA CUDA kernel: NaN block scales in the stale slots past each sequence's end (its last page's
-    rest) change no output bit, at one split, three, or the planned count; and a captured launch replays to the
-    eager launch's bits."""
-    case = _mla_case("nvfp4", 16, [17, 1, 40, 300])
+def test_mla_cuda_kernel_reads_nothing_past_a_sequence_and_replays_in_a_cuda_graph(fmt, splits):
+    """The MLA CUDA kernel: NaN block scales in the stale slots past each sequence's end (its last page's rest)
+    change no output bit, at one split, three, or the planned count; and a captured launch replays to the eager
+    launch's bits."""
+    case = _mla_case(fmt, 16, [17, 1, 40, 300])
     out, lse = _run_mla(case, impl="cuda", num_splits=splits)
     assert out.isfinite().all() and lse.isfinite().all()
-    stale = case.block_scales.view(-1, case.block_scales.shape[-1]).view(torch.uint8)
+    stale = case.block_scales.view(-1, case.block_scales.shape[-1])
+    stale = stale if stale.dtype == torch.float32 else stale.view(torch.uint8)
     page = case.codes.shape[1]
     for b, n in enumerate(case.seq_lens.tolist()):
         last = int(case.table[b, (n - 1) // page])
-        stale[last * page + n % page if n % page else last * page + page:(last + 1) * page] = 0x7F   # e4m3 NaN
+        # e4m3 bits 0x7F and fp32 NaN
+        stale[last * page + n % page if n % page else last * page + page:(last + 1) * page] = \
+            float("nan") if stale.dtype == torch.float32 else 0x7F
     again, again_lse = _run_mla(case, impl="cuda", num_splits=splits)
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()

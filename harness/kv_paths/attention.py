@@ -276,8 +276,7 @@ class PagedKV:
             self.k_scale, self.v_scale = self.k_scale.to(key.device), self.v_scale.to(key.device)
         blocks = self.step.batch_rows * self.step.pages_per_row
         if self.layout is not None and self.mla:  # the latent's codes and block scales, then k_pe as given (16-bit)
-            self.pages = [*self.layout.allocate(blocks, BLOCK_SIZE, 1, key.shape[-1], key.device),
-                          torch.zeros(blocks, BLOCK_SIZE, value.shape[-1], dtype=value.dtype, device=key.device)]
+            self.pages = self.layout.allocate_latent_rows(blocks, BLOCK_SIZE, key.shape[-1], value)
             return
         if self.layout is not None:
             self.pages = [page for _ in range(2)
@@ -550,7 +549,7 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
         what = "mla_decode (MLA models need one)" if mla_model else "decode_attention (GQA/MHA models need one)"
         raise KernelPluginError(f"kernel {kernel_name!r} has no {what}")
     ops = kernel_ops(device)
-    layout = None if kv_path.is_fp8 else block_layout.of(kv_path.k_format)  # the route let only these through
+    layout = None if kv_path.is_fp8 else block_layout.of(kv_path.k_format, mla_model)  # the route's
     fmt_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(kv_path.fmt)
     paged = {}
     windows = windows or {}

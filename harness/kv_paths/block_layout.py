@@ -4,7 +4,8 @@ reference.py, "Block-scaled caches"), which takes plain tensors and names only (
 
 A format is served where our kernels compute exactly what its torch decode does: e2m1, e4m3, int8 or int4 values
 under e4m3 scales per 16 or 32 values (e2m1 only: the product of two e4m3 values is not exact in fp16), e8m0 scales
-per 16 or 32 (e2m1, e4m3) or one fp32 scale per token and head, with or without a static scale; no zero point.
+per 16 or 32 (e2m1, e4m3) or one fp32 scale per token and head, with or without a static scale; no zero point. An
+MLA latent also under fp32 scales per 128 (vLLM's fp8_ds_mla; the MLA decode reads it, the fused write does not).
 `refusal` says why not, in the format's words. The fused write also needs one candidate block scale (4-over-6's
 choice sums squared errors in torch's reduction order: not reproduced).
 """
@@ -51,13 +52,30 @@ class BlockScaledLayout:
         return head_dim * kernel_ref.ELEMENT_BITS[self.element] // 8
 
     def allocate(self, num_blocks: int, page: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed paged (codes [num_blocks, page, heads, bytes] uint8, block scales [..., D / B] uint8 or
-        [num_blocks, page, heads] fp32)."""
+        """Zeroed paged (codes [num_blocks, page, heads, bytes] uint8, block scales [..., D / B] uint8 or fp32 (fp32
+        per block: fp8_ds_mla), or [num_blocks, page, heads] fp32)."""
         codes = torch.zeros(num_blocks, page, heads, self.code_bytes(head_dim), dtype=torch.uint8, device=device)
         if self.block_scale == "fp32":
-            return codes, torch.zeros(num_blocks, page, heads, dtype=torch.float32, device=device)
+            shape = (num_blocks, page, heads) + ((head_dim // self.block_size,) if self.block_size else ())
+            return codes, torch.zeros(shape, dtype=torch.float32, device=device)
         return codes, torch.zeros(num_blocks, page, heads, head_dim // self.block_size, dtype=torch.uint8,
                                   device=device)
+
+    def allocate_latent_rows(self, num_blocks: int, page: int, latent_dim: int, rope: torch.Tensor) -> list:
+        """An MLA model's zeroed pages: [latent codes [num_blocks, page, 1, bytes], block scales, k_pe [num_blocks,
+        page, Dr] in rope's dtype]. fp32 scales per block (fp8_ds_mla): views into one byte record a token, [codes |
+        scales | k_pe] as vLLM's cache holds it (harness/kv_paths/mla.py), which the MLA kernel copies in one piece
+        (kernels/mla_block_scaled_cuda.is_record); other layouts: three tensors."""
+        k_pe_bytes = rope.shape[-1] * rope.element_size()
+        if not (self.block_scale == "fp32" and self.block_size):
+            return [*self.allocate(num_blocks, page, 1, latent_dim, rope.device),
+                    torch.zeros(num_blocks, page, rope.shape[-1], dtype=rope.dtype, device=rope.device)]
+        code_bytes, scale_bytes = self.code_bytes(latent_dim), 4 * (latent_dim // self.block_size)
+        record = torch.zeros(num_blocks, page, code_bytes + scale_bytes + k_pe_bytes, dtype=torch.uint8,
+                             device=rope.device)
+        codes = record[..., :code_bytes].unsqueeze(2)
+        scales = record[..., code_bytes:code_bytes + scale_bytes].view(torch.float32).unsqueeze(2)
+        return [codes, scales, record[..., code_bytes + scale_bytes:].view(rope.dtype)]
 
     def pages(self, encoded: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
         """What the paged caches hold for an encode of x [..., D]: (codes [..., bytes] uint8, block scales [...,
@@ -66,7 +84,10 @@ class BlockScaledLayout:
         if kernel_ref.ELEMENT_BITS[self.element] == 4:
             codes = pack_e2m1(codes.view(torch.uint8) if codes.dtype == torch.int8 else codes)  # int4: its nibble
         blocks = encoded.block_scales
-        blocks = blocks[..., 0] if self.block_scale == "fp32" else blocks.view(torch.uint8)
+        if self.block_scale == "fp32":
+            blocks = blocks if self.block_size else blocks[..., 0]
+        else:
+            blocks = blocks.view(torch.uint8)
         return codes.view(torch.uint8), blocks
 
     def store(self, x: torch.Tensor, scale: torch.Tensor | None, codes: torch.Tensor, block_scales: torch.Tensor,
@@ -94,9 +115,10 @@ def store_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> N
 
 
 def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = False,
-            max_head_size: int = 256) -> str | None:
+            max_head_size: int = 256, mla: bool = False) -> str | None:
     """Why our block-scaled kernels (write=True: the fused write) do not serve `kv_format` (None: they do);
-    max_head_size: 1024 for an MLA latent (the GQA kernels' heads stop at 256)."""
+    max_head_size: 1024 for an MLA latent (the GQA kernels' heads stop at 256); mla: as an MLA latent (the MLA
+    decode also reads fp32 scales per 128 values)."""
     name = kv_format.spec_name
     if kv_format.is_legacy_fp8 or not kv_format.block_scale:
         return f"{name}: not block-scaled (the FP8 kernels' format)"
@@ -108,8 +130,9 @@ def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = Fal
         return f"{name}: e4m3 block scales over {kv_format.element.name} (not exact in fp16; only over e2m1)"
     if kv_format.block_scale == "e8m0" and kv_format.element.name not in ("e2m1", "e4m3"):
         return f"{name}: e8m0 block scales over {kv_format.element.name}"
-    if kv_format.block_scale == "fp32" and kv_format.block_size:
-        return f"{name}: fp32 scales per {kv_format.block_size} values (the kernels take one per token and head)"
+    if kv_format.block_scale == "fp32" and kv_format.block_size and (write or not mla or kv_format.block_size != 128):
+        return (f"{name}: fp32 scales per {kv_format.block_size} values (the kernels take one per token and head; "
+                f"the MLA decode also one per 128 values of a latent, not written by the fused write)")
     if kv_format.block_scale != "fp32" and kv_format.block_size not in (16, 32):
         return f"{name}: blocks of {kv_format.block_size} (the kernels take 16 or 32)"
     extras = [field for field in ("scale_round_up", "reciprocal", "unscaled") if getattr(kv_format, field, False)]
@@ -130,9 +153,9 @@ def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = Fal
     return None
 
 
-def of(kv_format: KVFormat) -> BlockScaledLayout:
-    """The layout of a served format (ValueError naming the reason otherwise)."""
-    why = refusal(kv_format)
+def of(kv_format: KVFormat, mla: bool = False) -> BlockScaledLayout:
+    """The layout of a served format (ValueError naming the reason otherwise); mla: as an MLA latent."""
+    why = refusal(kv_format, mla=mla)
     if why is not None:
         raise ValueError(f"KV format {kv_format.name!r} has no block-scaled kernel layout: {why}")
     target = kv_format.block_targets[0] if kv_format.block_targets else 0.0

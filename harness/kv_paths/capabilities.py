@@ -31,8 +31,10 @@ class KernelCapability:
         """Why this kernel does not serve `kv_path` (None: it does)."""
         if not kv_path.is_quantized:
             return "not an FP8 path"
-        unserved = [f.spec_name for f in dict.fromkeys((kv_path.k_format, kv_path.v_format))
-                    if f.name not in self.formats]
+        # a DeepSeek latent layout names its k_pe side's format itself (fp8_ds_mla: k_pe in bf16 beside the latent)
+        paired = layout == "mla" and kv_path.k_format.pairs_with == kv_path.v_format.name
+        sides = (kv_path.k_format,) if paired else (kv_path.k_format, kv_path.v_format)
+        unserved = [f.spec_name for f in dict.fromkeys(sides) if f.name not in self.formats]
         if unserved:
             return (f"{self.name} ({self.where}) serves {', '.join(self.formats)}; not {', '.join(unserved)}: the torch "
                     f"round trip of harness/kv_paths/formats.py instead")
@@ -42,7 +44,7 @@ class KernelCapability:
         if kv_path.hadamard:
             return (f"{self.name} ({self.where}) reads K as written, against the model's query; this path rotates "
                     f"K and Q (hadamard): the torch round trip and torch attention instead")
-        if not self.mixed and kv_path.k_format is not kv_path.v_format:
+        if not self.mixed and not paired and kv_path.k_format is not kv_path.v_format:
             return (f"{self.name} ({self.where}) reads K and V in one format; this path stores K in "
                     f"{kv_path.k_format.spec_name} and V in {kv_path.v_format.spec_name}")
         if kv_path.granularity not in self.granularities:
@@ -77,10 +79,13 @@ DECODE_ATTENTION_BLOCK_SCALED = KernelCapability(
     "decode_attention_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
     ("gqa",), (16, 256), power_of_two_heads=True)
 # MLA over a block-scaled latent (k_pe kept in 16 bits beside it, as engines do): the same Triton kernel, one latent
-# read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512)
+# read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512). NVFP4 and vLLM's fp8_ds_mla (e4m3 under
+# fp32 scales per 128, ds_mla_e4m3) at 512 + 64 on sm_90: the CUDA kernel kernels/mla_decode_block_scaled.cu;
+# fp8_ds_mla elsewhere: its latent dequantised, then our BF16 MLA kernel (the Triton kernel reads no per-block fp32)
+BLOCK_SCALED_MLA = BLOCK_SCALED + ("ds_mla_e4m3",)
 MLA_DECODE_BLOCK_SCALED = KernelCapability(
-    "mla_decode_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
-    ("mla",), (32, 1024), power_of_two_heads=True)
+    "mla_decode_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED_MLA,
+    ("per_tensor", "per_head"), ("mla",), (32, 1024), power_of_two_heads=True)
 # 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce
 FUSED_WRITE_BLOCK_SCALED = KernelCapability(
     "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py", tuple(f for f in BLOCK_SCALED if f != "nvfp4_4over6"),
@@ -93,7 +98,7 @@ CACHE_WRITES = (FUSED_WRITE, FUSED_WRITE_BLOCK_SCALED, CPU_C_WRITE)
 def decode_kernel(kv_path: KVPath, mla: bool) -> KernelCapability:
     """The decode kernel a path's layout and format family asks (the block-scaled one for block-scaled K)."""
     if mla:
-        return MLA_DECODE_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else MLA_DECODE
+        return MLA_DECODE_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED_MLA else MLA_DECODE
     return DECODE_ATTENTION_BLOCK_SCALED if kv_path.k_format.name in BLOCK_SCALED else DECODE_ATTENTION
 
 
@@ -104,15 +109,15 @@ def decode_refusal(kv_path: KVPath, mla: bool, head_size: int | None = None,
     if not kv_path.is_quantized:
         return "not an FP8 path"
     kernel = decode_kernel(kv_path, mla)
-    if kv_path.k_format.name not in BLOCK_SCALED + FP8:
+    if kv_path.k_format.name not in (BLOCK_SCALED_MLA if mla else BLOCK_SCALED) + FP8:
         fp8, block_scaled = (MLA_DECODE, MLA_DECODE_BLOCK_SCALED) if mla else (DECODE_ATTENTION,
                                                                               DECODE_ATTENTION_BLOCK_SCALED)
-        why = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256)
+        why = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256, mla=mla)
         return (f"no decode kernel serves {kv_path.k_format.spec_name} ({why}): {fp8.name} takes "
                 f"{', '.join(FP8)}, {block_scaled.name} {', '.join(BLOCK_SCALED)}; torch attention instead")
     refusal = kernel.refusal(kv_path, "mla" if mla else "gqa", head_size)
     if refusal is None and kernel in (DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE_BLOCK_SCALED):   # blocks vs the head
-        refusal = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256)
+        refusal = block_layout.refusal(kv_path.k_format, head_size, max_head_size=1024 if mla else 256, mla=mla)
         if refusal is None and mla and rope_size is not None and (rope_size < 16 or rope_size & (rope_size - 1)):
             refusal = f"k_pe of {rope_size} values (its dot takes a power of two of 16 or more)"
         refusal = refusal and f"{kernel.name} ({kernel.where}): {refusal}"

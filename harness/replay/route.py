@@ -282,7 +282,7 @@ def capture_kernel_refusal(kv_path: KVPath, kernel: str | None) -> str | None:
     """Why attention capture does not measure the kernel's rows for this path (None: it does)."""
     if kernel is None:
         return "no decode kernel"
-    if kv_path.is_quantized and kv_path.k_format.name in capabilities.BLOCK_SCALED:
+    if kv_path.is_quantized and kv_path.k_format.name in capabilities.BLOCK_SCALED_MLA:
         return "capture's kernel rows read FP8 pages, not block-scaled ones: torch's rows only"
     if not kv_path.is_fp8 or kv_path.granularity == "per_token" or kv_path.k_format is not kv_path.v_format:
         return "the path's decode does not run through a kernel"

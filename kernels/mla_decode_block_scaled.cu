@@ -1,24 +1,29 @@
-// MLA decode over a paged NVFP4 latent (e2m1 values, an e4m3 scale per 16, an optional fp32 static scale) with k_pe
-// beside it in the query's 16-bit type, split-KV: the CUDA kernel of kernels/decode_attention_block_scaled.py's
-// mla_decode_block_scaled(..., impl="cuda") (compiled at first use by NVRTC, kernels/nvrtc.py; sm_90: bulk copies).
+// MLA decode over a paged block-scaled latent with k_pe beside it in the query's 16-bit type, split-KV: the CUDA kernel
+// of kernels/decode_attention_block_scaled.py's mla_decode_block_scaled(..., impl="cuda") (compiled at first use by
+// NVRTC, kernels/nvrtc.py; sm_90: bulk copies). Two latent layouts (TILE_FP8):
+// - 0, NVFP4: e2m1 values, an e4m3 scale per 16, an optional fp32 static scale;
+// - 1, vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values, an fp32 scale per tile of 128.
 // Defines: NW warps, NB n8 token blocks a warp, STAGES tiles in flight, MT m16 head tiles, CTAS blocks per SM (launch
-// bounds), PAGE page size, TILE_BYTES, Q_BF16, HAS_SCALE.
+// bounds), PAGE page size, TILE_BYTES, Q_BF16, HAS_SCALE, TILE_FP8, RECORD (a row's codes, scales and k_pe are one
+// record in memory: one bulk copy a row).
 //
 // The definition of reference.mla_decode_block_scaled: s_j = sm_scale * (scale * q_latent . c_j + q_pe . pe_j),
-// out = sum_j softmax(s)_j scale c_j (latent space), with c_j = e2m1 code x its block's e4m3 scale. Here q_latent is
-// rounded to fp16, each value widened exactly into fp16 (code x block scale has at most 5 significant bits, and its
-// smallest, 2^-16, is an fp16 subnormal), scores and accumulation in fp32, online softmax in base 2 with P rounded to
-// fp16 for P . C; q_pe . pe_j is an MMA in the query's own type (bf16 or fp16: both operands exact). out = acc / l
-// and lse2 = m + log2(l) per split; kernels/splits.merge_splits combines the splits.
+// out = sum_j softmax(s)_j scale c_j (latent space), with c_j = code x its block's scale. Here q_latent is rounded to
+// fp16, scores and accumulation in fp32, online softmax in base 2 with P rounded to fp16 for P . C; q_pe . pe_j is an
+// MMA in the query's own type (bf16 or fp16: both operands exact). out = acc / l and lse2 = m + log2(l) per split;
+// kernels/splits.merge_splits combines the splits.
 //
 // The tile pipeline, the score exchange between warps and the online softmax are kernels/mla_decode_fp8.cu's (read
 // its header): warps split a tile's tokens for Q . C^T and the latent columns for P . C, both mma.sync.m16n8k16.
-// What differs is how the 4-bit values reach the MMA fragments, each widened in registers from the tile:
-// - A tile row is [256 code bytes | 32 scale bytes | 64 k_pe values] (416 bytes; three bulk copies from the three
-//   paged tensors), rows placed by tile_at() so that both products' loads are bank-conflict free.
-// - e2m1 -> fp16: a word's low nibbles become e4m3 bytes of value x 2^-6 (s e1 e0 m -> s 0 e1 e0 m 0 0), its high
-//   nibbles likewise, then cvt.rn.f16x2.e4m3x2 (kernels/gqa_decode_block_scaled.cu); the 2^6 goes into the softmax
-//   and output scales. The block scale multiplies each f16x2 pair (exact).
+// What differs is how the stored values reach the MMA fragments, each widened in registers from the tile:
+// - A tile row is [codes | block scales | 64 k_pe values] (NVFP4 256 + 32 + 128 = 416 bytes, fp8_ds_mla 512 + 16 +
+//   128 = 656, vLLM's record; three bulk copies from three paged tensors, or one from a record), rows placed by
+//   tile_at() so that both products' loads are bank-conflict free.
+// NVFP4:
+// - e2m1 -> fp16: each value widened exactly into fp16 (code x block scale has at most 5 significant bits, and its
+//   smallest, 2^-16, is an fp16 subnormal). A word's low nibbles become e4m3 bytes of value x 2^-6 (s e1 e0 m -> s 0
+//   e1 e0 m 0 0), its high nibbles likewise, then cvt.rn.f16x2.e4m3x2 (kernels/gqa_decode_block_scaled.cu); the 2^6
+//   goes into the softmax and output scales. The block scale multiplies each f16x2 pair (exact).
 // - Q . C^T: lane q of a k step takes 4 values of block 4c + q (a lane's 8 bytes hold one block: one scale); the
 //   widening yields the even values' pair and the odd values' pair, so logical k (2q, 2q+1 | 2q+8, 2q+9) is values
 //   (o, o+2 | o+1, o+3) of the block, o = 4 x (step % 4), and Q is stored in that order (one 16-byte load a step).
@@ -26,13 +31,30 @@
 //   and interleaves two tokens' e4m3 bytes with a byte permute before widening, so each pair holds one column of
 //   two tokens; the 8 columns become 8 different n8 blocks (block 8m + e holds columns colbase + 64m + 8n + e), and
 //   the store puts them back in place: a lane's c0 of blocks 8m .. 8m + 7 are 8 consecutive columns.
+// fp8_ds_mla (TILE_FP8): the e4m3 codes widen exactly (cvt.rn.f16x2.e4m3x2); the tile scales stay out of the MMAs.
+// - Q . C^T: lane q of k steps 2c, 2c + 1 loads 8 bytes, columns 32c + 8q .. + 7; step 2c + kk takes columns
+//   32c + 8q + 4kk + (0, 1 | 2, 3) as logical k (2q, 2q+1 | 2q+8, 2q+9), and Q is stored in that order. Each latent
+//   tile t (steps 8t .. 8t + 7) has its own accumulator; s_j = sum_t scale_jt x dot_jt in fp32.
+// - P . C: warp w's latent columns are tile w (4 warps x 128). P's column j is multiplied by scale_jw / S_w before it
+//   is rounded to fp16, S_w the largest scale_jw of the split so far: P stays <= 1, and the accumulator is kept in
+//   units of S_w (rescaled by S_old / S_new when it grows; out = acc x S_w / l). A lane loads 8 columns (8 bytes) of
+//   tokens r0, r0 + 1, r0 + 8, r0 + 9 and sorts even and odd columns with a byte permute; then as NVFP4's, without
+//   the scale multiply.
 
 #include "mla_fp8_common.cuh"
 
+#ifndef TILE_FP8
+#define TILE_FP8 0
+#endif
+#if TILE_FP8
+#define LAT_BYTES LAT                  // e4m3 codes of a row
+#define SCALE_BYTES 16                 // 4 fp32 tile scales (a tile: 128 values)
+#else
 #define LAT_BYTES (LAT / 2)            // e2m1 codes of a row
 #define SCALE_BYTES (LAT / 16)         // e4m3 block scales of a row
+#endif
 #define PE_OFF (LAT_BYTES + SCALE_BYTES)
-#define NROW (PE_OFF + 2 * ROPE)       // bytes of a tile row: 416
+#define NROW (PE_OFF + 2 * ROPE)       // bytes of a tile row: 416 (NVFP4), 656 (TILE_FP8)
 #define NT (NW * 32)
 #define BN (NW * NB * 8)               // tokens per tile
 #define NPC (LAT / (8 * NW))           // n8 latent blocks per warp in P . C
@@ -40,13 +62,31 @@
 #define TPR (NT >= BN ? NT / BN : 1)   // threads per tile row (the copy, the zeroing)
 #define SX_FLOATS (NW * 32 * MT * NB * 4)
 #define KSTEPS (LAT / 16 + ROPE / 16)  // 32 latent k steps, then 4 of k_pe
+#if TILE_FP8
+#define NSTAGE_BYTES (BN * NROW + 384 * (BN / 8))
+#else
 #define NSTAGE_BYTES (BN * NROW + 32 * (BN / 8) + 32)
+#endif
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
 #endif
+#ifndef RECORD
+#define RECORD 0
+#endif
 static_assert(BN % 16 == 0, "P . C takes k steps of 16 tokens");
 static_assert(NPC % 8 == 0, "P . C takes the latent columns in groups of 64 a warp");
+static_assert(!TILE_FP8 || (NW == 4 && BN == 32), "fp8_ds_mla: warp w's columns are tile w, tile row r is lane r's");
 
+#if TILE_FP8
+// Row r at r x 656 bytes (164 words, 4 mod 32) plus a pad by r mod 8 (0, 16, 32, 48, 96, 176, 256, 336 bytes: 5 bits
+// a row, in 16-byte units) and 384 bytes every 8 rows: row r then starts 32 x ((r & 3) ^ ((r >> 2) & 1)) bytes into
+// a 128-byte line, so that within any 8 aligned rows, rows 0-3, rows 4-7, the even and the odd rows each start in four
+// different 8-bank groups: Q . C^T's 8-byte loads (rows g of a half warp) and P . C's (rows 2q, or 2q + 1) hit
+// distinct banks.
+__device__ __forceinline__ int tile_at(int row, int byte) {
+  return row * NROW + 16 * (int)((0xAC16618820ull >> (5 * (row & 7))) & 31) + 384 * (row >> 3) + byte;
+}
+#else
 // Row r at r x 416 bytes (104 words, 8 mod 32), plus 32 bytes where bit 2 of r is set, plus 32 bytes every 8 rows (so
 // that a shifted row 8k + 7 never overlaps row 8k + 8): within any 8 aligned rows, rows 0-3, rows 4-7, the even and
 // the odd rows each start in four different 8-bank groups, so Q . C^T's 8-byte loads (rows g of a half warp) and
@@ -54,6 +94,7 @@ static_assert(NPC % 8 == 0, "P . C takes the latent columns in groups of 64 a wa
 __device__ __forceinline__ int tile_at(int row, int byte) {
   return row * NROW + 32 * ((row >> 2) & 1) + 32 * (row >> 3) + byte;
 }
+#endif
 
 __device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
 #if Q_BF16
@@ -70,7 +111,7 @@ __device__ __forceinline__ void bulk(u32 bar, u32 dst, const u8* src, int bytes)
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
+extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ codes,
     const u8* __restrict__ scales, const u8* __restrict__ k_pe, const int* __restrict__ block_table,
     const int* __restrict__ seq_lens, const float* __restrict__ static_scale,
@@ -95,9 +136,14 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
 #else
   const float scale = 1.f;
 #endif
-  const float qk_lat = (float)sm_scale_log2 * scale * 64.f;   // 2^6: the widening's
+#if TILE_FP8
+  const float widening = 1.f;
+#else
+  const float widening = 64.f;   // 2^6: the e2m1 widening's
+#endif
+  const float qk_lat = (float)sm_scale_log2 * scale * widening;
   const float qk_pe = (float)sm_scale_log2;
-  const float out_scale = scale * 64.f;
+  const float out_scale = scale * widening;
 
   // Tile row t of this split: its page's slot (page index x PAGE + slot), -1 past the split's end. Loaded one tile
   // ahead, so the copies never wait for the block table.
@@ -115,9 +161,13 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
                    : "memory");
       if (slot >= 0) {
         const i64 page = slot / PAGE, in = slot % PAGE;
+#if RECORD   // codes, scales and k_pe one record (vLLM's fp8_ds_mla byte record): one copy a row
+        bulk(bar, smem_addr(stage + tile_at(my_row, 0)), codes + page * s_cb + in * s_cs, NROW);
+#else
         bulk(bar, smem_addr(stage + tile_at(my_row, 0)), codes + page * s_cb + in * s_cs, LAT_BYTES);
         bulk(bar, smem_addr(stage + tile_at(my_row, LAT_BYTES)), scales + page * s_sb + in * s_ss, SCALE_BYTES);
         bulk(bar, smem_addr(stage + tile_at(my_row, PE_OFF)), k_pe + page * s_eb_pe + in * s_es_pe, 2 * ROPE);
+#endif
       }
     }
     if (slot < 0)   // zeros: a stale or NaN slot never reaches the sums (P is 0 there, and 0 x NaN would not be)
@@ -139,6 +189,9 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
 #pragma unroll
     for (int n = 0; n < NPC; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
   }
+#if TILE_FP8
+  float run_s = 0.f, inv_s = 0.f;   // this warp's largest tile scale so far, its reciprocal (P . C's above)
+#endif
 
   // Q's A fragments (entry e = tid + k NT): latent steps kc < 32 (c = kc / 4, o = 4 (kc % 4)) hold columns
   // 64c + 16q + o + (0, 2 | 1, 3) in fp16; k_pe steps hold q_pe (16 (kc - 32) + 2q + (0, 1 | 8, 9)) as stored.
@@ -151,7 +204,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
     const int h0 = hb * HB + mt * 16 + gg, h1 = h0 + 8;
     const bool in = QE % NT == 0 || e < QE;
     if (kc < LAT / 16) {
+#if TILE_FP8
+      const int col = 32 * (kc >> 1) + 8 * qq + 4 * (kc & 1);
+#else
       const int col = 64 * (kc >> 2) + 16 * qq + 4 * (kc & 3);
+#endif
       const u16* r0 = q_lat + b * s_lb + (i64)h0 * s_lh + col;
       const u16* r1 = q_lat + b * s_lb + (i64)h1 * s_lh + col;
       qv[k][0] = in && h0 < num_heads ? *(const u32x2*)r0 : u32x2{0u, 0u};
@@ -175,23 +232,30 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
   for (int k = 0; k < QN; ++k) {
     const int e = tid + k * NT;
     if (QE % NT == 0 || e < QE) {
-      if (e / (MT * 32) < LAT / 16) {   // (x0, x2 | x1, x3) of 4 consecutive values, rounded to fp16
+      if (e / (MT * 32) < LAT / 16) {
         const u32x2 v0 = qv[k][0], v1 = qv[k][1];
+#if TILE_FP8   // (x0, x1 | x2, x3) of 4 consecutive values, rounded to fp16
+        qs[e] = U4{half2_of(v0.x), half2_of(v1.x), half2_of(v0.y), half2_of(v1.y)};
+#else          // (x0, x2 | x1, x3)
         qs[e] = U4{half2_of(prmt(v0.x, v0.y, 0x5410)), half2_of(prmt(v1.x, v1.y, 0x5410)),
                    half2_of(prmt(v0.x, v0.y, 0x7632)), half2_of(prmt(v1.x, v1.y, 0x7632))};
+#endif
       } else {
         qs[e] = U4{qv[k][0].x, qv[k][1].x, qv[k][0].y, qv[k][1].y};
       }
     }
   }
 
+#if !TILE_FP8
   // byte q of a word, twice (an e4m3x2 pair of the same scale), and bytes g / 2 of two words (two tokens' scales)
   const u32 sel_q = q | (q << 4) | 0x4400u;
   const u32 sel_pair = (g >> 1) | ((4 + (g >> 1)) << 4) | 0x4400u;
+#endif
 
   auto score_tile = [&](const u8* tile, float* out) {
     // Q . C^T of one tile for this warp's NB n8 blocks of tokens (rows (warp * NB + i) * 8 + g), scaled to base 2,
-    // into `out` as [warp][lane][MT][NB] x 4. Four latent accumulators per n8 block (step % 4) and one for k_pe.
+    // into `out` as [warp][lane][MT][NB] x 4. Four latent accumulators per n8 block (NVFP4: step % 4; TILE_FP8: one a
+    // latent tile) and one for k_pe.
     float part[MT][NB][5][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -199,6 +263,32 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
       for (int i = 0; i < NB; ++i)
 #pragma unroll
         for (int k = 0; k < 5; ++k) part[mt][i][k][0] = part[mt][i][k][1] = part[mt][i][k][2] = part[mt][i][k][3] = 0.f;
+#if TILE_FP8
+    // part[..][t]: latent tile t's dot (k steps 8t .. 8t + 7), the tiles taken in turn so that consecutive MMAs
+    // accumulate into different registers
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc)
+#pragma unroll
+      for (int t = 0; t < LAT / 128; ++t) {
+        const int c = 4 * t + cc;
+        u32 bw[NB][2][2];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const u32x2 w = *(const u32x2*)(tile + tile_at((warp * NB + i) * 8 + g, 32 * c + 8 * q));
+          bw[i][0][0] = widen2(w.x); bw[i][0][1] = widen2_hi(w.x);
+          bw[i][1][0] = widen2(w.y); bw[i][1][1] = widen2_hi(w.y);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const U4 a4 = qs[((2 * c + kk) * MT + mt) * 32 + lane];
+            const u32 a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+            for (int i = 0; i < NB; ++i) mma16816(part[mt][i][t], a, bw[i][kk][0], bw[i][kk][1]);
+          }
+      }
+#else
 #pragma unroll
     for (int c = 0; c < LAT / 64; ++c) {
       u32x2 cw[NB];
@@ -228,6 +318,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
         }
       }
     }
+#endif
 #pragma unroll
     for (int k = 0; k < ROPE / 16; ++k) {
       u32 bw[NB][2];
@@ -251,10 +342,21 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
 #pragma unroll
       for (int i = 0; i < NB; ++i) {
         float v[4];
+#if TILE_FP8   // tokens 2q and 2q + 1 of the n8 block: c0 / c2 and c1 / c3; each tile's dot times its scale
+        const int r = (warp * NB + i) * 8 + 2 * q;
+        const F4 ts[2] = {*(const F4*)(tile + tile_at(r, LAT_BYTES)), *(const F4*)(tile + tile_at(r + 1, LAT_BYTES))};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const F4 sj = ts[e & 1];
+          v[e] = qk_lat * ((sj.x * part[mt][i][0][e] + sj.y * part[mt][i][1][e])
+                           + (sj.z * part[mt][i][2][e] + sj.w * part[mt][i][3][e])) + qk_pe * part[mt][i][4][e];
+        }
+#else
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           v[e] = qk_lat * ((part[mt][i][0][e] + part[mt][i][1][e]) + (part[mt][i][2][e] + part[mt][i][3][e]))
                  + qk_pe * part[mt][i][4][e];
+#endif
         mine[mt * NB + i] = F4{v[0], v[1], v[2], v[3]};
       }
   };
@@ -279,18 +381,66 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
     const int t0 = start + t * BN;
     const bool partial = t0 + BN > end;
     u32 pa[MT][BN / 16][4];
+#if TILE_FP8
+    // This warp's latent tile's scales: token `lane`'s (a zeroed row's is 0), the largest so far (run_s, the
+    // accumulator's unit; fmaxf passes a NaN by, and a NaN scale's P is NaN), and P's factors scale_j / run_s for the
+    // tokens of this lane's fragments (n8 block jb: tokens 8 jb + 2q, + 1)
+    const float mine = *(const float*)(tile + tile_at(lane, LAT_BYTES + 4 * warp));
+    float tile_max = mine;
+#pragma unroll
+    for (int d = 16; d; d >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, d));
+    if (tile_max > run_s) {   // the same in every lane of the warp
+      const float shrink = run_s / tile_max;   // 0 at the first tile (the accumulator is 0 there)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NPC; ++n) {
+          o[mt][n][0] *= shrink; o[mt][n][1] *= shrink; o[mt][n][2] *= shrink; o[mt][n][3] *= shrink;
+        }
+      run_s = tile_max;
+      inv_s = 1.f / tile_max;
+    }
+    float fac[BN / 8][2];
+#pragma unroll
+    for (int jb = 0; jb < BN / 8; ++jb) {
+      fac[jb][0] = __shfl_sync(0xffffffffu, mine, 8 * jb + 2 * q) * inv_s;
+      fac[jb][1] = __shfl_sync(0xffffffffu, mine, 8 * jb + 2 * q + 1) * inv_s;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)   // the scores are scaled already: qk 1
+      softmax_tile<NW, NB, MT, NPC, true>(scores, lane, q, mt, 1.f, partial, t0, end, m, l, o, pa, fac);
+#else
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)   // the scores are scaled already: qk 1
       softmax_tile<NW, NB, MT, NPC>(scores, lane, q, mt, 1.f, partial, t0, end, m, l, o, pa);
+#endif
 
     // P . C over this warp's latent columns: n8 block 8m + e holds columns colbase + 64m + 8n + e (n = 0..7). A lane
-    // reads 8 columns (a word) of tokens r0, r0 + 1, r0 + 8, r0 + 9 and their block's scale byte.
+    // reads 8 columns of tokens r0, r0 + 1, r0 + 8, r0 + 9 (NVFP4: a word, and their block's scale byte).
     const int colbase = warp * (LAT / NW);
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
       const int r0 = 16 * j + 2 * q;
 #pragma unroll
       for (int mm = 0; mm < NPC / 8; ++mm) {
+#if TILE_FP8
+        const int byte = colbase + 64 * mm + 8 * g;
+        const u32x2 wa = *(const u32x2*)(tile + tile_at(r0, byte)), wb = *(const u32x2*)(tile + tile_at(r0 + 1, byte));
+        const u32x2 wc = *(const u32x2*)(tile + tile_at(r0 + 8, byte));
+        const u32x2 wd = *(const u32x2*)(tile + tile_at(r0 + 9, byte));
+        // each token's even (l) and odd (h) columns, interleaved by token pair as NVFP4's below; P holds the scales
+        const u32 la = prmt(wa.x, wa.y, 0x6420), lb = prmt(wb.x, wb.y, 0x6420);
+        const u32 ha = prmt(wa.x, wa.y, 0x7531), hb2 = prmt(wb.x, wb.y, 0x7531);
+        const u32 lc = prmt(wc.x, wc.y, 0x6420), ld = prmt(wd.x, wd.y, 0x6420);
+        const u32 hc = prmt(wc.x, wc.y, 0x7531), hd = prmt(wd.x, wd.y, 0x7531);
+        const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362);
+        const u32 xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
+        const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362);
+        const u32 zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
+        const u32 bx[8][2] = {{widen2(xe), widen2(ze)}, {widen2(xo), widen2(zo)}, {widen2_hi(xe), widen2_hi(ze)},
+                              {widen2_hi(xo), widen2_hi(zo)}, {widen2(ye), widen2(ve)}, {widen2(yo), widen2(vo)},
+                              {widen2_hi(ye), widen2_hi(ve)}, {widen2_hi(yo), widen2_hi(vo)}};
+#else
         const int byte = (colbase + 64 * mm) / 2 + 4 * g;
         const int sbyte = LAT_BYTES + (colbase + 64 * mm) / 16;
         const u32 wa = *(const u32*)(tile + tile_at(r0, byte));
@@ -316,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
             {hmul2(widen2(ye), sab), hmul2(widen2(ve), scd)}, {hmul2(widen2(yo), sab), hmul2(widen2(vo), scd)},
             {hmul2(widen2_hi(ye), sab), hmul2(widen2_hi(ve), scd)},
             {hmul2(widen2_hi(yo), sab), hmul2(widen2_hi(vo), scd)}};
+#endif
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -330,7 +481,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_nvfp4_decode(
   const int colbase = warp * (LAT / NW);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const float f0 = l[mt][0] == 0.f ? 0.f : out_scale / l[mt][0], f1 = l[mt][1] == 0.f ? 0.f : out_scale / l[mt][1];
+#if TILE_FP8
+    const float unit = out_scale * run_s;   // the accumulator's unit
+#else
+    const float unit = out_scale;
+#endif
+    const float f0 = l[mt][0] == 0.f ? 0.f : unit / l[mt][0], f1 = l[mt][1] == 0.f ? 0.f : unit / l[mt][1];
     const int h0 = hb * HB + mt * 16 + g, h1 = h0 + 8;
     float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + colbase + 16 * q;
     float* row1 = row0 + 8 * (i64)s_oh;
