@@ -236,7 +236,7 @@ def table_lines(batches, contexts, tuned: dict, copy_bw: float) -> list[str]:
 # MLA over a block-scaled latent (mla_decode_block_scaled): DeepSeek's shape, latent 512 + RoPE 64 (bf16), against
 # our BF16 MLA kernel (kernels/mla_decode.py over a bf16 [c | k_pe] cache); issue 43's target for NVFP4 at 16 heads
 MLA_LATENT, MLA_ROPE = 512, 64
-MLA_FORMATS = ("NVFP4", "fp8_ds_mla", "fp8_ds_mla, three tensors", "MXFP8", "MXFP4")
+MLA_FORMATS = ("NVFP4", "NVFP4, one record", "fp8_ds_mla", "fp8_ds_mla, three tensors", "MXFP8", "MXFP4")
 # vLLM's fp8_ds_mla latent (e4m3, an fp32 scale per tile of 128 = max(amax / 448, FLT_MIN)); MLA only, so not in FORMATS
 DS_MLA = dict(element="e4m3", block_scale="fp32", block_size=128)
 MLA_TARGETS = {"NVFP4": 2.2}
@@ -262,6 +262,13 @@ def _mla_latent(label: str, x: torch.Tensor, blocks: int, k_pe: torch.Tensor) ->
             record = None
         codes, scales, pe = (t.view(blocks, PAGE, *t.shape[1:]) for t in parts)
         return codes.unsqueeze(2), scales.unsqueeze(2), None, DS_MLA, pe
+    if label.endswith(", one record"):   # [codes | block scales | k_pe] a token, as the fp8_ds_mla record
+        codes, scales, scale, kernel, pe = _mla_latent(label.removesuffix(", one record"), x, blocks, k_pe)
+        parts = [t.reshape(blocks * PAGE, -1).view(torch.uint8) for t in (codes, scales, pe)]
+        record = torch.cat(parts, dim=-1).view(blocks, PAGE, -1)
+        ends = [0, *torch.tensor([t.shape[-1] for t in parts]).cumsum(0).tolist()]
+        codes, scales, pe = (record[..., a:b] for a, b in zip(ends, ends[1:]))
+        return codes.unsqueeze(2), scales.unsqueeze(2), scale, kernel, pe.view(k_pe.dtype)
     kernel, write, _ = _layout(label)
     nbytes = code_bytes(kernel["element"], MLA_LATENT)
     codes = torch.zeros(blocks, PAGE, 1, nbytes, dtype=torch.uint8, device="cuda")
@@ -314,7 +321,7 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
             ms = _ms(fn)
             ours = fn()[0][0]
             err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
-            target = MLA_TARGETS.get(label) if impl is None else None
+            target = MLA_TARGETS.get(label.split(",")[0]) if impl is None else None
             name = f"ours MLA {label}" + (", Triton" if impl == "triton" else "")
             lines.append(f"| {batch} | {ctx} | {heads} | {name} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
                          f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")

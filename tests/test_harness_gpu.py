@@ -125,18 +125,25 @@ def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fp8_ds_mla_decodes_through_the_cuda_kernel(ds_latent_model, monkeypatch):
-    """vLLM's fp8_ds_mla on a DeepSeek-V3 at the engine's latent shape (512 + RoPE 64, 16 heads): decode steps run
-    kernels/mla_decode_block_scaled.cu over the paged e4m3 codes and fp32 tile scales (counted, so a refusal that
-    quietly dequantised fails) and pass the engine's own check of it against fp64."""
+@pytest.mark.parametrize(("spec", "layout"), [("fp8_ds_mla", ("e4m3", "fp32", 128)), ("nvfp4", ("e2m1", "e4m3", 16))])
+def test_mla_latent_decodes_through_the_cuda_kernel_from_records(ds_latent_model, monkeypatch, spec, layout):
+    """vLLM's fp8_ds_mla and NVFP4 on a DeepSeek-V3 at the engine's latent shape (512 + RoPE 64, 16 heads): decode
+    steps run kernels/mla_decode_block_scaled.cu over pages that hold [codes | block scales | k_pe] as one record a
+    token (one copy a row; counted, so a refusal that quietly ran another kernel, or three tensors, fails) and pass
+    the engine's own check of it against fp64."""
     from kernels import mla_block_scaled_cuda
     calls = []
     real = mla_block_scaled_cuda.decode
-    monkeypatch.setattr(mla_block_scaled_cuda, "decode", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
-    backend = InProcessModel.load(ds_latent_model, device="cuda").backend(parse_path("fp8_ds_mla"))
+
+    def counted(*args, **kwargs):
+        calls.append((args[-1], mla_block_scaled_cuda.is_record(*args[2:5])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mla_block_scaled_cuda, "decode", counted)
+    backend = InProcessModel.load(ds_latent_model, device="cuda").backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)"
     generation = backend.generate_sync(CHAT, 16)
-    assert calls and set(calls) == {("e4m3", "fp32", 128)}, calls
+    assert calls and set(calls) == {(layout, True)}, calls
     assert generation.metrics["kernel_steps"] > 0
     assert 0.0 < generation.metrics["kernel_err_ratio"] <= KERNEL_ERR_RATIO_BOUND, generation.metrics
 

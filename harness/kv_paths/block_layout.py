@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.kv_paths.formats import Encoded, KVFormat, pack_e2m1
+from kernels import mla_block_scaled_cuda
 from kernels import reference as kernel_ref
 
 _ELEMENTS = ("e2m1", "e4m3", "int8", "int4")
@@ -63,19 +64,24 @@ class BlockScaledLayout:
 
     def allocate_latent_rows(self, num_blocks: int, page: int, latent_dim: int, rope: torch.Tensor) -> list:
         """An MLA model's zeroed pages: [latent codes [num_blocks, page, 1, bytes], block scales, k_pe [num_blocks,
-        page, Dr] in rope's dtype]. fp32 scales per block (fp8_ds_mla): views into one byte record a token, [codes |
-        scales | k_pe] as vLLM's cache holds it (harness/kv_paths/mla.py), which the MLA kernel copies in one piece
-        (kernels/mla_block_scaled_cuda.is_record); other layouts: three tensors."""
+        page, Dr] in rope's dtype]. The layouts the CUDA MLA kernel reads (NVFP4, fp8_ds_mla): views into one byte
+        record a token, [codes | block scales | k_pe] (fp8_ds_mla's is vLLM's 656-byte record, harness/kv_paths/
+        mla.py), which the kernel copies in one piece (kernels/mla_block_scaled_cuda.is_record: at batch 8, 32k,
+        16 heads on an H200 NVFP4 0.1055 -> 0.0901 ms, kernels/BENCHMARKS.md session 34); other layouts and shapes:
+        three tensors."""
         k_pe_bytes = rope.shape[-1] * rope.element_size()
-        if not (self.block_scale == "fp32" and self.block_size):
+        kernel_shape = (latent_dim, rope.shape[-1]) == (mla_block_scaled_cuda.LATENT, mla_block_scaled_cuda.ROPE)
+        if not (kernel_shape and mla_block_scaled_cuda.serves(self.element, self.block_scale, self.block_size)):
             return [*self.allocate(num_blocks, page, 1, latent_dim, rope.device),
                     torch.zeros(num_blocks, page, rope.shape[-1], dtype=rope.dtype, device=rope.device)]
-        code_bytes, scale_bytes = self.code_bytes(latent_dim), 4 * (latent_dim // self.block_size)
+        scale_bytes = 4 if self.block_scale == "fp32" else 1
+        code_bytes, scale_bytes = self.code_bytes(latent_dim), scale_bytes * (latent_dim // self.block_size)
         record = torch.zeros(num_blocks, page, code_bytes + scale_bytes + k_pe_bytes, dtype=torch.uint8,
                              device=rope.device)
         codes = record[..., :code_bytes].unsqueeze(2)
-        scales = record[..., code_bytes:code_bytes + scale_bytes].view(torch.float32).unsqueeze(2)
-        return [codes, scales, record[..., code_bytes + scale_bytes:].view(rope.dtype)]
+        scales = record[..., code_bytes:code_bytes + scale_bytes]
+        scales = scales.view(torch.float32) if self.block_scale == "fp32" else scales
+        return [codes, scales.unsqueeze(2), record[..., code_bytes + scale_bytes:].view(rope.dtype)]
 
     def pages(self, encoded: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
         """What the paged caches hold for an encode of x [..., D]: (codes [..., bytes] uint8, block scales [...,
