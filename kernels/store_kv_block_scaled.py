@@ -194,8 +194,9 @@ def _quantize_store_block_scaled_kernel(
         scale_row = page * stride_sb + (slot % page_size) * stride_ss + head * stride_sh
         if SCALE_ALIGN > 1:
             scale_row = tl.multiple_of(scale_row, SCALE_ALIGN)
-        if BLOCK_SCALE == 2:
-            tl.store(BLOCK_SCALES + scale_row[:, None] + tl.arange(0, 1)[None, :], block_fp32, mask=keep[:, None])
+        if BLOCK_SCALE == 2:   # fp32: one a token-head (NUM_BLOCKS 1), or one a block (fp8_ds_mla's tiles of 128)
+            offs_b = tl.arange(0, NUM_BLOCKS)
+            tl.store(BLOCK_SCALES + scale_row[:, None] + offs_b[None, :], block_fp32, mask=keep[:, None])
         else:
             offs_b = tl.arange(0, NUM_BLOCKS)
             tl.store(BLOCK_SCALES + scale_row[:, None] + offs_b[None, :], stored, mask=keep[:, None])
@@ -240,12 +241,13 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
     optionally stores codes and block scales into paged caches and adds the write statistics on the device.
 
     x: [R, H, C, D] bf16/fp16 (any strides), D a power of two in [16, 256]; scale: fp32 [] or [H] static, or None;
-    element: e2m1 | e4m3 | int8 | int4; block_scale: e4m3 | e8m0 | fp32 (per token-head: block_size ignored);
+    element: e2m1 | e4m3 | int8 | int4; block_scale: e4m3 | e8m0 | fp32 (per token-head where block_size is 0 or
+    the head; per block of block_size values below it: fp8_ds_mla);
     target: what the block amax maps to (e4m3 / fp32 block scales); scale_floor: the smallest fp32 (or e4m3)
     block scale; scale_rounding: e8m0 block scales by OCP's "floor" or the engines' "ceil" (module docstring);
     out, out_columns: where the read-back goes, as `store_kv.quantize_store` takes them (static storage's columns).
     codes [num_blocks, page_size, H, D * bits / 8] uint8, block_scales [num_blocks, page_size, H,
-    D / B] uint8 (or [num_blocks, page_size, H] fp32) + slots [R * C] int64 (-1 skip, row-major over (r, c));
+    D / B] uint8 or fp32 (or [num_blocks, page_size, H] fp32) + slots [R * C] int64 (-1 skip, row-major over (r, c));
     counts [rows, 3] int64 (+= values, clipped, nonfinite), amax [rows] fp32 (max= largest finite ratio),
     live [R] int64 (the stats row of each batch row), valid [R, C] int (0 = pad, not counted; None: all real).
     """
@@ -255,9 +257,12 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         f"element {element!r} / block scale {block_scale!r}: expected one of {sorted(ELEMENTS)} / {BLOCK_SCALE_TYPES}"
     rows, heads, chunk, dim = x.shape
     assert 16 <= dim <= 256 and dim & (dim - 1) == 0, f"head_dim must be a power of two in [16, 256], got {dim}"
-    block = dim if block_scale == "fp32" else block_size
+    per_block_fp32 = block_scale == "fp32" and 0 < block_size < dim   # fp8_ds_mla's tiles of 128
+    block = block_size if per_block_fp32 else dim if block_scale == "fp32" else block_size
     assert block_scale == "fp32" or (block in (16, 32) and dim % block == 0), \
         f"block_size must be 16 or 32 and divide head_dim {dim}, got {block_size}"
+    assert not per_block_fp32 or (block >= 16 and block & (block - 1) == 0), \
+        f"fp32 scales per block: blocks of a power of two >= 16 values within the head, got {block_size} of {dim}"
     assert block_scale == "e8m0" or target > 0, f"an {block_scale} block scale needs a target, got {target}"
     assert block_scale != "e8m0" or element in ELEMENT_EMAX, f"e8m0 block scales take e2m1 or e4m3, not {element}"
     assert scale_rounding in ("floor", "ceil"), f"scale_rounding must be floor or ceil, got {scale_rounding!r}"
@@ -272,10 +277,10 @@ def quantize_store_block_scaled(x: torch.Tensor, scale: torch.Tensor | None, *, 
         assert codes.dim() == 4 and codes.shape[1:] == (page_size, heads, expected) and codes.dtype == torch.uint8 \
             and codes.stride(-1) == 1, f"codes must be uint8 [num_blocks, {page_size}, {heads}, {expected}], got " \
                                        f"{list(codes.shape)} {codes.dtype}"
-        shape = (codes.shape[0], page_size, heads) + (() if block_scale == "fp32" else (dim // block,))
+        shape = (codes.shape[0], page_size, heads) + (() if block == dim and block_scale == "fp32" else (dim // block,))
         wanted = torch.float32 if block_scale == "fp32" else torch.uint8
         assert block_scales is not None and block_scales.shape[:len(shape)] == shape and block_scales.dtype == wanted \
-            and block_scales.numel() == codes.shape[0] * page_size * heads * (1 if block_scale == "fp32" else dim // block), \
+            and block_scales.numel() == codes.shape[0] * page_size * heads * (dim // block), \
             f"block_scales must be {wanted} {list(shape)}, got {None if block_scales is None else list(block_scales.shape)}"
         assert slots is not None, "a store needs slots"
         _check_slots(slots, rows * chunk)

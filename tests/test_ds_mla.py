@@ -165,8 +165,9 @@ def test_the_decode_route_takes_the_block_scaled_mla_kernel_at_the_engines_shape
     assert capabilities.decode_refusal(path, mla=True, head_size=512, rope_size=64) is None
     assert "head size 64" in capabilities.decode_refusal(path, mla=True, head_size=64, rope_size=16)
     assert "fp32 scales per 128 values" in capabilities.decode_refusal(path, mla=False, head_size=128)
-    # its fused write is not ours: the torch round trip writes the kernel's pages
-    assert capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path) is not None
+    # the fused block-scaled write serves its latent on an MLA model (k_pe beside it stored as given), not as GQA
+    assert capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path, "mla") is None
+    assert "unquantised" in capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path)
 
 
 def test_fp8_ds_mla_decodes_in_the_loop_through_the_kernels_mirror(monkeypatch, ds_latent_model):

@@ -300,12 +300,13 @@ def test_checks_beside_the_prefill_equal_checks_on_its_stream(monkeypatch, decod
         _assert_same_replies_and_statistics(run, alone)
 
 
-@pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head"])
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "fp8_ds_mla"])
 def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
-    """A DeepSeek-shaped latent (512 + RoPE 64; random 2-layer model): NVFP4 / MX latents are written by the fused
-    write as two heads of 256 (the same bytes: no block straddles them) straight into the decode kernel's pages, k_pe
-    beside them as given; a scale per token-head keeps the torch round trip. Either way the replies and every write
-    statistic equal the torch path's, and decode steps replay a CUDA graph."""
+    """A DeepSeek-shaped latent (512 + RoPE 64; random 2-layer model): NVFP4 / MX / fp8_ds_mla latents are written by
+    the fused write as two heads of 256 (the same bytes: no block, or fp8_ds_mla tile of 128, straddles them)
+    straight into the decode kernel's pages (NVFP4 and fp8_ds_mla: one record a token), k_pe beside them as given;
+    a scale per token-head keeps the torch round trip (the fused write's launches counted). Either way the replies
+    and every write statistic equal the torch path's, and decode steps replay a CUDA graph."""
     import harness.kv_paths.cache as cache
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
@@ -326,13 +327,17 @@ def test_wide_mla_latent_fused_write_equals_torch_path(monkeypatch, spec):
                            arch=config.model_type, random_weights=True, use_kernels=True)
     backend = model.backend(parse_path(spec))
     prompts = [list(range(3, 3 + n)) for n in (40, 17, 90)]
-    splits = []
+    splits, writes = [], []
     real_split = cache.latent_split
     monkeypatch.setattr(cache, "latent_split", lambda f, dim: splits.append(real_split(f, dim)) or splits[-1])
+    import kernels.store_kv_block_scaled as store
+    real_write = store.quantize_store_block_scaled
+    monkeypatch.setattr(store, "quantize_store_block_scaled", lambda *a, **k: writes.append(1) or real_write(*a, **k))
     engine = BatchedEngine(backend, BatchSettings(kernel_check_every=3))
     fused = engine.generate(prompts, [6, 12, 9])
     assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == []
     assert max(splits) == (1 if spec == "int4_per_token_head" else 2), splits
+    assert bool(writes) == (spec != "int4_per_token_head"), "the fused write ran where it serves the latent, only"
     monkeypatch.setattr(cache, "fused_write_on", lambda x: False)
     plain = BatchedEngine(backend, BatchSettings(kernel_check_every=3)).generate(prompts, [6, 12, 9])
     _assert_same_replies_and_statistics(fused, plain)

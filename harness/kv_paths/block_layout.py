@@ -5,7 +5,7 @@ reference.py, "Block-scaled caches"), which takes plain tensors and names only (
 A format is served where our kernels compute exactly what its torch decode does: e2m1, e4m3, int8 or int4 values
 under e4m3 scales per 16 or 32 values (e2m1 only: the product of two e4m3 values is not exact in fp16), e8m0 scales
 per 16 or 32 (e2m1, e4m3) or one fp32 scale per token and head, with or without a static scale; no zero point. An
-MLA latent also under fp32 scales per 128 (vLLM's fp8_ds_mla; the MLA decode reads it, the fused write does not).
+MLA latent also under fp32 scales per 128 (vLLM's fp8_ds_mla).
 `refusal` says why not, in the format's words. The fused write also needs one candidate block scale (4-over-6's
 choice sums squared errors in torch's reduction order: not reproduced).
 """
@@ -136,9 +136,9 @@ def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = Fal
         return f"{name}: e4m3 block scales over {kv_format.element.name} (not exact in fp16; only over e2m1)"
     if kv_format.block_scale == "e8m0" and kv_format.element.name not in ("e2m1", "e4m3"):
         return f"{name}: e8m0 block scales over {kv_format.element.name}"
-    if kv_format.block_scale == "fp32" and kv_format.block_size and (write or not mla or kv_format.block_size != 128):
+    if kv_format.block_scale == "fp32" and kv_format.block_size and (not mla or kv_format.block_size != 128):
         return (f"{name}: fp32 scales per {kv_format.block_size} values (the kernels take one per token and head; "
-                f"the MLA decode also one per 128 values of a latent, not written by the fused write)")
+                f"an MLA latent also one per 128 values)")
     if kv_format.block_scale != "fp32" and kv_format.block_size not in (16, 32):
         return f"{name}: blocks of {kv_format.block_size} (the kernels take 16 or 32)"
     extras = [field for field in ("scale_round_up", "reciprocal", "unscaled") if getattr(kv_format, field, False)]

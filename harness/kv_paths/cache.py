@@ -27,7 +27,7 @@ from transformers.cache_utils import (DynamicCache, DynamicLayer, DynamicSliding
 from harness.kv_paths import block_layout, capabilities, format_faults
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
-from harness.kv_paths.formats import E4M3_MAX
+from harness.kv_paths.formats import E4M3_MAX, MODEL_DTYPE
 from harness.kv_paths.rotation import rotate
 from harness import model_layers
 from harness.forward_context import on_checks_stream
@@ -254,10 +254,10 @@ def latent_row_formats(kv_path: KVPath) -> tuple:
     TensorRT-LLM's DeepSeek FP8 / FP4 caches. Measured (BENCHMARKS.md, session 17): k_pe in NVFP4 on the MLA canary
     is 500x the KL of the latent in NVFP4. K and V in different formats: the row takes K's (an MLA cache holds no V:
     the latent is read as K and as V; vLLM's fp8_k_nvfp4_v excludes MLA). A DeepSeek layout (`pairs_with`) names its
-    k_pe format itself."""
+    k_pe format itself; where that is the model dtype (fp8_ds_mla's bf16 k_pe) it is stored as given (None)."""
     latent = kv_path.k_format
     if latent.pairs_with:  # a DeepSeek layout declares its RoPE part's format itself (fp8_ds_mla, nvfp4_ds_mla)
-        return latent, kv_path.v_format
+        return latent, (None if kv_path.v_format.element is MODEL_DTYPE else kv_path.v_format)   # bf16: as given
     return latent, (latent if latent.is_legacy_fp8 else None)
 
 
@@ -281,11 +281,13 @@ FUSED_WRITE_HEAD_MAX = 256
 
 def latent_split(kv_format, dim: int) -> int:
     """How many heads of the fused write an MLA latent of `dim` values is written as: one where it fits a head;
-    `dim` / 256 for blocks of 16 or 32 under a per-tensor scale (NVFP4, MX: no block straddles two heads, so the
-    bytes and the statistics are the latent's own); 1 (and the torch round trip) for a scale per token-head."""
+    `dim` / 256 for block scales under a per-tensor scale (NVFP4, MX: blocks of 16 or 32; fp8_ds_mla: fp32 scales
+    per 128; no block straddles two heads, so the bytes and the statistics are the latent's own); 1 (and the torch
+    round trip) for a scale per token-head."""
     if kv_format is None or dim <= FUSED_WRITE_HEAD_MAX or dim % FUSED_WRITE_HEAD_MAX:
         return 1
-    return dim // FUSED_WRITE_HEAD_MAX if kv_format.block_scale in ("e4m3", "e8m0") else 1
+    per_block = kv_format.block_scale in ("e4m3", "e8m0") or (kv_format.block_scale == "fp32" and kv_format.block_size)
+    return dim // FUSED_WRITE_HEAD_MAX if per_block else 1
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -312,7 +314,8 @@ class QuantizedKVLayer(DynamicLayer):
         # block-scaled formats' fused write (kernels/store_kv_block_scaled.py), where it serves both formats and
         # this layer's head size (decided at the first write: `_block_layouts`)
         self.fused_block_serves = (kv_path.is_quantized and
-                                   capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(kv_path) is None)
+                                   capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(kv_path, "mla" if mla else None)
+                                   is None)
         self._layouts = None
         self._splits = (1, 1)  # heads of the fused write each side is cut into (an MLA latent wider than its heads)
         self.c_serves = kv_path.is_quantized and capabilities.CPU_C_WRITE.refusal(kv_path) is None
@@ -459,9 +462,9 @@ class QuantizedKVLayer(DynamicLayer):
         if self._layouts is None:
             formats = (self.k_format, self.v_format)
             self._splits = tuple(latent_split(f, dim) if self.mla else 1 for f, dim in zip(formats, (k_dim, v_dim)))
-            served = all(f is None or block_layout.refusal(f, dim // split, write=True) is None
+            served = all(f is None or block_layout.refusal(f, dim // split, write=True, mla=self.mla) is None
                          for f, dim, split in zip(formats, (k_dim, v_dim), self._splits))
-            self._layouts = tuple(None if f is None else block_layout.of(f) for f in formats) if served else ()
+            self._layouts = tuple(None if f is None else block_layout.of(f, self.mla) for f in formats) if served else ()
         return self._layouts or None
 
     def _fused_block_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor):

@@ -88,8 +88,9 @@ MLA_DECODE_BLOCK_SCALED = KernelCapability(
     ("per_tensor", "per_head"), ("mla",), (32, 1024), power_of_two_heads=True)
 # 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce
 FUSED_WRITE_BLOCK_SCALED = KernelCapability(
-    "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py", tuple(f for f in BLOCK_SCALED if f != "nvfp4_4over6"),
-    ("per_tensor", "per_head"), mixed=True, power_of_two_heads=True, head_sizes=(16, 256))
+    "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py",
+    tuple(f for f in BLOCK_SCALED_MLA if f != "nvfp4_4over6"), ("per_tensor", "per_head"), mixed=True,
+    power_of_two_heads=True, head_sizes=(16, 256))
 
 DECODE_KERNELS = (DECODE_ATTENTION, DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE, MLA_DECODE_BLOCK_SCALED)
 CACHE_WRITES = (FUSED_WRITE, FUSED_WRITE_BLOCK_SCALED, CPU_C_WRITE)
