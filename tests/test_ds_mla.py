@@ -239,3 +239,43 @@ def test_the_engines_fp8_ds_mla_pages_are_vllms_records_byte_for_byte():
     packed = mla.pack_ds_mla("ds_mla_e4m3", F.get_format("ds_mla_e4m3").encode(latent[:, 0]),
                              F.get_format("unquantised").encode(rope))
     assert stored.shape == (21, 656) and torch.equal(stored, packed)
+
+
+def test_nvfp4_ds_mla_decodes_in_the_loop_with_its_e4m3_k_pe_read_back(monkeypatch, ds_latent_model):
+    """vLLM's nvfp4_ds_mla (SM100 in vLLM) on the CPU through the kernels' mirror: the latent is NVFP4's values (how
+    its write rounds scales up and multiplies by reciprocals is the write's; the decode reads code x scale), so the
+    block-scaled MLA decode serves it, and k_pe goes into the 16-bit pages read back through plain e4m3 (exact there),
+    so the engine's check against fp64 over what the pages hold holds it within the GPU tests' bound (that check
+    reads the pages, so k_pe's read-back is checked on its own below). The fused write does not serve it (the torch
+    round trip writes it), and says why."""
+    from harness.kv_paths import capabilities
+    from harness.replay.inprocess import InProcessModel
+    from harness.types import Message
+
+    path = parse_path("nvfp4_ds_mla")
+    assert capabilities.decode_refusal(path, mla=True, head_size=512, rope_size=64) is None
+    assert "serves" in capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path, "mla")
+    monkeypatch.setenv("HARNESS_KERNELS", "reference")
+    backend = InProcessModel.load(ds_latent_model, device="cpu").backend(path)
+    generation = backend.generate_sync([Message("user", "What is 7 * 8 + 3 * 4?")], 6)
+    assert generation.metrics["kernel_steps"] > 0
+    assert 0.0 < generation.metrics["kernel_err_ratio"] <= 4.0, generation.metrics
+
+
+def test_an_mla_rows_k_pe_goes_into_the_pages_through_its_own_format():
+    """`PagedKV.store_pe`: nvfp4_ds_mla's k_pe side (plain e4m3) is stored read back, the value the engine's cache
+    holds and the decode must read; fp8_ds_mla's (bf16) as given. The kernel check reads the same pages, so it could
+    not see raw k_pe in them: this is the test that does."""
+    from types import SimpleNamespace
+
+    from harness.kv_paths.attention import PagedKV
+
+    torch.manual_seed(0)
+    value = torch.randn(2, 1, 3, 64).bfloat16() * 3
+    for fmt, expected in (("e4m3_unscaled", value.float().to(torch.float8_e4m3fn).bfloat16()), (None, value)):
+        pages = [None, None, torch.zeros(1, 16, 64, dtype=torch.bfloat16)]
+        step = SimpleNamespace(slots=lambda: torch.arange(6))
+        paged = PagedKV(None, None, None, True, True, None, None, None, step, pages=pages,
+                        pe_format=None if fmt is None else F.get_format(fmt))
+        paged.store_pe(value)
+        assert torch.equal(pages[2].view(-1, 64)[:6], expected[:, 0].reshape(6, 64)), fmt

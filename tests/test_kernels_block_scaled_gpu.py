@@ -279,9 +279,10 @@ def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
         assert amax[row].item() == finite[i].max().item(), f"{fmt} row {i}: amax"
 
 
-# ds_mla_e4m3: fp8_ds_mla's latent in vLLM's byte record (the engine's pages); ":apart": in three tensors
-MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "ds_mla_e4m3", "ds_mla_e4m3:apart"]
-MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart")   # kernels/mla_decode_block_scaled.cu
+# ds_mla_e4m3: fp8_ds_mla's latent in vLLM's byte record (the engine's pages); ":apart": in three tensors;
+# ds_mla_nvfp4: nvfp4_ds_mla's latent (NVFP4's values, written with its scales rounded up, no static scale)
+MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4"]
+MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4")   # kernels/mla_decode_block_scaled.cu
 
 
 def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):

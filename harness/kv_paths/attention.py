@@ -265,6 +265,7 @@ class PagedKV:
     pages: list = field(default_factory=list)
     absorbed: tuple | None = None  # MLA: kv_b_proj's (W_UK [H, nope, Dc], W_UV [H, v, Dc]) in fp32, cast once
     layout: object = None  # block_layout.BlockScaledLayout of a block-scaled format; None: FP8 / MLA pages
+    pe_format: object = None  # a block-scaled MLA row's k_pe format (None: stored as given; nvfp4_ds_mla: e4m3)
     # a windowed layer's (layer type, window): each row attends from its window's first key (sliding: the last
     # `window` tokens; chunked: the query's chunk of `window` positions), as transformers' masks do
     window: tuple[str, int] | None = None
@@ -309,7 +310,11 @@ class PagedKV:
                           block_size=BLOCK_SIZE) for p in pages)
 
     def store_pe(self, value: torch.Tensor) -> None:
-        """An MLA row's k_pe [rows, 1, chunk, Dr] into its pages as given (beside a latent the fused write stored)."""
+        """An MLA row's k_pe [rows, 1, chunk, Dr] into its pages (beside a latent the fused write stored): as given,
+        or read back through its own format (`pe_format`: nvfp4_ds_mla's plain e4m3, whose values the 16-bit pages
+        hold exactly)."""
+        if self.pe_format is not None:
+            value = self.pe_format.round_trip(value)[0]
         rows, _, chunk, _ = value.shape
         block_layout.store_rows(self.pages[2].view(-1, value.shape[-1]), self.step.slots().to(value.device),
                                 value[:, 0].reshape(rows * chunk, -1).to(self.pages[2].dtype))
@@ -566,8 +571,10 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
         # MLA's FP8 copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale. A
         # block-scaled latent takes the fused write's codes (as heads of 256 where wider) and k_pe beside it as given
         fusable = decodes and (not mla_model or layout is not None or bool(torch.equal(k_scale, v_scale)))
+        pe_format = layer.v_format if mla_model and layout is not None else None   # cache.latent_row_formats'
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,
-                               fusable, layout=layout, window=windows.get(index) if windowed else None)
+                               fusable, layout=layout, pe_format=pe_format,
+                               window=windows.get(index) if windowed else None)
         if decodes:
             layer.paged = paged[index]
         else:

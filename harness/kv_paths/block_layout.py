@@ -141,7 +141,11 @@ def refusal(kv_format: KVFormat, head_size: int | None = None, write: bool = Fal
                 f"an MLA latent also one per 128 values)")
     if kv_format.block_scale != "fp32" and kv_format.block_size not in (16, 32):
         return f"{name}: blocks of {kv_format.block_size} (the kernels take 16 or 32)"
-    extras = [field for field in ("scale_round_up", "reciprocal", "unscaled") if getattr(kv_format, field, False)]
+    # how a write rounds (scales rounded up, values times a reciprocal: nvfp4_ds_mla) is the write's: the decode reads
+    # code x scale whichever way they were found
+    encode_only = ("scale_round_up", "reciprocal") if not write else ()
+    extras = [field for field in ("scale_round_up", "reciprocal", "unscaled")
+              if getattr(kv_format, field, False) and field not in encode_only]
     if extras:
         return f"{name}: {', '.join(extras)} (not in the kernels' numerics)"
     if head_size is not None:

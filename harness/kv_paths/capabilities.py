@@ -79,18 +79,20 @@ DECODE_ATTENTION_BLOCK_SCALED = KernelCapability(
     "decode_attention_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED, ("per_tensor", "per_head"),
     ("gqa",), (16, 256), power_of_two_heads=True)
 # MLA over a block-scaled latent (k_pe kept in 16 bits beside it, as engines do): the same Triton kernel, one latent
-# read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512). NVFP4 and vLLM's fp8_ds_mla (e4m3 under
-# fp32 scales per 128, ds_mla_e4m3) at 512 + 64 on sm_90: the CUDA kernel kernels/mla_decode_block_scaled.cu;
-# fp8_ds_mla elsewhere: its latent dequantised, then our BF16 MLA kernel (the Triton kernel reads no per-block fp32)
-BLOCK_SCALED_MLA = BLOCK_SCALED + ("ds_mla_e4m3",)
+# read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512). NVFP4, vLLM's nvfp4_ds_mla (NVFP4's
+# values; its e4m3 k_pe read back into the 16-bit k_pe pages) and fp8_ds_mla (e4m3 under fp32 scales per 128) at
+# 512 + 64 on sm_90: the CUDA kernel kernels/mla_decode_block_scaled.cu; fp8_ds_mla elsewhere: its latent
+# dequantised, then our BF16 MLA kernel (the Triton kernel reads no per-block fp32)
+BLOCK_SCALED_MLA = BLOCK_SCALED + ("ds_mla_e4m3", "ds_mla_nvfp4")
 MLA_DECODE_BLOCK_SCALED = KernelCapability(
     "mla_decode_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED_MLA,
     ("per_tensor", "per_head"), ("mla",), (32, 1024), power_of_two_heads=True)
-# 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce
+# 4-over-6's block choice sums squared errors in torch's reduction order, which the write does not reproduce;
+# nvfp4_ds_mla's write rounds its scales up and multiplies by their reciprocals (the torch round trip writes it)
 FUSED_WRITE_BLOCK_SCALED = KernelCapability(
     "quantize_store_block_scaled", "kernels/store_kv_block_scaled.py",
-    tuple(f for f in BLOCK_SCALED_MLA if f != "nvfp4_4over6"), ("per_tensor", "per_head"), mixed=True,
-    power_of_two_heads=True, head_sizes=(16, 256))
+    tuple(f for f in BLOCK_SCALED_MLA if f not in ("nvfp4_4over6", "ds_mla_nvfp4")), ("per_tensor", "per_head"),
+    mixed=True, power_of_two_heads=True, head_sizes=(16, 256))
 
 DECODE_KERNELS = (DECODE_ATTENTION, DECODE_ATTENTION_BLOCK_SCALED, MLA_DECODE, MLA_DECODE_BLOCK_SCALED)
 CACHE_WRITES = (FUSED_WRITE, FUSED_WRITE_BLOCK_SCALED, CPU_C_WRITE)
