@@ -236,7 +236,8 @@ def table_lines(batches, contexts, tuned: dict, copy_bw: float) -> list[str]:
 # MLA over a block-scaled latent (mla_decode_block_scaled): DeepSeek's shape, latent 512 + RoPE 64 (bf16), against
 # our BF16 MLA kernel (kernels/mla_decode.py over a bf16 [c | k_pe] cache); issue 43's target for NVFP4 at 16 heads
 MLA_LATENT, MLA_ROPE = 512, 64
-MLA_FORMATS = ("NVFP4", "NVFP4, one record", "fp8_ds_mla", "fp8_ds_mla, three tensors", "MXFP8", "MXFP4")
+MLA_FORMATS = ("NVFP4", "NVFP4, one record", "fp8_ds_mla", "fp8_ds_mla, three tensors", "MXFP8", "MXFP8, one record",
+               "MXFP4", "MXFP4, one record")
 # vLLM's fp8_ds_mla latent (e4m3, an fp32 scale per tile of 128 = max(amax / 448, FLT_MIN)); MLA only, so not in FORMATS
 DS_MLA = dict(element="e4m3", block_scale="fp32", block_size=128)
 MLA_TARGETS = {"NVFP4": 2.2}
@@ -312,9 +313,8 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
         one = lambda t: t[:1]  # noqa: E731
         dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
-        # the entry (NVFP4 and fp8_ds_mla: the CUDA kernel, kernels/mla_decode_block_scaled.cu), and NVFP4's Triton
-        # kernel beside it
-        for impl in (None, "triton") if label == "NVFP4" else (None,):
+        # the entry (the CUDA kernel, kernels/mla_decode_block_scaled.cu), and the Triton kernel beside it
+        for impl in (None, "triton") if label in ("NVFP4", "MXFP8", "MXFP4") else (None,):
             def fn(impl=impl):
                 return mla_decode_block_scaled(q_latent, q_pe, codes, scales, latent_pe, table, seq, scale, sm,
                                                **kernel, impl=impl)

@@ -5,7 +5,8 @@ it refuses a call, and its launch. `decode_attention_block_scaled.mla_decode_blo
 Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16-bit type, pages of any size, on sm_90
 (its tiles arrive by bulk copies):
 - NVFP4: e2m1 values under e4m3 scales per 16, with or without an fp32 static scale;
-- vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale.
+- vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale;
+- MXFP4 / MXFP8: e2m1 / e4m3 values under e8m0 scales per 32.
 The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
 SM; 16 heads a block), its splits merged by kernels/splits.merge_splits.
 """
@@ -22,8 +23,9 @@ from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_block_scaled.cu")
 LATENT, ROPE = 512, 64
-# (element, block scale, values a block) -> (the kernel's TILE_FP8, code bytes and block-scale bytes of a row)
-LAYOUTS = {("e2m1", "e4m3", 16): (0, LATENT // 2, LATENT // 16), ("e4m3", "fp32", 128): (1, LATENT, 16)}
+# (element, block scale, values a block) -> the kernel's (ELEM_E4M3, SCALES), code bytes and block-scale bytes of a row
+LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16), ("e4m3", "fp32", 128): ((1, 1), LATENT, 16),
+           ("e2m1", "e8m0", 32): ((0, 2), LATENT // 2, LATENT // 32), ("e4m3", "e8m0", 32): ((1, 2), LATENT, LATENT // 32)}
 # warps, n8 token blocks a warp, stages, blocks an SM, programs an SM for the split plan: kernels/configs.py's mla_fp8
 # CUDA entry, the same tile pipeline. On an H200 (batch 8, 32k, session 27) 0.1052 ms at 16 heads for NVFP4; 4 x 2 x
 # 3 x 2 and 8 x 1 x 3 x 2 were within 1.5% there and 4-7% faster at 128 heads (kernels/BENCHMARKS.md); the tests ran
@@ -50,16 +52,17 @@ def _gpu(index: int) -> tuple[tuple[int, int], int]:
 
 
 def _tile_bytes(layout: tuple) -> int:
-    """Tile stages: rows, and the row shifts (the kernel's tile_at: NVFP4 32 bytes every 8 rows and 32 for the last
-    rows; fp8_ds_mla 384 bytes every 8 rows)."""
-    if LAYOUTS[layout][0]:
+    """Tile stages: rows, and the row shifts (the kernel's tile_at: rows 32 bytes apart modulo 128 (NVFP4) 32 bytes
+    every 8 rows and 32 for the last rows; 16 apart (the rest) 384 bytes every 8 rows)."""
+    if _row_bytes(layout) % 128 == 16:
         return STAGES * (TOKENS * _row_bytes(layout) + 384 * (TOKENS // 8))
     return STAGES * (TOKENS * _row_bytes(layout) + 32 * (TOKENS // 8) + 32)
 
 
 def _smem(layout: tuple) -> int:
-    """Tile stages, Q's fragments (36 k steps), two score buffers, mbarriers."""
-    return _tile_bytes(layout) + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4 + 8 * STAGES
+    """Tile stages, Q's fragments (36 k steps), two score buffers, two of the rows' exponents (e8m0), mbarriers."""
+    return (_tile_bytes(layout) + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4
+            + 2 * TOKENS * 4 + 8 * STAGES)
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor,
@@ -67,13 +70,13 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, blo
             scale: torch.Tensor | None = None) -> str | None:
     """Why the kernel cannot run this call (None when it can): the layout and shapes first, then the device."""
     if not serves(element, block_scale, block):
-        return (f"it reads NVFP4 latents (e2m1 under e4m3 scales per 16) and fp8_ds_mla's (e4m3 under fp32 scales per "
-                f"128), got {element} / {block_scale} / {block}")
+        return (f"it reads NVFP4 latents (e2m1 under e4m3 scales per 16), fp8_ds_mla's (e4m3 under fp32 scales per "
+                f"128) and MX ones (e2m1 / e4m3 under e8m0 scales per 32), got {element} / {block_scale} / {block}")
     if q_latent.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
         return f"it is built for a latent of {LATENT} and k_pe of {ROPE}, got {q_latent.shape[-1]} and {q_pe.shape[-1]}"
     layout = (element, block_scale, block)
     _, code_bytes, scale_bytes = LAYOUTS[layout]
-    if LAYOUTS[layout][0] and scale is not None:
+    if block_scale == "fp32" and scale is not None:
         return "fp8_ds_mla's tile scales are the whole scale: it takes no static scale"
     rows = ((codes, code_bytes), (block_scales, scale_bytes), (k_pe, 2 * ROPE))
     if any(t.element_size() * t.shape[-1] != size or t.stride(-1) != 1 for t, size in rows) or \
@@ -113,7 +116,8 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     device = q_latent.device
     page = codes.shape[1]
     defines = (("NW", WARPS), ("NB", BLOCKS), ("STAGES", STAGES), ("MT", HEADS_PER_BLOCK // 16), ("CTAS", CTAS),
-               ("PAGE", page), ("TILE_BYTES", _tile_bytes(layout)), ("TILE_FP8", LAYOUTS[layout][0]),
+               ("PAGE", page), ("TILE_BYTES", _tile_bytes(layout)), ("ELEM_E4M3", LAYOUTS[layout][0][0]),
+               ("SCALES", LAYOUTS[layout][0][1]),
                ("RECORD", int(is_record(codes, block_scales, k_pe))),
                ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)))
     kernel = nvrtc.build(SOURCE, "mla_block_scaled_decode", defines, device.index)

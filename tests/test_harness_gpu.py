@@ -126,9 +126,10 @@ def test_cuda_decode_in_the_loop(head64_model, spec, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("spec", "layout"), [("fp8_ds_mla", ("e4m3", "fp32", 128)), ("nvfp4", ("e2m1", "e4m3", 16)),
-                                              ("nvfp4_ds_mla", ("e2m1", "e4m3", 16))])
+                                              ("nvfp4_ds_mla", ("e2m1", "e4m3", 16)), ("mxfp8", ("e4m3", "e8m0", 32)),
+                                              ("mxfp4", ("e2m1", "e8m0", 32))])
 def test_mla_latent_decodes_through_the_cuda_kernel_from_records(ds_latent_model, monkeypatch, spec, layout):
-    """vLLM's fp8_ds_mla and nvfp4_ds_mla, and NVFP4, on a DeepSeek-V3 at the engine's latent shape (512 + RoPE 64,
+    """vLLM's fp8_ds_mla and nvfp4_ds_mla, NVFP4 and MX, on a DeepSeek-V3 at the engine's latent shape (512 + RoPE 64,
     16 heads): decode steps run kernels/mla_decode_block_scaled.cu over pages that hold [codes | block scales | k_pe]
     as one record a token (one copy a row; counted, so a refusal that quietly ran another kernel, or three tensors,
     fails) and pass the engine's own check of it against fp64."""

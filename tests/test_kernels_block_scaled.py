@@ -155,8 +155,10 @@ def test_cuda_kernel_asked_for_on_cpu_tensors_says_why(monkeypatch):
 
 
 @pytest.mark.parametrize(("fmt", "latent", "pe_row", "why"), [
-    ("mxfp4", 512, 64, "it reads NVFP4 latents (e2m1 under e4m3 scales per 16) and fp8_ds_mla's (e4m3 under fp32 "
-                       "scales per 128), got e2m1 / e8m0 / 32"),
+    ("fp4_mx_block16", 512, 64, "it reads NVFP4 latents (e2m1 under e4m3 scales per 16), fp8_ds_mla's (e4m3 under "
+                                "fp32 scales per 128) and MX ones (e2m1 / e4m3 under e8m0 scales per 32), got e2m1 / "
+                                "e8m0 / 16"),
+    ("mxfp4", 512, 64, "it runs on CUDA tensors, got cpu ones"),
     ("ds_mla_e4m3", 512, 64, "it runs on CUDA tensors, got cpu ones"),   # the layout served: refused by the device
     ("int4_per_token_head", 512, 64, "it reads NVFP4 latents"),
     ("nvfp4", 256, 64, "it is built for a latent of 512 and k_pe of 64, got 256 and 64"),

@@ -282,7 +282,8 @@ def test_fused_write_equals_torch_encode(kern, fmt, granularity, chunk):
 # ds_mla_e4m3: fp8_ds_mla's latent in vLLM's byte record (the engine's pages); ":apart": in three tensors;
 # ds_mla_nvfp4: nvfp4_ds_mla's latent (NVFP4's values, written with its scales rounded up, no static scale)
 MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4"]
-MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4")   # kernels/mla_decode_block_scaled.cu
+# kernels/mla_decode_block_scaled.cu
+MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4", "mxfp8", "mxfp4")
 
 
 def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
@@ -390,9 +391,9 @@ def test_mla_cuda_kernel_reads_nothing_past_a_sequence_and_replays_in_a_cuda_gra
     page = case.codes.shape[1]
     for b, n in enumerate(case.seq_lens.tolist()):
         last = int(case.table[b, (n - 1) // page])
-        # e4m3 bits 0x7F and fp32 NaN
+        # fp32 NaN, e8m0 bits 0xFF and e4m3 bits 0x7F
         stale[last * page + n % page if n % page else last * page + page:(last + 1) * page] = \
-            float("nan") if stale.dtype == torch.float32 else 0x7F
+            float("nan") if stale.dtype == torch.float32 else 0xFF if case.layout.block_scale == "e8m0" else 0x7F
     again, again_lse = _run_mla(case, impl="cuda", num_splits=splits)
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
