@@ -24,8 +24,10 @@ from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_block_scaled.cu")
 LATENT, ROPE = 512, 64
 # (element, block scale, values a block) -> the kernel's (ELEM_E4M3, SCALES), code bytes and block-scale bytes of a row
-LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16), ("e4m3", "fp32", 128): ((1, 1), LATENT, 16),
-           ("e2m1", "e8m0", 32): ((0, 2), LATENT // 2, LATENT // 32), ("e4m3", "e8m0", 32): ((1, 2), LATENT, LATENT // 32)}
+LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16),     # NVFP4
+           ("e4m3", "fp32", 128): ((1, 1), LATENT, 16),                  # fp8_ds_mla: 4 fp32 tile scales
+           ("e2m1", "e8m0", 32): ((0, 2), LATENT // 2, LATENT // 32),    # MXFP4
+           ("e4m3", "e8m0", 32): ((1, 2), LATENT, LATENT // 32)}         # MXFP8
 # warps, n8 token blocks a warp, stages, blocks an SM, programs an SM for the split plan: kernels/configs.py's mla_fp8
 # CUDA entry, the same tile pipeline. On an H200 (batch 8, 32k, session 27) 0.1052 ms at 16 heads for NVFP4; 4 x 2 x
 # 3 x 2 and 8 x 1 x 3 x 2 were within 1.5% there and 4-7% faster at 128 heads (kernels/BENCHMARKS.md); the tests ran
@@ -100,7 +102,8 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, blo
 
 def is_record(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor) -> bool:
     """Whether a row's codes, block scales and k_pe lie one after another in one record with the same page and slot
-    strides (vLLM's fp8_ds_mla record: `harness/kv_paths/block_layout.allocate_latent_rows`): one copy a row."""
+    strides (the engine's MLA pages, `harness/kv_paths/block_layout.allocate_latent_rows`; fp8_ds_mla's is vLLM's
+    record): one copy a row."""
     parts = (codes, block_scales, k_pe)
     starts = [t.data_ptr() for t in parts]
     ends = [t.data_ptr() + t.shape[-1] * t.element_size() for t in parts]

@@ -97,7 +97,7 @@ __device__ __forceinline__ float ex2(float x) {
 // m and l and the accumulator o rescaled; P rounded to fp16 as the A fragments of P . C (the accumulator layout of
 // n8 blocks 2j and 2j + 1 is the A layout of k step j). Every warp runs it over the whole tile, so m and l agree bit
 // for bit across warps. FACTORS: P's fragments (not l) take fac[jb][e], token 8 jb + 2q + e's factor, before rounding
-// (kernels/mla_decode_block_scaled.cu's fp8_ds_mla tile scales).
+// (kernels/mla_decode_block_scaled.cu: fp8_ds_mla's tile scales, MX's token exponents).
 template <int NW_, int NB_, int MT_, int NPC_, bool FACTORS = false>
 __device__ __forceinline__ void softmax_tile(const float* scores, int lane, int q, int mt, float qk, bool partial,
                                              int t0, int end, float (&m)[MT_][2], float (&l)[MT_][2],

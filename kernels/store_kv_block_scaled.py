@@ -194,11 +194,10 @@ def _quantize_store_block_scaled_kernel(
         scale_row = page * stride_sb + (slot % page_size) * stride_ss + head * stride_sh
         if SCALE_ALIGN > 1:
             scale_row = tl.multiple_of(scale_row, SCALE_ALIGN)
+        offs_b = tl.arange(0, NUM_BLOCKS)
         if BLOCK_SCALE == 2:   # fp32: one a token-head (NUM_BLOCKS 1), or one a block (fp8_ds_mla's tiles of 128)
-            offs_b = tl.arange(0, NUM_BLOCKS)
             tl.store(BLOCK_SCALES + scale_row[:, None] + offs_b[None, :], block_fp32, mask=keep[:, None])
         else:
-            offs_b = tl.arange(0, NUM_BLOCKS)
             tl.store(BLOCK_SCALES + scale_row[:, None] + offs_b[None, :], stored, mask=keep[:, None])
     if STATS:
         if HAS_VALID:

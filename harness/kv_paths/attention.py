@@ -570,6 +570,7 @@ def attach_paged(cache, kv_path, kernel_name: str, device: torch.device, mla_mod
         k_scale, v_scale = (layer.k_scale.float().to(device), layer.v_scale.float().to(device)) if static else (None, None)
         # MLA's FP8 copy stores latent and k_pe under k_scale; the fused write uses each tensor's own scale. A
         # block-scaled latent takes the fused write's codes (as heads of 256 where wider) and k_pe beside it as given
+        # (or read back through its own format: nvfp4_ds_mla's e4m3)
         fusable = decodes and (not mla_model or layout is not None or bool(torch.equal(k_scale, v_scale)))
         pe_format = layer.v_format if mla_model and layout is not None else None   # cache.latent_row_formats'
         paged[index] = PagedKV(fmt_dtype, k_scale, v_scale, kv_path.saturate, mla_model, ops, kernel, agreement, step,

@@ -64,7 +64,7 @@ class BlockScaledLayout:
 
     def allocate_latent_rows(self, num_blocks: int, page: int, latent_dim: int, rope: torch.Tensor) -> list:
         """An MLA model's zeroed pages: [latent codes [num_blocks, page, 1, bytes], block scales, k_pe [num_blocks,
-        page, Dr] in rope's dtype]. The layouts the CUDA MLA kernel reads (NVFP4, fp8_ds_mla): views into one byte
+        page, Dr] in rope's dtype]. The layouts the CUDA MLA kernel reads (NVFP4, MX, fp8_ds_mla): views into one byte
         record a token, [codes | block scales | k_pe] (fp8_ds_mla's is vLLM's 656-byte record, harness/kv_paths/
         mla.py), which the kernel copies in one piece (kernels/mla_block_scaled_cuda.is_record: at batch 8, 32k,
         16 heads on an H200 NVFP4 0.1055 -> 0.0901 ms, kernels/BENCHMARKS.md session 34); other layouts and shapes:

@@ -464,7 +464,8 @@ class QuantizedKVLayer(DynamicLayer):
             self._splits = tuple(latent_split(f, dim) if self.mla else 1 for f, dim in zip(formats, (k_dim, v_dim)))
             served = all(f is None or block_layout.refusal(f, dim // split, write=True, mla=self.mla) is None
                          for f, dim, split in zip(formats, (k_dim, v_dim), self._splits))
-            self._layouts = tuple(None if f is None else block_layout.of(f, self.mla) for f in formats) if served else ()
+            self._layouts = (tuple(None if f is None else block_layout.of(f, self.mla) for f in formats) if served
+                             else ())
         return self._layouts or None
 
     def _fused_block_round_trip(self, key_states: torch.Tensor, value_states: torch.Tensor):
