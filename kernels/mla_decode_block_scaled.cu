@@ -415,6 +415,17 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
       }
   };
 
+#if SCALES != 0
+  auto rescale = [&](float f) {   // the accumulator into a new unit (fp8_ds_mla's and MX's running largest scale)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NPC; ++n) {
+        o[mt][n][0] *= f; o[mt][n][1] *= f; o[mt][n][2] *= f; o[mt][n][3] *= f;
+      }
+  };
+#endif
+
   // The software pipeline of kernels/mla_decode_fp8.cu: phase t runs the softmax and P . C of tile t and the
   // Q . C^T of tile t + 1 while tiles t + 2 .. t + STAGES - 1 load; one barrier a tile.
   if (n_tiles > 0) {
@@ -445,12 +456,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
     for (int d = 16; d; d >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, d));
     if (tile_max > run_s) {   // the same in every lane of the warp
       const float shrink = run_s / tile_max;   // 0 at the first tile (the accumulator is 0 there)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NPC; ++n) {
-          o[mt][n][0] *= shrink; o[mt][n][1] *= shrink; o[mt][n][2] *= shrink; o[mt][n][3] *= shrink;
-        }
+      rescale(shrink);
       run_s = tile_max;
       inv_s = 1.f / tile_max;
     }
@@ -473,12 +479,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
     for (int d = 16; d; d >>= 1) tile_e = max(tile_e, __shfl_xor_sync(0xffffffffu, tile_e, d));
     if (tile_e > run_e) {   // the same in every lane of the warp
       const float shrink = pow2f(run_e - tile_e);   // 0 at the first tile (the accumulator is 0 there)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NPC; ++n) {
-          o[mt][n][0] *= shrink; o[mt][n][1] *= shrink; o[mt][n][2] *= shrink; o[mt][n][3] *= shrink;
-        }
+      rescale(shrink);
       run_e = tile_e;
     }
     float fac[BN / 8][2];
@@ -512,54 +513,44 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
         const u32 scd = pow2_h((int)tile[tile_at(r0 + 8, sb)] - tile_e[r0 + 8]) |
                         pow2_h((int)tile[tile_at(r0 + 9, sb)] - tile_e[r0 + 9]) << 16;
 #endif
+        // la / ha: e4m3 bytes of the even / odd columns of token a (lb, hb2 of b; lc, hc of c; ld, hd of d)
 #if ELEM_E4M3
         const int byte = colbase + 64 * mm + 8 * g;
         const u32x2 wa = *(const u32x2*)(tile + tile_at(r0, byte)), wb = *(const u32x2*)(tile + tile_at(r0 + 1, byte));
         const u32x2 wc = *(const u32x2*)(tile + tile_at(r0 + 8, byte));
         const u32x2 wd = *(const u32x2*)(tile + tile_at(r0 + 9, byte));
-        // each token's even (l) and odd (h) columns, interleaved by token pair as NVFP4's below; P holds the scales
         const u32 la = prmt(wa.x, wa.y, 0x6420), lb = prmt(wb.x, wb.y, 0x6420);
         const u32 ha = prmt(wa.x, wa.y, 0x7531), hb2 = prmt(wb.x, wb.y, 0x7531);
         const u32 lc = prmt(wc.x, wc.y, 0x6420), ld = prmt(wd.x, wd.y, 0x6420);
         const u32 hc = prmt(wc.x, wc.y, 0x7531), hd = prmt(wd.x, wd.y, 0x7531);
-        const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362);
-        const u32 xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
-        const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362);
-        const u32 zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
-#if E8M0   // each pair times its tokens' block scales (fp8_ds_mla: P holds the tile scales)
-        const u32 bx[8][2] = {
-            {hmul2(widen2(xe), sab), hmul2(widen2(ze), scd)}, {hmul2(widen2(xo), sab), hmul2(widen2(zo), scd)},
-            {hmul2(widen2_hi(xe), sab), hmul2(widen2_hi(ze), scd)},
-            {hmul2(widen2_hi(xo), sab), hmul2(widen2_hi(zo), scd)},
-            {hmul2(widen2(ye), sab), hmul2(widen2(ve), scd)}, {hmul2(widen2(yo), sab), hmul2(widen2(vo), scd)},
-            {hmul2(widen2_hi(ye), sab), hmul2(widen2_hi(ve), scd)},
-            {hmul2(widen2_hi(yo), sab), hmul2(widen2_hi(vo), scd)}};
-#else
-        const u32 bx[8][2] = {{widen2(xe), widen2(ze)}, {widen2(xo), widen2(zo)}, {widen2_hi(xe), widen2_hi(ze)},
-                              {widen2_hi(xo), widen2_hi(zo)}, {widen2(ye), widen2(ve)}, {widen2(yo), widen2(vo)},
-                              {widen2_hi(ye), widen2_hi(ve)}, {widen2_hi(yo), widen2_hi(vo)}};
-#endif
 #else
         const int byte = (colbase + 64 * mm) / 2 + 4 * g;
         const u32 wa = *(const u32*)(tile + tile_at(r0, byte));
         const u32 wb = *(const u32*)(tile + tile_at(r0 + 1, byte));
         const u32 wc = *(const u32*)(tile + tile_at(r0 + 8, byte));
         const u32 wd = *(const u32*)(tile + tile_at(r0 + 9, byte));
-#if !E8M0
+        const u32 la = e4m3_of_low(wa), lb = e4m3_of_low(wb), ha = e4m3_of_high(wa), hb2 = e4m3_of_high(wb);
+        const u32 lc = e4m3_of_low(wc), ld = e4m3_of_low(wd), hc = e4m3_of_high(wc), hd = e4m3_of_high(wd);
+#endif
+#if SCALES == 0
         const int sbyte = LAT_BYTES + (colbase + 64 * mm) / 16;
         const u32 sa = *(const u32*)(tile + tile_at(r0, sbyte)), sb = *(const u32*)(tile + tile_at(r0 + 1, sbyte));
         const u32 sc = *(const u32*)(tile + tile_at(r0 + 8, sbyte)), sd = *(const u32*)(tile + tile_at(r0 + 9, sbyte));
         const u32 sab = widen2(prmt(sa, sb, sel_pair)), scd = widen2(prmt(sc, sd, sel_pair));
 #endif
-        // e4m3 bytes of the even (l) and odd (h) columns of each token, interleaved by token pair: xe = (a0 b0 a2 b2),
-        // ye = (a4 b4 a6 b6) of the even columns, xo / yo the odd ones; ze, ve, zo, vo the same of tokens c, d
-        const u32 la = e4m3_of_low(wa), lb = e4m3_of_low(wb), ha = e4m3_of_high(wa), hb2 = e4m3_of_high(wb);
-        const u32 lc = e4m3_of_low(wc), ld = e4m3_of_low(wd), hc = e4m3_of_high(wc), hd = e4m3_of_high(wd);
+        // interleaved by token pair: xe = (a0 b0 a2 b2), ye = (a4 b4 a6 b6) of the even columns, xo / yo the odd ones;
+        // ze, ve, zo, vo the same of tokens c, d
         const u32 xe = prmt(la, lb, 0x5140), ye = prmt(la, lb, 0x7362);
         const u32 xo = prmt(ha, hb2, 0x5140), yo = prmt(ha, hb2, 0x7362);
         const u32 ze = prmt(lc, ld, 0x5140), ve = prmt(lc, ld, 0x7362);
         const u32 zo = prmt(hc, hd, 0x5140), vo = prmt(hc, hd, 0x7362);
-        // column e of the word: {b0: tokens r0 / r0 + 1, b1: tokens r0 + 8 / r0 + 9}, each pair times its scales
+        // column e of the word: {b0: tokens r0 / r0 + 1, b1: tokens r0 + 8 / r0 + 9}, each pair times its tokens'
+        // block scales (fp8_ds_mla: P holds its tile scales)
+#if TILE_FP8
+        const u32 bx[8][2] = {{widen2(xe), widen2(ze)}, {widen2(xo), widen2(zo)}, {widen2_hi(xe), widen2_hi(ze)},
+                              {widen2_hi(xo), widen2_hi(zo)}, {widen2(ye), widen2(ve)}, {widen2(yo), widen2(vo)},
+                              {widen2_hi(ye), widen2_hi(ve)}, {widen2_hi(yo), widen2_hi(vo)}};
+#else
         const u32 bx[8][2] = {
             {hmul2(widen2(xe), sab), hmul2(widen2(ze), scd)}, {hmul2(widen2(xo), sab), hmul2(widen2(zo), scd)},
             {hmul2(widen2_hi(xe), sab), hmul2(widen2_hi(ze), scd)},
