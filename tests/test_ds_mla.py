@@ -170,16 +170,18 @@ def test_the_decode_route_takes_the_block_scaled_mla_kernel_at_the_engines_shape
     assert "unquantised" in capabilities.FUSED_WRITE_BLOCK_SCALED.refusal(path)
 
 
-def test_fp8_ds_mla_decodes_in_the_loop_through_the_kernels_mirror(monkeypatch, ds_latent_model):
+@pytest.mark.parametrize("spec", ["fp8_ds_mla", "nvfp4", "mxfp8", "mxfp4"])
+def test_mla_latents_decode_in_the_loop_through_the_kernels_mirror(monkeypatch, ds_latent_model, spec):
     """A DeepSeek-V3 at the engine's latent shape (512 + 64), on the CPU through the kernels' torch mirror
-    (HARNESS_KERNELS=reference: the glue the CUDA kernel runs behind): fp8_ds_mla's decode steps read the paged
-    codes and tile scales, and the engine's own check against fp64 attention over the stored values holds them
-    within the bound the GPU tests use (tests/test_harness_gpu.py: kernel error <= 4x torch's)."""
+    (HARNESS_KERNELS=reference: the glue the CUDA kernel runs behind): decode steps read the paged codes and block
+    scales, one record a token for these layouts (`allocate_latent_rows`: strided views the torch write and the
+    mirror go through), and the engine's own check against fp64 attention over the stored values holds them within
+    the bound the GPU tests use (tests/test_harness_gpu.py: kernel error <= 4x torch's)."""
     from harness.replay.inprocess import InProcessModel
     from harness.types import Message
 
     monkeypatch.setenv("HARNESS_KERNELS", "reference")
-    backend = InProcessModel.load(ds_latent_model, device="cpu").backend(parse_path("fp8_ds_mla"))
+    backend = InProcessModel.load(ds_latent_model, device="cpu").backend(parse_path(spec))
     assert backend.describe()["decode_kernel"] == "triton (kernels/)", backend.describe()   # its mirror here
     chat = [Message("user", "What is 7 * 8 + 3 * 4?")]
     generation = backend.generate_sync(chat, 6)
@@ -279,3 +281,27 @@ def test_an_mla_rows_k_pe_goes_into_the_pages_through_its_own_format():
                         pe_format=None if fmt is None else F.get_format(fmt))
         paged.store_pe(value)
         assert torch.equal(pages[2].view(-1, 64)[:6], expected[:, 0].reshape(6, 64)), fmt
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "mxfp4", "ds_mla_e4m3", "ds_mla_nvfp4"])
+def test_latent_records_hold_what_three_tensors_hold(fmt):
+    """`allocate_latent_rows` at 512 + 64 gives every layout the CUDA MLA kernel reads one record a token (the
+    kernel's one copy a row): written through its views, codes, block scales and k_pe read back exactly what three
+    separate tensors written the same way hold, so no view overlaps another or sits at the wrong offset."""
+    from harness.kv_paths import block_layout
+    from kernels.mla_block_scaled_cuda import is_record
+
+    layout = block_layout.of(F.get_format(fmt), mla=True)
+    torch.manual_seed(0)
+    latent = (torch.randn(21, 1, 512) * torch.logspace(-3, 3, 512)).bfloat16()
+    rope = torch.randn(21, 64).bfloat16()
+    slots = torch.randperm(32)[:21]
+    scale = torch.tensor(0.02) if layout.static else None
+    record = layout.allocate_latent_rows(2, 16, 512, rope)
+    apart = [*layout.allocate(2, 16, 1, 512, "cpu"), torch.zeros(2, 16, 64, dtype=torch.bfloat16)]
+    assert is_record(*record) and not is_record(*apart)
+    for codes, scales, k_pe in (record, apart):
+        layout.store(latent, scale, codes, scales, slots)
+        block_layout.store_rows(k_pe.view(-1, 64), slots, rope)
+    for kept, alone in zip(record, apart):
+        assert torch.equal(kept, alone), fmt
