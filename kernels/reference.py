@@ -432,7 +432,9 @@ def dequantize_block_scaled(codes: torch.Tensor, block_scales: torch.Tensor, sca
     block = values.shape[-1] if per_token or not block_size else block_size
     assert values.shape[-1] == blocks.shape[-1] * block, \
         f"{values.shape[-1]} values per head do not make {blocks.shape[-1]} blocks of {block}"
-    whole = blocks * _head_scale(scale, 1).to(blocks.device)                    # block scale x scale, fp32
+    # block scale x scale, fp32; without a static scale the blocks as they are (x 1.0 changes no bit), so no host
+    # scalar is copied to the device (a CUDA graph capture refuses that copy)
+    whole = blocks if scale is None else blocks * _head_scale(scale, 1).to(blocks.device)
     per_value = whole.repeat_interleave(values.shape[-1] // whole.shape[-1], dim=-1)
     return values * per_value
 
