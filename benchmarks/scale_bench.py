@@ -446,8 +446,9 @@ def one_at_a_time_rows(name: str, loaded: InProcessModel, length: int, new: int,
 
 def batched_rows(name: str, loaded: InProcessModel, length: int, new: int, paths: list[str], log, gpus: int,
                  batch: int = 8) -> list[dict]:
-    """The harness's batched replay (what a layer-sharded run replays since session 21: the batched engine, decoding
-    dynamically, `route.LAYERS_DECODE`) at `batch` sequences, per KV path: decode tokens/s from
+    """The harness's batched replay (what a layer-sharded run replays since session 21: the batched engine; a
+    graph-decoded step of a layer-sharded model is one graph per GPU since session 35, `route.LAYERS_GRAPH`) at
+    `batch` sequences, per KV path: decode tokens/s from
     (t(new) - t(SHORT)) / (new - SHORT), as `run_config` times it."""
     rows = []
     ps = prompts(batch, length, loaded.model.config.vocab_size, seed=2)
@@ -483,7 +484,8 @@ def free_models() -> None:
     torch.cuda.empty_cache()
 
 
-def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -> list[dict]:
+def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log, batched_only: bool = False,
+                 rounds: int = 1) -> list[dict]:
     # more GPUs asked for than the host has: a GPU named twice (a smoke run of the code on one GPU; rows say so)
     devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(gpus)]
     if len(set(devices)) < gpus:
@@ -520,8 +522,10 @@ def sharded_rows(which: list[str], gpus: int, new: int, bandwidth: float, log) -
         log({"config": "70b", "built_s": built, "allocated_gib_per_gpu": per_gpu,
              "layers": loaded.shard_plan.describe()["layers"]})
         start = len(rows)
-        rows += one_at_a_time_rows("70b 512", loaded, 512, new, paths, bandwidth, log, gpus)
-        rows += batched_rows("70b 512", loaded, 512, new, paths, log, gpus)
+        if not batched_only:
+            rows += one_at_a_time_rows("70b 512", loaded, 512, new, paths, bandwidth, log, gpus)
+        for _ in range(rounds):  # rounds alternate the paths: each batch captures its graphs anew
+            rows += batched_rows("70b 512", loaded, 512, new, paths, log, gpus)
         for r in rows[start:]:
             r["note"] = "; ".join(filter(None, (r.get("note"), f"built on the GPUs in {built:.1f} s; GiB allocated "
                                                                 f"per GPU {[round(g, 1) for g in per_gpu]}")))
@@ -759,6 +763,9 @@ def main() -> None:
     parser.add_argument("--no-data-parallel", action="store_true",
                         help="with --gpus N: only the --sharded rows, not the data-parallel ones")
     parser.add_argument("--sharded", default="", help="layer-sharded rows over --gpus GPUs: 70b, 8b (comma-separated)")
+    parser.add_argument("--sharded-batched-only", action="store_true",
+                        help="the 70B-shaped sharded model's batched rows only (no one-at-a-time or plain generate)")
+    parser.add_argument("--rounds", type=int, default=1, help="the 70B-shaped batched rows this many times, alternating")
     parser.add_argument("--write-70b-dir", type=Path, default=None,
                         help="write a 70B-shaped random-weights model directory (canary tokenizer) and exit")
     args = parser.parse_args()
@@ -799,7 +806,8 @@ def main() -> None:
     if args.gpus > 1 and not args.no_data_parallel:
         multi += data_parallel_rows(args.gpus, args.new, ["bf16", "fp8_e4m3"], log)
     if args.sharded:
-        multi += sharded_rows(args.sharded.split(","), max(args.gpus, 2), args.new, bandwidth, log)
+        multi += sharded_rows(args.sharded.split(","), max(args.gpus, 2), args.new, bandwidth, log,
+                          args.sharded_batched_only, args.rounds)
     configs = [c for c in args.configs.split(",") if c]
     if any(c.startswith("8b") for c in configs):
         loaded = build(llama_8b())

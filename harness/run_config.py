@@ -132,10 +132,10 @@ class RunConfig:
         if self.reference_url:
             raise ValueError("--shard splits an in-process model over GPUs; an endpoint run has none (the server "
                              "shards its model itself, e.g. vllm serve --tensor-parallel-size)")
-        if self.decode not in ("auto", "dynamic"):
+        if self.decode not in ("auto", "dynamic") and layout_decode_refusal(self.shard) is not None:
             raise ValueError(f"--shard {self.shard} --decode {self.decode}: refused for "
-                             f"{layout_decode_refusal(self.shard)}; leave out --decode (a sharded model's batches "
-                             f"decode dynamically)")
+                             f"{layout_decode_refusal(self.shard)}; leave out --decode (a tensor-parallel model's "
+                             f"batches decode dynamically)")
         if self.attention is not None:
             raise ValueError(f"--shard {self.shard}: attention capture (--attention) is not built for a "
                              f"sharded model; run it on a model that fits one GPU")

@@ -82,13 +82,20 @@ def test_a_shard_needs_no_check_without_shard():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(device="cuda:0"), "splits one model over several GPUs"),
-    (dict(device="cuda:0,1", decode="graph"), "layers on several GPUs"),
-    (dict(device="cuda:0,1", decode="static"), "layers on several GPUs"),
     (dict(device="cuda:0,1", reference_url="http://127.0.0.1:1"), "endpoint run"),
+    (dict(device="cuda:0,1", decode="graph", shard="tensor"), "tensor-parallel ranks"),
+    (dict(device="cuda:0,1", decode="static", shard="tensor"), "tensor-parallel ranks"),
 ])
 def test_run_configs_that_cannot_shard_are_refused(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
-        job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, shard="layers", **fields)
+        job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, **{"shard": "layers", **fields})
+
+
+@pytest.mark.parametrize("decode", ["graph", "static", "dynamic"])
+def test_a_layer_sharded_run_takes_every_decode_mode(tmp_path, decode):
+    config = job.RunConfig(models=(), scenario_paths=(), paths=(), out=tmp_path, device="cuda:0,1", shard="layers",
+                           decode=decode)
+    assert config.batched and config.decode == decode
 
 
 def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
@@ -99,7 +106,7 @@ def test_the_fp32_reference_noise_path_is_refused_with_shard(tmp_path):
                       device="cuda:0,1", shard="layers")
 
 
-def test_a_layer_sharded_run_config_is_batched_and_decodes_dynamically(tmp_path):
+def test_a_layer_sharded_run_config_is_batched_and_decodes_by_graph(tmp_path):
     from transformers import LlamaConfig
 
     from harness.replay.route import decide
@@ -111,7 +118,10 @@ def test_a_layer_sharded_run_config_is_batched_and_decodes_dynamically(tmp_path)
     gqa = json.loads((CANARIES / "gqa" / "config.json").read_text())
     route = decide(None, LlamaConfig(**{k: v for k, v in gqa.items() if k != "architectures"}), "cuda", True,
                    batched=True, shard="layers")
-    assert route.batch_refusal is None and route.decode.startswith("dynamic (graph decode refused")
+    assert route.batch_refusal is None and route.decode == "graph"
+    tensor = decide(None, LlamaConfig(**{k: v for k, v in gqa.items() if k != "architectures"}), "cuda", True,
+                    batched=True, shard="tensor")
+    assert tensor.decode.startswith("dynamic (graph decode refused for this model: tensor-parallel ranks")
 
 
 def test_a_gpu_the_host_lacks_is_refused(monkeypatch):
@@ -292,34 +302,48 @@ def test_a_layer_sharded_model_replays_bit_for_bit_what_one_gpu_replays(family):
         assert torch.equal(logprobs_sharded, logprobs_one), spec
 
 
-def _sharded_batches_store_what_one_gpu_stores(tmp_path, devices: str):
+def _sharded_batches_store_what_one_gpu_stores(tmp_path, devices: str, decode: str, models=None) -> dict:
+    """The manifests' `batching` of the sharded run, after checking its records against one GPU's in the same
+    decode mode (graph: each step's graphs against one graph; a graph replays the ops the eager pass ran)."""
     common = dict(command=["pytest", "sharded"], select=("id:canary-arith-*", "id:canary-recall-*"),
-                  paths="fp8_e4m3,fp8_e4m3:per_head:calibrated", batch_size=8, decode="dynamic")
+                  paths="bf16,fp8_e4m3,fp8_e4m3:per_head:calibrated", batch_size=8, decode=decode)
+    if models is not None:
+        common["models"] = models
     one = build_run_config(out=tmp_path / "one", device="cuda:0", **common)
     sharded = build_run_config(out=tmp_path / "sharded", device=devices, shard="layers", **common)
     runs = [job.run_job(config, warn=lambda message: None) for config in (one, sharded)]
     manifests = [json.loads((run / "manifest.json").read_text()) for run in runs]
     assert all(m["status"] == "complete" for m in manifests), [m.get("warnings") for m in manifests]
-    assert all(b["largest_batch"] > 1 and b["decode"]["batches"].keys() == {"dynamic"}
-               for b in manifests[1]["batching"].values()), manifests[1]["batching"]
+    for batching in (m["batching"] for m in manifests):
+        assert all(b["largest_batch"] > 1 and b["decode"]["batches"].keys() == {decode}
+                   and not b["decode"]["fallbacks"] for b in batching.values()), batching
     assert _records(runs[0]) and _records(runs[1]) == _records(runs[0])
+    return manifests[1]["batching"]
 
 
 @pytest.mark.multigpu
-def test_a_layer_sharded_batched_run_stores_what_one_gpu_stores(tmp_path):
-    """The model's batches over two GPUs (dynamic decode, each layer's cache, paged copy and Triton kernel on its
-    GPU) store the records the same batches store on one GPU with dynamic decode: the same ops on the same weights."""
-    _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0,1")
+@pytest.mark.parametrize("decode", ["dynamic", "graph"])
+def test_a_layer_sharded_batched_run_stores_what_one_gpu_stores(tmp_path, decode):
+    """The model's batches over two GPUs (each layer's cache, paged copy and Triton kernel on its GPU) store the
+    records the same batches store on one GPU in the same decode mode: the same ops on the same weights. A graph
+    step is a graph per GPU: the first GPU's layers, the second's, then the first's again (the logits brought back
+    and the step's lengths advanced)."""
+    batching = _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0,1", decode)
+    if decode == "graph":
+        assert {tuple(b["decode"]["graph_segments"]) for b in batching.values()} == {("cuda:0 > cuda:1 > cuda:0",)}
 
 
 @pytest.mark.gpu
-def test_a_layer_sharded_batched_run_on_one_gpu_stand_in_stores_what_one_gpu_stores(tmp_path, monkeypatch):
+@pytest.mark.parametrize("decode", ["dynamic", "graph"])
+def test_a_layer_sharded_batched_run_on_one_gpu_stand_in_stores_what_one_gpu_stores(tmp_path, monkeypatch, decode):
     """The same on one GPU named twice (accelerate's hooks, the sharded route and our Triton kernels on CUDA, minus
-    the hop between GPUs, which the multigpu test above adds)."""
+    the hop between GPUs, which the multigpu test above adds): a graph step records as one segment."""
     pytest.importorskip("accelerate", reason="the test extras install accelerate (pip install -e '.[test]')")
     monkeypatch.setattr(sharding, "split_devices", lambda device: ["cuda:0", "cuda:0"])
     monkeypatch.setattr(sharding, "check_shard", lambda shard, devices: None)
-    _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0")
+    batching = _sharded_batches_store_what_one_gpu_stores(tmp_path, "cuda:0", decode)
+    if decode == "graph":
+        assert {tuple(b["decode"]["graph_segments"]) for b in batching.values()} == {("cuda:0",)}
 
 
 @pytest.mark.multigpu

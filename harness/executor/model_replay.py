@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from harness.kv_paths.spec import KVPath
-from harness.replay.route import LAYERS_DECODE, TENSOR_DECODE
+from harness.replay.route import LAYERS_GRAPH, TENSOR_DECODE
 from harness.replay.runner import REFERENCE, Replay
 from harness.runs.store import RunStore
 from harness.types import Scores
 
-SHARDED_DECODE = f"batched, dynamic decode (static and graph decode refused: {LAYERS_DECODE})"
+SHARDED_DECODE = f"batched; graph decode records {LAYERS_GRAPH}"
 TENSOR_PARALLEL_DECODE = f"batched in lockstep, dynamic decode (static and graph decode refused: {TENSOR_DECODE})"
 
 
@@ -85,8 +85,8 @@ def replay_model(config, directory: Path, scenarios, calibration_chats, store: R
 
 
 def note_shards(store: RunStore, label: str, plan, warn) -> None:
-    """`manifest.parallel` of a layer-sharded run (each model's layer blocks per GPU); its batches decode
-    dynamically (the manifest's `batching[label].decode` says so per batch)."""
+    """`manifest.parallel` of a layer-sharded run (each model's layer blocks per GPU); how its batches decoded is the
+    manifest's `batching[label].decode`."""
     from harness.replay.sharding import layout
 
     def edit(manifest: dict) -> None:

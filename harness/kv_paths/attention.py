@@ -134,10 +134,11 @@ class StepState:
 
     def row_masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """([rows, 1, chunk, 1] bool real-token mask, [rows] int64 real tokens) of this pass, for `KVWriteStats`."""
-        cached = self._cached.get("row_masks")
+        key = ("row_masks", str(device))  # a layer-sharded model's layers ask from their own GPUs
+        cached = self._cached.get(key)
         if cached is None or cached[0] is not self.valid:  # keyed by the tensor: scoring sets `valid` per chunk
             rows_valid = self.valid.to(device).bool()
-            cached = self._cached["row_masks"] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
+            cached = self._cached[key] = (self.valid, rows_valid[:, None, :, None], rows_valid.sum(1))
         return cached[1], cached[2]
 
     def live(self, device) -> torch.Tensor:

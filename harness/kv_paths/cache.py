@@ -60,7 +60,9 @@ class KVWriteStats:
     `StepState`), `step.valid` [live rows, chunk] marks real (unpadded) tokens and `live` maps each batch position
     to its original row; without one, every row of a write counts into row 0 (one sequence). On CUDA the fused
     cache write (`kernels.store_kv.quantize_store`) adds into the same buffers (`fused_buffers`); elsewhere
-    `count` does with torch ops."""
+    `count` does with torch ops. A write on another GPU than the buffers' (a layer-sharded model) adds into that
+    GPU's own buffers (`away`), folded into these when they are read: no write adds across GPUs, so every GPU takes
+    the fused write and a layer-sharded decode step records as one CUDA graph per GPU (replay/segments.py)."""
 
     rows: int = 1
     step: object = None  # harness.kv_paths.attention.StepState, or None: one sequence
@@ -71,6 +73,7 @@ class KVWriteStats:
     # the write check: [rows, 4] float64, per side (K, V) the squared error of what the cache read back and of the
     # format's own definition (`KVFormat.round_trip`) on the same values, summed over the checked (prefill) writes
     write_err: torch.Tensor | None = None
+    away: dict = field(default_factory=dict)  # device -> (counts, amax_over_max) of writes on another GPU
 
     def __post_init__(self):
         if self.device is not None:
@@ -90,23 +93,34 @@ class KVWriteStats:
             return torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         return self.live
 
-    def on_device(self, device) -> bool:
-        """Whether the counts live on `device` (or will: none yet): the fused write adds into them in place."""
-        if self.counts is None:
-            return self.device is None or torch.device(self.device) == device
-        return self.counts.device == device
+    def _on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, amax_over_max) a write on `device` adds into."""
+        self._buffers(device)
+        if self.counts.device == device:
+            return self.counts, self.amax_over_max
+        if device not in self.away:
+            self.away[device] = (torch.zeros_like(self.counts, device=device),
+                                 torch.zeros_like(self.amax_over_max, device=device))
+        return self.away[device]
+
+    def _fold(self) -> None:
+        """Add the other GPUs' counts into the home buffers (integer sums and maxima: the same numbers in any order)."""
+        for counts, amax in self.away.values():
+            self.counts += counts.to(self.counts.device)
+            torch.maximum(self.amax_over_max, amax.to(self.amax_over_max.device), out=self.amax_over_max)
+        self.away.clear()
 
     def fused_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(counts, amax, live, valid) for `quantize_store`."""
-        self._buffers(x.device)
-        return self.counts, self.amax_over_max, self._rows_of(x), None if self.step is None else self.step.valid
+        """(counts, amax, live, valid) for `quantize_store`, on x's device."""
+        counts, amax = self._on(x.device)
+        valid = None if self.step is None else self.step.valid.to(x.device)
+        return counts, amax, self._rows_of(x).to(x.device), valid
 
     def count(self, x: torch.Tensor, ratio: torch.Tensor, read_back: torch.Tensor) -> None:
         """x, ratio (|x / s| / fp8 max), read_back: [batch, heads, chunk, dim]; pads count nowhere. A step's masks are
         built once per forward pass (`StepState.row_masks`), not per layer and tensor."""
         if x.numel() == 0:
             return
-        self._buffers(x.device)
         clipped, nonfinite = ratio > 1, ~read_back.isfinite()
         finite = torch.nan_to_num(ratio.float(), nan=0.0, posinf=0.0)
         if self.step is None:
@@ -117,12 +131,11 @@ class KVWriteStats:
             finite = torch.where(valid, finite, 0.0)
         added = torch.stack([tokens * (x.shape[1] * x.shape[3]), clipped.sum((1, 2, 3)), nonfinite.sum((1, 2, 3))],
                             dim=1)
-        # a layer on another GPU than the counts (a layer-sharded model) adds its counts here
-        home = self.counts.device
-        rows = self._rows_of(x).to(home)
-        self.counts.index_add_(0, rows, added.to(home))
+        counts, amax = self._on(x.device)
+        rows = self._rows_of(x).to(x.device)
+        counts.index_add_(0, rows, added)
         # the running max of each row, in one op (same values as max(old, new); a max has no reduction order)
-        self.amax_over_max.scatter_reduce_(0, rows, finite.amax((1, 2, 3)).to(home), "amax")
+        amax.scatter_reduce_(0, rows, finite.amax((1, 2, 3)), "amax")
 
     def add_counted(self, values: int, clipped: int, nonfinite: int, amax: float, device) -> None:
         """`count`'s effect for one sequence's write whose numbers were counted elsewhere (the CPU round trip in C:
@@ -165,6 +178,7 @@ class KVWriteStats:
         stats = cls(len(parts), step, device)
         for row, part in enumerate(parts):
             if part.counts is not None:
+                part._fold()  # noqa: SLF001 - a part of the same class
                 stats.counts[row] = part.counts[0]
                 stats.amax_over_max[row] = part.amax_over_max[0]
                 stats.write_err[row] = part.write_err[0].to(stats.write_err.device)
@@ -178,6 +192,7 @@ class KVWriteStats:
     def row_records(self) -> list[dict[str, float]]:
         if self.counts is None:
             return [{"kv_clipped_frac": 0.0, "kv_nonfinite": 0.0, "kv_amax_over_max": 0.0} for _ in range(self.rows)]
+        self._fold()
         counts, amax = self.counts.tolist(), self.amax_over_max.tolist()
         records = [{"kv_clipped_frac": c / v if v else 0.0, "kv_nonfinite": float(n), "kv_amax_over_max": a}
                    for (v, c, n), a in zip(counts, amax)]
@@ -335,11 +350,11 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.kv_path.is_quantized:  # scales may be present; a BF16 cache must ignore them (class 3)
             keys, values = self._store(key_states, value_states)
         else:
-            if self.fused_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device):
+            if self.fused_serves and fused_write_on(key_states):
                 read_back = self._fused_round_trip(key_states, value_states)
                 if chunk == 1 and self.static is not None:  # the read-back went straight into static storage
                     return read_back
-            elif (self.fused_block_serves and fused_write_on(key_states) and self.stats.on_device(key_states.device)
+            elif (self.fused_block_serves and fused_write_on(key_states)
                   and self._block_layouts(key_states.shape[-1], value_states.shape[-1]) is not None):
                 read_back = self._fused_block_round_trip(key_states, value_states)
                 if chunk == 1 and self.static is not None:  # the read-back went straight into static storage
@@ -433,7 +448,8 @@ class QuantizedKVLayer(DynamicLayer):
                   for x, name in ((key_states, "k_scale"), (value_states, "v_scale"))]
         outs, columns = (None, None), None
         if key_states.shape[-2] == 1 and self.static is not None:
-            outs, columns = self.static.buffers(self, key_states, value_states), self.static.columns
+            outs, columns = self.static.buffers(self, key_states, value_states), \
+                self.static.columns_on(key_states.device)
         shared = dict(saturate=self.kv_path.saturate, out_columns=columns, counts=counts, amax=amax, live=live,
                       valid=valid)
         k_target, v_target = targets if targets is not None else ({}, {})
@@ -478,7 +494,8 @@ class QuantizedKVLayer(DynamicLayer):
         targets = self.paged.store_targets(key_states, value_states) if self.paged is not None else None
         outs, columns = (None, None), None
         if key_states.shape[-2] == 1 and self.static is not None:  # a decode step: read-back into static storage
-            outs, columns = self.static.buffers(self, key_states, value_states), self.static.columns
+            outs, columns = self.static.buffers(self, key_states, value_states), \
+                self.static.columns_on(key_states.device)
         read_back = []
         sides = zip((key_states, value_states), ("k_scale", "v_scale"), self._layouts, self._splits, outs)
         for i, (x, name, layout, split, out) in enumerate(sides):
@@ -662,9 +679,15 @@ class StaticColumns:
         writes another number of tokens than the pass has columns (a looped model's per-loop writes: Dory) raises
         StaticStorageMismatch: the batch then decodes with the growing cache."""
         keys_at, values_at = self.buffers(layer, keys, values)
-        keys_at.index_copy_(2, self.columns, keys)
-        values_at.index_copy_(2, self.columns, values)
+        columns = self.columns_on(keys.device)
+        keys_at.index_copy_(2, columns, keys)
+        values_at.index_copy_(2, columns, values)
         return keys_at, values_at
+
+    def columns_on(self, device: torch.device) -> torch.Tensor:
+        """This pass's columns on `device`: a layer-sharded model's layers on other GPUs than the batch's write there
+        (a segmented graph reads them from a mirror: harness/replay/segments.py)."""
+        return self.columns if self.columns.device == device else self.columns.to(device)
 
     def buffers(self, layer: DynamicLayer, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,7 +134,8 @@ class ImplProbe:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        flat = torch.cat([pooled.flatten() for pooled, _, _ in pending]).cpu().tolist()
+        home = pending[0][0].device  # a layer-sharded model's layers measured on their own GPUs
+        flat = torch.cat([pooled.flatten().to(home) for pooled, _, _ in pending]).cpu().tolist()
         offset = 0
         for pooled, layer, rows in pending:
             width = pooled.shape[1] * pooled.shape[2]

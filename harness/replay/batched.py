@@ -33,6 +33,7 @@ from harness.kv_paths.cache import (KVWriteStats, StaticColumns, StaticStorageMi
                                     make_static, stack_rows)
 from harness.replay.families import NO_CACHE_TYPES, static_decode_refusal  # noqa: F401 - re-exported
 from harness.replay.route import DECODE_MODES, EVERY_CALL_EAGER, layout_decode_refusal
+from harness.replay.segments import SegmentedGraph
 from harness.replay.families import ssm_scan_bytes
 from harness.replay.tensor_parallel import min_across_ranks
 
@@ -113,17 +114,21 @@ class BatchedEngine:
         self.batch_sizes_used: list[int] = []
         self.decode_batches: dict[str, int] = {}  # generation batches per decode mode actually used
         self.decode_fallbacks: list[str] = []  # why a batch asked for static/graph decode ran another way
+        # a layer-sharded model's captured decode steps: their graphs' GPUs in order ("cuda:0 > cuda:1 > cuda:0")
+        self.graph_segments: set[str] = set()
         # an eager decode step has run (Triton kernels compiled, library handles and lazy copies made): later
         # batches capture their first step instead of running it eagerly
         self.decode_warm = False
 
     def _layout_refusal(self) -> str | None:
-        """Why this model's batches cannot decode on static storage for its layout: layer-sharded or a
-        tensor-parallel rank (as the route says for `--shard layers | tensor`)."""
-        owner = self.backend.owner
-        if getattr(owner, "tensor_parallel", False):
-            return layout_decode_refusal("tensor")
-        return layout_decode_refusal("layers") if getattr(owner, "shard_plan", None) is not None else None
+        """Why this model's batches cannot decode on static storage for its layout: a tensor-parallel rank (as the
+        route says for `--shard tensor`). A layer-sharded model's decode step records as one graph per GPU
+        (`segments.SegmentedGraph`)."""
+        return layout_decode_refusal("tensor") if getattr(self.backend.owner, "tensor_parallel", False) else None
+
+    @property
+    def layer_sharded(self) -> bool:
+        return getattr(self.backend.owner, "shard_plan", None) is not None
 
     # -- batching with OOM back-off -------------------------------------------------------------------
     def _in_batches(self, items: list, run: Callable[[list], list], max_len: int) -> list:
@@ -705,7 +710,12 @@ class StaticDecodeStep:
             return self._capture_failed(error)
         return True
 
-    def _record(self) -> "torch.cuda.CUDAGraph":
+    def _record(self) -> "torch.cuda.CUDAGraph | SegmentedGraph":
+        if self.engine.layer_sharded:  # one graph per GPU, in the order the pass runs them
+            graph = SegmentedGraph()
+            self.logits = graph.record(self._forward)
+            self.engine.graph_segments.add(" > ".join(graph.devices))
+            return graph
         graph = torch.cuda.CUDAGraph()
         # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
         # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms

@@ -186,14 +186,20 @@ class BatchedReplay:
         return engine
 
     def _decode_summary(self) -> dict:
-        """Generation batches per decode mode, and why any ran in another mode than asked (named, never silent)."""
+        """Generation batches per decode mode, why any ran in another mode than asked (named, never silent), and a
+        layer-sharded model's graphs per GPU."""
         batches: dict[str, int] = {}
         fallbacks: list[str] = []
+        segments: set[str] = set()
         for engine in self.engines:
             for mode, count in engine.decode_batches.items():
                 batches[mode] = batches.get(mode, 0) + count
             fallbacks += [why for why in engine.decode_fallbacks if why not in fallbacks]
-        return {"asked": self.settings.decode, "batches": batches, "fallbacks": fallbacks}
+            segments |= engine.graph_segments
+        summary = {"asked": self.settings.decode, "batches": batches, "fallbacks": fallbacks}
+        if segments:  # a layer-sharded model: each captured step's graphs, by GPU
+            summary["graph_segments"] = sorted(segments)
+        return summary
 
     # -- generation waves ---------------------------------------------------------------------------------
     def _reference_waves(self, scenarios: Sequence[Scenario]) -> dict[str, list[TurnReply]]:

@@ -174,21 +174,22 @@ def _beyond_sdpa_missing(kv_path: KVPath, facts: ModelFacts, name: str | None) -
             f"runs torch attention as the model defines it")
 
 
-# Why a model laid out over several devices decodes its batches dynamically, by --shard value. Layers: each layer's
-# cache, paged copy and kernels live on its own GPU, the batch's row state goes to each layer's GPU with its inputs.
-# Tensor: every rank runs the same batches in lockstep (`BatchedEngine`: the batch size agreed over the ranks, a
-# rank's error ends the run rather than a batch of its own), each rank's caches and kernels holding its KV heads.
-LAYERS_DECODE = ("layers on several GPUs (a CUDA graph records one GPU's stream; static storage's write columns live "
-                 "on one GPU)")
+# How a layer-sharded model's batches decode: each layer's cache, paged copy and kernels live on its own GPU, and a
+# CUDA graph records one GPU's stream, so a graph-decoded step is one graph per GPU, replayed in order, the values
+# that cross GPUs copied between them (`segments.SegmentedGraph`).
+LAYERS_GRAPH = "one CUDA graph per GPU a decode step, replayed in order (harness/replay/segments.py)"
+# Why a tensor-parallel model decodes its batches dynamically: every rank runs the same batches in lockstep
+# (`BatchedEngine`: the batch size agreed over the ranks, a rank's error ends the run rather than a batch of its own),
+# each rank's caches and kernels holding its KV heads.
 TENSOR_DECODE = ("tensor-parallel ranks (a CUDA graph's capture and its out-of-memory retry would be each rank's "
                  "own, while every collective must match the other ranks'; static storage and graphs with the "
                  "plan's collectives inside are not built)")
-LAYOUT_DECODE = {"layers": LAYERS_DECODE, "tensor": TENSOR_DECODE}
+LAYOUT_DECODE = {"tensor": TENSOR_DECODE}
 
 
 def layout_decode_refusal(shard: str | None) -> str | None:
-    """Why a model laid out as `shard` (--shard layers | tensor) decodes its batches dynamically, static and graph
-    decode refused (None: one device, any mode). The run's options check (`--decode` with --shard), the route, the
+    """Why a model laid out as `shard` (--shard tensor) decodes its batches dynamically, static and graph decode
+    refused (None: one device or --shard layers, any mode). The run's options check (`--decode` with --shard), the route, the
     engine's fallback and `parallel.batch_composition` all quote this."""
     return LAYOUT_DECODE.get(shard) if shard is not None else None
 
@@ -200,7 +201,7 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool = False) -> str | None:
     reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
     Refused today: nothing. Batched since, each with what was measured: models laid out over several devices
-    (`--shard layers | tensor`, decoding dynamically: `layout_decode_refusal`; tests/test_multi_gpu.py and
+    (`--shard layers | tensor`, a tensor-parallel one decoding dynamically: `layout_decode_refusal`; tests/test_multi_gpu.py and
     tests/test_tensor_parallel.py compare their batches with one device's); fault injectors (the implementation
     check that catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
     `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU

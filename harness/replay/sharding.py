@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from harness.replay.devices import device_list
-from harness.replay.route import LAYERS_DECODE
+from harness.replay.route import LAYERS_GRAPH
 
 SHARD_MODES = ("layers", "tensor")  # --shard values; tensor: harness.replay.tensor_parallel (a process per GPU)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -119,6 +119,9 @@ def plan_for(model: torch.nn.Module, devices: list[str]) -> ShardPlan:
     for block, device in zip(blocks, devices):
         for i in block:
             device_map[f"{prefix}.{i}"] = device
+    # the first GPU's modules first: accelerate takes the map's first device as the model's own, where its hook
+    # moves the inputs (the LM head, named first at the model's root, had put them on the last GPU and back)
+    device_map = dict(sorted(device_map.items(), key=lambda item: item[1] != first))
     return ShardPlan(tuple(devices), len(layers), prefix, tuple(blocks), device_map)
 
 
@@ -235,4 +238,4 @@ def layout(plans: dict[str, ShardPlan]) -> dict:
     devices = next(iter(plans.values())).devices if plans else ()
     return {"kind": "layer-sharded", "devices": list(devices),
             "models": {label: plan.describe() for label, plan in plans.items()},
-            "batch_composition": f"batched, dynamic decode (static and graph decode refused: {LAYERS_DECODE})"}
+            "batch_composition": f"batched; graph decode records {LAYERS_GRAPH}"}
