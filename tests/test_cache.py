@@ -419,3 +419,23 @@ def test_an_mla_row_with_a_block_scaled_latent_takes_the_fused_write_for_the_lat
     assert layer.v_format is None
     layouts = layer._block_layouts(64, 16)  # the canary's latent 64, rope 16
     assert layouts is not None and layouts[1] is None and layouts[0].kv_format is layer.k_format
+
+
+def test_writes_on_another_device_count_there_and_fold_into_the_records():
+    """A layer-sharded model's layers on another GPU add their write counts into that GPU's own buffers (no op
+    across GPUs inside a decode step's graph); the records sum the counts and take the larger maximum. "meta" stands
+    in for the other GPU (its buffers are made there, the home ones untouched); the fold's arithmetic runs on CPU
+    buffers put in its place."""
+    from harness.kv_paths.cache import KVWriteStats
+
+    stats = KVWriteStats(rows=2, device="cpu")
+    counts, amax = stats._on(torch.device("meta"))  # noqa: SLF001
+    assert counts.device.type == amax.device.type == "meta" and stats.counts.device.type == "cpu"
+    assert stats._on(torch.device("cpu"))[0] is stats.counts  # noqa: SLF001
+    stats.counts += torch.tensor([[10, 1, 0], [20, 0, 0]])
+    stats.amax_over_max += torch.tensor([0.5, 2.0])
+    stats.away = {torch.device("meta"): (torch.tensor([[6, 2, 1], [0, 0, 0]]), torch.tensor([1.5, 0.25]))}
+    first, second = stats.row_records()
+    assert (first["kv_clipped_frac"], first["kv_nonfinite"], first["kv_amax_over_max"]) == (3 / 16, 1.0, 1.5)
+    assert (second["kv_clipped_frac"], second["kv_amax_over_max"]) == (0.0, 2.0)
+    assert stats.away == {}

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 @dataclasses.dataclass
@@ -132,33 +132,56 @@ class _CudaSegmentGraph:
             self.graph.replay()
 
 
-def op_device(func, args: tuple, kwargs: dict) -> torch.device | None:
-    """The device an aten op runs on: its `device` argument's (factories, `to`, `_to_copy`), `to(other)`'s other's,
-    else the first tensor it writes (in-place and out= ops), else its first tensor's not on the CPU, else its first
-    tensor's; None: no tensor."""
-    schema = func._schema.arguments  # noqa: SLF001 - the op's declared arguments and aliasing
-    for i, argument in enumerate(schema):
-        if argument.name == "device":
-            value = args[i] if i < len(args) else kwargs.get("device")
-            if value is not None:
-                return torch.device(value)
-    if func._opname == "to" and func._overloadname == "other":  # noqa: SLF001
-        return (args[1] if len(args) > 1 else kwargs["other"]).device
-    for i, argument in enumerate(schema):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            written = next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
-            if written is not None:
-                return written.device
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device if tensors else None)
+@dataclasses.dataclass(frozen=True)
+class _OpFacts:
+    """What an aten op's schema says of where it runs, read once per op (the mode sees thousands of calls a pass)."""
+
+    device: tuple[int, str] | None  # the `device` argument's (position, name)
+    written: tuple[tuple[int, str], ...]  # the arguments it writes (in-place, out=)
+    to_other: bool  # `to(other)`: the other tensor's device
+    passes: bool  # a view op of aten's own: no kernel, no memory
 
 
 @functools.lru_cache(maxsize=None)
-def _composite(func) -> bool:
-    """An op that reaches the mode before its decomposition (`to`, `reshape`, `contiguous` under inference mode): it
-    may alias or copy, so it is recorded as an op of its device, not passed through as a view."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")  # noqa: SLF001
+def _facts(func) -> _OpFacts:
+    arguments = list(enumerate(func._schema.arguments))  # noqa: SLF001 - the op's declared arguments and aliasing
+    device = next(((i, a.name) for i, a in arguments if a.name == "device"), None)
+    written = tuple((i, a.name) for i, a in arguments if a.alias_info is not None and a.alias_info.is_write)
+    # `to`, `reshape` and `contiguous` reach the mode undecomposed under inference mode: they may copy, so only
+    # views without a CompositeImplicitAutograd kernel pass through
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")  # noqa: SLF001
+    return _OpFacts(device, written, func._opname == "to" and func._overloadname == "other",  # noqa: SLF001
+                    func.is_view and not composite)
+
+
+def _argument(args: tuple, kwargs: dict, at: tuple[int, str]):
+    return args[at[0]] if at[0] < len(args) else kwargs.get(at[1])
+
+
+def op_device(func, args: tuple, kwargs: dict, flat: list | None = None) -> torch.device | None:
+    """The device an aten op runs on: its `device` argument's (factories, `to`, `_to_copy`), `to(other)`'s other's,
+    else the first tensor it writes (in-place and out= ops), else its first tensor's not on the CPU, else its first
+    tensor's; None: no tensor. flat: (args, kwargs) flattened, where the caller has it."""
+    facts = _facts(func)
+    if facts.device is not None:
+        value = _argument(args, kwargs, facts.device)
+        if value is not None:
+            return torch.device(value)
+    if facts.to_other:
+        return (args[1] if len(args) > 1 else kwargs["other"]).device
+    for at in facts.written:
+        value = _argument(args, kwargs, at)
+        written = value if isinstance(value, torch.Tensor) else next(
+            (t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
+        if written is not None:
+            return written.device
+    first = None
+    for t in tree_flatten((args, kwargs))[0] if flat is None else flat:
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                return t.device
+            first = first or t.device
+    return first
 
 
 class _Segmenter(TorchDispatchMode):
@@ -170,21 +193,22 @@ class _Segmenter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        device = op_device(func, args, kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        device = op_device(func, args, kwargs, flat)
         host = self.owner.host
-        if device is None or device.type == host or (func.is_view and not _composite(func)):
-            return func(*args, **kwargs)  # a view op of aten's own: no kernel, no memory
+        if device is None or device.type == host or _facts(func).passes:
+            return func(*args, **kwargs)
         if self.open is None or self.open.device != device:
             self._start(device)
-        segment = self.open
         used = []
-
-        def mirrored(value):
-            if isinstance(value, torch.Tensor) and value.device.type != host and value.device != device:
-                used.append(self._mirror(segment, value))
-                return used[-1]
-            return value
-        result = func(*tree_map(mirrored, args), **tree_map(mirrored, kwargs))
+        for i, value in enumerate(flat):
+            if isinstance(value, torch.Tensor) and value.device != device and value.device.type != host:
+                flat[i] = self._mirror(self.open, value)
+                used.append(flat[i])
+        if not used:
+            return func(*args, **kwargs)
+        args, kwargs = tree_unflatten(flat, spec)
+        result = func(*args, **kwargs)
         if isinstance(result, torch.Tensor) and any(result.untyped_storage().data_ptr() ==
                                                     m.untyped_storage().data_ptr() for m in used):
             result = result.clone()  # `x.to(this GPU)` of a mirror returns it: each caller gets its own, as eagerly
