@@ -5,6 +5,7 @@
 #   dp       `harness run` on cuda:0 against cuda:all, the default set and one 8x larger (benchmarks/data_parallel.py)
 #   rows     data-parallel decode rows, 1 and N GPUs, 8B-shaped, --new 32 and 64 (benchmarks/scale_bench.py --gpus N)
 #   sharded  the 70B-shaped model layer-sharded over N GPUs: plain generate b8, one at a time, batched b8
+#   sharded-graph  its batched b8 rows alone (graph decode, one graph per GPU a step), 128 tokens, two rounds
 #   tp       the gqa canary's default set on one GPU and tensor-parallel over two (whole process), and the TP=2 noise
 #            floor of the three canaries (benchmarks/tp_compare.py)
 #   ray      the default set through Ray actors, one per GPU, against the local per-GPU pool (data_parallel.py)
@@ -27,6 +28,9 @@ for step in "$@"; do
           done ;;
     sharded) timeout 560 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --no-data-parallel --sharded 70b --new 32 2>&1 \
                | tee "$OUT/sharded.log" | grep "^|\|built" ;;
+    # the batched rows alone, 128 tokens (each batch captures its graphs: 32 tokens leave that in the step), two rounds
+    sharded-graph) timeout 300 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --no-data-parallel --sharded 70b \
+                     --sharded-batched-only --rounds 2 --new 128 2>&1 | tee "$OUT/sharded_graph.log" | grep "^|" ;;
     tp) for spec in "--device cuda:0" "--device cuda:0,1 --shard tensor"; do
           echo "--- gqa default set, $spec"
           ( time timeout 250 python -m harness.cli run --models gqa $spec --out "$(mktemp -d)/run" --no-progress \
@@ -37,6 +41,6 @@ for step in "$@"; do
           | tee "$OUT/tp_compare.log" | tail -20 ;;
     ray) timeout 560 python benchmarks/data_parallel.py --devices cuda:all --sets 1 8 --executor ray 2>&1 \
            | tee "$OUT/ray.log" ;;
-    *) echo "unknown step $step (tests, dp, rows, sharded, tp, ray)"; exit 2 ;;
+    *) echo "unknown step $step (tests, dp, rows, sharded, sharded-graph, tp, ray)"; exit 2 ;;
   esac
 done

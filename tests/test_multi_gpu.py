@@ -251,11 +251,13 @@ def _records(run_dir: Path) -> list[tuple]:
     return sorted(rows)
 
 
-def test_a_layer_sharded_model_replays_in_batches_what_the_plain_model_replays(tmp_path, cpu_stand_in_gpus):
-    """--shard layers with --batch-size: the model's batches (several rows, dynamic decode) through accelerate's
-    hooks store the records the same batches store on the plain model (the GPU test below adds the device hop)."""
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_layer_sharded_model_replays_in_batches_what_the_plain_model_replays(tmp_path, cpu_stand_in_gpus, decode):
+    """--shard layers with --batch-size: the model's batches (several rows) through accelerate's hooks store the records
+    the same batches store on the plain model, decoding dynamically or on static storage (the GPU tests below add the
+    device hop and graph decode)."""
     common = dict(command=["pytest", "sharded"], models=[CANARIES / "gqa"], select=("id:canary-arith-*",),
-                  paths="fp8_e4m3", batch_size=4)
+                  paths="fp8_e4m3", batch_size=4, decode=decode)
     plain = build_run_config(out=tmp_path / "plain", device="cpu", **common)
     sharded = build_run_config(out=tmp_path / "sharded", device="cpu", shard="layers", **common)
     assert plain.batched and sharded.batched
@@ -264,6 +266,7 @@ def test_a_layer_sharded_model_replays_in_batches_what_the_plain_model_replays(t
     assert all(m["status"] == "complete" for m in manifests)
     assert manifests[1]["parallel"]["kind"] == "layer-sharded"
     assert manifests[1]["batching"]["gqa"]["largest_batch"] > 1, manifests[1]["batching"]
+    assert all(m["batching"]["gqa"]["decode"]["batches"].keys() == {decode} for m in manifests), manifests
     assert _records(runs[0]) and _records(runs[1]) == _records(runs[0])
 
 
