@@ -21,6 +21,8 @@ import tempfile
 
 import torch
 
+from kernels.launches import launching
+
 _MAX_DYNAMIC_SHARED = 8   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 CACHE_ENV = "FP8_HARNESS_KERNEL_CACHE"
@@ -85,6 +87,7 @@ class Kernel:
         """Launch on torch's current stream. overlap: a programmatic dependent launch (sm_90): the kernel may start
         before the stream's previous kernel has finished, once that kernel's blocks have all executed
         griddepcontrol.launch_dependents; it must wait for that kernel's results with griddepcontrol.wait."""
+        launching(self.device)
         if smem > self.max_shared:
             _check_driver(_driver().cuFuncSetAttribute(self.function, _MAX_DYNAMIC_SHARED, smem),
                           f"cuFuncSetAttribute(max dynamic shared memory = {smem} bytes)")

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launches import launching
+
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
 
@@ -24,6 +26,7 @@ def on_tensor_device(launcher):
         tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tensor is None or tensor.device.type != "cuda":
             return launcher(*args, **kwargs)
+        launching(tensor.device)
         with torch.cuda.device(tensor.device):
             return launcher(*args, **kwargs)
     guarded.on_tensor_device = True

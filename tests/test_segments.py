@@ -157,3 +157,23 @@ def test_two_gpus_replay_what_the_eager_pass_computes_and_no_temporary_overwrite
             column.fill_(i)
             graph.replay()
             assert out.tolist() == [12.0] * (i + 1) + [0.0] * (7 - i), i
+
+
+def test_a_launch_of_our_kernels_starts_its_devices_segment():
+    """Our Triton and NVRTC launchers are not aten ops: they say their device (kernels/launches.py), and a launch on
+    another device than the open segment's starts that device's segment, as an op does (else it would run once,
+    eagerly, while recording, and never again)."""
+    from kernels.launches import LAUNCH_WATCHER, launching
+
+    recorder = StandIn()
+    graph = SegmentedGraph(recorder, host=None)
+
+    def step():
+        a = torch.ones(2) + 1
+        launching(torch.device("meta"))   # a kernel of ours on the other device
+        launching(torch.device("meta"))   # the same segment
+        return a * 2                       # back on the first
+
+    graph.record(step)
+    assert graph.devices == ["cpu", "meta", "cpu"]
+    assert LAUNCH_WATCHER.get() is None   # nobody watches after the record

@@ -17,9 +17,9 @@ orders itself after the source GPU's queued work and before the destination's, s
 whose results it reads, and the source GPU does not overwrite a source before it is copied. The rule of the mirror
 holds because a segment runs only ops of its own GPU: no other GPU's tensor can change while it runs.
 
-What the dispatch mode does not see is a kernel launched directly (Triton, NVRTC) on a GPU other than the segment's:
-ours launch on their tensors' GPU (`kernels.splits.on_tensor_device`), and a layer's first op is accelerate's copy of
-its inputs to its GPU, which opens the layer's segment. The write statistics count on each GPU
+A kernel launched directly (Triton, NVRTC) is not an aten op: our launchers say the GPU they launch on
+(`kernels.launches.launching`), which opens its segment as an op does; their inputs are their GPU's tensors, moved
+there by aten ops the mode sees. The write statistics count on each GPU
 (`cache.KVWriteStats.away`), so a decode step over two GPUs is three segments: the first GPU's layers, the second's
 with the norm and LM head, and the first's again (the logits brought back, the step's lengths advanced).
 tests/test_multi_gpu.py compares a graph-decoded sharded batch with one GPU's, record for record.
@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from kernels.launches import LAUNCH_WATCHER
 
 
 @dataclasses.dataclass
@@ -60,10 +62,12 @@ class SegmentedGraph:
 
     def record(self, fn: Callable[[], object]):
         mode = _Segmenter(self)
+        watching = LAUNCH_WATCHER.set(mode.launched)
         try:
             with mode:
                 result = fn()
         finally:
+            LAUNCH_WATCHER.reset(watching)
             mode.close()
         return result
 
@@ -213,6 +217,12 @@ class _Segmenter(TorchDispatchMode):
                                                     m.untyped_storage().data_ptr() for m in used):
             result = result.clone()  # `x.to(this GPU)` of a mirror returns it: each caller gets its own, as eagerly
         return result
+
+    def launched(self, device: torch.device) -> None:
+        """One of our kernels launches on `device` (kernels/launches.py): its GPU's segment, as for an op."""
+        device = torch.device(device)
+        if device.type != self.owner.host and (self.open is None or self.open.device != device):
+            self._start(device)
 
     def _start(self, device: torch.device) -> None:
         self._end()
