@@ -29,8 +29,9 @@ for step in "$@"; do
     sharded) timeout 560 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --no-data-parallel --sharded 70b --new 32 2>&1 \
                | tee "$OUT/sharded.log" | grep "^|\|built" ;;
     # the batched rows alone, 128 tokens (each batch captures its graphs: 32 tokens leave that in the step), two rounds
-    sharded-graph) timeout 300 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --no-data-parallel --sharded 70b \
-                     --sharded-batched-only --rounds 2 --new 128 2>&1 | tee "$OUT/sharded_graph.log" | grep "^|" ;;
+    sharded-graph) timeout 300 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --no-data-parallel \
+                     --sharded 70b --sharded-batched-only --rounds 2 --new 128 2>&1 | tee "$OUT/sharded_graph.log" \
+                     | grep "^|" ;;
     tp) for spec in "--device cuda:0" "--device cuda:0,1 --shard tensor"; do
           echo "--- gqa default set, $spec"
           ( time timeout 250 python -m harness.cli run --models gqa $spec --out "$(mktemp -d)/run" --no-progress \

@@ -765,7 +765,8 @@ def main() -> None:
     parser.add_argument("--sharded", default="", help="layer-sharded rows over --gpus GPUs: 70b, 8b (comma-separated)")
     parser.add_argument("--sharded-batched-only", action="store_true",
                         help="the 70B-shaped sharded model's batched rows only (no one-at-a-time or plain generate)")
-    parser.add_argument("--rounds", type=int, default=1, help="the 70B-shaped batched rows this many times, alternating")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the 70B-shaped batched rows this many times, alternating")
     parser.add_argument("--write-70b-dir", type=Path, default=None,
                         help="write a 70B-shaped random-weights model directory (canary tokenizer) and exit")
     args = parser.parse_args()

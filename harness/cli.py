@@ -169,8 +169,9 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
     run.add_argument("--shard", choices=("layers", "tensor"), default=None,
                      help="one model over the GPUs of --device (e.g. --device cuda:0,1 --shard layers): its decoder "
                           "layers split in blocks across them in this process, for a model too big for one GPU "
-                          "(batched; a graph-decoded step is one CUDA graph per GPU); 'tensor': a process per GPU, each holding its slice of every "
-                          "layer (transformers' tensor-parallel plan; batched in lockstep, dynamic decode; "
+                          "(batched; a graph-decoded step is one CUDA graph per GPU); 'tensor': a process per GPU, "
+                          "each holding its slice of every layer (transformers' tensor-parallel plan; batched in "
+                          "lockstep, dynamic decode; "
                           "under torchrun, one host or several, with --device cuda: each process one rank; "
                           "docs/MULTI_GPU.md)")
     run.add_argument("--executor", choices=("auto", "local", "ray"), default="auto",

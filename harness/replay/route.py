@@ -189,8 +189,8 @@ LAYOUT_DECODE = {"tensor": TENSOR_DECODE}
 
 def layout_decode_refusal(shard: str | None) -> str | None:
     """Why a model laid out as `shard` (--shard tensor) decodes its batches dynamically, static and graph decode
-    refused (None: one device or --shard layers, any mode). The run's options check (`--decode` with --shard), the route, the
-    engine's fallback and `parallel.batch_composition` all quote this."""
+    refused (None: one device or --shard layers, any mode). The run's options check (`--decode` with --shard), the
+    route, the engine's fallback and a tensor-parallel run's `parallel.batch_composition` all quote this."""
     return LAYOUT_DECODE.get(shard) if shard is not None else None
 
 
@@ -201,8 +201,8 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool = False) -> str | None:
     reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
     Refused today: nothing. Batched since, each with what was measured: models laid out over several devices
-    (`--shard layers | tensor`, a tensor-parallel one decoding dynamically: `layout_decode_refusal`; tests/test_multi_gpu.py and
-    tests/test_tensor_parallel.py compare their batches with one device's); fault injectors (the implementation
+    (`--shard layers | tensor`, a tensor-parallel one decoding dynamically: `layout_decode_refusal`;
+    tests/test_multi_gpu.py and tests/test_tensor_parallel.py compare their batches with one device's); fault injectors (the implementation
     check that catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
     `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU
     tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the
