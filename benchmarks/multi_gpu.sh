@@ -19,8 +19,10 @@ python -c "import torch, transformers, triton; print(torch.__version__, transfor
 for step in "$@"; do
   echo "=== $step $(date -u +%T), $GPUS GPUs"
   case $step in
-    tests) timeout 500 python -m pytest tests -m multigpu --gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/multigpu_tests.log" \
-             | tail -15 ;;
+    # the files that hold multigpu tests: the lent machines lack the '[test]' extra's servers (starlette, openai),
+    # so collecting every file there errors on the endpoint tests
+    tests) timeout 500 python -m pytest $(grep -l "mark.multigpu" tests/test_*.py) -m multigpu --gpu -q \
+             -p no:cacheprovider 2>&1 | tee "$OUT/multigpu_tests.log" | tail -15 ;;
     dp) timeout 560 python benchmarks/data_parallel.py --devices cuda:0 cuda:all --sets 1 8 2>&1 | tee "$OUT/dp.log" ;;
     rows) for new in 32 64; do
             timeout 270 python benchmarks/scale_bench.py --configs "" --gpus "$GPUS" --new $new 2>&1 \
