@@ -8,11 +8,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from harness import __version__, attention_cli
 from harness.kv_paths.spec import DEFAULT_PATHS, PathSpecError
 from harness.records import scrub_credentials
-from harness.runs.figure_worker import FigureWorker
+from harness.runs.figure_worker import FigureWorkers
 
 EPILOG = """\
 examples:
@@ -295,7 +296,7 @@ def _attention_options(args: argparse.Namespace):
 
 
 def _report(args: argparse.Namespace) -> int:
-    worker = FigureWorker.start()  # started first: its imports overlap this process's
+    worker = FigureWorkers.start()  # started first: their imports overlap this process's
     try:
         from harness.runs.report import render_run_report
 
@@ -400,7 +401,7 @@ def _scenarios(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    figure_workers: list = []  # the report's figure worker, once started; closed however the run ends
+    figure_workers: list = []  # the report's figure workers, once started; closed however the run ends
     try:
         return _run_command(args, figure_workers)
     finally:
@@ -468,7 +469,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
         if one_gpu(config) is not None:  # one GPU, replayed in this process
             _start_cuda_beside(config)
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
-        figure_workers += [w for w in [FigureWorker.start()] if w is not None]  # its imports overlap the run
+        figure_workers += [w for w in [FigureWorkers.start()] if w is not None]  # their imports overlap the run
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)
     except (PathSpecError, ScenarioError, RunStoreError, FileNotFoundError, ValueError, PreflightError) as error:
         print(f"error: {scrub_credentials(str(error))}", file=sys.stderr)
@@ -621,5 +622,37 @@ def _in_a_spawned_worker() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
+def entry() -> None:
+    """The `harness` command (and `python -m harness.cli`): `main`, then the process ends without the interpreter's
+    teardown (`_end_process`). `main` itself returns, for callers in a process of their own (tests, scripts)."""
+    try:
+        code = main()
+    except SystemExit as done:  # argparse's --help, --version and usage errors
+        code = done.code
+    _end_process(code)
+
+
+def _end_process(code) -> NoReturn:
+    """Exit with `code` as `sys.exit` does, less the interpreter's finalisation of every module: 1.1 s after torch and
+    transformers were imported (a run refused at its inputs, this project's 2-core EPYC) and 1.6 s after a default
+    CUDA run (an H200 box), of a process whose work is done (BENCHMARKS.md, session 36). The atexit handlers still
+    run (logging's flush, multiprocessing's joins, weakref finalizers) and the standard streams are flushed. Where a
+    thread that is not a daemon is still running, or the code is not a number, the ordinary exit runs instead."""
+    import atexit
+    import threading
+
+    code = 0 if code is None else code
+    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if running or not isinstance(code, int):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what Py_FinalizeEx runs first; the rest of it frees memory the exit frees anyway
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
+            pass
+    os._exit(code & 0xFF)  # as the system takes a status (sys.exit(-1): 255)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -186,37 +186,44 @@ def _threshold_line(ax, limit: tuple[float, str] | None, axis: str = "y") -> Non
 def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], limit=KL_LIMIT) -> list[dict]:
     """One figure per model, one panel per scenario kind: mean kl_mean over that kind's scenarios per turn and
     path, the kl_mean limit drawn. Kinds are kept apart: turn 2 of a recall chat is not turn 2 of a chat."""
-    table = _by_turn(records, "kl_mean", ("model", "kind", "path", "turn"))
-    out = []
-    for model, by_model in table.groupby("model", sort=True):
-        kinds = sorted(by_model["kind"].unique())
-        fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1.4, 3.6), squeeze=False, sharey=True)
-        for ax, kind in zip(axes[0], kinds):
-            part = by_model[by_model["kind"] == kind]
-            for path, line in part.groupby("path", sort=False):
-                colour = f"C{paths.index(path) % 10}" if path in paths else None
-                shown = line["value"].where(np.isfinite(line["value"]))
-                ax.plot(line["turn"], shown, marker="o", color=colour, label=path)
-                mark_nonfinite(ax, line["turn"], line["value"], colour)
-            _threshold_line(ax, limit)
-            ax.set_title(f"{kind} ({part['turn'].nunique()} turn(s))", fontsize=9)
-            ax.set_xlabel("turn")
-            ax.set_xticks(sorted(part["turn"].unique()))
-            ax.grid(alpha=0.3)
-        _kl_axis(axes[0][0], by_model["value"], limit=limit[0] if limit else None)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        for ax in axes[0][1:]:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7.5, frameon=False)
-        fig.suptitle(f"{model}: divergence against turn, per scenario kind", fontsize=10)
-        fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(labels) / 3), 1, 0.95))
-        out.append(save_figure(fig, out_dir, f"divergence_vs_turn-{_slug(model)}.png", f"{model}: divergence against turn",
-                         "Mean teacher-forced KL per turn over the scenarios of each kind; the dotted line is the "
-                         "kl_mean limit. Red triangles: inf.", model=model))
-    return out
+    return [divergence_vs_turn_of(model, by_model, out_dir, paths, limit)
+            for model, by_model in _turns_by_model(records)]
+
+
+def _turns_by_model(records: pd.DataFrame):
+    """(model, its kl_mean per kind, path and turn) in model order: `divergence_vs_turn_of`'s input."""
+    return _by_turn(records, "kl_mean", ("model", "kind", "path", "turn")).groupby("model", sort=True)
+
+
+def divergence_vs_turn_of(model: str, by_model: pd.DataFrame, out_dir: Path, paths: list[str], limit=KL_LIMIT) -> dict:
+    """`divergence_vs_turn`'s figure of one model, from its rows of `_turns_by_model`."""
+    kinds = sorted(by_model["kind"].unique())
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1.4, 3.6), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds):
+        part = by_model[by_model["kind"] == kind]
+        for path, line in part.groupby("path", sort=False):
+            colour = f"C{paths.index(path) % 10}" if path in paths else None
+            shown = line["value"].where(np.isfinite(line["value"]))
+            ax.plot(line["turn"], shown, marker="o", color=colour, label=path)
+            mark_nonfinite(ax, line["turn"], line["value"], colour)
+        _threshold_line(ax, limit)
+        ax.set_title(f"{kind} ({part['turn'].nunique()} turn(s))", fontsize=9)
+        ax.set_xlabel("turn")
+        ax.set_xticks(sorted(part["turn"].unique()))
+        ax.grid(alpha=0.3)
+    _kl_axis(axes[0][0], by_model["value"], limit=limit[0] if limit else None)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7.5, frameon=False)
+    fig.suptitle(f"{model}: divergence against turn, per scenario kind", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * math.ceil(len(labels) / 3), 1, 0.95))
+    return save_figure(fig, out_dir, f"divergence_vs_turn-{_slug(model)}.png", f"{model}: divergence against turn",
+                       "Mean teacher-forced KL per turn over the scenarios of each kind; the dotted line is the "
+                       "kl_mean limit. Red triangles: inf.", model=model)
 
 
 def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]) -> dict | None:
@@ -400,10 +407,31 @@ def attention_error(records: pd.DataFrame, out_dir: Path) -> dict | None:
                  "Largest attention error per path for each attn_ metric the run measured.")
 
 
+# the figures a figure worker may be asked to draw, by name (harness/runs/figure_worker.py)
+RUN_FIGURES = ("divergence_vs_turn_of", "divergence_vs_context", "sensitivity_ranking", "attention_error",
+               "kl_by_generation_position")
+
+
+def run_figure_calls(records: pd.DataFrame, out_dir: Path, paths: list[str], verdicts: list[dict] | None = None,
+                     limit=KL_LIMIT) -> list[tuple[str, tuple]]:
+    """The run's figures as (name in RUN_FIGURES, arguments), one figure a call, in the report's order: what
+    `run_plots` draws one after another, and figure workers side by side."""
+    calls = [("divergence_vs_turn_of", (model, by_model, out_dir, paths, limit))
+             for model, by_model in _turns_by_model(records)]
+    return calls + [("divergence_vs_context", (records, out_dir, paths)),
+                    ("sensitivity_ranking", (records, out_dir, verdicts)), ("attention_error", (records, out_dir))]
+
+
+def draw_figure(name: str, args: tuple) -> dict | None:
+    """One call of `run_figure_calls` (or `kl_by_generation_position`): its figure's entry, None where it has none."""
+    if name not in RUN_FIGURES:
+        raise ValueError(f"{name!r} is not a run figure ({', '.join(RUN_FIGURES)})")
+    return globals()[name](*args)
+
+
 def run_plots(records: pd.DataFrame, out_dir: Path, paths: list[str], verdicts: list[dict] | None = None,
               limit=KL_LIMIT) -> list[dict]:
-    drawn = [*divergence_vs_turn(records, out_dir, paths, limit), divergence_vs_context(records, out_dir, paths),
-             sensitivity_ranking(records, out_dir, verdicts), attention_error(records, out_dir)]
+    drawn = [draw_figure(name, args) for name, args in run_figure_calls(records, out_dir, paths, verdicts, limit)]
     return [d for d in drawn if d is not None]
 
 

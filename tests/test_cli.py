@@ -38,6 +38,8 @@ import io
 import itertools
 import logging
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -59,6 +61,40 @@ def test_version_matches_the_package(capsys):
     assert exit_info.value.code == 0
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert capsys.readouterr().out.strip() == f"harness {project['version']}" == f"harness {harness.__version__}"
+
+
+# The `harness` command's exit (`cli.entry`): the process ends without the interpreter's teardown, but with its
+# status, its atexit handlers and its flushed output; a thread still running is joined by the ordinary exit.
+ENTRY = """
+import atexit, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=False))
+if "thread" in sys.argv[1]:
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished"))).start()
+sys.argv = ["harness", *sys.argv[2].split()]
+from harness.cli import entry
+print("buffered, not flushed", end=" ")
+entry()
+"""
+
+
+@pytest.mark.parametrize("args, status, printed", [
+    ("--version", 0, "harness "),
+    ("run --scenarios scenarios/no-such-dir", 2, "scenarios/no-such-dir"),
+    ("report", 2, "usage: harness report"),
+])
+@pytest.mark.parametrize("thread", ["", "thread"])
+def test_the_harness_command_exits_with_its_status_output_and_atexit_handlers(args, status, printed, thread):
+    done = subprocess.run([sys.executable, "-c", ENTRY, thread or "-", args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == status, done.stderr
+    assert "buffered, not flushed" in done.stdout and "atexit ran" in done.stdout
+    assert printed in done.stdout + done.stderr
+    assert ("thread finished" in done.stdout) == bool(thread)
+
+
+def test_the_console_script_is_the_entry():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["harness"] == "harness.cli:entry"
 
 
 def all_actions(parser: argparse.ArgumentParser):
@@ -222,14 +258,14 @@ def test_a_config_transformers_cannot_read_is_refused_before_work(tmp_path, caps
     assert "Traceback" not in err and not (tmp_path / "out").exists(), err
 
 
-class FakeFigureWorker:
-    """Stands in for `FigureWorker` (no process): takes nothing, so the figures are drawn inline."""
+class FakeFigureWorkers:
+    """Stands in for `FigureWorkers` (no process): takes nothing, so the figures are drawn inline."""
 
     def __init__(self):
-        self.handed, self.closed = 0, False
+        self.handed, self.closed = [], False
 
-    def run_plots(self, *args, **kwargs):
-        self.handed += 1
+    def draw(self, name, args):
+        self.handed.append(name)
         return None
 
     def close(self):
@@ -237,22 +273,24 @@ class FakeFigureWorker:
 
 
 def test_run_and_report_hand_their_figures_to_a_worker_and_close_it(tmp_path, capsys, monkeypatch):
-    """`harness report` hands its figures to the worker it started and closes it; `harness run` closes its worker
-    also when the run is refused before any work."""
+    """`harness report` hands its figures to the workers it started, each figure a request, and closes them;
+    `harness run` closes its workers also when the run is refused before any work."""
     import json
 
     from harness import cli
 
-    started: list[FakeFigureWorker] = []
-    monkeypatch.setattr(cli.FigureWorker, "start", classmethod(lambda cls: started.append(FakeFigureWorker())
-                                                               or started[-1]))
+    started: list[FakeFigureWorkers] = []
+    monkeypatch.setattr(cli.FigureWorkers, "start", classmethod(lambda cls: started.append(FakeFigureWorkers())
+                                                                or started[-1]))
     assert main(["report", str(RUNS / "baseline"), "--out", str(tmp_path / "report")]) == 0
-    assert (tmp_path / "report" / "index.html").is_file() and started[0].handed == 1 and started[0].closed
+    assert (tmp_path / "report" / "index.html").is_file() and started[0].closed
+    assert started[0].handed == ["divergence_vs_turn_of", "divergence_vs_context", "sensitivity_ranking",
+                                 "attention_error", "kl_by_generation_position"]
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "no_such_family_anywhere"}))
     assert main(["run", "--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
-    assert len(started) == 2 and started[1].handed == 0 and started[1].closed
+    assert len(started) == 2 and started[1].handed == [] and started[1].closed
 
 
 def test_cuda_started_beside_the_checks_leaves_a_failure_to_the_first_cuda_call(monkeypatch):

@@ -334,13 +334,14 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_figures_drawn_by_a_worker_process_are_the_ones_drawn_inline(tmp_path, monkeypatch):
-    """`FigureWorker` draws the figures in a process of its own while the pages are written here (the CLI's run and
-    report commands, on 4 cores or more): every file of the report, PNGs included, is the inline rendering's, byte
-    for byte. A worker that dies costs only time: the figures are drawn here instead, the same files."""
+def test_figures_drawn_by_worker_processes_are_the_ones_drawn_inline(tmp_path, monkeypatch):
+    """`FigureWorkers` draw the figures in processes of their own, one figure a request dealt round the workers,
+    while the pages are written here (the CLI's run and report commands, on 4 cores or more): every file of the
+    report, PNGs included, is the inline rendering's, byte for byte. A worker answers several requests in turn. A
+    worker that dies costs only time: its figures are drawn here instead, the same files."""
     from harness.runs import figure_worker
 
-    seen = []  # per rendering: (handed to a worker, drawn inline)
+    seen = []  # per figure: (handed to a worker, drawn inline)
     real_drawn = figure_worker.drawn
 
     def spy(pending, inline):
@@ -351,32 +352,33 @@ def test_figures_drawn_by_a_worker_process_are_the_ones_drawn_inline(tmp_path, m
 
     monkeypatch.setattr(figure_worker, "drawn", spy)
     inline = render_run_report(RUNS / "baseline", tmp_path / "inline").parent
-    worker = figure_worker.FigureWorker()
+    calls = len(seen)
+    assert calls >= 4 and seen == [(False, True)] * calls
+    pool = figure_worker.FigureWorkers(2)
     try:
-        drawn = render_run_report(RUNS / "baseline", tmp_path / "worker", figure_worker=worker).parent
+        seen.clear()
+        drawn = render_run_report(RUNS / "baseline", tmp_path / "workers", figure_worker=pool).parent
         assert _files(drawn) == _files(inline) and any(name.endswith(".png") for name in _files(drawn))
-        worker.process.kill()
-        worker.process.wait()
-        dead = render_run_report(RUNS / "baseline", tmp_path / "dead", figure_worker=worker).parent
-        assert _files(dead) == _files(inline)
+        assert seen == [(True, False)] * calls
+        pool.workers[1].process.kill()
+        pool.workers[1].process.wait()
+        seen.clear()
+        pool.turn = 0
+        half = render_run_report(RUNS / "baseline", tmp_path / "half", figure_worker=pool).parent
+        assert _files(half) == _files(inline)
+        assert seen == [(True, False) if i % 2 == 0 else (False, True) for i in range(calls)]  # worker 1 dead
     finally:
-        worker.close()
-    assert seen == [(False, True), (True, False), (False, True)]  # inline; the worker's; inline after its death
+        pool.close()
 
 
 def test_a_silent_figure_worker_is_killed_and_the_figures_drawn_inline(tmp_path, monkeypatch):
     """A worker that answers nothing within ANSWER_TIMEOUT_S (here 1 s) is killed before the figures are drawn here,
     so no figure file is written by both."""
-    import subprocess
-
     from harness.runs import figure_worker
 
     monkeypatch.setattr(figure_worker, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(figure_worker, "SERVE", "import time; time.sleep(600)")  # reads nothing, answers nothing
     worker = figure_worker.FigureWorker()
-    worker.process.kill()
-    worker.process.wait()
-    worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE)  # reads nothing, answers nothing
     try:
         silent = render_run_report(RUNS / "baseline", tmp_path / "silent", figure_worker=worker).parent
         assert worker.process.poll() is not None  # killed
@@ -404,8 +406,15 @@ def test_a_script_without_a_main_guard_runs_once_with_a_figure_worker(tmp_path):
     assert (tmp_path / "ran").read_text() == "ran\n" and (tmp_path / "report" / "index.html").is_file()
 
 
-def test_a_figure_worker_starts_only_with_cores_to_spare(monkeypatch):
+@pytest.mark.parametrize("cores, workers", [(3, 0), (4, 1), (9, 2), (64, 4)])  # MIN_CORES 4 each, MAX_WORKERS 4
+def test_figure_workers_start_only_with_cores_to_spare(monkeypatch, cores, workers):
     from harness.runs import figure_worker
 
-    monkeypatch.setattr(figure_worker, "usable_cores", lambda: figure_worker.MIN_CORES - 1)
-    assert figure_worker.FigureWorker.start() is None
+    assert (figure_worker.MIN_CORES, figure_worker.MAX_WORKERS) == (4, 4)
+    monkeypatch.setattr(figure_worker, "usable_cores", lambda: cores)
+    pool = figure_worker.FigureWorkers.start()
+    try:
+        assert (len(pool.workers) if pool is not None else 0) == workers
+    finally:
+        if pool is not None:
+            pool.close()

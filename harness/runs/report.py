@@ -674,19 +674,18 @@ def kl_mean_limit(verdicts) -> tuple[float, str] | None:
 
 def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, figure_worker=None) -> Path:
     """Render `run_dir` (a stored run) into `out_dir` (default `run_dir/report`); return index.html's path.
-    figure_worker: a `figure_worker.FigureWorker` that draws the run's figures while the pages are written here."""
+    figure_worker: `figure_worker.FigureWorkers` (or one `FigureWorker`) that draws the run's figures while the pages
+    are written here."""
     from reports import plots
-
-    from harness.runs.figure_worker import drawn
 
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
-    figure_args = (run.records, out, paths)
-    figure_kwargs = {"verdicts": list(run.verdicts), "limit": kl_mean_limit(run.verdicts) or plots.KL_LIMIT}
-    pending = figure_worker.run_plots(*figure_args, **figure_kwargs) if figure_worker is not None else None
+    calls = plots.run_figure_calls(run.records, out, paths, list(run.verdicts),
+                                   kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
+    pending = [_hand(figure_worker, call) for call in calls]
     from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
 
     attention_figures = attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
@@ -699,20 +698,37 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
                    scenario=scenario, rows=scenario_rows, metrics=metrics,
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
-    figures = drawn(pending, lambda: plots.run_plots(*figure_args, **figure_kwargs)) + attention_figures
+    by_length = length_strata_view(run)
+    length_call = ("kl_by_generation_position", (by_length["generation"], out, paths, by_length["by_path"]))
+    length_pending = _hand(figure_worker, length_call)
     own, shared = headline(rows)
     whole = run.view.path_verdicts if run.verdicts else []
-    by_length = length_strata_view(run)
-    length_figures = [f for f in [plots.kl_by_generation_position(by_length["generation"], out, paths,
-                                                                  by_length["by_path"])] if f is not None]
+    strata = strata_view(run)
+    figures = [f for f in _figures(pending, calls) if f is not None] + attention_figures
+    length_figures = [f for f in _figures([length_pending], [length_call]) if f is not None]
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
                       matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
                       path_checks=path_checks(whole), yardstick=run.manifest.get("yardstick"),
-                      strata=strata_view(run), by_length=by_length, length_figures=length_figures,
+                      strata=strata, by_length=by_length, length_figures=length_figures,
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=run.view.detection)  # written by `harness zoo`
+
+
+def _hand(figure_worker, call: tuple[str, tuple]):
+    """One figure call handed to the worker(s) (None: drawn here later)."""
+    return figure_worker.draw(*call) if figure_worker is not None else None
+
+
+def _figures(pending: list, calls: list[tuple[str, tuple]]) -> list[dict | None]:
+    """Each call's figure: what its worker drew, in the calls' order (a worker answers in its requests' order), or
+    drawn here where no worker drew it."""
+    from reports import plots
+
+    from harness.runs.figure_worker import drawn
+
+    return [drawn(handed, lambda call=call: plots.draw_figure(*call)) for handed, call in zip(pending, calls)]
 
 
 # ---------------------------------------------------------------- export
