@@ -23,10 +23,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-REFERENCE = "reference"
+from reports.run_figures import (KL_LIMIT, REFERENCE, RUN_FIGURES, by_turn, candidate_rows, run_figure_calls,
+                                 turns_by_model)
+
 DPI = 90
 FAILURE_CHECKS = ("answer_correct", "rules_followed")
-KL_LIMIT = (0.05, "report default")  # kl_mean above which the report's levels call a cell bad
 VERDICT_COLOURS = {"pass": "#5aa469", "warn": "#e0b03c", "fail": "#d9534f", None: "#9aa3ad"}
 NONFINITE_COLOUR = "#c62828"
 
@@ -129,18 +130,6 @@ def save_figure(fig, out_dir: Path, name: str, title: str, caption: str, **extra
             **extra}
 
 
-def _metric(records: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Candidate rows of one metric; non-finite values kept (NaN only where nothing was stored)."""
-    return records[(records.metric == metric) & (records.path != REFERENCE)]
-
-
-def _by_turn(records: pd.DataFrame, metric: str, keys=("model", "path", "turn")) -> pd.DataFrame:
-    """Mean over scenarios per key; a group holding an inf is inf (the mean of it), a group of NaN only is NaN."""
-    table = _metric(records, metric).groupby(list(keys), sort=False)["value"].agg(
-        lambda v: v.mean() if v.notna().any() else math.nan).reset_index()
-    return table.sort_values("turn", kind="stable")
-
-
 def mark_nonfinite(ax, xs, ys, colour, horizontal: bool = False) -> int:
     """Draw each non-finite value at the top (inf) or the bottom (NaN, -inf) edge of the axes, labelled.
     Returns how many were drawn."""
@@ -187,12 +176,7 @@ def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], l
     """One figure per model, one panel per scenario kind: mean kl_mean over that kind's scenarios per turn and
     path, the kl_mean limit drawn. Kinds are kept apart: turn 2 of a recall chat is not turn 2 of a chat."""
     return [divergence_vs_turn_of(model, by_model, out_dir, paths, limit)
-            for model, by_model in _turns_by_model(records)]
-
-
-def _turns_by_model(records: pd.DataFrame):
-    """(model, its kl_mean per kind, path and turn) in model order: `divergence_vs_turn_of`'s input."""
-    return _by_turn(records, "kl_mean", ("model", "kind", "path", "turn")).groupby("model", sort=True)
+            for model, by_model in turns_by_model(records)]
 
 
 def divergence_vs_turn_of(model: str, by_model: pd.DataFrame, out_dir: Path, paths: list[str], limit=KL_LIMIT) -> dict:
@@ -227,8 +211,8 @@ def divergence_vs_turn_of(model: str, by_model: pd.DataFrame, out_dir: Path, pat
 
 
 def divergence_vs_context(records: pd.DataFrame, out_dir: Path, paths: list[str]) -> dict | None:
-    context = _metric(records, "context_tokens")
-    kl = _metric(records, "kl_mean")
+    context = candidate_rows(records, "context_tokens")
+    kl = candidate_rows(records, "kl_mean")
     if context.empty or kl.empty:
         return None
     keys = ["model", "scenario", "path", "turn"]
@@ -315,7 +299,7 @@ def verdict_table(verdicts: list[dict]) -> pd.DataFrame:
 def sensitivity_table(records: pd.DataFrame, verdicts: list[dict] | None = None) -> pd.DataFrame:
     """Per (model, path): mean KL, the verdict and the fraction of turns that failed, most sensitive first.
     Without verdicts the failure rate is that of the task checks (answer_correct, rules_followed)."""
-    kl = _metric(records, "kl_mean").groupby(["model", "path"])["value"].agg(
+    kl = candidate_rows(records, "kl_mean").groupby(["model", "path"])["value"].agg(
         lambda v: v.mean() if v.notna().any() else math.nan).rename("kl_mean")
     judged = verdict_table(verdicts or [])
     if len(judged):
@@ -407,21 +391,6 @@ def attention_error(records: pd.DataFrame, out_dir: Path) -> dict | None:
                  "Largest attention error per path for each attn_ metric the run measured.")
 
 
-# the figures a figure worker may be asked to draw, by name (harness/runs/figure_worker.py)
-RUN_FIGURES = ("divergence_vs_turn_of", "divergence_vs_context", "sensitivity_ranking", "attention_error",
-               "kl_by_generation_position")
-
-
-def run_figure_calls(records: pd.DataFrame, out_dir: Path, paths: list[str], verdicts: list[dict] | None = None,
-                     limit=KL_LIMIT) -> list[tuple[str, tuple]]:
-    """The run's figures as (name in RUN_FIGURES, arguments), one figure a call, in the report's order: what
-    `run_plots` draws one after another, and figure workers side by side."""
-    calls = [("divergence_vs_turn_of", (model, by_model, out_dir, paths, limit))
-             for model, by_model in _turns_by_model(records)]
-    return calls + [("divergence_vs_context", (records, out_dir, paths)),
-                    ("sensitivity_ranking", (records, out_dir, verdicts)), ("attention_error", (records, out_dir))]
-
-
 def draw_figure(name: str, args: tuple) -> dict | None:
     """One call of `run_figure_calls` (or `kl_by_generation_position`): its figure's entry, None where it has none."""
     if name not in RUN_FIGURES:
@@ -442,9 +411,9 @@ def compare_plots(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list[s
                   labels: tuple[str, str]) -> list[dict]:
     """kl_mean by turn (A dashed, B solid, colour = path; one panel per model) and mean KL per model/path."""
     out = []
-    by_turn = compare_by_turn(a, b, out_dir, paths, labels)
-    if by_turn:
-        out.append(by_turn)
+    turns = compare_by_turn(a, b, out_dir, paths, labels)
+    if turns:
+        out.append(turns)
     ranking = compare_sensitivity(a, b, out_dir, labels)
     if ranking:
         out.append(ranking)
@@ -453,7 +422,7 @@ def compare_plots(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list[s
 
 def compare_by_turn(a: pd.DataFrame, b: pd.DataFrame, out_dir: Path, paths: list[str],
                     labels: tuple[str, str]) -> dict | None:
-    ta, tb = _by_turn(a, "kl_mean"), _by_turn(b, "kl_mean")
+    ta, tb = by_turn(a, "kl_mean"), by_turn(b, "kl_mean")
     models = sorted(set(ta["model"]) | set(tb["model"]))
     if not models:
         return None

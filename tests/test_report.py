@@ -371,6 +371,21 @@ def test_figures_drawn_by_worker_processes_are_the_ones_drawn_inline(tmp_path, m
         pool.close()
 
 
+def test_a_report_whose_figures_workers_draw_imports_no_matplotlib_here(tmp_path):
+    """Importing matplotlib took 0.33 s of the report's process after a default CUDA run (an H200 box, session 36):
+    where workers draw every figure, the process writing the pages does not import it."""
+    import subprocess
+
+    code = ("import sys\nfrom harness.runs import figure_worker\nfrom harness.runs.report import render_run_report\n"
+            "pool = figure_worker.FigureWorkers(1)\n"
+            f"render_run_report({str(RUNS / 'baseline')!r}, {str(tmp_path / 'report')!r}, figure_worker=pool)\n"
+            "pool.close()\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert _files(tmp_path / "report") == _files(render_run_report(RUNS / "baseline", tmp_path / "inline").parent)
+
+
 def test_a_silent_figure_worker_is_killed_and_the_figures_drawn_inline(tmp_path, monkeypatch):
     """A worker that answers nothing within ANSWER_TIMEOUT_S (here 1 s) is killed before the figures are drawn here,
     so no figure file is written by both."""

@@ -676,20 +676,19 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
     """Render `run_dir` (a stored run) into `out_dir` (default `run_dir/report`); return index.html's path.
     figure_worker: `figure_worker.FigureWorkers` (or one `FigureWorker`) that draws the run's figures while the pages
     are written here."""
-    from reports import plots
+    from reports import run_figures  # the calls only: matplotlib is imported where a figure is drawn
 
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), summary_rows(run)
     metrics, paths = summary_metric_names(run.records), path_order(run)
-    calls = plots.run_figure_calls(run.records, out, paths, list(run.verdicts),
-                                   kl_mean_limit(run.verdicts) or plots.KL_LIMIT)
-    pending = [_hand(figure_worker, call) for call in calls]
-    from reports import attention_plots  # attention.jsonl / sensitivity.json views, when the run has them
-
-    attention_figures = attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
-                                                    run.view.sensitivity, out)
+    calls = run_figures.run_figure_calls(run.records, out, paths, list(run.verdicts),
+                                         kl_mean_limit(run.verdicts) or run_figures.KL_LIMIT)
+    by_length = length_strata_view(run)
+    length_call = ("kl_by_generation_position", (by_length["generation"], out, paths, by_length["by_path"]))
+    pending = [_hand(figure_worker, call) for call in [*calls, length_call]]  # drawn while the pages are written
+    attention_figures = _attention_figures(run, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
@@ -698,14 +697,12 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
                    scenario=scenario, rows=scenario_rows, metrics=metrics,
                    turns=scenario_turns(run, model, scenario, paths),
                    errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
-    by_length = length_strata_view(run)
-    length_call = ("kl_by_generation_position", (by_length["generation"], out, paths, by_length["by_path"]))
-    length_pending = _hand(figure_worker, length_call)
     own, shared = headline(rows)
     whole = run.view.path_verdicts if run.verdicts else []
     strata = strata_view(run)
-    figures = [f for f in _figures(pending, calls) if f is not None] + attention_figures
-    length_figures = [f for f in _figures([length_pending], [length_call]) if f is not None]
+    *figures, length_figure = _figures(pending, [*calls, length_call])
+    figures = [f for f in figures if f is not None] + attention_figures
+    length_figures = [length_figure] if length_figure is not None else []
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
                       metrics=metrics, figures=figures, manifest=manifest_view(run.manifest),
                       matrix=verdict_matrix_view(list(run.verdicts), paths[1:], scenario_page_name, whole),
@@ -716,6 +713,16 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
                       detection=run.view.detection)  # written by `harness zoo`
 
 
+def _attention_figures(run: StoredRun, out: Path) -> list[dict]:
+    """The attention.jsonl / sensitivity.json views, where the run has them (else matplotlib is not imported)."""
+    if run.view.attention_frame.empty and run.view.sensitivity is None:
+        return []
+    from reports import attention_plots
+
+    return attention_plots.run_figures(run.view.attention_frame, run.view.attention_channels_frame,
+                                       run.view.sensitivity, out)
+
+
 def _hand(figure_worker, call: tuple[str, tuple]):
     """One figure call handed to the worker(s) (None: drawn here later)."""
     return figure_worker.draw(*call) if figure_worker is not None else None
@@ -724,11 +731,15 @@ def _hand(figure_worker, call: tuple[str, tuple]):
 def _figures(pending: list, calls: list[tuple[str, tuple]]) -> list[dict | None]:
     """Each call's figure: what its worker drew, in the calls' order (a worker answers in its requests' order), or
     drawn here where no worker drew it."""
-    from reports import plots
-
     from harness.runs.figure_worker import drawn
 
-    return [drawn(handed, lambda call=call: plots.draw_figure(*call)) for handed, call in zip(pending, calls)]
+    return [drawn(handed, lambda call=call: _draw_here(call)) for handed, call in zip(pending, calls)]
+
+
+def _draw_here(call: tuple[str, tuple]) -> dict | None:
+    from reports import plots  # matplotlib: imported only where a figure is drawn in this process
+
+    return plots.draw_figure(*call)
 
 
 # ---------------------------------------------------------------- export
