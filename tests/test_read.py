@@ -248,3 +248,25 @@ def test_a_unit_that_errored_whole_has_a_verdict_row_every_reader_takes(baseline
     assert main(argv) in (0, 1)  # 1: compare reads the new warn as a change
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and "error:" not in captured.err
+
+
+def test_readers_share_a_table_by_its_content_each_with_rows_of_its_own(baseline):
+    """Readers in one process share the parsed, checked rows of records and series (`harness run` reads its run back
+    for its verdicts, its report and its summary): each reader gets rows of its own, and a table changed in place,
+    to the same size within the file system's timestamp tick too, is read again."""
+    from harness.runs.read import RunView
+
+    first, second = RunView(baseline).table("records"), RunView(baseline).table("records")
+    assert first == second and first is not second and first[0] is not second[0]
+    first[0]["value"] = "changed by one reader"
+    assert RunView(baseline).table("records")[0]["value"] == second[0]["value"] != "changed by one reader"
+    records = baseline / "records.jsonl"
+    text = records.read_text()
+    row = json.loads(text.splitlines()[0])
+    changed = json.dumps(row | {"turn": row["turn"] + 1 if row["turn"] < 9 else row["turn"] - 1})
+    assert len(changed) == len(text.splitlines()[0])  # the same size: only the digest tells the files apart
+    records.write_text(text.replace(text.splitlines()[0], changed, 1))
+    assert RunView(baseline).table("records")[0]["turn"] == json.loads(changed)["turn"] != row["turn"]
+    break_line(records, 2)
+    with pytest.raises(RunReadError, match=r"records\.jsonl:2: not JSON"):
+        RunView(baseline).table("records")
