@@ -180,7 +180,7 @@ def divergence_vs_turn(records: pd.DataFrame, out_dir: Path, paths: list[str], l
 
 
 def divergence_vs_turn_of(model: str, by_model: pd.DataFrame, out_dir: Path, paths: list[str], limit=KL_LIMIT) -> dict:
-    """`divergence_vs_turn`'s figure of one model, from its rows of `_turns_by_model`."""
+    """`divergence_vs_turn`'s figure of one model, from its rows of `run_figures.turns_by_model`."""
     kinds = sorted(by_model["kind"].unique())
     fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds) + 1.4, 3.6), squeeze=False, sharey=True)
     for ax, kind in zip(axes[0], kinds):

@@ -3,9 +3,9 @@
 The default `harness run --device cuda` spent ~4 s rendering its report after the run, half of it drawing figures
 (matplotlib; py-spy on an H200 box, BENCHMARKS.md session 31). `FigureWorkers.start()` starts Python processes
 before the run, so their imports (matplotlib, pandas: seconds) are paid while the run goes; `render_run_report` then
-hands them the run's figures (`plots.run_figure_calls`, one figure a request, dealt round the workers) and writes the
-pages meanwhile. A worker a MIN_CORES cores, at most MAX_WORKERS: on a 2-core CPU the replay already runs on both,
-and a worker's imports would take from it. A worker that fails, or whose process dies, costs only time: its figures
+hands them the run's figures (`reports.run_figures.run_figure_calls`, one figure a request, dealt round the workers)
+and writes the pages meanwhile. One worker for every MIN_CORES cores, at most MAX_WORKERS: on a 2-core CPU the replay
+already runs on both, and a worker's imports would take from it. A worker that fails, or whose process dies, costs only time: its figures
 are then drawn in this process instead, the same figures.
 
 The worker is a plain `python -c` child fed pickled requests on its stdin, not a multiprocessing pool: a spawned
@@ -25,7 +25,8 @@ from pathlib import Path
 
 # cores this process may run on for each figure worker: a 2-core machine (CI, the CPU default run) draws inline
 MIN_CORES = 4
-# workers at most: the default run has 7 figures of 0.2-0.5 s each (this project's EPYC, one core each)
+# workers at most: the default run has 7 figures of 0.2-0.5 s each (this project's EPYC); its report took 2.21 s with
+# 4 workers against 3.08 s with one and 4.23 s inline (an H200 box of 16 cores, session 36)
 MAX_WORKERS = 4
 # seconds a request may wait for its answer: the figures take ~2 s and a worker's first imports a few more (a cold
 # machine's font cache too); one still silent after this is killed and the figures are drawn inline, never twice
