@@ -477,8 +477,8 @@ def mla_decode_block_scaled(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: t
     heads as its "KV heads" over the one latent. q_latent: [B, H, Dc], q_pe: [B, H, Dr]; scale: the latent's static
     scale (fp32 [] or None). Returns (out [B, H, Dc] q_latent.dtype, lse [B, H] fp32 natural log). Mirror:
     `reference.mla_decode_block_scaled`.
-    impl: None runs the CUDA kernel (kernels/mla_block_scaled_cuda.py: NVFP4, MX and fp8_ds_mla, latent 512 + 64,
-    sm_90) where it serves the call and this Triton kernel elsewhere; "triton" this one; "cuda" the CUDA kernel or ValueError
+    impl: None runs the CUDA kernel (kernels/mla_block_scaled_cuda.py: NVFP4, MX and fp8_ds_mla, latent 512 + 64, sm_90)
+    where it serves the call and this Triton kernel elsewhere; "triton" this one; "cuda" the CUDA kernel or ValueError
     with the reason it cannot. fp32 scales per block (fp8_ds_mla: block_size 128; block_size 0 is one scale per token)
     only the CUDA kernel reads: elsewhere (impl None) the latent is dequantised to q's type and our BF16 MLA kernel
     runs, with a warning naming why."""

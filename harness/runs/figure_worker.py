@@ -5,8 +5,8 @@ The default `harness run --device cuda` spent ~4 s rendering its report after th
 before the run, so their imports (matplotlib, pandas: seconds) are paid while the run goes; `render_run_report` then
 hands them the run's figures (`reports.run_figures.run_figure_calls`, one figure a request, dealt round the workers)
 and writes the pages meanwhile. One worker for every MIN_CORES cores, at most MAX_WORKERS: on a 2-core CPU the replay
-already runs on both, and a worker's imports would take from it. A worker that fails, or whose process dies, costs only time: its figures
-are then drawn in this process instead, the same figures.
+already runs on both, and a worker's imports would take from it. A worker that fails, or whose process dies, costs
+only time: its figures are then drawn in this process instead, the same figures.
 
 The worker is a plain `python -c` child fed pickled requests on its stdin, not a multiprocessing pool: a spawned
 pool's child imports the parent's `__main__` again, which re-runs a user's script that calls `harness.cli.main`
