@@ -201,14 +201,14 @@ def _batch_refusal(kv_path: KVPath | None, capture: bool = False) -> str | None:
     reference's keeps the whole model so (`executor.model_replay.replay_model`).
 
     Refused today: nothing. Batched since, each with what was measured: models laid out over several devices
-    (`--shard layers | tensor`, a tensor-parallel one decoding dynamically: `layout_decode_refusal`; tests/test_multi_gpu.py and
-    tests/test_tensor_parallel.py compare their batches with one device's); fault injectors (the implementation check
-    that catches them probes every row of a batch); FP8 attention (bounded by its own batch-invariance floor,
-    `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too, `kernel_every_call`: on the CPU tiny
-    models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant` and `kernel=reference` give the same
-    tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention capture (its own teacher-forced pass,
-    `replay/attention._run_chunks`, still runs one sequence at a time, on the reference replies the batches made:
-    `batched_runner.PrecomputedBackend.attention_error`)."""
+    (`--shard layers | tensor`, a tensor-parallel one decoding dynamically: `layout_decode_refusal`;
+    tests/test_multi_gpu.py and tests/test_tensor_parallel.py compare their batches with one device's); fault
+    injectors (the implementation check that catches them probes every row of a batch); FP8 attention (bounded by
+    its own batch-invariance floor, `batch_floor`); `kernel=` plug-ins (every call judged and timed in a batch too,
+    `kernel_every_call`: on the CPU tiny models, 4 left-padded rows against each alone, 12 tokens, `kernel=dequant`
+    and `kernel=reference` give the same tokens and kernel_steps, kernel_err_ratio equal to ~1e-13); attention
+    capture (its own teacher-forced pass, `replay/attention._run_chunks`, still runs one sequence at a time, on the
+    reference replies the batches made: `batched_runner.PrecomputedBackend.attention_error`)."""
     return None
 
 
