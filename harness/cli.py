@@ -225,7 +225,9 @@ def _add_run_options(run: argparse.ArgumentParser, attention_default: str | None
     _add_endpoint_options(live)
     run.add_argument("--jobs", type=_bounded_int(1, None), default=None, metavar="N",
                      help="worker processes of a CPU replay (default: one per core): one at a time, each model's "
-                          "reference and then each of its paths is a task; batched (--batch-size), one model per worker")
+                          "reference and then each of its paths is a task; batched (--batch-size), one model per "
+                          "worker. On one GPU: models replayed at once, a thread each, where their weights total at "
+                          "most 1 GiB (default: every model; 1: one after another)")
     run.add_argument("--batch-size", type=int, default=None, metavar="N",
                      help="in-process replay in batches of N sequences (default: batched on CUDA, sized from free "
                           "GPU memory, halved on out-of-memory; one at a time on CPU)")
@@ -415,6 +417,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
     from harness.executor.kernel_ledger import one_gpu
     from harness.executor.local import WorkerFailure
     from harness.executor.sharded import follow_torchrun
+    from harness.lean_imports import hide_unused
     from harness.replay.tensor_parallel import torchrun_launch
     from harness.run_config import build_run_config
     from harness.runs.status import run_exit_code
@@ -468,6 +471,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
             return 0
         if one_gpu(config) is not None:  # one GPU, replayed in this process
             _start_cuda_beside(config)
+        hide_unused()  # transformers' torchvision and scikit-learn imports: unused here (harness/lean_imports.py)
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         figure_workers += [w for w in [FigureWorkers.start()] if w is not None]  # their imports overlap the run
         run_dir = job.run_job(config, progress=None if args.no_progress else _progress, warn=_say)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -62,9 +62,40 @@ def forward_context(**fields) -> Iterator[ForwardContext]:
         _CURRENT.reset(token)
 
 
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device):
-    return torch.cuda.Stream(device)
+_THREAD = threading.local()  # this thread's own streams (`own_stream`)
+
+# Held around what touches every stream of a GPU or the allocator's shared pool while another thread may be
+# replaying another model on the same GPU (`executor.local.ModelThreads`): a CUDA graph's capture, a device-wide
+# synchronise, `torch.cuda.empty_cache()`. torch's allocator asserts that no capture is under way when it frees its
+# cached blocks, and a device-wide synchronise cannot wait on a stream being captured.
+DEVICE_WIDE = threading.RLock()
+
+# torch's SDPA backend choice (`torch.nn.attention.sdpa_kernel`) is a set of process-wide flags, not a per-call
+# argument: one thread's choice held while another thread's call reads them would change that call's backend, so
+# its bits. `sdpa_only` holds this while its choice is set.
+_SDPA_FLAGS = threading.RLock()
+
+
+def own_stream(purpose: str, device: torch.device) -> "torch.cuda.Stream":
+    """This thread's stream for `purpose` on `device` (made at first use): threads replaying models at once each
+    queue their checks and captures on streams of their own, not behind another model's work."""
+    streams = getattr(_THREAD, "streams", None)
+    if streams is None:
+        streams = _THREAD.streams = {}
+    key = (purpose, device)
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device)
+    return streams[key]
+
+
+@contextlib.contextmanager
+def sdpa_only(backends) -> Iterator[None]:
+    """`torch.nn.attention.sdpa_kernel(backends)` around the block, the flags held for this thread alone
+    (`_SDPA_FLAGS`): keep the block to the SDPA calls it chooses for."""
+    from torch.nn.attention import sdpa_kernel
+
+    with _SDPA_FLAGS, sdpa_kernel(backends):
+        yield
 
 
 @contextlib.contextmanager
@@ -76,8 +107,8 @@ def checks_beside(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    stream = _side_stream(torch.device("cuda", device.index if device.index is not None else
-                                       torch.cuda.current_device()))
+    stream = own_stream("checks", torch.device("cuda", device.index if device.index is not None else
+                                                torch.cuda.current_device()))
     try:
         with forward_context(checks_stream=stream):
             yield

@@ -4,7 +4,8 @@ A run's work (its configuration, scenarios and calibration chats: `local.RunWork
 here once from the run's options; each places tasks (`plan.Task`: a model's replay of some scenarios) on workers
 and replays them through `model_replay`:
 
-- `local.InProcess`: every model in this process (one device; a layer-sharded model's GPUs);
+- `local.InProcess`: every model in this process, one after another (one device; a layer-sharded model's GPUs);
+- `local.ModelThreads`: small models at once on one GPU, a thread of this process each (`models_at_once`);
 - `local.CpuTasks` / `local.ModelProcesses`: a pool of CPU worker processes (`--jobs`);
 - `local.DataParallel`: one worker per GPU of a GPU list, the work split by estimated cost (`plan`), only as many
   GPUs as pay off unless `--workers` says;
@@ -40,6 +41,9 @@ def executor_for(config, scenarios: list):
         return local.DataParallel(plan, tuple(devices))
     # the batched replay is one model's waves: at most one worker per model
     jobs = min(config.jobs, len(config.models)) if config.batched else config.jobs
-    if jobs <= 1 or config.device != "cpu":
+    if config.device != "cpu":
+        at_once, _ = local.models_at_once(config)
+        return local.ModelThreads(at_once) if at_once > 1 else local.InProcess()
+    if jobs <= 1:
         return local.InProcess()
     return local.ModelProcesses(jobs) if config.batched else local.CpuTasks(jobs)

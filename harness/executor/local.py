@@ -13,17 +13,21 @@ writing has no done line: `--resume` drops its rows and redoes it.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import multiprocessing
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from harness.executor.model_replay import model_label, model_paths, replay_model, say_on_stderr, unit_task
+from harness.executor.model_replay import (load_model, model_label, model_paths, replay_model, say_on_stderr,
+                                           unit_task)
 from harness.executor.plan import Plan
 from harness.replay.runner import REFERENCE
 from harness.runs.store import RunStore
@@ -100,6 +104,128 @@ class InProcess:
                              bar.update if bar else None, warn)
 
 
+# ---------------------------------------------------------------- several models at once on one GPU
+
+# Models replay at once on one GPU only where their weight files total at most this. Small models leave the GPU
+# idle between launches: the host bounds their replay, and a thread's launches fill the GPU while another thread's
+# host work runs (the default canary run, 3 models of 7-9 MB on one H200: 19.8 and 20.0 s inside the run one after
+# another, 16.1 and 15.4 s at once, records identical; BENCHMARKS.md, session 37). Every model stays loaded for the
+# whole replay. The bound is a margin, not a measurement: larger models replay one after another, as before.
+MODELS_AT_ONCE_BYTES = 1 << 30
+
+
+def models_at_once(config) -> tuple[int, str]:
+    """How many of `config`'s models replay at once on its one GPU (`ModelThreads`), and why not more than one
+    where it is 1: a CPU replay (its workers are processes), one model, `--jobs 1`, a layout over several devices
+    (sharded), attention capture, a path whose attention is not the engine's own (a `kernel=` plug-in may set
+    process-wide state), or models too large (`MODELS_AT_ONCE_BYTES`) or of unknown size (random weights)."""
+    from harness.executor.plan import checkpoint_bytes
+
+    if config.device == "cpu" or not config.batched or config.shard is not None:
+        return 1, "not one GPU's batched replay"
+    if len(config.models) < 2 or config.jobs < 2:
+        return 1, "one model" if len(config.models) < 2 else "--jobs 1"
+    if config.attention is not None:
+        return 1, "attention capture"
+    if any(path.kernel or path.fault for path in config.paths):
+        return 1, "a kernel plug-in or fault injector among the paths"
+    sizes = [checkpoint_bytes(directory) for directory in config.models]
+    if None in sizes or sum(sizes) > MODELS_AT_ONCE_BYTES:
+        return 1, f"weights over {MODELS_AT_ONCE_BYTES >> 20} MiB in all, or of unknown size"
+    return min(config.jobs, len(config.models)), ""
+
+
+def in_model_order(manifest: dict, labels: list[str]) -> None:
+    """What the models noted in `manifest` (its `models` list, and every mapping keyed by model label: families,
+    scales, batching, each path's routes) in the run's model order, whichever thread noted first."""
+    rank = {label: i for i, label in enumerate(labels)}
+
+    def ordered(mapping: dict) -> dict:
+        return dict(sorted(mapping.items(), key=lambda item: rank[item[0]]))
+
+    manifest["models"] = sorted(manifest.get("models", []), key=lambda m: rank.get(m.get("label"), len(rank)))
+    for key, value in manifest.items():
+        if isinstance(value, dict) and value and set(value) <= set(rank):
+            manifest[key] = ordered(value)
+    for path in manifest.get("paths", []):
+        if isinstance(path.get("routes"), dict) and set(path["routes"]) <= set(rank):
+            path["routes"] = ordered(path["routes"])
+
+
+class ModelThreads:
+    """Several models at once on one GPU: each replayed in a thread of this process, on CUDA streams of its own.
+
+    The models are loaded first, one after another (transformers' loading sets process-wide state, such as the
+    default dtype), then replayed at once, each in its share of the free GPU memory (`batched.GPU_SHARERS`). What
+    the threads share is made safe where it lives: the forward context is a context variable, the store takes one
+    writer at a time, SDPA's backend flags and graph captures are held by one thread at a time
+    (`forward_context.sdpa_only`, `DEVICE_WIDE`). Each model's units and records are those of a replay one after
+    another. A model's error is raised when every thread has ended (the other models' units are stored)."""
+
+    strategy = "models-at-once"
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def run(self, work: RunWork, store: RunStore, bar, warn) -> None:
+        from harness.executor.kernel_ledger import compiled_ahead
+        from harness.replay.batched import GPU_SHARERS
+
+        config = work.config
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        note_executor(store, threads=self.threads)
+        counted = threading.Lock()
+
+        def unit_done(count: int = 1) -> None:
+            with counted:
+                bar.update(count)
+
+        with compiled_ahead(config):
+            loaded: dict = {}
+            for directory in config.models:
+                load_model(config, directory, work.calibration_chats, loaded)
+            pending: queue.SimpleQueue = queue.SimpleQueue()
+            for directory in config.models:
+                pending.put(directory)
+            errors: dict = {}
+
+            def worker() -> None:
+                GPU_SHARERS.set(self.threads)
+                stream = None
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # the current device is a thread's own
+                    stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    while True:
+                        try:
+                            directory = pending.get_nowait()
+                        except queue.Empty:
+                            break
+                        try:
+                            replay_model(config, directory, work.scenarios, work.calibration_chats, store,
+                                         unit_done if bar else None, warn, cache=loaded)
+                        except BaseException as error:  # noqa: BLE001 - raised by the run's thread, below
+                            errors[str(directory)] = error
+                        finally:
+                            loaded.pop(str(directory), None)  # its weights go when its replay has
+                if stream is not None:
+                    stream.synchronize()
+
+            threads = [threading.Thread(target=worker, name=f"model-replay-{i}", daemon=True)
+                       for i in range(self.threads)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        labels = [model_label(directory) for directory in config.models]
+        store.edit_manifest(lambda manifest: in_model_order(manifest, labels))
+        for directory in config.models:  # the first model's error, in the run's order
+            if str(directory) in errors:
+                raise errors[str(directory)]
+
+
 # ---------------------------------------------------------------- worker processes
 
 
@@ -121,8 +247,10 @@ def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: t
 
     formats.load_extensions(format_modules if format_modules is not None else ())
     if run_dir is not None:
+        from harness.lean_imports import hide_unused
         from harness.runs.library_log import quiet_libraries
 
+        hide_unused()  # a worker process is the harness's own, as `harness run`'s is
         quiet_libraries(run_dir)
     if threads:
         torch.set_num_threads(threads)

@@ -87,6 +87,23 @@ def model_layers(directory: Path) -> int:
     return max(1, int(text.get("num_hidden_layers") or 1))
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def checkpoint_bytes(directory: Path) -> int | None:
+    """Bytes of a model directory's weight files (its stress variant's base's); None when it has none (random
+    weights made at load) or cannot be read."""
+    from harness.canary.variants import read_variant
+
+    try:
+        variant = read_variant(Path(directory))
+        weights = Path(variant.base if variant is not None else directory)
+        total = sum(file.stat().st_size for pattern in WEIGHT_FILES for file in weights.glob(pattern))
+    except (OSError, ValueError):
+        return None
+    return total or None
+
+
 def scenario_tokens(scenario) -> int:
     """Tokens a scenario's generated turns process: each one's prompt so far plus its `max_new_tokens`."""
     context = len(scenario.system or "") // CHARS_PER_TOKEN

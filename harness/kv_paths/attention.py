@@ -20,7 +20,7 @@ import torch
 
 from harness.forward_context import current as forward_context_now
 from harness.forward_context import note as note_forward
-from harness.forward_context import on_checks_stream
+from harness.forward_context import on_checks_stream, sdpa_only
 from harness.kv_paths import block_layout, mla
 from harness.kv_paths.decode_kernels import (BEYOND_SDPA_COMPUTED, DecodeKernel, KernelPluginError, kernels_setting,
                                              resolve, run_gqa, run_gqa_block_scaled, run_mla, run_mla_block_scaled)
@@ -394,14 +394,15 @@ class PagedKV:
         self._check(module, last, self._kernel(module, last, quant, beyond), torch_out[:, -1:], beyond)
 
     def _timed(self, module, query: torch.Tensor, quant, beyond: dict) -> torch.Tensor:
-        """`_kernel`, its wall time (device synchronised before and after) added to the agreement."""
-        cuda = query.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(query.device)
+        """`_kernel`, its wall time (its stream synchronised before and after: not the whole device, where another
+        thread may be capturing a CUDA graph, `executor.local.ModelThreads`) added to the agreement."""
+        stream = torch.cuda.current_stream(query.device) if query.device.type == "cuda" else None
+        if stream is not None:
+            stream.synchronize()
         start = time.perf_counter()
         out = self._kernel(module, query, quant, beyond)
-        if cuda:
-            torch.cuda.synchronize(query.device)
+        if stream is not None:
+            stream.synchronize()
         # per row: the call's time over the rows it computed (one sequence alone: the call's time)
         self.agreement.step_s.append((time.perf_counter() - start) / query.shape[0])
         return out
@@ -706,15 +707,16 @@ def sdpa_backends(query: torch.Tensor):
     builds an execution plan for every new shape: 68-96 ms per call when the key length grows by one each decode
     step, against 0.3-0.5 ms for the other backends (H100, `benchmarks/sdpa_backends.py`). A batch of static
     decode reuses one shape, but every batch, prefill chunk and scoring call brings a new one. So cuDNN is left
-    out; HARNESS_SDPA_CUDNN=1 puts it back (to compare)."""
+    out; HARNESS_SDPA_CUDNN=1 puts it back (to compare). The choice is torch's process-wide flags, held for this
+    thread while they are set (`forward_context.sdpa_only`)."""
     import contextlib
     import os
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     if not query.is_cuda or os.environ.get("HARNESS_SDPA_CUDNN") == "1":
         return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return sdpa_only([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def kernel_alone(module, layer, query_tokens: int) -> bool:

@@ -280,9 +280,11 @@ def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.T
     if q.shape[0] == 1:  # one row's queries are all real (the width is its own)
         return torch.nn.functional.scaled_dot_product_attention(
             q[0].contiguous(), k[0], v[0], attn_mask=valid[0, 0], scale=scaling)[None].double()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    with sdpa_kernel(SDPBackend.MATH):
+    from harness.forward_context import sdpa_only
+
+    with sdpa_only(SDPBackend.MATH):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
     return out if sampled is None else torch.where(sampled[..., None], out, 0.0)
 

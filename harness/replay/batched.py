@@ -19,13 +19,14 @@ the batch and retries it, keeping every finished row.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from harness.forward_context import checks_beside, forward_context
+from harness.forward_context import DEVICE_WIDE, checks_beside, forward_context, own_stream
 from harness.kv_paths import attention, impl_check
 from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
@@ -692,7 +693,12 @@ class StaticDecodeStep:
 
     def _capture(self) -> bool:
         """Record one forward pass into a CUDA graph (recording runs nothing: the caller replays it). False when
-        capture failed; the batch then goes on eagerly on the same storage, and the run names why."""
+        capture failed; the batch then goes on eagerly on the same storage, and the run names why. One capture at
+        a time in the process, none beside a device-wide act of another thread (`DEVICE_WIDE`)."""
+        with DEVICE_WIDE:
+            return self._capture_held()
+
+    def _capture_held(self) -> bool:
         try:
             self.captured = self._record()
         except torch.OutOfMemoryError:
@@ -720,7 +726,7 @@ class StaticDecodeStep:
         # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
         # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms
         # per capture; at 8B shape the freed blocks would be allocated again)
-        stream = _capture_stream(self.seen.device)
+        stream = own_stream("capture", self.seen.device)
         stream.wait_stream(torch.cuda.current_stream(self.seen.device))
         try:
             with torch.cuda.stream(stream):
@@ -741,13 +747,6 @@ class StaticDecodeStep:
         return False
 
 
-_CAPTURE_STREAMS: dict = {}
-
-
-def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
 
 
 def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
@@ -849,13 +848,19 @@ def _select_rows(cache, index: torch.Tensor, stats: KVWriteStats, step: StepStat
 
 def _free_cuda() -> None:
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        with DEVICE_WIDE:  # not while another thread captures a graph (the allocator asserts none is under way)
+            torch.cuda.empty_cache()
 
 
 def kv_bytes_per_token(config) -> int:
     """Bytes of bf16 KV per token over all layers, each at its own KV heads and head size (MLA: latent + rope; an
     upper bound for hybrids): `harness.model_layers.kv_bytes_per_token`."""
     return model_layers.kv_bytes_per_token(config)
+
+
+# Models replayed at once on one GPU (`executor.local.ModelThreads` sets it in each of its threads): each plans its
+# batches in this share of the free memory (`auto_batch_size`)
+GPU_SHARERS: contextvars.ContextVar[int] = contextvars.ContextVar("gpu_sharers", default=1)
 
 
 def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> int:
@@ -881,11 +886,13 @@ def auto_batch_size(model, device: torch.device, max_len: int, items: int) -> in
       kernel workspaces). A margin, not a measurement; an over-large batch costs one failed attempt and a
       halving (`_in_batches`), never a result.
     On tensor-parallel ranks free memory is the least over the ranks (`tensor_parallel.min_across_ranks`), so every
-    rank cuts the same batches."""
+    rank cuts the same batches. Where several models replay at once on the GPU (`GPU_SHARERS`), each plans in an
+    equal share of what is free."""
     if device.type != "cuda" or items == 0:
         return max(1, items)
     free, _ = torch.cuda.mem_get_info(device)
     free = min_across_ranks(free)  # tensor-parallel ranks cut the same batches: the least free memory of any
+    free //= GPU_SHARERS.get()  # models replayed at once on this GPU: each plans in its share
     config = model.config
     hidden, vocab = model_layers.field(config, "hidden_size"), model_layers.field(config, "vocab_size")
     widest = model_layers.field(config, "intermediate_size")  # a list where each layer has its own (Gemma 3n)
