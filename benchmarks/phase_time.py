@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import job  # noqa: E402
 from harness.replay import batched, batched_runner, inprocess, runner  # noqa: E402
-from harness.run_config import build_run_config  # noqa: E402
+from harness.run_config import CANARY_WEIGHTS, build_run_config  # noqa: E402
 from harness.runs import store  # noqa: E402
 
 # (phase, owner, attribute): the functions whose time is a phase
@@ -131,11 +131,11 @@ def install(clock: PhaseClock) -> None:
             setattr(owner, attribute, clock.wrap(name, found))
 
 
-def run(device: str, batch_size: int | None, out: Path) -> float:
+def run(device: str, batch_size: int | None, out: Path, models: list[Path] | None = None) -> float:
     # the configuration `harness run` builds: the default paths with the gate's yardstick, its twin and the control
     # arm (`gate.with_controls`); a RunConfig of DEFAULT_PATHS alone timed 4 of the default run's 7 paths
     config = build_run_config(command="benchmarks/phase_time.py", out=out, device=device, jobs=1,
-                              batch_size=batch_size)
+                              batch_size=batch_size, models=models)
     start = time.perf_counter()
     job.run_job(config, warn=lambda message: print(f"# {message}", file=sys.stderr))
     return time.perf_counter() - start
@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="keep the run here (default: a temporary folder)")
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the run here")
     parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
+    parser.add_argument("--models", default="", help="canaries to replay, comma-separated (default: all three)")
     args = parser.parse_args()
     if args.one_at_a_time and (args.device != "cpu" or args.batch_size is not None):
         parser.error("--one-at-a-time is the CPU's unbatched replay: no --batch-size, --device cpu")
@@ -179,7 +180,8 @@ def main() -> None:
         out = args.out or Path(tmp) / "run"
         if profiler:
             profiler.enable()
-        total = run(args.device, batch_size, out)
+        models = [CANARY_WEIGHTS / name for name in args.models.split(",")] if args.models else None
+        total = run(args.device, batch_size, out, models)
         if profiler:
             profiler.disable()
             profiler.dump_stats(args.profile)
