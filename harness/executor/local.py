@@ -159,8 +159,10 @@ class ModelThreads:
     default dtype), then replayed at once, each in its share of the free GPU memory (`batched.GPU_SHARERS`). What
     the threads share is made safe where it lives: the forward context is a context variable, the store takes one
     writer at a time, SDPA's backend flags and graph captures are held by one thread at a time
-    (`forward_context.sdpa_only`, `DEVICE_WIDE`). Each model's units and records are those of a replay one after
-    another. A model's error is raised when every thread has ended (the other models' units are stored)."""
+    (`forward_context.sdpa_only`, `DEVICE_WIDE`). Each model's records are those of a replay one after another
+    wherever its batches are the same (the canaries': all of a wave's rows in one batch; an automatic batch size is
+    planned in the model's share of free memory, so a larger model may be cut into other batches). A model's error
+    is raised when every thread has ended (the other models' units are stored)."""
 
     strategy = "models-at-once"
 
