@@ -19,8 +19,8 @@ python -c "import torch, transformers, triton; print(torch.__version__, transfor
 for step in "$@"; do
   echo "=== $step $(date -u +%T), $GPUS GPUs"
   case $step in
-    # the files that hold multigpu tests: the lent machines lack the '[test]' extra's servers (starlette, openai),
-    # so collecting every file there errors on the endpoint tests
+    # the files that hold multigpu tests only (the endpoint tests' modules skip on the lent machines, which lack
+    # the '[test]' extra's starlette and openai; collecting them there would only import them)
     tests) timeout 500 python -m pytest $(grep -l "mark.multigpu" tests/test_*.py) -m multigpu --gpu -q \
              -p no:cacheprovider 2>&1 | tee "$OUT/multigpu_tests.log" | tail -15 ;;
     dp) timeout 560 python benchmarks/data_parallel.py --devices cuda:0 cuda:all --sets 1 8 2>&1 | tee "$OUT/dp.log" ;;

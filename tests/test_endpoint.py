@@ -8,6 +8,8 @@ import contextlib
 import math
 
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 import torch
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse

@@ -12,6 +12,8 @@ import json
 
 import pytest
 
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
+
 from harness import cli
 from harness.replay.endpoint import InvalidReply
 from harness.replay.runner import Replay

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
+
 from harness.replay.endpoint import EndpointError, RequestClient, RequestPolicy, open_endpoint
 from harness.replay.runner import Replay
 from harness.runs.store import RunStore

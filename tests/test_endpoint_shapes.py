@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route

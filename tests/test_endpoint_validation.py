@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route

@@ -8,6 +8,8 @@ import random
 
 import httpx
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route

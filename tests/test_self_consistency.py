@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("starlette", reason="the '[test]' extra's HTTP server: pip install -e '.[test]'")
 import torch
 
 from harness import cli
