@@ -41,8 +41,8 @@ def test_models_replay_at_once_only_where_the_conditions_hold(tmp_path):
                    {"paths": parse_paths("fp8_e4m3:fault=scale_off")},
                    {"models": (Path("a"), Path("b"))}):  # no weight files: random weights, size unknown
         assert chosen(tmp_path, **fields).strategy in ("in-process", "cpu-tasks"), fields
-    _, why = local.models_at_once(replace(job.RunConfig(models=(Path("a"), Path("b")), scenario_paths=(),
-                                                        paths=(), out=tmp_path, device="cuda", jobs=4)))
+    _, why = local.models_at_once(job.RunConfig(models=(Path("a"), Path("b")), scenario_paths=(), paths=(),
+                                                 out=tmp_path, device="cuda", jobs=4))
     assert "unknown size" in why
 
 
