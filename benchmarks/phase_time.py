@@ -1,7 +1,7 @@
 """Seconds per phase of one default canary run (`job.run_job`), CPU or CUDA, with an optional cProfile.
 
     python benchmarks/phase_time.py [--device cpu|cuda] [--batch-size N | --one-at-a-time] [--out DIR]
-                                    [--profile FILE.prof] [--top 30]
+                                    [--profile FILE.prof] [--top 30] [--models hybrid,gqa]
 
 The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
 process, models one after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay

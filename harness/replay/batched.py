@@ -747,8 +747,6 @@ class StaticDecodeStep:
         return False
 
 
-
-
 def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
                 windowed: dict[str | None, torch.Tensor] | None = None):
     """The `attention_mask` a static pass hands the model: the 4D bool mask (transformers uses a 4D mask as
