@@ -931,6 +931,76 @@ def test_gpu_failed_graph_capture_decodes_eagerly_and_says_why(gpu_models, monke
     assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
+def _long_prompts(model: InProcessModel) -> list[list[int]]:
+    """Prompts of a few hundred tokens and of different lengths (left-padded in a batch): the control arm's 32-token
+    chunks make a dozen prefill passes of a batch of them."""
+    text = " ".join(USERS)
+    return [model.encode_chat([Message("system", "Answer briefly."), Message("user", text * n)]) for n in (1, 2, 3, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_gpu_chunked_prefill_replays_its_middle_chunks_with_the_bits_of_eager_chunks(gpu_models, monkeypatch, arch):
+    """The control arm's prefill in 32-token chunks: a batch's middle chunks replay one CUDA graph (recorded at the
+    first of them), and the prefill ends with the same logits, bit for bit, as with every chunk run eagerly (the same
+    kernels on the same inputs: its last chunk reads what every replayed chunk wrote, a hybrid's states included);
+    then the same replies."""
+    import harness.replay.batched as batched
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts, limits = _long_prompts(model), [3, 8, 16, 24]
+    assert -(-max(len(p) for p in prompts) // 32) - 2 >= batched.CHUNK_GRAPH_MIN
+    ends, replays = [], []
+    real_prefill, real_run = batched.BatchedEngine._prefill_static, batched.StaticPrefillChunk.run
+
+    def prefill(self, *args, **kwargs):
+        out = real_prefill(self, *args, **kwargs)
+        ends.append(out.clone())
+        return out
+
+    def run(self, *args):
+        out = real_run(self, *args)
+        replays.append(self.captured is not None)
+        return out
+
+    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
+    monkeypatch.setattr(batched.StaticPrefillChunk, "run", run)
+    engine = BatchedEngine(backend)
+    graphed = engine.generate(prompts, limits)
+    assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+    assert len(replays) >= batched.CHUNK_GRAPH_MIN and all(replays), replays
+    monkeypatch.setattr(batched, "CHUNK_GRAPH_MIN", 10**9)  # every chunk eagerly
+    eager = BatchedEngine(backend).generate(prompts, limits)
+    assert len(ends) == 2 and torch.equal(ends[0], ends[1]), (ends[0] - ends[1]).abs().max()
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+
+
+@pytest.mark.gpu
+def test_gpu_failed_chunk_capture_prefills_eagerly_and_says_why(gpu_models):
+    """A forward pass that reads a value back to the host cannot be recorded: the middle chunks run eagerly on the
+    same storage (and the decode steps, as above), with the replies of a batch that records nothing, each failure
+    named."""
+    model = gpu_models["gqa"]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts = _long_prompts(model)
+    expected = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, 12)
+
+    def read_back(module, args, out):
+        float(out.abs().max())  # a host read: a sync, refused while a CUDA graph is being captured
+
+    hook = model.model.model.norm.register_forward_hook(read_back)
+    try:
+        engine = BatchedEngine(backend)
+        rows = engine.generate(prompts, 12)
+    finally:
+        hook.remove()
+    assert engine.decode_batches == {"graph": 1}
+    assert [why.split(":")[0] for why in engine.decode_fallbacks] == [
+        "CUDA graph capture failed, prefilled eagerly", "CUDA graph capture failed, decoded eagerly on static storage"]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("failures", [1, 2])
 def test_gpu_capture_out_of_memory_records_again_after_the_cache_is_released(gpu_models, monkeypatch, failures):

@@ -31,9 +31,11 @@ Cost (stated in `ProbeOptions`): a few query rows per layer call, every prefill 
 A batch (the batched replay) is probed all rows at once on a GPU (in groups under `CHECK_ELEMENTS`): each row's real query
 positions (the engine's `StepState.valid`; rows are left-padded) against its own mask row, pooled per row, so every
 sequence gets its own ratio and fault injectors replay batched (tests/test_detection.py). A decode step replayed as a
-CUDA graph runs no Python and is not probed (graph decode: prefill and the eager steps). A batch observed without the
-engine's step (no row map) is not probed (`skipped_batched`). Decode steps served by a decode kernel are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`);
-on CUDA the check covers prefill and the torch-served steps.
+CUDA graph runs no Python and is not probed (graph decode: prefill and the eager steps), nor is a static
+prefill's chunk replayed as one (`batched.StaticPrefillChunk`: the control arm's middle chunks). A batch observed
+without the engine's step (no row map) is not probed (`skipped_batched`). Decode steps served by a decode kernel
+are not probed either: `kernel_err_ratio` judges those (see `DeclaredProbe.observe`); on CUDA the check covers
+prefill and the torch-served steps.
 """
 
 from __future__ import annotations

@@ -50,6 +50,13 @@ PREFILL_TOKENS = 32768
 # 8 127.9 s, unbounded 141.5 s; the mla canary's 21 default turns through fp8_e4m3, one core: 7.5-8.0 s at 2 against
 # 8.9 s at 8 (BENCHMARKS.md, session 14). ROWS_BATCH bounds memory; the canaries' batches stay under 21 rows.
 ROWS_BATCH, ROWS_SPREAD = 64, 2.0
+# A static prefill replays its middle chunks as one CUDA graph (`StaticPrefillChunk`) where at least CHUNK_GRAPH_MIN
+# of them run and each holds at most CHUNK_GRAPH_TOKENS tokens over its rows. A recording costs about one eager pass
+# (a canary's decode step: 13.3 ms captured, 24.4 ms eager, H100, BENCHMARKS.md session 7) and pays off from a few
+# replays; a pass of more tokens keeps the GPU busy through its launches, so its graph would save little and hold a
+# memory pool of its activations. Both are margins, not measurements: the chunks they take are the control arm's
+# (32 tokens; 21 x 32 for the canaries' batches).
+CHUNK_GRAPH_MIN, CHUNK_GRAPH_TOKENS = 4, 4096
 
 
 
@@ -417,7 +424,8 @@ class BatchedEngine:
         prompt_checked = self._checks_prompt_end(agreements)
         try:
             with forward_context(cache=cache):
-                logits = self._prefill_static(ids, mask, positions, cache, step, static, seen, prompt_checked)
+                logits = self._prefill_static(ids, mask, positions, cache, step, static, seen, prompt_checked,
+                                              graph)
                 decode = StaticDecodeStep(self, cache, step, static, seen, positions[:, -1:].clone(), graph)
                 reads = AheadOfTheHost(limits, self.eos, self.device)
                 steps = max(limits, default=0)
@@ -439,27 +447,48 @@ class BatchedEngine:
         return self._row_results(outputs, finish, stats, agreements, probe)
 
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
-                        seen: torch.Tensor, check_last: bool = False) -> torch.Tensor:
+                        seen: torch.Tensor, check_last: bool = False, graph: bool = False) -> torch.Tensor:
         """`_prefill` over static storage: each chunk writes its columns and attends under an explicit mask
-        (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty)."""
+        (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty). graph: a batch
+        of many small chunks (`_chunk_graph`) replays its middle ones as one CUDA graph (`StaticPrefillChunk`)."""
         rows, length = ids.shape
         width = self._prefill_width(rows)
         keys = torch.arange(static.max_len, device=self.device)
         kinds = window_kinds(self.model.config)
+        chunks = -(-length // width)
+        graphed = StaticPrefillChunk(self, cache, step, static, rows, width, kinds) \
+            if graph and self._chunk_graph(rows, width, length) else None
         logits = None
-        for begin in range(0, length, width):
+        for index, begin in enumerate(range(0, length, width)):
             end = min(length, begin + width)
             queries = torch.arange(begin, end, device=self.device)
             causal = keys[None, :] <= queries[:, None]  # [chunk, max_len]
             attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
-            static.columns, static.length = queries, end
-            step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
+            static.length = end
+            if graphed is not None and 0 < index < chunks - 1:  # the first and last chunks run eagerly
+                logits = graphed.run(ids[:, begin:end], positions[:, begin:end], queries, mask[:, begin:end], attend,
+                                     windowed)
+                continue
+            static.columns = queries
+            step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
                                                                    windowed), positions[:, begin:end], cache, step,
                                    checks_beside_pass=True)
         step.check_last = False
         return logits
+
+    def _chunk_graph(self, rows: int, width: int, length: int) -> bool:
+        """Whether a static prefill replays its middle chunks as a CUDA graph: at least CHUNK_GRAPH_MIN of them, of
+        at most CHUNK_GRAPH_TOKENS tokens each, on one GPU (not layer-sharded), over a cache nothing quantises and no
+        fault or plug-in touches (an unquantised path's pass keeps no state on the host; a quantised one's write and
+        prompt-end checks run beside its passes, eagerly; a raw or own-format prefill reads the pass's columns on the
+        host, `StaticColumns.with_raw`)."""
+        kv_path = self.backend.kv_path
+        plain = kv_path is None or not (kv_path.is_quantized or kv_path.fault or kv_path.kernel or kv_path.prefill_fmt
+                                        or kv_path.k_scale_on_scores or kv_path.quantizes_attention)
+        return (plain and self.device.type == "cuda" and not self.layer_sharded and rows * width <= CHUNK_GRAPH_TOKENS
+                and -(-length // width) - 2 >= CHUNK_GRAPH_MIN)
 
     def _prefill(self, ids, mask, positions, cache, step: StepState, check_last: bool = False) -> torch.Tensor:
         """Prompt prefill in column chunks of at most PREFILL_TOKENS tokens over the batch (one chunk for
@@ -633,13 +662,79 @@ class AheadOfTheHost:
         return self.host.tolist()
 
 
-class StaticDecodeStep:
+class GraphedPass:
+    """A forward pass over static storage that is recorded once into a CUDA graph and replayed (`StaticDecodeStep`,
+    `StaticPrefillChunk`). A subclass sets engine, step, device, graph (whether to record), captured (the graph),
+    logits (the recorded pass's output buffer), `_forward`, and `instead`: how its passes go on where recording
+    fails, as the run names it."""
+
+    instead: str
+
+    def _capture(self) -> bool:
+        """Record one forward pass into a CUDA graph (recording runs nothing: the caller replays it). False when
+        capture failed; the batch then goes on eagerly on the same storage, and the run names why. One capture at
+        a time in the process, none beside a device-wide act of another thread (`DEVICE_WIDE`)."""
+        with DEVICE_WIDE:
+            return self._capture_held()
+
+    def _capture_held(self) -> bool:
+        try:
+            self.captured = self._record()
+        except torch.OutOfMemoryError:
+            # the graph's private pool cannot take blocks the allocator holds for the eager passes (gpt-oss-20b
+            # at 16 x 8k, one H200: the prefill's eager attention left ~100 GiB cached, 40 GiB allocated, and every
+            # batch's capture ran out): hand the cached blocks back once and record again
+            self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            try:
+                self.captured = self._record()
+            except Exception as error:  # noqa: BLE001
+                return self._capture_failed(error)
+        except Exception as error:  # noqa: BLE001 - named in the run; nothing recorded has run, no state moved
+            return self._capture_failed(error)
+        return True
+
+    def _record(self) -> "torch.cuda.CUDAGraph | SegmentedGraph":
+        if self.engine.layer_sharded:  # one graph per GPU, in the order the pass runs them
+            graph = SegmentedGraph()
+            self.logits = graph.record(self._forward)
+            self.engine.graph_segments.add(" > ".join(graph.devices))
+            return graph
+        graph = torch.cuda.CUDAGraph()
+        # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
+        # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms
+        # per capture; at 8B shape the freed blocks would be allocated again)
+        stream = own_stream("capture", self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.logits = self._forward()
+                finally:
+                    graph.capture_end()
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
+
+    def _capture_failed(self, error: Exception) -> bool:
+        self.graph, self.logits, self.captured = False, None, None
+        self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
+        self.engine._fall_back(f"CUDA graph capture failed, {self.instead}: "  # noqa: SLF001
+                               f"{type(error).__name__}: {error}"[:300])
+        return False
+
+
+class StaticDecodeStep(GraphedPass):
     """One batch's decode step over static storage: fixed input buffers (ids, positions, the write column, the
     rows still generating, the attention mask) updated in place, then the forward pass run eagerly or as a
     CUDA graph captured once and replayed. The engine's first decode step runs eagerly (it does every lazy
     initialisation: Triton compiles, library handles, absorbed MLA weights); checked steps run eagerly too:
     their fp64 agreement check asks the host how long the rows are (a batch's first check runs in its prefill:
     `BatchedEngine._checks_prompt_end`)."""
+
+    instead = "decoded eagerly on static storage"
 
     def __init__(self, engine: "BatchedEngine", cache, step: StepState, static: StaticColumns, seen: torch.Tensor,
                  last_positions: torch.Tensor, graph: bool):
@@ -658,7 +753,7 @@ class StaticDecodeStep:
         self.windowed = window_masks(engine.model.config, seen[:, None, None, :], self.keys, self.column,
                                      self.positions, self.window_kinds)
         self.mask = static_mask(engine.model.config, seen[:, None, None, :], None, self.windowed)
-        self.graph = graph
+        self.device, self.graph = device, graph
         self.captured: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the captured pass's output buffer
         self.eager_steps = 0
@@ -691,60 +786,53 @@ class StaticDecodeStep:
     def _forward(self) -> torch.Tensor:
         return self.engine._forward(self.ids, self.mask, self.positions, self.cache, self.step)  # noqa: SLF001
 
-    def _capture(self) -> bool:
-        """Record one forward pass into a CUDA graph (recording runs nothing: the caller replays it). False when
-        capture failed; the batch then goes on eagerly on the same storage, and the run names why. One capture at
-        a time in the process, none beside a device-wide act of another thread (`DEVICE_WIDE`)."""
-        with DEVICE_WIDE:
-            return self._capture_held()
+class StaticPrefillChunk(GraphedPass):
+    """The middle chunks of one batch's static prefill (all of one width): fixed input buffers (ids, positions, the
+    columns written, the real tokens, the attention masks) rewritten before each chunk, the pass recorded into a CUDA
+    graph at the first of them and replayed for the others. The control arm prefills in 32-token chunks (49 passes
+    of 21 rows for the canaries' longest prompt), each bound by the host's launches; a replay launches the pass at
+    once. The batch's first chunk runs eagerly (lazy initialisation: a hybrid's states start there) and so does its
+    last (the prompt-end kernel check, the logits the decode goes on from). A replay runs no Python: the
+    implementation check (impl_check.py) probes the eager chunks, as graph decode probes its eager steps. Where
+    recording fails, the chunks run eagerly, and the run names why."""
 
-    def _capture_held(self) -> bool:
-        try:
-            self.captured = self._record()
-        except torch.OutOfMemoryError:
-            # the graph's private pool cannot take blocks the allocator holds for the eager passes (gpt-oss-20b
-            # at 16 x 8k, one H200: the prefill's eager attention left ~100 GiB cached, 40 GiB allocated, and every
-            # batch's capture ran out): hand the cached blocks back once and record again
-            self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
-            torch.cuda.synchronize(self.seen.device)
-            torch.cuda.empty_cache()
-            try:
-                self.captured = self._record()
-            except Exception as error:  # noqa: BLE001
-                return self._capture_failed(error)
-        except Exception as error:  # noqa: BLE001 - named in the run; nothing recorded has run, no state moved
-            return self._capture_failed(error)
-        return True
+    instead = "prefilled eagerly"
 
-    def _record(self) -> "torch.cuda.CUDAGraph | SegmentedGraph":
-        if self.engine.layer_sharded:  # one graph per GPU, in the order the pass runs them
-            graph = SegmentedGraph()
-            self.logits = graph.record(self._forward)
-            self.engine.graph_segments.add(" > ".join(graph.devices))
-            return graph
-        graph = torch.cuda.CUDAGraph()
-        # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
-        # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms
-        # per capture; at 8B shape the freed blocks would be allocated again)
-        stream = own_stream("capture", self.seen.device)
-        stream.wait_stream(torch.cuda.current_stream(self.seen.device))
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.logits = self._forward()
-                finally:
-                    graph.capture_end()
-        finally:
-            torch.cuda.current_stream(self.seen.device).wait_stream(stream)
-        return graph
+    def __init__(self, engine: "BatchedEngine", cache, step: StepState, static: StaticColumns, rows: int, width: int,
+                 kinds: dict):
+        self.engine, self.cache, self.step, self.static, self.device = engine, cache, step, static, engine.device
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros_like(self.ids)
+        self.columns = torch.zeros(width, dtype=torch.long, device=self.device)
+        self.valid: torch.Tensor | None = None  # [rows, width] in the prompt mask's dtype, made at the first chunk
+        self.attend = torch.zeros(rows, 1, width, static.max_len, dtype=torch.bool, device=self.device)
+        self.windowed = {kind: torch.zeros_like(self.attend) for kind in kinds}
+        self.graph, self.captured, self.logits = True, None, None
 
-    def _capture_failed(self, error: Exception) -> bool:
-        self.graph, self.logits, self.captured = False, None, None
-        self.step._cached.clear()  # noqa: SLF001 - tensors made while recording are not valid outside it
-        self.engine._fall_back(f"CUDA graph capture failed, decoded eagerly on static storage: "  # noqa: SLF001
-                               f"{type(error).__name__}: {error}"[:300])
-        return False
+    def run(self, ids, positions, columns, valid, attend, windowed) -> torch.Tensor:
+        """One middle chunk: ids, positions, valid [rows, width]; columns [width]; attend and each windowed mask
+        [rows, 1, width, max_len]. Returns its last position's logits (the recorded pass's buffer when replayed)."""
+        if not self.graph:  # recording failed: the chunk runs eagerly as `_prefill_static` runs the others
+            self.static.columns, self.step.valid, self.step.check_last = columns, valid, False
+            mask = static_mask(self.engine.model.config, attend, valid, windowed)
+            return self.engine._forward(ids, mask, positions, self.cache, self.step,  # noqa: SLF001
+                                        checks_beside_pass=True)
+        if self.valid is None:
+            self.valid = torch.zeros_like(valid)
+        for buffer, value in ((self.ids, ids), (self.positions, positions), (self.columns, columns),
+                              (self.valid, valid), (self.attend, attend)):
+            buffer.copy_(value)
+        for kind, buffer in self.windowed.items():
+            buffer.copy_(windowed[kind])
+        self.static.columns, self.step.valid, self.step.check_last = self.columns, self.valid, False
+        if self.captured is None and not self._capture():
+            return self.run(ids, positions, columns, valid, attend, windowed)
+        self.captured.replay()
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        mask = static_mask(self.engine.model.config, self.attend, self.valid, self.windowed)
+        return self.engine._forward(self.ids, mask, self.positions, self.cache, self.step)  # noqa: SLF001
 
 
 def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
