@@ -977,6 +977,57 @@ def test_gpu_chunked_prefill_replays_its_middle_chunks_with_the_bits_of_eager_ch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_gpu_chunked_scoring_prefills_the_prompt_as_its_generation_did(gpu_models, tiny_models, monkeypatch, arch):
+    """Scoring a path that prefills in chunks (the control arm) on CUDA: the prompt goes through the same static
+    prefill as its generation, middle chunks replayed, so its last position's log-probs are the generation's prefill
+    logits bit for bit. The continuations, one static pass, are as far from a float32 scoring as the growing cache's
+    scoring is (both BF16 with their own reduction orders: within 2x of its largest error; a wrong mask, column or
+    stale state is orders of magnitude off)."""
+    import harness.replay.batched as batched
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts = _long_prompts(model)
+    ends, replays = [], []
+    real_prefill, real_run = batched.BatchedEngine._prefill_static, batched.StaticPrefillChunk.run
+
+    def prefill(self, *args, **kwargs):
+        out = real_prefill(self, *args, **kwargs)
+        ends.append(out.float().log_softmax(-1).cpu())
+        return out
+
+    def run(self, *args):
+        out = real_run(self, *args)
+        replays.append(self.captured is not None)
+        return out
+
+    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
+    monkeypatch.setattr(batched.StaticPrefillChunk, "run", run)
+    engine = BatchedEngine(backend)
+    replies = [r.token_ids for r in engine.generate(prompts, 12)]
+    static = engine.score(prompts, replies)
+    assert len(ends) == 2 and len(replays) >= 2 * batched.CHUNK_GRAPH_MIN and all(replays), (len(ends), replays)
+    assert engine.decode_fallbacks == [], engine.decode_fallbacks
+    monkeypatch.setattr(batched, "CHUNK_GRAPH_MIN", 10**9)  # scoring grows its cache, as on the CPU
+    growing = BatchedEngine(backend).score(prompts, replies)
+    exact = BatchedEngine(InProcessModel.load(tiny_models[arch], device="cuda", dtype=torch.float32).backend(None)
+                          ).score(prompts, replies)
+    assert any(replies), replies
+    for row, reply in enumerate(replies):
+        if not reply:  # EOS first: nothing to score (`score` gives no rows)
+            continue
+        assert torch.equal(static[row][0], ends[0][row]), row
+        # the continuation's last token is not fed: a row's log-probs predict its reply's tokens, the first from the
+        # prompt's last position
+        assert static[row].shape == growing[row].shape == (len(reply), static[row].shape[1])
+        static_err = (static[row] - exact[row]).abs().max()
+        growing_err = (growing[row] - exact[row]).abs().max()
+        assert torch.isfinite(static[row]).all() and static_err <= 2 * growing_err + 1e-6, (row, static_err,
+                                                                                            growing_err)
+
+
+@pytest.mark.gpu
 def test_gpu_failed_chunk_capture_prefills_eagerly_and_says_why(gpu_models):
     """A forward pass that reads a value back to the host cannot be recorded: the middle chunks run eagerly on the
     same storage (and the decode steps, as above), with the replies of a batch that records nothing, each failure

@@ -598,6 +598,9 @@ class BatchedEngine:
         rows = len(continuations)
         kv_path = self.backend.kv_path
         if last is None and kv_path is not None and kv_path.prefill_chunk:  # the prompt as its generation prefilled it
+            static = self._static_scoring(ids, continuations, cache)
+            if static is not None:
+                return self._score_static(ids, mask, positions, step, cache, continuations, static)
             last = self._prefill(ids, mask, positions, cache, step)[:, None]
         elif last is None:
             last = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -618,10 +621,52 @@ class BatchedEngine:
                              position_ids=cont_positions[:, begin:end], **cache_kwargs(self.model, cache),
                              use_cache=True)
             rows_logits.append(out.logits.float())
-        logits = torch.cat(rows_logits, dim=1)
+        return self._scored(torch.cat(rows_logits, dim=1), continuations)
+
+    def _scored(self, logits: torch.Tensor, continuations) -> list[torch.Tensor]:
+        """Each row's log-probs [len(continuation) + 1, vocab] (CPU) from its logits [rows, columns, vocab]."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        self.on_batch("score", rows)
-        return [logprobs[r, :len(continuations[r]) + 1].cpu() for r in range(rows)]
+        self.on_batch("score", len(continuations))
+        return [logprobs[r, :len(continuations[r]) + 1].cpu() for r in range(len(continuations))]
+
+    def _static_scoring(self, ids, continuations, cache) -> StaticColumns | None:
+        """Static storage for scoring a path that prefills in chunks, where its generation prefills on it and replays
+        the middle chunks as a CUDA graph (graph decode, `_chunk_graph`): the prompt is prefilled as the generation
+        prefilled it, in the same passes. None where scoring grows its cache instead (CPU, dynamic or static decode,
+        a layout or layer kind without static storage, chunks too few or too large to replay)."""
+        rows, width = ids.shape
+        if (self.decode_mode() != "graph" or self._layout_refusal() or static_decode_refusal(self.model.config)
+                or not self._chunk_graph(rows, self._prefill_width(rows), width)):
+            return None
+        static = StaticColumns(width + max(len(c) for c in continuations))
+        try:
+            make_static(cache, static)
+        except ValueError:
+            return None
+        return static
+
+    def _score_static(self, ids, mask, positions, step, cache, continuations, static: StaticColumns
+                      ) -> list[torch.Tensor]:
+        """`_score_rows` over static storage: the prompt through `_prefill_static` (its middle chunks one CUDA graph),
+        then the continuations (right-padded) in one pass at the next columns, each real token attending to its row's
+        real prompt and continuation tokens up to itself, a pad to itself."""
+        width = ids.shape[1]
+        seen = torch.zeros(len(continuations), static.max_len, dtype=torch.bool, device=self.device)
+        seen[:, :width] = mask.bool()
+        last = self._prefill_static(ids, mask, positions, cache, step, static, seen, graph=True)[:, None]
+        longest = static.max_len - width
+        cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
+        seen[:, width:] = cont_mask.bool()
+        cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
+        keys = torch.arange(static.max_len, device=self.device)
+        queries = keys[width:]
+        attend = (seen[:, None, None, :] & (keys[None, :] <= queries[:, None])) | (keys[None, :] == queries[:, None])
+        windowed = window_masks(self.model.config, attend, keys, queries, cont_positions)
+        static.columns, static.length = queries, static.max_len
+        step.valid = cont_mask
+        out = self.model(input_ids=cont_ids, attention_mask=static_mask(self.model.config, attend, cont_mask, windowed),
+                         position_ids=cont_positions, **cache_kwargs(self.model, cache), use_cache=True)
+        return self._scored(torch.cat([last, out.logits.float()], dim=1), continuations)
 
 
 class StaticDecodeUnavailable(RuntimeError):
