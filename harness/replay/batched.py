@@ -52,7 +52,7 @@ PREFILL_TOKENS = 32768
 ROWS_BATCH, ROWS_SPREAD = 64, 2.0
 # A static prefill replays its middle chunks as one CUDA graph (`StaticPrefillChunk`) where at least CHUNK_GRAPH_MIN
 # of them run and each holds at most CHUNK_GRAPH_TOKENS tokens over its rows. A recording costs about one eager pass
-# (a canary's decode step: 13.3 ms captured, 24.4 ms eager, H100, BENCHMARKS.md session 7) and pays off from a few
+# (a canary's decode step: 13.3 ms captured, 24.4 ms eager, H100, BENCHMARKS.md session 6) and pays off from a few
 # replays; a pass of more tokens keeps the GPU busy through its launches, so its graph would save little and hold a
 # memory pool of its activations. Both are margins, not measurements: the chunks they take are the control arm's
 # (32 tokens; 21 x 32 for the canaries' batches).
