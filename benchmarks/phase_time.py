@@ -1,7 +1,7 @@
 """Seconds per phase of one default canary run (`job.run_job`), CPU or CUDA, with an optional cProfile.
 
     python benchmarks/phase_time.py [--device cpu|cuda] [--batch-size N | --one-at-a-time] [--out DIR]
-                                    [--profile FILE.prof] [--top 30] [--models hybrid,gqa]
+                                    [--profile FILE.prof] [--top 30] [--models hybrid,gqa] [--passes]
 
 The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
 process, models one after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
@@ -12,13 +12,15 @@ seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside i
 rows appended and fsynced) runs in worker threads beside the replay: its seconds overlap the others and are
 left out of "outside every phase". The last row adds up the host work that is neither a model load nor a phase
 of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top
-functions by cumulative and by own time.
+functions by cumulative and by own time. `--passes` also counts each model's forward passes per KV path: run eagerly,
+recorded into a CUDA graph, and graph replays (on the GPU the host's cost is mostly its eager passes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import pstats
 import sys
@@ -131,6 +133,69 @@ def install(clock: PhaseClock) -> None:
             setattr(owner, attribute, clock.wrap(name, found))
 
 
+class PassCount:
+    """Forward passes of the models, per (model, KV path, how): "eager", "recorded" (while a CUDA graph is captured)
+    and "replayed" (one CUDA graph replay: a whole pass). The path is the engine's whose `generate` or `score` is
+    running in the thread; a pass outside them (scales, the batch-invariance floor) counts under "(outside)"."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.threads = threading.local()
+
+    def install(self, set_attribute=setattr) -> None:
+        """Wrap what counts (`set_attribute`: a test's `monkeypatch.setattr`, undone after it)."""
+        import torch
+
+        count = self
+
+        def path_of(engine) -> str:
+            kv_path = engine.backend.kv_path
+            return kv_path.name if kv_path is not None else "reference"
+
+        for name in ("generate", "score"):
+            real = getattr(batched.BatchedEngine, name)
+
+            def entered(self, *args, _real=real, **kwargs):
+                outer = getattr(count.threads, "where", None)
+                count.threads.where = (self.backend.owner.directory.name, path_of(self))
+                try:
+                    return _real(self, *args, **kwargs)
+                finally:
+                    count.threads.where = outer
+            set_attribute(batched.BatchedEngine, name, entered)
+        real_load = inprocess.InProcessModel.load.__func__
+
+        def load(cls, *args, **kwargs):
+            model = real_load(cls, *args, **kwargs)
+            name = model.directory.name
+            model.model.register_forward_pre_hook(lambda module, inputs: count._pass(name))
+            return model
+        set_attribute(inprocess.InProcessModel, "load", classmethod(load))
+        real_replay = torch.cuda.CUDAGraph.replay
+
+        def replay(graph):
+            count._add("replayed")
+            return real_replay(graph)
+        set_attribute(torch.cuda.CUDAGraph, "replay", replay)
+
+    def _pass(self, model: str) -> None:
+        import torch
+
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        self._add("recorded" if capturing else "eager", model)
+
+    def _add(self, how: str, model: str | None = None) -> None:
+        where = getattr(self.threads, "where", None) or (model or "?", "(outside)")
+        self.counts[(*where, how)] += 1
+
+    def table(self) -> str:
+        lines = ["| model | KV path | eager | recorded | replayed |", "|---|---|---:|---:|---:|"]
+        for model, path in sorted({(m, p) for m, p, _ in self.counts}):
+            lines.append(f"| {model} | {path} | " + " | ".join(str(self.counts[(model, path, how)])
+                                                           for how in ("eager", "recorded", "replayed")) + " |")
+        return "\n".join(lines)
+
+
 def run(device: str, batch_size: int | None, out: Path, models: list[Path] | None = None) -> float:
     # the configuration `harness run` builds: the default paths with the gate's yardstick, its twin and the control
     # arm (`gate.with_controls`); a RunConfig of DEFAULT_PATHS alone timed 4 of the default run's 7 paths
@@ -169,12 +234,16 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of the run here")
     parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
     parser.add_argument("--models", default="", help="canaries to replay, comma-separated (default: all three)")
+    parser.add_argument("--passes", action="store_true", help="count forward passes per model, path and how they ran")
     args = parser.parse_args()
     if args.one_at_a_time and (args.device != "cpu" or args.batch_size is not None):
         parser.error("--one-at-a-time is the CPU's unbatched replay: no --batch-size, --device cpu")
     batch_size = None if args.one_at_a_time else (args.batch_size or (64 if args.device == "cpu" else None))
     clock = PhaseClock()
     install(clock)
+    passes = PassCount() if args.passes else None
+    if passes:
+        passes.install()
     profiler = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "run"
@@ -196,6 +265,9 @@ def main() -> None:
         stats.sort_stats("cumulative").print_stats(args.top)
         stats.sort_stats("tottime").print_stats(args.top)
     print(table(clock, total))
+    if passes:
+        print()
+        print(passes.table())
 
 
 if __name__ == "__main__":

@@ -116,6 +116,23 @@ def test_phase_timer_names_functions_that_exist_and_nests():
     assert clock.inclusive == {"inner": 3.0, "outer": 10.0} and clock.exclusive == {"inner": 3.0, "outer": 7.0}
 
 
+def test_pass_count_names_each_pass_by_model_path_and_how_it_ran(monkeypatch):
+    """`phase_time.py --passes`: a generation's passes under its path, a pass outside any engine call under
+    "(outside)"; one prefill and one pass per decode step after the first token (the CPU decodes eagerly)."""
+    from benchmarks import phase_time
+    from harness.replay.batched import BatchedEngine
+    from harness.run_config import CANARY_WEIGHTS
+
+    count = phase_time.PassCount()
+    count.install(monkeypatch.setattr)
+    model = InProcessModel.load(CANARY_WEIGHTS / "gqa")
+    rows = BatchedEngine(model.backend(parse_path("fp8_e4m3"))).generate([[5, 6, 7], [8, 9]], 4)
+    model.model(input_ids=torch.tensor([[5, 6]]))
+    steps = max(len(row.token_ids) for row in rows)
+    assert count.counts == {("gqa", "fp8_e4m3", "eager"): steps, ("gqa", "(outside)", "eager"): 1}, count.counts
+    assert "| gqa | fp8_e4m3 | " + str(steps) + " | 0 | 0 |" in count.table()
+
+
 def test_encoding_cache_from_threads_keeps_its_bound_and_answers():
     from concurrent.futures import ThreadPoolExecutor
 
