@@ -913,22 +913,28 @@ def test_gpu_graph_decode_over_hybrid_layers_replies_as_the_growing_cache(hybrid
 def test_gpu_failed_graph_capture_decodes_eagerly_and_says_why(gpu_models, monkeypatch):
     """A model whose forward pass reads a value back to the host cannot be captured: the batch goes on eagerly on
     the same storage, with the same replies, and the engine names the failure."""
-    model = gpu_models["gqa"]
-    backend = model.backend(parse_path("fp8_e4m3"))
-    prompts = _prompts(model)
+    engine, rows, expected = _capture_refused(gpu_models["gqa"], "fp8_e4m3", _prompts)
+    assert engine.decode_batches == {"graph": 1}
+    assert len(engine.decode_fallbacks) == 1 and "CUDA graph capture failed" in engine.decode_fallbacks[0]
+    assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
+
+
+def _capture_refused(model: InProcessModel, spec: str, prompts_of) -> tuple:
+    """(engine, rows, rows of static decode) of a generation whose forward pass reads a value back to the host, which
+    no CUDA graph capture allows."""
+    backend = model.backend(parse_path(spec))
+    prompts = prompts_of(model)
     expected = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, 12)
+
     def read_back(module, args, out):
         float(out.abs().max())  # a host read: a sync, refused while a CUDA graph is being captured
 
     hook = model.model.model.norm.register_forward_hook(read_back)
     try:
         engine = BatchedEngine(backend)
-        rows = engine.generate(prompts, 12)
+        return engine, engine.generate(prompts, 12), expected
     finally:
         hook.remove()
-    assert engine.decode_batches == {"graph": 1}
-    assert len(engine.decode_fallbacks) == 1 and "CUDA graph capture failed" in engine.decode_fallbacks[0]
-    assert [r.token_ids for r in rows] == [r.token_ids for r in expected]
 
 
 def _long_prompts(model: InProcessModel) -> list[list[int]]:
@@ -936,6 +942,28 @@ def _long_prompts(model: InProcessModel) -> list[list[int]]:
     chunks make a dozen prefill passes of a batch of them."""
     text = " ".join(USERS)
     return [model.encode_chat([Message("system", "Answer briefly."), Message("user", text * n)]) for n in (1, 2, 3, 5)]
+
+
+def _watch_static_prefills(monkeypatch, keep) -> tuple[list, list[bool]]:
+    """([keep(logits) at the end of each static prefill], [whether each middle chunk replayed a recorded graph])."""
+    import harness.replay.batched as batched
+
+    ends, replays = [], []
+    real_prefill, real_run = batched.BatchedEngine._prefill_static, batched.StaticPrefillChunk.run
+
+    def prefill(self, *args, **kwargs):
+        out = real_prefill(self, *args, **kwargs)
+        ends.append(keep(out))
+        return out
+
+    def run(self, *args):
+        out = real_run(self, *args)
+        replays.append(self.captured is not None)
+        return out
+
+    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
+    monkeypatch.setattr(batched.StaticPrefillChunk, "run", run)
+    return ends, replays
 
 
 @pytest.mark.gpu
@@ -951,21 +979,7 @@ def test_gpu_chunked_prefill_replays_its_middle_chunks_with_the_bits_of_eager_ch
     backend = model.backend(parse_path("bf16:chunked_prefill"))
     prompts, limits = _long_prompts(model), [3, 8, 16, 24]
     assert -(-max(len(p) for p in prompts) // 32) - 2 >= batched.CHUNK_GRAPH_MIN
-    ends, replays = [], []
-    real_prefill, real_run = batched.BatchedEngine._prefill_static, batched.StaticPrefillChunk.run
-
-    def prefill(self, *args, **kwargs):
-        out = real_prefill(self, *args, **kwargs)
-        ends.append(out.clone())
-        return out
-
-    def run(self, *args):
-        out = real_run(self, *args)
-        replays.append(self.captured is not None)
-        return out
-
-    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
-    monkeypatch.setattr(batched.StaticPrefillChunk, "run", run)
+    ends, replays = _watch_static_prefills(monkeypatch, torch.Tensor.clone)
     engine = BatchedEngine(backend)
     graphed = engine.generate(prompts, limits)
     assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
@@ -989,21 +1003,7 @@ def test_gpu_chunked_scoring_prefills_the_prompt_as_its_generation_did(gpu_model
     model = gpu_models[arch]
     backend = model.backend(parse_path("bf16:chunked_prefill"))
     prompts = _long_prompts(model)
-    ends, replays = [], []
-    real_prefill, real_run = batched.BatchedEngine._prefill_static, batched.StaticPrefillChunk.run
-
-    def prefill(self, *args, **kwargs):
-        out = real_prefill(self, *args, **kwargs)
-        ends.append(out.float().log_softmax(-1).cpu())
-        return out
-
-    def run(self, *args):
-        out = real_run(self, *args)
-        replays.append(self.captured is not None)
-        return out
-
-    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
-    monkeypatch.setattr(batched.StaticPrefillChunk, "run", run)
+    ends, replays = _watch_static_prefills(monkeypatch, lambda logits: logits.float().log_softmax(-1).cpu())
     engine = BatchedEngine(backend)
     replies = [r.token_ids for r in engine.generate(prompts, 12)]
     static = engine.score(prompts, replies)
@@ -1032,20 +1032,7 @@ def test_gpu_failed_chunk_capture_prefills_eagerly_and_says_why(gpu_models):
     """A forward pass that reads a value back to the host cannot be recorded: the middle chunks run eagerly on the
     same storage (and the decode steps, as above), with the replies of a batch that records nothing, each failure
     named."""
-    model = gpu_models["gqa"]
-    backend = model.backend(parse_path("bf16:chunked_prefill"))
-    prompts = _long_prompts(model)
-    expected = BatchedEngine(backend, BatchSettings(decode="static")).generate(prompts, 12)
-
-    def read_back(module, args, out):
-        float(out.abs().max())  # a host read: a sync, refused while a CUDA graph is being captured
-
-    hook = model.model.model.norm.register_forward_hook(read_back)
-    try:
-        engine = BatchedEngine(backend)
-        rows = engine.generate(prompts, 12)
-    finally:
-        hook.remove()
+    engine, rows, expected = _capture_refused(gpu_models["gqa"], "bf16:chunked_prefill", _long_prompts)
     assert engine.decode_batches == {"graph": 1}
     assert [why.split(":")[0] for why in engine.decode_fallbacks] == [
         "CUDA graph capture failed, prefilled eagerly", "CUDA graph capture failed, decoded eagerly on static storage"]
