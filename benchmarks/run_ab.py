@@ -1,0 +1,113 @@
+"""The whole `harness run` process of this tree against earlier trees, alternating on one machine, with the records
+compared: how issue 43's default-run bars are measured (wall of the whole process, warm, against a baseline tree
+in the same call: the lent machines differ by 1.7x from host to host, BENCHMARKS.md session 38).
+
+    python benchmarks/run_ab.py --baseline 3a67195 [--baseline f158deb] [--rounds 2] [--device cuda]
+                                [--work DIR] [-- ARGS for harness run]
+
+Each baseline is `git archive`d into the work folder once. A warm-up run of every tree comes first (caches, bytecode),
+then each round runs every tree once, the order turning each round. A row gives each run's wall seconds and, in
+brackets, the run's own "run complete in". The records of every tree's last run are then compared with this tree's
+(timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict
+labels (verdicts.jsonl, path_verdicts.jsonl) are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+TIMING = ("seconds", "ms_per", "tok_per_s", "tokens_per_s", "_time")  # metric names that hold a timing
+COMPLETE = re.compile(r"run complete in ([0-9.]+) s")
+
+
+def unpack(rev: str, work: Path) -> Path:
+    """The tree at `rev`, archived from this repository into `work` (once)."""
+    tree = work / f"tree-{rev}"
+    if not tree.is_dir():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def one_run(tree: Path, out: Path, device: str, extra: list[str]) -> tuple[float, float | None, int]:
+    """(wall s, the run's own "run complete in" s or None, exit code) of `python -m harness.cli run` in `tree`."""
+    command = [sys.executable, "-m", "harness.cli", "run", "--device", device, "--out", str(out), "--no-progress",
+               *extra]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
+    found = COMPLETE.search(done.stdout + done.stderr)
+    return wall, float(found.group(1)) if found else None, done.returncode
+
+
+def rows(run: Path, table: str) -> list[dict]:
+    path = run / f"{table}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def compare(mine: Path, other: Path) -> str:
+    """What differs between two runs' records (timings left out) and verdict labels."""
+    def records(run: Path) -> set[str]:
+        return {json.dumps(r, sort_keys=True) for r in rows(run, "records")
+                if not any(word in r["metric"] for word in TIMING)}
+
+    def labels(run: Path, table: str) -> list[tuple]:
+        return sorted((r.get("model"), r.get("path"), r.get("scenario"), r.get("turn"), r.get("verdict"))
+                      for r in rows(run, table))
+
+    a, b = records(mine), records(other)
+    differ = collections.Counter((json.loads(r)["metric"], json.loads(r)["path"]) for r in a ^ b)
+    said = (f"records identical ({len(a)} rows)" if not differ else
+            f"records differ in {len(a ^ b)} of {len(a)} rows: " +
+            ", ".join(f"{metric} on {path} ({n})" for (metric, path), n in sorted(differ.items())))
+    same = all(labels(mine, t) == labels(other, t) for t in ("verdicts", "path_verdicts"))
+    return f"{said}; verdict labels {'identical' if same else 'DIFFER'}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", action="append", required=True, metavar="REV", help="a git revision to compare")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--work", type=Path, default=None, help="where trees and runs go (default: a temporary folder)")
+    parser.add_argument("extra", nargs="*", help="arguments for harness run, after --")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    work = args.work or Path(tempfile.mkdtemp(prefix="run-ab-"))
+    trees = {"this tree": HERE, **{rev: unpack(rev, work) for rev in args.baseline}}
+    names = list(trees)
+    last: dict[str, Path] = {}
+    table = [f"| round | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
+    for round_ in range(args.rounds + 1):  # round 0: every tree's warm-up
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        cells = {}
+        for name in order:
+            out = work / "runs" / f"{re.sub(r'[^A-Za-z0-9]+', '-', name)}-{round_}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            wall, inside, code = one_run(trees[name], out, args.device, args.extra)
+            if code not in (0, 1):  # 1: a verdict failed, the run is whole; anything else is no measurement
+                print(f"error: {name} exited {code}; its output: {out.parent / (out.name + '.log')}", file=sys.stderr)
+                return 2
+            cells[name], last[name] = f"{wall:.2f} ({inside if inside is not None else '?'})", out
+        table.append(f"| {'warm-up' if round_ == 0 else round_} | " + " | ".join(cells[n] for n in names) + " |")
+    print(f"# {args.device}; wall s of the whole process (the run's own \"run complete in\" s); runs in {work}")
+    print("\n".join(table))
+    for name in names[1:]:
+        print(f"- {name} against this tree: {compare(last['this tree'], last[name])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
