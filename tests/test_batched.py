@@ -110,6 +110,40 @@ def test_scores_match_score_sync(cpu_models):
             assert (scores.exp() - alone.logprobs.exp()).abs().max() <= 2.0 ** -7
 
 
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_static_scoring_of_a_chunked_prefill_is_as_near_float32_as_the_growing_cache(cpu_models, tiny_models,
+                                                                                      monkeypatch, arch):
+    """`_score_static`, which CUDA graph decode uses for the control arm (`_static_scoring`), run on the CPU: its
+    columns, masks and positions give log-probs as far from a float32 scoring as the growing cache's scoring (both
+    BF16 with their own reduction orders: within 2x of its largest error, as the GPU test; it read the growing cache's
+    bits on these models, 2-core EPYC). One-token continuations are scored from the prompt's last position alone."""
+    from harness.kv_paths.cache import StaticColumns, make_static
+
+    model = cpu_models[arch]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts = _long_prompts(model)
+    replies = [r.token_ids for r in BatchedEngine(backend).generate(prompts, 12)]
+    exact_model = InProcessModel.load(tiny_models[arch], dtype=torch.float32)
+
+    def on_static_storage(self, ids, continuations, cache):  # the GPU's choice, here
+        static = StaticColumns(ids.shape[1] + max(len(c) for c in continuations))
+        make_static(cache, static)
+        return static
+
+    for continuations in (replies, [[7]] * len(prompts)):
+        growing = BatchedEngine(backend).score(prompts, continuations)
+        exact = BatchedEngine(exact_model.backend(None)).score(prompts, continuations)
+        with monkeypatch.context() as patch:
+            patch.setattr(BatchedEngine, "_static_scoring", on_static_storage)
+            static = BatchedEngine(backend).score(prompts, continuations)
+        for row, continuation in enumerate(continuations):
+            assert static[row].shape == growing[row].shape == (len(continuation), exact[row].shape[1])
+            if continuation:
+                static_err = (static[row] - exact[row]).abs().max()
+                growing_err = (growing[row] - exact[row]).abs().max()
+                assert static_err <= 2 * growing_err + 1e-6, (row, static_err, growing_err)
+
+
 def test_out_of_memory_halves_the_batch_and_loses_nothing(cpu_models, monkeypatch):
     model = cpu_models["gqa"]
     backend = model.backend(parse_path("fp8_e4m3"))

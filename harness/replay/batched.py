@@ -655,6 +655,8 @@ class BatchedEngine:
         seen[:, :width] = mask.bool()
         last = self._prefill_static(ids, mask, positions, cache, step, static, seen, graph=True)[:, None]
         longest = static.max_len - width
+        if not longest:  # one-token continuations: the prompt's last position scores them
+            return self._scored(last, continuations)
         cont_ids, cont_mask = right_pad(continuations, self.pad, self.device)
         seen[:, width:] = cont_mask.bool()
         cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
