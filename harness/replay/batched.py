@@ -595,7 +595,6 @@ class BatchedEngine:
 
     def _score_rows(self, ids, mask, positions, step, cache, continuations, last=None) -> list[torch.Tensor]:
         """last: the prompt's last logits [rows, 1, vocab] float32 when the cache already holds the prompt."""
-        rows = len(continuations)
         kv_path = self.backend.kv_path
         if last is None and kv_path is not None and kv_path.prefill_chunk:  # the prompt as its generation prefilled it
             static = self._static_scoring(ids, continuations, cache)
