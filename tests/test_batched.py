@@ -144,6 +144,81 @@ def test_static_scoring_of_a_chunked_prefill_is_as_near_float32_as_the_growing_c
                 assert static_err <= 2 * growing_err + 1e-6, (row, static_err, growing_err)
 
 
+def _chunk_replays_on_the_cpu(monkeypatch) -> tuple[list[int], list[torch.Tensor]]:
+    """`StaticPrefillChunk` on the CPU, with a stand-in for its CUDA graph: "recording" keeps the pass, and a replay
+    runs it again in Python over the same buffers. Every static prefill of 4 middle chunks or more takes it (CUDA
+    graph decode's choice), so the buffers' plumbing (ids, positions, columns, real tokens, masks) runs without a GPU.
+    The implementation check is off: it reads a pass's real tokens by the tensor it is handed, and a real replay runs
+    no Python for it to read. Returns (one entry a replay, each static prefill's last logits)."""
+    from types import SimpleNamespace
+
+    import harness.replay.batched as batched
+
+    replays, ends = [], []
+
+    def record(self) -> bool:
+        def replay() -> None:
+            replays.append(1)
+            self.logits = self._forward()
+        self.captured = SimpleNamespace(replay=replay)
+        return True
+
+    real = batched.BatchedEngine._prefill_static
+
+    def prefill(self, *args, **kwargs):
+        ends.append(real(self, *args[:8], graph=True))
+        return ends[-1]
+
+    monkeypatch.setenv("HARNESS_IMPL_CHECK", "0")
+    monkeypatch.setattr(batched.StaticPrefillChunk, "_capture", record)
+    monkeypatch.setattr(batched.BatchedEngine, "_chunk_graph",
+                        lambda self, rows, width, length: -(-length // width) - 2 >= batched.CHUNK_GRAPH_MIN)
+    monkeypatch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
+    return replays, ends
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+def test_static_prefill_chunks_through_their_buffers_give_the_eager_chunks_bits_on_the_cpu(cpu_models, monkeypatch,
+                                                                                           arch):
+    """The control arm's 32-token chunks, the middle ones through `StaticPrefillChunk`'s fixed buffers (a replay
+    stand-in: `_chunk_replays_on_the_cpu`), against every chunk run eagerly on static storage: the prefill's last
+    logits bit for bit (the same ops on the same values; the buffers are contiguous copies of the slices), then the
+    same replies. The stand-in reads the pass's tensors again each replay, so what only a real graph's addresses
+    would show (a buffer swapped for a fresh tensor) is the GPU test's."""
+    _assert_chunk_buffers_give_eager_bits(cpu_models[arch], monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_static_prefill_chunk_buffers_carry_each_layer_types_window_on_the_cpu(windowed_models, monkeypatch, family):
+    """As above, for windowed attention: each windowed layer type's mask through its own buffer (one window over every
+    layer, sliding beside full layers with soft-capping, with sinks)."""
+    _assert_chunk_buffers_give_eager_bits(windowed_models[family], monkeypatch)
+
+
+def _assert_chunk_buffers_give_eager_bits(model: InProcessModel, monkeypatch) -> None:
+    import harness.replay.batched as batched
+
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts, limits = _long_prompts(model), [3, 8, 16, 24]
+    settings = BatchSettings(decode="static")
+    with monkeypatch.context() as patch:
+        eager_ends, real = [], batched.BatchedEngine._prefill_static
+
+        def prefill(self, *args, **kwargs):
+            eager_ends.append(real(self, *args, **kwargs))
+            return eager_ends[-1]
+        patch.setenv("HARNESS_IMPL_CHECK", "0")
+        patch.setattr(batched.BatchedEngine, "_prefill_static", prefill)
+        eager = BatchedEngine(backend, settings).generate(prompts, limits)
+    with monkeypatch.context() as patch:
+        replays, ends = _chunk_replays_on_the_cpu(patch)
+        replayed = BatchedEngine(backend, settings).generate(prompts, limits)
+    assert len(replays) >= batched.CHUNK_GRAPH_MIN, replays
+    assert len(ends) == len(eager_ends) == 1 and torch.equal(ends[0], eager_ends[0])
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+
+
 def test_out_of_memory_halves_the_batch_and_loses_nothing(cpu_models, monkeypatch):
     model = cpu_models["gqa"]
     backend = model.backend(parse_path("fp8_e4m3"))
