@@ -144,12 +144,13 @@ def test_static_scoring_of_a_chunked_prefill_is_as_near_float32_as_the_growing_c
                 assert static_err <= 2 * growing_err + 1e-6, (row, static_err, growing_err)
 
 
-def _chunk_replays_on_the_cpu(monkeypatch) -> tuple[list[int], list[torch.Tensor]]:
+def _chunk_replays_on_the_cpu(monkeypatch, refused: bool = False) -> tuple[list[int], list[torch.Tensor]]:
     """`StaticPrefillChunk` on the CPU, with a stand-in for its CUDA graph: "recording" keeps the pass, and a replay
     runs it again in Python over the same buffers. Every static prefill of 4 middle chunks or more takes it (CUDA
     graph decode's choice), so the buffers' plumbing (ids, positions, columns, real tokens, masks) runs without a GPU.
     The implementation check is off: it reads a pass's real tokens by the tensor it is handed, and a real replay runs
-    no Python for it to read. Returns (one entry a replay, each static prefill's last logits)."""
+    no Python for it to read. refused: recording fails as a CUDA graph's would, named. Returns (one entry a replay,
+    each static prefill's last logits)."""
     from types import SimpleNamespace
 
     import harness.replay.batched as batched
@@ -157,6 +158,9 @@ def _chunk_replays_on_the_cpu(monkeypatch) -> tuple[list[int], list[torch.Tensor
     replays, ends = [], []
 
     def record(self) -> bool:
+        if refused:
+            return self._capture_failed(RuntimeError("planted: a host read while capturing"))
+
         def replay() -> None:
             replays.append(1)
             self.logits = self._forward()
@@ -186,6 +190,21 @@ def test_static_prefill_chunks_through_their_buffers_give_the_eager_chunks_bits_
     same replies. The stand-in reads the pass's tensors again each replay, so what only a real graph's addresses
     would show (a buffer swapped for a fresh tensor) is the GPU test's."""
     _assert_chunk_buffers_give_eager_bits(cpu_models[arch], monkeypatch)
+
+
+def test_a_refused_chunk_recording_prefills_those_chunks_eagerly_and_names_it_on_the_cpu(cpu_models, monkeypatch):
+    """Recording the middle chunks fails (the replay stand-in refuses, as a CUDA graph capture does on a host read):
+    they run eagerly, as the first and last do, with the eager prefill's bits, and the engine names the failure."""
+    model = cpu_models["hybrid"]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts, settings = _long_prompts(model), BatchSettings(decode="static")
+    monkeypatch.setenv("HARNESS_IMPL_CHECK", "0")
+    eager = BatchedEngine(backend, settings).generate(prompts, 12)
+    replays, _ = _chunk_replays_on_the_cpu(monkeypatch, refused=True)
+    engine = BatchedEngine(backend, settings)
+    rows = engine.generate(prompts, 12)
+    assert replays == [] and [r.token_ids for r in rows] == [r.token_ids for r in eager]
+    assert [why.split(":")[0] for why in engine.decode_fallbacks] == ["CUDA graph capture failed, prefilled eagerly"]
 
 
 @pytest.mark.slow

@@ -298,15 +298,21 @@ class BatchedEngine:
             raise ValueError(f"decode mode 'graph' needs a CUDA device, the model is on {self.device}")
         return mode
 
-    def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+    def _batch_mode(self) -> tuple[str, str | None]:
+        """The decode mode this engine's batches run in, and why it is not the one asked for (None: it is): a model
+        or layout without static storage decodes dynamically, a `kernel=` plug-in judged every call statically."""
         mode = self.decode_mode()
         refusal = (self._layout_refusal() or static_decode_refusal(self.model.config)) if mode != "dynamic" else None
         if refusal is not None:
-            self._fall_back(f"{mode} decode refused for this model: {refusal}")
-            mode = "dynamic"
+            return "dynamic", f"{mode} decode refused for this model: {refusal}"
         if mode == "graph" and self.backend.route.kernel_every_call:
-            self._fall_back(EVERY_CALL_EAGER)
-            mode = "static"
+            return "static", EVERY_CALL_EAGER
+        return mode, None
+
+    def _generate_batch(self, items: list[tuple[list[int], int]]) -> list[RowResult]:
+        mode, why = self._batch_mode()
+        if why is not None:
+            self._fall_back(why)
         if mode != "dynamic":
             try:
                 results = self._generate_static(items, graph=mode == "graph")
@@ -449,8 +455,8 @@ class BatchedEngine:
     def _prefill_static(self, ids, mask, positions, cache, step: StepState, static: StaticColumns,
                         seen: torch.Tensor, check_last: bool = False, graph: bool = False) -> torch.Tensor:
         """`_prefill` over static storage: each chunk writes its columns and attends under an explicit mask
-        (causal, real tokens only; a pad query attends to itself, so no row of the mask is empty). graph: a batch
-        of many small chunks (`_chunk_graph`) replays its middle ones as one CUDA graph (`StaticPrefillChunk`)."""
+        (`static_attend`). graph: a batch of many small chunks (`_chunk_graph`) replays its middle ones as one CUDA
+        graph (`StaticPrefillChunk`)."""
         rows, length = ids.shape
         width = self._prefill_width(rows)
         keys = torch.arange(static.max_len, device=self.device)
@@ -462,14 +468,14 @@ class BatchedEngine:
         for index, begin in enumerate(range(0, length, width)):
             end = min(length, begin + width)
             queries = torch.arange(begin, end, device=self.device)
-            causal = keys[None, :] <= queries[:, None]  # [chunk, max_len]
-            attend = (seen[:, None, None, :] & causal) | (keys[None, :] == queries[:, None])
+            attend = static_attend(seen, keys, queries)
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
             static.length = end
             if graphed is not None and 0 < index < chunks - 1:  # the first and last chunks run eagerly
                 logits = graphed.run(ids[:, begin:end], positions[:, begin:end], queries, mask[:, begin:end], attend,
                                      windowed)
-                continue
+                if logits is not None:  # None: recording failed, the chunk runs eagerly below
+                    continue
             static.columns = queries
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
@@ -634,8 +640,7 @@ class BatchedEngine:
         prefilled it, in the same passes. None where scoring grows its cache instead (CPU, dynamic or static decode,
         a layout or layer kind without static storage, chunks too few or too large to replay)."""
         rows, width = ids.shape
-        if (self.decode_mode() != "graph" or self._layout_refusal() or static_decode_refusal(self.model.config)
-                or not self._chunk_graph(rows, self._prefill_width(rows), width)):
+        if self._batch_mode()[0] != "graph" or not self._chunk_graph(rows, self._prefill_width(rows), width):
             return None
         static = StaticColumns(width + max(len(c) for c in continuations))
         try:
@@ -661,7 +666,7 @@ class BatchedEngine:
         cont_positions = positions[:, -1:] + 1 + torch.arange(longest, device=self.device)[None, :]
         keys = torch.arange(static.max_len, device=self.device)
         queries = keys[width:]
-        attend = (seen[:, None, None, :] & (keys[None, :] <= queries[:, None])) | (keys[None, :] == queries[:, None])
+        attend = static_attend(seen, keys, queries)
         windowed = window_masks(self.model.config, attend, keys, queries, cont_positions)
         static.columns, static.length = queries, static.max_len
         step.valid = cont_mask
@@ -855,14 +860,12 @@ class StaticPrefillChunk(GraphedPass):
         self.windowed = {kind: torch.zeros_like(self.attend) for kind in kinds}
         self.graph, self.captured, self.logits = True, None, None
 
-    def run(self, ids, positions, columns, valid, attend, windowed) -> torch.Tensor:
+    def run(self, ids, positions, columns, valid, attend, windowed) -> torch.Tensor | None:
         """One middle chunk: ids, positions, valid [rows, width]; columns [width]; attend and each windowed mask
-        [rows, 1, width, max_len]. Returns its last position's logits (the recorded pass's buffer when replayed)."""
-        if not self.graph:  # recording failed: the chunk runs eagerly as `_prefill_static` runs the others
-            self.static.columns, self.step.valid, self.step.check_last = columns, valid, False
-            mask = static_mask(self.engine.model.config, attend, valid, windowed)
-            return self.engine._forward(ids, mask, positions, self.cache, self.step,  # noqa: SLF001
-                                        checks_beside_pass=True)
+        [rows, 1, width, max_len]. Returns its last position's logits (the recorded pass's buffer), or None where
+        recording failed: the caller then runs the chunk eagerly, as its first and last."""
+        if not self.graph:
+            return None
         if self.valid is None:
             self.valid = torch.zeros_like(valid)
         for buffer, value in ((self.ids, ids), (self.positions, positions), (self.columns, columns),
@@ -872,13 +875,20 @@ class StaticPrefillChunk(GraphedPass):
             buffer.copy_(windowed[kind])
         self.static.columns, self.step.valid, self.step.check_last = self.columns, self.valid, False
         if self.captured is None and not self._capture():
-            return self.run(ids, positions, columns, valid, attend, windowed)
+            return None
         self.captured.replay()
         return self.logits
 
     def _forward(self) -> torch.Tensor:
         mask = static_mask(self.engine.model.config, self.attend, self.valid, self.windowed)
         return self.engine._forward(self.ids, mask, self.positions, self.cache, self.step)  # noqa: SLF001
+
+
+def static_attend(seen: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, queries, columns] bool: what each query column of a static pass attends to, the real tokens (`seen`
+    [rows, columns]) up to itself, causally; a pad query attends to itself, so no row of the mask is empty. keys:
+    every column's index; queries: the pass's columns."""
+    return (seen[:, None, None, :] & (keys[None, :] <= queries[:, None])) | (keys[None, :] == queries[:, None])
 
 
 def static_mask(config, attend: torch.Tensor, linear_mask: torch.Tensor | None,
