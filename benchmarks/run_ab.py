@@ -2,14 +2,16 @@
 compared: how issue 43's default-run bars are measured (wall of the whole process, warm, against a baseline tree
 in the same call: the lent machines differ by 1.7x from host to host, BENCHMARKS.md session 38).
 
-    python benchmarks/run_ab.py --baseline 3a67195 [--baseline f158deb] [--rounds 2] [--device cuda]
+    python benchmarks/run_ab.py --baseline 3a67195 [--baseline f158deb] [--rounds 2] [--cold] [--device cuda]
                                 [--work DIR] [-- ARGS for harness run]
 
 Each baseline is `git archive`d into the work folder once. A warm-up run of every tree comes first (caches, bytecode),
 then each round runs every tree once, the order turning each round. A row gives each run's wall seconds and, in
 brackets, the run's own "run complete in". The records of every tree's last run are then compared with this tree's
 (timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict
-labels (verdicts.jsonl, path_verdicts.jsonl) are the same.
+labels (verdicts.jsonl, path_verdicts.jsonl) are the same. `--cold` adds a row after the rounds: each tree once more
+with Triton's cache, our compiled kernels and our kernel ledger in empty folders of their own (`COLD_CACHES`), as a
+fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold bar, sessions 32-37).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,6 +30,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 TIMING = ("seconds", "ms_per", "tok_per_s", "tokens_per_s", "_time")  # metric names that hold a timing
 COMPLETE = re.compile(r"run complete in ([0-9.]+) s")
+# what a cold run starts without: Triton's cache, our compiled kernels (kernels/nvrtc.py, kernels/cpu_kernels.py) and
+# the kernel ledgers a run writes (harness/executor/kernel_ledger.py), each pointed at an empty folder
+COLD_CACHES = ("TRITON_CACHE_DIR", "FP8_HARNESS_KERNEL_CACHE", "FP8_HARNESS_LEDGER_DIR")
 
 
 def unpack(rev: str, work: Path) -> Path:
@@ -39,12 +45,19 @@ def unpack(rev: str, work: Path) -> Path:
     return tree
 
 
-def one_run(tree: Path, out: Path, device: str, extra: list[str]) -> tuple[float, float | None, int]:
-    """(wall s, the run's own "run complete in" s or None, exit code) of `python -m harness.cli run` in `tree`."""
+def one_run(tree: Path, out: Path, device: str, extra: list[str], cold: Path | None = None
+            ) -> tuple[float, float | None, int]:
+    """(wall s, the run's own "run complete in" s or None, exit code) of `python -m harness.cli run` in `tree`;
+    cold: a new folder whose empty subfolders hold the caches `COLD_CACHES` names."""
     command = [sys.executable, "-m", "harness.cli", "run", "--device", device, "--out", str(out), "--no-progress",
                *extra]
+    env = dict(os.environ)
+    if cold is not None:
+        for name in COLD_CACHES:
+            (cold / name).mkdir(parents=True)
+            env[name] = str(cold / name)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=tree, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
     found = COMPLETE.search(done.stdout + done.stderr)
@@ -79,6 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", action="append", required=True, metavar="REV", help="a git revision to compare")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cold", action="store_true", help="then one cold run of each tree (empty kernel caches)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", type=Path, default=None, help="where trees and runs go (default: a temporary folder)")
     parser.add_argument("extra", nargs="*", help="arguments for harness run, after --")
@@ -90,17 +104,21 @@ def main() -> int:
     names = list(trees)
     last: dict[str, Path] = {}
     table = [f"| round | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
-    for round_ in range(args.rounds + 1):  # round 0: every tree's warm-up
-        order = names[round_ % len(names):] + names[:round_ % len(names)]
+    rounds = [*range(args.rounds + 1), *(["cold"] if args.cold else [])]  # round 0: every tree's warm-up
+    for number, round_ in enumerate(rounds):
+        order = names[number % len(names):] + names[:number % len(names)]
         cells = {}
         for name in order:
             out = work / "runs" / f"{re.sub(r'[^A-Za-z0-9]+', '-', name)}-{round_}"
             out.parent.mkdir(parents=True, exist_ok=True)
-            wall, inside, code = one_run(trees[name], out, args.device, args.extra)
+            cold = work / "cold" / out.name if round_ == "cold" else None
+            wall, inside, code = one_run(trees[name], out, args.device, args.extra, cold)
             if code not in (0, 1):  # 1: a verdict failed, the run is whole; anything else is no measurement
                 print(f"error: {name} exited {code}; its output: {out.parent / (out.name + '.log')}", file=sys.stderr)
                 return 2
-            cells[name], last[name] = f"{wall:.2f} ({inside if inside is not None else '?'})", out
+            cells[name] = f"{wall:.2f} ({inside if inside is not None else '?'})"
+            if round_ != "cold":  # the records compared are the last warm round's
+                last[name] = out
         table.append(f"| {'warm-up' if round_ == 0 else round_} | " + " | ".join(cells[n] for n in names) + " |")
     print(f"# {args.device}; wall s of the whole process (the run's own \"run complete in\" s); runs in {work}")
     print("\n".join(table))

@@ -42,3 +42,52 @@ def test_a_run_that_is_no_measurement_stops_the_comparison(tmp_path, monkeypatch
     assert "error: this tree exited 2" in captured.err and "| round |" not in captured.out
     log = tmp_path / "runs" / "this-tree-0.log"
     assert "not_a_format" in log.read_text()
+
+
+def _stand_in_tree(tree):
+    """A tree whose `python -m harness.cli run` prints the cache folders it was given and its "run complete" line."""
+    (tree / "harness").mkdir(parents=True)
+    (tree / "harness" / "__init__.py").write_text("")
+    (tree / "harness" / "cli.py").write_text(
+        "import json, os\n"
+        f"print(json.dumps({{name: os.environ.get(name) for name in {run_ab.COLD_CACHES!r}}}))\n"
+        "print('run complete in 1.5 s: out')\n")
+    return tree
+
+
+def test_a_cold_run_starts_from_empty_caches_of_its_own(tmp_path, monkeypatch):
+    """`--cold`: the run's Triton cache, compiled kernels and ledgers are new empty folders under the work folder
+    (the user's own caches untouched); a warm run keeps the environment's."""
+    tree = _stand_in_tree(tmp_path / "tree")
+    for name in run_ab.COLD_CACHES:
+        monkeypatch.setenv(name, str(tmp_path / "mine" / name))
+    wall, inside, code = run_ab.one_run(tree, tmp_path / "warm", "cpu", [])
+    assert (inside, code) == (1.5, 0) and wall > 0
+    warm = json.loads((tmp_path / "warm.log").read_text().splitlines()[0])
+    assert warm == {name: str(tmp_path / "mine" / name) for name in run_ab.COLD_CACHES}
+    run_ab.one_run(tree, tmp_path / "cold", "cpu", [], cold=tmp_path / "fresh")
+    cold = json.loads((tmp_path / "cold.log").read_text().splitlines()[0])
+    assert cold == {name: str(tmp_path / "fresh" / name) for name in run_ab.COLD_CACHES}
+    assert all(not any((tmp_path / "fresh" / name).iterdir()) for name in run_ab.COLD_CACHES)
+
+
+def test_cold_adds_a_row_of_each_tree_after_the_warm_rounds(tmp_path, monkeypatch, capsys):
+    """The table's rows: warm-up, the rounds, then "cold"; each tree's cold run gets its own fresh folder, and the
+    records compared are the last warm round's."""
+    calls = []
+
+    def one_run(tree, out, device, extra, cold=None):
+        calls.append((out.name, cold))
+        return 2.0, 1.0, 0
+    monkeypatch.setattr(run_ab, "one_run", one_run)
+    monkeypatch.setattr(run_ab, "unpack", lambda rev, work: run_ab.HERE)
+    monkeypatch.setattr(run_ab, "compare", lambda mine, other: f"{mine.name} against {other.name}")
+    monkeypatch.setattr(sys, "argv", ["run_ab.py", "--baseline", "HEAD", "--rounds", "1", "--cold", "--device", "cpu",
+                                      "--work", str(tmp_path)])
+    assert run_ab.main() == 0
+    out = capsys.readouterr().out
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("| ")][1:] == \
+        ["| warm-up", "| 1", "| cold"]
+    assert sorted(c for c in calls if c[1] is not None) == [
+        ("HEAD-cold", tmp_path / "cold" / "HEAD-cold"), ("this-tree-cold", tmp_path / "cold" / "this-tree-cold")]
+    assert "HEAD against this-tree-1" not in out and "this-tree-1 against HEAD-1" in out
