@@ -1,13 +1,16 @@
-"""Two optional imports of transformers that a `harness run` never uses, kept out of its process.
+"""Three optional imports of transformers that a `harness run` never uses, kept out of its process.
 
-Where torchvision and scikit-learn are installed, transformers 5.17 imports both for text models too: torchvision
+Where torchvision, scikit-learn and SciPy are installed, transformers imports them for text models too: torchvision
 through its image and video utilities (processors' type checks), scikit-learn for assisted decoding's confidence
-threshold. On the GPU machines that is 2.1 s of every run's start (`python -X importtime`, one H200, session 37:
-torchvision 1.09 s with the torch._dynamo it pulls in, sklearn 1.04 s with scipy). transformers 5.24 imports
-neither there. The harness loads tokenizers and causal LMs only and never decodes with an assistant model.
+threshold, SciPy for the object-detection losses' matching (`transformers.loss`, imported with every model class).
+On the GPU machines (transformers 5.17) that was 2.1 s of every run's start for the first two (`python -X
+importtime`, one H200, session 37: torchvision 1.09 s with the torch._dynamo it pulls in, sklearn 1.04 s with
+scipy), and SciPy through the losses 1.8 of the 30.7 s of a first run's imports (session 39, same count).
+transformers 5.24 imports neither torchvision nor scikit-learn there. The harness loads tokenizers and causal LMs
+only, never decodes with an assistant model and computes no loss.
 
-`hide_unused` tells transformers that both are absent. It runs in the `harness run` process only, before
-transformers' first import of either; the pytest plugin runs inside a user's process and never calls it.
+`hide_unused` tells transformers that all three are absent. It runs in the `harness run` process only, before
+transformers' first import of any; the pytest plugin runs inside a user's process and never calls it.
 HARNESS_LEAN_IMPORTS=0 turns it off.
 """
 
@@ -17,9 +20,12 @@ import os
 import sys
 
 # transformers' availability checks for the two (`transformers.utils.import_utils`)
-HIDDEN = ("is_torchvision_available", "is_torchvision_v2_available", "is_sklearn_available")
+HIDDEN = ("is_torchvision_available", "is_torchvision_v2_available", "is_sklearn_available", "is_scipy_available")
 # the modules of transformers that read those checks when they are imported
-READERS = ("transformers.image_utils", "transformers.video_utils", "transformers.generation.candidate_generator")
+READERS = ("transformers.image_utils", "transformers.video_utils", "transformers.generation.candidate_generator",
+           "transformers.loss.loss_utils")
+# the libraries hidden: nothing is changed where one is imported already
+LIBRARIES = ("torchvision", "sklearn", "scipy")
 
 
 def _absent() -> bool:
@@ -27,10 +33,10 @@ def _absent() -> bool:
 
 
 def hide_unused() -> tuple[str, ...]:
-    """Make transformers' checks for torchvision and scikit-learn answer False; the checks changed. Nothing is
-    changed where it is turned off, where either library is imported already, or where transformers has already
-    imported a module that reads the checks (too late to keep the import out)."""
-    if os.environ.get("HARNESS_LEAN_IMPORTS") == "0" or any(name in sys.modules for name in ("torchvision", "sklearn")):
+    """Make transformers' checks for torchvision, scikit-learn and SciPy answer False; the checks changed. Nothing
+    is changed where it is turned off, where one of the libraries is imported already, or where transformers has
+    already imported a module that reads the checks (too late to keep the import out)."""
+    if os.environ.get("HARNESS_LEAN_IMPORTS") == "0" or any(name in sys.modules for name in LIBRARIES):
         return ()
     try:
         import transformers.utils as utils
