@@ -19,8 +19,7 @@ import math
 from collections import OrderedDict
 from functools import cached_property
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from harness.analysis.strata import STRATA_SERIES, context_tokens_index, path_strata
 from harness.analysis.verdicts import (
@@ -44,6 +43,9 @@ NONFINITE_TEXT = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 # batch's kernel calls, some inside CUDA graphs, are not timed; it now leaves the metric out). No measured call takes
 # 0 ms, so 0 reads as unmeasured (NaN).
 ZERO_IS_UNMEASURED = ("kernel_ms_per_step",)
+
+if TYPE_CHECKING:  # imported where a frame is made: a run's start has no use for it (`job.import_ahead`)
+    import pandas as pd
 
 
 class RunReadError(ValueError):
@@ -440,6 +442,8 @@ class RunView:
     def records_frame(self) -> pd.DataFrame:
         """One row per (model, scenario, path, turn, metric); `value` a float with inf / -inf / NaN restored from
         the store's null + `value_text`, and NaN where nothing was measured (`ZERO_IS_UNMEASURED`)."""
+        import pandas as pd
+
         frame = pd.DataFrame(self.records)
         for column in RECORD_COLUMNS:
             if column not in frame:
@@ -457,15 +461,21 @@ class RunView:
     @cached_property
     def series_frame(self) -> pd.DataFrame:
         """Per-token series, one row per (model, scenario, path, turn, series); values with NaN/inf restored."""
+        import pandas as pd
+
         return pd.DataFrame([{**row, "values": decode_values(row)} for row in self.series], columns=SERIES_COLUMNS)
 
     @cached_property
     def attention_frame(self) -> pd.DataFrame:
         """Sampled attention rows as a frame (empty when the run captured no attention)."""
+        import pandas as pd
+
         return pd.DataFrame(self.attention)
 
     @cached_property
     def attention_channels_frame(self) -> pd.DataFrame:
+        import pandas as pd
+
         return pd.DataFrame(self.attention_channels)
 
     # -- verdicts -------------------------------------------------------------------------------------------
