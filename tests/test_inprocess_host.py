@@ -89,6 +89,32 @@ def test_calibration_scales_equal_full_logit_passes(loaded, arch, spec, monkeypa
             assert torch.equal(found[layer], expected[layer]), (arch, spec, side, layer)
 
 
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("source", ["calibrated", "warmup"])
+def test_paths_of_one_scale_source_share_its_passes_and_get_their_own_scales(loaded, arch, source, monkeypatch):
+    """A per-tensor and a per-head path (and another format) of one scale source run its observer passes once; each
+    path's scales equal, bit for bit, those of a model that computed that path's alone (amax is exact: per tensor
+    is the max over heads). A hadamard path observes rotated K: passes of its own."""
+    model = dataclasses.replace(loaded[arch], _scales={})
+    passes = []
+    real = InProcessModel._observe
+    monkeypatch.setattr(InProcessModel, "_observe", lambda self, ids, cache: passes.append(1) or real(self, ids, cache))
+    specs = [f"fp8_e4m3:{source}", f"fp8_e4m3:per_head:{source}", f"fp8_e5m2:{source}"]
+    shared = {spec: model._compute_scales(parse_path(spec)) for spec in specs}
+    one_set = len(passes)
+    assert one_set >= 1
+    for spec in specs:
+        alone = dataclasses.replace(loaded[arch], _scales={})._compute_scales(parse_path(spec))
+        for side in ("k", "v"):
+            found, expected = getattr(shared[spec], side), getattr(alone, side)
+            assert found.keys() == expected.keys() and found
+            for layer in expected:
+                assert torch.equal(found[layer], expected[layer]), (arch, spec, side, layer)
+    assert len(passes) == one_set * (1 + len(specs))  # the shared set once, then each path alone
+    model._compute_scales(parse_path(f"fp8_e4m3:{source}:hadamard"))
+    assert len(passes) == one_set * (2 + len(specs))
+
+
 def test_phase_timer_names_functions_that_exist_and_nests():
     # benchmarks/phase_time.py skips a phase whose function an older tree lacks: in this tree none may be missing
     from benchmarks import phase_time

@@ -82,7 +82,7 @@ class InProcessModel:
     shard_plan: object = None  # harness.replay.sharding.ShardPlan: the layers split over several GPUs
     tensor_parallel: bool = False  # one rank of a tensor-parallel group (harness.replay.tensor_parallel)
     cpu_shortcuts: dict = field(default_factory=dict)  # harness.replay.cpu_exact.install's account
-    _scales: dict[tuple, LayerScales] = field(default_factory=dict)
+    _scales: dict[tuple, object] = field(default_factory=dict)  # LayerScales by path key; observer caches (_observed)
     _encodings: "EncodingCache" = field(default_factory=lambda: EncodingCache(), repr=False, compare=False)
     _float32: "InProcessModel | None" = field(default=None, repr=False, compare=False)
     _facts: ModelFacts | None = field(default=None, repr=False, compare=False)
@@ -291,23 +291,39 @@ class InProcessModel:
         if kv_path.scale_source == "checkpoint":
             where = self.scales_file or self.directory
             return scales_from_checkpoint(calibration.checkpoint_tensors(where), config, kv_path, str(where))
-        cache = observer_cache(config, rotated=kv_path.hadamard)  # a hadamard path's scales: rotated K's amax
         if kv_path.scale_source == "calibrated":
             chats = self.calibration_chats or calibration.default_calibration_chats()
-            for chat in chats:  # one observer cache shared by all prompts: amax over all of them
-                self._observe(self.encode_chat(chat), cache)
-                cache = _carry_amax(cache, observer_cache(config, rotated=kv_path.hadamard))
-            self._gather_amax(cache)
-            return scales_from_observers(cache, kv_path, "calibrated", f"amax over {len(chats)} calibration chats",
-                                         self.is_mla)
+            return scales_from_observers(self._observed("calibrated", kv_path.hadamard), kv_path, "calibrated",
+                                         f"amax over {len(chats)} calibration chats", self.is_mla)
         if kv_path.scale_source == "warmup":
-            with calibration.uninitialised_recurrent_state(self.model):
-                self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
-            self._gather_amax(cache)
-            return scales_from_observers(cache, kv_path, "warmup",
+            return scales_from_observers(self._observed("warmup", kv_path.hadamard), kv_path, "warmup",
                                          "one dummy warm-up pass, recurrent state uninitialised (failure class 2)",
                                          self.is_mla)
         raise ValueError(f"KV path {kv_path.name!r}: unknown scale source {kv_path.scale_source!r}")
+
+    def _observed(self, source: str, rotated: bool):
+        """The observer cache (`AmaxObserverLayer`s: each attention layer's K and V amax per head) after the passes
+        of a scale source: the calibration chats ("calibrated") or one dummy warm-up pass ("warmup"); `rotated`:
+        K's amax as a `hadamard` path stores it. Observed once per model and kept with its scales: a path's format
+        and granularity only read it (`scales_from_observers`: amax is exact, per tensor the max over heads), so
+        the default run's per-tensor and per-head calibrated paths share one set of passes and get the scales
+        passes of their own gave."""
+        from harness.kv_paths import calibration
+
+        key = ("observed", source, rotated)
+        if key not in self._scales:
+            config = self.model.config
+            cache = observer_cache(config, rotated=rotated)
+            if source == "calibrated":
+                for chat in self.calibration_chats or calibration.default_calibration_chats():
+                    self._observe(self.encode_chat(chat), cache)  # amax over all of them, carried
+                    cache = _carry_amax(cache, observer_cache(config, rotated=rotated))
+            else:
+                with calibration.uninitialised_recurrent_state(self.model):
+                    self._observe(calibration.dummy_warmup_ids(self.tokenizer), cache)
+            self._gather_amax(cache)
+            self._scales[key] = cache
+        return self._scales[key]
 
     def _twin_scales(self, kv_path: KVPath) -> LayerScales:
         """The twin's scales from its own calibration pass: the same calibration chats through caches of its own
