@@ -202,3 +202,27 @@ def test_prefill_memo_keeps_its_byte_bound():
     assert (9,) not in memo.entries and memo.take((9,)) == (None, None)
     cache, last = memo.take((3,))
     assert cache == [torch.zeros(1)] and last.shape == (1, 3) and memo.held == 4
+
+
+def test_a_model_directory_is_hashed_again_only_when_a_file_changed(tmp_path, monkeypatch):
+    """`sha256_of_dir` is asked by every path's description: the digest of unchanged files is kept, and a file whose
+    bytes (so its size or modification time) changed is read again; the digest is sha256 over names and bytes."""
+    import hashlib
+    import os
+
+    from harness.replay import inprocess
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / "notes.txt").write_text("not hashed")
+    reads = []
+    real = type(tmp_path).read_bytes
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda self: reads.append(self.name) or real(self))
+    want = hashlib.sha256(b"config.json{}model.safetensors" + b"\0" * 64).hexdigest()
+    assert inprocess.sha256_of_dir(tmp_path) == want and len(reads) == 2
+    assert inprocess.sha256_of_dir(tmp_path) == want and len(reads) == 2  # kept
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * 64)  # same size: the modification time tells
+    stat = (tmp_path / "model.safetensors").stat()
+    os.utime(tmp_path / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    changed = hashlib.sha256(b"config.json{}model.safetensors" + b"\1" * 64).hexdigest()
+    assert inprocess.sha256_of_dir(tmp_path) == changed and len(reads) == 4

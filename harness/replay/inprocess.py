@@ -55,13 +55,34 @@ CHAT_CACHE_TOKENS = 1 << 23
 PREFILL_MEMO_BYTES = 1 << 28
 
 
+# (directory, each hashed file's name, size and mtime) -> its digest: a model's description is asked for by every
+# path's backend (the default run hashed its three canaries 40 times; `benchmarks/phase_time.py --device cuda
+# --profile` on an H200 box put 1.05 s in hashlib's updates, session 39); a file that changes changes the key
+_DIGESTS: dict[tuple, str] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
 def sha256_of_dir(directory: Path) -> str:
+    """sha256 over the names and bytes of a model directory's weight and JSON files (sorted), read again only when
+    one of them changed (size or modification time) since this process last hashed it."""
+    files = [file for file in sorted(Path(directory).rglob("*"))
+             if file.is_file() and file.suffix in (".safetensors", ".json", ".bin")]
+    key = (str(Path(directory).resolve()), *((file.name, *_size_and_time(file)) for file in files))
+    with _DIGESTS_LOCK:
+        if key in _DIGESTS:
+            return _DIGESTS[key]
     digest = hashlib.sha256()
-    for file in sorted(directory.rglob("*")):
-        if file.is_file() and file.suffix in (".safetensors", ".json", ".bin"):
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def _size_and_time(file: Path) -> tuple[int, int]:
+    found = file.stat()
+    return found.st_size, found.st_mtime_ns
 
 
 @dataclass
