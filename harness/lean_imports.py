@@ -5,7 +5,7 @@ through its image and video utilities (processors' type checks), scikit-learn fo
 threshold, SciPy for the object-detection losses' matching (`transformers.loss`, imported with every model class).
 On the GPU machines (transformers 5.17) that was 2.1 s of every run's start for the first two (`python -X
 importtime`, one H200, session 37: torchvision 1.09 s with the torch._dynamo it pulls in, sklearn 1.04 s with
-scipy), and SciPy through the losses 1.8 of the 30.7 s of a first run's imports (session 39, same count).
+scipy), and SciPy through the losses 1.8 of the 30.7 s a fresh machine's first run spent importing (session 39).
 transformers 5.24 imports neither torchvision nor scikit-learn there. The harness loads tokenizers and causal LMs
 only, never decodes with an assistant model and computes no loss.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-# transformers' availability checks for the two (`transformers.utils.import_utils`)
+# transformers' availability checks for the three (`transformers.utils.import_utils`)
 HIDDEN = ("is_torchvision_available", "is_torchvision_v2_available", "is_sklearn_available", "is_scipy_available")
 # the modules of transformers that read those checks when they are imported
 READERS = ("transformers.image_utils", "transformers.video_utils", "transformers.generation.candidate_generator",

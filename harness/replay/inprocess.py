@@ -327,8 +327,8 @@ class InProcessModel:
         of a scale source: the calibration chats ("calibrated") or one dummy warm-up pass ("warmup"); `rotated`:
         K's amax as a `hadamard` path stores it. Observed once per model and kept with its scales: a path's format
         and granularity only read it (`scales_from_observers`: amax is exact, per tensor the max over heads), so
-        the default run's per-tensor and per-head calibrated paths share one set of passes and get the scales
-        passes of their own gave."""
+        the default run's per-tensor and per-head calibrated paths share one set of passes and get the scales their
+        own passes gave."""
         from harness.kv_paths import calibration
 
         key = ("observed", source, rotated)
