@@ -44,7 +44,7 @@ def test_transformers_imports_the_stand_ins_without_it(stand_ins):
     assert done.returncode != 0 and "stand-in scipy imported" in done.stderr, done.stderr[-2000:]
 
 
-def test_hidden_neither_is_imported(stand_ins):
+def test_hidden_none_is_imported(stand_ins):
     done = run(f"from harness.lean_imports import hide_unused; print(hide_unused()); {READERS}; {CHECK}", stand_ins)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [str(("is_torchvision_available", "is_torchvision_v2_available",
