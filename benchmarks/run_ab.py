@@ -9,7 +9,8 @@ Each baseline is `git archive`d into the work folder once. A warm-up run of ever
 then each round runs every tree once, the order turning each round. A row gives each run's wall seconds and, in
 brackets, the run's own "run complete in". The records of every tree's last run are then compared with this tree's
 (timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict
-labels (verdicts.jsonl, path_verdicts.jsonl) are the same. `--cold` adds a row after the rounds: each tree once more
+labels (verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds after the
+warm-up) is set against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold` adds a row after the rounds: each tree once more
 with Triton's cache, our compiled kernels and our kernel ledger in empty folders of their own (`COLD_CACHES`), as a
 fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold bar, sessions 32-37).
 """
@@ -88,6 +89,25 @@ def compare(mine: Path, other: Path) -> str:
     return f"{said}; verdict labels {'identical' if same else 'DIFFER'}"
 
 
+def ratios(walls: dict[str, dict[str, list[float]]], names: list[str]) -> list[str]:
+    """Per baseline: the mean wall of its warm rounds and of its cold run, and this tree's as a ratio of each.
+    walls: {tree: {"warm": [s, ...], "cold": [s]}}; names: this tree first."""
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    lines = []
+    mine = walls[names[0]]
+    for name in names[1:]:
+        theirs = walls[name]
+        said = [f"warm {mean(mine['warm']):.2f} s against {mean(theirs['warm']):.2f} s "
+                f"({mean(mine['warm']) / mean(theirs['warm']):.2f}x)"]
+        if mine.get("cold") and theirs.get("cold"):
+            said.append(f"cold {mean(mine['cold']):.2f} s against {mean(theirs['cold']):.2f} s "
+                        f"({mean(mine['cold']) / mean(theirs['cold']):.2f}x)")
+        lines.append(f"- this tree against {name}, means: " + "; ".join(said))
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", action="append", required=True, metavar="REV", help="a git revision to compare")
@@ -103,6 +123,7 @@ def main() -> int:
     trees = {"this tree": HERE, **{rev: unpack(rev, work) for rev in args.baseline}}
     names = list(trees)
     last: dict[str, Path] = {}
+    walls: dict[str, dict[str, list[float]]] = {name: {"warm": [], "cold": []} for name in names}
     table = [f"| round | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
     rounds = [*range(args.rounds + 1), *(["cold"] if args.cold else [])]  # round 0: every tree's warm-up
     for number, round_ in enumerate(rounds):
@@ -119,9 +140,12 @@ def main() -> int:
             cells[name] = f"{wall:.2f} ({inside if inside is not None else '?'})"
             if round_ != "cold":  # the records compared are the last warm round's
                 last[name] = out
+            if round_ != 0:
+                walls[name]["cold" if round_ == "cold" else "warm"].append(wall)
         table.append(f"| {'warm-up' if round_ == 0 else round_} | " + " | ".join(cells[n] for n in names) + " |")
     print(f"# {args.device}; wall s of the whole process (the run's own \"run complete in\" s); runs in {work}")
     print("\n".join(table))
+    print("\n".join(ratios(walls, names)))
     for name in names[1:]:
         print(f"- {name} against this tree: {compare(last['this tree'], last[name])}")
     return 0

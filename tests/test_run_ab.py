@@ -78,7 +78,10 @@ def test_cold_adds_a_row_of_each_tree_after_the_warm_rounds(tmp_path, monkeypatc
 
     def one_run(tree, out, device, extra, cold=None):
         calls.append((out.name, cold))
-        return 2.0, 1.0, 0
+        # this tree: 10 s warm, 20 cold; HEAD: 20 s warm, 40 cold; every warm-up 99 s (left out of the means)
+        wall = 99.0 if out.name.endswith("-0") else (1 if out.name.startswith("this") else 2) * (
+            20.0 if out.name.endswith("cold") else 10.0)
+        return wall, 1.0, 0
     monkeypatch.setattr(run_ab, "one_run", one_run)
     monkeypatch.setattr(run_ab, "unpack", lambda rev, work: run_ab.HERE)
     monkeypatch.setattr(run_ab, "compare", lambda mine, other: f"{mine.name} against {other.name}")
@@ -91,3 +94,11 @@ def test_cold_adds_a_row_of_each_tree_after_the_warm_rounds(tmp_path, monkeypatc
     assert sorted(c for c in calls if c[1] is not None) == [
         ("HEAD-cold", tmp_path / "cold" / "HEAD-cold"), ("this-tree-cold", tmp_path / "cold" / "this-tree-cold")]
     assert "HEAD against this-tree-1" not in out and "this-tree-1 against HEAD-1" in out
+    assert ("- this tree against HEAD, means: warm 10.00 s against 20.00 s (0.50x); cold 20.00 s against 40.00 s "
+            "(0.50x)") in out
+
+
+def test_the_means_are_of_the_warm_rounds_and_the_cold_run_only_where_both_ran():
+    walls = {"this tree": {"warm": [10.0, 12.0], "cold": []}, "3a67195": {"warm": [30.0, 36.0], "cold": [44.0]}}
+    assert run_ab.ratios(walls, ["this tree", "3a67195"]) == [
+        "- this tree against 3a67195, means: warm 11.00 s against 33.00 s (0.33x)"]
