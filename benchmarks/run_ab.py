@@ -8,11 +8,12 @@ in the same call: the lent machines differ by 1.7x from host to host, BENCHMARKS
 Each baseline is `git archive`d into the work folder once. A warm-up run of every tree comes first (caches, bytecode),
 then each round runs every tree once, the order turning each round. A row gives each run's wall seconds and, in
 brackets, the run's own "run complete in". The records of every tree's last run are then compared with this tree's
-(timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict
-labels (verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds after the
-warm-up) is set against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold` adds a row after the rounds: each tree once more
-with Triton's cache, our compiled kernels and our kernel ledger in empty folders of their own (`COLD_CACHES`), as a
-fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold bar, sessions 32-37).
+(timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict labels
+(verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds after the warm-up) is set
+against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold` adds a row after the rounds:
+each tree once more with Triton's cache, our compiled kernels and our kernel ledger in empty folders of their own
+(`COLD_CACHES`), as a fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold bar,
+sessions 32-37).
 """
 
 from __future__ import annotations
