@@ -1,9 +1,10 @@
 """Where a batched decode step's GPU time goes, BF16 against an FP8 path (CUDA only).
 
-    python benchmarks/decode_profile.py [--config v2-lite|8b] [--batch 16] [--context 1024]
-                                        [--paths bf16,fp8_e4m3] [--top 16] [--prefill]
+    python benchmarks/decode_profile.py [--config v2-lite|8b | --canary gqa|mla|hybrid] [--batch 16]
+                                        [--context 1024] [--paths bf16,fp8_e4m3] [--top 16] [--prefill]
 
-On scale_bench's random-weight models (built on the GPU): per path, the decode step time with CUDA graphs and with
+On scale_bench's random-weight models (built on the GPU), or a bundled canary (`--canary`: the default run's
+models, loaded as `harness run` loads them, EOS ignored so that every row decodes every step): per path, the decode step time with CUDA graphs and with
 static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each call runs its first step eagerly
 and captures its graph once, scale_bench.SHORT), the median interval between graph steps (scale_bench's measure)
 beside the median GPU time of one graph replay (CUDA events: the interval less it is host time the GPU waits for),
@@ -31,6 +32,15 @@ from harness.kv_paths.spec import parse_path  # noqa: E402
 from harness.replay.batched import BatchedEngine, BatchSettings  # noqa: E402
 
 CONFIGS = {"v2-lite": scale_bench.deepseek_v2_lite, "8b": scale_bench.llama_8b}
+CANARIES = ("gqa", "mla", "hybrid")
+
+
+def engine(backend, settings: BatchSettings, canary: bool) -> BatchedEngine:
+    """An engine over `backend`; a canary's with its EOS ignored (random prompts would end rows at random steps)."""
+    made = BatchedEngine(backend, settings)
+    if canary:
+        made.eos = None
+    return made
 
 
 def step_ms(engine: BatchedEngine, prompts: list[list[int]]) -> float:
@@ -114,6 +124,7 @@ def kernel_differences(base: list, other: list, top: int) -> list[tuple[float, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="v2-lite")
+    parser.add_argument("--canary", choices=CANARIES, default=None, help="a bundled canary instead of --config")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--paths", default="bf16,fp8_e4m3")
@@ -122,15 +133,22 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: decode_profile needs a CUDA device (it profiles CUDA kernels)")
-    loaded = scale_bench.build(CONFIGS[args.config]())
+    if args.canary:
+        from harness.replay.inprocess import InProcessModel
+        from harness.run_config import CANARY_WEIGHTS
+
+        loaded = InProcessModel.load(CANARY_WEIGHTS / args.canary, device="cuda")
+    else:
+        loaded = scale_bench.build(CONFIGS[args.config]())
     prompts = scale_bench.prompts(args.batch, args.context, loaded.model.config.vocab_size, seed=1)
-    print(f"{args.config} b{args.batch} {args.context}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{args.canary or args.config} b{args.batch} {args.context}: {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
     if args.prefill:
         profiled = {}
         for spec in args.paths.split(","):
-            engine = BatchedEngine(loaded.backend(parse_path(spec)), BatchSettings(batch_size=args.batch,
-                                                                                   kernel_check_every=10**9))
-            wall, kernels, host = prefill_profile(engine, prompts, args.top)
+            made = engine(loaded.backend(parse_path(spec)),
+                          BatchSettings(batch_size=args.batch, kernel_check_every=10**9), bool(args.canary))
+            wall, kernels, host = prefill_profile(made, prompts, args.top)
             profiled[spec] = (wall, kernels)
             busy = sum(r[0] for r in kernels)
             # the kernels' summed time against the call's wall time: what is left is GPU time no kernel ran
@@ -141,7 +159,7 @@ def main() -> None:
             print("| host ms (self) | calls | op |\n|---:|---:|---|")
             for ms, calls, name in host:
                 print(f"| {ms:.1f} | {calls} | `{name[:100]}` |", flush=True)
-            del engine
+            del made
             torch.cuda.empty_cache()
         first, *rest = profiled
         for spec in rest:
@@ -160,17 +178,17 @@ def main() -> None:
         backend = loaded.backend(parse_path(spec))
         settings = {mode: BatchSettings(batch_size=args.batch, kernel_check_every=10**9, decode=mode)
                     for mode in ("graph", "static")}
-        graphed = BatchedEngine(backend, settings["graph"])
+        graphed = engine(backend, settings["graph"], bool(args.canary))
         graph = step_ms(graphed, prompts)
         replayed = replay_gpu_ms(graphed, prompts)
         del graphed
-        engine = BatchedEngine(backend, settings["static"])
-        eager = step_ms(engine, prompts)
-        listed[spec] = kernels_per_step(engine, prompts)
+        eager_engine = engine(backend, settings["static"], bool(args.canary))
+        eager = step_ms(eager_engine, prompts)
+        listed[spec] = kernels_per_step(eager_engine, prompts)
         replay = f"{replayed[1]:.2f} | {replayed[0]:.2f}" if replayed else "- | -"
         print(f"| {spec} | {graph:.2f} | {replay} | {eager:.2f} | {sum(r[0] for r in listed[spec]):.2f} | "
               f"{sum(r[1] for r in listed[spec]):.0f} |", flush=True)
-        del engine
+        del eager_engine
         torch.cuda.empty_cache()
     for spec, rows in listed.items():
         print(f"\n{spec}: heaviest kernels of one eager static decode step")

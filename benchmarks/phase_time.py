@@ -31,6 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+if __name__ == "__main__":  # as `harness run` does before transformers' first import (harness/lean_imports.py);
+    # without it a profile counted 2.1 s of scikit-learn imports the run's own process never makes (session 40, an
+    # H200 box's transformers 5.17). Not on import: a test importing this module keeps its process as it was.
+    from harness.lean_imports import hide_unused
+
+    hide_unused()
+
 from harness import job  # noqa: E402
 from harness.replay import batched, batched_runner, inprocess, runner  # noqa: E402
 from harness.run_config import CANARY_WEIGHTS, build_run_config  # noqa: E402

@@ -133,6 +133,24 @@ def test_decode_profile_lists_the_kernels_one_path_adds_or_saves():
     assert rows[0][:3] == (28.4, 0.0, 28.4) and rows[1][0] == pytest.approx(-17.8)
 
 
+def test_decode_profile_canary_engine_decodes_every_row_to_its_limit():
+    """decode_profile --canary times steps of a call over random prompts: a bundled canary's EOS would end rows at
+    random steps, so its engines ignore it and every row decodes every step; a scale_bench model keeps its own."""
+    from benchmarks import decode_profile, scale_bench
+    from harness.replay.batched import BatchSettings
+    from harness.replay.inprocess import InProcessModel
+    from harness.run_config import CANARY_WEIGHTS
+
+    loaded = InProcessModel.load(CANARY_WEIGHTS / "gqa")
+    backend = loaded.backend(None)
+    kept = decode_profile.engine(backend, BatchSettings(), canary=False)
+    assert kept.eos is not None and kept.eos == loaded.tokenizer.eos_token_id
+    made = decode_profile.engine(backend, BatchSettings(), canary=True)
+    prompts = scale_bench.prompts(3, 96, loaded.model.config.vocab_size, seed=1)  # 33..96 tokens
+    assert made.eos is None
+    assert [len(r.token_ids) for r in made.generate(prompts, 12)] == [12, 12, 12]
+
+
 def test_scale_bench_refuses_an_unknown_config_before_any_work(monkeypatch, capsys):
     """A misspelt `--configs` name (`mla8k`) would run nothing for it and print a table without its rows: refused as
     input (exit 2), before CUDA or a model, naming the known configurations (mla-8k among them)."""
