@@ -4,9 +4,9 @@
                                         [--context 1024] [--paths bf16,fp8_e4m3] [--top 16] [--prefill]
 
 On scale_bench's random-weight models (built on the GPU), or a bundled canary (`--canary`: the default run's
-models, loaded as `harness run` loads them, EOS ignored so that every row decodes every step): per path, the decode step time with CUDA graphs and with
-static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each call runs its first step eagerly
-and captures its graph once, scale_bench.SHORT), the median interval between graph steps (scale_bench's measure)
+models, loaded as `harness run` loads them, EOS ignored so that every row decodes every step): per path, the decode
+step time with CUDA graphs and with static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16:
+each call runs its first step eagerly and captures its graph once, scale_bench.SHORT), the median interval between graph steps (scale_bench's measure)
 beside the median GPU time of one graph replay (CUDA events: the interval less it is host time the GPU waits for),
 then the CUDA kernels of one eager static decode step (a profile of SHORT + 5 tokens less one of SHORT, over 5: step
 0's kernel check in both), heaviest first, and each later path's kernels against the first's. A graph step well
