@@ -3,15 +3,16 @@
     python benchmarks/decode_profile.py [--config v2-lite|8b | --canary gqa|mla|hybrid] [--batch 16]
                                         [--context 1024] [--paths bf16,fp8_e4m3] [--top 16] [--prefill]
 
-On scale_bench's random-weight models (built on the GPU), or a bundled canary (`--canary`: the default run's
-models, loaded as `harness run` loads them, EOS ignored so that every row decodes every step): per path, the decode
-step time with CUDA graphs and with static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16:
-each call runs its first step eagerly and captures its graph once, scale_bench.SHORT), the median interval between graph steps (scale_bench's measure)
-beside the median GPU time of one graph replay (CUDA events: the interval less it is host time the GPU waits for),
-then the CUDA kernels of one eager static decode step (a profile of SHORT + 5 tokens less one of SHORT, over 5: step
-0's kernel check in both), heaviest first, and each later path's kernels against the first's. A graph step well
-above its eager kernel sum means steps that did not replay a graph; kernels in one path's list and not the other's
-are what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's probes out, as scale_bench does.
+On scale_bench's random-weight models (built on the GPU), or a bundled canary (`--canary`: the default run's models,
+loaded as `harness run` loads them, EOS ignored so that every row decodes every step): per path, the decode step
+time with CUDA graphs and with static decode run eagerly (both: (time of 20 tokens - time of 4 tokens) / 16: each
+call runs its first step eagerly and captures its graph once, scale_bench.SHORT), the median interval between graph
+steps (scale_bench's measure) beside the median GPU time of one graph replay (CUDA events: the interval less it is
+host time the GPU waits for), then the CUDA kernels of one eager static decode step (a profile of SHORT + 5 tokens
+less one of SHORT, over 5: step 0's kernel check in both), heaviest first, and each later path's kernels against the
+first's. A graph step well above its eager kernel sum means steps that did not replay a graph; kernels in one path's
+list and not the other's are what that path adds. Set HARNESS_IMPL_CHECK=0 to leave the implementation check's
+probes out, as scale_bench does.
 `--prefill`: the same for the prompts' prefill instead (a 1-token call: the first token comes from the prefill's
 logits), its wall time synchronised, every kernel's summed time (the wall time less it: the GPU idle), the host
 ops with the most time of their own, and each later path against the first: the kernels that differ most.
