@@ -412,3 +412,40 @@ def test_a_worker_stopped_while_it_holds_the_run_lock_is_stopped_and_named(tiny_
     manifest = json.loads((config.out / "manifest.json").read_text())
     [failure] = manifest["executor"]["failures"]
     assert manifest["status"] == "interrupted" and "finished no unit for 10 s" in failure["what"], failure
+
+
+class _EndedProcess:
+    """A pool worker that has ended: its sentinel ready (a pipe whose writer is closed, as an ended process's is), its
+    exit status readable only `after` seconds on (until the pool's own thread, which reaps it too, stores it)."""
+
+    def __init__(self, code: int, after: float):
+        self.sentinel, writer = os.pipe()
+        os.close(writer)
+        self.code, self.readable_at = code, time.monotonic() + after
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.code if time.monotonic() >= self.readable_at else None
+
+
+def test_a_broken_pool_names_the_killed_rank_whose_status_is_read_after_its_peers(tmp_path):
+    """A SIGKILLed tensor-parallel rank while its peer ends itself (exit 70) on the lost collective: the pool's
+    thread reaped the killed rank first, and until it stored the status the rank read as running, so the run named
+    the peer (CI, session 40: "rank 0 (cpu) ... exit 70"). Every ended process's status is read before one is named."""
+    from harness.executor.local import Watch, note_executor
+    from harness.runs.store import RunStore
+
+    store = RunStore.create(tmp_path / "run", {"models": [], "warnings": []})
+    killed, peer = _EndedProcess(-signal.SIGKILL, after=0.3), _EndedProcess(70, after=0.0)
+    note_executor(store, workers={"rank 0 (cpu)": {"pid": 100, "host": "h", "device": "cpu"},
+                                  "rank 1 (cpu)": {"pid": 101, "host": "h", "device": "cpu"}})
+
+    class Pool:
+        _processes = {100: peer, 101: killed}
+
+    try:
+        assert Watch(Pool(), store, None, {}, None).dead() == ("rank 1 (cpu)", "its process (pid 101) died: "
+                                                                                "killed by SIGKILL")
+    finally:
+        os.close(killed.sentinel)
+        os.close(peer.sentinel)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -313,6 +314,17 @@ def ended(processes: dict) -> dict[int, str]:
     return found
 
 
+def unread(processes: dict) -> set[int]:
+    """The pids of processes that have ended (their sentinel is ready) whose exit status is not read yet: the pool's
+    own thread reaps its workers too, and a status it has taken but not yet stored reads as running (None)."""
+    sentinels = {}
+    for pid, process in processes.items():
+        with contextlib.suppress(ValueError):  # a closed Process object has no sentinel: nothing to read
+            sentinels[process.sentinel] = pid
+    ready = multiprocessing.connection.wait(list(sentinels), timeout=0) if sentinels else []
+    return {sentinels[s] for s in ready if processes[sentinels[s]].exitcode is None}
+
+
 def done_units(store: RunStore) -> set[tuple[str, str, str]]:
     return {(r["model"], r["scenario"], r["path"]) for r in store.read("done")}
 
@@ -360,10 +372,11 @@ class Watch:
     def dead(self) -> tuple[str, str]:
         """(worker, how its process ended) of a broken pool: the one killed or failed, not those the pool then
         stopped (SIGTERM). The pool can break as the dead process's pipe closes, a moment before its exit status
-        can be read: up to 2 s are given for it."""
+        can be read, and a process that ended first can read as running while the pool's thread reaps it: up to 2 s
+        are given until some process has ended and every ended one's status is read."""
         self.processes.update(getattr(self.pool, "_processes", None) or {})  # noqa: SLF001
         deadline = time.monotonic() + 2
-        while not (gone := ended(self.processes)) and time.monotonic() < deadline:
+        while (not (gone := ended(self.processes)) or unread(self.processes)) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._read_names()
         # the cause first: a process killed by a signal from outside (SIGKILL, a segfault), then one that named its
