@@ -429,9 +429,10 @@ class _EndedProcess:
 
 
 def test_a_broken_pool_names_the_killed_rank_whose_status_is_read_after_its_peers(tmp_path):
-    """A SIGKILLed tensor-parallel rank while its peer ends itself (exit 70) on the lost collective: the pool's
-    thread reaped the killed rank first, and until it stored the status the rank read as running, so the run named
-    the peer (CI, session 40: "rank 0 (cpu) ... exit 70"). Every ended process's status is read before one is named."""
+    """A SIGKILLed tensor-parallel rank while its peer ends itself (exit 70) on the lost collective: the run named the
+    peer (CI, session 40: "rank 0 (cpu) ... exit 70"), so the killed rank's status was unreadable when the peer's was
+    read (a process's pipes close before it is reaped, and the pool's own thread reaps it too). Every ended process's
+    status is now read before one is named: here the killed rank's only 0.3 s after its peer's."""
     from harness.executor.local import Watch, note_executor
     from harness.runs.store import RunStore
 

@@ -315,8 +315,9 @@ def ended(processes: dict) -> dict[int, str]:
 
 
 def unread(processes: dict) -> set[int]:
-    """The pids of processes that have ended (their sentinel is ready) whose exit status is not read yet: the pool's
-    own thread reaps its workers too, and a status it has taken but not yet stored reads as running (None)."""
+    """The pids of processes that have ended (their sentinel is ready) whose exit status cannot be read yet: a
+    process's pipes close before it is reaped, and the pool's own thread reaps its workers too (a status it has taken
+    but not yet stored reads as running, None)."""
     sentinels = {}
     for pid, process in processes.items():
         with contextlib.suppress(ValueError):  # a closed Process object has no sentinel: nothing to read
