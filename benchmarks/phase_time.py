@@ -1,7 +1,7 @@
 """Seconds per phase of one default canary run (`job.run_job`), CPU or CUDA, with an optional cProfile.
 
     python benchmarks/phase_time.py [--device cpu|cuda] [--batch-size N | --one-at-a-time] [--out DIR]
-                                    [--profile FILE.prof] [--top 30] [--models hybrid,gqa] [--passes]
+                                    [--profile FILE.prof] [--top 30] [--models hybrid,gqa] [--passes] [--timeline]
 
 The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
 process, models one after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
@@ -14,6 +14,9 @@ left out of "outside every phase". The last row adds up the host work that is ne
 of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top
 functions by cumulative and by own time. `--passes` also counts each model's forward passes per KV path: run eagerly,
 recorded into a CUDA graph, and graph replays (on the GPU the host's cost is mostly its eager passes).
+`--timeline` (CUDA) runs the models as `harness run` does (on one GPU, small models at once in threads of this
+process, `--jobs` as its default) and prints, per thread, each phase's first start and last end in seconds from the process's
+start, its summed seconds and calls (per KV path where the phase has one): which model's thread the run waits for.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import cProfile
+import os
 import pstats
 import sys
 import tempfile
@@ -37,6 +41,8 @@ if __name__ == "__main__":  # as `harness run` does before transformers' first i
     from harness.lean_imports import hide_unused
 
     hide_unused()
+
+STARTED = time.perf_counter()  # the process's start, near enough: what --timeline counts from
 
 from harness import job  # noqa: E402
 from harness.replay import batched, batched_runner, inprocess, runner  # noqa: E402
@@ -64,6 +70,16 @@ PHASES = (
 )
 # phases also timed per KV path (inclusive seconds, summed over models): the path's label from the call's arguments
 BY_PATH = {"candidate_waves": lambda args: args[1].label}
+
+
+def _engine_path(args) -> str:
+    kv_path = args[0].backend.kv_path
+    return kv_path.name if kv_path is not None else "reference"
+
+
+# --timeline: the KV path (or model) a call of these phases is for, from its arguments
+TIMELINE_LABELS = {"candidate_waves": lambda args: args[1].label, "generate_batches": _engine_path,
+                   "score_batches": _engine_path, "load": lambda args: Path(str(args[1])).name}
 # phases whose time is model loads and forward passes (with the decode loop's own per-step host work)
 FORWARD_PHASES = ("load", "scales", "generate_batches", "score_batches", "generate_one", "score_one")
 
@@ -78,6 +94,8 @@ class PhaseClock:
         self.by_path: dict[tuple[str, str], float] = {}  # (phase, path label) -> inclusive seconds (BY_PATH)
         self.threads = threading.local()  # .stack: [phase, seconds spent in phases nested inside it]
         self.lock = threading.Lock()
+        self.events: list[tuple[str, str, str, float, float]] | None = None  # --timeline: (thread, phase, label,
+        # start, end), kept where a list is set
 
     @property
     def stack(self) -> list[list]:
@@ -125,6 +143,9 @@ class PhaseClock:
                 if name in BY_PATH:
                     key = (name, BY_PATH[name](args))
                     clock.by_path[key] = clock.by_path.get(key, 0.0) + time.perf_counter() - start
+                if clock.events is not None:
+                    label = TIMELINE_LABELS[name](args) if name in TIMELINE_LABELS else ""
+                    clock.events.append((threading.current_thread().name, name, label, start, time.perf_counter()))
                 clock.leave(start)
         return timed
 
@@ -203,10 +224,10 @@ class PassCount:
         return "\n".join(lines)
 
 
-def run(device: str, batch_size: int | None, out: Path, models: list[Path] | None = None) -> float:
+def run(device: str, batch_size: int | None, out: Path, models: list[Path] | None = None, jobs: int = 1) -> float:
     # the configuration `harness run` builds: the default paths with the gate's yardstick, its twin and the control
     # arm (`gate.with_controls`); a RunConfig of DEFAULT_PATHS alone timed 4 of the default run's 7 paths
-    config = build_run_config(command="benchmarks/phase_time.py", out=out, device=device, jobs=1,
+    config = build_run_config(command="benchmarks/phase_time.py", out=out, device=device, jobs=jobs,
                               batch_size=batch_size, models=models)
     start = time.perf_counter()
     job.run_job(config, warn=lambda message: print(f"# {message}", file=sys.stderr))
@@ -231,6 +252,25 @@ def table(clock: PhaseClock, total: float) -> str:
     return "\n".join(lines)
 
 
+def timeline(events: list[tuple[str, str, str, float, float]], started: float) -> str:
+    """Per thread (in the order each first timed a phase), each (phase, label): first start and last end in seconds
+    from `started`, summed seconds and calls, by first start. The store's writer threads are left out (they
+    overlap everything, as in the phase table)."""
+    threads: dict[str, dict[tuple[str, str], list]] = {}
+    for thread, name, label, start, end in sorted(events, key=lambda event: event[3]):
+        if name == "store_writes":
+            continue
+        row = threads.setdefault(thread, {}).setdefault((name, label), [start, end, 0.0, 0])
+        row[1], row[2], row[3] = max(row[1], end), row[2] + end - start, row[3] + 1
+    lines = ["| thread | phase | path or model | first start s | last end s | summed s | calls |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for thread, rows in threads.items():
+        for (name, label), (first, last, summed, calls) in sorted(rows.items(), key=lambda item: item[1][0]):
+            lines.append(f"| {thread} | {name} | {label} | {first - started:.2f} | {last - started:.2f} | "
+                         f"{summed:.2f} | {calls} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -242,11 +282,19 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
     parser.add_argument("--models", default="", help="canaries to replay, comma-separated (default: all three)")
     parser.add_argument("--passes", action="store_true", help="count forward passes per model, path and how they ran")
+    parser.add_argument("--timeline", action="store_true",
+                        help="models as harness run replays them (at once on one GPU); each thread's phases in time")
     args = parser.parse_args()
     if args.one_at_a_time and (args.device != "cpu" or args.batch_size is not None):
         parser.error("--one-at-a-time is the CPU's unbatched replay: no --batch-size, --device cpu")
+    if args.timeline and (args.profile or args.passes or args.device == "cpu"):
+        parser.error("--timeline times a GPU run as harness run makes it, its models in threads of this process: "
+                     "no --profile or --passes (one thread each), no --device cpu (its replay runs in worker "
+                     "processes, which this process's clock does not see)")
     batch_size = None if args.one_at_a_time else (args.batch_size or (64 if args.device == "cpu" else None))
     clock = PhaseClock()
+    if args.timeline:
+        clock.events = []
     install(clock)
     passes = PassCount() if args.passes else None
     if passes:
@@ -257,7 +305,7 @@ def main() -> None:
         if profiler:
             profiler.enable()
         models = [CANARY_WEIGHTS / name for name in args.models.split(",")] if args.models else None
-        total = run(args.device, batch_size, out, models)
+        total = run(args.device, batch_size, out, models, jobs=(os.cpu_count() or 1) if args.timeline else 1)
         if profiler:
             profiler.disable()
             profiler.dump_stats(args.profile)
@@ -271,7 +319,12 @@ def main() -> None:
         stats = pstats.Stats(str(args.profile))
         stats.sort_stats("cumulative").print_stats(args.top)
         stats.sort_stats("tottime").print_stats(args.top)
+    if clock.events is not None:
+        print("# models replayed at once: the phases' seconds are summed over their threads and add up past the run's")
     print(table(clock, total))
+    if clock.events is not None:
+        print()
+        print(timeline(clock.events, STARTED))
     if passes:
         print()
         print(passes.table())

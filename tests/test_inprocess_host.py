@@ -115,6 +115,35 @@ def test_paths_of_one_scale_source_share_its_passes_and_get_their_own_scales(loa
     assert len(passes) == one_set * (2 + len(specs))
 
 
+def test_phase_timeline_lists_each_thread_in_time_without_the_store_writers():
+    """phase_time --timeline (how session 40 found which model's thread a GPU run waits for): per thread, each phase
+    and path once, its first start and last end from the process's start, summed seconds and calls; the store's
+    writer threads overlap everything and are left out, as in the phase table."""
+    from benchmarks import phase_time
+
+    events = [("model-replay-1", "candidate_waves", "fp8_e4m3", 12.0, 12.5),
+              ("model-replay-0", "reference_waves", "", 11.0, 11.6),
+              ("asyncio_0", "store_writes", "", 11.2, 11.3),
+              ("model-replay-0", "candidate_waves", "fp8_e4m3", 11.6, 12.0),
+              ("model-replay-1", "candidate_waves", "fp8_e4m3", 13.0, 13.25),
+              ("MainThread", "verdicts", "", 14.0, 14.5)]
+    lines = phase_time.timeline(events, started=10.0).splitlines()
+    assert lines[2:] == ["| model-replay-0 | reference_waves |  | 1.00 | 1.60 | 0.60 | 1 |",
+                         "| model-replay-0 | candidate_waves | fp8_e4m3 | 1.60 | 2.00 | 0.40 | 1 |",
+                         "| model-replay-1 | candidate_waves | fp8_e4m3 | 2.00 | 3.25 | 0.75 | 2 |",
+                         "| MainThread | verdicts |  | 4.00 | 4.50 | 0.50 | 1 |"]
+
+
+def test_phase_timeline_refuses_a_cpu_run(monkeypatch, capsys):
+    """A CPU run replays in worker processes, which the timer in this process does not see: refused as input."""
+    from benchmarks import phase_time
+
+    monkeypatch.setattr(phase_time.sys, "argv", ["phase_time.py", "--timeline"])
+    with pytest.raises(SystemExit) as stopped:
+        phase_time.main()
+    assert stopped.value.code == 2 and "no --device cpu" in capsys.readouterr().err
+
+
 def test_phase_timer_names_functions_that_exist_and_nests():
     # benchmarks/phase_time.py skips a phase whose function an older tree lacks: in this tree none may be missing
     from benchmarks import phase_time
