@@ -15,8 +15,9 @@ of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the 
 functions by cumulative and by own time. `--passes` also counts each model's forward passes per KV path: run eagerly,
 recorded into a CUDA graph, and graph replays (on the GPU the host's cost is mostly its eager passes).
 `--timeline` (CUDA) runs the models as `harness run` does (on one GPU, small models at once in threads of this
-process, `--jobs` as its default) and prints, per thread, each phase's first start and last end in seconds from the process's
-start, its summed seconds and calls (per KV path where the phase has one): which model's thread the run waits for.
+process, `--jobs` as its default) and prints, per thread, each phase's first start and last end in seconds from the
+process's start, its summed seconds and calls (per KV path where the phase has one): which model's thread the run
+waits for.
 """
 
 from __future__ import annotations
