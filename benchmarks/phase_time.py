@@ -4,8 +4,8 @@
                                     [--profile FILE.prof] [--top 30] [--models hybrid,gqa] [--passes] [--timeline]
 
 The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
-process, models one after another (`jobs=1`, so every phase runs where the timers are). On the CPU it runs the batched replay
-(`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on the CPU by default); on
+process, models one after another (`jobs=1`, so every phase runs where the timers are; `--timeline`: at once). On
+the CPU it runs the batched replay (`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on the CPU by default); on
 CUDA the batch size is chosen from free GPU memory unless given. Each phase is a wrapped function; phases
 nest (scoring batches are asked for lazily while records are built), so the table gives both the inclusive
 seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside it. `store_writes` (a unit's
