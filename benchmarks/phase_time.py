@@ -5,15 +5,15 @@
 
 The default run (bundled canaries x canary scenarios x the default KV paths and the gate's controls), in this
 process, models one after another (`jobs=1`, so every phase runs where the timers are; `--timeline`: at once). On
-the CPU it runs the batched replay (`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on the CPU by default); on
-CUDA the batch size is chosen from free GPU memory unless given. Each phase is a wrapped function; phases
-nest (scoring batches are asked for lazily while records are built), so the table gives both the inclusive
-seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside it. `store_writes` (a unit's
-rows appended and fsynced) runs in worker threads beside the replay: its seconds overlap the others and are
-left out of "outside every phase". The last row adds up the host work that is neither a model load nor a phase
-of forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top
-functions by cumulative and by own time. `--passes` also counts each model's forward passes per KV path: run eagerly,
-recorded into a CUDA graph, and graph replays (on the GPU the host's cost is mostly its eager passes).
+the CPU it runs the batched replay (`--batch-size`, default 64) unless `--one-at-a-time` (what `harness run` does on
+the CPU by default); on CUDA the batch size is chosen from free GPU memory unless given. Each phase is a wrapped
+function; phases nest (scoring batches are asked for lazily while records are built), so the table gives both the
+inclusive seconds and the exclusive ("self") seconds, i.e. minus the phases timed inside it. `store_writes` (a
+unit's rows appended and fsynced) runs in worker threads beside the replay: its seconds overlap the others and are
+left out of "outside every phase". The last row adds up the host work that is neither a model load nor a phase of
+forward passes (`FORWARD_PHASES`). `--profile` also writes a cProfile of the whole run and prints its top functions
+by cumulative and by own time. `--passes` also counts each model's forward passes per KV path: run eagerly, recorded
+into a CUDA graph, and graph replays (on the GPU the host's cost is mostly its eager passes).
 `--timeline` (CUDA) runs the models as `harness run` does (on one GPU, small models at once in threads of this
 process, `--jobs` as its default) and prints, per thread, each phase's first start and last end in seconds from the
 process's start, its summed seconds and calls (per KV path where the phase has one): which model's thread the run
