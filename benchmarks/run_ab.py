@@ -1,19 +1,23 @@
-"""The whole `harness run` process of this tree against earlier trees, alternating on one machine, with the records
-compared: how issue 43's default-run bars are measured (wall of the whole process, warm, against a baseline tree
-in the same call: the lent machines differ by 1.7x from host to host, BENCHMARKS.md session 38).
+"""The whole `harness run` process of this tree against earlier trees (or itself with other settings), alternating on
+one machine, with the records compared: how issue 43's default-run bars are measured (wall of the whole process,
+warm, against a baseline tree in the same call: the lent machines differ by 1.7x from host to host, BENCHMARKS.md
+session 38).
 
-    python benchmarks/run_ab.py --baseline 3a67195 [--baseline f158deb] [--rounds 2] [--cold] [--device cuda]
-                                [--work DIR] [-- ARGS for harness run]
+    python benchmarks/run_ab.py --baseline 3a67195 [--baseline f158deb] [--variant "NAME: [ENV=VALUE ...] [ARGS]"]
+                                [--rounds 2] [--cold] [--device cuda] [--work DIR] [-- ARGS for harness run]
 
-Each baseline is `git archive`d into the work folder once. A warm-up run of every tree comes first (caches, bytecode),
-then each round runs every tree once, the order turning each round. A row gives each run's wall seconds and, in
-brackets, the run's own "run complete in". The records of every tree's last run are then compared with this tree's
-(timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether the verdict labels
-(verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds after the warm-up) is set
-against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold` adds a row after the rounds:
-each tree once more with Triton's cache, our compiled kernels and our kernel ledger in empty folders of their own
-(`COLD_CACHES`), as a fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold bar,
-sessions 32-37).
+Each baseline is `git archive`d into the work folder once. A variant is this tree run with settings of its own:
+environment variables (`NAME=VALUE` words) and `harness run` arguments after the common ones, so that a setting is
+measured against this tree's default in the same call (`--variant "check64: --kernel-check-every 64"`, `--variant
+"no-preload: HARNESS_KERNEL_PRELOAD=0"`); at least one baseline or variant. A warm-up run of every tree comes first
+(caches, bytecode), then each round runs every tree once, the order turning each round. A row gives each run's wall
+seconds and, in brackets, the run's own "run complete in". The records of every tree's last run are then compared
+with this tree's (timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether
+the verdict labels (verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds
+after the warm-up) is set against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold`
+adds a row after the rounds: each tree once more with Triton's cache, our compiled kernels and our kernel ledger in
+empty folders of their own (`COLD_CACHES`), as a fresh machine has them; Python's bytecode and the bundled ledger
+are kept (issue 43's cold bar, sessions 32-37).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,6 +40,7 @@ COMPLETE = re.compile(r"run complete in ([0-9.]+) s")
 # what a cold run starts without: Triton's cache, our compiled kernels (kernels/nvrtc.py, kernels/cpu_kernels.py) and
 # the kernel ledgers a run writes (harness/executor/kernel_ledger.py), each pointed at an empty folder
 COLD_CACHES = ("TRITON_CACHE_DIR", "FP8_HARNESS_KERNEL_CACHE", "FP8_HARNESS_LEDGER_DIR")
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # a variant's word that sets an environment variable
 
 
 def unpack(rev: str, work: Path) -> Path:
@@ -47,13 +53,32 @@ def unpack(rev: str, work: Path) -> Path:
     return tree
 
 
-def one_run(tree: Path, out: Path, device: str, extra: list[str], cold: Path | None = None
-            ) -> tuple[float, float | None, int]:
+def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
+    """`--variant "NAME: WORDS"` as (name, environment variables, harness run arguments): a word `NAME=VALUE` whose
+    name is an environment variable's (letters, digits, underscores) sets it, the others are arguments."""
+    name, colon, rest = text.partition(":")
+    if not colon or not name.strip() or name.strip() == "this tree":
+        raise ValueError(f"--variant {text!r}: expected \"NAME: [ENV=VALUE ...] [harness run arguments]\" with a "
+                         "name of its own")
+    env, args = {}, []
+    for word in shlex.split(rest):
+        if ENV_WORD.match(word):
+            key, _, value = word.partition("=")
+            env[key] = value
+        else:
+            args.append(word)
+    if not env and not args:
+        raise ValueError(f"--variant {text!r}: no setting (an ENV=VALUE word or a harness run argument)")
+    return name.strip(), env, args
+
+
+def one_run(tree: Path, out: Path, device: str, extra: list[str], cold: Path | None = None,
+            env_extra: dict[str, str] | None = None) -> tuple[float, float | None, int]:
     """(wall s, the run's own "run complete in" s or None, exit code) of `python -m harness.cli run` in `tree`;
-    cold: a new folder whose empty subfolders hold the caches `COLD_CACHES` names."""
+    cold: a new folder whose empty subfolders hold the caches `COLD_CACHES` names; env_extra: a variant's variables."""
     command = [sys.executable, "-m", "harness.cli", "run", "--device", device, "--out", str(out), "--no-progress",
                *extra]
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     if cold is not None:
         for name in COLD_CACHES:
             (cold / name).mkdir(parents=True)
@@ -111,7 +136,9 @@ def ratios(walls: dict[str, dict[str, list[float]]], names: list[str]) -> list[s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", action="append", required=True, metavar="REV", help="a git revision to compare")
+    parser.add_argument("--baseline", action="append", default=[], metavar="REV", help="a git revision to compare")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME: SETTINGS",
+                        help="this tree with environment variables (NAME=VALUE) and harness run arguments of its own")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="then one cold run of each tree (empty kernel caches)")
     parser.add_argument("--device", default="cuda")
@@ -120,9 +147,19 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if not args.baseline and not args.variant:
+        parser.error("nothing to compare with: give a --baseline REV or a --variant")
+    try:
+        variants = [parse_variant(text) for text in args.variant]
+    except ValueError as error:
+        parser.error(str(error))
+    if len({name for name, _, _ in variants} | set(args.baseline)) < len(variants) + len(set(args.baseline)):
+        parser.error("each --variant needs a name of its own, apart from the baselines' revisions")
     work = args.work or Path(tempfile.mkdtemp(prefix="run-ab-"))
-    trees = {"this tree": HERE, **{rev: unpack(rev, work) for rev in args.baseline}}
-    names = list(trees)
+    # name -> (tree, environment variables, harness run arguments after the common ones)
+    arms = {"this tree": (HERE, {}, []), **{rev: (unpack(rev, work), {}, []) for rev in args.baseline},
+            **{name: (HERE, env, extra) for name, env, extra in variants}}
+    names = list(arms)
     last: dict[str, Path] = {}
     walls: dict[str, dict[str, list[float]]] = {name: {"warm": [], "cold": []} for name in names}
     table = [f"| round | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
@@ -134,7 +171,8 @@ def main() -> int:
             out = work / "runs" / f"{re.sub(r'[^A-Za-z0-9]+', '-', name)}-{round_}"
             out.parent.mkdir(parents=True, exist_ok=True)
             cold = work / "cold" / out.name if round_ == "cold" else None
-            wall, inside, code = one_run(trees[name], out, args.device, args.extra, cold)
+            tree, env, extra = arms[name]
+            wall, inside, code = one_run(tree, out, args.device, [*args.extra, *extra], cold, env)
             if code not in (0, 1):  # 1: a verdict failed, the run is whole; anything else is no measurement
                 print(f"error: {name} exited {code}; its output: {out.parent / (out.name + '.log')}", file=sys.stderr)
                 return 2

@@ -4,7 +4,10 @@ no measurement stops the comparison by name."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+
+import pytest
 
 from benchmarks import run_ab
 
@@ -76,7 +79,7 @@ def test_cold_adds_a_row_of_each_tree_after_the_warm_rounds(tmp_path, monkeypatc
     records compared are the last warm round's."""
     calls = []
 
-    def one_run(tree, out, device, extra, cold=None):
+    def one_run(tree, out, device, extra, cold=None, env_extra=None):
         calls.append((out.name, cold))
         # this tree: 10 s warm, 20 cold; HEAD: 20 s warm, 40 cold; every warm-up 99 s (left out of the means)
         wall = 99.0 if out.name.endswith("-0") else (1 if out.name.startswith("this") else 2) * (
@@ -102,3 +105,34 @@ def test_the_means_are_of_the_warm_rounds_and_the_cold_run_only_where_both_ran()
     walls = {"this tree": {"warm": [10.0, 12.0], "cold": []}, "3a67195": {"warm": [30.0, 36.0], "cold": [44.0]}}
     assert run_ab.ratios(walls, ["this tree", "3a67195"]) == [
         "- this tree against 3a67195, means: warm 11.00 s against 33.00 s (0.33x)"]
+
+
+def test_a_variant_is_this_tree_with_its_own_variables_and_arguments(tmp_path, monkeypatch, capsys):
+    """`--variant "NAME: ENV=VALUE ... ARGS"`: this tree again, its words NAME=VALUE set in its environment and the
+    rest given to harness run after the common arguments; this tree's own runs get neither."""
+    calls = {}
+
+    def one_run(tree, out, device, extra, cold=None, env_extra=None):
+        calls[out.name] = (tree, extra, env_extra)
+        return 10.0, 1.0, 0
+    monkeypatch.setattr(run_ab, "one_run", one_run)
+    monkeypatch.setattr(run_ab, "compare", lambda mine, other: "compared")
+    monkeypatch.setattr(sys, "argv", ["run_ab.py", "--variant", "check64: HARNESS_IMPL_CHECK=0 --kernel-check-every 64",
+                                      "--rounds", "1", "--device", "cpu", "--work", str(tmp_path), "--", "--jobs", "1"])
+    assert run_ab.main() == 0
+    assert calls["this-tree-1"] == (run_ab.HERE, ["--jobs", "1"], {})
+    assert calls["check64-1"] == (run_ab.HERE, ["--jobs", "1", "--kernel-check-every", "64"],
+                                  {"HARNESS_IMPL_CHECK": "0"})
+    out = capsys.readouterr().out
+    assert "| round | this tree | check64 |" in out and "- check64 against this tree: compared" in out
+
+
+def test_a_variant_splits_its_words_into_variables_and_arguments():
+    assert run_ab.parse_variant("noimpl: HARNESS_IMPL_CHECK=0 --paths 'bf16,fp8_e4m3'") == (
+        "noimpl", {"HARNESS_IMPL_CHECK": "0"}, ["--paths", "bf16,fp8_e4m3"])
+
+
+@pytest.mark.parametrize("text", ["HARNESS_IMPL_CHECK=0", ": --jobs 1", "empty:", "this tree: --jobs 1"])
+def test_a_variant_without_a_name_of_its_own_or_a_setting_is_refused_by_its_text(text):
+    with pytest.raises(ValueError, match=re.escape(repr(text))):
+        run_ab.parse_variant(text)
