@@ -73,14 +73,15 @@ PHASES = (
 BY_PATH = {"candidate_waves": lambda args: args[1].label}
 
 
-def _engine_path(args) -> str:
-    kv_path = args[0].backend.kv_path
+def engine_path(engine) -> str:
+    """The KV path a `BatchedEngine` runs ("reference" for the reference's)."""
+    kv_path = engine.backend.kv_path
     return kv_path.name if kv_path is not None else "reference"
 
 
 # --timeline: the KV path (or model) a call of these phases is for, from its arguments
-TIMELINE_LABELS = {"candidate_waves": lambda args: args[1].label, "generate_batches": _engine_path,
-                   "score_batches": _engine_path, "load": lambda args: Path(str(args[1])).name}
+TIMELINE_LABELS = {"candidate_waves": lambda args: args[1].label, "generate_batches": lambda args: engine_path(args[0]),
+                   "score_batches": lambda args: engine_path(args[0]), "load": lambda args: Path(str(args[1])).name}
 # phases whose time is model loads and forward passes (with the decode loop's own per-step host work)
 FORWARD_PHASES = ("load", "scales", "generate_batches", "score_batches", "generate_one", "score_one")
 
@@ -177,16 +178,12 @@ class PassCount:
 
         count = self
 
-        def path_of(engine) -> str:
-            kv_path = engine.backend.kv_path
-            return kv_path.name if kv_path is not None else "reference"
-
         for name in ("generate", "score"):
             real = getattr(batched.BatchedEngine, name)
 
             def entered(self, *args, _real=real, **kwargs):
                 outer = getattr(count.threads, "where", None)
-                count.threads.where = (self.backend.owner.directory.name, path_of(self))
+                count.threads.where = (self.backend.owner.directory.name, engine_path(self))
                 try:
                     return _real(self, *args, **kwargs)
                 finally:
