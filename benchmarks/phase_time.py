@@ -36,11 +36,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-if __name__ == "__main__":  # as `harness run` does before transformers' first import (harness/lean_imports.py);
-    # without it a profile counted 2.1 s of scikit-learn imports the run's own process never makes (session 40, an
-    # H200 box's transformers 5.17). Not on import: a test importing this module keeps its process as it was.
+if __name__ == "__main__":  # as `harness run` does before transformers' first import (harness/transformers_start.py,
+    # harness/lean_imports.py); without the second a profile counted 2.1 s of scikit-learn imports the run's own
+    # process never makes (session 40, an H200 box's transformers 5.17). Not on import: a test importing this module
+    # keeps its process as it was.
     from harness.lean_imports import hide_unused
+    from harness.transformers_start import remember
 
+    remember()
     hide_unused()
 
 STARTED = time.perf_counter()  # the process's start, near enough: what --timeline counts from

@@ -419,6 +419,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
     from harness.executor.sharded import follow_torchrun
     from harness.lean_imports import hide_unused
     from harness.replay.tensor_parallel import torchrun_launch
+    from harness.transformers_start import remember
     from harness.run_config import build_run_config
     from harness.runs.status import run_exit_code
     from harness.runs.library_log import quiet_libraries
@@ -471,6 +472,7 @@ def _run_command(args: argparse.Namespace, figure_workers: list) -> int:
             return 0
         if one_gpu(config) is not None:  # one GPU, replayed in this process
             _start_cuda_beside(config)
+        remember()  # transformers' start-up scans, kept between runs (harness/transformers_start.py)
         hide_unused()  # transformers' torchvision and scikit-learn imports: unused here (harness/lean_imports.py)
         quiet_libraries(config.out)  # transformers' loading bars and warnings: to RUN/library.log
         figure_workers += [w for w in [FigureWorkers.start()] if w is not None]  # their imports overlap the run

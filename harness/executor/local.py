@@ -252,7 +252,9 @@ def worker_init(run_dir: Path | None = None, threads: int = 1, format_modules: t
     if run_dir is not None:
         from harness.lean_imports import hide_unused
         from harness.runs.library_log import quiet_libraries
+        from harness.transformers_start import remember
 
+        remember()
         hide_unused()  # a worker process is the harness's own, as `harness run`'s is
         quiet_libraries(run_dir)
     if threads:
