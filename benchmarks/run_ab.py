@@ -15,9 +15,10 @@ seconds and, in brackets, the run's own "run complete in". The records of every 
 with this tree's (timing metrics left out): identical, or how many rows of which (metric, path) differ, and whether
 the verdict labels (verdicts.jsonl, path_verdicts.jsonl) are the same, and each tree's mean warm wall (the rounds
 after the warm-up) is set against this tree's, as a ratio (issue 43's bar: 15 s against 3a67195's 34.6). `--cold`
-adds a row after the rounds: each tree once more with Triton's cache, our compiled kernels and our kernel ledger in
-empty folders of their own (`COLD_CACHES`), as a fresh machine has them; Python's bytecode and the bundled ledger
-are kept (issue 43's cold bar, sessions 32-37).
+adds a row after the rounds: each tree once more with Triton's cache, our compiled kernels, our kernel ledger and
+transformers' remembered start-up scans (harness/transformers_start.py) in empty folders of their own
+(`COLD_CACHES`), as a fresh machine has them; Python's bytecode and the bundled ledger are kept (issue 43's cold
+bar, sessions 32-37).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ TIMING = ("seconds", "ms_per", "tok_per_s", "tokens_per_s", "_time")  # metric n
 COMPLETE = re.compile(r"run complete in ([0-9.]+) s")
 # what a cold run starts without: Triton's cache, our compiled kernels (kernels/nvrtc.py, kernels/cpu_kernels.py) and
 # the kernel ledgers a run writes (harness/executor/kernel_ledger.py), each pointed at an empty folder
-COLD_CACHES = ("TRITON_CACHE_DIR", "FP8_HARNESS_KERNEL_CACHE", "FP8_HARNESS_LEDGER_DIR")
+COLD_CACHES = ("TRITON_CACHE_DIR", "FP8_HARNESS_KERNEL_CACHE", "FP8_HARNESS_LEDGER_DIR", "FP8_HARNESS_START_CACHE")
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # a variant's word that sets an environment variable
 
 

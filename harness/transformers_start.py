@@ -7,8 +7,8 @@ import (`importlib.metadata.packages_distributions`, which stats every file that
 In a warm default `harness run --device cuda` on one H200 box these were 1.27 s and 0.68 s of the main thread's wall
 (py-spy with idle samples, session 41), before the replay could start; transformers 5.24 makes the second lazily.
 
-Both are functions of files on disk. `remember()` keeps each answer in `~/.cache/fp8-harness/transformers-start`
-(XDG_CACHE_HOME honoured), under a key made of what the answer is read from: for the import structure, the name,
+Both are functions of files on disk. `remember()` keeps each answer in $FP8_HARNESS_START_CACHE (default
+`~/.cache/fp8-harness/transformers-start`, XDG_CACHE_HOME honoured), under a key made of what the answer is read from: for the import structure, the name,
 modification time and size of every `.py` file and the name of every folder under the scanned folder, with the
 scanning module's own file; for the distributions, every `*.dist-info` / `*.egg-info` entry on `sys.path` with its
 files' times and sizes. An install, upgrade or edit changes the key, and the answer is computed again. A cache that
@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 SCANNER = "transformers.utils.import_utils"  # the module whose define_import_structure is remembered
+CACHE_ENV = "FP8_HARNESS_START_CACHE"  # where the answers are kept (benchmarks/run_ab.py's cold runs: an empty folder)
 
 
 def remember() -> tuple[str, ...]:
@@ -55,7 +56,7 @@ def remember() -> tuple[str, ...]:
 
 def cache_folder() -> Path | None:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = root / "fp8-harness" / "transformers-start"
+    folder = Path(os.environ.get(CACHE_ENV) or root / "fp8-harness" / "transformers-start")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:

@@ -127,10 +127,13 @@ models = Path(transformers.__file__).parent / "models"
 for args in ((models, "models"), (models / "__init__.py", None)):
     assert remembered(*args) == remembered.__wrapped__(*args), args
 assert importlib.metadata.packages_distributions() == importlib.metadata.packages_distributions.__wrapped__()
-kept = [p.name.split("-")[0] for p in transformers_start.cache_folder().iterdir()]
+folder = transformers_start.cache_folder()
+assert folder.name == "start", folder
+kept = [p.name.split("-")[0] for p in folder.iterdir()]
 print(kept.count("import") >= 2, kept.count("packages"))
 """
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "FP8_HARNESS_START_CACHE": str(tmp_path / "start"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     env.pop("HARNESS_LEAN_IMPORTS", None)
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
