@@ -122,6 +122,7 @@ print(transformers_start.remember())
 import transformers
 from transformers.utils import import_utils
 remembered = import_utils.define_import_structure
+assert remembered.__code__.co_filename.endswith("transformers_start.py"), remembered
 from pathlib import Path
 models = Path(transformers.__file__).parent / "models"
 for args in ((models, "models"), (models / "__init__.py", None)):
@@ -155,3 +156,20 @@ def test_nothing_is_put_in_place_where_it_cannot_or_must_not(tmp_path, setting):
     assert done.returncode == 0, done.stderr[-3000:]
     expected = ["()", "False", "False"] if setting == "turned off" else ["('packages_distributions',)", "True", "False"]
     assert done.stdout.splitlines() == expected
+
+
+def test_a_cache_folder_that_cannot_be_made_puts_nothing_in_place(tmp_path):
+    """$FP8_HARNESS_START_CACHE under a regular file (no folder can be made there): nothing is remembered, and
+    transformers imports as without it."""
+    (tmp_path / "a-file").write_text("")
+    code = ("import importlib.metadata, sys; from harness import transformers_start; "
+            "print(transformers_start.remember()); import transformers.utils.import_utils as u; "
+            "print(getattr(importlib.metadata.packages_distributions, 'remembered', False), "
+            "getattr(getattr(u.define_import_structure, '__code__', None), 'co_filename', 'not a Python function'))")
+    env = {**os.environ, "FP8_HARNESS_START_CACHE": str(tmp_path / "a-file" / "start"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("HARNESS_LEAN_IMPORTS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == "()" and done.stdout.splitlines()[1].startswith("False"), done.stdout
+    assert "transformers_start" not in done.stdout, done.stdout  # transformers' own function, not ours
