@@ -27,6 +27,7 @@ STAGES = {
     "harness.model_layers": 0,
     "harness.forward_context": 0,
     "harness.lean_imports": 0,
+    "harness.transformers_start": 0,
     "harness.scenarios": 1,
     "harness.canary": 2,
     "harness.kv_paths": 3,
