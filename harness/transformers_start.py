@@ -4,17 +4,18 @@
 (`utils.import_utils.define_import_structure`: 2,597 files, twice, once for `transformers` and once for
 `transformers.models`), and transformers 5.17 (the GPU machines' version) maps import names to distributions at
 import (`importlib.metadata.packages_distributions`, which stats every file that torch's and CUDA's wheels list).
-In a warm default `harness run --device cuda` on one H200 box these were 1.27 s and 0.68 s of the main thread's wall
+In a warm default `harness run --device cuda` on one H200 box these were 1.27 s and 0.85 s of the main thread's wall
 (py-spy with idle samples, session 41), before the replay could start; transformers 5.24 makes the second lazily.
 
 Both are functions of files on disk. `remember()` keeps each answer in $FP8_HARNESS_START_CACHE (default
-`~/.cache/fp8-harness/transformers-start`, XDG_CACHE_HOME honoured), under a key made of what the answer is read from: for the import structure, the name,
-modification time and size of every `.py` file and the name of every folder under the scanned folder, with the
-scanning module's own file; for the distributions, every `*.dist-info` / `*.egg-info` entry on `sys.path` with its
-files' times and sizes. An install, upgrade or edit changes the key, and the answer is computed again. A cache that
-cannot be read or written is skipped (the answer is computed, as without it). It runs in the `harness run` process
-and its workers, before transformers' first import (later it cannot reach the first scan); the pytest plugin runs
-in a user's process and never calls it. HARNESS_LEAN_IMPORTS=0 turns it off, with `lean_imports`.
+`~/.cache/fp8-harness/transformers-start`, XDG_CACHE_HOME honoured), under a key made of what the answer is read
+from: for the import structure, the name, modification time and size of every `.py` file and the name of every
+folder under the scanned folder, with the scanning module's own file; for the distributions, every `*.dist-info` /
+`*.egg-info` entry on `sys.path` with its files' times and sizes. An install, upgrade or edit changes the key, and
+the answer is computed again. A cache that cannot be read or written is skipped (the answer is computed, as without
+it). It runs in the `harness run` process and its workers, before transformers' first import (later it cannot reach
+the first scan); the pytest plugin runs in a user's process and never calls it. HARNESS_LEAN_IMPORTS=0 turns it
+off, with `lean_imports`.
 """
 
 from __future__ import annotations
