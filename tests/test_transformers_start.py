@@ -150,7 +150,8 @@ def test_nothing_is_put_in_place_where_it_cannot_or_must_not(tmp_path, setting):
             + "print(transformers_start.remember()); "
             "print(getattr(importlib.metadata.packages_distributions, 'remembered', False)); "
             "print(any(isinstance(f, transformers_start.PatchAfterImport) for f in sys.meta_path))")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    env = {**os.environ, "FP8_HARNESS_START_CACHE": str(tmp_path / "start"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
            "HARNESS_LEAN_IMPORTS": "0" if setting == "turned off" else "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
