@@ -106,7 +106,7 @@ def remember_import_structure(module, folder: Path) -> None:
     @functools.wraps(compute)
     def define_import_structure(module_path, *args, **kwargs):
         key = hashlib.sha256(repr((sys.version_info[:2], str(module_path), args, sorted(kwargs.items()))).encode())
-        key.update(_files_key([scanner]))
+        key.update(_stamp(scanner).encode())
         scanned = Path(module_path)
         key.update(_tree_key(scanned.parent if scanned.is_file() else scanned))
         return _cached(folder / f"import-structure-{key.hexdigest()[:32]}.pickle", pickle,
@@ -152,15 +152,13 @@ def _cached(file: Path, codec, compute):
     return answer
 
 
-def _files_key(files) -> bytes:
-    parts = []
-    for file in files:
-        try:
-            stat = os.stat(file)
-            parts.append(f"{file}:{stat.st_mtime_ns}:{stat.st_size}")
-        except OSError:
-            parts.append(f"{file}:-")
-    return "\n".join(parts).encode()
+def _stamp(path) -> str:
+    """A file's name, modification time and size ("-" where it cannot be read)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return f"{path}:-"
+    return f"{path}:{stat.st_mtime_ns}:{stat.st_size}"
 
 
 def _tree_key(folder: Path) -> bytes:
@@ -182,8 +180,7 @@ def _tree_key(folder: Path) -> bytes:
                 parts.append(f"{entry.path}/")
                 walk(entry.path)
             elif entry.name.endswith(".py"):
-                stat = entry.stat()
-                parts.append(f"{entry.path}:{stat.st_mtime_ns}:{stat.st_size}")
+                parts.append(_stamp(entry.path))
 
     walk(str(folder))
     return "\n".join(parts).encode()
@@ -193,7 +190,7 @@ def _distributions_key(folder: Path) -> bytes:
     """The *.dist-info and *.egg-info entries of one sys.path entry, each with its files' names, times and sizes (a
     file on sys.path, such as a zip: its time and size)."""
     if not folder.is_dir():
-        return _files_key([folder])
+        return _stamp(folder).encode()
     parts = []
     try:
         with os.scandir(folder) as found:
@@ -201,10 +198,9 @@ def _distributions_key(folder: Path) -> bytes:
         for info in infos:
             if info.is_dir():
                 with os.scandir(info.path) as files:
-                    parts += [f"{info.name}/{f.name}:{f.stat().st_mtime_ns}:{f.stat().st_size}"
-                              for f in sorted(files, key=lambda f: f.name) if f.is_file()]
+                    parts += [_stamp(f.path) for f in sorted(files, key=lambda f: f.name) if f.is_file()]
             else:
-                parts.append(_files_key([info.path]).decode())
+                parts.append(_stamp(info.path))
     except OSError:
         parts.append(f"{folder}:-")
     return "\n".join(parts).encode()
