@@ -495,9 +495,10 @@ def test_static_decode_ahead_of_the_host_ends_rows_on_eos_as_the_host_does(cpu_m
     passes = []
     real = batched.StaticDecodeStep.run
 
-    def run(self, next_ids, column, valid, check):
-        passes.append(valid.tolist())
-        return real(self, next_ids, column, valid, check)
+    def run(self, *args):
+        out = real(self, *args)
+        passes.append(self.valid.view(-1).tolist())  # the rows this pass was fed as generating
+        return out
 
     monkeypatch.setattr(batched.StaticDecodeStep, "run", run)
     engines = [BatchedEngine(backend, BatchSettings(decode=mode)) for mode in ("dynamic", "static")]
@@ -961,6 +962,57 @@ def test_gpu_warm_engine_replays_every_decode_step(gpu_models, monkeypatch, arch
     layers = len(attention_layer_indices(model.model.config))
     for row in rows:
         assert row.metrics["kernel_steps"] == layers and 0.0 < row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "nvfp4"])
+def test_gpu_step_inputs_replayed_give_what_eager_inputs_give(gpu_models, monkeypatch, arch, spec):
+    """A graph-decoded step's inputs (the step before's tokens booked, the rows going on, positions, the attended
+    column) are one CUDA graph replay (`StaticDecodeStep._prepare_replayed`), recorded once a batch: every token,
+    finish reason and stored metric is what the same batch gives with those inputs made eagerly, op by op. An EOS
+    mid-reply and limits of 3-24 tokens end rows at different steps, so a replayed input that read a stale buffer
+    (the step before the step before, a row's old flag) would change a reply; kernel checks every 8th step put
+    eager steps between the replayed ones (a replayed step's inputs follow a replayed pass only)."""
+    import harness.replay.batched as batched
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [3, 8, 16, 24]
+    first = BatchedEngine(backend, BatchSettings(decode="dynamic")).generate(prompts, limits)
+    longest = max(first, key=lambda row: len(row.token_ids))
+    eos = longest.token_ids[len(longest.token_ids) // 2]
+    replayed, real = [], batched.StaticDecodeStep._prepare_replayed
+
+    def counted(self, reads, logits):
+        done = real(self, reads, logits)
+        replayed.append(done)
+        return done
+
+    def generate(prepare) -> list:
+        monkeypatch.setattr(batched.StaticDecodeStep, "_prepare_replayed", prepare)
+        engine = BatchedEngine(backend, BatchSettings(kernel_check_every=8))
+        engine.eos = eos
+        rows = engine.generate(prompts, limits)
+        assert engine.decode_batches == {"graph": 1} and engine.decode_fallbacks == [], engine.decode_fallbacks
+        return rows
+
+    eager = generate(lambda self, reads, logits: False)
+    graphed = generate(counted)
+    # the steps whose step before was a replay: 7-13 of 10-15 a case on the H200 (session 42)
+    assert sum(replayed) >= 3, replayed
+    assert {row.finish_reason for row in graphed} == {"eos", "length"}
+    for one, other in zip(eager, graphed):
+        assert (one.token_ids, one.finish_reason) == (other.token_ids, other.finish_reason)
+        assert _same_metrics(one.metrics, other.metrics)
+
+
+def _same_metrics(one: dict | None, other: dict | None) -> bool:
+    """Equal stored metrics, the timed ones left out and NaN equal to NaN."""
+    def kept(metrics):
+        return {k: v for k, v in (metrics or {}).items() if k != "kernel_ms_per_step"}
+    a, b = kept(one), kept(other)
+    return a.keys() == b.keys() and all(x == y or (x != x and y != y) for x, y in ((a[k], b[k]) for k in a))
 
 
 @pytest.fixture(scope="module")

@@ -438,11 +438,12 @@ class BatchedEngine:
                 for decode_step in range(steps):
                     # the step's token is read to the host while the next forward pass runs: that pass is launched
                     # with the rows the device computes go on (the host's rule below, `AheadOfTheHost.book`)
-                    step_ids, going_on = reads.book(logits)
                     ahead = None
                     if any(len(outputs[row]) + 1 < limits[row] for row in live):  # else every row ends here
                         check = self._checks_step(agreements, decode_step, prompt_checked)
-                        ahead = decode.run(step_ids, width + decode_step, going_on, check)
+                        ahead = decode.run(reads, logits, width + decode_step, check)
+                    else:
+                        reads.book(logits)
                     keep = self._book_rows(reads.wait(), live, live, outputs, finish, limits)
                     if not keep:
                         break  # a pass launched ahead for rows that all ended (an EOS) stored and counted nothing
@@ -685,27 +686,37 @@ class AheadOfTheHost:
     a row (`BatchedEngine._book_rows`: it ends on non-finite logits, EOS or its token limit) is computed on the device
     too, so the next pass can be launched with the rows that go on before the host has read the step: a decode step
     no longer waits for the host's bookkeeping and launches (8B-shaped b32 1k, H200: ~0.45 ms of a ~10 ms step,
-    session 28). `book` enqueues the read and returns (next ids, going on) on the device; `wait` returns the read
-    [finite flags, next ids] as lists."""
+    session 28). `book` computes them on the device and enqueues their read; `wait` returns the read [finite flags,
+    next ids] as lists."""
 
     def __init__(self, limits: list[int], eos: int | None, device: torch.device):
         self.eos = -1 if eos is None else eos
         self.limits = torch.tensor(limits, dtype=torch.long, device=device)
         self.produced = torch.zeros(len(limits), dtype=torch.long, device=device)
         self.going_on = torch.ones(len(limits), dtype=torch.bool, device=device)
+        self.booked = torch.empty(2, len(limits), dtype=torch.long, device=device)  # [finite flags, next ids]
         cuda = torch.device(device).type == "cuda"
         self.host = torch.empty(2, len(limits), dtype=torch.long, pin_memory=cuda)
         self.read = torch.cuda.Event() if cuda else None
 
-    def book(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def book(self, logits: torch.Tensor) -> None:
+        """The step's tokens and the rows going on (`advance`), then their read enqueued (`read_to_host`)."""
+        self.advance(logits)
+        self.read_to_host()
+
+    def advance(self, logits: torch.Tensor) -> None:
+        """The device's part of a step, in place (so that a CUDA graph can hold it: `StaticDecodeStep`): `booked` is
+        [finite flags, next ids] of `logits` [rows, vocab], and `going_on` the host's rule for each row."""
         finite, next_ids = torch.isfinite(logits).all(-1), logits.argmax(-1)
-        self.host.copy_(torch.stack([finite.long(), next_ids]), non_blocking=self.read is not None)
-        if self.read is not None:
-            self.read.record()
+        torch.stack([finite.long(), next_ids], out=self.booked)
         emitted = self.going_on & finite & (next_ids != self.eos)
         self.produced += emitted.long()
-        self.going_on = emitted & (self.produced < self.limits)
-        return next_ids, self.going_on.long()
+        torch.bitwise_and(emitted, self.produced < self.limits, out=self.going_on)
+
+    def read_to_host(self) -> None:
+        self.host.copy_(self.booked, non_blocking=self.read is not None)
+        if self.read is not None:
+            self.read.record()
 
     def wait(self) -> list[list[int]]:
         if self.read is not None:
@@ -807,16 +818,16 @@ class StaticDecodeStep(GraphedPass):
         self.device, self.graph = device, graph
         self.captured: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the captured pass's output buffer
+        self.prepared: torch.cuda.CUDAGraph | bool | None = None  # `_prepare` recorded (False: run eagerly)
         self.eager_steps = 0
 
-    def run(self, next_ids: torch.Tensor, column: int, valid: torch.Tensor, check: bool) -> torch.Tensor:
-        """Feed next_ids [rows] at `column`; valid: the rows still generating, a [rows] flag on the device
-        (`AheadOfTheHost`)."""
-        self.ids.copy_(next_ids.view(-1, 1))
-        self.positions.add_(1)
+    def run(self, reads: AheadOfTheHost, logits: torch.Tensor, column: int, check: bool) -> torch.Tensor:
+        """Book `logits` (the step before's, [rows, vocab]: `reads.book`) and feed its tokens at `column`, the rows
+        still generating masked by the device's rule; returns this pass's logits."""
         self.column.fill_(column)
-        self.seen[:, column] = True
-        self.valid.copy_(valid.view(-1, 1))
+        if not self._prepare_replayed(reads, logits):
+            self._prepare(reads, logits)
+        reads.read_to_host()
         self.static.columns, self.static.length = self.column, column + 1
         self.step.valid, self.step.check = self.valid, check
         if self.windowed:
@@ -833,6 +844,51 @@ class StaticDecodeStep(GraphedPass):
             return self._forward()
         self.captured.replay()
         return self.logits
+
+    def _prepare(self, reads: AheadOfTheHost, logits: torch.Tensor) -> None:
+        """The step's inputs from the step before's logits, every op on the device (`column` already set)."""
+        reads.advance(logits)
+        self.ids.copy_(reads.booked[1].view(-1, 1))
+        self.positions.add_(1)
+        self.seen.index_fill_(1, self.column, True)
+        self.valid.copy_(reads.going_on.view(-1, 1))
+
+    def _prepare_replayed(self, reads: AheadOfTheHost, logits: torch.Tensor) -> bool:
+        """`_prepare` as one CUDA graph replay, recorded at its first use, where `logits` is this pass's own output
+        buffer (every replayed step after the first; after a prefill or an eagerly run step the logits are new, and
+        it runs eagerly): ~20 small ops a step become one launch, host time that a graph-decoded step had spent
+        beside its one replay. The same kernels on the same buffers: the same bits. False where it runs eagerly:
+        no graph decode, a moving window (its masks are remade on the host each step), layers over several GPUs,
+        or recording failed (named in the run)."""
+        if not self.graph or logits is not self.logits or self.windowed or self.engine.layer_sharded \
+                or self.prepared is False:
+            return False
+        if self.prepared is None:
+            with DEVICE_WIDE:  # one capture at a time in the process (`GraphedPass._capture`)
+                self.prepared = self._record_prepare(reads)
+            if self.prepared is False:
+                return False
+        self.prepared.replay()
+        return True
+
+    def _record_prepare(self, reads: AheadOfTheHost) -> "torch.cuda.CUDAGraph | bool":
+        graph = torch.cuda.CUDAGraph()
+        stream = own_stream("capture", self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._prepare(reads, self.logits)
+                finally:
+                    graph.capture_end()
+        except Exception as error:  # noqa: BLE001 - recording ran nothing: the step's inputs are made eagerly
+            self.engine._fall_back(f"CUDA graph capture of a decode step's inputs failed, made eagerly: "  # noqa: SLF001
+                                   f"{type(error).__name__}: {error}"[:300])
+            return False
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
 
     def _forward(self) -> torch.Tensor:
         return self.engine._forward(self.ids, self.mask, self.positions, self.cache, self.step)  # noqa: SLF001
