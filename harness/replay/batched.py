@@ -724,6 +724,26 @@ class AheadOfTheHost:
         return self.host.tolist()
 
 
+def recorded(device: torch.device, function):
+    """(a CUDA graph of `function()`, what it returned): recorded, not run (replay it), on a side stream as
+    `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`, which hand every cached block back to the
+    driver once per batch (canaries, H100: 13.3 vs 16.1 ms per capture; at 8B shape the freed blocks would be
+    allocated again)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = own_stream("capture", device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = function()
+            finally:
+                graph.capture_end()
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
+
+
 class GraphedPass:
     """A forward pass over static storage that is recorded once into a CUDA graph and replayed (`StaticDecodeStep`,
     `StaticPrefillChunk`). A subclass sets engine, step, device, graph (whether to record), captured (the graph),
@@ -763,21 +783,7 @@ class GraphedPass:
             self.logits = graph.record(self._forward)
             self.engine.graph_segments.add(" > ".join(graph.devices))
             return graph
-        graph = torch.cuda.CUDAGraph()
-        # capture on a side stream, as `torch.cuda.graph` does, without its `synchronize()` + `empty_cache()`,
-        # which hand every cached block back to the driver once per batch (canaries, H100: 13.3 vs 16.1 ms
-        # per capture; at 8B shape the freed blocks would be allocated again)
-        stream = own_stream("capture", self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.logits = self._forward()
-                finally:
-                    graph.capture_end()
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph, self.logits = recorded(self.device, self._forward)
         return graph
 
     def _capture_failed(self, error: Exception) -> bool:
@@ -872,22 +878,12 @@ class StaticDecodeStep(GraphedPass):
         return True
 
     def _record_prepare(self, reads: AheadOfTheHost) -> "torch.cuda.CUDAGraph | bool":
-        graph = torch.cuda.CUDAGraph()
-        stream = own_stream("capture", self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._prepare(reads, self.logits)
-                finally:
-                    graph.capture_end()
+            graph, _ = recorded(self.device, lambda: self._prepare(reads, self.logits))
         except Exception as error:  # noqa: BLE001 - recording ran nothing: the step's inputs are made eagerly
             self.engine._fall_back(f"CUDA graph capture of a decode step's inputs failed, made eagerly: "  # noqa: SLF001
                                    f"{type(error).__name__}: {error}"[:300])
             return False
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
     def _forward(self) -> torch.Tensor:
