@@ -879,6 +879,33 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "hybrid"])  # MLA latents and block-scaled caches keep the fp64 copy
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3:per_head:calibrated"])
+def test_gpu_kernel_check_truth_from_codes_equals_the_fp64_copy(gpu_models, monkeypatch, arch, spec):
+    """The kernel check's fp64 truth read from the stored codes (kernels/fp64_reference.py) against the fp64 copy of
+    K and V it replaced, in the same batch (prompt ends and every other decode step checked): the same tokens, the
+    same checked steps, and each row's largest kernel error and ratio within 1e-9 of the copy's. Both truths are fp64
+    sums of the same products in other orders (relative differences ~1e-15); a wrong head, row, key or scale in one
+    of them moves a row's error by the size of a term, orders of magnitude past that."""
+    from harness.kv_paths.attention import PagedKV
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec))
+    prompts = _prompts(model)
+    limits = [3, 8, 16, 24]
+    settings = BatchSettings(kernel_check_every=2)
+    rows = BatchedEngine(backend, settings).generate(prompts, limits)
+    monkeypatch.setattr(PagedKV, "truth_from_codes", False)
+    copied = BatchedEngine(backend, settings).generate(prompts, limits)
+    for row, want in zip(rows, copied):
+        assert row.token_ids == want.token_ids
+        assert row.metrics["kernel_steps"] == want.metrics["kernel_steps"] > 0, (row.metrics, want.metrics)
+        for key in ("kernel_max_abs_err", "kernel_err_ratio"):
+            assert row.metrics[key] == pytest.approx(want.metrics[key], rel=1e-9, abs=1e-30), (key, row.metrics,
+                                                                                               want.metrics)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gqa", "hybrid"])  # hadamard rotates per-head K: not on the MLA latent
 @pytest.mark.parametrize("spec", ["bf16:hadamard", "int4_per_token_head:hadamard", "fp8_e4m3:calibrated:hadamard"])
 def test_gpu_hadamard_paths_in_a_batch(gpu_models, arch, spec):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -270,6 +270,9 @@ class PagedKV:
     # a windowed layer's (layer type, window): each row attends from its window's first key (sliding: the last
     # `window` tokens; chunked: the query's chunk of `window` positions), as transformers' masks do
     window: tuple[str, int] | None = None
+    # plain FP8 GQA codes on CUDA: the check's fp64 truth read from the codes (`_exact_from_codes`); False: from an
+    # fp64 copy of K and V, as on the CPU (a test compares the two)
+    truth_from_codes: ClassVar[bool] = True
 
     def _ensure(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.pages:
@@ -473,6 +476,25 @@ class PagedKV:
         per_row = pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
         return per_row[rows, :span].transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
 
+    def _exact_from_codes(self, module, q: torch.Tensor, rows: torch.Tensor, span: int, k_scale: torch.Tensor,
+                          v_scale: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """`_exact_rows` of a GQA layer of plain FP8 codes on CUDA: the same fp64 products over the values the codes
+        hold (`kernels.fp64_reference`: each code read once through torch's own table of FP8 values, where the
+        torch way writes and reads an fp64 copy of K and V), summed in another fixed order."""
+        from kernels import fp64_reference
+
+        k_codes, v_codes = (pages.view(-1, self.step.pages_per_row * BLOCK_SIZE, *pages.shape[2:])
+                            for pages in self.pages[:2])
+        table = fp64_reference.code_values(k_codes.dtype, q.device)
+        n, q_heads, kv_heads = q.shape[0], q.shape[1], k_codes.shape[2]
+        grouped = (q.view(n, kv_heads, q_heads // kv_heads, -1) * k_scale).contiguous()
+        scores = fp64_reference.code_scores(grouped, k_codes, rows, span, table).view(n, q_heads, span)
+        weights = attend(scores * module.scaling).view(n, kv_heads, q_heads // kv_heads, span)
+        if v_codes.dtype != k_codes.dtype:
+            table = fp64_reference.code_values(v_codes.dtype, q.device)
+        out = fp64_reference.weighted_codes(weights, v_codes, rows, span, table) * v_scale
+        return out.reshape(n, q_heads, -1).unsqueeze(1)
+
     def _exact_rows(self, module, query: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                     span: int, beyond: dict | None = None) -> torch.Tensor:
         """fp64 attention of rows' queries [n, Hq, 1, D] over the codes x scale each holds (the first `span`
@@ -512,9 +534,11 @@ class PagedKV:
                         for i, scale in ((0, self.k_scale), (2, self.v_scale)))
                 k_scale = v_scale = torch.ones((), dtype=torch.float64, device=q.device)
             else:
-                k, v = (self.codes_by_head(pages, rows, span) for pages in self.pages[:2])
                 k_scale, v_scale = (scale.to(q.device, torch.float64).reshape(-1, 1, 1)
                                     for scale in (self.k_scale, self.v_scale))
+                if q.is_cuda and self.truth_from_codes:  # the same attention from the codes: no fp64 copy of K, V
+                    return self._exact_from_codes(module, q, rows, span, k_scale, v_scale, attend)
+                k, v = (self.codes_by_head(pages, rows, span) for pages in self.pages[:2])
             n, q_heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
             grouped = q.view(n, kv_heads, q_heads // kv_heads, -1) * k_scale
             scores = torch.matmul(grouped, k.transpose(-1, -2)).reshape(n, q_heads, -1)
