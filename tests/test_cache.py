@@ -307,6 +307,28 @@ def test_a_pass_attends_to_the_stored_columns_with_its_own_raw(begin, end):
     assert torch.equal(stored.view(torch.int16), before.view(torch.int16))
 
 
+@pytest.mark.parametrize("begin, end", [(0, 5), (3, 7), (2, 3), (0, 8)])
+def test_a_pass_attending_to_its_columns_only_reads_them_and_its_own_raw(begin, end):
+    """An eager prefill pass on CUDA (`StaticColumns.attended`): the layer's storage is handed over as its columns
+    [0, end) (a view: no copy), and `with_raw` as those columns with the pass's own raw, bit for bit what the whole
+    buffer's view gives in them: the first pass is its raw chunk itself, a later one the stored columns before it
+    and then the raw."""
+    from harness.kv_paths.cache import StaticColumns, StaticKVLayer
+
+    static = StaticColumns(8)
+    static.columns, static.length, static.attended = torch.arange(begin, end), end, end
+    layer = StaticKVLayer(static)
+    keys = torch.randn(2, 3, end - begin, 16, dtype=torch.bfloat16)
+    stored, _ = layer.update(keys, keys.clone())
+    assert stored.shape[2] == end and stored.data_ptr() == layer.keys.data_ptr()   # a view of the storage
+    raw = torch.randn(2, 3, end - begin, 16, dtype=torch.bfloat16)
+    got = static.with_raw(stored, raw)
+    static.attended = None
+    whole = static.with_raw(layer.keys, raw)
+    assert torch.equal(got.view(torch.int16), whole[:, :, :end].view(torch.int16))
+    assert (got is raw) == (begin == 0)
+
+
 def test_prefill_bf16_is_raw_prefill_and_the_caches_own_format_is_no_prefill_format(loaded):
     assert parse_path("fp8_e4m3:prefill=bf16").canonical == parse_path("fp8_e4m3:raw_prefill").canonical
     assert parse_path("nvfp4:prefill=nvfp4").canonical == parse_path("nvfp4").canonical

@@ -667,12 +667,21 @@ class StaticColumns:
     change, so a decode step can be captured in a CUDA graph and replayed (harness/replay/batched.py).
 
     `length` is the host's count of written columns, for `get_seq_length` (transformers asks for it only
-    when position ids are not given; batched replay always gives them)."""
+    when position ids are not given; batched replay always gives them).
+
+    `attended` (set by the engine for an eager prefill pass, None otherwise): the pass attends to columns
+    [0, attended) only, its own last column's end, so its layers hand attention views of those columns (and the
+    attention function cuts the mask to them). The columns after it are masked for every query of the pass:
+    torch's memory-efficient SDPA, which an explicit mask sends prefill to, computes every key it is given, so a
+    16 x 8k prompt in four passes of 2,048 columns scored 4 x 8,208 keys a query row where 2,048-8,192 are read (the
+    8B-shaped prefill: 8.30 s before, 6.48 s after, H200, BENCHMARKS.md session 43). On the CPU the engine leaves
+    it None: the exact-bits layers there (harness/replay/cpu_exact.py) key on the call shapes."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
         self.columns: torch.Tensor | None = None  # [chunk] int64 on the cache's device
         self.length = 0
+        self.attended: int | None = None
 
     def write(self, layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values [batch, heads, chunk, dim] into the layer's [batch, heads, max_len, dim] buffers. A layer that
@@ -682,7 +691,12 @@ class StaticColumns:
         columns = self.columns_on(keys.device)
         keys_at.index_copy_(2, columns, keys)
         values_at.index_copy_(2, columns, values)
-        return keys_at, values_at
+        return self.attended_view(keys_at), self.attended_view(values_at)
+
+    def attended_view(self, stored: torch.Tensor) -> torch.Tensor:
+        """A layer's [batch, heads, max_len, dim] storage as this pass attends to it: all of it, or a prefill
+        pass's columns [0, attended) (a view)."""
+        return stored if self.attended is None else stored[:, :, :self.attended]
 
     def columns_on(self, device: torch.device) -> torch.Tensor:
         """This pass's columns on `device`: a layer-sharded model's layers on other GPUs than the batch's write there
@@ -713,6 +727,9 @@ class StaticColumns:
         begin = end - raw.shape[2]
         assert 0 <= begin and raw.shape[2] == self.columns.numel(), \
             f"a pass of {self.columns.numel()} columns ending at {end} cannot hold {raw.shape[2]} tokens"
+        if self.attended is not None:  # `stored` is columns [0, end): the earlier ones, then the pass's raw
+            assert self.attended == end and stored.shape[2] == end, (self.attended, end, stored.shape)
+            return raw if begin == 0 else torch.cat([stored[:, :, :begin], raw], dim=2)
         out = torch.empty_like(stored)
         out[:, :, :begin].copy_(stored[:, :, :begin])
         out[:, :, begin:end].copy_(raw)
