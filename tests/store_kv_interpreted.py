@@ -109,6 +109,63 @@ def sums_from_codes(scale_kind: str) -> None:
     assert bool((want[:, 1] > 0).all()), "the codes' error must count"
 
 
+def boundary_values(fmt: str) -> torch.Tensor:
+    """fp32 values where a cast to `fmt` decides: every finite code's value and its neighbours one fp32 ulp away, the
+    midpoints between codes (ties) and theirs, the overflow rule's edges, NaN, +-inf, fp32 subnormals and +-0, and
+    random values over 14 decades."""
+    codes = torch.arange(256, dtype=torch.uint8).view(ref.fp8_dtype(fmt)).float()
+    codes = torch.unique(codes[codes.isfinite()])
+    mids = (codes[1:] + codes[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    edges = torch.tensor([448.0, 460.0, 464.0, 465.0, 479.0, 480.0, 481.0, 57344.0, 61439.0, 61440.0, 61441.0, 1e6,
+                          float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, 0.0, -0.0])
+    g = torch.Generator().manual_seed(3)
+    spread = torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 5, (4000,), generator=g).float()
+    return torch.cat([codes, codes.nextafter(up), codes.nextafter(down), mids, mids.nextafter(up),
+                      mids.nextafter(down), edges, -edges, spread])
+
+
+def fp8_values(fmt: str, saturate: bool) -> None:
+    """`kernels.write_check.fp8_value` (the write check's own rounding, integer ops on the bits) against torch's cast
+    as `reference.quantize` makes it, value for value, NaN where torch's is NaN. Integer ops and fp32 sums run in the
+    interpreter as on a GPU (numpy), unlike its fp8 cast, so this judges the rounding itself."""
+    from kernels.write_check import fp8_values as values
+
+    y = boundary_values(fmt)
+    got = values(y, fmt, saturate)
+    want = ref.quantize(y, torch.tensor(1.0), fmt, saturate=saturate).float()
+    wrong = ~((got == want) | (got.isnan() & want.isnan())) | (got.signbit() != want.signbit())
+    assert not bool(wrong.any()), [(y[i].item(), got[i].item(), want[i].item()) for i in wrong.nonzero()[:5, 0]]
+
+
+def sums_encoding(scale_kind: str, fmt: str, saturate: bool) -> None:
+    """The write check's sums writing x by the definition themselves (`square_error_sums(x, a, None, ..., b_format)`)
+    against the same sums given torch's codes of x read back (`reference.quantize`, then `reference.dequantize`):
+    the same terms in the same order, so the same bits. x in fp16 (the interpreter truncates fp32 -> bf16) and not
+    exact in the format, with values past its range (clipped, or NaN / inf without saturation), so the rounding,
+    the clamp and the overflow rule all count; a scale that differs per head, per token or per row shows one read
+    from the wrong place."""
+    from kernels.write_check import square_error_sums
+
+    chunk = 7
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(ROWS, HEADS, chunk, DIM, generator=g) * 10.0 ** torch.randint(-4, 3, (ROWS, HEADS, chunk, 1),
+                                                                                   generator=g).float()
+    scale = {"per_tensor": torch.tensor(0.37), "per_head": torch.tensor([0.5, 3.1]).view(-1, 1, 1),
+             "per_token": torch.rand(ROWS, HEADS, chunk, 1, generator=g) + 0.01}[scale_kind]
+    top = ref.FP8_MAX[fmt]
+    x[0, 1, 2, :4] = torch.tensor([1.2, -3.0, 0.98, 5.0]) * top * scale.reshape(-1)[0]   # past the range
+    x = x.half()
+    a = (x.float() * 1.25).half()
+    valid = torch.ones(ROWS, chunk, dtype=torch.uint8)
+    valid[2, :2] = 0
+    want = square_error_sums(x, a, ref.dequantize(ref.quantize(x, scale, fmt, saturate), scale, out_dtype=x.dtype),
+                             valid)
+    got = square_error_sums(x, a, None, valid, scale.float(), b_format=fmt, saturate=saturate)
+    assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+    assert bool((want[:, 1] > 0).all()), "the definition's error must count"
+
+
 def clipped_counts() -> None:
     """The write's clipped count per statistics row, K and V in one launch: values past the e4m3 max (x / s > 448)
     on real tokens count, on a pad they do not; the flags' packed sum (clipped + 2^16 x nonfinite) must unpack to
@@ -141,6 +198,17 @@ def main() -> None:
             found[f"sums-codes-{scale_kind}"] = None
         except Exception:  # noqa: BLE001 - reported per case
             found[f"sums-codes-{scale_kind}"] = traceback.format_exc()[-1500:]
+    for fmt in ("e4m3", "e5m2"):
+        for saturate in (True, False):
+            cases = [(f"fp8-value-{fmt}-{saturate}", fp8_values, (fmt, saturate))]
+            cases += [(f"sums-encoding-{kind}-{fmt}-{saturate}", sums_encoding, (kind, fmt, saturate))
+                      for kind in ("per_tensor", "per_head", "per_token")]
+            for name, case, args in cases:
+                try:
+                    case(*args)
+                    found[name] = None
+                except Exception:  # noqa: BLE001 - reported per case
+                    found[name] = traceback.format_exc()[-1500:]
     for chunk, columns in ((1, [7]), (3, [4, 5, 6])):
         for paired in (True, False):
             for per_head in (False, True):

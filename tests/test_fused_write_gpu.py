@@ -243,6 +243,53 @@ def test_square_error_sums_read_fp8_codes_back_as_torch(fmt, granularity):
     assert bool((want[:, 1] > 0).all())
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "overflow"])
+def test_write_check_rounding_is_torchs_cast_for_every_fp32(fmt, saturate):
+    """`kernels.write_check.fp8_value`, the write check's own rounding (integer ops on the bits: it shares no code
+    with the cache write's fp8 cast), against torch's cast as `reference.quantize` makes it, for every one of the
+    2^32 fp32 bit patterns (16 parts): the same value and sign, NaN where torch's is NaN (a NaN's sign is not
+    compared: without saturation the two NaNs of a NaN input differed in sign on an H200, torch 2.11; the sums count
+    NaN as 0 either way)."""
+    from kernels.write_check import fp8_values
+
+    one = torch.ones((), device="cuda")
+    for part in range(16):
+        low = -(1 << 31) + part * (1 << 28)
+        y = torch.arange(low, low + (1 << 28), dtype=torch.int32, device="cuda").view(torch.float32)
+        got, want = fp8_values(y, fmt, saturate), fp8.quantize(y, one, fmt, saturate).float()
+        wrong = ~((got == want) & (got.signbit() == want.signbit()) | (got.isnan() & want.isnan()))
+        assert not bool(wrong.any()), (part, [(y[i].item(), got[i].item(), want[i].item())
+                                              for i in wrong.nonzero()[:5, 0].tolist()])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "overflow"])
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_token"])
+def test_square_error_sums_write_x_by_the_definition_as_torch(fmt, saturate, granularity):
+    """The write check's sums writing x by the definition themselves (`square_error_sums(x, a, None, ...,
+    b_format)`, no codes made) against the same sums given torch's codes of x: the same fp64 terms (the terms
+    themselves are `fp8_value`'s, equal to torch's for every fp32 above), added in the order each compiled variant's
+    reduction takes, hence 1e-12 relative (the H200 differed by 2 fp64 ulps of a 1e10 sum: an outlier's square). bf16
+    x as transformers hands it over, with outliers past the format's range, NaN and inf."""
+    from kernels.write_check import square_error_sums
+
+    rows, heads, chunk, dim = 3, 4, 37, 128
+    x = _inputs(rows, heads, chunk, dim, seed=9)
+    scale = {"per_tensor": torch.tensor(0.37, device="cuda"),
+             "per_head": torch.tensor([0.3, 1.7, 0.05, 2.5], device="cuda").view(-1, 1, 1),
+             "per_token": fp8.per_token_scale(x, fmt)}[granularity]
+    a = (x.float() * 1.01).to(torch.bfloat16)
+    valid = torch.ones(rows, chunk, dtype=torch.uint8, device="cuda")
+    valid[2, :5] = 0
+    codes = fp8.quantize(x, scale, fmt, saturate)
+    want = square_error_sums(x, a, codes, valid, scale)
+    got = square_error_sums(x, a, None, valid, scale, b_format=fmt, saturate=saturate)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert torch.equal(square_error_sums(x, a, None, valid, scale, b_format=fmt, saturate=saturate), got)
+    assert bool((want[:, 1] > 0).all())
+
+
 @pytest.mark.parametrize("decode", ["graph", "dynamic"])
 @pytest.mark.parametrize("spec", ["fp8_e4m3", "fp8_e5m2:per_head", "fp8_e4m3:per_token", "nvfp4"])
 def test_checks_beside_the_prefill_equal_checks_on_its_stream(monkeypatch, decode, spec):

@@ -52,6 +52,26 @@ def test_write_check_sums_read_the_definitions_codes_back_as_torch_does(interpre
     assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "overflow"])
+def test_the_write_checks_own_rounding_gives_torchs_values(interpreted, fmt, saturate):
+    """`kernels.write_check.fp8_value`, the write check's rounding of x / scale (integer ops on the bits, not the fp8
+    cast the cache write it judges uses): every code's value, its neighbours, every tie and the overflow rule's
+    edges, as torch's cast gives them (a mutant rounding ties up, or dropping the subnormal path, fails)."""
+    case = f"fp8-value-{fmt}-{saturate}"
+    assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "overflow"])
+@pytest.mark.parametrize("scale", ["per_tensor", "per_head", "per_token"])
+def test_write_check_sums_write_x_by_the_definition_as_torch_does(interpreted, fmt, saturate, scale):
+    """The write check's sums computing the definition's read-back of x themselves must equal, bit for bit, the sums
+    given torch's codes of x (values not exact in the format, some past its range; pads not counted)."""
+    case = f"sums-encoding-{scale}-{fmt}-{saturate}"
+    assert case in interpreted and interpreted[case] is None, interpreted.get(case, "missing")
+
+
 def test_a_pair_that_cannot_share_a_launch_says_why():
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")

@@ -27,7 +27,7 @@ from transformers.cache_utils import (DynamicCache, DynamicLayer, DynamicSliding
 from harness.kv_paths import block_layout, capabilities, format_faults
 from harness.kv_paths.decode_kernels import kernels_setting
 from harness.kv_paths.emulated import EmulatedKVLayer
-from harness.kv_paths.formats import E4M3_MAX, MODEL_DTYPE
+from harness.kv_paths.formats import E4M3_MAX, MODEL_DTYPE, fp32_scale
 from harness.kv_paths.rotation import rotate
 from harness import model_layers
 from harness.forward_context import on_checks_stream
@@ -153,11 +153,13 @@ class KVWriteStats:
         valid = None if valid is None else valid[:, 0, :, 0].view(torch.uint8)  # [rows, chunk]
         return self._rows_of(x).to(self.write_err.device), valid
 
-    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor,
-                    reference_scale: torch.Tensor | None = None, rows_valid: tuple | None = None) -> None:
+    def check_write(self, side: str, x: torch.Tensor, read_back: torch.Tensor, reference: torch.Tensor | None,
+                    reference_scale: torch.Tensor | None = None, rows_valid: tuple | None = None,
+                    reference_format: tuple[str, bool] | None = None) -> None:
         """The write check of one side ("k" / "v"): x, what the cache read back and what the format's definition
         reads back for x, [batch, heads, chunk, dim]; pads count nowhere. With reference_scale (the fused sums
-        only): `reference` is the definition's FP8 codes, read back as `reference.dequantize` does, in the sums.
+        only): `reference` is the definition's FP8 codes, read back as `reference.dequantize` does, in the sums;
+        or, reference None and reference_format (element, saturate), the sums write x by the definition themselves.
         rows_valid: `check_rows(x)`, where made beforehand."""
         if x.numel() == 0:
             return
@@ -165,7 +167,8 @@ class KVWriteStats:
         if fused_write_on(x):  # the same sums in one Triton pass over the three tensors
             from kernels.write_check import square_error_sums
 
-            sums = square_error_sums(x, read_back, reference, valid, reference_scale)
+            fmt, saturate = reference_format or (None, True)
+            sums = square_error_sums(x, read_back, reference, valid, reference_scale, b_format=fmt, saturate=saturate)
         else:  # NaN squares are nonfinite's, counted there
             assert reference_scale is None, "codes as the reference go to the fused sums only (fused_write_on)"
             sums = fp8.square_error_sums(x, read_back, reference, valid)
@@ -390,7 +393,14 @@ class QuantizedKVLayer(DynamicLayer):
             with on_checks_stream(x, read, *(t for t in rows_valid if t is not None)):
                 # x written by the format's definition with the scale the cache uses (its clip ratios, which the
                 # check does not read, not computed)
-                encoded = kv_format.encode(x, self._write_scale(x, scale, kv_format), saturate=self.kv_path.saturate)
+                write_scale = self._write_scale(x, scale, kv_format)
+                if kv_format.is_legacy_fp8 and not kv_format.unscaled and fused_write_on(x):
+                    # the sums write x by the definition themselves (`kernels.write_check.fp8_value`): no codes
+                    self.stats.check_write(side, x, read, None, fp32_scale(write_scale, x.device),
+                                           rows_valid=rows_valid, reference_format=(kv_format.element.name,
+                                                                                    self.kv_path.saturate))
+                    continue
+                encoded = kv_format.encode(x, write_scale, saturate=self.kv_path.saturate)
                 if kv_format.is_legacy_fp8 and fused_write_on(x):  # the sums read the codes back (no widened copy)
                     self.stats.check_write(side, x, read, encoded.codes, encoded.scale, rows_valid=rows_valid)
                 else:

@@ -189,6 +189,14 @@ class Encoded:
     value_zero: torch.Tensor | None = None  # [..., D] fp32: the zero point each value was shifted by (asymmetric)
 
 
+def fp32_scale(scale: torch.Tensor | float | None, device) -> torch.Tensor:
+    """The scale an encode divides by, as an fp32 tensor on `device`: a given tensor or number, 1.0 for None (no host
+    copy of a tensor)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device=device, dtype=torch.float32)
+    return torch.full((), 1.0 if scale is None else float(scale), dtype=torch.float32, device=device)
+
+
 @dataclass(frozen=True, slots=True)
 class KVFormat:
     """One KV-cache format. `name` is the path's `fmt` (the registry key); `spellings` are path-spec heads."""
@@ -280,8 +288,7 @@ class KVFormat:
         if self.unscaled:  # values cast as they are (an e4m3 cast at scale 1, or the model dtype kept)
             one = torch.ones((), dtype=torch.float32, device=x.device)
             return Encoded(self.element.to_codes(x), None, None, one, one)
-        s = (scale.to(device=x.device, dtype=torch.float32) if isinstance(scale, torch.Tensor) else
-             torch.full((), 1.0 if scale is None else float(scale), dtype=torch.float32, device=x.device))  # no host copy
+        s = fp32_scale(scale, x.device)
         if self.is_legacy_fp8:
             codes = fp8.quantize(x, s, self.element.name, saturate=saturate)
             return Encoded(codes, None, None, s, s)
