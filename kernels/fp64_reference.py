@@ -4,8 +4,9 @@ that torch's own cast of every byte builds (`code_values`: what `codes.double()`
 arithmetic with the kernels it judges; the products and sums are fp64.
 
 Torch's way (`harness.kv_paths.attention.PagedKV._exact_rows` on the CPU) widens K and V to fp64 (8 bytes a code
-written, then read by fp64 GEMMs). At 8B shape that was an FP8 prefill's largest check cost: at a 16 x 8k prompt's end,
-43.9 ms of widening and 21.2 ms of fp64 GEMMs on an H200 (BENCHMARKS.md, sessions 29-30).
+written, then read by fp64 GEMMs): at a 16 x 8k prompt's end (8B shape, H200) 43.9 ms of widening and 21.2 ms of
+fp64 GEMMs of an FP8 prefill's check work (BENCHMARKS.md, sessions 29-30); these kernels took 17.6 + 11.3 ms there
+(session 43).
 
     scores = code_scores(q, k_codes, rows, span, table)       # [n, Hkv, G, span]: q . K over the stored values
     out = weighted_codes(weights, v_codes, rows, span, table)  # [n, Hkv, G, D]: weights . V

@@ -5,17 +5,10 @@ sums, at most ~n u sum|terms|; measured 0.004-0.06 of 2 n u sum|terms| under the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from fp64_reference_cases import CASES, GPU_CASES, measure
-
-HERE = Path(__file__).parent
+from interpreted import run_script
 
 
 def _judge(found: dict) -> None:
@@ -26,18 +19,7 @@ def _judge(found: dict) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "fp64_reference_interpreted.py")], capture_output=True,
-                          text=True, env=env, timeout=600)
-    if done.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in done.stderr:
-        import numpy
-        import triton
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a loaded bound under numpy "
-                    f"{numpy.__version__} (tests/test_kernels_reference.py: the GPU machines' Triton 3.6)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script("fp64_reference_interpreted.py")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,21 +5,15 @@ kernels themselves under Triton's interpreter (tests/block_scaled_interpreted.py
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from harness.kv_paths import block_layout
 from harness.kv_paths import formats as kv_formats
+from interpreted import run_script
 from kernels import reference as ref
-
-HERE = Path(__file__).parent
 SERVED = ["nvfp4", "nvfp4_4over6", "mxfp8", "mxfp4", "fp4_mx_block16", "fp8_per_token_head", "int8_per_token_head",
           "int4_per_token_head"]
 
@@ -54,13 +48,7 @@ def test_unserved_formats_say_why(fmt, head_size, write, reason):
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get(
-        "PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "block_scaled_interpreted.py")], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script("block_scaled_interpreted.py")
 
 
 CASES = [f"decode-{f}" for f in SERVED if f != "nvfp4_4over6"] + \

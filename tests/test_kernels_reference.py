@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from interpreted import run_script
 from kernels import reference as ref
 
 FORMATS = ["e4m3", "e5m2"]
@@ -523,28 +524,7 @@ def test_mla_fp8_attention_launcher_refuses(case):
 
 @pytest.fixture(scope="module")
 def interpreted_beyond_sdpa() -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(here / "decode_attention_interpreted.py")], capture_output=True,
-                          text=True, env=env, timeout=600)
-    if done.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in done.stderr:
-        # Triton 3.6's interpreter (the GPU machines') holds a scalar as a 1-element array and takes int() of it in
-        # range(); numpy 2.x refuses (session 30, H200: every case errored here). The compiled kernel's cases run in
-        # the GPU suite; Triton 3.9 (the CPU machines') runs these.
-        import numpy
-        import triton
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a loaded bound under numpy "
-                    f"{numpy.__version__}: {done.stderr.strip().splitlines()[-1][:160]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script("decode_attention_interpreted.py")
 
 
 @pytest.mark.parametrize("case", [f"{name}-splits{s}-prefetch{p}" for name in ("sinks", "softcap", "window",

@@ -4,28 +4,16 @@ defined). The GPU's rounding is checked against torch in tests/test_fused_write_
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).parent
+from interpreted import run_script
 CASES = [f"chunk{chunk}-{launch}-{scale}" for chunk in (1, 3) for launch in ("pair", "single")
          for scale in ("per_tensor", "per_head")]
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "store_kv_interpreted.py")], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script("store_kv_interpreted.py")
 
 
 @pytest.mark.parametrize("case", CASES)
