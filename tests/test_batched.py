@@ -572,6 +572,52 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3:chunked_prefill", "fp8_e4m3:raw_prefill:chunked_prefill",
+                                  "nvfp4:prefill=fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
+def test_prefill_passes_reading_the_columns_up_to_their_own_reply_as_reading_every_column(cpu_models, monkeypatch,
+                                                                                         arch, spec):
+    """An eager static prefill pass that reads only the columns up to its own (`StaticColumns.attended`, CUDA's
+    setting, asked for here on the CPU) against the same batch reading every column under the mask: the same replies
+    (or a split at a near tie) and write statistics within 1e-6 relative; a chunked path's teacher-forced scores,
+    which prefill through the same passes, equal to the bit (the masked keys added nothing: exp(-inf) is 0). Chunked
+    prefills run several passes, so a later pass reads the stored columns before it, and a raw or own-format prefill
+    its own chunk after them as it attends to it (`with_raw`); a first pass's view is that chunk itself. The narrowed views must have been
+    taken (a mutant that never narrows passes the rest, not that). Mutants that cut the mask's last columns instead
+    of its first, or hand a later pass its own stored chunk instead of the raw one, fail."""
+    import harness.replay.batched as batched
+    from harness.kv_paths.cache import StaticColumns
+
+    model = cpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    prompts, limits = _prompts(model), [4, 9, 6, 12]
+    settings = BatchSettings(decode="static")
+    every = BatchedEngine(backend, settings).generate(prompts, limits)
+    narrowed, real = [], StaticColumns.attended_view
+
+    def attended_view(self, stored):
+        out = real(self, stored)
+        narrowed.append(out.shape[2] < stored.shape[2])
+        return out
+
+    continuations = [prompt[-20:] for prompt in prompts]
+    scored = BatchedEngine(backend, settings).score(prompts, continuations) if spec and "chunked" in spec else []
+    monkeypatch.setattr(StaticColumns, "attended_view", attended_view)
+    monkeypatch.setattr(batched, "ATTENDED_PREFIX_DEVICES", ("cuda", "cpu"))
+    prefix = BatchedEngine(backend, settings).generate(prompts, limits)
+    assert any(narrowed), "no prefill pass read a prefix of the columns"
+    if scored:
+        rescored = BatchedEngine(backend, settings).score(prompts, continuations)
+        assert all(torch.equal(a, b) for a, b in zip(scored, rescored))
+    for prompt, limit, want, row in zip(prompts, limits, every, prefix):
+        if want.token_ids != row.token_ids:
+            _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
+            continue
+        for key, value in (want.metrics or {}).items():   # the reference's rows have no path metrics
+            if key.startswith("kv_") and isinstance(value, float):
+                assert row.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (key, row.metrics, want.metrics)
+
+
 @pytest.mark.parametrize(("arch", "spec"), [("gqa", "fp8_e4m3"), ("mla", None), ("hybrid", "fp8_e4m3:per_head"),
                                             # the torch round trip of block-scaled formats (no fused write on CPU)
                                             ("gqa", "k=fp8_e4m3/v=nvfp4"), ("gqa", "mxfp4"), ("mla", "nvfp4"),

@@ -846,7 +846,7 @@ def register() -> None:
             raise RuntimeError(f"attention layer {module.layer_idx}: its K/V were not expanded (skip_unread_expansion) "
                                f"but this call reads them")
         if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > key.shape[2]:
-            # a static prefill pass reads the columns up to its own (`StaticColumns.attended`); the mask covers all
+            # a static prefill pass reads the columns up to its own (`StaticColumns.attended`): a prefix of the mask's
             attention_mask = attention_mask[..., :key.shape[2]]
         if fault or quant is not None:  # our fp32 softmax, not SDPA's: a padded query must not attend to nothing
             attention_mask = _no_empty_rows(attention_mask, key.shape[2])

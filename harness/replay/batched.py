@@ -57,6 +57,10 @@ ROWS_BATCH, ROWS_SPREAD = 64, 2.0
 # memory pool of its activations. Both are margins, not measurements: the chunks they take are the control arm's
 # (32 tokens; 21 x 32 for the canaries' batches).
 CHUNK_GRAPH_MIN, CHUNK_GRAPH_TOKENS = 4, 4096
+# where an eager static prefill pass reads only the columns up to its own (`StaticColumns.attended`): CUDA, whose
+# memory-efficient SDPA computes every key it is given; not the CPU, whose exact-bits layers compare call shapes
+# (harness/replay/cpu_exact.py) and whose prompts are short
+ATTENDED_PREFIX_DEVICES = ("cuda",)
 
 
 
@@ -469,23 +473,19 @@ class BatchedEngine:
         for index, begin in enumerate(range(0, length, width)):
             end = min(length, begin + width)
             queries = torch.arange(begin, end, device=self.device)
+            attend = static_attend(seen, keys, queries)
+            windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
             static.length = end
             if graphed is not None and 0 < index < chunks - 1:  # the first and last chunks run eagerly
-                attend = static_attend(seen, keys, queries)  # a recorded pass keeps one shape: every column
-                windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
                 logits = graphed.run(ids[:, begin:end], positions[:, begin:end], queries, mask[:, begin:end], attend,
                                      windowed)
                 if logits is not None:  # None: recording failed, the chunk runs eagerly below
                     continue
-            # an eager pass on CUDA attends to the columns up to its own (`StaticColumns.attended`), its mask too;
-            # on the CPU every column, the call shapes its exact-bits layers compare (harness/replay/cpu_exact.py)
-            attended = end if self.device.type == "cuda" else static.max_len
-            attend = static_attend(seen[:, :attended], keys[:attended], queries)
-            windowed = window_masks(self.model.config, attend, keys[:attended], queries, positions[:, begin:end],
-                                    kinds)
             static.columns = queries
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
-            static.attended = attended if attended < static.max_len else None
+            # an eager pass reads the columns up to its own (`StaticColumns.attended`; the attention function cuts
+            # the mask to them), where ATTENDED_PREFIX_DEVICES says
+            static.attended = end if self.device.type in ATTENDED_PREFIX_DEVICES and end < static.max_len else None
             try:
                 logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
                                                                        windowed), positions[:, begin:end], cache, step,
