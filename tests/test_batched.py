@@ -582,9 +582,10 @@ def test_prefill_passes_reading_the_columns_up_to_their_own_reply_as_reading_eve
     (or a split at a near tie) and write statistics within 1e-6 relative; a chunked path's teacher-forced scores,
     which prefill through the same passes, equal to the bit (the masked keys added nothing: exp(-inf) is 0). Chunked
     prefills run several passes, so a later pass reads the stored columns before it, and a raw or own-format prefill
-    its own chunk after them as it attends to it (`with_raw`); a first pass's view is that chunk itself. The narrowed views must have been
-    taken (a mutant that never narrows passes the rest, not that). Mutants that cut the mask's last columns instead
-    of its first, or hand a later pass its own stored chunk instead of the raw one, fail."""
+    its own chunk after them as it attends to it (`with_raw`); a first pass's view is that chunk itself. The
+    narrowed views must have been taken (a mutant that never narrows passes the rest, not that). Mutants that cut
+    the mask's last columns instead of its first, or hand a later pass its own stored chunk instead of the raw one,
+    fail."""
     import harness.replay.batched as batched
     from harness.kv_paths.cache import StaticColumns
 

@@ -681,12 +681,13 @@ class StaticColumns:
 
     `attended` (set by the engine for an eager prefill pass, None otherwise): the pass attends to columns
     [0, attended) only, its own last column's end, so its layers hand attention views of those columns, and the
-    attention function cuts the mask (built over every column) to the keys it is given. A layer that reads another
-    layer's storage as it is (Gemma 3n's KV sharing) gets every column and the whole mask, as before. The columns after it are masked for every query of the pass:
-    torch's memory-efficient SDPA, which an explicit mask sends prefill to, computes every key it is given, so a
-    16 x 8k prompt in four passes of 2,048 columns scored 4 x 8,208 keys a query row where 2,048-8,192 are read (the
-    8B-shaped prefill: 8.30 s before, 6.48 s after, H200, BENCHMARKS.md session 43). On the CPU the engine leaves
-    it None: the exact-bits layers there (harness/replay/cpu_exact.py) key on the call shapes."""
+    attention function cuts the mask (built over every column) to the keys it is given; a layer that read another
+    layer's storage as it is would get every column and the whole mask, as before. The columns after the pass are
+    masked for every query of it: torch's memory-efficient SDPA, which an explicit mask sends prefill to, computes
+    every key it is given, so a 16 x 8k prompt in four passes of 2,048 columns scored 4 x 8,208 keys a query row
+    where 2,048-8,192 are read (the 8B-shaped prefill: 8.30 s before, 6.48 s after, H200, BENCHMARKS.md session 43).
+    The engine sets it on CUDA only (`batched.ATTENDED_PREFIX_DEVICES`): the CPU's exact-bits layers
+    (harness/replay/cpu_exact.py) key on the call shapes."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
