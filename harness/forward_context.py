@@ -41,6 +41,20 @@ class ForwardContext:
     notes: dict | None = None
     # a CUDA stream the call's checks run on beside the model's own (`checks_beside`); None: on the model's stream
     checks_stream: object = None
+    # a static prefill pass whose full-attention mask is causal over each row's real keys and nothing else
+    # (`CausalPrefix`: `BatchedEngine._prefill_static`); an attention call handed that very mask may compute it as
+    # a lower-right causal bias instead of reading it
+    causal_prefix: object = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CausalPrefix:
+    """A static prefill pass's full-attention mask (`mask`, the tensor the model is handed) and, per row, the first
+    column it attends to (`starts`: the row's left pads, on the host). Each row's queries are the pass's columns, and
+    each attends to the row's columns from its start up to itself: the keys the pass reads end at its last column,
+    and no pad lies among its queries."""
+    mask: torch.Tensor
+    starts: tuple[int, ...]
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("harness_forward", default=ForwardContext())

@@ -619,6 +619,105 @@ def test_prefill_passes_reading_the_columns_up_to_their_own_reply_as_reading_eve
                 assert row.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (key, row.metrics, want.metrics)
 
 
+def _run_causal_prefix(monkeypatch, backend, settings, prompts, limits, continuations, alone: bool = False):
+    """Generation (and, given continuations, teacher-forced scores) of `prompts` twice, under the pass's mask and
+    under the lower-right causal bias where the engine offers it: each run's rows, scores and every static prefill's
+    logits, the sequences alone under the mask (alone=True), and the (queries, keys) of each call under the bias."""
+    import harness.replay.batched as batched
+    from harness.kv_paths import attention
+
+    prefills, prefill = [], BatchedEngine._prefill_static
+    shapes, real = [], attention._causal_prefix_sdpa
+
+    def kept(self, *args, **kwargs):
+        logits = prefill(self, *args, **kwargs)
+        prefills.append(logits.clone())
+        return logits
+
+    def counted(query, key, value, scaling, starts):
+        shapes.append((query.shape[2], key.shape[2]))
+        return real(query, key, value, scaling, starts)
+
+    def run() -> tuple[list, list, list]:
+        prefills.clear()
+        rows = BatchedEngine(backend, settings).generate(prompts, limits)
+        scored = BatchedEngine(backend, settings).score(prompts, continuations) if continuations else []
+        return rows, scored, list(prefills)
+
+    monkeypatch.setattr(BatchedEngine, "_prefill_static", kept)
+    monkeypatch.setattr(attention, "_causal_prefix_sdpa", counted)
+    with monkeypatch.context() as masked_only:
+        masked_only.setattr(attention, "_causal_prefix", lambda *args: None)
+        masked = run()
+        ones = [_alone(backend, prompt, limit) for prompt, limit in zip(prompts, limits)] if alone else []
+    return masked, run(), ones, shapes
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3:chunked_prefill", "fp8_e4m3:raw_prefill:chunked_prefill",
+                                  "bf16:chunked_prefill"])
+def test_unpadded_prefill_passes_under_a_lower_right_causal_bias_as_under_their_mask(cpu_models, monkeypatch, arch,
+                                                                                    spec):
+    """A batch whose prompts all fill its width prefills its full-attention layers under torch's lower-right causal
+    bias (`attention._causal_prefix_sdpa`: flash attention on CUDA, asked for here on the CPU, where SDPA builds the
+    bias's mask) instead of the pass's own mask. On the CPU the built mask holds the same values, so the prefill's
+    logits, the replies, the write statistics and a chunked path's teacher-forced scores are the same to the bit.
+    Chunked paths run several passes, so a later pass's queries sit at the end of longer keys: a bias aligned at the
+    top left (`is_causal`, query i attends keys up to i) fails them."""
+    import harness.replay.batched as batched
+
+    model = cpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    width = 80  # three of the chunked paths' 32-token passes
+    prompts = [(p * (width // len(p) + 1))[-width:] for p in _prompts(model)]
+    chunked = spec is not None and "chunked" in spec
+    monkeypatch.setattr(batched, "ATTENDED_PREFIX_DEVICES", ("cuda", "cpu"))
+    masked, biased, _, shapes = _run_causal_prefix(monkeypatch, backend, BatchSettings(decode="static"), prompts,
+                                                   [4, 9, 6, 12], [p[-20:] for p in prompts] if chunked else [])
+    assert shapes, "no prefill pass computed under the bias"
+    assert not chunked or any(queries < keys for queries, keys in shapes), shapes
+    assert len(biased[2]) == len(masked[2]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(masked[2], biased[2])), "the prefill's logits"
+    assert all(torch.equal(a, b) for a, b in zip(masked[1], biased[1])), "the teacher-forced scores"
+    for want, row in zip(masked[0], biased[0]):
+        assert row.token_ids == want.token_ids
+        assert row.metrics == want.metrics
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
+@pytest.mark.parametrize("spec", ["fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
+def test_padded_prefill_passes_under_a_lower_right_causal_bias_per_run_of_rows(cpu_models, monkeypatch, arch, spec):
+    """A left-padded batch's passes past its pads (here from the second of three 32-token passes: pads of 0-11
+    columns) attend each run of rows with one start under the bias over the row's own keys, where the pass has at
+    least CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here; at its measured default these passes keep the mask).
+    On the CPU the row's keys start at another column than under the mask, so SDPA sums in another order: the
+    prefill's logits and the teacher-forced scores within 2^-5 of their largest (bf16: 4-8 ulps of it; measured:
+    0.0039 = 2^-8 at most), where a row attending to another row's keys (every case) or to its pads (gqa, mla:
+    0.024-0.053; hybrid's one attention layer, its last, moved nothing) fails; the replies the same or parted at a
+    near tie of the sequence alone."""
+    import harness.replay.batched as batched
+
+    model = cpu_models[arch]
+    backend = model.backend(parse_path(spec))
+    width, pads = 80, [0, 5, 11, 3]
+    prompts = [(p * (width // len(p) + 1))[-(width - pad):] for p, pad in zip(_prompts(model), pads)]
+    limits, continuations = [4, 9, 6, 12], [p[-20:] for p in prompts]
+    monkeypatch.setattr(batched, "ATTENDED_PREFIX_DEVICES", ("cuda", "cpu"))
+    _, _, _, shapes = _run_causal_prefix(monkeypatch, backend, BatchSettings(decode="static"), prompts, limits,
+                                         continuations)
+    assert not shapes, "a pass under CAUSAL_ROWS_MIN_QUERIES columns computed under the bias"
+    monkeypatch.setattr(batched, "CAUSAL_ROWS_MIN_QUERIES", 1)
+    masked, biased, alone, shapes = _run_causal_prefix(monkeypatch, backend, BatchSettings(decode="static"), prompts,
+                                                       limits, continuations, alone=True)
+    assert shapes and all(queries < keys for queries, keys in shapes), shapes
+    assert len(biased[2]) == len(masked[2]) > 0
+    for a, b in zip(masked[2] + masked[1], biased[2] + biased[1]):
+        torch.testing.assert_close(b, a, rtol=0, atol=2.0 ** -5 * a.abs().max().item())
+    for want, row, one in zip(masked[0], biased[0], alone):
+        if row.token_ids != want.token_ids:
+            _assert_same_or_near_tie(one, row, 0.07)
+
+
 @pytest.mark.parametrize(("arch", "spec"), [("gqa", "fp8_e4m3"), ("mla", None), ("hybrid", "fp8_e4m3:per_head"),
                                             # the torch round trip of block-scaled formats (no fused write on CPU)
                                             ("gqa", "k=fp8_e4m3/v=nvfp4"), ("gqa", "mxfp4"), ("mla", "nvfp4"),
@@ -923,6 +1022,79 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
         if backend.route.kernel is not None:
             # kernel vs fp64 relative to SDPA bf16's own error, as in test_harness_gpu
             assert row.metrics["kernel_steps"] > 0 and row.metrics["kernel_err_ratio"] <= 4.0, row.metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("starts", "heads", "kv_heads", "queries", "keys", "dim"),
+                         [((0, 0), 8, 2, 64, 200, 64), ((0, 0, 0), 4, 4, 33, 33, 128), ((0,), 32, 8, 256, 1040, 128),
+                          ((3, 0, 0, 40, 40), 6, 2, 17, 90, 256), ((63, 0, 17), 32, 8, 512, 1600, 128)])
+def test_gpu_lower_right_causal_prefill_errs_as_the_masked_one(starts, heads, kv_heads, queries, keys, dim):
+    """`attention._causal_prefix_sdpa` (flash attention under the lower-right causal bias, GQA native, a call per
+    run of rows with one start) against fp64 attention of the same bf16 inputs under the mask (each row's keys from
+    its start, each query up to its own), beside the route it replaces (transformers' SDPA call under the mask: K and
+    V repeated, the memory-efficient kernel): its largest error within 1.5x of that route's or of half an ulp of the
+    output's scale. Both round P and the output to bf16 and sum in fp32, in other orders (H200,
+    `benchmarks/prefill_attention.py`: 0.85-1.09x). A bias aligned at the top left, a row reading another row's keys
+    or its pads, or a key head other than `repeat_kv`'s errs by the output's own size."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from harness.kv_paths import attention
+
+    torch.manual_seed(0)
+    rows = len(starts)
+    query = torch.randn(rows, heads, queries, dim, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(rows, kv_heads, keys, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale, group = dim ** -0.5, heads // kv_heads
+    columns = torch.arange(keys, device="cuda")
+    first = torch.tensor(starts, device="cuda")[:, None, None, None]
+    mask = (columns[None, :] <= torch.arange(keys - queries, keys, device="cuda")[:, None]) & (columns >= first)
+    with attention.sdpa_backends(query):
+        causal = attention._causal_prefix_sdpa(query, key, value, scale, starts)
+        masked = sdpa_attention_forward(SimpleNamespace(num_key_value_groups=group, is_causal=True), query, key, value,
+                                        mask, scaling=scale)[0]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (key, value))
+    exact = (torch.softmax((query.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1) @ v)
+    exact = exact.transpose(1, 2)
+    errors = [(out.double() - exact).abs().max().item() for out in (causal, masked)]
+    floor = exact.abs().max().item() * 2.0 ** -9
+    assert errors[0] <= 1.5 * max(errors[1], floor), (errors, floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gqa", "hybrid"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
+@pytest.mark.parametrize("pads", [(0, 0, 0, 0), (0, 5, 11, 3)])
+def test_gpu_prefill_passes_under_the_causal_bias_reply_as_alone(gpu_models, monkeypatch, arch, spec, pads):
+    """On CUDA an eager prefill pass past every row's pads takes the lower-right causal bias (flash attention takes
+    the canaries' shapes: a route that never fired would pass the CPU tests' every other check); a padded batch's
+    passes only from CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here), and never one over its pads. The replies are
+    the sequences' alone (one row: no pads), near ties aside, as every batch's are
+    (`test_gpu_every_path_in_a_batch`)."""
+    import harness.replay.batched as batched
+    from harness.kv_paths import attention
+
+    model = gpu_models[arch]
+    backend = model.backend(parse_path(spec) if spec else None)
+    width, limits = 80, [3, 8, 16, 24]  # three of a chunked path's 32-token passes
+    prompts = [(p * (width // len(p) + 1))[-(width - pad):] for p, pad in zip(_prompts(model), pads)]
+    shapes, real = [], attention._causal_prefix_sdpa
+
+    def counted(query, key, value, scaling, starts):
+        shapes.append((query.shape[2], key.shape[2]))
+        return real(query, key, value, scaling, starts)
+
+    monkeypatch.setattr(attention, "_causal_prefix_sdpa", counted)
+    monkeypatch.setattr(batched, "CAUSAL_ROWS_MIN_QUERIES", 1)
+    rows = BatchedEngine(backend).generate(prompts, limits)
+    chunked = spec is not None and "chunked" in spec
+    if any(pads) and not chunked:  # one pass, its queries over the pads: under the mask
+        assert not shapes, shapes
+    else:
+        assert shapes and (not chunked or any(q < k for q, k in shapes)), shapes
+    for prompt, limit, row in zip(prompts, limits, rows):
+        _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
 
 
 @pytest.mark.gpu

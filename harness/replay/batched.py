@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from harness.forward_context import DEVICE_WIDE, checks_beside, forward_context, own_stream
+from harness.forward_context import DEVICE_WIDE, CausalPrefix, checks_beside, forward_context, own_stream
 from harness.kv_paths import attention, impl_check
 from harness import model_layers
 from harness.kv_paths.attention import BLOCK_SIZE, KernelAgreement, RowKeys, StepState, attach_paged
@@ -57,6 +57,10 @@ ROWS_BATCH, ROWS_SPREAD = 64, 2.0
 # memory pool of its activations. Both are margins, not measurements: the chunks they take are the control arm's
 # (32 tokens; 21 x 32 for the canaries' batches).
 CHUNK_GRAPH_MIN, CHUNK_GRAPH_TOKENS = 4, 4096
+# a padded batch's eager prefill pass of at least this many columns attends each run of rows under a lower-right
+# causal bias (`BatchedEngine._causal_prefix`). H200, `benchmarks/prefill_attention.py`, pads of 0-63 tokens, the
+# passes past them: 64 rows x 512 columns 2.02x faster than under the mask, 128 x 256 0.70x (a call a row)
+CAUSAL_ROWS_MIN_QUERIES = 512
 # where an eager static prefill pass reads only the columns up to its own (`StaticColumns.attended`): CUDA, whose
 # memory-efficient SDPA computes every key it is given; not the CPU, whose exact-bits layers compare call shapes
 # (harness/replay/cpu_exact.py) and whose prompts are short
@@ -285,7 +289,7 @@ class BatchedEngine:
         # one sequence: every step checked (a one-token prompt's prefill is a decode step too); its statistics count
         # every token of a write (no pads), so a kept copy of the cache needs no step
         alone = self.settings.one_sequence
-        step = StepState(valid=mask, masked=masked, check=alone)
+        step = StepState(valid=mask, masked=masked, check=alone, starts=tuple(ids.shape[1] - len(p) for p in prompts))
         stats = KVWriteStats(len(prompts), None if alone else step, self.device)
         cache = build_cache(self.model.config, self.backend.kv_path, self.backend.scales, stats)
         if self.backend.kv_path is not None and self.backend.kv_path.is_quantized:
@@ -485,15 +489,31 @@ class BatchedEngine:
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
             # an eager pass reads the columns up to its own (`StaticColumns.attended`; the attention function cuts
             # the mask to them), where ATTENDED_PREFIX_DEVICES says
-            static.attended = end if self.device.type in ATTENDED_PREFIX_DEVICES and end < static.max_len else None
+            prefix = self.device.type in ATTENDED_PREFIX_DEVICES
+            static.attended = end if prefix and end < static.max_len else None
+            causal = self._causal_prefix(attend, step.starts, begin, end, static) if prefix else None
             try:
-                logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend, mask[:, begin:end],
-                                                                       windowed), positions[:, begin:end], cache, step,
-                                       checks_beside_pass=True)
+                with forward_context(causal_prefix=causal):
+                    logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend,
+                                                                           mask[:, begin:end], windowed),
+                                           positions[:, begin:end], cache, step, checks_beside_pass=True)
             finally:
                 static.attended = None
         step.check_last = False
         return logits
+
+    @staticmethod
+    def _causal_prefix(attend: torch.Tensor, starts: tuple[int, ...], begin: int, end: int,
+                       static: StaticColumns) -> CausalPrefix | None:
+        """The pass [begin, end)'s `CausalPrefix`, where its mask is causal over each row's real keys and nothing
+        else: the keys it reads end at its last column, and no row's left pads reach into it. A padded batch's rows
+        are attended one run of equal starts at a time: only for passes of at least CAUSAL_ROWS_MIN_QUERIES columns
+        (below that, the calls cost more than the mask saves: `benchmarks/prefill_attention.py`)."""
+        if not starts or (static.attended or static.max_len) != end or max(starts) > begin:
+            return None
+        if any(starts) and end - begin < CAUSAL_ROWS_MIN_QUERIES:
+            return None
+        return CausalPrefix(attend, starts)
 
     def _chunk_graph(self, rows: int, width: int, length: int) -> bool:
         """Whether a static prefill replays its middle chunks as a CUDA graph: at least CHUNK_GRAPH_MIN of them, of
