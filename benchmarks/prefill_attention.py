@@ -8,10 +8,11 @@ flash attention over the KV heads as they are, a call per run of rows with one s
 A shape is ROWSxWIDTHxPROMPT: ROWS prompts of PROMPT tokens in passes of WIDTH columns, each pass reading the
 columns up to its own (`StaticColumns.attended`) out of a cache of PROMPT + 16. The default shapes are the engine's
 multi-pass prefills (ROWS x WIDTH = its 32,768-token budget), the first the 8B-shaped scale bench's 8k row
-(`scale_bench.py --configs 8b-8k`). Each shape runs twice: unpadded, and left-padded by 0-63 tokens a row (the
-scale bench's ragged prompts), whose first pass holds the pads and keeps the mask. One row a pass: ms per call (CUDA
-events, median of 10 after 2), the ratio, and each way's largest error against fp64 attention of the last row (the
-two must err alike: same inputs, bf16 out, fp32 sums); then each shape's passes summed.
+(`scale_bench.py --configs 8b-8k`), the last also one pass of a batch of 32 1k prompts (`--configs 8b-1k`). Each
+shape runs twice: unpadded, and left-padded by 0-63 tokens a row (the scale bench's ragged prompts; a pad's query
+attends to itself alone). One row a pass: ms per call (CUDA events, median of 10 after 2), the ratio, and each way's
+largest error against fp64 attention of the last row (the two must err alike: same inputs, bf16 out, fp32 sums);
+then each shape's passes summed.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ def median_ms(fn, calls: int = 10) -> float:
 
 def passes(rows: int, width: int, prompt: int, pads: tuple[int, ...], heads: int, kv_heads: int, dim: int,
            module) -> list[tuple[int, float, float, float, float]]:
-    """(keys, ms under the mask, ms under the bias, err under the mask, err under the bias) of each pass past the
-    pads (every pass unpadded)."""
+    """(keys, ms under the mask, ms under the bias, err under the mask, err under the bias) of each pass."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     device, columns, scale = torch.device("cuda"), prompt + 16, dim ** -0.5
@@ -52,14 +52,13 @@ def passes(rows: int, width: int, prompt: int, pads: tuple[int, ...], heads: int
     first = torch.tensor(pads, device=device)[:, None, None, None]
     found = []
     for end in range(width, prompt + 1, width):
-        if max(pads) > end - width:  # the pass holds pads: the engine keeps its mask
-            continue
         query = torch.randn(rows, heads, width, dim, device=device, dtype=torch.bfloat16)
         key, value = (torch.randn(rows, kv_heads, columns, dim, device=device, dtype=torch.bfloat16)[:, :, :end]
                       for _ in range(2))
         queries = torch.arange(end - width, end, device=device)
         # materialised, as the engine's `static_attend` is, and cut to the keys the pass reads
-        mask = ((keys_all[None, :] <= queries[:, None]) & (keys_all >= first)).contiguous()[..., :end]
+        own = keys_all[None, :] == queries[:, None]
+        mask = (((keys_all[None, :] <= queries[:, None]) & (keys_all >= first)) | own).contiguous()[..., :end]
 
         def masked():
             with attention.sdpa_backends(query):
@@ -81,7 +80,7 @@ def passes(rows: int, width: int, prompt: int, pads: tuple[int, ...], heads: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="16x2048x8192,32x1024x4096,64x512x2048,128x256x1024")
+    parser.add_argument("--shapes", default="16x2048x8192,32x1024x4096,64x512x2048,128x256x1024,32x1024x1024")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)

@@ -50,9 +50,9 @@ class ForwardContext:
 @dataclasses.dataclass(frozen=True, slots=True)
 class CausalPrefix:
     """A static prefill pass's full-attention mask (`mask`, the tensor the model is handed) and, per row, the first
-    column it attends to (`starts`: the row's left pads, on the host). Each row's queries are the pass's columns, and
-    each attends to the row's columns from its start up to itself: the keys the pass reads end at its last column,
-    and no pad lies among its queries."""
+    column it attends to (`starts`: the row's left pads, on the host). The pass's queries are its columns, and the
+    keys it reads end at its last: a row's query from its start on attends to the row's columns from its start up to
+    itself, a query before it (a pad) to itself alone."""
     mask: torch.Tensor
     starts: tuple[int, ...]
 

@@ -685,12 +685,13 @@ def test_unpadded_prefill_passes_under_a_lower_right_causal_bias_as_under_their_
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "hybrid"])
-@pytest.mark.parametrize("spec", ["fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
+@pytest.mark.parametrize("spec", [None, "fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
 def test_padded_prefill_passes_under_a_lower_right_causal_bias_per_run_of_rows(cpu_models, monkeypatch, arch, spec):
-    """A left-padded batch's passes past its pads (here from the second of three 32-token passes: pads of 0-11
-    columns) attend each run of rows with one start under the bias over the row's own keys, where the pass has at
-    least CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here; at its measured default these passes keep the mask).
-    On the CPU the row's keys start at another column than under the mask, so SDPA sums in another order: the
+    """A left-padded batch's passes (pads of 0-11 columns; one 80-column pass, or three of 32 columns on a chunked
+    path) attend each run of rows with one start under the bias over the row's own keys, its pads each to itself,
+    where the pass has at least CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here; at its measured default these
+    passes keep the mask). On the CPU the row's keys start at another column than under the mask, so SDPA sums in
+    another order: the
     prefill's logits and the teacher-forced scores within 2^-5 of their largest (bf16: 4-8 ulps of it; measured:
     0.0039 = 2^-8 at most), where a row attending to another row's keys (every case) or to its pads (gqa, mla:
     0.024-0.053; hybrid's one attention layer, its last, moved nothing) fails; the replies the same or parted at a
@@ -698,10 +699,10 @@ def test_padded_prefill_passes_under_a_lower_right_causal_bias_per_run_of_rows(c
     import harness.replay.batched as batched
 
     model = cpu_models[arch]
-    backend = model.backend(parse_path(spec))
+    backend = model.backend(parse_path(spec) if spec else None)
     width, pads = 80, [0, 5, 11, 3]
     prompts = [(p * (width // len(p) + 1))[-(width - pad):] for p, pad in zip(_prompts(model), pads)]
-    limits, continuations = [4, 9, 6, 12], [p[-20:] for p in prompts]
+    limits, continuations = [4, 9, 6, 12], [p[-20:] for p in prompts] if spec else []
     monkeypatch.setattr(batched, "ATTENDED_PREFIX_DEVICES", ("cuda", "cpu"))
     _, _, _, shapes = _run_causal_prefix(monkeypatch, backend, BatchSettings(decode="static"), prompts, limits,
                                          continuations)
@@ -709,13 +710,49 @@ def test_padded_prefill_passes_under_a_lower_right_causal_bias_per_run_of_rows(c
     monkeypatch.setattr(batched, "CAUSAL_ROWS_MIN_QUERIES", 1)
     masked, biased, alone, shapes = _run_causal_prefix(monkeypatch, backend, BatchSettings(decode="static"), prompts,
                                                        limits, continuations, alone=True)
-    assert shapes and all(queries < keys for queries, keys in shapes), shapes
+    assert shapes and any(queries < keys for queries, keys in shapes) == (spec is not None), shapes
     assert len(biased[2]) == len(masked[2]) > 0
     for a, b in zip(masked[2] + masked[1], biased[2] + biased[1]):
         torch.testing.assert_close(b, a, rtol=0, atol=2.0 ** -5 * a.abs().max().item())
     for want, row, one in zip(masked[0], biased[0], alone):
         if row.token_ids != want.token_ids:
             _assert_same_or_near_tie(one, row, 0.07)
+
+
+CAUSAL_PREFIX_CASES = [((0, 0), 8, 2, 64, 200, 64), ((0, 0, 0), 4, 4, 33, 33, 128), ((0,), 32, 8, 256, 1040, 128),
+                       ((3, 0, 0, 40, 40), 6, 2, 17, 90, 256), ((63, 0, 17), 32, 8, 512, 1600, 128),
+                       # pads among the queries: the pass's first 5 / 0 columns; 34 of row 0's, all of row 3's
+                       ((5, 0), 8, 2, 48, 48, 64), ((70, 0, 10, 100), 8, 4, 64, 100, 128)]
+
+
+def _causal_prefix_inputs(starts, heads, kv_heads, queries, keys, dim, device, dtype):
+    """Random query/key/value of one pass, its mask as the engine builds it (each row's keys from its start, each
+    query up to its own, a pad's query to itself alone) and fp64 attention under it [rows, queries, heads, dim]."""
+    torch.manual_seed(0)
+    rows = len(starts)
+    query = torch.randn(rows, heads, queries, dim, device=device, dtype=dtype)
+    key, value = (torch.randn(rows, kv_heads, keys, dim, device=device, dtype=dtype) for _ in range(2))
+    columns = torch.arange(keys, device=device)
+    own = torch.arange(keys - queries, keys, device=device)[:, None]
+    first = torch.tensor(starts, device=device)[:, None, None, None]
+    mask = ((columns[None, :] <= own) & (columns >= first)) | (columns[None, :] == own)
+    k, v = (t.double().repeat_interleave(heads // kv_heads, 1) for t in (key, value))
+    scores = (query.double() @ k.transpose(-1, -2) * dim ** -0.5).masked_fill(~mask, float("-inf"))
+    return query, key, value, mask, (torch.softmax(scores, -1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize(("starts", "heads", "kv_heads", "queries", "keys", "dim"), CAUSAL_PREFIX_CASES)
+def test_lower_right_causal_prefill_is_the_engines_mask(starts, heads, kv_heads, queries, keys, dim):
+    """`attention._causal_prefix_sdpa` on the CPU in fp32 (SDPA builds the bias's mask there) against fp64 attention
+    under the engine's mask: within 1e-5 of the output's largest value (fp32 sums of up to 1,600 terms: measured
+    ~1e-7). A pad's output is its own value; a bias aligned at the top left, a row reading another row's keys or its
+    pads, or queries not at the last keys' positions err by the output's own size."""
+    from harness.kv_paths import attention
+
+    query, key, value, _, exact = _causal_prefix_inputs(starts, heads, kv_heads, queries, keys, dim, "cpu",
+                                                        torch.float32)
+    out = attention._causal_prefix_sdpa(query, key, value, dim ** -0.5, starts)
+    assert (out.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
 
 
 @pytest.mark.parametrize(("arch", "spec"), [("gqa", "fp8_e4m3"), ("mla", None), ("hybrid", "fp8_e4m3:per_head"),
@@ -1025,15 +1062,12 @@ def test_gpu_every_path_in_a_batch(gpu_models, arch, spec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("starts", "heads", "kv_heads", "queries", "keys", "dim"),
-                         [((0, 0), 8, 2, 64, 200, 64), ((0, 0, 0), 4, 4, 33, 33, 128), ((0,), 32, 8, 256, 1040, 128),
-                          ((3, 0, 0, 40, 40), 6, 2, 17, 90, 256), ((63, 0, 17), 32, 8, 512, 1600, 128)])
+@pytest.mark.parametrize(("starts", "heads", "kv_heads", "queries", "keys", "dim"), CAUSAL_PREFIX_CASES)
 def test_gpu_lower_right_causal_prefill_errs_as_the_masked_one(starts, heads, kv_heads, queries, keys, dim):
     """`attention._causal_prefix_sdpa` (flash attention under the lower-right causal bias, GQA native, a call per
-    run of rows with one start) against fp64 attention of the same bf16 inputs under the mask (each row's keys from
-    its start, each query up to its own), beside the route it replaces (transformers' SDPA call under the mask: K and
-    V repeated, the memory-efficient kernel): its largest error within 1.5x of that route's or of half an ulp of the
-    output's scale. Both round P and the output to bf16 and sum in fp32, in other orders (H200,
+    run of rows with one start) against fp64 attention of the same bf16 inputs under the engine's mask, beside the
+    route it replaces (transformers' SDPA call under the mask: K and V repeated, the memory-efficient kernel): its
+    largest error within 1.5x of that route's or of half an ulp of the output's scale. Both round P and the output to bf16 and sum in fp32, in other orders (H200,
     `benchmarks/prefill_attention.py`: 0.85-1.09x). A bias aligned at the top left, a row reading another row's keys
     or its pads, or a key head other than `repeat_kv`'s errs by the output's own size."""
     from types import SimpleNamespace
@@ -1042,21 +1076,13 @@ def test_gpu_lower_right_causal_prefill_errs_as_the_masked_one(starts, heads, kv
 
     from harness.kv_paths import attention
 
-    torch.manual_seed(0)
-    rows = len(starts)
-    query = torch.randn(rows, heads, queries, dim, device="cuda", dtype=torch.bfloat16)
-    key, value = (torch.randn(rows, kv_heads, keys, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    query, key, value, mask, exact = _causal_prefix_inputs(starts, heads, kv_heads, queries, keys, dim, "cuda",
+                                                           torch.bfloat16)
     scale, group = dim ** -0.5, heads // kv_heads
-    columns = torch.arange(keys, device="cuda")
-    first = torch.tensor(starts, device="cuda")[:, None, None, None]
-    mask = (columns[None, :] <= torch.arange(keys - queries, keys, device="cuda")[:, None]) & (columns >= first)
     with attention.sdpa_backends(query):
         causal = attention._causal_prefix_sdpa(query, key, value, scale, starts)
         masked = sdpa_attention_forward(SimpleNamespace(num_key_value_groups=group, is_causal=True), query, key, value,
                                         mask, scaling=scale)[0]
-    k, v = (t.double().repeat_interleave(group, 1) for t in (key, value))
-    exact = (torch.softmax((query.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1) @ v)
-    exact = exact.transpose(1, 2)
     errors = [(out.double() - exact).abs().max().item() for out in (causal, masked)]
     floor = exact.abs().max().item() * 2.0 ** -9
     assert errors[0] <= 1.5 * max(errors[1], floor), (errors, floor)
@@ -1067,11 +1093,10 @@ def test_gpu_lower_right_causal_prefill_errs_as_the_masked_one(starts, heads, kv
 @pytest.mark.parametrize("spec", [None, "fp8_e4m3", "fp8_e4m3:chunked_prefill", "bf16:chunked_prefill"])
 @pytest.mark.parametrize("pads", [(0, 0, 0, 0), (0, 5, 11, 3)])
 def test_gpu_prefill_passes_under_the_causal_bias_reply_as_alone(gpu_models, monkeypatch, arch, spec, pads):
-    """On CUDA an eager prefill pass past every row's pads takes the lower-right causal bias (flash attention takes
-    the canaries' shapes: a route that never fired would pass the CPU tests' every other check); a padded batch's
-    passes only from CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here), and never one over its pads. The replies are
-    the sequences' alone (one row: no pads), near ties aside, as every batch's are
-    (`test_gpu_every_path_in_a_batch`)."""
+    """On CUDA an eager prefill pass takes the lower-right causal bias (flash attention takes the canaries' shapes:
+    a route that never fired would pass the CPU tests' every other check); a padded batch's passes only from
+    CAUSAL_ROWS_MIN_QUERIES columns (set to 1 here). The replies are the sequences' alone (one row: no pads), near
+    ties aside, as every batch's are (`test_gpu_every_path_in_a_batch`)."""
     import harness.replay.batched as batched
     from harness.kv_paths import attention
 
@@ -1089,10 +1114,7 @@ def test_gpu_prefill_passes_under_the_causal_bias_reply_as_alone(gpu_models, mon
     monkeypatch.setattr(batched, "CAUSAL_ROWS_MIN_QUERIES", 1)
     rows = BatchedEngine(backend).generate(prompts, limits)
     chunked = spec is not None and "chunked" in spec
-    if any(pads) and not chunked:  # one pass, its queries over the pads: under the mask
-        assert not shapes, shapes
-    else:
-        assert shapes and (not chunked or any(q < k for q, k in shapes)), shapes
+    assert shapes and (not chunked or any(q < k for q, k in shapes)), shapes
     for prompt, limit, row in zip(prompts, limits, rows):
         _assert_same_or_near_tie(_alone(backend, prompt, limit), row, 0.07)
 

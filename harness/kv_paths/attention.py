@@ -679,7 +679,7 @@ def _causal_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias", "sliding_window")) or \
             kwargs.get("dropout"):
         return None
-    if not 1 < query.shape[2] <= key.shape[2] - max(prefix.starts) or query.shape[1] % key.shape[1]:
+    if not 1 < query.shape[2] <= key.shape[2] or query.shape[1] % key.shape[1]:
         return None
     # asked as torch's own bias asks (`CausalBias._dispatch`): is_causal=False, since torch's is_causal is aligned
     # at the top left and flash refuses it for fewer queries than keys, where the bias's flash call is lower-right;
@@ -692,23 +692,29 @@ def _causal_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def _causal_prefix_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                         starts: tuple[int, ...]) -> torch.Tensor:
-    """query [B, Hq, T, D] over key/value [B, Hkv, L, D] -> [B, T, Hq, Dv]: row b attends to its keys from
-    starts[b] on, each query (at the last T keys' positions) to the keys up to its own. That is torch's lower-right
-    causal bias over the row's keys (query i attends to the first L - start - T + i + 1 of them), which SDPA runs as
-    flash attention over the KV heads as they are (`enable_gqa`). Rows with one start are one call; where starts
-    differ, a call per run of rows with one start."""
+    """query [B, Hq, T, D] over key/value [B, Hkv, L, D] -> [B, T, Hq, Dv], the queries at the last T keys'
+    positions: row b's queries from its start (starts[b]: its left pads end there) attend to its keys from its start
+    up to their own. That is torch's lower-right causal bias over the row's keys, which SDPA runs as flash attention
+    over the KV heads as they are (`enable_gqa`). A query before its row's start (a pad) attends to itself alone, as
+    under the engine's mask: its output is its own value. Rows with one start are one call; where starts differ, a
+    call per run of rows with one start."""
     from torch.nn.attention.bias import causal_lower_right
 
+    queries, keys, group = query.shape[2], key.shape[2], query.shape[1] // key.shape[1]
+    begin = keys - queries  # the pass's first column
     outputs, first, rows = [], 0, len(starts)
     while first < rows:
         last = first + 1
         while last < rows and starts[last] == starts[first]:
             last += 1
         start = starts[first]
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[first:last], key[first:last, :, start:], value[first:last, :, start:],
-            attn_mask=causal_lower_right(query.shape[2], key.shape[2] - start), scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1]))
+        pads = min(max(start - begin, 0), queries)  # the run's queries before its start
+        parts = [value[first:last, :, begin:begin + pads].repeat_interleave(group, 1)] if pads else []
+        if pads < queries:
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                query[first:last, :, pads:], key[first:last, :, start:], value[first:last, :, start:],
+                attn_mask=causal_lower_right(queries - pads, keys - start), scale=scaling, enable_gqa=group > 1))
+        outputs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         first = last
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.transpose(1, 2).contiguous()
