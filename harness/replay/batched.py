@@ -488,11 +488,11 @@ class BatchedEngine:
                     continue
             static.columns = queries
             step.valid, step.check_last = mask[:, begin:end], check_last and end == length
-            # an eager pass reads the columns up to its own (`StaticColumns.attended`; the attention function cuts
-            # the mask to them), where ATTENDED_PREFIX_DEVICES says
+            # an eager pass reads the columns up to its own (`StaticColumns.attended`, None for the last column's
+            # pass: every column; the attention function cuts the mask to them), where ATTENDED_PREFIX_DEVICES says
             prefix = self.device.type in ATTENDED_PREFIX_DEVICES
             static.attended = end if prefix and end < static.max_len else None
-            causal = self._causal_prefix(attend, step.starts, begin, end, static) if prefix else None
+            causal = self._causal_prefix(attend, step.starts, end - begin) if prefix else None
             try:
                 with forward_context(causal_prefix=causal):
                     logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend,
@@ -504,15 +504,12 @@ class BatchedEngine:
         return logits
 
     @staticmethod
-    def _causal_prefix(attend: torch.Tensor, starts: tuple[int, ...], begin: int, end: int,
-                       static: StaticColumns) -> CausalPrefix | None:
-        """The pass [begin, end)'s `CausalPrefix`, where its mask is causal over each row's real keys and a pad's
-        query attends to itself alone: where the keys it reads end at its last column. A padded batch's rows are
-        attended one run of equal starts at a time: only for passes of at least CAUSAL_ROWS_MIN_QUERIES columns
-        (below that, the calls cost more than the mask saves: `benchmarks/prefill_attention.py`)."""
-        if not starts or (static.attended or static.max_len) != end:
-            return None
-        if any(starts) and end - begin < CAUSAL_ROWS_MIN_QUERIES:
+    def _causal_prefix(attend: torch.Tensor, starts: tuple[int, ...], width: int) -> CausalPrefix | None:
+        """The `CausalPrefix` of a pass of `width` columns that reads the columns up to its own (its mask: causal
+        over each row's real keys, a pad's query to itself alone). A padded batch's rows are attended one run of
+        equal starts at a time: only for passes of at least CAUSAL_ROWS_MIN_QUERIES columns (below that, the calls
+        cost more than the mask saves: `benchmarks/prefill_attention.py`)."""
+        if not starts or (any(starts) and width < CAUSAL_ROWS_MIN_QUERIES):
             return None
         return CausalPrefix(attend, starts)
 
