@@ -289,6 +289,7 @@ def _mla_latent(label: str, x: torch.Tensor, blocks: int, k_pe: torch.Tensor) ->
 def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
     """Rows of MLA decode at one shape: our BF16 kernel, then each block-scaled latent (ms, speed-up, error against
     fp64 over the stored values relative to the dequantised latent through our BF16 kernel, batch row 0)."""
+    from kernels import mla_block_scaled_cuda
     from kernels.decode_attention_block_scaled import mla_decode_block_scaled
     from kernels.mla_decode import mla_decode
 
@@ -313,16 +314,22 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
         one = lambda t: t[:1]  # noqa: E731
         dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
-        # the entry (the CUDA kernel, kernels/mla_decode_block_scaled.cu), and the Triton kernel beside it
-        for impl in (None, "triton") if label in ("NVFP4", "MXFP8", "MXFP4") else (None,):
+        # the entry (a CUDA kernel: kernels/mla_decode_latent_split.cu for NVFP4 records, else kernels/
+        # mla_decode_block_scaled.cu, the "tile kernel" beside the first), and the Triton kernel beside it
+        impls = {"NVFP4": (None, "triton"), "MXFP8": (None, "triton"), "MXFP4": (None, "triton"),
+                 "NVFP4, one record": (None, "tile")}.get(label, (None,))
+        for impl in impls:
             def fn(impl=impl):
+                if impl == "tile":
+                    return mla_block_scaled_cuda.decode(q_latent, q_pe, codes, scales, latent_pe, table, seq, scale,
+                                                        sm, None, tuple(kernel.values()), latent_split=False)
                 return mla_decode_block_scaled(q_latent, q_pe, codes, scales, latent_pe, table, seq, scale, sm,
                                                **kernel, impl=impl)
             ms = _ms(fn)
             ours = fn()[0][0]
             err = (ours.double() - truth).abs().max().item() / (dequantised.double() - truth).abs().max().item()
             target = MLA_TARGETS.get(label.split(",")[0]) if impl is None else None
-            name = f"ours MLA {label}" + (", Triton" if impl == "triton" else "")
+            name = f"ours MLA {label}" + {"triton": ", Triton", "tile": ", tile kernel"}.get(impl, "")
             lines.append(f"| {batch} | {ctx} | {heads} | {name} | {ms:.4f} | {bf16_ms / ms:.2f}x | "
                          f"{'-' if target is None else f'>= {target:.2f}x'} | {err:.2f}x |")
             print(lines[-1], flush=True)

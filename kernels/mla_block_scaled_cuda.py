@@ -8,7 +8,10 @@ Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16
 - vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale;
 - MXFP4 / MXFP8: e2m1 / e4m3 values under e8m0 scales per 32.
 The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
-SM; 16 heads a block), its splits merged by kernels/splits.merge_splits.
+SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. An NVFP4 latent in records whose rows lie one
+after another in a page (the engine's pages) runs kernels/mla_decode_latent_split.cu instead (`latent_split_refusal`
+says when it cannot): the same definition, 1.2-1.4x the tile kernel's speed on an H200 (kernels/BENCHMARKS.md,
+session 45).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kernels import nvrtc
 from kernels.splits import LOG2E, merge_splits, partials, plan_splits
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_block_scaled.cu")
+LATENT_SPLIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_latent_split.cu")
 LATENT, ROPE = 512, 64
 # (element, block scale, values a block) -> the kernel's (ELEM_E4M3, SCALES), code bytes and block-scale bytes of a row
 LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16),     # NVFP4
@@ -35,6 +39,17 @@ LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16),     # NVFP
 WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
+# kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also the
+# programs an SM of its split plan). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45): 2 x 3
+# 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3
+# blocks an SM ptxas holds it in 168 registers with 4 bytes spilled.
+SPLIT_STAGES, SPLIT_CTAS = 2, 3
+# A sequence's splits: SPLIT_CTAS programs an SM over the batch, at most this many an SM for one sequence. The merge
+# reads a sequence's splits one after another, so past that it costs more than the blocks gain: batch 1, 128k, 16
+# heads on an H200 0.0867 ms at 396 splits (3 an SM), 0.0707 at 264, 0.0659 at 132 (our BF16: 0.0763); batch 8 at
+# 32k is 0.0739 at 49 splits and 0.0966 at 16.
+SPLIT_MAX_SPLITS_PER_SM = 1
+NVFP4 = ("e2m1", "e4m3", 16)
 
 
 def serves(element: str, block_scale: str, block: int) -> bool:
@@ -45,6 +60,11 @@ def _row_bytes(layout: tuple) -> int:
     """A tile row: codes, block scales, k_pe."""
     _, codes, scales = LAYOUTS[layout]
     return codes + scales + 2 * ROPE
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +85,29 @@ def _smem(layout: tuple) -> int:
     """Tile stages, Q's fragments (36 k steps), two score buffers, two of the rows' exponents (e8m0), mbarriers."""
     return (_tile_bytes(layout) + (LATENT // 16 + ROPE // 16) * 32 * 16 + 2 * WARPS * 32 * BLOCKS * 4 * 4
             + 2 * TOKENS * 4 + 8 * STAGES)
+
+
+def _split_smem() -> int:
+    """Tile stages, two buffers of the four warps' partial scores (n8 blocks x 32 lanes x 4 fp32), each warp's
+    widened tile (tokens x 128 columns in fp16), an mbarrier a stage."""
+    return (SPLIT_STAGES * TOKENS * _row_bytes(NVFP4) + 2 * 4 * (TOKENS // 8) * 32 * 16 + 4 * TOKENS * 128 * 2
+            + 8 * SPLIT_STAGES)
+
+
+def latent_split_refusal(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor,
+                         layout: tuple) -> str | None:
+    """Why kernels/mla_decode_latent_split.cu cannot take a call `refusal` passed (None when it can): it reads NVFP4
+    records whose rows lie one after another in a page (one copy a page), tiles of whole pages or inside one."""
+    page = codes.shape[1]
+    if layout != NVFP4:
+        return f"it reads NVFP4 latents, got {'/'.join(map(str, layout))}"
+    if not is_record(codes, block_scales, k_pe) or codes.stride(1) * codes.element_size() != _row_bytes(NVFP4):
+        return f"it copies a page's rows in one piece: one {_row_bytes(NVFP4)}-byte record a token, rows adjacent"
+    if page % TOKENS and TOKENS % page:
+        return f"its tiles of {TOKENS} tokens are whole pages or lie inside one: page {page}"
+    if _split_smem() > _gpu(codes.device.index)[1]:
+        return f"{_split_smem()} bytes of shared memory is more than this GPU has for a block"
+    return None
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor,
@@ -112,9 +155,17 @@ def is_record(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tenso
 
 
 def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale, sm_scale: float,
-           num_splits: int | None, layout: tuple = ("e2m1", "e4m3", 16)) -> tuple[torch.Tensor, torch.Tensor]:
+           num_splits: int | None, layout: tuple = ("e2m1", "e4m3", 16),
+           latent_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, 512] in q's dtype, lse [B, H] natural log); layout: (element, block scale, values a block); the
-    caller checked `refusal`."""
+    caller checked `refusal`. latent_split None: kernels/mla_decode_latent_split.cu where it takes the call, else
+    kernels/mla_decode_block_scaled.cu; True / False: that one (True raises its refusal)."""
+    if latent_split is not False:
+        why = latent_split_refusal(codes, block_scales, k_pe, layout)
+        if why is None:
+            return _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale, num_splits)
+        if latent_split:
+            raise ValueError(f"the latent-split MLA kernel cannot run this call: {why}")
     batch, heads, _ = q_latent.shape
     device = q_latent.device
     page = codes.shape[1]
@@ -139,4 +190,30 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
             scales.stride(0), scales.stride(1), k_pe.stride(0) * pe_bytes, k_pe.stride(1) * pe_bytes,
             block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
             part_lse.stride(1)])
+    return out, merge_splits(part_out, part_lse, out)
+
+
+def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale: float,
+                         num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, _ = q_latent.shape
+    device = q_latent.device
+    page = codes.shape[1]
+    defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", SPLIT_CTAS),
+               ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)))
+    kernel = nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device.index)
+    head_blocks = -(-heads // HEADS_PER_BLOCK)
+    max_tokens = block_table.shape[1] * page
+    if num_splits is None:   # at most one split an SM a sequence (SPLIT_MAX_SPLITS_PER_SM)
+        num_splits = min(plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device, None,
+                                     whole_waves=True)[0], SPLIT_MAX_SPLITS_PER_SM * _sms(device.index))
+    num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,
+                                               num_splits, whole_waves=True)
+    out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
+    part_out, part_lse = partials(out, num_splits)
+    record = codes.view(torch.uint8)
+    kernel((head_blocks, batch, num_splits), (32 * 4, 1, 1), _split_smem(),
+           [q_latent, q_pe, record, block_table, seq_lens, scale if scale is not None else seq_lens, part_out,
+            part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1),
+            q_pe.stride(0), q_pe.stride(1), record.stride(0), block_table.stride(0), part_out.stride(0),
+            part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1)])
     return out, merge_splits(part_out, part_lse, out)

@@ -305,3 +305,24 @@ def test_latent_records_hold_what_three_tensors_hold(fmt):
         block_layout.store_rows(k_pe.view(-1, 64), slots, rope)
     for kept, alone in zip(record, apart):
         assert torch.equal(kept, alone), fmt
+
+
+def test_the_latent_split_mla_kernel_takes_nvfp4_records_and_says_what_it_refuses():
+    """`mla_block_scaled_cuda.latent_split_refusal`, asked for each call the CUDA entry takes: NVFP4 latents only
+    (MX and fp8_ds_mla records go to the tile kernel), one record a token with a page's rows adjacent (its one copy a
+    page run), and tiles of 32 tokens that are whole pages or lie inside one. Each refusal names its reason (the
+    device checks come after these, so this runs on CPU tensors)."""
+    from harness.kv_paths import block_layout
+    from kernels import mla_block_scaled_cuda as cuda
+
+    rope = torch.zeros(1, 64, dtype=torch.bfloat16)
+    nvfp4 = block_layout.of(F.get_format("nvfp4"), mla=True)
+    mx = block_layout.of(F.get_format("mxfp8"), mla=True)
+    assert "it reads NVFP4 latents, got e4m3/e8m0/32" == cuda.latent_split_refusal(
+        *mx.allocate_latent_rows(2, 16, 512, rope), tuple(mx.kernel_args.values()))
+    apart = [*nvfp4.allocate(2, 16, 1, 512, "cpu"), torch.zeros(2, 16, 64, dtype=torch.bfloat16)]
+    assert "one 416-byte record a token" in cuda.latent_split_refusal(*apart, cuda.NVFP4)
+    assert "page 24" in cuda.latent_split_refusal(*nvfp4.allocate_latent_rows(2, 24, 512, rope), cuda.NVFP4)
+    codes, scales, k_pe = nvfp4.allocate_latent_rows(2, 16, 512, rope)
+    assert cuda.is_record(codes, scales, k_pe)
+    assert "rows adjacent" in cuda.latent_split_refusal(codes[:, ::2], scales[:, ::2], k_pe[:, ::2], cuda.NVFP4)

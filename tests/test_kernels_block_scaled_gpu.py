@@ -377,6 +377,68 @@ def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
     assert torch.equal(broken[keep], out[keep]) and torch.equal(broken_lse[keep], lse[keep])
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize(("heads", "q_dtype"), [(16, torch.bfloat16), (20, torch.bfloat16), (128, torch.float16)])
+def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype):
+    """kernels/mla_decode_latent_split.cu, the entry for NVFP4 records (the engine's pages): the definition of
+    kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16), its scores
+    summed in another order (four partials of 128 columns, fp32). So its output lies within 2^-8 of the largest true
+    value of the tile kernel's (bf16 output rounding alone is 2^-9 relative; measured 2^-11.8 on an H200, and a
+    misplaced widened matrix read 250x the error) and both within 1e-3 of fp64's lse: ragged sequences (empty, one
+    token, partial tiles, several splits) over shuffled pages of 1, 16 and 64 rows; and the error bound of the
+    format tests above."""
+    from kernels import mla_block_scaled_cuda
+
+    case = _mla_case(fmt, heads, [1, 0, 31, 33, 1000, 4099], page=page, q_dtype=q_dtype)
+    assert mla_block_scaled_cuda.latent_split_refusal(case.codes, case.block_scales, case.k_pe,
+                                                      tuple(case.layout.kernel_args.values())) is None
+    args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
+            case.scale, case.sm_scale, None, tuple(case.layout.kernel_args.values()))
+    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True)
+    tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
+    entry, entry_lse = _run_mla(case, impl="cuda")
+    assert torch.equal(entry, out) and torch.equal(entry_lse, lse), "the entry runs the latent-split kernel"
+    assert out[1].eq(0).all() and lse[1].eq(float("-inf")).all(), "an empty sequence: 0 and lse -inf"
+    real = [0, 2, 3, 4, 5]
+    latent = ref.dequantize_block_scaled(case.codes, case.block_scales, case.scale, **case.layout.kernel_args)[:, :, 0]
+    cache = torch.cat([latent, case.k_pe.float()], -1)
+    top = 0.0
+    for b in real:
+        n = int(case.seq_lens[b])
+        rows = cache.view(-1, cache.shape[-1])[(case.table[b, :-(-n // page)].long()[:, None] * page
+                                                + torch.arange(page, device="cuda")).reshape(-1)[:n]].double()
+        s = (torch.cat([case.q_latent[b], case.q_pe[b]], -1).double() @ rows.T) * case.sm_scale
+        truth = torch.softmax(s, -1) @ rows[:, :latent.shape[-1]]
+        top = max(top, truth.abs().max().item())
+        for name, got in (("latent split", lse), ("tile", tile_lse)):
+            assert (got[b].double() - torch.logsumexp(s, -1)).abs().max().item() <= 1e-3, f"{name} lse, row {b}"
+        _assert_magnitude(out[b:b + 1], truth[None], f"latent split {fmt} page {page} row {b}")
+    gap = (out[real].double() - tile[real].double()).abs().max().item()
+    assert math.isfinite(gap) and gap <= 2.0 ** -8 * top, f"{fmt} page {page}: {gap:.3g} from the tile kernel"
+
+
+def test_mla_latent_split_kernel_keeps_a_nan_block_scale_in_its_sequence():
+    """NVFP4 records through the latent-split kernel: a NaN block scale (e4m3 0x7F) on one token inside sequence 2
+    makes that sequence's output and lse NaN and leaves every other sequence's bits; NaN scales in the stale slots
+    past each sequence's end change no bit (they are zeroed in shared memory, not masked after the product)."""
+    case = _mla_case("nvfp4", 16, [17, 300, 40, 5])
+    out, lse = _run_mla(case, impl="cuda")
+    page = case.codes.shape[1]
+    scales = case.block_scales.view(-1, case.block_scales.shape[-1]).view(torch.uint8)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        last = int(case.table[b, (n - 1) // page])
+        scales[last * page + n % page if n % page else (last + 1) * page:(last + 1) * page] = 0x7F
+    again, again_lse = _run_mla(case, impl="cuda")
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    token = 33
+    scales[int(case.table[2, token // page]) * page + token % page, 5] = 0x7F
+    broken, broken_lse = _run_mla(case, impl="cuda")
+    assert broken[2].isnan().all() and broken_lse[2].isnan().all()
+    keep = [0, 1, 3]
+    assert torch.equal(broken[keep], out[keep]) and torch.equal(broken_lse[keep], lse[keep])
+
+
 @pytest.mark.parametrize("fmt", MLA_CUDA_FORMATS)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_mla_cuda_kernel_reads_nothing_past_a_sequence_and_replays_in_a_cuda_graph(fmt, splits):

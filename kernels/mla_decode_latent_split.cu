@@ -1,0 +1,357 @@
+// MLA decode over a paged NVFP4 latent stored as one record a token ([256 code bytes | 32 e4m3 block scales | 64 k_pe
+// values in the query's 16-bit type], the engine's pages), split-KV, with the latent split between the warps: the CUDA
+// kernel of kernels/mla_block_scaled_cuda.py for NVFP4 records (compiled at first use by NVRTC, kernels/nvrtc.py;
+// sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds),
+// Q_BF16, HAS_SCALE.
+//
+// The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
+// + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
+// scores and accumulation in fp32, online softmax in base 2 with P rounded to fp16 for P . C; out = acc / l and lse2 =
+// m + log2(l) per split, kernels/splits.merge_splits combines the splits.
+//
+// Why another shape (kernels/BENCHMARKS.md, sessions 33-34 and 45): at 16 heads that kernel's warps split a tile's
+// tokens for Q . C^T, so each warp needs all of Q's 36 k steps, which it reloads from shared memory every tile (73 KB
+// a block a tile, more than the tile itself), and it widens every value twice, once for each product. Here:
+// - Warp w (of 4) owns latent columns 128w .. 128w + 127 and k_pe dims 16w .. 16w + 15 for both products, so its Q
+//   fragments (9 k steps) live in registers and it reads only its quarter of each row.
+// - Q . C^T: each warp's partial scores of the tile's 32 tokens (4 n8 blocks) go to shared memory; after a barrier of
+//   the 4 warps each sums the four partials in one order (so m and l agree to the bit across warps) and runs the
+//   online softmax over the whole tile.
+// - The values are widened once: Q . C^T widens the warp's codes into its B fragments (code x block scale in fp16)
+//   and also stores them, 8 halves a lane, into the warp's own buffer, which P . C reads back transposed (ldmatrix
+//   .trans) as its B fragments: warp w accumulates its 128 columns (16 n8 blocks) over the tile's tokens. (Widening
+//   them again for P . C, as kernels/mla_decode_block_scaled.cu does, measured no faster than that kernel.)
+// - Warp 0 issues the copies after the barrier of each tile: one bulk copy per page run of a tile (rows of a page lie
+//   one after another) into the stage of the tile whose Q . C^T every warp has finished.
+// Rows are placed as they arrive (row r at r x 416 bytes, 8 banks apart), so the token order inside a tile is chosen
+// for the loads instead: n8 block j's column n is row 8j + (n ^ (n >> 2 & 1)). Then Q . C^T's 8-byte loads (rows of a
+// half warp) hit distinct banks.
+
+#include "mla_fp8_common.cuh"
+
+#define NWC 4                          // warps
+#define NT (32 * NWC)
+#define BN 32                          // tokens per tile
+#define LAT_BYTES (LAT / 2)            // e2m1 codes of a row
+#define SCALE_BYTES (LAT / 16)         // e4m3 block scales of a row
+#define PE_OFF (LAT_BYTES + SCALE_BYTES)
+#define NROW (PE_OFF + 2 * ROPE)       // 416 bytes a row
+#define STAGE_BYTES (BN * NROW)
+#define WCOL (LAT / NWC)               // latent columns of a warp
+#define NPC (WCOL / 8)                 // its n8 blocks in P . C
+#define RUN (PAGE < BN ? PAGE : BN)    // rows of one copy: a page's, or a tile's inside one page
+#define NRUN (BN / RUN)                // copies a tile
+#define SX_F4 (NWC * (BN / 8) * 32)    // partial scores of a tile: [warp][n8 block][lane] x 4
+#define W_BYTES (BN * WCOL * 2)        // a warp's widened tile: [n8 block j][k step pair][lane q][row] x 16 bytes
+static_assert(PAGE % BN == 0 || BN % PAGE == 0, "a tile is whole pages or inside one page");
+static_assert(NRUN <= 32, "warp 0's lanes issue a tile's copies");
+
+#ifndef HAS_SCALE
+#define HAS_SCALE 0
+#endif
+
+// The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
+__device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
+
+__device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
+#if Q_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  mma16816(d, a, b0, b1);
+#endif
+}
+
+__device__ __forceinline__ void bar_arrive_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void compute_sync() {   // the block's warps (named barrier 1; 0 is __syncthreads')
+  asm volatile("bar.sync 1, %0;" :: "n"(NT) : "memory");
+}
+// the four 8 x 8 fp16 matrices at the rows the lanes point to (lanes 8i .. 8i + 7: matrix i), transposed: lane (g, q)
+// gets rows 2q, 2q + 1 of column g of each
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ record,
+    const int* __restrict__ block_table, const int* __restrict__ seq_lens, const float* __restrict__ static_scale,
+    float* __restrict__ part_out, float* __restrict__ part_lse, double sm_scale_log2, int tokens_per_split,
+    int num_heads, int s_lb, int s_lh, int s_pb, int s_ph, int s_rb, int s_tb, int s_ob, int s_oh, int s_os, int s_eb,
+    int s_eh) {
+  extern __shared__ __align__(128) u8 smem[];
+  u8* tiles = smem;                                            // STAGES x STAGE_BYTES
+  F4* sx = (F4*)(smem + STAGES * STAGE_BYTES);                 // 2 x SX_F4 partial scores
+  u8* widened = (u8*)(sx + 2 * SX_F4);                         // NWC x W_BYTES
+  unsigned long long* landed = (unsigned long long*)(widened + NWC * W_BYTES);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  const int hb = blockIdx.x, split = blockIdx.z;
+  const i64 b = blockIdx.y;
+  const int start = split * tokens_per_split;
+  const int end = min(start + tokens_per_split, seq_lens[b]);
+  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+
+  if (tid == 0) {
+    for (int st = 0; st < STAGES; ++st)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(landed + st)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // The copies (warp 0). Lane l holds the page of run 32 k + l of this split (a group of 32 runs; the next group is
+  // loaded while this one is copied, so no copy waits for the block table); a tile's runs are copied by lanes
+  // 0 .. NRUN - 1. Rows past the split's end are zeroed instead (a stale or NaN row never reaches the sums: P is 0
+  // there, and 0 x NaN would not be), before the arrival that publishes them.
+  auto page_of = [&](int run) -> int {
+    const int tok = start + run * RUN;
+    return tok < end ? block_table[b * s_tb + tok / PAGE] : 0;
+  };
+  int cur = 0, nxt = 0;
+  auto issue = [&](int t) {
+    const int st = t % STAGES, run0 = t * NRUN;
+    if (run0 % 32 == 0 && t > 0) {
+      cur = nxt;
+      nxt = page_of(run0 + 32 + lane);
+    }
+    const int page = __shfl_sync(0xffffffffu, cur, (run0 + lane) % 32);
+    u8* stage = tiles + st * STAGE_BYTES;
+    const int t0 = start + t * BN, rows = min(BN, end - t0);
+    for (int ch = rows * (NROW / 16) + lane; ch < BN * (NROW / 16); ch += 32) ((U4*)stage)[ch] = U4{0u, 0u, 0u, 0u};
+    __syncwarp();
+    const u32 bar = smem_addr(landed + st);
+    if (lane == 0) bar_arrive_tx(bar, rows * NROW);
+    __syncwarp();
+    const int r0 = lane * RUN, n = min(RUN, rows - r0);
+    if (lane < NRUN && n > 0)
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(smem_addr(stage + r0 * NROW)),
+                      "l"(record + (i64)page * s_rb + (i64)((t0 + r0) % PAGE) * NROW), "r"(n * NROW), "r"(bar)
+                   : "memory");
+  };
+  if (warp == 0) {
+    cur = page_of(lane);
+    nxt = page_of(32 + lane);
+    for (int t = 0; t < min(STAGES, n_tiles); ++t) issue(t);
+  }
+
+#if HAS_SCALE
+  const float scale = *static_scale;
+#else
+  const float scale = 1.f;
+#endif
+  const float qk_lat = (float)sm_scale_log2 * scale * 64.f;   // 2^6: the e2m1 widening's
+  const float qk_pe = (float)sm_scale_log2;
+  const float out_scale = scale * 64.f;
+  const int h0 = hb * 16 + g, h1 = h0 + 8;
+
+  // Q's A fragments in registers. Latent k step s (of this warp's 8) takes 4 values of block 4 (s / 4) + q of the
+  // warp's 8: columns 128w + 64 (s / 4) + 16q + o + (0, 2 | 1, 3), o = 4 (s % 4), in fp16 (the order the widening
+  // yields, kernels/mla_decode_block_scaled.cu); the k_pe step takes dims 16w + 4q .. + 3 as stored, as logical
+  // k (2q, 2q + 1 | 2q + 8, 2q + 9), so a lane reads 8 consecutive bytes of a k_pe row.
+  u32 qa[8][4], qp[4];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const int col = WCOL * warp + 64 * (s >> 2) + 16 * q + 4 * (s & 3);
+    const u32x2 v0 = h0 < num_heads ? *(const u32x2*)(q_lat + b * s_lb + (i64)h0 * s_lh + col) : u32x2{0u, 0u};
+    const u32x2 v1 = h1 < num_heads ? *(const u32x2*)(q_lat + b * s_lb + (i64)h1 * s_lh + col) : u32x2{0u, 0u};
+    qa[s][0] = half2_of(prmt(v0.x, v0.y, 0x5410));
+    qa[s][1] = half2_of(prmt(v1.x, v1.y, 0x5410));
+    qa[s][2] = half2_of(prmt(v0.x, v0.y, 0x7632));
+    qa[s][3] = half2_of(prmt(v1.x, v1.y, 0x7632));
+  }
+  {
+    const int col = 16 * warp + 4 * q;
+    const u32x2 v0 = h0 < num_heads ? *(const u32x2*)(q_pe + b * s_pb + (i64)h0 * s_ph + col) : u32x2{0u, 0u};
+    const u32x2 v1 = h1 < num_heads ? *(const u32x2*)(q_pe + b * s_pb + (i64)h1 * s_ph + col) : u32x2{0u, 0u};
+    qp[0] = v0.x; qp[1] = v1.x; qp[2] = v0.y; qp[3] = v1.y;
+  }
+  const u32 sel_q = q | (q << 4) | 0x4400u;   // byte q of a word, twice (an e4m3x2 pair of one scale)
+  const int code0 = (WCOL / 2) * warp, scale0 = LAT_BYTES + (WCOL / 16) * warp, pe0 = PE_OFF + 32 * warp;
+  u8* mine = widened + warp * W_BYTES;
+  // The widened tile: the B fragments of k steps 2p and 2p + 1 of n8 block j, lane (g, q) (4 words: 8 halves), are
+  // row g of the 8 x 8 matrix (j, p, q), placed at 512 (4j + p) + 128q + 16 (g ^ 2q) bytes (8 lanes of a store or
+  // of a matrix hit 8 different 16-byte bank groups). Its 8 columns are latent columns 64 (p / 2) + 16q + 8 (p % 2)
+  // + (0, 2, 1, 3, 4, 6, 5, 7) of the warp's.
+  const u32 w_store = smem_addr(mine) + 128 * q + 16 * (g ^ (2 * q));
+
+  // Q . C^T of a tile over this warp's columns, scaled to base 2, into `out` as [warp][n8 block][lane]; the widened
+  // values into the warp's buffer
+  auto score_tile = [&](const u8* tile, F4* out) {
+    float acc[BN / 8][2][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int p = 0; p < 2; ++p) acc[j][p][0] = acc[j][p][1] = acc[j][p][2] = acc[j][p][3] = 0.f;
+    u32x2 sw[BN / 8];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) sw[j] = *(const u32x2*)(tile + tok_of(j, g) * NROW + scale0);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      u32x2 cw[BN / 8];
+      u32 s2[BN / 8];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        cw[j] = *(const u32x2*)(tile + tok_of(j, g) * NROW + code0 + 32 * c + 8 * q);
+        s2[j] = widen2(prmt(c ? sw[j].y : sw[j].x, 0u, sel_q));
+      }
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp)
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const u32 w = kp ? cw[j].y : cw[j].x;
+          const u32 lo = e4m3_of_low(w), hi = e4m3_of_high(w);
+          const U4 v = {hmul2(widen2(lo), s2[j]), hmul2(widen2(hi), s2[j]), hmul2(widen2_hi(lo), s2[j]),
+                        hmul2(widen2_hi(hi), s2[j])};
+          mma16816(acc[j][0], qa[4 * c + 2 * kp], v.x, v.y);
+          mma16816(acc[j][0], qa[4 * c + 2 * kp + 1], v.z, v.w);
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                       :: "r"(w_store + 512 * (4 * j + 2 * c + kp)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                       : "memory");
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const u32x2 pe = *(const u32x2*)(tile + tok_of(j, g) * NROW + pe0 + 8 * q);
+      mma_pe(acc[j][1], qp, pe.x, pe.y);
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+      out[(warp * (BN / 8) + j) * 32 + lane] = F4{qk_lat * acc[j][0][0] + qk_pe * acc[j][1][0],
+                                                  qk_lat * acc[j][0][1] + qk_pe * acc[j][1][1],
+                                                  qk_lat * acc[j][0][2] + qk_pe * acc[j][1][2],
+                                                  qk_lat * acc[j][0][3] + qk_pe * acc[j][1][3]};
+  };
+
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  float o[NPC][4];   // n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n)
+#pragma unroll
+  for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // P . C's matrices: lanes 8i .. 8i + 7 point at the rows of matrix i of an ldmatrix: (j = 2jj + i % 2, p, q' =
+  // 2 x pair + i / 2) for n8 blocks 4 q' + p
+  const int li = lane >> 3, lr = lane & 7;
+  u32 ld_base[2];
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const int qq = 2 * pair + (li >> 1);
+    ld_base[pair] = smem_addr(mine) + 2048 * (li & 1) + 128 * qq + 16 * (lr ^ (2 * qq));   // j = 2jj + li % 2
+  }
+
+  // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened buffer P . C read)
+  if (n_tiles > 0) {
+    wait_parity(smem_addr(landed), 0);
+    score_tile(tiles, sx);
+  }
+  for (int t = 0; t < n_tiles; ++t) {
+    compute_sync();   // every warp's partials of tile t are in, and every warp's Q . C^T of tile t is done
+    if (warp == 0 && t + STAGES < n_tiles) issue(t + STAGES);   // into tile t's stage
+    const F4* part = sx + (t & 1) * SX_F4;
+    const int t0 = start + t * BN;
+    float sc[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const F4 a = part[j * 32 + lane], c = part[((BN / 8) + j) * 32 + lane];
+      const F4 d = part[(2 * (BN / 8) + j) * 32 + lane], e = part[(3 * (BN / 8) + j) * 32 + lane];
+      sc[j][0] = ((a.x + c.x) + d.x) + e.x;
+      sc[j][1] = ((a.y + c.y) + d.y) + e.y;
+      sc[j][2] = ((a.z + c.z) + d.z) + e.z;
+      sc[j][3] = ((a.w + c.w) + d.w) + e.w;
+    }
+    if (t0 + BN > end) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
+    }
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    u32 pa[BN / 16][4];
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
+      const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
+      const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
+      const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
+      rs0 += (p00 + p01) + (p10 + p11);
+      rs1 += (p02 + p03) + (p12 + p13);
+      pa[j][0] = pack_half2(p00, p01);
+      pa[j][1] = pack_half2(p02, p03);
+      pa[j][2] = pack_half2(p10, p11);
+      pa[j][3] = pack_half2(p12, p13);
+    }
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+#pragma unroll
+    for (int n = 0; n < NPC; ++n) {
+      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+    }
+
+    // P . C: the widened tile read back transposed, two n8 blocks an ldmatrix
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < BN / 16; ++jj)
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          u32 r[4];
+          ldsm_x4_trans(ld_base[pair] + 512 * (8 * jj + p), r);
+          mma16816(o[4 * (2 * pair) + p], pa[jj], r[0], r[1]);
+          mma16816(o[4 * (2 * pair + 1) + p], pa[jj], r[2], r[3]);
+        }
+    __syncwarp();
+
+    if (t + 1 < n_tiles) {
+      wait_parity(smem_addr(landed + (t + 1) % STAGES), ((t + 1) / STAGES) & 1);
+      score_tile(tiles + ((t + 1) % STAGES) * STAGE_BYTES, sx + ((t + 1) & 1) * SX_F4);
+    }
+  }
+
+  // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split). n8
+  // block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2, 1, 3, 4, 6,
+  // 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
+  const float f0 = l0 == 0.f ? 0.f : out_scale / l0, f1 = l1 == 0.f ? 0.f : out_scale / l1;
+  float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + WCOL * warp;
+  float* row1 = row0 + 8 * (i64)s_oh;
+  const int c0 = (q & 1) + 4 * (q >> 1), c1 = c0 + 2;   // perm(2q), perm(2q + 1)
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int base = 64 * (p >> 1) + 16 * qq + 8 * (p & 1);
+      const float* v = o[4 * qq + p];
+      if (h0 < num_heads) {
+        row0[base + c0] = v[0] * f0;
+        row0[base + c1] = v[1] * f0;
+      }
+      if (h1 < num_heads) {
+        row1[base + c0] = v[2] * f1;
+        row1[base + c1] = v[3] * f1;
+      }
+    }
+  if (warp == 0 && q == 0) {
+    if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l0 == 0.f ? NEG_INF : m0 + log2f(l0);
+    if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l1 == 0.f ? NEG_INF : m1 + log2f(l1);
+  }
+}
