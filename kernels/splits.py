@@ -15,6 +15,7 @@ from kernels.launches import launching
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
+MERGE_TILE = 4096               # fp32 values a merge program loads at once (`merge_tile`)
 
 
 def on_tensor_device(launcher):
@@ -47,29 +48,38 @@ def _decode_attention_merge_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_eb,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
+    # program (head, b, chunk): BLOCK_D columns of one row, the splits read BLOCK_S at a time as one tile (the loads
+    # of a chunk's splits in flight together, not one split after another)
     head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     lse_row = PART_LSE + b * stride_lb + head * stride_lh
-    lse_all = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_all, axis=0)
+    m = float("-inf")
+    for s0 in range(0, num_splits, BLOCK_S):
+        m = tl.maximum(m, tl.max(tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits,
+                                         other=float("-inf")), axis=0))
     if HAS_SINKS:  # the sink: a term of the denominator with no value (base 2, as the splits' lse)
         sink = tl.load(SINKS + head) * 1.4426950408889634                                   # log2(e)
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)                  # every split empty: weights 0, lse -inf
-    denom = tl.sum(tl.math.exp2(lse_all - m), axis=0)
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d[None, :]
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_mask = s0 + offs_s < num_splits
+        weight = tl.math.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)
+        denom += tl.sum(weight, axis=0)
+        part = tl.load(out_row + (s0 + offs_s)[:, None] * stride_ps, mask=s_mask[:, None] & d_mask[None, :],
+                       other=0.0)
+        acc += tl.sum(weight[:, None] * part, axis=0)
     if HAS_SINKS:
         denom += tl.math.exp2(sink - m)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    out_row = PART_OUT + b * stride_pb + head * stride_ph + offs_d
-    for s in range(0, num_splits):
-        weight = tl.math.exp2(tl.load(lse_row + s) - m)
-        acc += weight * tl.load(out_row + s * stride_ps, mask=d_mask, other=0.0)
     out = tl.where(denom == 0.0, 0.0, acc / denom)           # NaN stays NaN (NaN == 0 is false)
     tl.store(OUT + b * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
-    tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
+    if tl.program_id(2) == 0:
+        tl.store(LSE + b * stride_eb + head, (m + tl.math.log2(denom)) * 0.6931471805599453)   # ln 2
 
 
 def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
@@ -106,11 +116,20 @@ def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
                              and sinks.device == out.device), \
         f"sinks must be a contiguous fp32 [{heads}] tensor on {out.device}, got {sinks!r:.80}"
     lse = torch.empty(batch, heads, dtype=torch.float32, device=out.device)
-    _decode_attention_merge_kernel[(heads, batch)](
+    block_s, block_d = merge_tile(num_splits, dim)
+    _decode_attention_merge_kernel[(heads, batch, triton.cdiv(dim, block_d))](
         part_out, part_lse, out, lse, sinks if sinks is not None else lse, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=block_s, HAS_SINKS=sinks is not None, num_warps=4,
     )
     return lse
+
+
+def merge_tile(num_splits: int, dim: int) -> tuple[int, int]:
+    """(splits, columns) of a merge program's tile: up to MERGE_TILE values (32 a thread of 4 warps), the splits
+    first (up to 256 at a time), the columns what is left (at least 16). One program a row read its splits one
+    after another before: on an H200 a batch-1 128k MLA call of 132 splits took 0.0661 ms with that merge and 0.0538
+    with these tiles, batch 8 at 32k (49 splits) 0.0739 and 0.0709 (kernels/BENCHMARKS.md, session 45)."""
+    block_s = min(triton.next_power_of_2(max(num_splits, 1)), 256)
+    return block_s, max(16, min(triton.next_power_of_2(dim), MERGE_TILE // block_s))

@@ -949,3 +949,46 @@ def test_amax_scale_divides_exactly_on_cuda():
     amax = torch.arange(128, 256, device="cuda", dtype=torch.float32) * 2.0 ** -7
     exact = (amax.double() / 448).float()                          # correctly rounded quotient
     assert torch.equal(ref.amax_scale(amax, "e4m3"), exact)
+
+
+@pytest.mark.parametrize("num_splits, dim", [(1, 128), (7, 80), (49, 512), (300, 64), (600, 128)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_splits_against_fp64(kern, num_splits, dim, sinks):
+    """`splits.merge_splits` (a program per row and column chunk, the splits read as tiles of up to 256) against the
+    fp64 sum of its definition: out = sum_s 2^(lse_s - m) out_s / (sum_s 2^(lse_s - m) [+ 2^(sink log2 e - m)]), lse
+    its natural log, on split counts that take one tile, part of one, and several (300, 600), a head size no power of
+    two, empty splits (lse -inf, partial 0) and a row whose splits are all empty (0 and lse -inf, or the sink's alone).
+    fp32 sums of up to 600 terms in [0, 1] times values of ~1: within 1e-5 of fp64, relative (bf16 outputs are
+    compared at their own rounding). A NaN partial makes its row NaN and no other."""
+    from kernels.splits import merge_splits
+
+    torch.manual_seed(0)
+    batch, heads = 3, 4
+    part = torch.randn(batch, heads, num_splits, dim, device="cuda")
+    lse = torch.randn(batch, heads, num_splits, device="cuda") * 4
+    lse[0, 1, ::3] = float("-inf")                        # empty splits
+    part[0, 1, ::3] = 0.0
+    lse[2, 3] = float("-inf")                             # a row of empty splits only
+    part[2, 3] = 0.0
+    sink = torch.randn(heads, device="cuda") if sinks else None
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device="cuda")
+    got_lse = merge_splits(part, lse, out, sink)
+    l64 = lse.double() * math.log(2)                      # the partials' lse is base 2
+    if sinks:
+        terms = torch.cat([l64, sink.double()[None, :, None].expand(batch, heads, 1)], dim=-1)
+    else:
+        terms = l64
+    want_lse = torch.logsumexp(terms, dim=-1)
+    weights = torch.exp(l64 - want_lse[..., None])
+    want = torch.where(want_lse[..., None] == float("-inf"), 0.0,
+                       (weights.nan_to_num(0.0)[..., None] * part.double()).sum(2))
+    assert torch.equal(got_lse.isinf(), want_lse.isinf())
+    finite = want_lse.isfinite()
+    assert (got_lse.double() - want_lse)[finite].abs().max().item() <= 1e-5 * max(1.0, want_lse[finite].abs().max())
+    assert (out.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    if not sinks:
+        assert out[2, 3].eq(0).all()
+    part[1, 2, num_splits // 2, dim // 3] = float("nan")
+    again = torch.empty_like(out)
+    merge_splits(part, lse, again, sink)
+    assert again[1, 2].isnan().any() and torch.equal(again[1, 0], out[1, 0]) and torch.equal(again[0], out[0])
