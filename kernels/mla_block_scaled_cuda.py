@@ -44,11 +44,10 @@ HEADS_PER_BLOCK = 16
 # 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3
 # blocks an SM ptxas holds it in 168 registers with 4 bytes spilled.
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
-# A sequence's splits: SPLIT_CTAS programs an SM over the batch, at most this many an SM for one sequence. The merge
-# reads a sequence's splits one after another, so past that it costs more than the blocks gain: batch 1, 128k, 16
-# heads on an H200 0.0867 ms at 396 splits (3 an SM), 0.0707 at 264, 0.0659 at 132 (our BF16: 0.0763); batch 8 at
-# 32k is 0.0739 at 49 splits and 0.0966 at 16.
-SPLIT_MAX_SPLITS_PER_SM = 1
+# A sequence's splits: SPLIT_CTAS programs an SM over the batch, at most this many an SM for one sequence (past that
+# the partials and their merge cost more than the blocks gain). On an H200 at 16 heads, batch 1, 128k: 0.0538 ms at
+# 132 splits, 0.0460 at 264, 0.0482 at 396 (our BF16: 0.0648); batch 2 and 8 level (kernels/BENCHMARKS.md, session 45).
+SPLIT_MAX_SPLITS_PER_SM = 2
 NVFP4 = ("e2m1", "e4m3", 16)
 
 
