@@ -107,16 +107,6 @@ __device__ __forceinline__ int tile_at(int row, int byte) {
 }
 #endif
 
-__device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
-#if Q_BF16
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  mma16816(d, a, b0, b1);
-#endif
-}
-
 __device__ __forceinline__ void bulk(u32 bar, u32 dst, const u8* src, int bytes) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");

@@ -55,16 +55,6 @@ static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
 
-__device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {   // q_pe . k_pe in their own type
-#if Q_BF16
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  mma16816(d, a, b0, b1);
-#endif
-}
-
 __device__ __forceinline__ void bar_arrive_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
@@ -228,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
                                                   qk_lat * acc[j][0][3] + qk_pe * acc[j][1][3]};
   };
 
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8
   float o[NPC][4];   // n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n)
 #pragma unroll
   for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -273,45 +263,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
         for (int e = 0; e < 4; ++e)
           if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
     }
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
     u32 pa[BN / 16][4];
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
-      const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
-      const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
-      const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
-      rs0 += (p00 + p01) + (p10 + p11);
-      rs1 += (p02 + p03) + (p12 + p13);
-      pa[j][0] = pack_half2(p00, p01);
-      pa[j][1] = pack_half2(p02, p03);
-      pa[j][2] = pack_half2(p10, p11);
-      pa[j][3] = pack_half2(p12, p13);
-    }
-    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
-    l0 = l0 * al0 + rs0;
-    l1 = l1 * al1 + rs1;
-#pragma unroll
-    for (int n = 0; n < NPC; ++n) {
-      o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-    }
+    online_softmax<BN, NPC>(sc, m, l, o, pa);
 
     // P . C: the widened tile read back transposed, two n8 blocks an ldmatrix
     __syncwarp();
@@ -337,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split). n8
   // block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2, 1, 3, 4, 6,
   // 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
-  const float f0 = l0 == 0.f ? 0.f : out_scale / l0, f1 = l1 == 0.f ? 0.f : out_scale / l1;
+  const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
   float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + WCOL * warp;
   float* row1 = row0 + 8 * (i64)s_oh;
   const int c0 = (q & 1) + 4 * (q >> 1), c1 = c0 + 2;   // perm(2q), perm(2q + 1)
@@ -357,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
       }
     }
   if (warp == 0 && q == 0) {
-    if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l0 == 0.f ? NEG_INF : m0 + log2f(l0);
-    if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l1 == 0.f ? NEG_INF : m1 + log2f(l1);
+    if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l[0] == 0.f ? NEG_INF : m[0] + log2f(l[0]);
+    if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l[1] == 0.f ? NEG_INF : m[1] + log2f(l[1]);
   }
 }

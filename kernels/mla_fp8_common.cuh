@@ -91,13 +91,67 @@ __device__ __forceinline__ float ex2(float x) {
   return r;
 }
 
+// The online softmax of one tile for rows g and g + 8 of an m16 head tile, shared by the MLA kernels: `sc` the
+// tile's scores in the accumulator layout of its n8 blocks, in base 2 and masked; the running m and l and the
+// accumulator o rescaled; P rounded to fp16 as the A fragments of P . C (the accumulator layout of n8 blocks 2j and
+// 2j + 1 is the A layout of k step j). FACTORS: P's fragments (not l) take fac[jb][e], the factor of n8 block jb's
+// column 2q + e, before rounding (kernels/mla_decode_block_scaled.cu: fp8_ds_mla's tile scales, MX's token exponents).
+template <int BN_, int NPC_, bool FACTORS = false>
+__device__ __forceinline__ void online_softmax(const float (&sc)[BN_ / 8][4], float (&m)[2], float (&l)[2],
+                                               float (&o)[NPC_][4], u32 (&pa)[BN_ / 16][4],
+                                               const float (*fac)[2] = nullptr) {
+  float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < BN_ / 8; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
+  const float al0 = ex2(m[0] - mn0), al1 = ex2(m[1] - mn1);
+  float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < BN_ / 16; ++j) {
+    const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
+    const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
+    const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
+    const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
+    rs0 += (p00 + p01) + (p10 + p11);
+    rs1 += (p02 + p03) + (p12 + p13);
+    if (FACTORS) {
+      pa[j][0] = pack_half2(p00 * fac[2 * j][0], p01 * fac[2 * j][1]);
+      pa[j][1] = pack_half2(p02 * fac[2 * j][0], p03 * fac[2 * j][1]);
+      pa[j][2] = pack_half2(p10 * fac[2 * j + 1][0], p11 * fac[2 * j + 1][1]);
+      pa[j][3] = pack_half2(p12 * fac[2 * j + 1][0], p13 * fac[2 * j + 1][1]);
+    } else {
+      pa[j][0] = pack_half2(p00, p01);
+      pa[j][1] = pack_half2(p02, p03);
+      pa[j][2] = pack_half2(p10, p11);
+      pa[j][3] = pack_half2(p12, p13);
+    }
+  }
+  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+  l[0] = l[0] * al0 + rs0;
+  l[1] = l[1] * al1 + rs1;
+  m[0] = mn0;
+  m[1] = mn1;
+#pragma unroll
+  for (int n = 0; n < NPC_; ++n) {
+    o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+  }
+}
+
 // One tile's online softmax for rows g and g + 8 of m16 head tile mt, shared by the MLA kernels' pipelines
 // (kernels/mla_decode_fp8.cu's header): the tile's scores as the warps stored them (`scores`: [NW][32 lanes][MT][NB]
-// x 4, n8 block j = warp' * NB + i), times qk (base 2) and masked past `end` where the tile is `partial`; the running
-// m and l and the accumulator o rescaled; P rounded to fp16 as the A fragments of P . C (the accumulator layout of
-// n8 blocks 2j and 2j + 1 is the A layout of k step j). Every warp runs it over the whole tile, so m and l agree bit
-// for bit across warps. FACTORS: P's fragments (not l) take fac[jb][e], token 8 jb + 2q + e's factor, before rounding
-// (kernels/mla_decode_block_scaled.cu: fp8_ds_mla's tile scales, MX's token exponents).
+// x 4, n8 block j = warp' * NB + i), times qk (base 2) and masked past `end` where the tile is `partial`, then
+// `online_softmax`. Every warp runs it over the whole tile, so m and l agree bit for bit across warps. FACTORS: token
+// 8 jb + 2q + e's factor is fac[jb][e].
 template <int NW_, int NB_, int MT_, int NPC_, bool FACTORS = false>
 __device__ __forceinline__ void softmax_tile(const float* scores, int lane, int q, int mt, float qk, bool partial,
                                              int t0, int end, float (&m)[MT_][2], float (&l)[MT_][2],
@@ -114,57 +168,26 @@ __device__ __forceinline__ void softmax_tile(const float* scores, int lane, int 
       sc[w2 * NB_ + i][0] = v.x; sc[w2 * NB_ + i][1] = v.y; sc[w2 * NB_ + i][2] = v.z; sc[w2 * NB_ + i][3] = v.w;
     }
   }
-  float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-  for (int j = 0; j < BN_ / 8; ++j) {
+  for (int j = 0; j < BN_ / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float v = sc[j][e] * qk;
       if (partial && t0 + 8 * j + 2 * q + (e & 1) >= end) v = NEG_INF;
       sc[j][e] = v;
     }
-    mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-    mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-  }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
-  const float al0 = ex2(m[mt][0] - mn0), al1 = ex2(m[mt][1] - mn1);
-  float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < BN_ / 16; ++j) {
-    const float p00 = ex2(sc[2 * j][0] - mn0), p01 = ex2(sc[2 * j][1] - mn0);
-    const float p02 = ex2(sc[2 * j][2] - mn1), p03 = ex2(sc[2 * j][3] - mn1);
-    const float p10 = ex2(sc[2 * j + 1][0] - mn0), p11 = ex2(sc[2 * j + 1][1] - mn0);
-    const float p12 = ex2(sc[2 * j + 1][2] - mn1), p13 = ex2(sc[2 * j + 1][3] - mn1);
-    rs0 += (p00 + p01) + (p10 + p11);
-    rs1 += (p02 + p03) + (p12 + p13);
-    if (FACTORS) {
-      pa[mt][j][0] = pack_half2(p00 * fac[2 * j][0], p01 * fac[2 * j][1]);
-      pa[mt][j][1] = pack_half2(p02 * fac[2 * j][0], p03 * fac[2 * j][1]);
-      pa[mt][j][2] = pack_half2(p10 * fac[2 * j + 1][0], p11 * fac[2 * j + 1][1]);
-      pa[mt][j][3] = pack_half2(p12 * fac[2 * j + 1][0], p13 * fac[2 * j + 1][1]);
-    } else {
-      pa[mt][j][0] = pack_half2(p00, p01);
-      pa[mt][j][1] = pack_half2(p02, p03);
-      pa[mt][j][2] = pack_half2(p10, p11);
-      pa[mt][j][3] = pack_half2(p12, p13);
-    }
-  }
-  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
-  l[mt][0] = l[mt][0] * al0 + rs0;
-  l[mt][1] = l[mt][1] * al1 + rs1;
-  m[mt][0] = mn0;
-  m[mt][1] = mn1;
-#pragma unroll
-  for (int n = 0; n < NPC_; ++n) {
-    o[mt][n][0] *= al0; o[mt][n][1] *= al0; o[mt][n][2] *= al1; o[mt][n][3] *= al1;
-  }
+  online_softmax<BN_, NPC_, FACTORS>(sc, m[mt], l[mt], o[mt], pa[mt], fac);
+}
+
+// q_pe . k_pe, an MMA in the query's own type (bf16 or fp16: both operands exact)
+__device__ __forceinline__ void mma_pe(float* d, const u32* a, u32 b0, u32 b1) {
+#if Q_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  mma16816(d, a, b0, b1);
+#endif
 }
 
 // Where byte `byte` of tile row `row` sits in a stage buffer. cp.async (BULK 0): 16-byte chunks XOR-swizzled by
