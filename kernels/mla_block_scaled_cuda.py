@@ -40,9 +40,9 @@ WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
 # kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also the
-# programs an SM of its split plan). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45): 2 x 3
-# 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3
-# blocks an SM ptxas holds it in 168 registers with 4 bytes spilled.
+# programs an SM of its split plan). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45, before the
+# two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775;
+# at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8 bytes spilled.
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
 # A sequence's splits: SPLIT_CTAS programs an SM over the batch, at most this many an SM for one sequence (past that
 # the partials and their merge cost more than the blocks gain). On an H200 at 16 heads, batch 1, 128k: 0.0538 ms at
@@ -202,7 +202,7 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
     kernel = nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device.index)
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
-    if num_splits is None:   # at most one split an SM a sequence (SPLIT_MAX_SPLITS_PER_SM)
+    if num_splits is None:   # at most SPLIT_MAX_SPLITS_PER_SM splits an SM for one sequence
         num_splits = min(plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device, None,
                                      whole_waves=True)[0], SPLIT_MAX_SPLITS_PER_SM * _sms(device.index))
     num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,

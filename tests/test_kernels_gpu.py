@@ -958,8 +958,8 @@ def test_merge_splits_against_fp64(kern, num_splits, dim, sinks):
     fp64 sum of its definition: out = sum_s 2^(lse_s - m) out_s / (sum_s 2^(lse_s - m) [+ 2^(sink log2 e - m)]), lse
     its natural log, on split counts that take one tile, part of one, and several (300, 600), a head size no power of
     two, empty splits (lse -inf, partial 0) and a row whose splits are all empty (0 and lse -inf, or the sink's alone).
-    fp32 sums of up to 600 terms in [0, 1] times values of ~1: within 1e-5 of fp64, relative (bf16 outputs are
-    compared at their own rounding). A NaN partial makes its row NaN and no other."""
+    fp32 sums of up to 600 terms in [0, 1] times values of ~1 into an fp32 output: within 1e-5 of fp64, relative. A NaN
+    partial makes its row NaN and no other."""
     from kernels.splits import merge_splits
 
     torch.manual_seed(0)
