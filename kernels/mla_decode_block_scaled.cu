@@ -138,11 +138,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
   unsigned long long* bars = (unsigned long long*)(ex + 2 * BN);   // one mbarrier per stage
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-  const int hb = blockIdx.x, split = blockIdx.z;
-  const i64 b = blockIdx.y;
-  const int start = split * tokens_per_split;
-  const int end = min(start + tokens_per_split, seq_lens[b]);
-  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+  MLA_SPLIT_SPAN;
 #if HAS_SCALE
   const float scale = *static_scale;
 #else

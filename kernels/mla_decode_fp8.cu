@@ -143,11 +143,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_fp8_decode(
   unsigned long long* bars = (unsigned long long*)(sx + 2 * SX_FLOATS);   // BULK: one mbarrier per stage
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-  const int hb = blockIdx.x, split = blockIdx.z;
-  const i64 b = blockIdx.y;
-  const int start = split * tokens_per_split;
-  const int end = min(start + tokens_per_split, seq_lens[b]);
-  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+  MLA_SPLIT_SPAN;
   const float scale = *kv_scale;
   const float qk = (float)sm_scale_log2 * scale;
 #if __CUDA_ARCH__ >= 900

@@ -109,11 +109,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mla_fp8_decode_wgmma(
   u64* empty = full + STAGES;                    // one per stage: all 12 warps are done with its tile
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
-  const int hb = blockIdx.x, split = blockIdx.z;
-  const i64 b = blockIdx.y;
-  const int start = split * tokens_per_split;
-  const int end = min(start + tokens_per_split, seq_lens[b]);
-  const int n_tiles = (max(end - start, 0) + BN - 1) / BN;
+  MLA_SPLIT_SPAN;
   const float scale = *kv_scale;
   const float qk = (float)sm_scale_log2 * scale;
 

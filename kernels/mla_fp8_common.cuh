@@ -209,6 +209,15 @@ __device__ __forceinline__ int at(int row, int byte) {
 }
 #endif
 
+// The block's split in the split-KV grid every MLA kernel launches (head block x, sequence y, split z): hb, split, b,
+// and the split's tokens [start, end) in n_tiles tiles of BN (none for a split past the sequence's end). Expects
+// tokens_per_split, seq_lens and BN in scope.
+#define MLA_SPLIT_SPAN                                                                                                \
+  const int hb = blockIdx.x, split = blockIdx.z;                                                                      \
+  const i64 b = blockIdx.y;                                                                                           \
+  const int start = split * tokens_per_split;                                                                         \
+  const int end = min(start + tokens_per_split, seq_lens[b]);                                                         \
+  const int n_tiles = (max(end - start, 0) + BN - 1) / BN
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void wait_parity(u32 bar, u32 parity) {
