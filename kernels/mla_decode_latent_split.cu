@@ -24,6 +24,8 @@
 //   them again for P . C, as kernels/mla_decode_block_scaled.cu does, measured no faster than that kernel.)
 // - Warp 0 issues the copies after the barrier of each tile: one bulk copy per page run of a tile (rows of a page lie
 //   one after another) into the stage of the tile whose Q . C^T every warp has finished.
+// - The partials leave through shared memory as whole rows (16-byte stores of consecutive columns): stored from the
+//   accumulators, each 4-byte store touched 8 rows (kernels/BENCHMARKS.md, session 46: batch 8 at 8k 11% faster).
 // Rows are placed as they arrive (row r at r x 416 bytes, 8 banks apart), so the token order inside a tile is chosen
 // for the loads instead: n8 block j's column n is row 8j + (n ^ (n >> 2 & 1)). Then Q . C^T's 8-byte loads (rows of a
 // half warp) hit distinct banks.
@@ -283,12 +285,15 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     }
   }
 
-  // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split). n8
-  // block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2, 1, 3, 4, 6,
-  // 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
+  // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split), staged
+  // as [16 heads][516 floats] over the tiles and score buffers (every warp is past its last P . C) for whole-row
+  // stores. n8 block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2,
+  // 1, 3, 4, 6, 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
   const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
-  float* row0 = part_out + b * s_ob + (i64)h0 * s_oh + (i64)split * s_os + WCOL * warp;
-  float* row1 = row0 + 8 * (i64)s_oh;
+  compute_sync();
+  float* stage = (float*)smem;
+  float* row0 = stage + g * (LAT + 4) + WCOL * warp;
+  float* row1 = row0 + 8 * (LAT + 4);
   const int c0 = (q & 1) + 4 * (q >> 1), c1 = c0 + 2;   // perm(2q), perm(2q + 1)
 #pragma unroll
   for (int qq = 0; qq < 4; ++qq)
@@ -296,17 +301,21 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     for (int p = 0; p < 4; ++p) {
       const int base = 64 * (p >> 1) + 16 * qq + 8 * (p & 1);
       const float* v = o[4 * qq + p];
-      if (h0 < num_heads) {
-        row0[base + c0] = v[0] * f0;
-        row0[base + c1] = v[1] * f0;
-      }
-      if (h1 < num_heads) {
-        row1[base + c0] = v[2] * f1;
-        row1[base + c1] = v[3] * f1;
-      }
+      row0[base + c0] = v[0] * f0;
+      row0[base + c1] = v[1] * f0;
+      row1[base + c0] = v[2] * f1;
+      row1[base + c1] = v[3] * f1;
     }
   if (warp == 0 && q == 0) {
     if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l[0] == 0.f ? NEG_INF : m[0] + log2f(l[0]);
     if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l[1] == 0.f ? NEG_INF : m[1] + log2f(l[1]);
+  }
+  compute_sync();
+#pragma unroll 4
+  for (int e = tid; e < 16 * LAT / 4; e += NT) {
+    const int n = e / (LAT / 4), c4 = e % (LAT / 4), head = hb * 16 + n;
+    if (head < num_heads)
+      *(F4*)(part_out + b * s_ob + (i64)head * s_oh + (i64)split * s_os + 4 * c4) =
+          *(const F4*)(stage + n * (LAT + 4) + 4 * c4);
   }
 }
