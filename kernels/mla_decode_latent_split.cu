@@ -290,6 +290,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   // stores. n8 block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2,
   // 1, 3, 4, 6, 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
   const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
+  static_assert(16 * (LAT + 4) * 4 <= STAGES * STAGE_BYTES + 2 * SX_F4 * 16 + NWC * W_BYTES,
+                "the staged partials fit in the tiles, scores and widened tiles");
   compute_sync();
   float* stage = (float*)smem;
   float* row0 = stage + g * (LAT + 4) + WCOL * warp;
