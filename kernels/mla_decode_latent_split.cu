@@ -7,7 +7,8 @@
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
 // scores and accumulation in fp32, online softmax in base 2 with P rounded to fp16 for P . C; out = acc / l and lse2 =
-// m + log2(l) per split, kernels/splits.merge_splits combines the splits.
+// m + log2(l) per split, kernels/splits.merge_splits combines the splits. Here the running maximum m may lag the
+// scores by up to LAZY (below), so P reaches 2^LAZY; only the order and scaling of the fp32 sums differ.
 //
 // Why another shape (kernels/BENCHMARKS.md, sessions 33-34 and 45): at 16 heads that kernel's warps split a tile's
 // tokens for Q . C^T, so each warp needs all of Q's 36 k steps, which it reloads from shared memory every tile (73 KB
@@ -15,15 +16,22 @@
 // - Warp w (of 4) owns latent columns 128w .. 128w + 127 and k_pe dims 16w .. 16w + 15 for both products, so its Q
 //   fragments (9 k steps) live in registers and it reads only its quarter of each row.
 // - Q . C^T: each warp's partial scores of the tile's 32 tokens (4 n8 blocks) go to shared memory; after a barrier of
-//   the 4 warps warp w sums n8 block w's four partials, and after a second every warp reads the four sums (one order
-//   of addition, so m and l agree to the bit across warps) and runs the online softmax over the whole tile. (Each
-//   warp summing all sixteen partials itself read 40 KB of shared memory a tile against 26, and was 6% slower.)
+//   the 4 warps warp w sums n8 block w's four partials (one order of addition, so m and l agree to the bit across
+//   warps) and turns them into P against the running maximum m every warp holds; after a second barrier every warp
+//   reads the four P blocks and adds their sums to l. (Each warp summing all sixteen partials itself read 40 KB of
+//   shared memory a tile against 26, and was 6% slower.)
+// - The lazy maximum (FlashAttention-4's): m moves only at the first tile and at a tile with a score more than LAZY
+//   (8, base 2) above it. Such a tile takes the full online softmax: every warp reads the four sums, the accumulators
+//   are rescaled. So P <= 2^8 in fp16 and the accumulators are not rescaled every tile. l is kept as each lane's own
+//   sum (its token columns), summed over the quad once at the end: no shuffles a tile. Every warp running the whole
+//   tile's softmax was 4-7% slower at batches 8 and 32 (kernels/BENCHMARKS.md, session 47).
 // - The values are widened once: Q . C^T widens the warp's codes into its B fragments (code x block scale in fp16)
 //   and also stores them, 8 halves a lane, into the warp's own buffer, which P . C reads back transposed (ldmatrix
 //   .trans) as its B fragments: warp w accumulates its 128 columns (16 n8 blocks) over the tile's tokens. (Widening
 //   them again for P . C, as kernels/mla_decode_block_scaled.cu does, measured no faster than that kernel.)
-// - Warp 0 issues the copies after the barrier of each tile: one bulk copy per page run of a tile (rows of a page lie
-//   one after another) into the stage of the tile whose Q . C^T every warp has finished.
+// - Warp 0 issues the copies after the second barrier of each tile: one bulk copy per page run of a tile (rows of a
+//   page lie one after another) into the stage of the tile whose Q . C^T every warp has finished. (After the first
+//   barrier its copies delayed the P blocks every warp waits for.)
 // - The partials leave through shared memory as whole rows (16-byte stores of consecutive columns): stored from the
 //   accumulators, each 4-byte store touched 8 rows (kernels/BENCHMARKS.md, session 46: batch 8 at 8k 11% faster).
 // Rows are placed as they arrive (row r at r x 416 bytes, 8 banks apart), so the token order inside a tile is chosen
@@ -53,6 +61,7 @@ static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
 #endif
+#define LAZY 8.f                       // how far (base 2) a score may pass the running maximum before it moves
 
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
@@ -216,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
                                                   qk_lat * acc[j][0][3] + qk_pe * acc[j][1][3]};
   };
 
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8; l: this lane's columns' sum
   float o[NPC][4];   // n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n)
 #pragma unroll
   for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -230,39 +239,66 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     ld_base[pair] = smem_addr(mine) + 2048 * (li & 1) + 128 * qq + 16 * (lr ^ (2 * qq));   // j = 2jj + li % 2
   }
 
-  // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened buffer P . C read)
+  // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened buffer P . C read).
+  // Warp w's P block goes to slot [(w + 1) % 4][w] of the partials, which only warp w reads: {P of row g, P of row g +
+  // 8 (fp16 pairs), this lane's sum of each (the first -1 when the warp saw a score that moves m)}.
   if (n_tiles > 0) {
     wait_parity(smem_addr(landed), 0);
     score_tile(tiles, sx);
   }
   for (int t = 0; t < n_tiles; ++t) {
     compute_sync();   // every warp's partials of tile t are in, and every warp's Q . C^T of tile t is done
-    if (warp == 0 && t + STAGES < n_tiles) issue(t + STAGES);   // into tile t's stage
     F4* part = sx + (t & 1) * SX_F4;
     const int t0 = start + t * BN;
-    {   // warp w sums n8 block w's four partials (in warp order) into its own slot [w][w]; then every warp reads the
-        // four sums (26 KB of shared memory a tile where reading every partial was 40)
+    {   // warp w sums n8 block w's four partials (in warp order) into its own slot [w][w], and its P block against m
       const F4 a = part[warp * 32 + lane], c = part[((BN / 8) + warp) * 32 + lane];
       const F4 d = part[(2 * (BN / 8) + warp) * 32 + lane], e = part[(3 * (BN / 8) + warp) * 32 + lane];
-      part[(warp * (BN / 8) + warp) * 32 + lane] = F4{((a.x + c.x) + d.x) + e.x, ((a.y + c.y) + d.y) + e.y,
-                                                      ((a.z + c.z) + d.z) + e.z, ((a.w + c.w) + d.w) + e.w};
-    }
-    compute_sync();
-    float sc[BN / 8][4];
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const F4 v = part[(j * (BN / 8) + j) * 32 + lane];
-      sc[j][0] = v.x; sc[j][1] = v.y; sc[j][2] = v.z; sc[j][3] = v.w;
-    }
-    if (t0 + BN > end) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
+      const F4 s = F4{((a.x + c.x) + d.x) + e.x, ((a.y + c.y) + d.y) + e.y, ((a.z + c.z) + d.z) + e.z,
+                      ((a.w + c.w) + d.w) + e.w};
+      part[(warp * (BN / 8) + warp) * 32 + lane] = s;
+      float v[4] = {s.x, s.y, s.z, s.w};
+      if (t0 + BN > end) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
+          if (t0 + tok_of(warp, 2 * q + (e & 1)) >= end) v[e] = NEG_INF;
+      }
+      const bool moves = t == 0 || v[0] > m[0] + LAZY || v[1] > m[0] + LAZY || v[2] > m[1] + LAZY ||
+                         v[3] > m[1] + LAZY;
+      const float p0 = ex2(v[0] - m[0]), p1 = ex2(v[1] - m[0]), p2 = ex2(v[2] - m[1]), p3 = ex2(v[3] - m[1]);
+      part[(((warp + 1) & 3) * (BN / 8) + warp) * 32 + lane] =
+          F4{__uint_as_float(pack_half2(p0, p1)), __uint_as_float(pack_half2(p2, p3)),
+             __any_sync(0xffffffffu, moves) ? -1.f : p0 + p1, p2 + p3};
     }
+    compute_sync();
+    if (warp == 0 && t + STAGES < n_tiles) issue(t + STAGES);   // into tile t's stage
     u32 pa[BN / 16][4];
-    online_softmax<BN, NPC>(sc, m, l, o, pa);
+    F4 pb[BN / 8];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) pb[j] = part[(((j + 1) & 3) * (BN / 8) + j) * 32 + lane];
+    if (pb[0].z < 0.f || pb[1].z < 0.f || pb[2].z < 0.f || pb[3].z < 0.f) {   // m moves: every warp, the four sums
+      float sc[BN / 8][4];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const F4 v = part[(j * (BN / 8) + j) * 32 + lane];
+        sc[j][0] = v.x; sc[j][1] = v.y; sc[j][2] = v.z; sc[j][3] = v.w;
+      }
+      if (t0 + BN > end) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
+      }
+      online_softmax<BN, NPC, false, true>(sc, m, l, o, pa);
+    } else {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        pa[j >> 1][2 * (j & 1)] = __float_as_uint(pb[j].x);
+        pa[j >> 1][2 * (j & 1) + 1] = __float_as_uint(pb[j].y);
+      }
+      l[0] += ((pb[0].z + pb[1].z) + pb[2].z) + pb[3].z;
+      l[1] += ((pb[0].w + pb[1].w) + pb[2].w) + pb[3].w;
+    }
 
     // P . C: the widened tile read back transposed, two n8 blocks an ldmatrix
     __syncwarp();
@@ -289,6 +325,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   // as [16 heads][516 floats] over the tiles and score buffers (every warp is past its last P . C) for whole-row
   // stores. n8 block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2,
   // 1, 3, 4, 6, 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
+#pragma unroll
+  for (int x = 1; x < 4; x *= 2) {   // l over the quad's columns
+    l[0] += __shfl_xor_sync(0xffffffffu, l[0], x);
+    l[1] += __shfl_xor_sync(0xffffffffu, l[1], x);
+  }
   const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
   static_assert(16 * (LAT + 4) * 4 <= STAGES * STAGE_BYTES + 2 * SX_F4 * 16 + NWC * W_BYTES,
                 "the staged partials fit in the tiles, scores and widened tiles");

@@ -96,7 +96,9 @@ __device__ __forceinline__ float ex2(float x) {
 // accumulator o rescaled; P rounded to fp16 as the A fragments of P . C (the accumulator layout of n8 blocks 2j and
 // 2j + 1 is the A layout of k step j). FACTORS: P's fragments (not l) take fac[jb][e], the factor of n8 block jb's
 // column 2q + e, before rounding (kernels/mla_decode_block_scaled.cu: fp8_ds_mla's tile scales, MX's token exponents).
-template <int BN_, int NPC_, bool FACTORS = false>
+// LANE_L: l is the lane's own sum (its columns 2q, 2q + 1 of every n8 block), summed over the quad by the caller at
+// the end (kernels/mla_decode_latent_split.cu, whose other tiles add lane sums without shuffles).
+template <int BN_, int NPC_, bool FACTORS = false, bool LANE_L = false>
 __device__ __forceinline__ void online_softmax(const float (&sc)[BN_ / 8][4], float (&m)[2], float (&l)[2],
                                                float (&o)[NPC_][4], u32 (&pa)[BN_ / 16][4],
                                                const float (*fac)[2] = nullptr) {
@@ -133,10 +135,12 @@ __device__ __forceinline__ void online_softmax(const float (&sc)[BN_ / 8][4], fl
       pa[j][3] = pack_half2(p12, p13);
     }
   }
-  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
-  rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
-  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
-  rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+  if (!LANE_L) {
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 1);
+    rs0 += __shfl_xor_sync(0xffffffffu, rs0, 2);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 1);
+    rs1 += __shfl_xor_sync(0xffffffffu, rs1, 2);
+  }
   l[0] = l[0] * al0 + rs0;
   l[1] = l[1] * al1 + rs1;
   m[0] = mn0;
