@@ -383,7 +383,8 @@ def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
 def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype):
     """kernels/mla_decode_latent_split.cu, the entry for NVFP4 records (the engine's pages): the definition of
     kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16), its scores
-    summed in another order (four partials of 128 columns, fp32). So its output lies within 2^-8 of the largest true
+    summed in another order (four partials of 128 columns, fp32) and P taken against a running maximum that may lag
+    the scores (P <= 2^8, the next test). So its output lies within 2^-8 of the largest true
     value of the tile kernel's (bf16 output rounding alone is 2^-9 relative; measured 2^-11.8 on an H200, and a
     misplaced widened matrix read 190-700x the error) and both within 1e-3 of fp64's lse: ragged sequences (empty, one
     token, partial tiles, several splits) over shuffled pages of 1, 16 and 64 rows; and the error bound of the
@@ -400,7 +401,14 @@ def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_
     entry, entry_lse = _run_mla(case, impl="cuda")
     assert torch.equal(entry, out) and torch.equal(entry_lse, lse), "the entry runs the latent-split kernel"
     assert out[1].eq(0).all() and lse[1].eq(float("-inf")).all(), "an empty sequence: 0 and lse -inf"
-    real = [0, 2, 3, 4, 5]
+    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 2, 3, 4, 5],
+                                                    f"{fmt} page {page}")
+
+
+def _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, real, what):
+    """Sequences `real` of the latent-split kernel's output within 2^-8 of the largest true value of the tile
+    kernel's, both lse within 1e-3 of fp64's, and the magnitude check (the tolerances' reasons: the test above)."""
+    page = case.codes.shape[1]
     latent = ref.dequantize_block_scaled(case.codes, case.block_scales, case.scale, **case.layout.kernel_args)[:, :, 0]
     cache = torch.cat([latent, case.k_pe.float()], -1)
     top = 0.0
@@ -413,9 +421,31 @@ def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_
         top = max(top, truth.abs().max().item())
         for name, got in (("latent split", lse), ("tile", tile_lse)):
             assert (got[b].double() - torch.logsumexp(s, -1)).abs().max().item() <= 1e-3, f"{name} lse, row {b}"
-        _assert_magnitude(out[b:b + 1], truth[None], f"latent split {fmt} page {page} row {b}")
+        _assert_magnitude(out[b:b + 1], truth[None], f"latent split {what} row {b}")
     gap = (out[real].double() - tile[real].double()).abs().max().item()
-    assert math.isfinite(gap) and gap <= 2.0 ** -8 * top, f"{fmt} page {page}: {gap:.3g} from the tile kernel"
+    assert math.isfinite(gap) and gap <= 2.0 ** -8 * top, f"{what}: {gap:.3g} from the tile kernel"
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits):
+    """The latent-split kernel's running maximum m is lazy: P is taken against the m every warp holds, and m moves
+    only at a split's first tile and at a tile with a score more than 8 (base 2) above it. Keys placed mid-sequence
+    (after the first tile) far above the rest, 10-40 base-2 units (q_pe times 8-40 as their k_pe), must move it: a
+    missed move leaves P = 2^10 .. 2^40 in fp16 (inf past 2^16), a move without the accumulators' rescale mixes units.
+    One split (every key after the first tile) and the planned splits; tolerances as the test above (the tile
+    kernel moves m every tile)."""
+    from kernels import mla_block_scaled_cuda
+
+    case = _mla_case("nvfp4", 16, [3000, 700])
+    pe, page = case.k_pe.view(-1, case.k_pe.shape[-1]), case.codes.shape[1]
+    for b, token, head, factor in ((0, 40, 3, 20.0), (0, 1500, 3, 40.0), (0, 2900, 9, 30.0), (1, 500, 0, 8.0)):
+        pe[int(case.table[b, token // page]) * page + token % page] = (case.q_pe[b, head].float() * factor).to(pe.dtype)
+    args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
+            case.scale, case.sm_scale, splits, tuple(case.layout.kernel_args.values()))
+    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True)
+    tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
+    assert out.isfinite().all() and lse.isfinite().all()
+    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1], f"{splits} splits")
 
 
 def test_mla_latent_split_kernel_keeps_a_nan_block_scale_in_its_sequence():
