@@ -259,8 +259,8 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
       float v[4] = {s.x, s.y, s.z, s.w};
       if (t0 + BN > end) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (t0 + tok_of(warp, 2 * q + (e & 1)) >= end) v[e] = NEG_INF;
+        for (int k = 0; k < 4; ++k)   // (e is the fourth partial here)
+          if (t0 + tok_of(warp, 2 * q + (k & 1)) >= end) v[k] = NEG_INF;
       }
       const bool moves = t == 0 || v[0] > m[0] + LAZY || v[1] > m[0] + LAZY || v[2] > m[1] + LAZY ||
                          v[3] > m[1] + LAZY;

@@ -430,10 +430,10 @@ def _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_l
 def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits):
     """The latent-split kernel's running maximum m is lazy: P is taken against the m every warp holds, and m moves
     only at a split's first tile and at a tile with a score more than 8 (base 2) above it. Keys placed mid-sequence
-    (after the first tile) far above the rest, 10-40 base-2 units (q_pe times 8-40 as their k_pe), must move it: a
-    missed move leaves P = 2^10 .. 2^40 in fp16 (inf past 2^16), a move without the accumulators' rescale mixes units.
-    One split (every key after the first tile) and the planned splits; tolerances as the test above (the tile
-    kernel moves m every tile)."""
+    (after the first tile) with k_pe = q_pe times 8-40 score ~8-38 base-2 units above the others' mean (their
+    standard deviation is ~2.4), so some must move m and some may not: a missed move leaves P up to ~2^30 in fp16
+    (inf past 2^16), a move without the accumulators' rescale mixes units. One split (every key after the first
+    tile) and the planned splits; tolerances as the test above (the tile kernel moves m every tile)."""
     from kernels import mla_block_scaled_cuda
 
     case = _mla_case("nvfp4", 16, [3000, 700])
