@@ -48,6 +48,10 @@ SPLIT_STAGES, SPLIT_CTAS = 2, 3
 # the partials and their merge cost more than the blocks gain). On an H200 at 16 heads, batch 1, 128k: 0.0538 ms at
 # 132 splits, 0.0460 at 264, 0.0482 at 396 (our BF16: 0.0648); batch 2 and 8 level (kernels/BENCHMARKS.md, session 45).
 SPLIT_MAX_SPLITS_PER_SM = 2
+# Its REG_T build (P . C's fragments kept in registers: 224 of them, so 2 blocks an SM, half the shared-memory traffic)
+# where the grid has at most this many blocks an SM anyway: on an H200 at 16 heads 4-7% faster at batch 1 (8k-128k) and
+# batch 8 at 8k, 1-4% slower than the 3-block build at batch 8 past 8k and batch 32 (kernels/BENCHMARKS.md, session 47).
+REG_T_CTAS = 2
 NVFP4 = ("e2m1", "e4m3", 16)
 
 
@@ -86,11 +90,11 @@ def _smem(layout: tuple) -> int:
             + 2 * TOKENS * 4 + 8 * STAGES)
 
 
-def _split_smem() -> int:
+def _split_smem(reg_t: bool = False) -> int:
     """Tile stages, two buffers of the four warps' partial scores (n8 blocks x 32 lanes x 4 fp32), each warp's
-    widened tile (tokens x 128 columns in fp16), an mbarrier a stage."""
-    return (SPLIT_STAGES * TOKENS * _row_bytes(NVFP4) + 2 * 4 * (TOKENS // 8) * 32 * 16 + 4 * TOKENS * 128 * 2
-            + 8 * SPLIT_STAGES)
+    widened tile (tokens x 128 columns in fp16; none in the REG_T build), an mbarrier a stage."""
+    return (SPLIT_STAGES * TOKENS * _row_bytes(NVFP4) + 2 * 4 * (TOKENS // 8) * 32 * 16
+            + (0 if reg_t else 4 * TOKENS * 128 * 2) + 8 * SPLIT_STAGES)
 
 
 def latent_split_refusal(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor,
@@ -155,14 +159,16 @@ def is_record(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tenso
 
 def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, scale, sm_scale: float,
            num_splits: int | None, layout: tuple = ("e2m1", "e4m3", 16),
-           latent_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           latent_split: bool | None = None, reg_t: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, 512] in q's dtype, lse [B, H] natural log); layout: (element, block scale, values a block); the
     caller checked `refusal`. latent_split None: kernels/mla_decode_latent_split.cu where it takes the call, else
-    kernels/mla_decode_block_scaled.cu; True / False: that one (True raises its refusal)."""
+    kernels/mla_decode_block_scaled.cu; True / False: that one (True raises its refusal). reg_t: the latent split's
+    REG_T build or not (None: where the grid has at most REG_T_CTAS blocks an SM); both give the same bits."""
     if latent_split is not False:
         why = latent_split_refusal(codes, block_scales, k_pe, layout)
         if why is None:
-            return _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale, num_splits)
+            return _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale, num_splits,
+                                        reg_t)
         if latent_split:
             raise ValueError(f"the latent-split MLA kernel cannot run this call: {why}")
     batch, heads, _ = q_latent.shape
@@ -193,13 +199,10 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
 
 
 def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale: float,
-                         num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_splits: int | None, reg_t: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, _ = q_latent.shape
     device = q_latent.device
     page = codes.shape[1]
-    defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", SPLIT_CTAS),
-               ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)))
-    kernel = nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device.index)
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
     if num_splits is None:   # at most SPLIT_MAX_SPLITS_PER_SM splits an SM for one sequence
@@ -207,10 +210,16 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
                                      whole_waves=True)[0], SPLIT_MAX_SPLITS_PER_SM * _sms(device.index))
     num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,
                                                num_splits, whole_waves=True)
+    if reg_t is None:
+        reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
+    defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", REG_T_CTAS if reg_t else SPLIT_CTAS),
+               ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)),
+               ("REG_T", int(reg_t)))
+    kernel = nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device.index)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     record = codes.view(torch.uint8)
-    kernel((head_blocks, batch, num_splits), (32 * 4, 1, 1), _split_smem(),
+    kernel((head_blocks, batch, num_splits), (32 * 4, 1, 1), _split_smem(reg_t),
            [q_latent, q_pe, record, block_table, seq_lens, scale if scale is not None else seq_lens, part_out,
             part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1),
             q_pe.stride(0), q_pe.stride(1), record.stride(0), block_table.stride(0), part_out.stride(0),

@@ -2,7 +2,7 @@
 // values in the query's 16-bit type], the engine's pages), split-KV, with the latent split between the warps: the CUDA
 // kernel of kernels/mla_block_scaled_cuda.py for NVFP4 records (compiled at first use by NVRTC, kernels/nvrtc.py;
 // sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds),
-// Q_BF16, HAS_SCALE.
+// Q_BF16, HAS_SCALE, REG_T (below).
 //
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
@@ -29,6 +29,12 @@
 //   and also stores them, 8 halves a lane, into the warp's own buffer, which P . C reads back transposed (ldmatrix
 //   .trans) as its B fragments: warp w accumulates its 128 columns (16 n8 blocks) over the tile's tokens. (Widening
 //   them again for P . C, as kernels/mla_decode_block_scaled.cu does, measured no faster than that kernel.)
+// - REG_T 1: the widened B fragments stay in registers instead (64 a lane), each 8 x 8 matrix transposed by movmatrix
+//   into P . C's: n8 block 2s + h of P . C is half h of k step s of Q . C^T. The same sums in the same order, so the
+//   same bits; half the shared-memory traffic of the round trip (a movmatrix costs the shared-memory datapath one
+//   cycle, as a 128-byte wavefront), but 224 registers, so 2 blocks an SM. The launcher takes it where the grid has
+//   at most 2 blocks an SM anyway (batch 1, or short contexts): 4-7% faster there, 1-4% slower at 3 blocks an SM
+//   (kernels/BENCHMARKS.md, session 47).
 // - Warp 0 issues the copies after the second barrier of each tile: one bulk copy per page run of a tile (rows of a
 //   page lie one after another) into the stage of the tile whose Q . C^T every warp has finished. (After the first
 //   barrier its copies delayed the P blocks every warp waits for.)
@@ -61,11 +67,19 @@ static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
 #endif
+#ifndef REG_T
+#define REG_T 0
+#endif
 #define LAZY 8.f                       // how far (base 2) a score may pass the running maximum before it moves
 
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
 
+__device__ __forceinline__ u32 movm(u32 a) {   // an 8 x 8 b16 matrix (one word a lane) transposed across the warp
+  u32 d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
 __device__ __forceinline__ void bar_arrive_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
@@ -88,8 +102,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   extern __shared__ __align__(128) u8 smem[];
   u8* tiles = smem;                                            // STAGES x STAGE_BYTES
   F4* sx = (F4*)(smem + STAGES * STAGE_BYTES);                 // 2 x SX_F4 partial scores
+#if REG_T
+  unsigned long long* landed = (unsigned long long*)(sx + 2 * SX_F4);
+#else
   u8* widened = (u8*)(sx + 2 * SX_F4);                         // NWC x W_BYTES
   unsigned long long* landed = (unsigned long long*)(widened + NWC * W_BYTES);
+#endif
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
   MLA_SPLIT_SPAN;
@@ -170,15 +188,18 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   }
   const u32 sel_q = q | (q << 4) | 0x4400u;   // byte q of a word, twice (an e4m3x2 pair of one scale)
   const int code0 = (WCOL / 2) * warp, scale0 = LAT_BYTES + (WCOL / 16) * warp, pe0 = PE_OFF + 32 * warp;
+#if !REG_T
   u8* mine = widened + warp * W_BYTES;
   // The widened tile: the B fragments of k steps 2p and 2p + 1 of n8 block j, lane (g, q) (4 words: 8 halves), are
   // row g of the 8 x 8 matrix (j, p, q), placed at 512 (4j + p) + 128q + 16 (g ^ 2q) bytes (8 lanes of a store or
   // of a matrix hit 8 different 16-byte bank groups). Its 8 columns are latent columns 64 (p / 2) + 16q + 8 (p % 2)
   // + (0, 2, 1, 3, 4, 6, 5, 7) of the warp's.
   const u32 w_store = smem_addr(mine) + 128 * q + 16 * (g ^ (2 * q));
+#endif
 
   // Q . C^T of a tile over this warp's columns, scaled to base 2, into `out` as [warp][n8 block][lane]; the widened
-  // values into the warp's buffer
+  // values into the warp's buffer (REG_T: transposed into wt, [k step s][half h][n8 block j])
+  u32 wt[REG_T ? 8 : 1][2][BN / 8];
   auto score_tile = [&](const u8* tile, F4* out) {
     float acc[BN / 8][2][4];
 #pragma unroll
@@ -207,9 +228,16 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
                         hmul2(widen2_hi(hi), s2[j])};
           mma16816(acc[j][0], qa[4 * c + 2 * kp], v.x, v.y);
           mma16816(acc[j][0], qa[4 * c + 2 * kp + 1], v.z, v.w);
+#if REG_T
+          wt[4 * c + 2 * kp][0][j] = movm(v.x);
+          wt[4 * c + 2 * kp][1][j] = movm(v.y);
+          wt[4 * c + 2 * kp + 1][0][j] = movm(v.z);
+          wt[4 * c + 2 * kp + 1][1][j] = movm(v.w);
+#else
           asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                        :: "r"(w_store + 512 * (4 * j + 2 * c + kp)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                        : "memory");
+#endif
         }
     }
 #pragma unroll
@@ -226,9 +254,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   };
 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8; l: this lane's columns' sum
-  float o[NPC][4];   // n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n)
+  // o: n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n); REG_T: n8
+  // block 2s + h: column n is 64 (s / 4) + 4 (s % 4) + 16 (n / 2) + (0, 2 | 1, 3) (half h; Q's k order)
+  float o[NPC][4];
 #pragma unroll
   for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+#if !REG_T
   // P . C's matrices: lanes 8i .. 8i + 7 point at the rows of matrix i of an ldmatrix: (j = 2jj + i % 2, p, q' =
   // 2 x pair + i / 2) for n8 blocks 4 q' + p
   const int li = lane >> 3, lr = lane & 7;
@@ -238,6 +269,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     const int qq = 2 * pair + (li >> 1);
     ld_base[pair] = smem_addr(mine) + 2048 * (li & 1) + 128 * qq + 16 * (lr ^ (2 * qq));   // j = 2jj + li % 2
   }
+#endif
 
   // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened buffer P . C read).
   // Warp w's P block goes to slot [(w + 1) % 4][w] of the partials, which only warp w reads: {P of row g, P of row g +
@@ -300,6 +332,15 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
       l[1] += ((pb[0].w + pb[1].w) + pb[2].w) + pb[3].w;
     }
 
+#if REG_T
+    // P . C: n8 block 2s + h from the transposed fragments of k step s's half h
+#pragma unroll
+    for (int jj = 0; jj < BN / 16; ++jj)
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma16816(o[2 * s + h], pa[jj], wt[s][h][2 * jj], wt[s][h][2 * jj + 1]);
+#else
     // P . C: the widened tile read back transposed, two n8 blocks an ldmatrix
     __syncwarp();
 #pragma unroll
@@ -314,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
           mma16816(o[4 * (2 * pair + 1) + p], pa[jj], r[2], r[3]);
         }
     __syncwarp();
+#endif
 
     if (t + 1 < n_tiles) {
       wait_parity(smem_addr(landed + (t + 1) % STAGES), ((t + 1) / STAGES) & 1);
@@ -323,20 +365,32 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 
   // Partials: out = out_scale * acc / l (0 for an empty split), lse2 = m + log2(l) (-inf for an empty split), staged
   // as [16 heads][516 floats] over the tiles and score buffers (every warp is past its last P . C) for whole-row
-  // stores. n8 block 4 q' + p, columns n = 2q, 2q + 1 of lane (g, q): latent columns base + perm(n), perm = (0, 2,
-  // 1, 3, 4, 6, 5, 7), base = 128w + 64 (p / 2) + 16 q' + 8 (p % 2).
+  // stores: lane (g, q) holds columns n = 2q, 2q + 1 of each n8 block (o's comment says which latent columns).
 #pragma unroll
   for (int x = 1; x < 4; x *= 2) {   // l over the quad's columns
     l[0] += __shfl_xor_sync(0xffffffffu, l[0], x);
     l[1] += __shfl_xor_sync(0xffffffffu, l[1], x);
   }
   const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
-  static_assert(16 * (LAT + 4) * 4 <= STAGES * STAGE_BYTES + 2 * SX_F4 * 16 + NWC * W_BYTES,
+  static_assert(16 * (LAT + 4) * 4 <= STAGES * STAGE_BYTES + 2 * SX_F4 * 16 + (REG_T ? 0 : NWC * W_BYTES),
                 "the staged partials fit in the tiles, scores and widened tiles");
   compute_sync();
   float* stage = (float*)smem;
   float* row0 = stage + g * (LAT + 4) + WCOL * warp;
   float* row1 = row0 + 8 * (LAT + 4);
+#if REG_T
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int base = 64 * (s >> 2) + 4 * (s & 3) + 16 * q + h;
+      const float* v = o[2 * s + h];
+      row0[base] = v[0] * f0;
+      row0[base + 2] = v[1] * f0;
+      row1[base] = v[2] * f1;
+      row1[base + 2] = v[3] * f1;
+    }
+#else
   const int c0 = (q & 1) + 4 * (q >> 1), c1 = c0 + 2;   // perm(2q), perm(2q + 1)
 #pragma unroll
   for (int qq = 0; qq < 4; ++qq)
@@ -349,6 +403,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
       row1[base + c0] = v[2] * f1;
       row1[base + c1] = v[3] * f1;
     }
+#endif
   if (warp == 0 && q == 0) {
     if (h0 < num_heads) part_lse[b * s_eb + (i64)h0 * s_eh + split] = l[0] == 0.f ? NEG_INF : m[0] + log2f(l[0]);
     if (h1 < num_heads) part_lse[b * s_eb + (i64)h1 * s_eh + split] = l[1] == 0.f ? NEG_INF : m[1] + log2f(l[1]);

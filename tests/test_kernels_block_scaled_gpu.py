@@ -380,15 +380,17 @@ def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
 @pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize(("heads", "q_dtype"), [(16, torch.bfloat16), (20, torch.bfloat16), (128, torch.float16)])
-def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype):
+@pytest.mark.parametrize("reg_t", [False, True])
+def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype, reg_t):
     """kernels/mla_decode_latent_split.cu, the entry for NVFP4 records (the engine's pages): the definition of
     kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16), its scores
     summed in another order (four partials of 128 columns, fp32) and P taken against a running maximum that may lag
     the scores (P <= 2^8, the next test). So its output lies within 2^-8 of the largest true
     value of the tile kernel's (bf16 output rounding alone is 2^-9 relative; measured 2^-11.8 on an H200, and a
     misplaced widened matrix read 190-700x the error) and both within 1e-3 of fp64's lse: ragged sequences (empty, one
-    token, partial tiles, several splits) over shuffled pages of 1, 16 and 64 rows; and the error bound of the
-    format tests above."""
+    token, partial tiles, several splits) over shuffled pages of 1, 16 and 64 rows; both builds (REG_T: P . C's
+    fragments kept in registers), whose bits must agree (the entry takes either by the grid); and the error bound of
+    the format tests above."""
     from kernels import mla_block_scaled_cuda
 
     case = _mla_case(fmt, heads, [1, 0, 31, 33, 1000, 4099], page=page, q_dtype=q_dtype)
@@ -396,10 +398,10 @@ def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_
                                                       tuple(case.layout.kernel_args.values())) is None
     args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
             case.scale, case.sm_scale, None, tuple(case.layout.kernel_args.values()))
-    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True)
+    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True, reg_t=reg_t)
     tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
     entry, entry_lse = _run_mla(case, impl="cuda")
-    assert torch.equal(entry, out) and torch.equal(entry_lse, lse), "the entry runs the latent-split kernel"
+    assert torch.equal(entry, out) and torch.equal(entry_lse, lse), "the entry runs the latent-split kernel's bits"
     assert out[1].eq(0).all() and lse[1].eq(float("-inf")).all(), "an empty sequence: 0 and lse -inf"
     _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 2, 3, 4, 5],
                                                     f"{fmt} page {page}")
@@ -427,7 +429,8 @@ def _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_l
 
 
 @pytest.mark.parametrize("splits", [None, 1])
-def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits):
+@pytest.mark.parametrize("reg_t", [False, True])
+def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits, reg_t):
     """The latent-split kernel's running maximum m is lazy: P is taken against the m every warp holds, and m moves
     only at a split's first tile and at a tile with a score more than 8 (base 2) above it. Keys placed mid-sequence
     (after the first tile) with k_pe = q_pe times 8-40 score ~8-38 base-2 units above the others' mean (their
@@ -442,7 +445,7 @@ def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits):
         pe[int(case.table[b, token // page]) * page + token % page] = (case.q_pe[b, head].float() * factor).to(pe.dtype)
     args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
             case.scale, case.sm_scale, splits, tuple(case.layout.kernel_args.values()))
-    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True)
+    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True, reg_t=reg_t)
     tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
     assert out.isfinite().all() and lse.isfinite().all()
     _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1], f"{splits} splits")
