@@ -10,8 +10,8 @@ Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16
 The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
 SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. An NVFP4 latent in records whose rows lie one
 after another in a page (the engine's pages) runs kernels/mla_decode_latent_split.cu instead (`latent_split_refusal`
-says when it cannot): the same definition, 1.25-1.51x the tile kernel's speed on an H200 at batches 8 and 32
-(kernels/BENCHMARKS.md, sessions 45-47).
+says when it cannot): the same definition, 1.29-1.48x the tile kernel's speed on an H200 at batches 8 and 32
+and 1.20-1.36x at batch 1 (kernels/BENCHMARKS.md, sessions 45-47).
 """
 
 from __future__ import annotations
