@@ -198,6 +198,24 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     return out, merge_splits(part_out, part_lse, out)
 
 
+def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int) -> nvrtc.Kernel:
+    """The latent split's build for this call, the other build (REG_T or not) loaded beside it at the first call:
+    which one a call takes depends on its grid, so a CUDA graph captured later for another batch may take the other,
+    and its module is then loaded already, not inside the capture. A build that fails is raised, named, by the call
+    that needs it (nvrtc.build remembers why)."""
+    def build(rt: bool) -> nvrtc.Kernel:
+        defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", REG_T_CTAS if rt else SPLIT_CTAS),
+                   ("Q_BF16", int(q_bf16)), ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt)))
+        return nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device)
+
+    kernel = build(reg_t)
+    try:
+        build(not reg_t)
+    except nvrtc.BuildError:
+        pass
+    return kernel
+
+
 def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale: float,
                          num_splits: int | None, reg_t: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, _ = q_latent.shape
@@ -212,10 +230,7 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
                                                num_splits, whole_waves=True)
     if reg_t is None:
         reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
-    defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", REG_T_CTAS if reg_t else SPLIT_CTAS),
-               ("Q_BF16", int(q_latent.dtype == torch.bfloat16)), ("HAS_SCALE", int(scale is not None)),
-               ("REG_T", int(reg_t)))
-    kernel = nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device.index)
+    kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     record = codes.view(torch.uint8)

@@ -326,3 +326,34 @@ def test_the_latent_split_mla_kernel_takes_nvfp4_records_and_says_what_it_refuse
     codes, scales, k_pe = nvfp4.allocate_latent_rows(2, 16, 512, rope)
     assert cuda.is_record(codes, scales, k_pe)
     assert "rows adjacent" in cuda.latent_split_refusal(codes[:, ::2], scales[:, ::2], k_pe[:, ::2], cuda.NVFP4)
+
+
+def test_the_latent_split_mla_kernel_loads_both_builds_at_its_first_call(monkeypatch):
+    """The latent split's two builds (REG_T: P . C's fragments in registers, 2 blocks an SM; or through shared memory
+    at 3) are chosen by the call's grid, so a CUDA graph captured for another batch may take the other: both are
+    built at the first call, the call's own first, and only the call's own failure is raised there (nvrtc.build
+    remembers the other's reason for the call that needs it). nvrtc.build is replaced by a recorder (no GPU here)."""
+    from kernels import mla_block_scaled_cuda as cuda
+    from kernels import nvrtc
+
+    calls = []
+
+    def build(path, name, defines, device):
+        calls.append(dict(defines))
+        if dict(defines)["REG_T"] == fail:
+            raise nvrtc.BuildError("no such build")
+        return f"kernel REG_T={dict(defines)['REG_T']}"
+
+    monkeypatch.setattr(nvrtc, "build", build)
+    for reg_t in (False, True):
+        fail = None
+        calls.clear()
+        assert cuda._latent_split_kernel(16, True, False, reg_t, 0) == f"kernel REG_T={int(reg_t)}"
+        assert [(c["REG_T"], c["CTAS"]) for c in calls] == [(int(reg_t), 2 if reg_t else 3),
+                                                             (int(not reg_t), 3 if reg_t else 2)]
+        assert all(c["PAGE"] == 16 and c["Q_BF16"] == 1 and c["HAS_SCALE"] == 0 for c in calls)
+        fail = int(not reg_t)
+        assert cuda._latent_split_kernel(16, True, False, reg_t, 0) == f"kernel REG_T={int(reg_t)}"
+        fail = int(reg_t)
+        with pytest.raises(nvrtc.BuildError, match="no such build"):
+            cuda._latent_split_kernel(16, True, False, reg_t, 0)
