@@ -271,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   }
 #endif
 
-  // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened buffer P . C read).
+  // Phase t: the softmax and P . C of tile t, then Q . C^T of tile t + 1 (it overwrites the widened tile P . C read).
   // Warp w's P block goes to slot [(w + 1) % 4][w] of the partials, which only warp w reads: {P of row g, P of row g +
   // 8 (fp16 pairs), this lane's sum of each (the first -1 when the warp saw a score that moves m)}.
   if (n_tiles > 0) {
