@@ -44,10 +44,16 @@ HEADS_PER_BLOCK = 16
 # two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775;
 # at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8 bytes spilled.
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
-# A sequence's splits: SPLIT_CTAS programs an SM over the batch, at most this many an SM for one sequence (past that
-# the partials and their merge cost more than the blocks gain). On an H200 at 16 heads, batch 1, 128k: 0.0538 ms at
-# 132 splits, 0.0460 at 264, 0.0482 at 396 (our BF16: 0.0648); batch 2 and 8 level (kernels/BENCHMARKS.md, session 45).
+# A sequence's splits (`latent_split_plan`): SPLIT_CTAS blocks an SM where each split still gets LONG_SPLIT tokens,
+# else REG_T_CTAS (short splits' fp32 partials and their merge cost more than a third block an SM gains); at most
+# SPLIT_MAX_SPLITS_PER_SM splits an SM for one sequence; splits of at least MIN_SPLIT_TILES tiles, or half that where
+# MIN_SPLIT_TILES would leave more than half the SMs without a block. On an H200 at 16 heads (kernels/BENCHMARKS.md,
+# session 48, the whole call against other split counts in one process): batch 1 at 8k 0.0153 ms at 128 splits of 64
+# tokens (0.0204 at 32 of 256, the plan before), 16 at 8k 0.0389 at 16 splits (0.0424 at 24), batch 8 at 128k 0.1967
+# at 49 splits (0.2060 at 32); batch 1 at 128k (session 45) 0.0538 ms at 132 splits, 0.0460 at 264, 0.0482 at 396.
 SPLIT_MAX_SPLITS_PER_SM = 2
+LONG_SPLIT = 512
+MIN_SPLIT_TILES = 4
 # Its REG_T build (P . C's fragments kept in registers: 224 of them, so 2 blocks an SM, half the shared-memory traffic)
 # where the grid has at most this many blocks an SM anyway: on an H200 at 16 heads 4-7% faster at batch 1 (8k-128k) and
 # batch 8 at 8k, 1-4% slower than the 3-block build at batch 8 past 8k and batch 32 (kernels/BENCHMARKS.md, session 47).
@@ -198,6 +204,27 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     return out, merge_splits(part_out, part_lse, out)
 
 
+def latent_split_plan(max_tokens: int, programs: int, sms: int) -> tuple[int, int]:
+    """(splits, tokens a split: whole tiles) of the latent split over `max_tokens` cache slots for `programs`
+    (sequences x head blocks) on `sms` SMs, the grid inside one wave (the constants' comment says why)."""
+    def at_most(blocks_per_sm: int) -> int:
+        return max(1, min(blocks_per_sm * sms // programs, SPLIT_MAX_SPLITS_PER_SM * sms))
+
+    def fewest(tiles: int) -> int:   # the splits of at least `tiles` tiles each, up to `splits`
+        return max(1, min(splits, -(-max_tokens // (tiles * TOKENS))))
+
+    max_tokens = max(max_tokens, 1)
+    splits = at_most(SPLIT_CTAS)
+    if -(-max_tokens // splits) < LONG_SPLIT:
+        splits = at_most(REG_T_CTAS)
+    wanted = fewest(MIN_SPLIT_TILES)
+    if wanted * programs < sms // 2:
+        wanted = fewest(MIN_SPLIT_TILES // 2)
+    tokens = -(-max_tokens // wanted)
+    tokens = -(-tokens // TOKENS) * TOKENS
+    return -(-max_tokens // tokens), tokens
+
+
 def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int) -> nvrtc.Kernel:
     """The latent split's build for this call, the other build (REG_T or not) loaded beside it at the first call:
     which one a call takes depends on its grid, so a CUDA graph captured later for another batch may take the other,
@@ -223,11 +250,11 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
     page = codes.shape[1]
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
-    if num_splits is None:   # at most SPLIT_MAX_SPLITS_PER_SM splits an SM for one sequence
-        num_splits = min(plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device, None,
-                                     whole_waves=True)[0], SPLIT_MAX_SPLITS_PER_SM * _sms(device.index))
-    num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,
-                                               num_splits, whole_waves=True)
+    if num_splits is None:
+        num_splits, tokens_per_split = latent_split_plan(max_tokens, batch * head_blocks, _sms(device.index))
+    else:
+        num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,
+                                                   num_splits, whole_waves=True)
     if reg_t is None:
         reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
     kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index)

@@ -357,3 +357,31 @@ def test_the_latent_split_mla_kernel_loads_both_builds_at_its_first_call(monkeyp
         fail = int(reg_t)
         with pytest.raises(nvrtc.BuildError, match="no such build"):
             cuda._latent_split_kernel(16, True, False, reg_t, 0)
+
+
+def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_two_blocks_an_sm():
+    """`mla_block_scaled_cuda.latent_split_plan` over batches 1-64 and contexts 1 - 1M on 132 and 78 SMs: the splits
+    cover every slot with none empty, in whole tiles; the grid fits one wave (3 blocks an SM, 2 where a split would
+    be shorter than LONG_SPLIT at 3, at most 2 splits an SM for one sequence); a split has 4 tiles, or 2 where 4
+    would leave more than half the SMs idle. And the H200 shapes the rule was measured on (kernels/BENCHMARKS.md,
+    session 48): the split counts that were fastest there (batch 32 at 8k excepted: 8 splits were 3% faster than
+    the 12 kept, to keep batch 8 at 32k at 49 splits)."""
+    from kernels import mla_block_scaled_cuda as cuda
+
+    for sms in (132, 78):
+        for batch in (1, 2, 3, 8, 16, 64):
+            for tokens in (1, 31, 100, 1000, 8192, 32768, 131072, 1 << 20):
+                splits, per = cuda.latent_split_plan(tokens, batch, sms)
+                what = f"{sms} SMs, batch {batch}, {tokens} tokens: {splits} x {per}"
+                assert per % cuda.TOKENS == 0 and splits * per >= tokens > (splits - 1) * per, what
+                at_three = max(1, min(cuda.SPLIT_CTAS * sms // batch, cuda.SPLIT_MAX_SPLITS_PER_SM * sms))
+                short = -(-tokens // at_three) < cuda.LONG_SPLIT
+                assert splits * batch <= max(batch, (cuda.REG_T_CTAS if short else cuda.SPLIT_CTAS) * sms), what
+                assert splits <= cuda.SPLIT_MAX_SPLITS_PER_SM * sms, what
+                tiles = per // cuda.TOKENS
+                assert splits == 1 or tiles >= 2, what
+                assert tiles >= cuda.MIN_SPLIT_TILES or splits == 1 or \
+                    -(-tokens // (cuda.MIN_SPLIT_TILES * cuda.TOKENS)) * batch < sms // 2, what
+    measured = {(1, 8192): 128, (1, 16384): 128, (1, 32768): 256, (2, 8192): 64, (2, 32768): 128, (4, 8192): 64,
+                (4, 32768): 64, (8, 8192): 32, (8, 32768): 49, (8, 131072): 49, (16, 8192): 16}
+    assert {shape: cuda.latent_split_plan(shape[1], shape[0], 132)[0] for shape in measured} == measured
