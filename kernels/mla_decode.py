@@ -42,6 +42,7 @@ from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_at
                                      on_tensor_device, partials, plan_splits)
 from kernels import nvrtc
 from kernels.configs import launch_config
+from kernels.splits import MLA_IDLE_MIN_TOKENS
 from kernels.reference import FP8_MAX, is_fp8
 
 # Launch configurations (kernel, tile, warps, pipeline depth, heads per program, tokens-as-M "swap", programs per
@@ -567,8 +568,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     page_size = cache.shape[1]
     head_blocks = triton.cdiv(heads, block_h)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, block_n,
-                                               cfg["programs_per_sm"], device, num_splits,
-                                               whole_waves=True)
+                                               cfg["programs_per_sm"], device, num_splits, whole_waves=True,
+                                               idle_min_tokens=MLA_IDLE_MIN_TOKENS)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     compute = tl.float16 if fp8 or q_latent.dtype == torch.float16 else tl.bfloat16
@@ -752,7 +753,8 @@ def _mla_decode_cuda(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_sca
         heads_per_block, smem = 16 * m_tiles, _cuda_smem(warps, blocks, stages, m_tiles, bulk)
     head_blocks = triton.cdiv(heads, heads_per_block)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page_size, batch * head_blocks, cfg["block_n"],
-                                               cfg["programs_per_sm"], device, num_splits, whole_waves=True)
+                                               cfg["programs_per_sm"], device, num_splits, whole_waves=True,
+                                               idle_min_tokens=MLA_IDLE_MIN_TOKENS)
     out = torch.empty(batch, heads, latent_dim, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     kernel((head_blocks, batch, num_splits), (32 * warps, 1, 1), smem,

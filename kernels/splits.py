@@ -15,6 +15,12 @@ from kernels.launches import launching
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
+# MLA's splits where MIN_TOKENS_PER_SPLIT leaves SMs without a program (kernels/mla_decode.py: one sequence's 16
+# heads are one program). On an H200 (kernels/BENCHMARKS.md, session 48, the whole call against 256 in one process):
+# 16 heads at 1k-8k, batch 1-16, FP8 (CUDA entry) 1.11-1.31x faster, BF16 1.17-1.29x; 128 heads, batch 1, 2k-8k,
+# 1.11-1.33x. Past one program an SM it lost (batch 4 at 8k, FP8: 64 splits 0.0257 ms against 32's 0.0237), so the
+# shorter splits stop there.
+MLA_IDLE_MIN_TOKENS = 128
 MERGE_TILE = 4096               # fp32 values a merge program loads at once (`merge_tile`)
 
 
@@ -83,9 +89,11 @@ def _decode_attention_merge_kernel(
 
 
 def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs_per_sm: int,
-                device: torch.device, num_splits: int | None, whole_waves: bool = False) -> tuple[int, int]:
+                device: torch.device, num_splits: int | None, whole_waves: bool = False,
+                idle_min_tokens: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split) of a split-KV launch over `max_tokens` cache slots. num_splits=None asks
-    for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT; a split is a whole
+    for ~programs_per_sm programs per SM with no split under MIN_TOKENS_PER_SPLIT, or under idle_min_tokens
+    while the grid has at most one program an SM (MLA_IDLE_MIN_TOKENS); a split is a whole
     number of block_n tiles, and splits that no sequence reaches are dropped. whole_waves (MLA): at most
     programs_per_sm programs per SM (rounded down), so a grid never spills a few programs into a second wave
     (session 7: 17 splits x 8 sequences = 136 programs on 132 SMs at one resident program per SM)."""
@@ -93,7 +101,10 @@ def plan_splits(max_tokens: int, programs_per_split: int, block_n: int, programs
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         slots = programs_per_sm * sms
         wanted = max(1, slots // programs_per_split) if whole_waves else triton.cdiv(slots, programs_per_split)
-        num_splits = max(1, min(wanted, triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)))
+        splits = triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)
+        if idle_min_tokens is not None:
+            splits = max(splits, min(triton.cdiv(max_tokens, idle_min_tokens), sms // programs_per_split))
+        num_splits = max(1, min(wanted, splits))
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
     return triton.cdiv(max(max_tokens, 1), tokens_per_split), tokens_per_split
 

@@ -5,6 +5,8 @@ every byte of every token's record, bit for bit, and the bytes a token takes (65
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -268,7 +270,6 @@ def test_an_mla_rows_k_pe_goes_into_the_pages_through_its_own_format():
     """`PagedKV.store_pe`: nvfp4_ds_mla's k_pe side (plain e4m3) is stored read back, the value the engine's cache
     holds and the decode must read; fp8_ds_mla's (bf16) as given. The kernel check reads the same pages, so it could
     not see raw k_pe in them: this is the test that does."""
-    from types import SimpleNamespace
 
     from harness.kv_paths.attention import PagedKV
 
@@ -385,3 +386,25 @@ def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_tw
     measured = {(1, 8192): 128, (1, 16384): 128, (1, 32768): 256, (2, 8192): 64, (2, 32768): 128, (4, 8192): 64,
                 (4, 32768): 64, (8, 8192): 32, (8, 32768): 49, (8, 131072): 49, (16, 8192): 16}
     assert {shape: cuda.latent_split_plan(shape[1], shape[0], 132)[0] for shape in measured} == measured
+
+
+def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch):
+    """`splits.plan_splits` with MLA's idle_min_tokens (kernels/mla_decode.py's launchers): 128-token splits where
+    256-token ones leave SMs without a program (one sequence's 16 heads are one program), never past one program an
+    SM (batch 4 at 8k was 8% slower there on an H200), and nothing changes once the batch fills the GPU. The device's
+    SM count is replaced (132, an H100's or H200's): no GPU here."""
+    import torch
+
+    from kernels import splits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+
+    def plan(tokens, programs, idle):
+        return splits.plan_splits(tokens, programs, 32, 2, None, None, whole_waves=True,
+                                  idle_min_tokens=splits.MLA_IDLE_MIN_TOKENS if idle else None)
+
+    assert plan(8192, 1, False) == (32, 256) and plan(8192, 1, True) == (64, 128)
+    assert plan(1024, 16, False) == (4, 256) and plan(1024, 16, True) == (8, 128)
+    assert plan(8192, 4, True) == plan(8192, 4, False) == (32, 256)   # 33 programs an SM's worth: no shorter
+    assert plan(32768, 8, True) == plan(32768, 8, False) == (32, 1024)
+    assert plan(100, 1, True) == (1, 128)
