@@ -22,7 +22,7 @@ import os
 import torch
 
 from kernels import nvrtc
-from kernels.splits import LOG2E, merge_splits, partials, plan_splits
+from kernels.splits import LOG2E, MLA_IDLE_MIN_TOKENS, merge_splits, partials, plan_splits
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_block_scaled.cu")
 LATENT_SPLIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mla_decode_latent_split.cu")
@@ -188,7 +188,8 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     kernel = nvrtc.build(SOURCE, "mla_block_scaled_decode", defines, device.index)
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     num_splits, tokens_per_split = plan_splits(block_table.shape[1] * page, batch * head_blocks, TOKENS,
-                                               PROGRAMS_PER_SM, device, num_splits, whole_waves=True)
+                                               PROGRAMS_PER_SM, device, num_splits, whole_waves=True,
+                                               idle_min_tokens=MLA_IDLE_MIN_TOKENS)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     scales = block_scales.view(torch.uint8)
