@@ -39,8 +39,8 @@ LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16),     # NVFP
 WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
-# kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also the
-# programs an SM of its split plan). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45, before the
+# kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also its
+# split plan's blocks an SM where splits are long). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45, before the
 # two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775;
 # at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8 bytes spilled.
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
@@ -57,6 +57,7 @@ MIN_SPLIT_TILES = 4
 # Its REG_T build (P . C's fragments kept in registers: 224 of them, so 2 blocks an SM, half the shared-memory traffic)
 # where the grid has at most this many blocks an SM anyway: on an H200 at 16 heads 4-7% faster at batch 1 (8k-128k) and
 # batch 8 at 8k, 1-4% slower than the 3-block build at batch 8 past 8k and batch 32 (kernels/BENCHMARKS.md, session 47).
+# Also the split plan's blocks an SM where splits are short.
 REG_T_CTAS = 2
 NVFP4 = ("e2m1", "e4m3", 16)
 
