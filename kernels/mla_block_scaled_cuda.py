@@ -40,9 +40,10 @@ WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
 # kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also its
-# split plan's blocks an SM where splits are long). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session 45, before the
-# two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775;
-# at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8 bytes spilled.
+# split plan's blocks an SM where splits are long). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session
+# 45, before the two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2
+# 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8
+# bytes spilled.
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
 # A sequence's splits (`latent_split_plan`): SPLIT_CTAS blocks an SM where each split still gets LONG_SPLIT tokens,
 # else REG_T_CTAS (short splits' fp32 partials and their merge cost more than a third block an SM gains); at most
@@ -212,16 +213,13 @@ def latent_split_plan(max_tokens: int, programs: int, sms: int) -> tuple[int, in
     def at_most(blocks_per_sm: int) -> int:
         return max(1, min(blocks_per_sm * sms // programs, SPLIT_MAX_SPLITS_PER_SM * sms))
 
-    def fewest(tiles: int) -> int:   # the splits of at least `tiles` tiles each, up to `splits`
-        return max(1, min(splits, -(-max_tokens // (tiles * TOKENS))))
-
     max_tokens = max(max_tokens, 1)
     splits = at_most(SPLIT_CTAS)
     if -(-max_tokens // splits) < LONG_SPLIT:
         splits = at_most(REG_T_CTAS)
-    wanted = fewest(MIN_SPLIT_TILES)
+    wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES * TOKENS)))
     if wanted * programs < sms // 2:
-        wanted = fewest(MIN_SPLIT_TILES // 2)
+        wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES // 2 * TOKENS)))
     tokens = -(-max_tokens // wanted)
     tokens = -(-tokens // TOKENS) * TOKENS
     return -(-max_tokens // tokens), tokens

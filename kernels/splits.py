@@ -15,11 +15,11 @@ from kernels.launches import launching
 
 LOG2E = 1.4426950408889634      # log2(e): scores kept in base 2 for exp2
 MIN_TOKENS_PER_SPLIT = 256      # below this a split's fixed cost (q load, partial store, merge) dominates
-# MLA's splits where MIN_TOKENS_PER_SPLIT leaves SMs without a program (kernels/mla_decode.py: one sequence's 16
-# heads are one program). On an H200 (kernels/BENCHMARKS.md, session 48, the whole call against 256 in one process):
-# 16 heads at 1k-8k, batch 1-16, FP8 (CUDA entry) 1.11-1.31x faster, BF16 1.17-1.29x; 128 heads, batch 1, 2k-8k,
-# 1.11-1.33x. Past one program an SM it lost (batch 4 at 8k, FP8: 64 splits 0.0257 ms against 32's 0.0237), so the
-# shorter splits stop there.
+# MLA's splits where MIN_TOKENS_PER_SPLIT leaves SMs without a program (the MLA launchers: one sequence's 16
+# heads are one program, 64 on the warpgroup kernel). On an H200 (kernels/BENCHMARKS.md, session 48, the whole call
+# against 256 in one process): 16 heads at 1k-8k, batch 1-16, FP8 (CUDA entry) 1.11-1.31x faster, BF16 1.17-1.29x,
+# the block-scaled tile kernel 1.19-1.42x; 128 heads, batch 1, 2k-8k, 1.11-1.33x. Past one program an SM it lost
+# (batch 4 at 8k, FP8: 64 splits 0.0257 ms against 32's 0.0237), so the shorter splits stop there.
 MLA_IDLE_MIN_TOKENS = 128
 MERGE_TILE = 4096               # fp32 values a merge program loads at once (`merge_tile`)
 

@@ -393,8 +393,6 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
     256-token ones leave SMs without a program (one sequence's 16 heads are one program), never past one program an
     SM (batch 4 at 8k was 8% slower there on an H200), and nothing changes once the batch fills the GPU. The device's
     SM count is replaced (132, an H100's or H200's): no GPU here."""
-    import torch
-
     from kernels import splits
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
@@ -405,6 +403,6 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
 
     assert plan(8192, 1, False) == (32, 256) and plan(8192, 1, True) == (64, 128)
     assert plan(1024, 16, False) == (4, 256) and plan(1024, 16, True) == (8, 128)
-    assert plan(8192, 4, True) == plan(8192, 4, False) == (32, 256)   # 33 programs an SM's worth: no shorter
+    assert plan(8192, 4, True) == plan(8192, 4, False) == (32, 256)   # 4 x 64 would pass one program an SM
     assert plan(32768, 8, True) == plan(32768, 8, False) == (32, 1024)
     assert plan(100, 1, True) == (1, 128)
