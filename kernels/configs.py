@@ -2,7 +2,7 @@
 
 Each entry was measured by `python -m kernels.bench` (its sweep, batch 8, context 32k) on that GPU and is
 copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in the table gets DEFAULT
-(the H100's entry). `launch_config` is what the launchers call; the benchmark prints the entry that ran.
+(the H100's entry); the H200's table is the H100's with the entries measured apart on an H200. `launch_config` is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
 split-KV programs per SM the split plan aims for), block_h (MLA: heads per program), tma (MLA: the tile kernel,
@@ -109,8 +109,15 @@ H100.update({
     "gqa_int8": dict(_BLOCK_SCALED, block_n=128, asm=True,          # INT8: Triton 0.3021 (64 tokens: 0.3755)
                      impl="cuda", cuda_warps=4, ctas=3),
 })
+# H200: the H100's entries (the block-scaled ones above were measured on an H200) but our BF16 MLA kernel at 16 heads
+# with 2 programs an SM. Session 48 (kernels/BENCHMARKS.md, same process, two rounds, min, 64-token pages): batch 8
+# at 32k / 128k 0.1041 -> 0.0942 / 0.3607 -> 0.2912 ms, batch 32 at 8k / 32k / 128k 0.1034 -> 0.0928 / 0.3603 ->
+# 0.2932 / 1.3967 -> 1.0965 (1.10-1.27x); batch 1 at 8k and batch 8 at 8k 3-4% slower (0.0183 -> 0.0188, 0.0390 ->
+# 0.0405), batch 1 at 32k level, at 128k 1.03x; 3 programs an SM lost everywhere. At 128 heads 1 stays: 2 was 1-19%
+# slower (batch 1 at 32k 0.0586 -> 0.0722).
+H200 = dict(H100, mla_bf16=dict(H100["mla_bf16"], programs_per_sm=2))
 DEFAULT = H100
-TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100}
+TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100, "NVIDIA H200": H200}
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,5 +135,10 @@ def launch_config(kind: str, device: torch.device) -> dict:
 def describe(kind: str, device: torch.device) -> str:
     """One line naming the configuration and where it came from, for benchmark output."""
     name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
-    source = "recorded for this GPU" if name in TABLE else "default (H100 entry; GPU not in the table)"
+    if name not in TABLE:
+        source = "default (H100 entry; GPU not in the table)"
+    elif TABLE[name] is not H100 and TABLE[name][kind] == H100[kind]:
+        source = "the H100's entry, kept in this GPU's table"
+    else:
+        source = "recorded for this GPU"
     return f"{kind}: {launch_config(kind, device)} ({source})"

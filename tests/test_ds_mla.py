@@ -406,3 +406,23 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
     assert plan(8192, 4, True) == plan(8192, 4, False) == (32, 256)   # 4 x 64 would pass one program an SM
     assert plan(32768, 8, True) == plan(32768, 8, False) == (32, 1024)
     assert plan(100, 1, True) == (1, 128)
+
+
+def test_the_h200_launch_table_is_the_h100s_but_our_bf16_mla_entry_and_says_so(monkeypatch):
+    """kernels/configs.py: an H200 runs the H100's entries except our BF16 MLA kernel's programs an SM (measured apart
+    on an H200, session 48), and `describe` names which entries are its own, which the H100's it keeps, and the
+    default a GPU outside the table gets. The device name is replaced: no GPU here."""
+    from kernels import configs
+
+    differ = {kind for kind in configs.H100 if configs.H200[kind] != configs.H100[kind]}
+    assert differ == {"mla_bf16"}
+    assert configs.H200["mla_bf16"] == dict(configs.H100["mla_bf16"], programs_per_sm=2)
+    device = SimpleNamespace(index=0)
+    for name, kind, source in (("NVIDIA H200", "mla_bf16", "recorded for this GPU"),
+                               ("NVIDIA H200", "mla_fp8", "the H100's entry, kept in this GPU's table"),
+                               ("NVIDIA H100 80GB HBM3", "mla_bf16", "recorded for this GPU"),
+                               ("NVIDIA A100-SXM4-80GB", "mla_bf16", "default (H100 entry; GPU not in the table)")):
+        monkeypatch.setattr(configs, "_device_name", lambda index, name=name: name)
+        assert configs.describe(kind, device).endswith(f"({source})"), (name, kind)
+        assert configs.launch_config(kind, device)["programs_per_sm"] == \
+            (2 if (name, kind) == ("NVIDIA H200", "mla_bf16") else configs.H100[kind]["programs_per_sm"])
