@@ -2,7 +2,8 @@
 
 Each entry was measured by `python -m kernels.bench` (its sweep, batch 8, context 32k) on that GPU and is
 copied here from its output; kernels/BENCHMARKS.md holds the sweep. A GPU not in the table gets DEFAULT
-(the H100's entry); the H200's table is the H100's with the entries measured apart on an H200. `launch_config` is what the launchers call; the benchmark prints the entry that ran.
+(the H100's entry); the H200's table is the H100's with the entries measured apart on an H200. `launch_config`
+is what the launchers call; the benchmark prints the entry that ran.
 Keys: block_n (tokens per tile), num_warps, num_stages (Triton's cp.async pipeline depth), prefetch (manual
 register prefetch instead), swap (tokens as the MMA's M dimension, heads as N), programs_per_sm (how many
 split-KV programs per SM the split plan aims for), block_h (MLA: heads per program), tma (MLA: the tile kernel,
