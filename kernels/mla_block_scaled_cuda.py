@@ -220,9 +220,7 @@ def latent_split_plan(max_tokens: int, programs: int, sms: int) -> tuple[int, in
     wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES * TOKENS)))
     if wanted * programs < sms // 2:
         wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES // 2 * TOKENS)))
-    tokens = -(-max_tokens // wanted)
-    tokens = -(-tokens // TOKENS) * TOKENS
-    return -(-max_tokens // tokens), tokens
+    return plan_splits(max_tokens, programs, TOKENS, SPLIT_CTAS, None, wanted)   # whole tiles, none empty
 
 
 def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int) -> nvrtc.Kernel:
