@@ -8,10 +8,11 @@ Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16
 - vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale;
 - MXFP4 / MXFP8: e2m1 / e4m3 values under e8m0 scales per 32.
 The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
-SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. An NVFP4 latent in records whose rows lie one
-after another in a page (the engine's pages) runs kernels/mla_decode_latent_split.cu instead (`latent_split_refusal`
-says when it cannot): the same definition, 1.29-1.48x the tile kernel's speed on an H200 at batches 8 and 32
-and 1.20-1.36x at batch 1 (kernels/BENCHMARKS.md, sessions 45-47).
+SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. An NVFP4 or fp8_ds_mla latent in records
+whose rows lie one after another in a page (the engine's pages; fp8_ds_mla's is vLLM's record) runs
+kernels/mla_decode_latent_split.cu instead (`latent_split_refusal` says when it cannot): the same definition, on an
+H200 at 16 heads 1.29-1.48x the tile kernel's speed for NVFP4 at batches 8 and 32 and 1.20-1.36x at batch 1
+(kernels/BENCHMARKS.md, sessions 45-47), for fp8_ds_mla 1.45-1.55x from 32k and 1.23x at batch 1, 8k (session 49).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ MIN_SPLIT_TILES = 4
 # Also the split plan's blocks an SM where splits are short.
 REG_T_CTAS = 2
 NVFP4 = ("e2m1", "e4m3", 16)
+FP8_DS_MLA = ("e4m3", "fp32", 128)
+# The latent split over fp8_ds_mla records: its 656-byte rows leave room for 2 blocks an SM (`_split_smem`), the
+# REG_T build's too, so one build serves every grid: REG_T, on an H200 at 16 heads 1.05-1.09x the other at batch 8
+# and 32 from 32k, level at batch 1, 8k (kernels/BENCHMARKS.md, session 49)
+DS_CTAS = 2
+DS_REG_T = True
 
 
 def serves(element: str, block_scale: str, block: int) -> bool:
@@ -98,26 +105,28 @@ def _smem(layout: tuple) -> int:
             + 2 * TOKENS * 4 + 8 * STAGES)
 
 
-def _split_smem(reg_t: bool = False) -> int:
+def _split_smem(reg_t: bool = False, layout: tuple = NVFP4) -> int:
     """Tile stages, two buffers of the four warps' partial scores (n8 blocks x 32 lanes x 4 fp32), each warp's
     widened tile (tokens x 128 columns in fp16; none in the REG_T build), an mbarrier a stage."""
-    return (SPLIT_STAGES * TOKENS * _row_bytes(NVFP4) + 2 * 4 * (TOKENS // 8) * 32 * 16
+    return (SPLIT_STAGES * TOKENS * _row_bytes(layout) + 2 * 4 * (TOKENS // 8) * 32 * 16
             + (0 if reg_t else 4 * TOKENS * 128 * 2) + 8 * SPLIT_STAGES)
 
 
 def latent_split_refusal(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor,
                          layout: tuple) -> str | None:
     """Why kernels/mla_decode_latent_split.cu cannot take a call `refusal` passed (None when it can): it reads NVFP4
-    records whose rows lie one after another in a page (one copy a page), tiles of whole pages or inside one."""
+    and fp8_ds_mla records whose rows lie one after another in a page (one copy a page), tiles of whole pages or
+    inside one."""
     page = codes.shape[1]
-    if layout != NVFP4:
-        return f"it reads NVFP4 latents, got {'/'.join(map(str, layout))}"
-    if not is_record(codes, block_scales, k_pe) or codes.stride(1) * codes.element_size() != _row_bytes(NVFP4):
-        return f"it copies a page's rows in one piece: one {_row_bytes(NVFP4)}-byte record a token, rows adjacent"
+    if layout not in (NVFP4, FP8_DS_MLA):
+        return f"it reads NVFP4 and fp8_ds_mla latents, got {'/'.join(map(str, layout))}"
+    row = _row_bytes(layout)
+    if not is_record(codes, block_scales, k_pe) or codes.stride(1) * codes.element_size() != row:
+        return f"it copies a page's rows in one piece: one {row}-byte record a token, rows adjacent"
     if page % TOKENS and TOKENS % page:
         return f"its tiles of {TOKENS} tokens are whole pages or lie inside one: page {page}"
-    if _split_smem() > _gpu(codes.device.index)[1]:
-        return f"{_split_smem()} bytes of shared memory is more than this GPU has for a block"
+    if _split_smem(layout=layout) > _gpu(codes.device.index)[1]:
+        return f"{_split_smem(layout=layout)} bytes of shared memory is more than this GPU has for a block"
     return None
 
 
@@ -176,7 +185,7 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
         why = latent_split_refusal(codes, block_scales, k_pe, layout)
         if why is None:
             return _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale, num_splits,
-                                        reg_t)
+                                        reg_t, layout)
         if latent_split:
             raise ValueError(f"the latent-split MLA kernel cannot run this call: {why}")
     batch, heads, _ = q_latent.shape
@@ -207,30 +216,33 @@ def decode(q_latent, q_pe, codes, block_scales, k_pe, block_table, seq_lens, sca
     return out, merge_splits(part_out, part_lse, out)
 
 
-def latent_split_plan(max_tokens: int, programs: int, sms: int) -> tuple[int, int]:
+def latent_split_plan(max_tokens: int, programs: int, sms: int, ctas: int = SPLIT_CTAS) -> tuple[int, int]:
     """(splits, tokens a split: whole tiles) of the latent split over `max_tokens` cache slots for `programs`
-    (sequences x head blocks) on `sms` SMs, the grid inside one wave (the constants' comment says why)."""
+    (sequences x head blocks) on `sms` SMs, the grid inside one wave of `ctas` blocks an SM (the constants' comment
+    says why)."""
     def at_most(blocks_per_sm: int) -> int:
         return max(1, min(blocks_per_sm * sms // programs, SPLIT_MAX_SPLITS_PER_SM * sms))
 
     max_tokens = max(max_tokens, 1)
-    splits = at_most(SPLIT_CTAS)
+    splits = at_most(ctas)
     if -(-max_tokens // splits) < LONG_SPLIT:
-        splits = at_most(REG_T_CTAS)
+        splits = at_most(min(ctas, REG_T_CTAS))
     wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES * TOKENS)))
     if wanted * programs < sms // 2:
         wanted = min(splits, -(-max_tokens // (MIN_SPLIT_TILES // 2 * TOKENS)))
-    return plan_splits(max_tokens, programs, TOKENS, SPLIT_CTAS, None, wanted)   # whole tiles, none empty
+    return plan_splits(max_tokens, programs, TOKENS, ctas, None, wanted)   # whole tiles, none empty
 
 
-def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int) -> nvrtc.Kernel:
+def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int,
+                         e4m3: bool = False) -> nvrtc.Kernel:
     """The latent split's build for this call, the other build (REG_T or not) loaded beside it at the first call:
     which one a call takes depends on its grid, so a CUDA graph captured later for another batch may take the other,
     and its module is then loaded already, not inside the capture. A build that fails is raised, named, by the call
     that needs it (nvrtc.build remembers why)."""
     def build(rt: bool) -> nvrtc.Kernel:
-        defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", REG_T_CTAS if rt else SPLIT_CTAS),
-                   ("Q_BF16", int(q_bf16)), ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt)))
+        ctas = DS_CTAS if e4m3 else REG_T_CTAS if rt else SPLIT_CTAS
+        defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", ctas), ("Q_BF16", int(q_bf16)),
+                   ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt))) + ((("ELEM_E4M3", 1),) if e4m3 else ())
         return nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device)
 
     kernel = build(reg_t)
@@ -242,24 +254,28 @@ def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, 
 
 
 def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm_scale: float,
-                         num_splits: int | None, reg_t: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_splits: int | None, reg_t: bool | None,
+                         layout: tuple = NVFP4) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, _ = q_latent.shape
     device = q_latent.device
     page = codes.shape[1]
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
+    e4m3 = layout == FP8_DS_MLA
+    ctas = DS_CTAS if e4m3 else SPLIT_CTAS
     if num_splits is None:
-        num_splits, tokens_per_split = latent_split_plan(max_tokens, batch * head_blocks, _sms(device.index))
+        num_splits, tokens_per_split = latent_split_plan(max_tokens, batch * head_blocks, _sms(device.index), ctas)
     else:
-        num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, SPLIT_CTAS, device,
+        num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, ctas, device,
                                                    num_splits, whole_waves=True)
     if reg_t is None:
-        reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
-    kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index)
+        reg_t = DS_REG_T if e4m3 else batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
+    kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index,
+                                  e4m3)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     record = codes.view(torch.uint8)
-    kernel((head_blocks, batch, num_splits), (32 * 4, 1, 1), _split_smem(reg_t),
+    kernel((head_blocks, batch, num_splits), (32 * 4, 1, 1), _split_smem(reg_t, layout),
            [q_latent, q_pe, record, block_table, seq_lens, scale if scale is not None else seq_lens, part_out,
             part_lse, sm_scale * LOG2E, tokens_per_split, heads, q_latent.stride(0), q_latent.stride(1),
             q_pe.stride(0), q_pe.stride(1), record.stride(0), block_table.stride(0), part_out.stride(0),

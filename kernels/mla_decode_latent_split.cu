@@ -1,8 +1,9 @@
 // MLA decode over a paged NVFP4 latent stored as one record a token ([256 code bytes | 32 e4m3 block scales | 64 k_pe
-// values in the query's 16-bit type], the engine's pages), split-KV, with the latent split between the warps: the CUDA
-// kernel of kernels/mla_block_scaled_cuda.py for NVFP4 records (compiled at first use by NVRTC, kernels/nvrtc.py;
-// sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds),
-// Q_BF16, HAS_SCALE, REG_T (below).
+// values in the query's 16-bit type], the engine's pages), or over vLLM's fp8_ds_mla record ([512 e4m3 codes | 4 fp32
+// tile scales | 64 k_pe], ELEM_E4M3 below), split-KV, with the latent split between the warps: the CUDA kernel of
+// kernels/mla_block_scaled_cuda.py for those records (compiled at first use by NVRTC, kernels/nvrtc.py; sm_90: bulk
+// copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds), Q_BF16,
+// HAS_SCALE, REG_T, ELEM_E4M3 (below).
 //
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
@@ -43,16 +44,32 @@
 // Rows are placed as they arrive (row r at r x 416 bytes, 8 banks apart), so the token order inside a tile is chosen
 // for the loads instead: n8 block j's column n is row 8j + (n ^ (n >> 2 & 1)). Then Q . C^T's 8-byte loads (rows of a
 // half warp) hit distinct banks.
+//
+// ELEM_E4M3 1, fp8_ds_mla (e4m3 codes, an fp32 scale per tile of 128 columns: warp w's columns are tile w, so each
+// warp's values have one scale a token). The same definition as kernels/mla_decode_block_scaled.cu's for it: the
+// codes widen exactly (cvt.rn.f16x2.e4m3x2) and the tile scales stay out of the MMAs.
+// - Q . C^T: lane q loads 16 bytes a token for 4 k steps, columns 64c + 16q .. + 15 of the warp's; step 4c + i takes
+//   columns 64c + 16q + 4i + (0, 1 | 2, 3) as logical k (2q, 2q+1 | 2q+8, 2q+9), and Q is loaded in that order. The
+//   warp's partial score of token j is its scale_jw x its dot product.
+// - P . C: warp w's P is multiplied by scale_jw / S_w (S_w the largest scale_jw of the split so far; its accumulator
+//   is kept in units of S_w and rescaled by S_old / S_new when S_w grows, out = acc x S_w / l): in fp16 on the shared
+//   P (P <= 2^8, the factor <= 1), or before P is rounded where every warp runs the softmax (m moves).
+// - Rows are 656 bytes apart (16 modulo 128), so n8 block j's column n is row 8j + (n >> 1) + 4 (n & 1): the two rows
+//   of a quarter warp's 16-byte loads are 4 apart, their 64-byte spans in distinct banks.
+// - A row is 656 bytes: two stages, the scores and the widened tiles take 91 KB, so 2 blocks an SM (either build).
 
 #include "mla_fp8_common.cuh"
 
+#ifndef ELEM_E4M3
+#define ELEM_E4M3 0
+#endif
 #define NWC 4                          // warps
 #define NT (32 * NWC)
 #define BN 32                          // tokens per tile
-#define LAT_BYTES (LAT / 2)            // e2m1 codes of a row
-#define SCALE_BYTES (LAT / 16)         // e4m3 block scales of a row
+#define LAT_BYTES (ELEM_E4M3 ? LAT : LAT / 2)          // codes of a row (e4m3, or e2m1 two a byte)
+#define SCALE_BYTES (ELEM_E4M3 ? 4 * NWC : LAT / 16)   // fp32 tile scales (one a warp) or e4m3 block scales of a row
 #define PE_OFF (LAT_BYTES + SCALE_BYTES)
-#define NROW (PE_OFF + 2 * ROPE)       // 416 bytes a row
+#define NROW (PE_OFF + 2 * ROPE)       // 416 bytes a row (NVFP4), 656 (fp8_ds_mla)
 #define STAGE_BYTES (BN * NROW)
 #define WCOL (LAT / NWC)               // latent columns of a warp
 #define NPC (WCOL / 8)                 // its n8 blocks in P . C
@@ -63,6 +80,7 @@
 static_assert(PAGE % BN == 0 || BN % PAGE == 0, "a tile is whole pages or inside one page");
 static_assert(NRUN <= 32, "warp 0's lanes issue a tile's copies");
 static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
+static_assert(!ELEM_E4M3 || WCOL == 128, "fp8_ds_mla: warp w's columns are scale tile w");
 
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
@@ -71,9 +89,14 @@ static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
 #define REG_T 0
 #endif
 #define LAZY 8.f                       // how far (base 2) a score may pass the running maximum before it moves
+static_assert(!(ELEM_E4M3 && HAS_SCALE), "fp8_ds_mla's tile scales are the whole scale");
 
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
+#if ELEM_E4M3
+__device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n >> 1) + 4 * (n & 1); }
+#else
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
+#endif
 
 __device__ __forceinline__ u32 movm(u32 a) {   // an 8 x 8 b16 matrix (one word a lane) transposed across the warp
   u32 d;
@@ -160,25 +183,33 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 #else
   const float scale = 1.f;
 #endif
-  const float qk_lat = (float)sm_scale_log2 * scale * 64.f;   // 2^6: the e2m1 widening's
+  const float widening = ELEM_E4M3 ? 1.f : 64.f;   // 2^6: the e2m1 widening's
+  const float qk_lat = (float)sm_scale_log2 * scale * widening;
   const float qk_pe = (float)sm_scale_log2;
-  const float out_scale = scale * 64.f;
+  const float out_scale = scale * widening;
   const int h0 = hb * 16 + g, h1 = h0 + 8;
 
   // Q's A fragments in registers. Latent k step s (of this warp's 8) takes 4 values of block 4 (s / 4) + q of the
   // warp's 8: columns 128w + 64 (s / 4) + 16q + o + (0, 2 | 1, 3), o = 4 (s % 4), in fp16 (the order the widening
-  // yields, kernels/mla_decode_block_scaled.cu); the k_pe step takes dims 16w + 4q .. + 3 as stored, as logical
-  // k (2q, 2q + 1 | 2q + 8, 2q + 9), so a lane reads 8 consecutive bytes of a k_pe row.
+  // yields, kernels/mla_decode_block_scaled.cu; e4m3: (0, 1 | 2, 3), the header); the k_pe step takes dims 16w + 4q
+  // .. + 3 as stored, as logical k (2q, 2q + 1 | 2q + 8, 2q + 9), so a lane reads 8 consecutive bytes of a k_pe row.
   u32 qa[8][4], qp[4];
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     const int col = WCOL * warp + 64 * (s >> 2) + 16 * q + 4 * (s & 3);
     const u32x2 v0 = h0 < num_heads ? *(const u32x2*)(q_lat + b * s_lb + (i64)h0 * s_lh + col) : u32x2{0u, 0u};
     const u32x2 v1 = h1 < num_heads ? *(const u32x2*)(q_lat + b * s_lb + (i64)h1 * s_lh + col) : u32x2{0u, 0u};
+#if ELEM_E4M3
+    qa[s][0] = half2_of(v0.x);
+    qa[s][1] = half2_of(v1.x);
+    qa[s][2] = half2_of(v0.y);
+    qa[s][3] = half2_of(v1.y);
+#else
     qa[s][0] = half2_of(prmt(v0.x, v0.y, 0x5410));
     qa[s][1] = half2_of(prmt(v1.x, v1.y, 0x5410));
     qa[s][2] = half2_of(prmt(v0.x, v0.y, 0x7632));
     qa[s][3] = half2_of(prmt(v1.x, v1.y, 0x7632));
+#endif
   }
   {
     const int col = 16 * warp + 4 * q;
@@ -187,25 +218,45 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     qp[0] = v0.x; qp[1] = v1.x; qp[2] = v0.y; qp[3] = v1.y;
   }
   const u32 sel_q = q | (q << 4) | 0x4400u;   // byte q of a word, twice (an e4m3x2 pair of one scale)
-  const int code0 = (WCOL / 2) * warp, scale0 = LAT_BYTES + (WCOL / 16) * warp, pe0 = PE_OFF + 32 * warp;
+  const int code0 = (LAT_BYTES / NWC) * warp, scale0 = LAT_BYTES + (SCALE_BYTES / NWC) * warp, pe0 = PE_OFF + 32 * warp;
 #if !REG_T
   u8* mine = widened + warp * W_BYTES;
   // The widened tile: the B fragments of k steps 2p and 2p + 1 of n8 block j, lane (g, q) (4 words: 8 halves), are
   // row g of the 8 x 8 matrix (j, p, q), placed at 512 (4j + p) + 128q + 16 (g ^ 2q) bytes (8 lanes of a store or
   // of a matrix hit 8 different 16-byte bank groups). Its 8 columns are latent columns 64 (p / 2) + 16q + 8 (p % 2)
-  // + (0, 2, 1, 3, 4, 6, 5, 7) of the warp's.
+  // + (0, 2, 1, 3, 4, 6, 5, 7) of the warp's (e4m3: + 0 .. 7).
   const u32 w_store = smem_addr(mine) + 128 * q + 16 * (g ^ (2 * q));
 #endif
 
   // Q . C^T of a tile over this warp's columns, scaled to base 2, into `out` as [warp][n8 block][lane]; the widened
-  // values into the warp's buffer (REG_T: transposed into wt, [k step s][half h][n8 block j])
+  // values into the warp's buffer (REG_T: transposed into wt, [k step s][half h][n8 block j]). e4m3: the tile scales
+  // of this lane's columns (n8 block j's 2q + e) into tsc, read again by P . C (the stage is reused before it).
   u32 wt[REG_T ? 8 : 1][2][BN / 8];
+  float tsc[BN / 8][2];
   auto score_tile = [&](const u8* tile, F4* out) {
     float acc[BN / 8][2][4];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int p = 0; p < 2; ++p) acc[j][p][0] = acc[j][p][1] = acc[j][p][2] = acc[j][p][3] = 0.f;
+#if ELEM_E4M3
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      tsc[j][0] = *(const float*)(tile + tok_of(j, 2 * q) * NROW + scale0);
+      tsc[j][1] = *(const float*)(tile + tok_of(j, 2 * q + 1) * NROW + scale0);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      U4 cw[BN / 8];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) cw[j] = *(const U4*)(tile + tok_of(j, g) * NROW + code0 + 64 * c + 16 * q);
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp)
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const u32 w0 = kp ? cw[j].z : cw[j].x, w1 = kp ? cw[j].w : cw[j].y;
+          const U4 v = {widen2(w0), widen2_hi(w0), widen2(w1), widen2_hi(w1)};
+#else
     u32x2 sw[BN / 8];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) sw[j] = *(const u32x2*)(tile + tok_of(j, g) * NROW + scale0);
@@ -226,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
           const u32 lo = e4m3_of_low(w), hi = e4m3_of_high(w);
           const U4 v = {hmul2(widen2(lo), s2[j]), hmul2(widen2(hi), s2[j]), hmul2(widen2_hi(lo), s2[j]),
                         hmul2(widen2_hi(hi), s2[j])};
+#endif
           mma16816(acc[j][0], qa[4 * c + 2 * kp], v.x, v.y);
           mma16816(acc[j][0], qa[4 * c + 2 * kp + 1], v.z, v.w);
 #if REG_T
@@ -246,16 +298,24 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
       mma_pe(acc[j][1], qp, pe.x, pe.y);
     }
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-      out[(warp * (BN / 8) + j) * 32 + lane] = F4{qk_lat * acc[j][0][0] + qk_pe * acc[j][1][0],
-                                                  qk_lat * acc[j][0][1] + qk_pe * acc[j][1][1],
-                                                  qk_lat * acc[j][0][2] + qk_pe * acc[j][1][2],
-                                                  qk_lat * acc[j][0][3] + qk_pe * acc[j][1][3]};
+    for (int j = 0; j < BN / 8; ++j) {
+#if ELEM_E4M3
+      const float k0 = qk_lat * tsc[j][0], k1 = qk_lat * tsc[j][1];
+#else
+      const float k0 = qk_lat, k1 = qk_lat;
+#endif
+      out[(warp * (BN / 8) + j) * 32 + lane] = F4{k0 * acc[j][0][0] + qk_pe * acc[j][1][0],
+                                                  k1 * acc[j][0][1] + qk_pe * acc[j][1][1],
+                                                  k0 * acc[j][0][2] + qk_pe * acc[j][1][2],
+                                                  k1 * acc[j][0][3] + qk_pe * acc[j][1][3]};
+    }
   };
 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8; l: this lane's columns' sum
-  // o: n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n); REG_T: n8
-  // block 2s + h: column n is 64 (s / 4) + 4 (s % 4) + 16 (n / 2) + (0, 2 | 1, 3) (half h; Q's k order)
+  float s_run = 0.f;   // e4m3: the largest tile scale of this warp's columns so far, the accumulator's unit
+  // o: n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n) (e4m3: + n); REG_T:
+  // n8 block 2s + h: column n is 64 (s / 4) + 4 (s % 4) + 16 (n / 2) + (0, 2 | 1, 3) (half h; Q's k order; e4m3:
+  // + 2h + (0 | 1))
   float o[NPC][4];
 #pragma unroll
   for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -307,6 +367,31 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     F4 pb[BN / 8];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) pb[j] = part[(((j + 1) & 3) * (BN / 8) + j) * 32 + lane];
+#if ELEM_E4M3
+    // P's factors scale_jw / S_w (the header); S_w grows to the tile's largest (fmaxf passes over a NaN scale, whose
+    // score and P are NaN anyway); a split whose scales are all 0 so far has only zeros in its accumulator
+    float fac[BN / 8][2];
+    {
+      float mx = fmaxf(fmaxf(fmaxf(tsc[0][0], tsc[0][1]), fmaxf(tsc[1][0], tsc[1][1])),
+                       fmaxf(fmaxf(tsc[2][0], tsc[2][1]), fmaxf(tsc[3][0], tsc[3][1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the quad's lanes hold all 32 columns
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (mx > s_run) {   // (the same at every lane)
+        const float f = s_run / mx;
+#pragma unroll
+        for (int n = 0; n < NPC; ++n) {
+          o[n][0] *= f; o[n][1] *= f; o[n][2] *= f; o[n][3] *= f;
+        }
+        s_run = mx;
+      }
+      const float inv = s_run > 0.f ? 1.f / s_run : 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        fac[j][0] = tsc[j][0] * inv;
+        fac[j][1] = tsc[j][1] * inv;
+      }
+    }
+#endif
     if (pb[0].z < 0.f || pb[1].z < 0.f || pb[2].z < 0.f || pb[3].z < 0.f) {   // m moves: every warp, the four sums
       float sc[BN / 8][4];
 #pragma unroll
@@ -321,12 +406,22 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
           for (int e = 0; e < 4; ++e)
             if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
       }
+#if ELEM_E4M3
+      online_softmax<BN, NPC, true, true>(sc, m, l, o, pa, fac);
+#else
       online_softmax<BN, NPC, false, true>(sc, m, l, o, pa);
+#endif
     } else {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
+#if ELEM_E4M3
+        const u32 f = pack_half2(fac[j][0], fac[j][1]);
+        pa[j >> 1][2 * (j & 1)] = hmul2(__float_as_uint(pb[j].x), f);
+        pa[j >> 1][2 * (j & 1) + 1] = hmul2(__float_as_uint(pb[j].y), f);
+#else
         pa[j >> 1][2 * (j & 1)] = __float_as_uint(pb[j].x);
         pa[j >> 1][2 * (j & 1) + 1] = __float_as_uint(pb[j].y);
+#endif
       }
       l[0] += ((pb[0].z + pb[1].z) + pb[2].z) + pb[3].z;
       l[1] += ((pb[0].w + pb[1].w) + pb[2].w) + pb[3].w;
@@ -371,7 +466,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     l[0] += __shfl_xor_sync(0xffffffffu, l[0], x);
     l[1] += __shfl_xor_sync(0xffffffffu, l[1], x);
   }
-  const float f0 = l[0] == 0.f ? 0.f : out_scale / l[0], f1 = l[1] == 0.f ? 0.f : out_scale / l[1];
+#if ELEM_E4M3
+  const float unit = out_scale * s_run;
+#else
+  const float unit = out_scale;
+#endif
+  const float f0 = l[0] == 0.f ? 0.f : unit / l[0], f1 = l[1] == 0.f ? 0.f : unit / l[1];
   static_assert(16 * (LAT + 4) * 4 <= STAGES * STAGE_BYTES + 2 * SX_F4 * 16 + (REG_T ? 0 : NWC * W_BYTES),
                 "the staged partials fit in the tiles, scores and widened tiles");
   compute_sync();
@@ -383,15 +483,16 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   for (int s = 0; s < 8; ++s)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int base = 64 * (s >> 2) + 4 * (s & 3) + 16 * q + h;
+      const int base = 64 * (s >> 2) + 4 * (s & 3) + 16 * q + (ELEM_E4M3 ? 2 * h : h), next = ELEM_E4M3 ? 1 : 2;
       const float* v = o[2 * s + h];
       row0[base] = v[0] * f0;
-      row0[base + 2] = v[1] * f0;
+      row0[base + next] = v[1] * f0;
       row1[base] = v[2] * f1;
-      row1[base + 2] = v[3] * f1;
+      row1[base + next] = v[3] * f1;
     }
 #else
-  const int c0 = (q & 1) + 4 * (q >> 1), c1 = c0 + 2;   // perm(2q), perm(2q + 1)
+  // perm(2q), perm(2q + 1)
+  const int c0 = ELEM_E4M3 ? 2 * q : (q & 1) + 4 * (q >> 1), c1 = ELEM_E4M3 ? c0 + 1 : c0 + 2;
 #pragma unroll
   for (int qq = 0; qq < 4; ++qq)
 #pragma unroll

@@ -5,6 +5,7 @@ every byte of every token's record, bit for bit, and the bytes a token takes (65
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -308,9 +309,9 @@ def test_latent_records_hold_what_three_tensors_hold(fmt):
         assert torch.equal(kept, alone), fmt
 
 
-def test_the_latent_split_mla_kernel_takes_nvfp4_records_and_says_what_it_refuses():
-    """`mla_block_scaled_cuda.latent_split_refusal`, asked for each call the CUDA entry takes: NVFP4 latents only
-    (MX and fp8_ds_mla records go to the tile kernel), one record a token with a page's rows adjacent (its one copy a
+def test_the_latent_split_mla_kernel_takes_nvfp4_and_fp8_ds_mla_records_and_says_what_it_refuses(monkeypatch):
+    """`mla_block_scaled_cuda.latent_split_refusal`, asked for each call the CUDA entry takes: NVFP4 and fp8_ds_mla
+    latents only (MX records go to the tile kernel), one record a token with a page's rows adjacent (its one copy a
     page run), and tiles of 32 tokens that are whole pages or lie inside one. Each refusal names its reason (the
     device checks come after these, so this runs on CPU tensors)."""
     from harness.kv_paths import block_layout
@@ -319,8 +320,17 @@ def test_the_latent_split_mla_kernel_takes_nvfp4_records_and_says_what_it_refuse
     rope = torch.zeros(1, 64, dtype=torch.bfloat16)
     nvfp4 = block_layout.of(F.get_format("nvfp4"), mla=True)
     mx = block_layout.of(F.get_format("mxfp8"), mla=True)
-    assert "it reads NVFP4 latents, got e4m3/e8m0/32" == cuda.latent_split_refusal(
+    ds = block_layout.of(F.get_format("ds_mla_e4m3"), mla=True)
+    assert "it reads NVFP4 and fp8_ds_mla latents, got e4m3/e8m0/32" == cuda.latent_split_refusal(
         *mx.allocate_latent_rows(2, 16, 512, rope), tuple(mx.kernel_args.values()))
+    assert tuple(ds.kernel_args.values()) == cuda.FP8_DS_MLA
+    monkeypatch.setattr(cuda, "_gpu", lambda index: ((9, 0), 232448))   # an H100's / H200's shared memory a block
+    assert cuda.latent_split_refusal(*ds.allocate_latent_rows(2, 16, 512, rope), cuda.FP8_DS_MLA) is None
+    monkeypatch.setattr(cuda, "_gpu", lambda index: ((9, 0), 65536))
+    assert "91152 bytes of shared memory" in cuda.latent_split_refusal(*ds.allocate_latent_rows(2, 16, 512, rope),
+                                                                      cuda.FP8_DS_MLA)
+    ds_apart = [*ds.allocate(2, 16, 1, 512, "cpu"), torch.zeros(2, 16, 64, dtype=torch.bfloat16)]
+    assert "one 656-byte record a token" in cuda.latent_split_refusal(*ds_apart, cuda.FP8_DS_MLA)
     apart = [*nvfp4.allocate(2, 16, 1, 512, "cpu"), torch.zeros(2, 16, 64, dtype=torch.bfloat16)]
     assert "one 416-byte record a token" in cuda.latent_split_refusal(*apart, cuda.NVFP4)
     assert "page 24" in cuda.latent_split_refusal(*nvfp4.allocate_latent_rows(2, 24, 512, rope), cuda.NVFP4)
@@ -358,31 +368,34 @@ def test_the_latent_split_mla_kernel_loads_both_builds_at_its_first_call(monkeyp
         fail = int(reg_t)
         with pytest.raises(nvrtc.BuildError, match="no such build"):
             cuda._latent_split_kernel(16, True, False, reg_t, 0)
+    fail, calls[:] = None, []   # fp8_ds_mla records: both builds at 2 blocks an SM
+    assert cuda._latent_split_kernel(64, False, False, True, 0, e4m3=True) == "kernel REG_T=1"
+    assert [(c["REG_T"], c["CTAS"], c["ELEM_E4M3"], c["PAGE"], c["Q_BF16"]) for c in calls] == [(1, 2, 1, 64, 0),
+                                                                                                (0, 2, 1, 64, 0)]
 
 
 def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_two_blocks_an_sm():
     """`mla_block_scaled_cuda.latent_split_plan` over batches 1-64 and contexts 1 - 1M on 132 and 78 SMs: the splits
     cover every slot with none empty, in whole tiles; the grid fits one wave (3 blocks an SM, 2 where a split would
-    be shorter than LONG_SPLIT at 3, at most 2 splits an SM for one sequence); a split has 4 tiles, or 2 where 4
-    would leave more than half the SMs idle. And the H200 shapes the rule was measured on (kernels/BENCHMARKS.md,
-    session 48): the split counts that were fastest there (batch 32 at 8k excepted: 8 splits were 3% faster than
-    the 12 kept, to keep batch 8 at 32k at 49 splits)."""
+    be shorter than LONG_SPLIT at 3, at most 2 splits an SM for one sequence; fp8_ds_mla's 2 blocks an SM: 2); a split
+    has 4 tiles, or 2 where 4 would leave more than half the SMs idle. And the H200 shapes the rule was measured on
+    (kernels/BENCHMARKS.md, session 48): the split counts that were fastest there (batch 32 at 8k excepted: 8 splits
+    were 3% faster than the 12 kept, to keep batch 8 at 32k at 49 splits)."""
     from kernels import mla_block_scaled_cuda as cuda
 
-    for sms in (132, 78):
-        for batch in (1, 2, 3, 8, 16, 64):
-            for tokens in (1, 31, 100, 1000, 8192, 32768, 131072, 1 << 20):
-                splits, per = cuda.latent_split_plan(tokens, batch, sms)
-                what = f"{sms} SMs, batch {batch}, {tokens} tokens: {splits} x {per}"
-                assert per % cuda.TOKENS == 0 and splits * per >= tokens > (splits - 1) * per, what
-                at_three = max(1, min(cuda.SPLIT_CTAS * sms // batch, cuda.SPLIT_MAX_SPLITS_PER_SM * sms))
-                short = -(-tokens // at_three) < cuda.LONG_SPLIT
-                assert splits * batch <= max(batch, (cuda.REG_T_CTAS if short else cuda.SPLIT_CTAS) * sms), what
-                assert splits <= cuda.SPLIT_MAX_SPLITS_PER_SM * sms, what
-                tiles = per // cuda.TOKENS
-                assert splits == 1 or tiles >= 2, what
-                assert tiles >= cuda.MIN_SPLIT_TILES or splits == 1 or \
-                    -(-tokens // (cuda.MIN_SPLIT_TILES * cuda.TOKENS)) * batch < sms // 2, what
+    for sms, batch, ctas in itertools.product((132, 78), (1, 2, 3, 8, 16, 64), (cuda.SPLIT_CTAS, cuda.DS_CTAS)):
+        for tokens in (1, 31, 100, 1000, 8192, 32768, 131072, 1 << 20):
+            splits, per = cuda.latent_split_plan(tokens, batch, sms, ctas)
+            what = f"{sms} SMs, batch {batch}, {ctas} blocks an SM, {tokens} tokens: {splits} x {per}"
+            assert per % cuda.TOKENS == 0 and splits * per >= tokens > (splits - 1) * per, what
+            at_most = max(1, min(ctas * sms // batch, cuda.SPLIT_MAX_SPLITS_PER_SM * sms))
+            short = -(-tokens // at_most) < cuda.LONG_SPLIT
+            assert splits * batch <= max(batch, (min(ctas, cuda.REG_T_CTAS) if short else ctas) * sms), what
+            assert splits <= cuda.SPLIT_MAX_SPLITS_PER_SM * sms, what
+            tiles = per // cuda.TOKENS
+            assert splits == 1 or tiles >= 2, what
+            assert tiles >= cuda.MIN_SPLIT_TILES or splits == 1 or \
+                -(-tokens // (cuda.MIN_SPLIT_TILES * cuda.TOKENS)) * batch < sms // 2, what
     measured = {(1, 8192): 128, (1, 16384): 128, (1, 32768): 256, (2, 8192): 64, (2, 32768): 128, (4, 8192): 64,
                 (4, 32768): 64, (8, 8192): 32, (8, 32768): 49, (8, 131072): 49, (16, 8192): 16}
     assert {shape: cuda.latent_split_plan(shape[1], shape[0], 132)[0] for shape in measured} == measured

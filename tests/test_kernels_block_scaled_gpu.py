@@ -286,9 +286,10 @@ MLA_FORMATS = ["nvfp4", "mxfp8", "mxfp4", "int4_per_token_head", "ds_mla_e4m3", 
 MLA_CUDA_FORMATS = ("nvfp4", "ds_mla_e4m3", "ds_mla_e4m3:apart", "ds_mla_nvfp4", "mxfp8", "mxfp4")
 
 
-def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
+def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16, token_scale=None):
     """A paged block-scaled latent (512) with k_pe (64) beside it in q's type (as the engine allocates them:
-    `allocate_latent_rows`, or three tensors for ":apart"), and the query."""
+    `allocate_latent_rows`, or three tensors for ":apart"), and the query; token_scale [tokens]: each token's latent
+    times it."""
     name, _, apart = fmt.partition(":")
     layout = block_layout.of(kv_formats.get_format(name), mla=True)
     latent_dim, rope_dim = 512, 64
@@ -296,6 +297,8 @@ def _mla_case(fmt, heads, lengths, page=16, q_dtype=torch.bfloat16):
     total = sum(lengths)
     scale = torch.tensor(0.01, device="cuda") if layout.static else None
     x = torch.randn(total, 1, latent_dim, device="cuda") * torch.logspace(-1, 1, latent_dim, device="cuda")
+    if token_scale is not None:
+        x = x * token_scale.to("cuda")[:, None, None]
     if apart:
         codes, block_scales = layout.allocate(num_blocks, page, 1, latent_dim, "cuda")
         k_pe = torch.zeros(num_blocks, page, rope_dim, device="cuda", dtype=q_dtype)
@@ -377,15 +380,16 @@ def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
     assert torch.equal(broken[keep], out[keep]) and torch.equal(broken_lse[keep], lse[keep])
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4", "ds_mla_e4m3"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize(("heads", "q_dtype"), [(16, torch.bfloat16), (20, torch.bfloat16), (128, torch.float16)])
 @pytest.mark.parametrize("reg_t", [False, True])
 def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype, reg_t):
-    """kernels/mla_decode_latent_split.cu, the entry for NVFP4 records (the engine's pages): the definition of
-    kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16), its scores
-    summed in another order (four partials of 128 columns, fp32) and P taken against a running maximum that may lag
-    the scores (P <= 2^8, the next test). So its output lies within 2^-8 of the largest true
+    """kernels/mla_decode_latent_split.cu, the entry for NVFP4 and fp8_ds_mla records (the engine's pages): the
+    definition of kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16;
+    fp8_ds_mla's tile scales out of the MMAs, P times each warp's scale ratio, here in a second fp16 rounding), its
+    scores summed in another order (four partials of 128 columns, fp32) and P taken against a running maximum that
+    may lag the scores (P <= 2^8, the next test). So its output lies within 2^-8 of the largest true
     value of the tile kernel's (bf16 output rounding alone is 2^-9 relative; measured 2^-11.8 on an H200, and a
     misplaced widened matrix read 190-700x the error) and both within 1e-3 of fp64's lse: ragged sequences (empty, one
     token, partial tiles, several splits) over shuffled pages of 1, 16 and 64 rows; both builds (REG_T: P . C's
@@ -428,9 +432,10 @@ def _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_l
     assert math.isfinite(gap) and gap <= 2.0 ** -8 * top, f"{what}: {gap:.3g} from the tile kernel"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_e4m3"])
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("reg_t", [False, True])
-def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits, reg_t):
+def test_mla_latent_split_kernel_moves_its_lazy_maximum(fmt, splits, reg_t):
     """The latent-split kernel's running maximum m is lazy: P is taken against the m every warp holds, and m moves
     only at a split's first tile and at a tile with a score more than 8 (base 2) above it. Keys placed mid-sequence
     (after the first tile) with k_pe = q_pe times 8-40 score ~8-38 base-2 units above the others' mean (their
@@ -439,7 +444,7 @@ def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits, reg_t):
     tile) and the planned splits; tolerances as the test above (the tile kernel moves m every tile)."""
     from kernels import mla_block_scaled_cuda
 
-    case = _mla_case("nvfp4", 16, [3000, 700])
+    case = _mla_case(fmt, 16, [3000, 700])
     pe, page = case.k_pe.view(-1, case.k_pe.shape[-1]), case.codes.shape[1]
     for b, token, head, factor in ((0, 40, 3, 20.0), (0, 1500, 3, 40.0), (0, 2900, 9, 30.0), (1, 500, 0, 8.0)):
         pe[int(case.table[b, token // page]) * page + token % page] = (case.q_pe[b, head].float() * factor).to(pe.dtype)
@@ -448,7 +453,31 @@ def test_mla_latent_split_kernel_moves_its_lazy_maximum(splits, reg_t):
     out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True, reg_t=reg_t)
     tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
     assert out.isfinite().all() and lse.isfinite().all()
-    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1], f"{splits} splits")
+    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1],
+                                                    f"{fmt}, {splits} splits")
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("reg_t", [False, True])
+def test_mla_latent_split_kernel_rescales_its_fp8_ds_mla_units(splits, reg_t):
+    """fp8_ds_mla through the latent-split kernel: each warp keeps its P . C accumulator in units of S_w, the largest
+    tile scale of its 128 columns so far, and rescales it when a later tile's is larger; P takes scale / S_w. Each
+    token's latent times 10^u, u uniform in [-3, 1] (so S_w grows at some tiles, and P's factor reaches ~1e-4),
+    sequence 1 with its largest token first (S_w never grows after the first tile); one split and the planned ones.
+    A missed rescale mixes units (errors of the order of the output); tolerances as the tests above."""
+    from kernels import mla_block_scaled_cuda
+
+    lengths = [3000, 700, 65]
+    gen = torch.Generator().manual_seed(5)
+    token_scale = 10.0 ** (torch.rand(sum(lengths), generator=gen) * 4 - 3)
+    token_scale[lengths[0]] = 30.0
+    case = _mla_case("ds_mla_e4m3", 16, lengths, token_scale=token_scale)
+    args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
+            case.scale, case.sm_scale, splits, tuple(case.layout.kernel_args.values()))
+    out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True, reg_t=reg_t)
+    tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
+    assert out.isfinite().all() and lse.isfinite().all()
+    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1, 2], f"{splits} splits")
 
 
 def test_mla_latent_split_kernel_keeps_a_nan_block_scale_in_its_sequence():
