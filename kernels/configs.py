@@ -18,6 +18,8 @@ always): the split count rounded down to whole waves of programs_per_sm programs
 (MLA over an fp8 cache, session 11): the CUDA kernel of kernels/mla_decode_fp8.cu, with bulk (sm_90 bulk copies, else
 cp.async) and ctas (blocks per SM its registers are budgeted for); cuda_merge (session 14): its splits merged by the
 CUDA merge kernel of the same file as a programmatic dependent launch instead of by the Triton merge_splits.
+latent_split (MLA over an fp8 cache, session 49): kernels/mla_decode_latent_split.cu first, for a call without launch
+keywords, the entry's other keys where it cannot run.
 """
 
 from __future__ import annotations
@@ -116,7 +118,12 @@ H100.update({
 # 0.2932 / 1.3967 -> 1.0965 (1.10-1.27x); batch 1 at 8k and batch 8 at 8k 3-4% slower (0.0183 -> 0.0188, 0.0390 ->
 # 0.0405), batch 1 at 32k level, at 128k 1.03x; 3 programs an SM lost everywhere. At 128 heads 1 stays: 2 was 1-19%
 # slower (batch 1 at 32k 0.0586 -> 0.0722).
-H200 = dict(H100, mla_bf16=dict(H100["mla_bf16"], programs_per_sm=2))
+# mla_fp8 at 16 heads (session 49, same process, two rounds, min, 64-token pages): the latent split
+# (kernels/mla_decode_latent_split.cu, latent_split=True) before the CUDA kernel of impl="cuda", which stays the
+# fallback where it cannot run: batch 8 at 8k / 32k / 128k 0.0319 -> 0.0268 / 0.0747 -> 0.0594 / 0.2469 -> 0.1793 ms,
+# batch 32 at 32k 0.2524 -> 0.1806, batch 1 at 8k 0.0176 -> 0.0147 (1.17-1.40x; our BF16 1.28-1.66x).
+H200 = dict(H100, mla_bf16=dict(H100["mla_bf16"], programs_per_sm=2),
+            mla_fp8=dict(H100["mla_fp8"], latent_split=True))
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100, "NVIDIA H200": H200}
 

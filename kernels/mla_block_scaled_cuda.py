@@ -13,6 +13,8 @@ whose rows lie one after another in a page (the engine's pages; fp8_ds_mla's is 
 kernels/mla_decode_latent_split.cu instead (`latent_split_refusal` says when it cannot): the same definition, on an
 H200 at 16 heads 1.29-1.48x the tile kernel's speed for NVFP4 at batches 8 and 32 and 1.20-1.36x at batch 1
 (kernels/BENCHMARKS.md, sessions 45-47), for fp8_ds_mla 1.45-1.55x from 32k and 1.23x at batch 1, 8k (session 49).
+The same kernel serves kernels/mla_decode.py's plain FP8 cache (`plain_fp8_refusal`, `decode_plain_fp8`: rows of 512 +
+64 fp8 codes under one static scale), its latent_split option.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ MIN_SPLIT_TILES = 4
 REG_T_CTAS = 2
 NVFP4 = ("e2m1", "e4m3", 16)
 FP8_DS_MLA = ("e4m3", "fp32", 128)
-# The latent split over fp8_ds_mla records: its 656-byte rows leave room for 2 blocks an SM (`_split_smem`), the
-# REG_T build's too, so one build serves every grid: REG_T, on an H200 at 16 heads 1.05-1.09x the other at batch 8
-# and 32 from 32k, level at batch 1, 8k (kernels/BENCHMARKS.md, session 49)
-DS_CTAS = 2
-DS_REG_T = True
+# kernels/mla_decode.py's plain FP8 cache through the latent split (`plain_fp8_refusal`, `decode_plain_fp8`): rows of
+# 512 + 64 fp8 codes under one static scale, k_pe's codes too
+PLAIN_FP8 = {torch.float8_e4m3fn: ("e4m3", "static", 0), torch.float8_e5m2: ("e5m2", "static", 0)}
+# The latent split over fp8 rows (fp8_ds_mla's 656 bytes, the plain cache's 576) leaves room for 2 blocks an SM
+# (`_split_smem`), the REG_T build's too, so one build serves every grid: REG_T, on an H200 at 16 heads over
+# fp8_ds_mla 1.05-1.09x the other at batch 8 and 32 from 32k, level at batch 1, 8k (kernels/BENCHMARKS.md, session 49)
+FP8_CTAS = 2
+FP8_REG_T = True
 
 
 def serves(element: str, block_scale: str, block: int) -> bool:
@@ -105,10 +110,14 @@ def _smem(layout: tuple) -> int:
             + 2 * TOKENS * 4 + 8 * STAGES)
 
 
+def _split_row_bytes(layout: tuple) -> int:
+    return LATENT + ROPE if layout in PLAIN_FP8.values() else _row_bytes(layout)
+
+
 def _split_smem(reg_t: bool = False, layout: tuple = NVFP4) -> int:
     """Tile stages, two buffers of the four warps' partial scores (n8 blocks x 32 lanes x 4 fp32), each warp's
     widened tile (tokens x 128 columns in fp16; none in the REG_T build), an mbarrier a stage."""
-    return (SPLIT_STAGES * TOKENS * _row_bytes(layout) + 2 * 4 * (TOKENS // 8) * 32 * 16
+    return (SPLIT_STAGES * TOKENS * _split_row_bytes(layout) + 2 * 4 * (TOKENS // 8) * 32 * 16
             + (0 if reg_t else 4 * TOKENS * 128 * 2) + 8 * SPLIT_STAGES)
 
 
@@ -128,6 +137,45 @@ def latent_split_refusal(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: 
     if _split_smem(layout=layout) > _gpu(codes.device.index)[1]:
         return f"{_split_smem(layout=layout)} bytes of shared memory is more than this GPU has for a block"
     return None
+
+
+def plain_fp8_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> str | None:
+    """Why the latent split cannot take kernels/mla_decode.py's plain FP8 cache ([pages, page, 512 + 64] e4m3 or
+    e5m2 codes, one static scale) in this call (None when it can): rows adjacent in a page (one copy a page run),
+    tiles of whole pages or inside one, the query read 4 elements at a time, sm_90's bulk copies."""
+    if cache.dtype not in PLAIN_FP8:
+        return f"it reads e4m3 or e5m2 caches, got {cache.dtype}"
+    if q_latent.shape[-1] != LATENT or q_pe.shape[-1] != ROPE:
+        return f"it is built for a latent of {LATENT} and k_pe of {ROPE}, got {q_latent.shape[-1]} and {q_pe.shape[-1]}"
+    if cache.stride(2) != 1 or cache.stride(1) != LATENT + ROPE or cache.stride(0) % 16 or cache.data_ptr() % 16:
+        return (f"it copies a page's rows in one piece: rows of {LATENT + ROPE} bytes adjacent, pages and the base "
+                "16-byte aligned")
+    page = cache.shape[1]
+    if page % TOKENS and TOKENS % page:
+        return f"its tiles of {TOKENS} tokens are whole pages or lie inside one: page {page}"
+    if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) != 1 for t in (q_latent, q_pe)):
+        return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
+    if cache.device.type != "cuda":
+        return f"it runs on CUDA tensors, got {cache.device.type} ones"
+    reason = nvrtc.unavailable()
+    if reason:
+        return reason
+    capability, smem = _gpu(cache.device.index)
+    if capability < (9, 0):
+        return "it needs sm_90 or later (bulk copies into shared memory)"
+    layout = PLAIN_FP8[cache.dtype]
+    if _split_smem(FP8_REG_T, layout) > smem:
+        return f"{_split_smem(FP8_REG_T, layout)} bytes of shared memory is more than this GPU has for a block"
+    return None
+
+
+def decode_plain_fp8(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale: float, num_splits: int | None,
+                     reg_t: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/mla_decode.py's definition over its plain FP8 cache, s = sm_scale x scale x (q_latent . c + q_pe .
+    pe) and out = scale x sum_j p_j c_j, by kernels/mla_decode_latent_split.cu (FP8_PE): (out [B, H, 512] in q's
+    dtype, lse [B, H] natural log); the caller checked `plain_fp8_refusal`."""
+    return _decode_latent_split(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale, num_splits, reg_t,
+                                PLAIN_FP8[cache.dtype])
 
 
 def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, block_scales: torch.Tensor,
@@ -234,16 +282,20 @@ def latent_split_plan(max_tokens: int, programs: int, sms: int, ctas: int = SPLI
 
 
 def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, device: int,
-                         e4m3: bool = False) -> nvrtc.Kernel:
+                         layout: tuple = NVFP4) -> nvrtc.Kernel:
     """The latent split's build for this call, the other build (REG_T or not) loaded beside it at the first call:
     which one a call takes depends on its grid, so a CUDA graph captured later for another batch may take the other,
     and its module is then loaded already, not inside the capture. A build that fails is raised, named, by the call
     that needs it (nvrtc.build remembers why)."""
     def build(rt: bool) -> nvrtc.Kernel:
-        ctas = DS_CTAS if e4m3 else REG_T_CTAS if rt else SPLIT_CTAS
-        defines = (("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", ctas), ("Q_BF16", int(q_bf16)),
-                   ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt))) + ((("ELEM_E4M3", 1),) if e4m3 else ())
-        return nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", defines, device)
+        ctas = REG_T_CTAS if rt else SPLIT_CTAS
+        defines = [("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", FP8_CTAS if layout != NVFP4 else ctas),
+                   ("Q_BF16", int(q_bf16)), ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt))]
+        if layout != NVFP4:
+            defines.append(("ELEM_E4M3", 1))
+        if layout in PLAIN_FP8.values():
+            defines += [("FP8_PE", 1), ("FMT_E5M2", int(layout[0] == "e5m2"))]
+        return nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", tuple(defines), device)
 
     kernel = build(reg_t)
     try:
@@ -261,17 +313,16 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
     page = codes.shape[1]
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
-    e4m3 = layout == FP8_DS_MLA
-    ctas = DS_CTAS if e4m3 else SPLIT_CTAS
+    ctas = SPLIT_CTAS if layout == NVFP4 else FP8_CTAS
     if num_splits is None:
         num_splits, tokens_per_split = latent_split_plan(max_tokens, batch * head_blocks, _sms(device.index), ctas)
     else:
         num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, ctas, device,
                                                    num_splits, whole_waves=True)
     if reg_t is None:
-        reg_t = DS_REG_T if e4m3 else batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
+        reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index) if layout == NVFP4 else FP8_REG_T
     kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index,
-                                  e4m3)
+                                  layout)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)
     part_out, part_lse = partials(out, num_splits)
     record = codes.view(torch.uint8)

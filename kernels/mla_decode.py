@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.decode_attention import (LOG2E, _check_attention_scales, _decode_attention_pages, _widen, merge_splits,
                                      on_tensor_device, partials, plan_splits)
-from kernels import nvrtc
+from kernels import mla_block_scaled_cuda, nvrtc
 from kernels.configs import launch_config
 from kernels.splits import MLA_IDLE_MIN_TOKENS
 from kernels.reference import FP8_MAX, is_fp8
@@ -469,7 +469,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
                widen: bool | None = None, split_latent: bool | None = None,
                impl: str | None = None, ctas: int | None = None,
                bulk: bool | None = None, wgmma: bool | None = None,
-               cuda_merge: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cuda_merge: bool | None = None, latent_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [B, H, Dc] (q_nope @ W_UK), q_pe: [B, H, Dr], bf16/fp16; cache: [num_blocks, block_size,
     Dc + Dr] fp8 (e4m3/e5m2) or q dtype; block_table: [B, max_blocks] int32; seq_lens: [B] int32;
     scale: fp32 [] (ignored for a bf16/fp16 cache). Returns (out [B, H, Dc] q dtype, lse [B, H] fp32).
@@ -493,7 +493,11 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     merged by the same file's mla_fp8_merge, as a programmatic dependent launch on sm_90, instead of by
     merge_splits); `cuda_refusal` says when it cannot run,
     and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
-    this machine cannot build it)."""
+    this machine cannot build it). latent_split (an fp8 cache, no options; not the Triton kernel's split_latent):
+    kernels/mla_decode_latent_split.cu, the latent's columns split between 4 warps over 16 heads a block; an entry's
+    latent_split applies to a call without launch keywords (they choose another kernel), where
+    `mla_block_scaled_cuda.plain_fp8_refusal` says it can run, else the entry's other keys do; an explicit
+    latent_split=True it cannot run fails."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
         f"q_latent/q_pe must be [B, H, Dc] and [B, H, Dr], got {list(q_latent.shape)}, {list(q_pe.shape)}"
     assert q_latent.dtype in (torch.bfloat16, torch.float16) and q_pe.dtype == q_latent.dtype, \
@@ -532,9 +536,21 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("prefetch", prefetch),
         ("swap", swap), ("programs_per_sm", programs_per_sm), ("block_h", block_h), ("tma", tma), ("widen", widen),
         ("split_latent", split_latent), ("impl", impl), ("ctas", ctas), ("bulk", bulk), ("wgmma", wgmma),
-        ("cuda_merge", cuda_merge))
+        ("cuda_merge", cuda_merge), ("latent_split", latent_split))
         if value is not None}
     cfg = dict(launch_config(entry, device), **given)
+    if latent_split or (cfg.get("latent_split") and not given):   # an entry's: a call without launch keywords
+        refusal = "no fp8_mma, q_scale or prob_scale" if fp8_mma or fp8_attention else \
+            mla_block_scaled_cuda.plain_fp8_refusal(q_latent, q_pe, cache)
+        assert not latent_split or refusal is None, f"latent_split=True cannot run: {refusal}"
+        if refusal is None:
+            try:
+                return mla_block_scaled_cuda.decode_plain_fp8(q_latent, q_pe, cache, block_table, seq_lens, scale,
+                                                              sm_scale, num_splits)
+            except nvrtc.BuildError as e:   # as impl="cuda" below: the entry's other keys run, an explicit one fails
+                if latent_split:
+                    raise
+                _warn_cuda_fallback(str(e), "kernels/mla_decode_latent_split.cu", "the entry's other kernel")
     if cfg.get("impl") == "cuda":
         refusal = cuda_refusal(q_latent, q_pe, cache, fp8_mma or fp8_attention, cfg)
         assert impl is None or refusal is None, f"impl='cuda' cannot run: {refusal}"
@@ -722,9 +738,10 @@ def cuda_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_cuda_fallback(reason: str) -> None:
-    warnings.warn(f"mla_decode: the CUDA kernel (kernels/mla_decode_fp8.cu) did not build here, so the Triton entry "
-                  f"runs instead: {reason}", RuntimeWarning, stacklevel=3)
+def _warn_cuda_fallback(reason: str, kernel: str = "kernels/mla_decode_fp8.cu",
+                        instead: str = "the Triton entry") -> None:
+    warnings.warn(f"mla_decode: the CUDA kernel ({kernel}) did not build here, so {instead} runs instead: {reason}",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _cuda_kernel(defines: tuple, index: int, wgmma: bool = False, name: str = "mla_fp8_decode"):

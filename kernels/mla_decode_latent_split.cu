@@ -1,9 +1,9 @@
 // MLA decode over a paged NVFP4 latent stored as one record a token ([256 code bytes | 32 e4m3 block scales | 64 k_pe
-// values in the query's 16-bit type], the engine's pages), or over vLLM's fp8_ds_mla record ([512 e4m3 codes | 4 fp32
-// tile scales | 64 k_pe], ELEM_E4M3 below), split-KV, with the latent split between the warps: the CUDA kernel of
+// values in the query's 16-bit type], the engine's pages), over vLLM's fp8_ds_mla record ([512 e4m3 codes | 4 fp32
+// tile scales | 64 k_pe], ELEM_E4M3 below) or over the plain FP8 cache (FP8_PE below), split-KV, with the latent split between the warps: the CUDA kernel of
 // kernels/mla_block_scaled_cuda.py for those records (compiled at first use by NVRTC, kernels/nvrtc.py; sm_90: bulk
 // copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds), Q_BF16,
-// HAS_SCALE, REG_T, ELEM_E4M3 (below).
+// HAS_SCALE, REG_T, ELEM_E4M3, FP8_PE (below).
 //
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
@@ -57,19 +57,32 @@
 // - Rows are 656 bytes apart (16 modulo 128), so n8 block j's column n is row 8j + (n >> 1) + 4 (n & 1): the two rows
 //   of a quarter warp's 16-byte loads are 4 apart, their 64-byte spans in distinct banks.
 // - A row is 656 bytes: two stages, the scores and the widened tiles take 91 KB, so 2 blocks an SM (either build).
+//
+// FP8_PE 1 (with ELEM_E4M3): kernels/mla_decode.py's plain FP8 cache, rows of 512 + 64 fp8 codes (e4m3, or e5m2 with
+// FMT_E5M2) under one static scale (HAS_SCALE), its definition: s_j = sm_scale * scale * (q_latent . c_j + q_pe .
+// pe_j), out = scale * sum_j p_j c_j. As ELEM_E4M3 without tile scales; k_pe's codes widen as the latent's (lane q:
+// dims 4q .. 4q + 3 of the warp's 16) and q_pe is rounded to fp16 for its MMA. Rows are 576 bytes apart (64 modulo
+// 128), so n8 block j's column n is row 8j + n: a quarter warp's two rows are adjacent, their spans 64 bytes apart.
 
 #include "mla_fp8_common.cuh"
 
 #ifndef ELEM_E4M3
 #define ELEM_E4M3 0
 #endif
+#ifndef FP8_PE
+#define FP8_PE 0
+#endif
+#define TILE_SCALES (ELEM_E4M3 && !FP8_PE)   // fp8_ds_mla
 #define NWC 4                          // warps
 #define NT (32 * NWC)
 #define BN 32                          // tokens per tile
-#define LAT_BYTES (ELEM_E4M3 ? LAT : LAT / 2)          // codes of a row (e4m3, or e2m1 two a byte)
-#define SCALE_BYTES (ELEM_E4M3 ? 4 * NWC : LAT / 16)   // fp32 tile scales (one a warp) or e4m3 block scales of a row
+#define LAT_BYTES (ELEM_E4M3 ? LAT : LAT / 2)          // codes of a row (fp8, or e2m1 two a byte)
+// fp32 tile scales (one a warp), none (FP8_PE: the static scale), or e4m3 block scales of a row
+#define SCALE_BYTES (FP8_PE ? 0 : ELEM_E4M3 ? 4 * NWC : LAT / 16)
 #define PE_OFF (LAT_BYTES + SCALE_BYTES)
-#define NROW (PE_OFF + 2 * ROPE)       // 416 bytes a row (NVFP4), 656 (fp8_ds_mla)
+#define PE_BYTES (FP8_PE ? ROPE : 2 * ROPE)
+#define NROW (PE_OFF + PE_BYTES)       // 416 bytes a row (NVFP4), 656 (fp8_ds_mla), 576 (FP8_PE)
+static_assert(!FP8_PE || ELEM_E4M3, "FP8_PE: fp8 codes");
 #define STAGE_BYTES (BN * NROW)
 #define WCOL (LAT / NWC)               // latent columns of a warp
 #define NPC (WCOL / 8)                 // its n8 blocks in P . C
@@ -80,7 +93,7 @@
 static_assert(PAGE % BN == 0 || BN % PAGE == 0, "a tile is whole pages or inside one page");
 static_assert(NRUN <= 32, "warp 0's lanes issue a tile's copies");
 static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
-static_assert(!ELEM_E4M3 || WCOL == 128, "fp8_ds_mla: warp w's columns are scale tile w");
+static_assert(!TILE_SCALES || WCOL == 128, "fp8_ds_mla: warp w's columns are scale tile w");
 
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
@@ -89,10 +102,12 @@ static_assert(!ELEM_E4M3 || WCOL == 128, "fp8_ds_mla: warp w's columns are scale
 #define REG_T 0
 #endif
 #define LAZY 8.f                       // how far (base 2) a score may pass the running maximum before it moves
-static_assert(!(ELEM_E4M3 && HAS_SCALE), "fp8_ds_mla's tile scales are the whole scale");
+static_assert(!(TILE_SCALES && HAS_SCALE), "fp8_ds_mla's tile scales are the whole scale");
 
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
-#if ELEM_E4M3
+#if FP8_PE
+__device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + n; }
+#elif ELEM_E4M3
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n >> 1) + 4 * (n & 1); }
 #else
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
@@ -185,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 #endif
   const float widening = ELEM_E4M3 ? 1.f : 64.f;   // 2^6: the e2m1 widening's
   const float qk_lat = (float)sm_scale_log2 * scale * widening;
-  const float qk_pe = (float)sm_scale_log2;
+  const float qk_pe = (float)sm_scale_log2 * (FP8_PE ? scale : 1.f);   // FP8_PE: k_pe's codes under the scale too
   const float out_scale = scale * widening;
   const int h0 = hb * 16 + g, h1 = h0 + 8;
 
@@ -215,10 +230,15 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     const int col = 16 * warp + 4 * q;
     const u32x2 v0 = h0 < num_heads ? *(const u32x2*)(q_pe + b * s_pb + (i64)h0 * s_ph + col) : u32x2{0u, 0u};
     const u32x2 v1 = h1 < num_heads ? *(const u32x2*)(q_pe + b * s_pb + (i64)h1 * s_ph + col) : u32x2{0u, 0u};
+#if FP8_PE
+    qp[0] = half2_of(v0.x); qp[1] = half2_of(v1.x); qp[2] = half2_of(v0.y); qp[3] = half2_of(v1.y);
+#else
     qp[0] = v0.x; qp[1] = v1.x; qp[2] = v0.y; qp[3] = v1.y;
+#endif
   }
   const u32 sel_q = q | (q << 4) | 0x4400u;   // byte q of a word, twice (an e4m3x2 pair of one scale)
-  const int code0 = (LAT_BYTES / NWC) * warp, scale0 = LAT_BYTES + (SCALE_BYTES / NWC) * warp, pe0 = PE_OFF + 32 * warp;
+  const int code0 = (LAT_BYTES / NWC) * warp, scale0 = LAT_BYTES + (SCALE_BYTES / NWC) * warp;
+  const int pe0 = PE_OFF + (PE_BYTES / NWC) * warp;
 #if !REG_T
   u8* mine = widened + warp * W_BYTES;
   // The widened tile: the B fragments of k steps 2p and 2p + 1 of n8 block j, lane (g, q) (4 words: 8 halves), are
@@ -239,12 +259,14 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int p = 0; p < 2; ++p) acc[j][p][0] = acc[j][p][1] = acc[j][p][2] = acc[j][p][3] = 0.f;
-#if ELEM_E4M3
+#if TILE_SCALES
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       tsc[j][0] = *(const float*)(tile + tok_of(j, 2 * q) * NROW + scale0);
       tsc[j][1] = *(const float*)(tile + tok_of(j, 2 * q + 1) * NROW + scale0);
     }
+#endif
+#if ELEM_E4M3
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       U4 cw[BN / 8];
@@ -294,12 +316,17 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
+#if FP8_PE
+      const u32 pe = *(const u32*)(tile + tok_of(j, g) * NROW + pe0 + 4 * q);   // dims 4q .. 4q + 3 of the warp's
+      mma16816(acc[j][1], qp, widen2(pe), widen2_hi(pe));
+#else
       const u32x2 pe = *(const u32x2*)(tile + tok_of(j, g) * NROW + pe0 + 8 * q);
       mma_pe(acc[j][1], qp, pe.x, pe.y);
+#endif
     }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-#if ELEM_E4M3
+#if TILE_SCALES
       const float k0 = qk_lat * tsc[j][0], k1 = qk_lat * tsc[j][1];
 #else
       const float k0 = qk_lat, k1 = qk_lat;
@@ -367,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     F4 pb[BN / 8];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) pb[j] = part[(((j + 1) & 3) * (BN / 8) + j) * 32 + lane];
-#if ELEM_E4M3
+#if TILE_SCALES
     // P's factors scale_jw / S_w (the header); S_w grows to the tile's largest (fmaxf passes over a NaN scale, whose
     // score and P are NaN anyway); a split whose scales are all 0 so far has only zeros in its accumulator
     float fac[BN / 8][2];
@@ -406,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
           for (int e = 0; e < 4; ++e)
             if (t0 + tok_of(j, 2 * q + (e & 1)) >= end) sc[j][e] = NEG_INF;
       }
-#if ELEM_E4M3
+#if TILE_SCALES
       online_softmax<BN, NPC, true, true>(sc, m, l, o, pa, fac);
 #else
       online_softmax<BN, NPC, false, true>(sc, m, l, o, pa);
@@ -414,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     } else {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-#if ELEM_E4M3
+#if TILE_SCALES
         const u32 f = pack_half2(fac[j][0], fac[j][1]);
         pa[j >> 1][2 * (j & 1)] = hmul2(__float_as_uint(pb[j].x), f);
         pa[j >> 1][2 * (j & 1) + 1] = hmul2(__float_as_uint(pb[j].y), f);
@@ -466,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     l[0] += __shfl_xor_sync(0xffffffffu, l[0], x);
     l[1] += __shfl_xor_sync(0xffffffffu, l[1], x);
   }
-#if ELEM_E4M3
+#if TILE_SCALES
   const float unit = out_scale * s_run;
 #else
   const float unit = out_scale;

@@ -368,10 +368,15 @@ def test_the_latent_split_mla_kernel_loads_both_builds_at_its_first_call(monkeyp
         fail = int(reg_t)
         with pytest.raises(nvrtc.BuildError, match="no such build"):
             cuda._latent_split_kernel(16, True, False, reg_t, 0)
-    fail, calls[:] = None, []   # fp8_ds_mla records: both builds at 2 blocks an SM
-    assert cuda._latent_split_kernel(64, False, False, True, 0, e4m3=True) == "kernel REG_T=1"
+    fail, calls[:] = None, []   # fp8_ds_mla records: both builds at 2 blocks an SM (the fp8 rows' shared memory)
+    assert cuda._latent_split_kernel(64, False, False, True, 0, cuda.FP8_DS_MLA) == "kernel REG_T=1"
     assert [(c["REG_T"], c["CTAS"], c["ELEM_E4M3"], c["PAGE"], c["Q_BF16"]) for c in calls] == [(1, 2, 1, 64, 0),
                                                                                                 (0, 2, 1, 64, 0)]
+    assert all("FP8_PE" not in c for c in calls)
+    calls.clear()   # kernels/mla_decode.py's plain FP8 cache, e5m2: k_pe's codes fp8 too, the e5m2 widening
+    assert cuda._latent_split_kernel(16, True, True, False, 0, cuda.PLAIN_FP8[torch.float8_e5m2]) == "kernel REG_T=0"
+    assert [(c["REG_T"], c["CTAS"], c["ELEM_E4M3"], c["FP8_PE"], c["FMT_E5M2"], c["HAS_SCALE"]) for c in calls] == \
+        [(0, 2, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1)]
 
 
 def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_two_blocks_an_sm():
@@ -383,7 +388,7 @@ def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_tw
     were 3% faster than the 12 kept, to keep batch 8 at 32k at 49 splits)."""
     from kernels import mla_block_scaled_cuda as cuda
 
-    for sms, batch, ctas in itertools.product((132, 78), (1, 2, 3, 8, 16, 64), (cuda.SPLIT_CTAS, cuda.DS_CTAS)):
+    for sms, batch, ctas in itertools.product((132, 78), (1, 2, 3, 8, 16, 64), (cuda.SPLIT_CTAS, cuda.FP8_CTAS)):
         for tokens in (1, 31, 100, 1000, 8192, 32768, 131072, 1 << 20):
             splits, per = cuda.latent_split_plan(tokens, batch, sms, ctas)
             what = f"{sms} SMs, batch {batch}, {ctas} blocks an SM, {tokens} tokens: {splits} x {per}"
@@ -421,18 +426,21 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
     assert plan(100, 1, True) == (1, 128)
 
 
-def test_the_h200_launch_table_is_the_h100s_but_our_bf16_mla_entry_and_says_so(monkeypatch):
+def test_the_h200_launch_table_is_the_h100s_but_its_mla_16_head_entries_and_says_so(monkeypatch):
     """kernels/configs.py: an H200 runs the H100's entries except our BF16 MLA kernel's programs an SM (measured apart
-    on an H200, session 48), and `describe` names which entries are its own, which the H100's it keeps, and the
-    default a GPU outside the table gets. The device name is replaced: no GPU here."""
+    on an H200, session 48) and the FP8 MLA latent split (session 49), and `describe` names which entries are its
+    own, which the H100's it keeps, and the default a GPU outside the table gets. The device name is replaced: no GPU
+    here."""
     from kernels import configs
 
     differ = {kind for kind in configs.H100 if configs.H200[kind] != configs.H100[kind]}
-    assert differ == {"mla_bf16"}
+    assert differ == {"mla_bf16", "mla_fp8"}
     assert configs.H200["mla_bf16"] == dict(configs.H100["mla_bf16"], programs_per_sm=2)
+    assert configs.H200["mla_fp8"] == dict(configs.H100["mla_fp8"], latent_split=True)
     device = SimpleNamespace(index=0)
     for name, kind, source in (("NVIDIA H200", "mla_bf16", "recorded for this GPU"),
-                               ("NVIDIA H200", "mla_fp8", "the H100's entry, kept in this GPU's table"),
+                               ("NVIDIA H200", "mla_fp8", "recorded for this GPU"),
+                               ("NVIDIA H200", "mla_fp8_many_heads", "the H100's entry, kept in this GPU's table"),
                                ("NVIDIA H100 80GB HBM3", "mla_bf16", "recorded for this GPU"),
                                ("NVIDIA A100-SXM4-80GB", "mla_bf16", "default (H100 entry; GPU not in the table)")):
         monkeypatch.setattr(configs, "_device_name", lambda index, name=name: name)

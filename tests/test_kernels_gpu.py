@@ -572,6 +572,88 @@ def test_mla_cuda_kernel_matches_fp64(kern, config, fmt, k_tol, heads, page_size
     assert_close_verbose(lse, truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
 
 
+# kernels/mla_decode_latent_split.cu over the plain FP8 cache (mla_decode(..., latent_split=True): the latent's 512
+# columns split between 4 warps, 16 heads a block, k_pe's fp8 codes widened beside them): the same arithmetic as the
+# CUDA kernels above (exact codes in fp16, fp32 accumulation, P rounded to fp16; its running maximum may lag the
+# scores by 2^8, so P <= 2^8), so the same bound; both builds (REG_T: P . C's fragments transposed in registers) give
+# the same bits. Unwritten slots hold NaN.
+@pytest.mark.parametrize("fmt, k_tol", [p for p in ATTENTION_FORMATS if p.id != "bf16"])
+@pytest.mark.parametrize("heads, page_size, splits", [(16, 64, None), (20, 16, 5), (128, 1, 3), (16, 32, 1)],
+                         ids=["h16-page64", "h20-page16-splits5", "h128-page1-splits3", "h16-page32-one-split"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16-q", "fp16-q"])
+def test_mla_latent_split_over_the_fp8_cache_matches_fp64(kern, fmt, k_tol, heads, page_size, splits, q_dtype):
+    from kernels import mla_block_scaled_cuda
+
+    lengths = [4099, 1, 300, 17, 128, 0]
+    case = _mla_case(lengths, page_size, heads, fmt)
+    case.q_latent, case.q_pe = case.q_latent.to(q_dtype), case.q_pe.to(q_dtype)
+    _poison_unwritten(case, lengths)
+    assert mla_block_scaled_cuda.plain_fp8_refusal(case.q_latent, case.q_pe, case.cache) is None
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale, splits)
+    out, lse = mla_block_scaled_cuda.decode_plain_fp8(*args, reg_t=False)
+    other, other_lse = mla_block_scaled_cuda.decode_plain_fp8(*args, reg_t=True)
+    assert torch.equal(out, other) and torch.equal(lse, other_lse), "the two builds' bits differ"
+    entry, entry_lse = kern.mla_decode(*args, latent_split=True)
+    assert torch.equal(entry, out) and torch.equal(entry_lse, lse), "mla_decode(latent_split=True) runs it"
+    assert out[5].eq(0).all() and lse[5].isneginf().all(), "an empty sequence: out 0, lse -inf"
+    case.dense = case.dense[:5]
+    truth, truth_lse, torch_out = _mla_truth_and_torch(case)
+    what = f"mla latent split {fmt} H={heads} page={page_size} splits={splits} {q_dtype}"
+    _assert_error_ratio(out[:5], truth, torch_out, k_tol, what)
+    assert_close_verbose(lse[:5], truth_lse, atol=1e-3, rtol=1e-4, what=f"{what} lse")
+
+
+def test_mla_latent_split_over_the_fp8_cache_keeps_a_nan_code_in_its_sequence_and_replays(kern):
+    """A NaN code inside sequence 1 makes exactly sequence 1's outputs NaN; the other sequences' bits do not move,
+    and a captured launch replays to the eager bits."""
+    from kernels.tune import capture
+
+    lengths = [700, 300, 129]
+    case = _mla_case(lengths, 16, 16, "e4m3")
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale, 4)
+    clean, clean_lse = kern.mla_decode(*args, latent_split=True)
+    graph, replayed = capture(lambda: kern.mla_decode(*args, latent_split=True))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed[0], clean) and torch.equal(replayed[1], clean_lse)
+    page = case.cache.shape[1]
+    slot = case.block_table[1, 250 // page].long() * page + 250 % page
+    case.cache.view(-1, case.cache.shape[2]).view(torch.uint8)[slot, 7] = 0x7F
+    out, lse = kern.mla_decode(*args, latent_split=True)
+    assert out[1].isnan().all() and lse[1].isnan().all(), "the NaN code did not reach every output of its sequence"
+    assert torch.equal(out[[0, 2]], clean[[0, 2]]) and torch.equal(lse[[0, 2]], clean_lse[[0, 2]])
+
+
+def test_mla_latent_split_says_what_it_cannot_run(kern, monkeypatch):
+    """An explicit latent_split=True it cannot run is refused with the reason; an entry's latent_split gives way to
+    launch keywords (they choose another kernel)."""
+    import kernels.mla_decode as M
+
+    case = _mla_case([40], 16, 16, "bf16")
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale)
+    with pytest.raises(AssertionError, match="it reads e4m3 or e5m2 caches"):
+        kern.mla_decode(*args, latent_split=True)
+    case = _mla_case([40], 24, 16, "e4m3")
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale)
+    with pytest.raises(AssertionError, match="whole pages or lie inside one: page 24"):
+        kern.mla_decode(*args, latent_split=True)
+    with pytest.raises(AssertionError, match="no fp8_mma, q_scale or prob_scale"):
+        kern.mla_decode(*args, latent_split=True, q_scale="dynamic")
+    out, _ = kern.mla_decode(*args)   # page 24: the entry's other kernel runs
+    truth, _, torch_out = _mla_truth_and_torch(case)
+    _assert_error_ratio(out, truth, torch_out, 2.0, "mla fp8, page 24")
+    runs = []
+    real = M.mla_block_scaled_cuda.decode_plain_fp8
+    monkeypatch.setattr(M.mla_block_scaled_cuda, "decode_plain_fp8", lambda *a, **k: runs.append(1) or real(*a, **k))
+    case = _mla_case([40], 16, 16, "e4m3")
+    args = (case.q_latent, case.q_pe, case.cache, case.block_table, case.seq_lens, case.scale, case.sm_scale)
+    entry = M.launch_config("mla_fp8", case.cache.device)
+    kern.mla_decode(*args, **{k: v for k, v in entry.items() if k != "latent_split"})
+    assert runs == [], "launch keywords chose the entry's other kernel"
+    kern.mla_decode(*args, latent_split=True)
+    assert runs == [1]
+
+
 @pytest.mark.parametrize("config", [
     pytest.param(dict(wgmma=False, block_n=64, num_warps=4, num_stages=3), id="mma.sync"),
     pytest.param(dict(wgmma=True, block_n=64, num_warps=12, num_stages=3, block_h=64), id="wgmma"),
