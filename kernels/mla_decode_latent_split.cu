@@ -1,9 +1,9 @@
 // MLA decode over a paged NVFP4 latent stored as one record a token ([256 code bytes | 32 e4m3 block scales | 64 k_pe
 // values in the query's 16-bit type], the engine's pages), over vLLM's fp8_ds_mla record ([512 e4m3 codes | 4 fp32
-// tile scales | 64 k_pe], ELEM_E4M3 below) or over the plain FP8 cache (FP8_PE below), split-KV, with the latent split between the warps: the CUDA kernel of
-// kernels/mla_block_scaled_cuda.py for those records (compiled at first use by NVRTC, kernels/nvrtc.py; sm_90: bulk
-// copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size, CTAS blocks per SM (launch bounds), Q_BF16,
-// HAS_SCALE, REG_T, ELEM_E4M3, FP8_PE (below).
+// tile scales | 64 k_pe], ELEM_E4M3 below) or over the plain FP8 cache (FP8_PE below), split-KV, with the latent
+// split between the warps: the CUDA kernel of kernels/mla_block_scaled_cuda.py for those records (compiled at first
+// use by NVRTC, kernels/nvrtc.py; sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size,
+// CTAS blocks per SM (launch bounds), Q_BF16, HAS_SCALE, REG_T, ELEM_E4M3, FP8_PE (below).
 //
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
