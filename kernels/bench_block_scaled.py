@@ -314,10 +314,10 @@ def mla_lines(batch: int, ctx: int, heads: int) -> list[str]:
         one = lambda t: t[:1]  # noqa: E731
         dequantised = mla_decode(one(q_latent), one(q_pe), torch.cat([latent, k_pe[:ctx // PAGE].float()], -1)
                                  .bfloat16(), one(table), one(seq), None, sm)[0][0]
-        # the entry (a CUDA kernel: kernels/mla_decode_latent_split.cu for NVFP4 records, else kernels/
-        # mla_decode_block_scaled.cu, the "tile kernel" beside the first), and the Triton kernel beside it
-        impls = {"NVFP4": (None, "triton"), "MXFP8": (None, "triton"), "MXFP4": (None, "triton"),
-                 "NVFP4, one record": (None, "tile")}.get(label, (None,))
+        # the entry (a CUDA kernel: kernels/mla_decode_latent_split.cu for records, else kernels/
+        # mla_decode_block_scaled.cu, the "tile kernel" beside the records'), and the Triton kernel beside it
+        impls = {"NVFP4": (None, "triton"), "MXFP8": (None, "triton"), "MXFP4": (None, "triton")}.get(
+            label, (None, "tile") if label.endswith("one record") or label == "fp8_ds_mla" else (None,))
         for impl in impls:
             def fn(impl=impl):
                 if impl == "tile":

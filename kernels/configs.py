@@ -19,7 +19,8 @@ always): the split count rounded down to whole waves of programs_per_sm programs
 cp.async) and ctas (blocks per SM its registers are budgeted for); cuda_merge (session 14): its splits merged by the
 CUDA merge kernel of the same file as a programmatic dependent launch instead of by the Triton merge_splits.
 latent_split (MLA over an fp8 cache, session 49): kernels/mla_decode_latent_split.cu first, for a call without launch
-keywords, the entry's other keys where it cannot run.
+keywords of at most latent_split_max_tokens cache slots in all (where the entry has one), the entry's other keys
+where it cannot run.
 """
 
 from __future__ import annotations
@@ -122,8 +123,13 @@ H100.update({
 # (kernels/mla_decode_latent_split.cu, latent_split=True) before the CUDA kernel of impl="cuda", which stays the
 # fallback where it cannot run: batch 8 at 8k / 32k / 128k 0.0319 -> 0.0268 / 0.0747 -> 0.0594 / 0.2469 -> 0.1793 ms,
 # batch 32 at 32k 0.2524 -> 0.1806, batch 1 at 8k 0.0176 -> 0.0147 (1.17-1.40x; our BF16 1.28-1.66x).
+# mla_fp8_many_heads (session 49, the same way, 128 heads): the latent split (8 blocks of 16 heads a sequence, each
+# widening every row) against the warpgroup-MMA kernel (64 heads a block): 1.67x at batch 1, 8k (0.0401 -> 0.0240),
+# 1.44x at 2 x 8k, 1.13x at 1 x 32k and 4 x 8k; 0.96x at 2 x 32k, 0.92x at 8 x 8k, 0.84x at 1 x 128k, 0.73x at 32 x
+# 8k. So it takes calls of at most 32k cache slots in all (batch x the block table's pages x page size).
 H200 = dict(H100, mla_bf16=dict(H100["mla_bf16"], programs_per_sm=2),
-            mla_fp8=dict(H100["mla_fp8"], latent_split=True))
+            mla_fp8=dict(H100["mla_fp8"], latent_split=True),
+            mla_fp8_many_heads=dict(H100["mla_fp8_many_heads"], latent_split=True, latent_split_max_tokens=32768))
 DEFAULT = H100
 TABLE: dict[str, dict[str, dict]] = {"NVIDIA H100 80GB HBM3": H100, "NVIDIA H200": H200}
 

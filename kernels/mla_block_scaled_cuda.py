@@ -65,6 +65,10 @@ MIN_SPLIT_TILES = 4
 REG_T_CTAS = 2
 NVFP4 = ("e2m1", "e4m3", 16)
 FP8_DS_MLA = ("e4m3", "fp32", 128)
+MXFP4, MXFP8 = ("e2m1", "e8m0", 32), ("e4m3", "e8m0", 32)
+# the record layouts the latent split reads (`latent_split_refusal`); e2m1 codes take the NVFP4 constants above, fp8
+# codes FP8_CTAS and FP8_REG_T below
+LATENT_SPLIT_LAYOUTS = (NVFP4, MXFP4, FP8_DS_MLA, MXFP8)
 # kernels/mla_decode.py's plain FP8 cache through the latent split (`plain_fp8_refusal`, `decode_plain_fp8`): rows of
 # 512 + 64 fp8 codes under one static scale, k_pe's codes too
 PLAIN_FP8 = {torch.float8_e4m3fn: ("e4m3", "static", 0), torch.float8_e5m2: ("e5m2", "static", 0)}
@@ -110,6 +114,11 @@ def _smem(layout: tuple) -> int:
             + 2 * TOKENS * 4 + 8 * STAGES)
 
 
+def _fp8_codes(layout: tuple) -> bool:
+    """fp8 codes (fp8_ds_mla, MXFP8, the plain cache) against e2m1 (NVFP4, MXFP4): the latent split's launch kind."""
+    return layout[0] != "e2m1"
+
+
 def _split_row_bytes(layout: tuple) -> int:
     return LATENT + ROPE if layout in PLAIN_FP8.values() else _row_bytes(layout)
 
@@ -123,12 +132,12 @@ def _split_smem(reg_t: bool = False, layout: tuple = NVFP4) -> int:
 
 def latent_split_refusal(codes: torch.Tensor, block_scales: torch.Tensor, k_pe: torch.Tensor,
                          layout: tuple) -> str | None:
-    """Why kernels/mla_decode_latent_split.cu cannot take a call `refusal` passed (None when it can): it reads NVFP4
-    and fp8_ds_mla records whose rows lie one after another in a page (one copy a page), tiles of whole pages or
+    """Why kernels/mla_decode_latent_split.cu cannot take a call `refusal` passed (None when it can): it reads NVFP4,
+    MX and fp8_ds_mla records whose rows lie one after another in a page (one copy a page), tiles of whole pages or
     inside one."""
     page = codes.shape[1]
-    if layout not in (NVFP4, FP8_DS_MLA):
-        return f"it reads NVFP4 and fp8_ds_mla latents, got {'/'.join(map(str, layout))}"
+    if layout not in LATENT_SPLIT_LAYOUTS:
+        return f"it reads NVFP4, MXFP4, MXFP8 and fp8_ds_mla latents, got {'/'.join(map(str, layout))}"
     row = _row_bytes(layout)
     if not is_record(codes, block_scales, k_pe) or codes.stride(1) * codes.element_size() != row:
         return f"it copies a page's rows in one piece: one {row}-byte record a token, rows adjacent"
@@ -288,11 +297,13 @@ def _latent_split_kernel(page: int, q_bf16: bool, has_scale: bool, reg_t: bool, 
     and its module is then loaded already, not inside the capture. A build that fails is raised, named, by the call
     that needs it (nvrtc.build remembers why)."""
     def build(rt: bool) -> nvrtc.Kernel:
-        ctas = REG_T_CTAS if rt else SPLIT_CTAS
-        defines = [("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", FP8_CTAS if layout != NVFP4 else ctas),
-                   ("Q_BF16", int(q_bf16)), ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt))]
-        if layout != NVFP4:
+        ctas = FP8_CTAS if _fp8_codes(layout) else REG_T_CTAS if rt else SPLIT_CTAS
+        defines = [("STAGES", SPLIT_STAGES), ("PAGE", page), ("CTAS", ctas), ("Q_BF16", int(q_bf16)),
+                   ("HAS_SCALE", int(has_scale)), ("REG_T", int(rt))]
+        if _fp8_codes(layout):
             defines.append(("ELEM_E4M3", 1))
+        if layout[1] == "e8m0":
+            defines.append(("E8M0", 1))
         if layout in PLAIN_FP8.values():
             defines += [("FP8_PE", 1), ("FMT_E5M2", int(layout[0] == "e5m2"))]
         return nvrtc.build(LATENT_SPLIT, "mla_latent_split_decode", tuple(defines), device)
@@ -313,14 +324,14 @@ def _decode_latent_split(q_latent, q_pe, codes, block_table, seq_lens, scale, sm
     page = codes.shape[1]
     head_blocks = -(-heads // HEADS_PER_BLOCK)
     max_tokens = block_table.shape[1] * page
-    ctas = SPLIT_CTAS if layout == NVFP4 else FP8_CTAS
+    ctas = FP8_CTAS if _fp8_codes(layout) else SPLIT_CTAS
     if num_splits is None:
         num_splits, tokens_per_split = latent_split_plan(max_tokens, batch * head_blocks, _sms(device.index), ctas)
     else:
         num_splits, tokens_per_split = plan_splits(max_tokens, batch * head_blocks, TOKENS, ctas, device,
                                                    num_splits, whole_waves=True)
     if reg_t is None:
-        reg_t = batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index) if layout == NVFP4 else FP8_REG_T
+        reg_t = FP8_REG_T if _fp8_codes(layout) else batch * head_blocks * num_splits <= REG_T_CTAS * _sms(device.index)
     kernel = _latent_split_kernel(page, q_latent.dtype == torch.bfloat16, scale is not None, reg_t, device.index,
                                   layout)
     out = torch.empty(batch, heads, LATENT, dtype=q_latent.dtype, device=device)

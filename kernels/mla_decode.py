@@ -495,7 +495,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     and an entry's impl="cuda" then falls back to the Triton entry CUDA_FALLBACK, as it does (with a warning) where
     this machine cannot build it). latent_split (an fp8 cache, no options; not the Triton kernel's split_latent):
     kernels/mla_decode_latent_split.cu, the latent's columns split between 4 warps over 16 heads a block; an entry's
-    latent_split applies to a call without launch keywords (they choose another kernel), where
+    latent_split applies to a call without launch keywords (they choose another kernel) whose batch x cache slots
+    (block_table's pages x page size) are at most its latent_split_max_tokens (where it has one), where
     `mla_block_scaled_cuda.plain_fp8_refusal` says it can run, else the entry's other keys do; an explicit
     latent_split=True it cannot run fails."""
     assert q_latent.dim() == 3 and q_pe.dim() == 3 and q_pe.shape[:2] == q_latent.shape[:2], \
@@ -539,7 +540,9 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         ("cuda_merge", cuda_merge), ("latent_split", latent_split))
         if value is not None}
     cfg = dict(launch_config(entry, device), **given)
-    if latent_split or (cfg.get("latent_split") and not given):   # an entry's: a call without launch keywords
+    slots = batch * block_table.shape[1] * cache.shape[1]
+    if latent_split or (cfg.get("latent_split") and not given   # an entry's: a call without launch keywords
+                        and slots <= cfg.get("latent_split_max_tokens", slots)):
         refusal = "no fp8_mma, q_scale or prob_scale" if fp8_mma or fp8_attention else \
             mla_block_scaled_cuda.plain_fp8_refusal(q_latent, q_pe, cache)
         assert not latent_split or refusal is None, f"latent_split=True cannot run: {refusal}"

@@ -72,17 +72,20 @@
 #ifndef FP8_PE
 #define FP8_PE 0
 #endif
-#define TILE_SCALES (ELEM_E4M3 && !FP8_PE)   // fp8_ds_mla
+#ifndef E8M0
+#define E8M0 0
+#endif
+#define TILE_SCALES (E8M0 || (ELEM_E4M3 && !FP8_PE))   // a scale a token a warp: fp8_ds_mla's, MX's 2^(E_jw - 127)
 #define NWC 4                          // warps
 #define NT (32 * NWC)
 #define BN 32                          // tokens per tile
 #define LAT_BYTES (ELEM_E4M3 ? LAT : LAT / 2)          // codes of a row (fp8, or e2m1 two a byte)
 // fp32 tile scales (one a warp), none (FP8_PE: the static scale), or e4m3 block scales of a row
-#define SCALE_BYTES (FP8_PE ? 0 : ELEM_E4M3 ? 4 * NWC : LAT / 16)
+#define SCALE_BYTES (FP8_PE ? 0 : ELEM_E4M3 || E8M0 ? 16 : LAT / 16)
 #define PE_OFF (LAT_BYTES + SCALE_BYTES)
 #define PE_BYTES (FP8_PE ? ROPE : 2 * ROPE)
-#define NROW (PE_OFF + PE_BYTES)       // 416 bytes a row (NVFP4), 656 (fp8_ds_mla), 576 (FP8_PE)
-static_assert(!FP8_PE || ELEM_E4M3, "FP8_PE: fp8 codes");
+#define NROW (PE_OFF + PE_BYTES)       // 416 bytes a row (NVFP4), 656 (fp8_ds_mla, MXFP8), 400 (MXFP4), 576 (FP8_PE)
+static_assert(!FP8_PE || (ELEM_E4M3 && !E8M0), "FP8_PE: fp8 codes, the static scale");
 #define STAGE_BYTES (BN * NROW)
 #define WCOL (LAT / NWC)               // latent columns of a warp
 #define NPC (WCOL / 8)                 // its n8 blocks in P . C
@@ -93,7 +96,7 @@ static_assert(!FP8_PE || ELEM_E4M3, "FP8_PE: fp8 codes");
 static_assert(PAGE % BN == 0 || BN % PAGE == 0, "a tile is whole pages or inside one page");
 static_assert(NRUN <= 32, "warp 0's lanes issue a tile's copies");
 static_assert(BN / 8 == NWC, "warp w sums n8 block w's partials");
-static_assert(!TILE_SCALES || WCOL == 128, "fp8_ds_mla: warp w's columns are scale tile w");
+static_assert(!TILE_SCALES || WCOL == 128, "fp8_ds_mla: warp w's columns are scale tile w; MX: blocks 4w .. 4w + 3");
 
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
@@ -102,16 +105,28 @@ static_assert(!TILE_SCALES || WCOL == 128, "fp8_ds_mla: warp w's columns are sca
 #define REG_T 0
 #endif
 #define LAZY 8.f                       // how far (base 2) a score may pass the running maximum before it moves
-static_assert(!(TILE_SCALES && HAS_SCALE), "fp8_ds_mla's tile scales are the whole scale");
+static_assert(!(ELEM_E4M3 && !FP8_PE && !E8M0 && HAS_SCALE), "fp8_ds_mla's tile scales are the whole scale");
 
 // The tile row of n8 block j's column n in Q . C^T (P's k index j / 2, n + 8 (j % 2) in P . C)
 #if FP8_PE
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + n; }
+#elif E8M0 && !ELEM_E4M3
+__device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + 2 * (n & 3) + (n >> 2); }
 #elif ELEM_E4M3
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n >> 1) + 4 * (n & 1); }
 #else
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
 #endif
+
+// MX: 2^d in fp16 bits for d <= 0 (a block's exponent less the warp's largest of the token): normal down to 2^-14,
+// subnormal down to 2^-24, 0 below (kernels/mla_decode_block_scaled.cu's); an e8m0 byte's value 2^(e - 127), 255 NaN
+__device__ __forceinline__ u32 pow2_h(int d) { return d >= -14 ? (u32)(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u; }
+__device__ __forceinline__ float e8m0_value(int e) {
+  return e == 255 ? __int_as_float(0x7fc00000) : e > 0 ? __int_as_float(e << 23) : __int_as_float(1 << 22);
+}
+__device__ __forceinline__ int max_byte(u32 w) {
+  return max(max((int)(w & 0xffu), (int)((w >> 8) & 0xffu)), max((int)((w >> 16) & 0xffu), (int)(w >> 24)));
+}
 
 __device__ __forceinline__ u32 movm(u32 a) {   // an 8 x 8 b16 matrix (one word a lane) transposed across the warp
   u32 d;
@@ -259,7 +274,24 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int p = 0; p < 2; ++p) acc[j][p][0] = acc[j][p][1] = acc[j][p][2] = acc[j][p][3] = 0.f;
-#if TILE_SCALES
+#if E8M0
+    // the warp's 4 block exponents of row tok_of(j, g), their largest E (the token's unit here: tsc 2^(E - 127),
+    // the widened values code x 2^(e_b - E)); tsc of this lane's columns from the lanes whose row they are
+    u32 mxw[BN / 8];
+    int mxe[BN / 8];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      mxw[j] = *(const u32*)(tile + tok_of(j, g) * NROW + scale0);
+      mxe[j] = max_byte(mxw[j]);
+      tsc[j][0] = e8m0_value(__shfl_sync(0xffffffffu, mxe[j], 4 * (2 * q)));
+      tsc[j][1] = e8m0_value(__shfl_sync(0xffffffffu, mxe[j], 4 * (2 * q + 1)));
+    }
+    // the factor of this lane's block of k step group c (columns 64c + 16q .. + 15: block 2c + q / 2) in f16x2
+    auto mx_factor = [&](int j, int c) {
+      const u32 h = pow2_h((int)((mxw[j] >> (8 * (2 * c + (q >> 1)))) & 0xffu) - mxe[j]);
+      return h | (h << 16);
+    };
+#elif TILE_SCALES
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       tsc[j][0] = *(const float*)(tile + tok_of(j, 2 * q) * NROW + scale0);
@@ -277,11 +309,18 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           const u32 w0 = kp ? cw[j].z : cw[j].x, w1 = kp ? cw[j].w : cw[j].y;
-          const U4 v = {widen2(w0), widen2_hi(w0), widen2(w1), widen2_hi(w1)};
+#if E8M0
+          const u32 f = mx_factor(j, c);
+          const U4 v = {hmul2(widen2(w0), f), hmul2(widen2_hi(w0), f), hmul2(widen2(w1), f), hmul2(widen2_hi(w1), f)};
 #else
+          const U4 v = {widen2(w0), widen2_hi(w0), widen2(w1), widen2_hi(w1)};
+#endif
+#else
+#if !E8M0
     u32x2 sw[BN / 8];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) sw[j] = *(const u32x2*)(tile + tok_of(j, g) * NROW + scale0);
+#endif
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       u32x2 cw[BN / 8];
@@ -289,7 +328,11 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         cw[j] = *(const u32x2*)(tile + tok_of(j, g) * NROW + code0 + 32 * c + 8 * q);
+#if E8M0
+        s2[j] = mx_factor(j, c);
+#else
         s2[j] = widen2(prmt(c ? sw[j].y : sw[j].x, 0u, sel_q));
+#endif
       }
 #pragma unroll
       for (int kp = 0; kp < 2; ++kp)

@@ -309,23 +309,26 @@ def test_latent_records_hold_what_three_tensors_hold(fmt):
         assert torch.equal(kept, alone), fmt
 
 
-def test_the_latent_split_mla_kernel_takes_nvfp4_and_fp8_ds_mla_records_and_says_what_it_refuses(monkeypatch):
-    """`mla_block_scaled_cuda.latent_split_refusal`, asked for each call the CUDA entry takes: NVFP4 and fp8_ds_mla
-    latents only (MX records go to the tile kernel), one record a token with a page's rows adjacent (its one copy a
-    page run), and tiles of 32 tokens that are whole pages or lie inside one. Each refusal names its reason (the
-    device checks come after these, so this runs on CPU tensors)."""
+def test_the_latent_split_mla_kernel_takes_nvfp4_mx_and_fp8_ds_mla_records_and_says_what_it_refuses(monkeypatch):
+    """`mla_block_scaled_cuda.latent_split_refusal`, asked for each call the CUDA entry takes: NVFP4, MXFP4, MXFP8
+    and fp8_ds_mla latents, one record a token with a page's rows adjacent (its one copy a page run), and tiles of
+    32 tokens that are whole pages or lie inside one. Each refusal names its reason (the device checks come after
+    these, so this runs on CPU tensors; the GPU's shared memory is replaced)."""
     from harness.kv_paths import block_layout
     from kernels import mla_block_scaled_cuda as cuda
 
     rope = torch.zeros(1, 64, dtype=torch.bfloat16)
     nvfp4 = block_layout.of(F.get_format("nvfp4"), mla=True)
-    mx = block_layout.of(F.get_format("mxfp8"), mla=True)
     ds = block_layout.of(F.get_format("ds_mla_e4m3"), mla=True)
-    assert "it reads NVFP4 and fp8_ds_mla latents, got e4m3/e8m0/32" == cuda.latent_split_refusal(
-        *mx.allocate_latent_rows(2, 16, 512, rope), tuple(mx.kernel_args.values()))
-    assert tuple(ds.kernel_args.values()) == cuda.FP8_DS_MLA
+    records = nvfp4.allocate_latent_rows(2, 16, 512, rope)
+    assert "it reads NVFP4, MXFP4, MXFP8 and fp8_ds_mla latents, got e2m1/e4m3/32" == cuda.latent_split_refusal(
+        *records, ("e2m1", "e4m3", 32))
     monkeypatch.setattr(cuda, "_gpu", lambda index: ((9, 0), 232448))   # an H100's / H200's shared memory a block
-    assert cuda.latent_split_refusal(*ds.allocate_latent_rows(2, 16, 512, rope), cuda.FP8_DS_MLA) is None
+    for name, layout in (("nvfp4", cuda.NVFP4), ("mxfp4", cuda.MXFP4), ("mxfp8", cuda.MXFP8),
+                         ("ds_mla_e4m3", cuda.FP8_DS_MLA)):
+        fmt = block_layout.of(F.get_format(name), mla=True)
+        assert tuple(fmt.kernel_args.values()) == layout, name
+        assert cuda.latent_split_refusal(*fmt.allocate_latent_rows(2, 16, 512, rope), layout) is None, name
     monkeypatch.setattr(cuda, "_gpu", lambda index: ((9, 0), 65536))
     assert "91152 bytes of shared memory" in cuda.latent_split_refusal(*ds.allocate_latent_rows(2, 16, 512, rope),
                                                                       cuda.FP8_DS_MLA)
@@ -426,21 +429,23 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
     assert plan(100, 1, True) == (1, 128)
 
 
-def test_the_h200_launch_table_is_the_h100s_but_its_mla_16_head_entries_and_says_so(monkeypatch):
+def test_the_h200_launch_table_is_the_h100s_but_its_mla_entries_and_says_so(monkeypatch):
     """kernels/configs.py: an H200 runs the H100's entries except our BF16 MLA kernel's programs an SM (measured apart
-    on an H200, session 48) and the FP8 MLA latent split (session 49), and `describe` names which entries are its
+    on an H200, session 48) and the FP8 MLA latent split (at 128 heads up to 32k cache slots; session 49), and `describe` names which entries are its
     own, which the H100's it keeps, and the default a GPU outside the table gets. The device name is replaced: no GPU
     here."""
     from kernels import configs
 
     differ = {kind for kind in configs.H100 if configs.H200[kind] != configs.H100[kind]}
-    assert differ == {"mla_bf16", "mla_fp8"}
+    assert differ == {"mla_bf16", "mla_fp8", "mla_fp8_many_heads"}
     assert configs.H200["mla_bf16"] == dict(configs.H100["mla_bf16"], programs_per_sm=2)
     assert configs.H200["mla_fp8"] == dict(configs.H100["mla_fp8"], latent_split=True)
+    assert configs.H200["mla_fp8_many_heads"] == dict(configs.H100["mla_fp8_many_heads"], latent_split=True,
+                                                      latent_split_max_tokens=32768)
     device = SimpleNamespace(index=0)
     for name, kind, source in (("NVIDIA H200", "mla_bf16", "recorded for this GPU"),
                                ("NVIDIA H200", "mla_fp8", "recorded for this GPU"),
-                               ("NVIDIA H200", "mla_fp8_many_heads", "the H100's entry, kept in this GPU's table"),
+                               ("NVIDIA H200", "mla_fp8_mma", "the H100's entry, kept in this GPU's table"),
                                ("NVIDIA H100 80GB HBM3", "mla_bf16", "recorded for this GPU"),
                                ("NVIDIA A100-SXM4-80GB", "mla_bf16", "default (H100 entry; GPU not in the table)")):
         monkeypatch.setattr(configs, "_device_name", lambda index, name=name: name)

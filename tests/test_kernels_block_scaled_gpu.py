@@ -380,14 +380,15 @@ def test_mla_cuda_kernel_keeps_a_nan_tile_scale_in_its_sequence():
     assert torch.equal(broken[keep], out[keep]) and torch.equal(broken_lse[keep], lse[keep])
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4", "ds_mla_e4m3"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_nvfp4", "ds_mla_e4m3", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize(("heads", "q_dtype"), [(16, torch.bfloat16), (20, torch.bfloat16), (128, torch.float16)])
 @pytest.mark.parametrize("reg_t", [False, True])
 def test_mla_latent_split_kernel_answers_as_the_tile_kernel(fmt, page, heads, q_dtype, reg_t):
-    """kernels/mla_decode_latent_split.cu, the entry for NVFP4 and fp8_ds_mla records (the engine's pages): the
+    """kernels/mla_decode_latent_split.cu, the entry for NVFP4, MX and fp8_ds_mla records (the engine's pages): the
     definition of kernels/mla_decode_block_scaled.cu (q rounded to fp16, values widened exactly, P rounded to fp16;
-    fp8_ds_mla's tile scales out of the MMAs, P times each warp's scale ratio, here in a second fp16 rounding), its
+    fp8_ds_mla's tile scales and MX's token exponents out of the MMAs, P times each warp's scale ratio, here in a
+    second fp16 rounding; MX's exponents are each warp's 4 blocks' largest, not the token's 16), its
     scores summed in another order (four partials of 128 columns, fp32) and P taken against a running maximum that
     may lag the scores (P <= 2^8, the next test). So its output lies within 2^-8 of the largest true
     value of the tile kernel's (bf16 output rounding alone is 2^-9 relative; measured 2^-11.8 on an H200, and a
@@ -432,7 +433,7 @@ def _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_l
     assert math.isfinite(gap) and gap <= 2.0 ** -8 * top, f"{what}: {gap:.3g} from the tile kernel"
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_e4m3"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "ds_mla_e4m3", "mxfp4"])
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("reg_t", [False, True])
 def test_mla_latent_split_kernel_moves_its_lazy_maximum(fmt, splits, reg_t):
@@ -457,11 +458,13 @@ def test_mla_latent_split_kernel_moves_its_lazy_maximum(fmt, splits, reg_t):
                                                     f"{fmt}, {splits} splits")
 
 
+@pytest.mark.parametrize("fmt", ["ds_mla_e4m3", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("reg_t", [False, True])
-def test_mla_latent_split_kernel_rescales_its_fp8_ds_mla_units(splits, reg_t):
-    """fp8_ds_mla through the latent-split kernel: each warp keeps its P . C accumulator in units of S_w, the largest
-    tile scale of its 128 columns so far, and rescales it when a later tile's is larger; P takes scale / S_w. Each
+def test_mla_latent_split_kernel_rescales_its_scale_units(fmt, splits, reg_t):
+    """fp8_ds_mla and MX through the latent-split kernel: each warp keeps its P . C accumulator in units of S_w, the
+    largest scale of its 128 columns so far (fp8_ds_mla's tile scale; MX's 2^(E - 127), E the largest exponent of
+    its 4 blocks), and rescales it when a later tile's is larger; P takes scale / S_w. Each
     token's latent times 10^u, u uniform in [-3, 1] (so S_w grows at some tiles, and P's factor reaches ~1e-4),
     sequence 1 with its largest token first (S_w never grows after the first tile); one split and the planned ones.
     A missed rescale mixes units (errors of the order of the output); tolerances as the tests above."""
@@ -471,30 +474,33 @@ def test_mla_latent_split_kernel_rescales_its_fp8_ds_mla_units(splits, reg_t):
     gen = torch.Generator().manual_seed(5)
     token_scale = 10.0 ** (torch.rand(sum(lengths), generator=gen) * 4 - 3)
     token_scale[lengths[0]] = 30.0
-    case = _mla_case("ds_mla_e4m3", 16, lengths, token_scale=token_scale)
+    case = _mla_case(fmt, 16, lengths, token_scale=token_scale)
     args = (case.q_latent, case.q_pe, case.codes, case.block_scales, case.k_pe, case.table, case.seq_lens,
             case.scale, case.sm_scale, splits, tuple(case.layout.kernel_args.values()))
     out, lse = mla_block_scaled_cuda.decode(*args, latent_split=True, reg_t=reg_t)
     tile, tile_lse = mla_block_scaled_cuda.decode(*args, latent_split=False)
     assert out.isfinite().all() and lse.isfinite().all()
-    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1, 2], f"{splits} splits")
+    _assert_latent_split_answers_as_the_tile_kernel(case, out, lse, tile, tile_lse, [0, 1, 2],
+                                                    f"{fmt}, {splits} splits")
 
 
-def test_mla_latent_split_kernel_keeps_a_nan_block_scale_in_its_sequence():
-    """NVFP4 records through the latent-split kernel: a NaN block scale (e4m3 0x7F) on one token inside sequence 2
-    makes that sequence's output and lse NaN and leaves every other sequence's bits; NaN scales in the stale slots
-    past each sequence's end change no bit (they are zeroed in shared memory, not masked after the product)."""
-    case = _mla_case("nvfp4", 16, [17, 300, 40, 5])
+@pytest.mark.parametrize(("fmt", "nan"), [("nvfp4", 0x7F), ("mxfp4", 0xFF), ("mxfp8", 0xFF)])
+def test_mla_latent_split_kernel_keeps_a_nan_block_scale_in_its_sequence(fmt, nan):
+    """NVFP4 and MX records through the latent-split kernel: a NaN block scale (e4m3 0x7F, e8m0 0xFF) on one token
+    inside sequence 2 makes that sequence's output and lse NaN and leaves every other sequence's bits; NaN scales in
+    the stale slots past each sequence's end change no bit (they are zeroed in shared memory, not masked after the
+    product)."""
+    case = _mla_case(fmt, 16, [17, 300, 40, 5])
     out, lse = _run_mla(case, impl="cuda")
     page = case.codes.shape[1]
     scales = case.block_scales.view(-1, case.block_scales.shape[-1]).view(torch.uint8)
     for b, n in enumerate(case.seq_lens.tolist()):
         last = int(case.table[b, (n - 1) // page])
-        scales[last * page + n % page if n % page else (last + 1) * page:(last + 1) * page] = 0x7F
+        scales[last * page + n % page if n % page else (last + 1) * page:(last + 1) * page] = nan
     again, again_lse = _run_mla(case, impl="cuda")
     assert torch.equal(again, out) and torch.equal(again_lse, lse)
     token = 33
-    scales[int(case.table[2, token // page]) * page + token % page, 5] = 0x7F
+    scales[int(case.table[2, token // page]) * page + token % page, 5] = nan
     broken, broken_lse = _run_mla(case, impl="cuda")
     assert broken[2].isnan().all() and broken_lse[2].isnan().all()
     keep = [0, 1, 3]

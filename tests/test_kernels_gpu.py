@@ -652,6 +652,12 @@ def test_mla_latent_split_says_what_it_cannot_run(kern, monkeypatch):
     assert runs == [], "launch keywords chose the entry's other kernel"
     kern.mla_decode(*args, latent_split=True)
     assert runs == [1]
+    slots = case.block_table.numel() * case.cache.shape[1]   # 1 sequence x 3 pages of 16
+    for most, taken in ((slots, [1, 1]), (slots - 1, [1, 1])):   # an entry's limit on batch x cache slots
+        monkeypatch.setattr(M, "launch_config", lambda kind, device, most=most: dict(
+            entry, latent_split=True, latent_split_max_tokens=most))
+        kern.mla_decode(*args)
+        assert runs == taken, f"latent_split_max_tokens {most} against {slots} slots"
 
 
 @pytest.mark.parametrize("config", [
