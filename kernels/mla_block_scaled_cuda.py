@@ -8,11 +8,11 @@ Served, the latent 512 wide and k_pe 64 (DeepSeek's MLA), k_pe in the query's 16
 - vLLM's fp8_ds_mla (FlashMLA's sparse cache): e4m3 values under an fp32 scale per tile of 128, no static scale;
 - MXFP4 / MXFP8: e2m1 / e4m3 values under e8m0 scales per 32.
 The launch is kernels/mla_decode.py's CUDA entry for FP8 latents (4 warps, 32-token tiles, 4 stages, 2 blocks an
-SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. An NVFP4 or fp8_ds_mla latent in records
-whose rows lie one after another in a page (the engine's pages; fp8_ds_mla's is vLLM's record) runs
-kernels/mla_decode_latent_split.cu instead (`latent_split_refusal` says when it cannot): the same definition, on an
-H200 at 16 heads 1.29-1.48x the tile kernel's speed for NVFP4 at batches 8 and 32 and 1.20-1.36x at batch 1
-(kernels/BENCHMARKS.md, sessions 45-47), for fp8_ds_mla 1.45-1.55x from 32k and 1.23x at batch 1, 8k (session 49).
+SM; 16 heads a block), its splits merged by kernels/splits.merge_splits. A latent in records whose rows lie one after
+another in a page (the engine's pages; fp8_ds_mla's is vLLM's record) runs kernels/mla_decode_latent_split.cu instead
+(`latent_split_refusal` says when it cannot): the same definition, on an H200 at 16 heads 1.29-1.48x the tile
+kernel's speed for NVFP4 at batches 8 and 32 and 1.20-1.36x at batch 1 (kernels/BENCHMARKS.md, sessions 45-47); for
+fp8_ds_mla 1.45-1.55x from 32k and 1.23x at batch 1, 8k, MXFP4 1.34-1.67x, MXFP8 1.32-1.49x (session 49).
 The same kernel serves kernels/mla_decode.py's plain FP8 cache (`plain_fp8_refusal`, `decode_plain_fp8`: rows of 512 +
 64 fp8 codes under one static scale), its latent_split option.
 """
@@ -42,11 +42,11 @@ LAYOUTS = {("e2m1", "e4m3", 16): ((0, 0), LATENT // 2, LATENT // 16),     # NVFP
 WARPS, BLOCKS, STAGES, CTAS, PROGRAMS_PER_SM = 4, 1, 4, 2, 2
 TOKENS = 8 * WARPS * BLOCKS
 HEADS_PER_BLOCK = 16
-# kernels/mla_decode_latent_split.cu (NVFP4 records): 4 warps, tiles of TOKENS rows, stages, blocks an SM (also its
-# split plan's blocks an SM where splits are long). On an H200 at batch 8, 16 heads (kernels/BENCHMARKS.md, session
-# 45, before the two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at 32k, 3 x 2 0.0755-0.0759, 4 x 2
-# 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas holds it in 168 registers, 4-8
-# bytes spilled.
+# kernels/mla_decode_latent_split.cu over e2m1 records (NVFP4, MXFP4): 4 warps, tiles of TOKENS rows, stages, blocks
+# an SM (also its split plan's blocks an SM where splits are long). On an H200 at batch 8, 16 heads over NVFP4
+# (kernels/BENCHMARKS.md, session 45, before the two-step score sum and the tiled merge): 2 x 3 0.0732-0.0740 ms at
+# 32k, 3 x 2 0.0755-0.0759, 4 x 2 0.0771-0.0775; at 128k 2 x 3 0.2135 against 4 x 2 0.2350. At 3 blocks an SM ptxas
+# holds it in 168 registers, 4-8 bytes spilled (MXFP4: 168, none).
 SPLIT_STAGES, SPLIT_CTAS = 2, 3
 # A sequence's splits (`latent_split_plan`): SPLIT_CTAS blocks an SM where each split still gets LONG_SPLIT tokens,
 # else REG_T_CTAS (short splits' fp32 partials and their merge cost more than a third block an SM gains); at most
@@ -72,9 +72,10 @@ LATENT_SPLIT_LAYOUTS = (NVFP4, MXFP4, FP8_DS_MLA, MXFP8)
 # kernels/mla_decode.py's plain FP8 cache through the latent split (`plain_fp8_refusal`, `decode_plain_fp8`): rows of
 # 512 + 64 fp8 codes under one static scale, k_pe's codes too
 PLAIN_FP8 = {torch.float8_e4m3fn: ("e4m3", "static", 0), torch.float8_e5m2: ("e5m2", "static", 0)}
-# The latent split over fp8 rows (fp8_ds_mla's 656 bytes, the plain cache's 576) leaves room for 2 blocks an SM
-# (`_split_smem`), the REG_T build's too, so one build serves every grid: REG_T, on an H200 at 16 heads over
-# fp8_ds_mla 1.05-1.09x the other at batch 8 and 32 from 32k, level at batch 1, 8k (kernels/BENCHMARKS.md, session 49)
+# The latent split over fp8 rows (fp8_ds_mla's and MXFP8's 656 bytes, the plain cache's 576) leaves room for 2 blocks
+# an SM (`_split_smem`), the REG_T build's too, so one build serves every grid: REG_T, on an H200 at 16 heads over
+# fp8_ds_mla 1.05-1.09x the other at batch 8 and 32 from 32k, level at batch 1, 8k; MXFP8 1.00-1.03x; the plain
+# cache 1.01-1.10x (kernels/BENCHMARKS.md, session 49)
 FP8_CTAS = 2
 FP8_REG_T = True
 
