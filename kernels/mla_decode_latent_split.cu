@@ -1,9 +1,9 @@
 // MLA decode over a paged NVFP4 latent stored as one record a token ([256 code bytes | 32 e4m3 block scales | 64 k_pe
 // values in the query's 16-bit type], the engine's pages), over vLLM's fp8_ds_mla record ([512 e4m3 codes | 4 fp32
-// tile scales | 64 k_pe], ELEM_E4M3 below) or over the plain FP8 cache (FP8_PE below), split-KV, with the latent
-// split between the warps: the CUDA kernel of kernels/mla_block_scaled_cuda.py for those records (compiled at first
-// use by NVRTC, kernels/nvrtc.py; sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page size,
-// CTAS blocks per SM (launch bounds), Q_BF16, HAS_SCALE, REG_T, ELEM_E4M3, FP8_PE (below).
+// tile scales | 64 k_pe], ELEM_E4M3 below), MX records (E8M0) or the plain FP8 cache (FP8_PE), split-KV, with the
+// latent split between the warps: the CUDA kernel of kernels/mla_block_scaled_cuda.py for those records (compiled at
+// first use by NVRTC, kernels/nvrtc.py; sm_90: bulk copies, mbarriers). Defines: STAGES tiles in flight, PAGE page
+// size, CTAS blocks per SM (launch bounds), Q_BF16, HAS_SCALE, REG_T, ELEM_E4M3, E8M0, FP8_PE (below).
 //
 // The definition is kernels/mla_decode_block_scaled.cu's (read its header): s_j = sm_scale * (scale * q_latent . c_j
 // + q_pe . pe_j), q_latent rounded to fp16, each e2m1 value times its block scale widened exactly into fp16 (x 2^-6),
@@ -57,6 +57,14 @@
 // - Rows are 656 bytes apart (16 modulo 128), so n8 block j's column n is row 8j + (n >> 1) + 4 (n & 1): the two rows
 //   of a quarter warp's 16-byte loads are 4 apart, their 64-byte spans in distinct banks.
 // - A row is 656 bytes: two stages, the scores and the widened tiles take 91 KB, so 2 blocks an SM (either build).
+//
+// E8M0 1, MX records (MXFP4 [256 e2m1 code bytes | 16 e8m0 | 64 k_pe] = 400 bytes; MXFP8, with ELEM_E4M3, [512 e4m3 |
+// 16 e8m0 | 64 k_pe] = 656): warp w's columns are blocks 4w .. 4w + 3, and each warp takes E_jw, the largest of its
+// 4 block exponents of token j, as that token's unit. Its widened values are code x 2^(e_b - E_jw) in fp16 (exact
+// while e_b - E_jw >= -15 for e4m3, -17 for e2m1 with its 2^-6; a block further below rounds at 2^-24 of it), and
+// 2^(E_jw - 127) is its scale of token j as fp8_ds_mla's tile scale above (the partial score's factor, P's / S_w).
+// MXFP4's rows are 16 bytes apart modulo 128 and its code loads 8 bytes (a half warp: 4 rows of 32 bytes), so n8
+// block j's column n is row 8j + 2 (n % 4) + n / 4 there.
 //
 // FP8_PE 1 (with ELEM_E4M3): kernels/mla_decode.py's plain FP8 cache, rows of 512 + 64 fp8 codes (e4m3, or e5m2 with
 // FMT_E5M2) under one static scale (HAS_SCALE), its definition: s_j = sm_scale * scale * (q_latent . c_j + q_pe .
