@@ -126,9 +126,13 @@ __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n >> 1) + 
 __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >> 2) & 1)); }
 #endif
 
-// MX: 2^d in fp16 bits for d <= 0 (a block's exponent less the warp's largest of the token): normal down to 2^-14,
-// subnormal down to 2^-24, 0 below (kernels/mla_decode_block_scaled.cu's); an e8m0 byte's value 2^(e - 127), 255 NaN
-__device__ __forceinline__ u32 pow2_h(int d) { return d >= -14 ? (u32)(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u; }
+// MX: 2^(e - top) for e8m0 bytes e <= top (a block's exponent, the warp's largest of the token) in fp16, twice:
+// normal down to 2^-14, subnormal down to 2^-24, 0 below (the fp32 power of two rounded: exact to 2^-24, 0 from
+// 2^-26; e - top is clamped at -30 first so that the fp32 exponent stays normal); an e8m0 byte's value 2^(e - 127),
+// 255 NaN
+__device__ __forceinline__ u32 pow2_h2(int e, int top) {
+  return pack_half2_same(__int_as_float(max(e - top + 127, 97) << 23));
+}
 __device__ __forceinline__ float e8m0_value(int e) {
   return e == 255 ? __int_as_float(0x7fc00000) : e > 0 ? __int_as_float(e << 23) : __int_as_float(1 << 22);
 }
@@ -291,14 +295,12 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
     for (int j = 0; j < BN / 8; ++j) {
       mxw[j] = *(const u32*)(tile + tok_of(j, g) * NROW + scale0);
       mxe[j] = max_byte(mxw[j]);
-      tsc[j][0] = e8m0_value(__shfl_sync(0xffffffffu, mxe[j], 4 * (2 * q)));
-      tsc[j][1] = e8m0_value(__shfl_sync(0xffffffffu, mxe[j], 4 * (2 * q + 1)));
+      const float mine = e8m0_value(mxe[j]);
+      tsc[j][0] = __shfl_sync(0xffffffffu, mine, 4 * (2 * q));
+      tsc[j][1] = __shfl_sync(0xffffffffu, mine, 4 * (2 * q + 1));
     }
     // the factor of this lane's block of k step group c (columns 64c + 16q .. + 15: block 2c + q / 2) in f16x2
-    auto mx_factor = [&](int j, int c) {
-      const u32 h = pow2_h((int)((mxw[j] >> (8 * (2 * c + (q >> 1)))) & 0xffu) - mxe[j]);
-      return h | (h << 16);
-    };
+    auto mx_factor = [&](int j, int c) { return pow2_h2((int)prmt(mxw[j], 0u, 0x4440u | (2 * c + (q >> 1))), mxe[j]); };
 #elif TILE_SCALES
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {

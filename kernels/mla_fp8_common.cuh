@@ -71,6 +71,12 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   return r;
 }
 
+__device__ __forceinline__ u32 pack_half2_same(float x) {   // x rounded to fp16, in both halves
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
 __device__ __forceinline__ u32 half2_of(u32 two) {   // two query elements (bf16 or fp16) as f16x2 (RTNE)
 #if Q_BF16
   return pack_half2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
