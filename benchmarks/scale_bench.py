@@ -137,11 +137,12 @@ CUDA_SEEN: set[str] = set()
 
 
 def count_cuda_launchers() -> None:
-    """Wrap the CUDA launchers (GQA: kernels/gqa_decode_cuda.py; MLA: kernels/mla_decode.py's, and over an NVFP4
-    latent kernels/mla_block_scaled_cuda.py) so each call is noted in CUDA_SEEN (graph replays call none: the
-    capture's call is noted)."""
+    """Wrap the CUDA launchers (GQA: kernels/gqa_decode_cuda.py; MLA: kernels/mla_decode.py's, its latent split over
+    the plain FP8 cache, and over a block-scaled latent kernels/mla_block_scaled_cuda.py) so each call is noted in
+    CUDA_SEEN (graph replays call none: the capture's call is noted)."""
     from kernels import gqa_decode_cuda, mla_block_scaled_cuda, mla_decode
     for module, name, label in ((gqa_decode_cuda, "decode", "cuda"), (mla_decode, "_mla_decode_cuda", "cuda (mla)"),
+                                (mla_block_scaled_cuda, "decode_plain_fp8", "cuda (mla, latent split)"),
                                 (mla_block_scaled_cuda, "decode", "cuda (mla)")):
         real = getattr(module, name)
         if not getattr(real, "counted", False):
