@@ -81,8 +81,9 @@ DECODE_ATTENTION_BLOCK_SCALED = KernelCapability(
 # MLA over a block-scaled latent (k_pe kept in 16 bits beside it, as engines do): the same Triton kernel, one latent
 # read by head blocks; the latent a power of two up to 1024 (DeepSeek: 512). NVFP4, MXFP8, MXFP4, vLLM's nvfp4_ds_mla
 # (NVFP4's values; its e4m3 k_pe read back into the 16-bit k_pe pages) and fp8_ds_mla (e4m3 under fp32 scales per
-# 128) at 512 + 64 on sm_90: the CUDA kernel kernels/mla_decode_block_scaled.cu; fp8_ds_mla elsewhere: its latent
-# dequantised, then our BF16 MLA kernel (the Triton kernel reads no per-block fp32)
+# 128) at 512 + 64 on sm_90: the CUDA kernels of kernels/mla_block_scaled_cuda.py (kernels/mla_decode_latent_split.cu
+# over the engine's one-record pages); fp8_ds_mla elsewhere: its latent dequantised, then our BF16 MLA kernel (the
+# Triton kernel reads no per-block fp32)
 BLOCK_SCALED_MLA = BLOCK_SCALED + ("ds_mla_e4m3", "ds_mla_nvfp4")
 MLA_DECODE_BLOCK_SCALED = KernelCapability(
     "mla_decode_block_scaled", "kernels/decode_attention_block_scaled.py", BLOCK_SCALED_MLA,
