@@ -163,20 +163,7 @@ def plain_fp8_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     page = cache.shape[1]
     if page % TOKENS and TOKENS % page:
         return f"its tiles of {TOKENS} tokens are whole pages or lie inside one: page {page}"
-    if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) != 1 for t in (q_latent, q_pe)):
-        return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
-    if cache.device.type != "cuda":
-        return f"it runs on CUDA tensors, got {cache.device.type} ones"
-    reason = nvrtc.unavailable()
-    if reason:
-        return reason
-    capability, smem = _gpu(cache.device.index)
-    if capability < (9, 0):
-        return "it needs sm_90 or later (bulk copies into shared memory)"
-    layout = PLAIN_FP8[cache.dtype]
-    if _split_smem(FP8_REG_T, layout) > smem:
-        return f"{_split_smem(FP8_REG_T, layout)} bytes of shared memory is more than this GPU has for a block"
-    return None
+    return _query_and_device_refusal(q_latent, q_pe, _split_smem(FP8_REG_T, PLAIN_FP8[cache.dtype]))
 
 
 def decode_plain_fp8(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale: float, num_splits: int | None,
@@ -206,6 +193,12 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, blo
             any(t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:2]) for t, _ in rows):
         return (f"it copies whole rows (codes {code_bytes}, scales {scale_bytes}, k_pe {2 * ROPE} bytes) in 16-byte "
                 "units: each contiguous, their pages, slots and bases 16-byte aligned")
+    return _query_and_device_refusal(q_latent, q_pe, _smem(layout))
+
+
+def _query_and_device_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, smem_needed: int) -> str | None:
+    """What both kernels ask of the query and the device: 4 elements read at a time, CUDA tensors, NVRTC, sm_90's
+    bulk copies, `smem_needed` bytes of shared memory a block."""
     if any(t.data_ptr() % 8 or t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) != 1 for t in (q_latent, q_pe)):
         return "it reads the query 4 elements at a time: q_latent and q_pe strides and base 8-byte aligned"
     if q_latent.device.type != "cuda":
@@ -216,8 +209,8 @@ def refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, codes: torch.Tensor, blo
     capability, smem = _gpu(q_latent.device.index)
     if capability < (9, 0):
         return "it needs sm_90 or later (bulk copies into shared memory)"
-    if _smem(layout) > smem:
-        return f"{_smem(layout)} bytes of shared memory is more than this GPU has for a block"
+    if smem_needed > smem:
+        return f"{smem_needed} bytes of shared memory is more than this GPU has for a block"
     return None
 
 
