@@ -276,8 +276,9 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
 #endif
 
   // Q . C^T of a tile over this warp's columns, scaled to base 2, into `out` as [warp][n8 block][lane]; the widened
-  // values into the warp's buffer (REG_T: transposed into wt, [k step s][half h][n8 block j]). e4m3: the tile scales
-  // of this lane's columns (n8 block j's 2q + e) into tsc, read again by P . C (the stage is reused before it).
+  // values into the warp's buffer (REG_T: transposed into wt, [k step s][half h][n8 block j]). TILE_SCALES: the
+  // warp's scales of this lane's columns (n8 block j's 2q + e) into tsc, read again by P . C (the stage is reused
+  // before it).
   u32 wt[REG_T ? 8 : 1][2][BN / 8];
   float tsc[BN / 8][2];
   auto score_tile = [&](const u8* tile, F4* out) {
@@ -392,10 +393,10 @@ extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_latent_split_decode(
   };
 
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows g and g + 8; l: this lane's columns' sum
-  float s_run = 0.f;   // e4m3: the largest tile scale of this warp's columns so far, the accumulator's unit
-  // o: n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n) (e4m3: + n); REG_T:
-  // n8 block 2s + h: column n is 64 (s / 4) + 4 (s % 4) + 16 (n / 2) + (0, 2 | 1, 3) (half h; Q's k order; e4m3:
-  // + 2h + (0 | 1))
+  float s_run = 0.f;   // TILE_SCALES: the warp's largest token scale of the split so far, the accumulator's unit
+  // o: n8 block 4 q' + p: matrix column n is latent column 64 (p / 2) + 16 q' + 8 (p % 2) + perm(n) (fp8 codes: + n);
+  // REG_T: n8 block 2s + h: column n is 64 (s / 4) + 4 (s % 4) + 16 (n / 2) + (0, 2 | 1, 3) (half h; Q's k order;
+  // fp8 codes: + 2h + n % 2)
   float o[NPC][4];
 #pragma unroll
   for (int n = 0; n < NPC; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
