@@ -385,7 +385,7 @@ def test_the_latent_split_mla_kernel_loads_both_builds_at_its_first_call(monkeyp
 def test_the_latent_split_plan_keeps_one_wave_whole_tiles_and_short_splits_at_two_blocks_an_sm():
     """`mla_block_scaled_cuda.latent_split_plan` over batches 1-64 and contexts 1 - 1M on 132 and 78 SMs: the splits
     cover every slot with none empty, in whole tiles; the grid fits one wave (3 blocks an SM, 2 where a split would
-    be shorter than LONG_SPLIT at 3, at most 2 splits an SM for one sequence; fp8_ds_mla's 2 blocks an SM: 2); a split
+    be shorter than LONG_SPLIT at 3, at most 2 splits an SM for one sequence; over fp8 rows 2 blocks an SM); a split
     has 4 tiles, or 2 where 4 would leave more than half the SMs idle. And the H200 shapes the rule was measured on
     (kernels/BENCHMARKS.md, session 48): the split counts that were fastest there (batch 32 at 8k excepted: 8 splits
     were 3% faster than the 12 kept, to keep batch 8 at 32k at 49 splits)."""
@@ -431,9 +431,9 @@ def test_mla_split_plan_shortens_splits_only_while_sms_would_be_idle(monkeypatch
 
 def test_the_h200_launch_table_is_the_h100s_but_its_mla_entries_and_says_so(monkeypatch):
     """kernels/configs.py: an H200 runs the H100's entries except our BF16 MLA kernel's programs an SM (measured apart
-    on an H200, session 48) and the FP8 MLA latent split (at 128 heads up to 32k cache slots; session 49), and `describe` names which entries are its
-    own, which the H100's it keeps, and the default a GPU outside the table gets. The device name is replaced: no GPU
-    here."""
+    on an H200, session 48) and the FP8 MLA latent split (at 128 heads up to 32k cache slots; session 49), and
+    `describe` names which entries are its own, which the H100's it keeps, and the default a GPU outside the table
+    gets. The device name is replaced: no GPU here."""
     from kernels import configs
 
     differ = {kind for kind in configs.H100 if configs.H200[kind] != configs.H100[kind]}
