@@ -3,8 +3,9 @@
 The contract (docs/CONTRACTS.md, "Decode-kernel plug-ins") is the signature of our own launchers:
     decode_attention(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sm_scale) -> out | (out, ...)
     mla_decode(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale) -> out | (out, ...)
-A name is a built-in (`triton`: kernels/, the default on CUDA, whose MLA decode over an FP8 cache runs the CUDA
-kernel kernels/mla_decode_fp8.cu from sm_89 where NVRTC is present; `dequant`: kernels/workaround.py, the
+A name is a built-in (`triton`: kernels/, the default on CUDA, whose MLA decode over an FP8 cache runs a CUDA
+kernel where NVRTC is present, the GPU's launch table choosing which: kernels/mla_decode_fp8.cu from sm_89,
+kernels/mla_decode_latent_split.cu on an H200; `dequant`: kernels/workaround.py, the
 dequantise-everything workaround of failure class 4; `reference`: the fp32 torch mirror) or
 `package.module:attr` (also `package.module.attr`). attr is either one GQA function, or an object (module,
 class, namespace) with a `decode_attention` and/or a `mla_decode` attribute. The harness stores into the paged
