@@ -114,6 +114,56 @@ def test_one_threads_sdpa_choice_is_held_until_its_block_ends():
 
 
 @pytest.mark.gpu
+def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice():
+    """A static prefill pass's full-attention call asks whether flash attention takes its lower-right causal bias
+    (`attention._causal_prefix`), and torch's answer reads the process-wide SDPA flags. While another thread holds
+    MATH alone (the implementation check's yardstick, `impl_check._sdpa_rows`), the call waits for that block to end
+    and then runs as it does alone: the same bits. Asked outside the lock, it read flash as off and took the masked
+    memory-efficient call instead, another rounding of the same attention (the canaries' bf16 path under
+    `ModelThreads(3)` stored another attn_impl_err_ratio in 3 of 8 runs, BENCHMARKS.md session 50)."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+    from transformers import AttentionInterface
+
+    from harness.forward_context import CausalPrefix, forward_context
+    from harness.kv_paths import attention
+    from tests.test_batched import _causal_prefix_inputs
+
+    attention.register()
+    call = AttentionInterface()[attention.ATTENTION_NAME]
+    starts, dim = (0, 5), 64
+    query, key, value, mask, _ = _causal_prefix_inputs(starts, 8, 2, 64, 64, dim, "cuda", torch.bfloat16)
+    module = SimpleNamespace(layer_idx=None, scaling=dim ** -0.5, num_key_value_groups=4, is_causal=True)
+
+    def prefill(causal: bool) -> torch.Tensor:
+        with forward_context(causal_prefix=CausalPrefix(mask, starts) if causal else None):
+            out = call(module, query, key, value, mask)[0]
+        torch.cuda.synchronize()
+        return out
+
+    alone, masked = prefill(True), prefill(False)
+    assert not torch.equal(alone, masked)  # the two routes round differently: a wrong route shows in the bits
+    entered, got = threading.Event(), {}
+
+    def math_alone() -> None:
+        with sdpa_only(SDPBackend.MATH):
+            entered.set()
+            time.sleep(1.0)  # the other call reaches its attention call in milliseconds: it asks meanwhile
+
+    def pass_beside() -> None:
+        entered.wait()
+        got["out"] = prefill(True)
+
+    threads = [threading.Thread(target=math_alone), threading.Thread(target=pass_beside)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(got["out"], alone)
+
+
+@pytest.mark.gpu
 def test_the_canaries_at_once_on_a_gpu_store_what_one_after_another_stores(tmp_path):
     """The default paths and the gate's controls on the three canaries, two canary scenarios: CUDA streams of their
     own, graph captures and the SDPA flags under threads change no record and no reply."""

@@ -666,11 +666,12 @@ def _causal_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    ) -> tuple[int, ...] | None:
     """Each row's first key, where an attention call is a static prefill pass's full-attention layer whose mask is
     causal over each row's real keys and nothing else (`forward_context.CausalPrefix`, handed this very tensor: a
-    mask a model changed is not asked about) and, on CUDA, flash attention takes it; None elsewhere.
-    `_causal_prefix_sdpa` then computes it without reading the mask. Under the mask, SDPA runs the memory-efficient
-    kernel over every key a query is handed, masked or not, after K and V are repeated to every query head (H200, 16
-    rows x 32 query / 8 KV heads x 2,048 queries, the passes of an 8k prompt: 91.2 against 27.6 ms a layer unpadded,
-    81.6 against 28.4 padded, `benchmarks/prefill_attention.py`)."""
+    mask a model changed is not asked about) and, on CUDA, flash attention takes it (torch's answer reads the
+    process-wide SDPA flags: ask inside `sdpa_backends`'s block); None elsewhere. `_causal_prefix_sdpa` then
+    computes it without reading the mask. Under the mask, SDPA runs the memory-efficient kernel over every key a
+    query is handed, masked or not, after K and V are repeated to every query head (H200, 16 rows x 32 query / 8 KV
+    heads x 2,048 queries, the passes of an 8k prompt: 91.2 against 27.6 ms a layer unpadded, 81.6 against 28.4
+    padded, `benchmarks/prefill_attention.py`)."""
     prefix = forward_context_now().causal_prefix
     if prefix is None or mask is None or mask is not prefix.mask:
         return None
@@ -792,15 +793,18 @@ def sdpa_backends(query: torch.Tensor):
     step, against 0.3-0.5 ms for the other backends (H100, `benchmarks/sdpa_backends.py`). A batch of static
     decode reuses one shape, but every batch, prefill chunk and scoring call brings a new one. So cuDNN is left
     out; HARNESS_SDPA_CUDNN=1 puts it back (to compare). The choice is torch's process-wide flags, held for this
-    thread while they are set (`forward_context.sdpa_only`)."""
+    thread while they are set (`forward_context.sdpa_only`), with cuDNN too: whatever reads the flags for a call
+    (SDPA's own choice, `_causal_prefix`'s question) belongs inside the block, where no other thread's choice
+    reaches it."""
     import contextlib
     import os
 
     from torch.nn.attention import SDPBackend
 
-    if not query.is_cuda or os.environ.get("HARNESS_SDPA_CUDNN") == "1":
+    if not query.is_cuda:
         return contextlib.nullcontext()
-    return sdpa_only([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    cudnn = [SDPBackend.CUDNN_ATTENTION] if os.environ.get("HARNESS_SDPA_CUDNN") == "1" else []
+    return sdpa_only([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, *cudnn])
 
 
 def kernel_alone(module, layer, query_tokens: int) -> bool:
@@ -905,7 +909,7 @@ def register() -> None:
         if key.shape[2] == 0:
             raise RuntimeError(f"attention layer {module.layer_idx}: its K/V were not expanded (skip_unread_expansion) "
                                f"but this call reads them")
-        starts = None if fault or quant is not None else _causal_prefix(query, key, value, attention_mask, kwargs)
+        handed_mask = attention_mask  # the mask as the model handed it (`_causal_prefix` asks about this tensor)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > key.shape[2]:
             # a static prefill pass reads the columns up to its own (`StaticColumns.attended`): a prefix of the mask's
             attention_mask = attention_mask[..., :key.shape[2]]
@@ -918,6 +922,9 @@ def register() -> None:
                                                getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)), None
         elif quant is None:
             with sdpa_backends(query):
+                # asked under the flags the call runs with: flash's availability reads torch's process-wide flags,
+                # which another model's thread may hold at MATH alone outside this block (the implementation check)
+                starts = _causal_prefix(query, key, value, handed_mask, kwargs)
                 if _beyond_sdpa(kwargs):
                     output, weights = _model_eager_attention(module, query, key, value, attention_mask, kwargs)
                 elif starts is not None:
