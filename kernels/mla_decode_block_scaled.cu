@@ -119,8 +119,6 @@ __device__ __forceinline__ u32 pow2_h(int d) { return d >= -14 ? (u32)(d + 15) <
 __device__ __forceinline__ float pow2f(int d) {
   return d >= -126 ? __int_as_float((d + 127) << 23) : d >= -149 ? __int_as_float(1 << (d + 149)) : 0.f;
 }
-// the value of an e8m0 byte: 2^(e - 127), 255 NaN
-__device__ __forceinline__ float e8m0_value(int e) { return e == 255 ? __int_as_float(0x7fc00000) : pow2f(e - 127); }
 
 extern "C" __global__ void __launch_bounds__(NT, CTAS) mla_block_scaled_decode(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_pe, const u8* __restrict__ codes,

@@ -133,9 +133,6 @@ __device__ __forceinline__ int tok_of(int j, int n) { return 8 * j + (n ^ ((n >>
 __device__ __forceinline__ u32 pow2_h2(int e, int top) {
   return pack_half2_same(__int_as_float(max(e - top + 127, 97) << 23));
 }
-__device__ __forceinline__ float e8m0_value(int e) {
-  return e == 255 ? __int_as_float(0x7fc00000) : e > 0 ? __int_as_float(e << 23) : __int_as_float(1 << 22);
-}
 __device__ __forceinline__ int max_byte(u32 w) {
   return max(max((int)(w & 0xffu), (int)((w >> 8) & 0xffu)), max((int)((w >> 16) & 0xffu), (int)(w >> 24)));
 }

@@ -65,6 +65,11 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
 __device__ __forceinline__ u32 e4m3_of_low(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
 __device__ __forceinline__ u32 e4m3_of_high(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 
+// The value of an e8m0 byte: 2^(e - 127) (e = 0: 2^-127, a subnormal), 255 NaN.
+__device__ __forceinline__ float e8m0_value(int e) {
+  return e == 255 ? __int_as_float(0x7fc00000) : e > 0 ? __int_as_float(e << 23) : __int_as_float(1 << 22);
+}
+
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
