@@ -114,7 +114,7 @@ def test_one_threads_sdpa_choice_is_held_until_its_block_ends():
 
 
 @pytest.mark.gpu
-def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice():
+def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice(monkeypatch):
     """A static prefill pass's full-attention call asks whether flash attention takes its lower-right causal bias
     (`attention._causal_prefix`), and torch's answer reads the process-wide SDPA flags. While another thread holds
     MATH alone (the implementation check's yardstick, `impl_check._sdpa_rows`), the call waits for that block to end
@@ -126,9 +126,24 @@ def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice():
     from torch.nn.attention import SDPBackend
     from transformers import AttentionInterface
 
+    from harness import forward_context as context
     from harness.forward_context import CausalPrefix, forward_context
     from harness.kv_paths import attention
     from tests.test_batched import _causal_prefix_inputs
+
+    class Watched:
+        """The flags' lock, telling when the pass's thread first waits for it."""
+
+        def __init__(self, lock) -> None:
+            self.lock, self.tried = lock, threading.Event()
+
+        def __enter__(self):
+            if threading.current_thread().name == "pass-beside":
+                self.tried.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
 
     attention.register()
     call = AttentionInterface()[attention.ATTENTION_NAME]
@@ -144,23 +159,26 @@ def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice():
 
     alone, masked = prefill(True), prefill(False)
     assert not torch.equal(alone, masked)  # the two routes round differently: a wrong route shows in the bits
+    watched = Watched(context._SDPA_FLAGS)
+    monkeypatch.setattr(context, "_SDPA_FLAGS", watched)
     entered, got = threading.Event(), {}
 
     def math_alone() -> None:
         with sdpa_only(SDPBackend.MATH):
             entered.set()
-            time.sleep(1.0)  # the other call reaches its attention call in milliseconds: it asks meanwhile
+            got["waited"] = watched.tried.wait(60)  # held until the pass waits for the lock (it asked before, if
+            # it asks outside the lock)
 
     def pass_beside() -> None:
         entered.wait()
         got["out"] = prefill(True)
 
-    threads = [threading.Thread(target=math_alone), threading.Thread(target=pass_beside)]
+    threads = [threading.Thread(target=math_alone), threading.Thread(target=pass_beside, name="pass-beside")]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert torch.equal(got["out"], alone)
+    assert got["waited"] and torch.equal(got["out"], alone)
 
 
 @pytest.mark.gpu
