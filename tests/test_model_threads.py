@@ -113,6 +113,32 @@ def test_one_threads_sdpa_choice_is_held_until_its_block_ends():
     assert seen["b"] == (True, True, True) and seen["b_entered"] >= seen["a_left"]
 
 
+@pytest.mark.parametrize("cudnn", ["0", "1"])
+def test_a_cuda_attention_calls_sdpa_choice_is_held_for_its_thread(monkeypatch, cudnn):
+    """`attention.sdpa_backends` of a CUDA query sets its backends and holds the flags' lock for its thread, with
+    HARNESS_SDPA_CUDNN=1 too (cuDNN then among them): a choice set without the lock would reach, and be reached by,
+    another thread's call. (The flags are torch's global context, so the CPU build shows them.)"""
+    from types import SimpleNamespace
+
+    from harness import forward_context as context
+    from harness.kv_paths import attention
+
+    monkeypatch.setenv("HARNESS_SDPA_CUDNN", cudnn)
+    free = {}
+
+    def other_thread() -> None:
+        free["other"] = context._SDPA_FLAGS.acquire(blocking=False)
+        if free["other"]:
+            context._SDPA_FLAGS.release()
+
+    with attention.sdpa_backends(SimpleNamespace(is_cuda=True)):
+        inside = (*flags(), torch.backends.cuda.cudnn_sdp_enabled())
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert inside == (True, True, True, cudnn == "1") and free["other"] is False
+
+
 @pytest.mark.gpu
 def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice(monkeypatch):
     """A static prefill pass's full-attention call asks whether flash attention takes its lower-right causal bias
