@@ -21,7 +21,7 @@ from harness import job
 from harness.executor import executor_for, local
 from harness.forward_context import sdpa_only
 from harness.kv_paths.spec import parse_paths
-from tests.test_executor_faults import SCENARIOS, comparable, config_for, expected_units, rows
+from tests.test_executor_faults import comparable, config_for, expected_units, rows
 
 CANARIES = [job.CANARY_WEIGHTS / name for name in ("gqa", "mla", "hybrid")]
 

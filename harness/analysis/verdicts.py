@@ -470,13 +470,12 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
     """One verdict row per (model, scenario, path, turn) of every candidate path (contract: docs/CONTRACTS.md),
     with `questions` ({question: verdict}) and, where the yardstick ran, `kl_ratio_yardstick`.
 
-    Models with random weights (tests, no trained canary) write noise: their task and degeneration checks
-    mean nothing and are left out; divergence, non-finite and threshold checks still apply."""
-    noise_models = set(random_weight_models)
+    A turn is judged by its divergence, non-finite and threshold checks; the task and degeneration checks are the
+    per-path ones (`compute_path_verdicts`: paired over a path's turns, left out for models with random weights,
+    which write noise). `judgements` and `random_weight_models` are taken for the callers' one signature."""
     checks = list(checks)
     values = _index(records)
     sticks = yardsticks(values, yardstick)
-    findings = _findings(judgements)
     scenario = _scenario_checks(checks, scenario_sources or {})
     limited = _limited_metrics(checks)
     overrides = dict(overrides or {})

@@ -279,14 +279,15 @@ def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.T
     output equalled the row-by-row one bit for bit at 4 of 5 shapes measured there and differed by at most 2^-12 at
     the 5th (32 rows, 700 keys: cuBLAS picks its batched GEMM by the batch count): the same backend's rounding, so
     the same size of yardstick."""
+    if q.shape[0] == 1:  # one row's queries are all real (the width is its own): 3-D inputs, which only the math
+        # backend takes whatever the flags say, so no choice is set (a CPU model thread's call reads them unlocked)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[0].contiguous(), k[0], v[0], attn_mask=valid[0, 0], scale=scaling)[None].double()
     from torch.nn.attention import SDPBackend
 
     from harness.forward_context import sdpa_only
 
-    with sdpa_only(SDPBackend.MATH):  # the flags are process-wide: held while this thread's call reads them
-        if q.shape[0] == 1:  # one row's queries are all real (the width is its own)
-            return torch.nn.functional.scaled_dot_product_attention(
-                q[0].contiguous(), k[0], v[0], attn_mask=valid[0, 0], scale=scaling)[None].double()
+    with sdpa_only(SDPBackend.MATH):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scaling).double()
     return out if sampled is None else torch.where(sampled[..., None], out, 0.0)
 
