@@ -192,8 +192,8 @@ def test_a_prefill_pass_asks_whether_flash_takes_it_under_its_own_sdpa_choice(mo
     def math_alone() -> None:
         with sdpa_only(SDPBackend.MATH):
             entered.set()
-            got["waited"] = watched.tried.wait(60)  # held until the pass waits for the lock (it asked before, if
-            # it asks outside the lock)
+            # held until the pass's thread waits for the lock: a question asked outside it has been answered by then
+            got["waited"] = watched.tried.wait(60)
 
     def pass_beside() -> None:
         entered.wait()

@@ -472,7 +472,7 @@ def compute_verdicts(records: Iterable[Mapping], checks: Iterable[Mapping] = (),
 
     A turn is judged by its divergence, non-finite and threshold checks; the task and degeneration checks are the
     per-path ones (`compute_path_verdicts`: paired over a path's turns, left out for models with random weights,
-    which write noise). `judgements` and `random_weight_models` are taken for the callers' one signature."""
+    which write noise); `judgements` and `random_weight_models` are taken beside the run's other rows, not read."""
     checks = list(checks)
     values = _index(records)
     sticks = yardsticks(values, yardstick)

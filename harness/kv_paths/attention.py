@@ -793,9 +793,9 @@ def sdpa_backends(query: torch.Tensor):
     step, against 0.3-0.5 ms for the other backends (H100, `benchmarks/sdpa_backends.py`). A batch of static
     decode reuses one shape, but every batch, prefill chunk and scoring call brings a new one. So cuDNN is left
     out; HARNESS_SDPA_CUDNN=1 puts it back (to compare). The choice is torch's process-wide flags, held for this
-    thread while they are set (`forward_context.sdpa_only`), with cuDNN too: whatever reads the flags for a call
-    (SDPA's own choice, `_causal_prefix`'s question) belongs inside the block, where no other thread's choice
-    reaches it."""
+    thread while they are set (`forward_context.sdpa_only`), HARNESS_SDPA_CUDNN=1's choice too: whatever reads the
+    flags for a call (SDPA's own choice, `_causal_prefix`'s question) belongs inside the block, where no other
+    thread's choice reaches it."""
     import contextlib
     import os
 
