@@ -163,7 +163,8 @@ def plain_fp8_refusal(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     page = cache.shape[1]
     if page % TOKENS and TOKENS % page:
         return f"its tiles of {TOKENS} tokens are whole pages or lie inside one: page {page}"
-    return _query_and_device_refusal(q_latent, q_pe, _split_smem(FP8_REG_T, PLAIN_FP8[cache.dtype]))
+    # the larger build's shared memory, as `latent_split_refusal` asks: both builds are loaded at the first call
+    return _query_and_device_refusal(q_latent, q_pe, _split_smem(layout=PLAIN_FP8[cache.dtype]))
 
 
 def decode_plain_fp8(q_latent, q_pe, cache, block_table, seq_lens, scale, sm_scale: float, num_splits: int | None,
