@@ -334,15 +334,14 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_figures_and_pages_by_worker_processes_are_the_ones_drawn_inline(tmp_path, monkeypatch):
+def test_figures_drawn_by_worker_processes_are_the_ones_drawn_inline(tmp_path, monkeypatch):
     """`FigureWorkers` draw the figures in processes of their own, one figure a request dealt round the workers,
-    then write a share of the scenario pages each (one request a worker), while this process writes the index and
-    its own share (the CLI's run and report commands, on 4 cores or more): every file of the report, PNGs and pages
-    included, is the inline rendering's, byte for byte. A worker answers several requests in turn. A worker that
-    dies costs only time: its figures are drawn and its pages written here instead, the same files."""
-    from harness.runs import figure_worker, report
+    while the pages are written here (the CLI's run and report commands, on 4 cores or more): every file of the
+    report, PNGs included, is the inline rendering's, byte for byte. A worker answers several requests in turn. A
+    worker that dies costs only time: its figures are drawn here instead, the same files."""
+    from harness.runs import figure_worker
 
-    seen = []  # per answer awaited (each figure, then each worker's pages): (handed to a worker, done inline)
+    seen = []  # per figure: (handed to a worker, drawn inline)
     real_drawn = figure_worker.drawn
 
     def spy(pending, inline):
@@ -351,32 +350,23 @@ def test_figures_and_pages_by_worker_processes_are_the_ones_drawn_inline(tmp_pat
         seen.append((pending is not None, bool(inline_calls)))
         return figures
 
-    written_here = []  # the scenario pages this process wrote
-    real_page = report._write_scenario_page
-    monkeypatch.setattr(report, "_write_scenario_page",
-                        lambda *args: written_here.append(args[3:5]) or real_page(*args))
     monkeypatch.setattr(figure_worker, "drawn", spy)
     inline = render_run_report(RUNS / "baseline", tmp_path / "inline").parent
-    calls, pages = len(seen), list(written_here)  # the pages in the order written, every one here
-    assert calls >= 4 and seen == [(False, True)] * calls and len(pages) >= 3
+    calls = len(seen)
+    assert calls >= 4 and seen == [(False, True)] * calls
     pool = figure_worker.FigureWorkers(2)
     try:
         seen.clear()
-        written_here.clear()
         drawn = render_run_report(RUNS / "baseline", tmp_path / "workers", figure_worker=pool).parent
         assert _files(drawn) == _files(inline) and any(name.endswith(".png") for name in _files(drawn))
-        assert seen == [(True, False)] * (calls + 2)  # the figures, then the two workers' pages
-        assert written_here == pages[2::3]  # dealt round worker 0, worker 1 and this process
+        assert seen == [(True, False)] * calls
         pool.workers[1].process.kill()
         pool.workers[1].process.wait()
         seen.clear()
-        written_here.clear()
         pool.turn = 0
         half = render_run_report(RUNS / "baseline", tmp_path / "half", figure_worker=pool).parent
         assert _files(half) == _files(inline)
-        figures = [(True, False) if i % 2 == 0 else (False, True) for i in range(calls)]  # worker 1 dead
-        assert seen == figures + [(True, False), (False, True)]
-        assert written_here == pages[2::3] + pages[1::3]  # its own share, then dead worker 1's
+        assert seen == [(True, False) if i % 2 == 0 else (False, True) for i in range(calls)]  # worker 1 dead
     finally:
         pool.close()
 

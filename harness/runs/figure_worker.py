@@ -1,15 +1,12 @@
-"""A run report's figures, and a share of its scenario pages, drawn and written in processes of their own while
-this process writes the rest of its pages.
+"""A run report's figures drawn in processes of their own while this process writes the report's pages.
 
 The default `harness run --device cuda` spent ~4 s rendering its report after the run, half of it drawing figures
 (matplotlib; py-spy on an H200 box, BENCHMARKS.md session 31). `FigureWorkers.start()` starts Python processes
 before the run, so their imports (matplotlib, pandas: seconds) are paid while the run goes; `render_run_report` then
 hands them the run's figures (`reports.run_figures.run_figure_calls`, one figure a request, dealt round the workers)
-and then a share of the scenario pages each (one request a worker, which reads the run itself: the pages were ~1.5 s
-of a warm default CUDA run's report, its longest part, on an H200 box in session 51), and writes the index and its
-own share meanwhile. One worker for every MIN_CORES cores, at most MAX_WORKERS: on a 2-core CPU the replay
+and writes the pages meanwhile. One worker for every MIN_CORES cores, at most MAX_WORKERS: on a 2-core CPU the replay
 already runs on both, and a worker's imports would take from it. A worker that fails, or whose process dies, costs
-only time: its figures and pages are then drawn and written in this process instead, the same files.
+only time: its figures are then drawn in this process instead, the same figures.
 
 The worker is a plain `python -c` child fed pickled requests on its stdin, not a multiprocessing pool: a spawned
 pool's child imports the parent's `__main__` again, which re-runs a user's script that calls `harness.cli.main`
@@ -35,8 +32,6 @@ MAX_WORKERS = 4
 # machine's font cache too); one still silent after this is killed and the figures are drawn inline, never twice
 ANSWER_TIMEOUT_S = 120.0
 # the worker: the parent's import roots first, then the plots imported before the first request is read
-# a request for a share of the report's scenario pages (`report.write_scenario_pages`) instead of a figure
-PAGES_REQUEST = "scenario_pages"
 SERVE = "import sys; sys.path[:0] = {roots!r}; from harness.runs.figure_worker import serve; serve()"
 
 
@@ -66,18 +61,10 @@ class FigureWorker:
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=_read_answers, args=(self.process.stdout, self.answers), daemon=True).start()
 
-    @property
-    def workers(self) -> list[FigureWorker]:
-        return [self]
-
     def draw(self, name: str, args: tuple) -> Pending | None:
         """`reports.plots.draw_figure(name, args)` in the worker; None where its process has ended. The request is
         written from a thread (a worker still importing would otherwise hold this process at a full pipe), after
         the requests before it. Answers come in the requests' order: read them in that order."""
-        return self.hand(name, args)
-
-    def hand(self, name: str, args: tuple) -> Pending | None:
-        """A request: a figure's (`draw`), or PAGES_REQUEST's (`report.write_scenario_pages(*args)`)."""
         if self.process.poll() is not None:
             return None
         request = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -196,7 +183,6 @@ def serve() -> None:
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the answers' own pipe: a library's print to stdout
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # goes where stderr goes, not into a pickle
     from reports import plots  # the point of starting early: paid before the first request
-    from harness.runs import report  # the pages' (pandas, jinja2): also paid while the run goes
 
     requests = sys.stdin.buffer
     while True:
@@ -205,8 +191,7 @@ def serve() -> None:
         except EOFError:
             return
         try:
-            answer = ("ok", report.write_scenario_pages(*args) if name == PAGES_REQUEST
-                      else plots.draw_figure(name, args))
+            answer = ("ok", plots.draw_figure(name, args))
         except Exception as error:  # noqa: BLE001 - said to the parent, which draws inline instead
             answer = ("error", f"{type(error).__name__}: {error}")
         pickle.dump(answer, answers, protocol=pickle.HIGHEST_PROTOCOL)

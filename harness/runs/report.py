@@ -20,7 +20,6 @@ from pathlib import Path
 import pandas as pd
 
 from harness.records import METRIC_DIRECTIONS
-from harness.runs import figure_worker as workers
 from harness.runs.read import RunView, read_run
 from harness.runs.report_views import (
     STATE,
@@ -689,20 +688,19 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
     by_length = length_strata_view(run)
     length_call = ("kl_by_generation_position", (by_length["generation"], out, paths, by_length["by_path"]))
     pending = [_hand(figure_worker, call) for call in [*calls, length_call]]  # drawn while the pages are written
+    attention_figures = _attention_figures(run, out)
     by_scenario: dict[tuple, list[dict]] = {}
     for row in rows:
         by_scenario.setdefault((row["model"], row["scenario"]), []).append(row)
-    shares = _hand_pages(figure_worker, run.run_dir, out, list(by_scenario.items()), metrics, paths)
-    attention_figures = _attention_figures(run, out)
-    for (model, scenario), scenario_rows in shares[-1][1]:  # this process's share
-        _write_scenario_page(env, out, run, model, scenario, scenario_rows, metrics, paths)
+    for (model, scenario), scenario_rows in by_scenario.items():
+        write_page(env, out, scenario_page_name(model, scenario), "scenario.html", run=run, model=model,
+                   scenario=scenario, rows=scenario_rows, metrics=metrics,
+                   turns=scenario_turns(run, model, scenario, paths),
+                   errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
     own, shared = headline(rows)
     whole = run.view.path_verdicts if run.verdicts else []
     strata = strata_view(run)
     *figures, length_figure = _figures(pending, [*calls, length_call])
-    for handed, share in shares[:-1]:  # the workers' shares: written here where a worker did not write its own
-        workers.drawn(handed, lambda share=share: [_write_scenario_page(env, out, run, *key, scenario_rows, metrics, paths)
-                                           for key, scenario_rows in share])
     figures = [f for f in figures if f is not None] + attention_figures
     length_figures = [length_figure] if length_figure is not None else []
     return write_page(env, out, "index.html", "run_index.html", run=run, rows=rows, failures=own, shared=shared,
@@ -713,36 +711,6 @@ def render_run_report(run_dir: Path | str, out_dir: Path | str | None = None, fi
                       verdict_groups=verdict_turns(list(run.verdicts), scenario_page_name),
                       kv=kv_rows(run.records, run.manifest.get("scales") or {}, format_value),
                       detection=run.view.detection)  # written by `harness zoo`
-
-
-def _write_scenario_page(env, out: Path, run: StoredRun, model: str, scenario: str, rows: list[dict],
-                         metrics: list[str], paths: list[str]) -> Path:
-    return write_page(env, out, scenario_page_name(model, scenario), "scenario.html", run=run, model=model,
-                      scenario=scenario, rows=rows, metrics=metrics, turns=scenario_turns(run, model, scenario, paths),
-                      errors=[e for e in run.errors if (e.get("model"), e.get("scenario")) == (model, scenario)])
-
-
-def write_scenario_pages(run_dir: Path | str, out: Path | str, share: list[tuple[tuple[str, str], list[dict]]],
-                         metrics: list[str], paths: list[str]) -> list[str]:
-    """A report worker's share of the scenario pages (`_hand_pages`): the run read here, each page written as
-    `render_run_report` writes it; returns the pages' names."""
-    run, env = load_run(run_dir), environment()
-    return [_write_scenario_page(env, Path(out), run, model, scenario, rows, metrics, paths).name
-            for (model, scenario), rows in share]
-
-
-def _hand_pages(figure_worker, run_dir: Path, out: Path, pages: list, metrics: list[str],
-                paths: list[str]) -> list[tuple]:
-    """The scenario pages dealt round the report's workers and this process, one request a worker (each reads the
-    run itself): [(pending answer, share)] for the workers, then (None, this process's share) last. Where there
-    are no workers (or the stand-in has none), every page is this process's."""
-    pool = list(getattr(figure_worker, "workers", None) or [])
-    if not pool or len(pages) < 2:
-        return [(None, pages)]
-    count = min(len(pool), len(pages) - 1) + 1
-    shares = [pages[i::count] for i in range(count)]
-    return [(worker.hand(workers.PAGES_REQUEST, (str(run_dir), str(out), share, metrics, paths)), share)
-            for worker, share in zip(pool, shares[:-1])] + [(None, shares[-1])]
 
 
 def _attention_figures(run: StoredRun, out: Path) -> list[dict]:
@@ -763,7 +731,9 @@ def _hand(figure_worker, call: tuple[str, tuple]):
 def _figures(pending: list, calls: list[tuple[str, tuple]]) -> list[dict | None]:
     """Each call's figure: what its worker drew, in the calls' order (a worker answers in its requests' order), or
     drawn here where no worker drew it."""
-    return [workers.drawn(handed, lambda call=call: _draw_here(call)) for handed, call in zip(pending, calls)]
+    from harness.runs.figure_worker import drawn
+
+    return [drawn(handed, lambda call=call: _draw_here(call)) for handed, call in zip(pending, calls)]
 
 
 def _draw_here(call: tuple[str, tuple]) -> dict | None:
