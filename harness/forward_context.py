@@ -45,6 +45,10 @@ class ForwardContext:
     # (`CausalPrefix`: `BatchedEngine._prefill_static`); an attention call handed that very mask may compute it as
     # a lower-right causal bias instead of reading it
     causal_prefix: object = None
+    # a pass the implementation check does not sample (impl_check.py): a static prefill's middle chunk of a batch
+    # whose middle chunks one GPU replays as a CUDA graph (a replay runs no Python), however this one runs
+    # (`BatchedEngine._prefill_static`), so that a layer-sharded run samples the chunks one GPU's run samples
+    unprobed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

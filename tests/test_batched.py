@@ -207,6 +207,51 @@ def test_a_refused_chunk_recording_prefills_those_chunks_eagerly_and_names_it_on
     assert [why.split(":")[0] for why in engine.decode_fallbacks] == ["CUDA graph capture failed, prefilled eagerly"]
 
 
+@pytest.mark.parametrize("layout", ["layer-sharded", "refused recording"])
+def test_a_replayable_prefills_middle_chunks_go_unprobed_however_they_run_on_the_cpu(cpu_models, monkeypatch,
+                                                                                     layout):
+    """One GPU replays a plain path's middle prefill chunks as a CUDA graph, which runs no Python: the implementation
+    check samples the batch's first and last chunks. Where the middle ones run eagerly instead (a model's layers over
+    several GPUs, or a refused recording), they go unprobed too, so a layer-sharded run stores one GPU's sample
+    (before, tests/test_multi_gpu.py's one-GPU stand-in read another attn_impl_err_ratio of bf16:chunked_prefill on
+    an H200, 3 runs of 3). Here every chunk runs eagerly; the probe sees the first and last prefill passes only."""
+    import harness.replay.batched as batched
+    from harness.kv_paths import impl_check
+
+    model = cpu_models["gqa"]
+    backend = model.backend(parse_path("bf16:chunked_prefill"))
+    prompts = _long_prompts(model)
+    if layout == "refused recording":
+        _chunk_replays_on_the_cpu(monkeypatch, refused=True)
+    else:  # what a layer-sharded model's engine is handed: replayable chunks that it runs eagerly
+        real_prefill = batched.BatchedEngine._prefill_static
+        monkeypatch.setattr(batched.BatchedEngine, "_chunks_replayable",
+                            lambda self, rows, width, length: -(-length // width) - 2 >= batched.CHUNK_GRAPH_MIN)
+        monkeypatch.setattr(batched.BatchedEngine, "_chunk_graph", lambda self, rows, width, length: False)
+        monkeypatch.setattr(batched.BatchedEngine, "_prefill_static",
+                            lambda self, *args, **kwargs: real_prefill(self, *args[:8], graph=True))
+    monkeypatch.delenv("HARNESS_IMPL_CHECK", raising=False)
+    passes, probed = [], set()  # each forward pass's query columns; the prefill passes the probe measured
+    real_forward, real_observe = batched.BatchedEngine._forward, impl_check.ImplProbe.observe
+
+    def forward(self, ids, *args, **kwargs):
+        passes.append(ids.shape[1])
+        return real_forward(self, ids, *args, **kwargs)
+
+    def observe(self, module, query, *args):
+        if query.shape[2] > 1:
+            probed.add(len(passes))
+        return real_observe(self, module, query, *args)
+
+    monkeypatch.setattr(batched.BatchedEngine, "_forward", forward)
+    monkeypatch.setattr(impl_check.ImplProbe, "observe", observe)
+    engine = BatchedEngine(backend, BatchSettings(decode="static"))
+    engine.generate(prompts, 4)
+    chunks = passes.index(1) if 1 in passes else len(passes)  # the prefill's passes come before the first step
+    assert chunks - 2 >= batched.CHUNK_GRAPH_MIN and all(width > 1 for width in passes[:chunks])
+    assert probed == {1, chunks}, (sorted(probed), chunks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_static_prefill_chunk_buffers_carry_each_layer_types_window_on_the_cpu(windowed_models, monkeypatch, family):

@@ -952,7 +952,7 @@ def register() -> None:
         # the implementation check (harness/kv_paths/impl_check.py): its exact attention has no sinks or soft-capping:
         # such calls (gpt-oss, Gemma 2) are not probed (they read ~440x SDPA's error on every path of a tiny gpt-oss,
         # bf16 included: the check's definition, not the path)
-        if probe is not None and not _beyond_sdpa(kwargs) and not additive:
+        if probe is not None and not _beyond_sdpa(kwargs) and not additive and not forward_context_now().unprobed:
             probe.observe(module, model_query, key, value, attention_mask, scaling, output)
         observer: Callable | None = forward_context_now().observe
         if observer is not None and getattr(module, "layer_idx", None) is not None:

@@ -474,6 +474,7 @@ class BatchedEngine:
         chunks = -(-length // width)
         graphed = StaticPrefillChunk(self, cache, step, static, rows, width, kinds) \
             if graph and self._chunk_graph(rows, width, length) else None
+        replayable = graphed is not None or (graph and self._chunks_replayable(rows, width, length))
         logits = None
         for index, begin in enumerate(range(0, length, width)):
             end = min(length, begin + width)
@@ -481,7 +482,8 @@ class BatchedEngine:
             attend = static_attend(seen, keys, queries)
             windowed = window_masks(self.model.config, attend, keys, queries, positions[:, begin:end], kinds)
             static.length = end
-            if graphed is not None and 0 < index < chunks - 1:  # the first and last chunks run eagerly
+            middle = 0 < index < chunks - 1
+            if graphed is not None and middle:  # the first and last chunks run eagerly
                 logits = graphed.run(ids[:, begin:end], positions[:, begin:end], queries, mask[:, begin:end], attend,
                                      windowed)
                 if logits is not None:  # None: recording failed, the chunk runs eagerly below
@@ -494,7 +496,9 @@ class BatchedEngine:
             static.attended = end if prefix and end < static.max_len else None
             causal = self._causal_prefix(attend, step.starts, end - begin) if prefix else None
             try:
-                with forward_context(causal_prefix=causal):
+                # a middle chunk of a replayable batch is not sampled by the implementation check, however it runs
+                # (over several GPUs, or after a failed recording): one GPU's replays of it run no Python
+                with forward_context(causal_prefix=causal, unprobed=replayable and middle):
                     logits = self._forward(ids[:, begin:end], static_mask(self.model.config, attend,
                                                                            mask[:, begin:end], windowed),
                                            positions[:, begin:end], cache, step, checks_beside_pass=True)
@@ -514,15 +518,21 @@ class BatchedEngine:
         return CausalPrefix(attend, starts)
 
     def _chunk_graph(self, rows: int, width: int, length: int) -> bool:
-        """Whether a static prefill replays its middle chunks as a CUDA graph: at least CHUNK_GRAPH_MIN of them, of
-        at most CHUNK_GRAPH_TOKENS tokens each, on one GPU (not layer-sharded), over a cache nothing quantises and no
-        fault or plug-in touches (an unquantised path's pass keeps no state on the host; a quantised one's write and
-        prompt-end checks run beside its passes, eagerly; a raw or own-format prefill reads the pass's columns on the
-        host, `StaticColumns.with_raw`)."""
+        """Whether a static prefill replays its middle chunks as a CUDA graph: a replayable batch
+        (`_chunks_replayable`) on one GPU (not layer-sharded: there they run eagerly)."""
+        return self._chunks_replayable(rows, width, length) and not self.layer_sharded
+
+    def _chunks_replayable(self, rows: int, width: int, length: int) -> bool:
+        """Whether a static prefill's middle chunks are what one GPU replays as a CUDA graph: at least
+        CHUNK_GRAPH_MIN of them, of at most CHUNK_GRAPH_TOKENS tokens each, on CUDA, over a cache nothing quantises
+        and no fault or plug-in touches (an unquantised path's pass keeps no state on the host; a quantised one's
+        write and prompt-end checks run beside its passes, eagerly; a raw or own-format prefill reads the pass's
+        columns on the host, `StaticColumns.with_raw`). The implementation check samples such a batch's first and
+        last chunks only, on one GPU or several."""
         kv_path = self.backend.kv_path
         plain = kv_path is None or not (kv_path.is_quantized or kv_path.fault or kv_path.kernel or kv_path.prefill_fmt
                                         or kv_path.k_scale_on_scores or kv_path.quantizes_attention)
-        return (plain and self.device.type == "cuda" and not self.layer_sharded and rows * width <= CHUNK_GRAPH_TOKENS
+        return (plain and self.device.type == "cuda" and rows * width <= CHUNK_GRAPH_TOKENS
                 and -(-length // width) - 2 >= CHUNK_GRAPH_MIN)
 
     def _prefill(self, ids, mask, positions, cache, step: StepState, check_last: bool = False) -> torch.Tensor:
@@ -559,7 +569,8 @@ class BatchedEngine:
     def _attach_probe(self, cache, step: StepState, rows: int):
         """The implementation check (impl_check.py) over every row of a path's generation (None: the reference, or
         HARNESS_IMPL_CHECK=0). It sees each real query row of a prefill chunk and of every probed eager decode
-        step; a decode step replayed as a CUDA graph runs no Python, so graph decode probes its eager steps only."""
+        step; a decode step replayed as a CUDA graph runs no Python, so graph decode probes its eager steps only, and
+        a static prefill whose middle chunks one GPU replays probes its first and last (`_chunks_replayable`)."""
         if self.backend.kv_path is None or not impl_check.enabled():
             return None
         return impl_check.attach(cache, step=step, rows=rows)
@@ -924,8 +935,9 @@ class StaticPrefillChunk(GraphedPass):
     of 21 rows for the canaries' longest prompt), each bound by the host's launches; a replay launches the pass at
     once. The batch's first chunk runs eagerly (lazy initialisation: a hybrid's states start there) and so does its
     last (the prompt-end kernel check, the logits the decode goes on from). A replay runs no Python: the
-    implementation check (impl_check.py) probes the eager chunks, as graph decode probes its eager steps. Where
-    recording fails, the chunks run eagerly, and the run names why."""
+    implementation check (impl_check.py) probes the first and last chunks, as graph decode probes its eager steps,
+    and leaves the middle ones unprobed however they run (eagerly over several GPUs, or after a failed recording, so
+    the sample does not hang on the layout). Where recording fails, the chunks run eagerly, and the run names why."""
 
     instead = "prefilled eagerly"
 
